@@ -1,0 +1,1 @@
+"""Benchmarks behind `tsukimi bench ...` and the baselines they compare against."""

@@ -1,0 +1,127 @@
+"""Worker processes of `tsukimi bench transfer`, driven by line-delimited JSON on stdin/stdout.
+
+Roles (`python -m tsukimi.bench.peer ROLE`):
+  target      a Transfer Engine owning a shared-memory buffer; prints {"name", "base"}.
+  initiator   Transfer Engines (one per connection count) that run `measure` commands.
+  sink        a raw-socket baseline: accepts one connection and recv_into()s a 4 MiB buffer.
+  source      the other end of the baseline: sendall()s 4 MiB blocks for a duration.
+Every process exits when its stdin closes.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from tsukimi.bench.workers import child_reply as _reply
+from tsukimi.config import Config, TransferConfig
+from tsukimi.transfer import OpCode, TransferEngine, TransferRequest
+
+BASELINE_BLOCK = 4 << 20
+
+
+def _commands() -> Any:
+    for line in sys.stdin:
+        if line.strip():
+            yield json.loads(line)
+
+
+def run_target(size: int) -> None:
+    with TransferEngine(config=Config(transfer=TransferConfig(num_connections=1))) as engine:
+        buf = engine.allocate(size)
+        np.frombuffer(buf.view, np.uint8)[:] = 7
+        _reply({"name": engine.name, "base": buf.base})
+        for _ in _commands():
+            pass
+
+
+def measure(engine: TransferEngine, cmd: dict[str, Any], local: np.ndarray) -> float:
+    """Run whole batches for cmd["duration_s"] after cmd["warmup_s"]; GB/s (1e9 B/s)."""
+    handle = engine.open_segment(cmd["name"], transport=cmd["transport"])
+    op = OpCode(cmd["op"])
+    block, batch = cmd["block_bytes"], cmd["batch"]
+    requests = [
+        TransferRequest(op, handle, cmd["base"] + i * block, local[i * block : (i + 1) * block]) for i in range(batch)
+    ]
+    moved, start, warm_until = 0, time.perf_counter(), time.perf_counter() + cmd["warmup_s"]
+    measuring = False
+    while True:
+        now = time.perf_counter()
+        if not measuring and now >= warm_until:
+            measuring, moved, start = True, 0, now
+        if measuring and now - start >= cmd["duration_s"]:
+            return moved / (now - start) / 1e9
+        batch_id = engine.allocate_batch(batch)
+        engine.submit(batch_id, requests)
+        status = engine.wait(batch_id)
+        engine.free_batch(batch_id)
+        bad = [r for r in status.requests if r.state.value != "completed"]
+        if bad:
+            raise RuntimeError(f"transfer failed: {bad[0]}")
+        moved += block * batch
+
+
+def run_initiator(size: int) -> None:
+    engines: dict[tuple[int, int], TransferEngine] = {}
+    local = np.full(size, 3, np.uint8)
+    _reply({})
+    try:
+        for cmd in _commands():
+            key = (cmd["connections"], cmd.get("slice_bytes", TransferConfig.slice_bytes))
+            if key not in engines:
+                cfg = TransferConfig(num_connections=key[0], slice_bytes=key[1])
+                engines[key] = TransferEngine(config=Config(transfer=cfg))
+            try:
+                _reply({"gbps": measure(engines[key], cmd, local)})
+            except Exception as exc:  # report to the driver, which raises it there
+                _reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def run_sink() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        _reply({"port": server.getsockname()[1]})
+        conn, _ = server.accept()
+        buf = memoryview(bytearray(BASELINE_BLOCK))
+        total, start = 0, None
+        while (got := conn.recv_into(buf)) > 0:
+            if start is None:
+                start = time.perf_counter()
+            total += got
+        seconds = time.perf_counter() - (start or time.perf_counter())
+        _reply({"gbps": total / seconds / 1e9 if seconds > 0 else 0.0})
+
+
+def run_source(port: int, duration_s: float) -> None:
+    data = memoryview(bytearray(BASELINE_BLOCK))
+    _reply({})
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        end = time.perf_counter() + duration_s
+        while time.perf_counter() < end:
+            conn.sendall(data)
+    _reply({"done": True})
+
+
+def main(argv: list[str]) -> None:
+    role = argv[0]
+    if role == "target":
+        run_target(int(argv[1]))
+    elif role == "initiator":
+        run_initiator(int(argv[1]))
+    elif role == "sink":
+        run_sink()
+    elif role == "source":
+        run_source(int(argv[1]), float(argv[2]))
+    else:
+        raise SystemExit(f"unknown role {role}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

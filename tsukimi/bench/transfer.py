@@ -1,0 +1,262 @@
+"""`tsukimi bench transfer`: Transfer Engine throughput between two processes on loopback.
+
+For each cell (transport, op, block size, batch, connections) the initiator process runs
+whole batches against the target process for a duration after a warm-up. In the same run it
+measures the raw limits (a plain socket stream of 4 MiB sendall / recv_into between two
+processes; numpy memcpy) and, with --compare-mooncake, the real Mooncake TE (TCP, P2P
+handshake) on the same cells, alternating with tsukimi. Each figure is the median of
+--repeats rounds. Throughput is in GB/s (1e9 bytes per second).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from rich.table import Table
+
+from tsukimi.bench.mooncake_te import MooncakePair, mooncake_available
+from tsukimi.bench.workers import JsonWorker
+from tsukimi.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+KIB, MIB = 1 << 10, 1 << 20
+_CALL_MARGIN_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class TransferBenchConfig:
+    transports: tuple[str, ...] = ("tcp", "shm")
+    ops: tuple[str, ...] = ("write", "read")
+    block_bytes: tuple[int, ...] = (64 * KIB, MIB, 4 * MIB, 16 * MIB)
+    batch: int = 4
+    connections: tuple[int, ...] = (1, 4)
+    duration_s: float = 2.0
+    warmup_s: float = 0.5
+    repeats: int = 3
+    compare_mooncake: bool = False
+
+    def __post_init__(self) -> None:
+        for t in self.transports:
+            if t not in ("tcp", "shm"):
+                raise ConfigError(f"transport must be tcp or shm, got {t!r}")
+        for op in self.ops:
+            if op not in ("read", "write"):
+                raise ConfigError(f"op must be read or write, got {op!r}")
+        if not self.block_bytes or min(self.block_bytes) < 4 * KIB or max(self.block_bytes) > 256 * MIB:
+            raise ConfigError("block sizes must be within 4 KiB..256 MiB")
+        if not 1 <= self.batch <= 256 or any(not 1 <= c <= 64 for c in self.connections):
+            raise ConfigError("batch must be in 1..256 and connections in 1..64")
+        if self.duration_s <= 0 or self.warmup_s < 0 or self.repeats < 1:
+            raise ConfigError("duration must be > 0, warm-up >= 0, repeats >= 1")
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.batch * max(self.block_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    transport: str
+    op: str
+    block_bytes: int
+    batch: int
+    connections: int
+
+
+@dataclass(slots=True)
+class TransferBenchResult:
+    config: TransferBenchConfig
+    results: list[dict[str, object]] = field(default_factory=list)
+    mooncake: list[dict[str, object]] | None = None
+    socket_gbps: float = 0.0
+    memcpy_gbps: float = 0.0
+
+
+def cells(cfg: TransferBenchConfig) -> list[Cell]:
+    out = []
+    for transport in cfg.transports:
+        conns = cfg.connections if transport == "tcp" else (1,)
+        for op in cfg.ops:
+            for block in cfg.block_bytes:
+                out.extend(Cell(transport, op, block, cfg.batch, c) for c in conns)
+    return out
+
+
+def memcpy_gbps(nbytes: int = 256 * MIB, seconds: float = 1.0) -> float:
+    """numpy copy bandwidth between two large arrays (bytes copied per second)."""
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    np.copyto(dst, src)  # fault the pages in
+    samples = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(samples) < 3:
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        samples.append(nbytes / (time.perf_counter() - start) / 1e9)
+    return statistics.median(samples)
+
+
+def socket_gbps(seconds: float) -> float:
+    """A plain Python socket stream between two processes: 4 MiB sendall -> recv_into."""
+    sink = JsonWorker("socket sink", ["tsukimi.bench.peer", "sink"])
+    try:
+        source = JsonWorker("socket source", ["tsukimi.bench.peer", "source", str(sink.ready["port"]), str(seconds)])
+        try:
+            source.read_reply(seconds + _CALL_MARGIN_S)
+        finally:
+            source.stop()
+        return float(sink.read_reply(_CALL_MARGIN_S)["gbps"])
+    finally:
+        sink.stop()
+
+
+class TsukimiPair:
+    """A target and an initiator process running tsukimi Transfer Engines."""
+
+    def __init__(self, buffer_bytes: int) -> None:
+        self.target = JsonWorker("tsukimi target", ["tsukimi.bench.peer", "target", str(buffer_bytes)])
+        try:
+            self.initiator = JsonWorker("tsukimi initiator", ["tsukimi.bench.peer", "initiator", str(buffer_bytes)])
+        except BaseException:
+            self.target.stop()
+            raise
+
+    def measure(self, cell: Cell, duration_s: float, warmup_s: float) -> float:
+        reply = self.initiator.call(
+            duration_s + warmup_s + _CALL_MARGIN_S,
+            name=self.target.ready["name"],
+            base=self.target.ready["base"],
+            transport=cell.transport,
+            op=cell.op,
+            block_bytes=cell.block_bytes,
+            batch=cell.batch,
+            connections=cell.connections,
+            duration_s=duration_s,
+            warmup_s=warmup_s,
+        )
+        return float(reply["gbps"])
+
+    def close(self) -> None:
+        self.initiator.stop()
+        self.target.stop()
+
+
+def run(cfg: TransferBenchConfig, progress: Callable[[str], None] = lambda _: None) -> TransferBenchResult:
+    """Measure every cell `cfg.repeats` times (tsukimi and Mooncake alternating); medians."""
+    result = TransferBenchResult(cfg)
+    progress("baselines: memcpy")
+    result.memcpy_gbps = memcpy_gbps()
+    grid = cells(cfg)
+    ours: dict[Cell, list[float]] = {c: [] for c in grid}
+    theirs: dict[Cell, list[float]] = {}
+    sockets: list[float] = []
+    mooncake_cells = [c for c in grid if c.transport == "tcp" and c.connections == cfg.connections[0]]
+    use_mooncake = cfg.compare_mooncake and mooncake_available()
+    if cfg.compare_mooncake and not use_mooncake:
+        logger.warning("--compare-mooncake: mooncake-transfer-engine-non-cuda is not importable; skipped")
+    pair = TsukimiPair(cfg.buffer_bytes)
+    mooncake = MooncakePair(cfg.buffer_bytes) if use_mooncake else None
+    try:
+        for round_no in range(cfg.repeats):
+            progress(f"round {round_no + 1}/{cfg.repeats}: socket baseline")
+            sockets.append(socket_gbps(cfg.duration_s))
+            for cell in grid:
+                progress(f"round {round_no + 1}/{cfg.repeats}: tsukimi {_label(cell)}")
+                ours[cell].append(pair.measure(cell, cfg.duration_s, cfg.warmup_s))
+                if mooncake is not None and cell in mooncake_cells:
+                    progress(f"round {round_no + 1}/{cfg.repeats}: mooncake {_label(cell)}")
+                    op = "read" if cell.op == "read" else "write"
+                    gbps = mooncake.measure(op, cell.block_bytes, cell.batch, cfg.duration_s, cfg.warmup_s)
+                    theirs.setdefault(cell, []).append(gbps)
+    finally:
+        pair.close()
+        if mooncake is not None:
+            mooncake.close()
+    result.socket_gbps = statistics.median(sockets)
+    result.results = [_row(c, statistics.median(v)) for c, v in ours.items()]
+    if use_mooncake:
+        result.mooncake = [_row(c, statistics.median(v), "mooncake-tcp") for c, v in theirs.items()]
+    return result
+
+
+def _row(cell: Cell, gbps: float, transport: str | None = None) -> dict[str, object]:
+    row: dict[str, object] = asdict(cell)
+    if transport:
+        row["transport"] = transport
+        row["connections"] = 1
+    row["gbps"] = round(gbps, 4)
+    return row
+
+
+def _label(cell: Cell) -> str:
+    conns = f" x{cell.connections}" if cell.transport == "tcp" else ""
+    return f"{cell.transport}{conns} {cell.op} {cell.block_bytes // KIB} KiB batch {cell.batch}"
+
+
+def git_rev() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def ratios(result: TransferBenchResult) -> list[dict[str, object]]:
+    """Each tsukimi figure against its baseline: socket (tcp), memcpy (shm), Mooncake (tcp)."""
+    theirs = {(r["op"], r["block_bytes"], r["batch"]): r["gbps"] for r in result.mooncake or []}
+    out = []
+    for row in result.results:
+        gbps = float(str(row["gbps"]))
+        base = result.socket_gbps if row["transport"] == "tcp" else result.memcpy_gbps
+        entry: dict[str, object] = {**row, "vs_baseline": round(gbps / base, 3) if base else None}
+        mc = theirs.get((row["op"], row["block_bytes"], row["batch"]))
+        if row["transport"] == "tcp" and mc:
+            entry["vs_mooncake"] = round(gbps / float(str(mc)), 3)
+        out.append(entry)
+    return out
+
+
+def to_json(result: TransferBenchResult) -> dict[str, object]:
+    return {
+        "results": result.results,
+        "baselines": {"socket_gbps": round(result.socket_gbps, 4), "memcpy_gbps": round(result.memcpy_gbps, 4)},
+        "mooncake": result.mooncake,
+        "ratios": ratios(result),
+        "git_rev": git_rev(),
+        "config": {**asdict(result.config), "unit": "GB/s (1e9 bytes/s)"},
+    }
+
+
+def render_table(result: TransferBenchResult) -> Table:
+    table = Table(title="tsukimi bench transfer (GB/s = 1e9 bytes/s, medians)")
+    for name in ("transport", "op", "block", "batch", "conns", "GB/s", "x baseline", "x mooncake"):
+        table.add_column(name, justify="right" if name not in ("transport", "op") else "left")
+    for row in ratios(result):
+        block = int(str(row["block_bytes"]))
+        table.add_row(
+            str(row["transport"]),
+            str(row["op"]),
+            f"{block // MIB} MiB" if block >= MIB else f"{block // KIB} KiB",
+            str(row["batch"]),
+            str(row["connections"]),
+            f"{float(str(row['gbps'])):.2f}",
+            f"{row['vs_baseline']:.2f}" if row["vs_baseline"] is not None else "-",
+            f"{row['vs_mooncake']:.2f}" if "vs_mooncake" in row else "-",
+        )
+    table.caption = (
+        f"baselines: socket stream {result.socket_gbps:.2f} GB/s (tcp rows), "
+        f"memcpy {result.memcpy_gbps:.2f} GB/s (shm rows)"
+        + (
+            "; mooncake: "
+            + ", ".join(f"{r['op']} {int(str(r['block_bytes'])) // KIB} KiB {r['gbps']}" for r in result.mooncake)
+            if result.mooncake
+            else ""
+        )
+    )
+    return table

@@ -1,0 +1,150 @@
+"""Benchmark worker processes: start a `python -m ...` child, talk line-delimited JSON to it.
+
+The parent writes one JSON command per line on the child's stdin and reads one JSON reply
+per line; a reply is `{"ok": true, ...}` or `{"ok": false, "error": "..."}`. Every read has
+a deadline; stderr goes to a temporary file whose tail is quoted in errors; `stop()` closes
+stdin (the child's signal to exit), then kills, each wait bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import selectors
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import IO, Any, cast
+
+from tsukimi.clock import WallClock
+
+logger = logging.getLogger(__name__)
+
+Reply = dict[str, Any]
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+_EXIT_TIMEOUT_S = 2.0
+_KILL_TIMEOUT_S = 5.0
+_STDERR_TAIL_BYTES = 2000
+
+
+class WorkerError(RuntimeError):
+    """A benchmark worker failed, hung or exited; the message quotes its stderr tail."""
+
+
+class JsonWorker:
+    """Parent-side handle on one worker process.
+
+    Args:
+        label: a name for messages.
+        module_args: what follows `python -m`.
+        startup_timeout_s: how long to wait for the child's first (ready) reply.
+        env: extra environment variables.
+    """
+
+    def __init__(
+        self, label: str, module_args: list[str], startup_timeout_s: float = 30.0, env: dict[str, str] | None = None
+    ) -> None:
+        self.label = label
+        self._clock = WallClock()
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        full_env = {**os.environ, **(env or {})}
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), full_env.get("PYTHONPATH")) if p)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", *module_args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=full_env,
+            bufsize=0,
+        )
+        assert self._proc.stdout is not None and self._proc.stdin is not None
+        self._stdin: IO[bytes] = self._proc.stdin
+        self._stdout_fd = self._proc.stdout.fileno()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._stdout_fd, selectors.EVENT_READ)
+        self._pending = bytearray()
+        try:
+            self.ready = self.read_reply(startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def call(self, timeout_s: float, **cmd: object) -> Reply:
+        """Send one command and wait at most `timeout_s` for its reply. Raises WorkerError."""
+        try:
+            self._stdin.write(json.dumps(cmd).encode() + b"\n")
+            self._stdin.flush()
+        except OSError as exc:
+            raise WorkerError(self._describe(f"cannot send {cmd.get('cmd')!r}")) from exc
+        return self.read_reply(timeout_s)
+
+    def read_reply(self, timeout_s: float) -> Reply:
+        """The next reply line. Raises WorkerError on timeout, exit or `"ok": false`."""
+        deadline = self._clock.now() + timeout_s
+        while b"\n" not in self._pending:
+            remaining = deadline - self._clock.now()
+            if remaining <= 0:
+                raise WorkerError(self._describe(f"no reply within {timeout_s:.1f} s"))
+            if not self._selector.select(remaining):
+                continue
+            chunk = os.read(self._stdout_fd, 65536)
+            if not chunk:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._proc.wait(timeout=_KILL_TIMEOUT_S)
+                raise WorkerError(self._describe(f"exited (rc={self._proc.returncode})"))
+            self._pending += chunk
+        line, _, rest = bytes(self._pending).partition(b"\n")
+        self._pending = bytearray(rest)
+        reply = cast(Reply, json.loads(line))
+        if not reply.get("ok"):
+            raise WorkerError(self._describe(str(reply.get("error"))))
+        return reply
+
+    def _describe(self, what: str) -> str:
+        self._stderr.seek(0, os.SEEK_END)
+        size = self._stderr.tell()
+        self._stderr.seek(max(0, size - _STDERR_TAIL_BYTES))
+        tail = self._stderr.read().decode(errors="replace").strip()
+        return f"{self.label} (pid {self._proc.pid}): {what}\n--- stderr tail ---\n{tail}"
+
+    def stop(self) -> None:
+        """Close stdin (the child exits), then kill; every wait bounded. Idempotent."""
+        with contextlib.suppress(OSError):
+            self._stdin.close()
+        try:
+            self._proc.wait(timeout=_EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            try:
+                self._proc.wait(timeout=_KILL_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s pid %d survived SIGKILL", self.label, self._proc.pid)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(self._stdout_fd)
+        self._selector.close()
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        self._stderr.close()
+
+    def send_signal(self, signum: int) -> None:
+        """Deliver a signal to the child (fault tests: SIGSTOP, SIGCONT, SIGKILL)."""
+        self._proc.send_signal(signum)
+
+    def kill(self) -> None:
+        """SIGKILL the child now (fault tests), then clean up."""
+        self._proc.kill()
+        self.stop()
+
+
+def child_reply(obj: dict[str, Any], out: IO[str] | None = None) -> None:
+    """Child side: write one reply line (adds "ok": true unless given)."""
+    stream = out or sys.stdout
+    stream.write(json.dumps({"ok": True, **obj}) + "\n")
+    stream.flush()

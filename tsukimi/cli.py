@@ -1,0 +1,118 @@
+"""The `tsukimi` command line. Logging is configured here and nowhere else."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from rich.console import Console
+
+from tsukimi.errors import TsukimiError
+
+logger = logging.getLogger(__name__)
+KIB = 1 << 10
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """'64K,1M,4M' -> bytes."""
+    units = {"K": KIB, "M": KIB * KIB, "G": KIB * KIB * KIB}
+    out = []
+    for item in text.split(","):
+        item = item.strip().upper().removesuffix("IB").removesuffix("B")
+        scale = units.get(item[-1:], 1)
+        digits = item[:-1] if item[-1:] in units else item
+        if not digits.isdigit():
+            raise argparse.ArgumentTypeError(f"not a size: {item!r} (use e.g. 64K,1M,4M)")
+        out.append(int(digits) * scale)
+    return tuple(out)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tsukimi", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    meta = sub.add_parser("metadata-server", help="run the embedded HTTP metadata server")
+    meta.add_argument("--host", default="127.0.0.1")
+    meta.add_argument("--port", type=int, default=8080)
+
+    demo = sub.add_parser("demo", help="two processes move data both ways over each transport")
+    demo.add_argument("--seconds", type=float, default=1.0, help="measuring time per cell")
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    tr = bench.add_parser("transfer", help="Transfer Engine throughput between two processes")
+    tr.add_argument("--transport", type=_names, default=("tcp", "shm"), help="tcp,shm")
+    tr.add_argument("--op", type=_names, default=("write", "read"), help="write,read")
+    tr.add_argument("--block-sizes", type=_sizes, default=(64 * KIB, KIB * KIB, 4 * KIB * KIB, 16 * KIB * KIB))
+    tr.add_argument("--batch", type=int, default=4, help="requests per batch")
+    tr.add_argument("--connections", type=_ints, default=(1, 4), help="tcp connections per peer, e.g. 1,4")
+    tr.add_argument("--duration", type=float, default=2.0, help="seconds measured per cell and round")
+    tr.add_argument("--warmup", type=float, default=0.5)
+    tr.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians")
+    tr.add_argument("--compare-mooncake", action="store_true", help="also run the real Mooncake TE (tcp)")
+    tr.add_argument("--quick", action="store_true", help="a small grid for CI smoke runs")
+    tr.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _bench_transfer(args: argparse.Namespace, console: Console) -> None:
+    from tsukimi.bench import transfer
+
+    cfg = transfer.TransferBenchConfig(
+        transports=args.transport,
+        ops=args.op,
+        block_bytes=(64 * KIB, 4 * KIB * KIB) if args.quick else args.block_sizes,
+        batch=args.batch,
+        connections=args.connections,
+        duration_s=0.3 if args.quick else args.duration,
+        warmup_s=0.1 if args.quick else args.warmup,
+        repeats=1 if args.quick else args.repeats,
+        compare_mooncake=args.compare_mooncake,
+    )
+    with console.status("benchmarking") as status:
+        result = transfer.run(cfg, progress=lambda text: status.update(text))
+    if args.json:
+        print(json.dumps(transfer.to_json(result)))
+    else:
+        console.print(transfer.render_table(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    console = Console(stderr=bool(getattr(args, "json", False)))
+    try:
+        if args.command == "metadata-server":
+            from tsukimi.transfer.metadata import http
+
+            http.serve(args.host, args.port)
+        elif args.command == "demo":
+            from tsukimi.bench import demo
+
+            demo.run(console, args.seconds)
+        elif args.command == "bench" and args.bench == "transfer":
+            _bench_transfer(args, console)
+    except TsukimiError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Configuration: one frozen dataclass per subsystem, composed into `Config`.
+
+Values come from defaults, then a TOML file, then `--set section.key=value` overrides.
+Unknown sections and keys are errors, and each dataclass validates itself in
+`__post_init__`, raising `ConfigError` that names the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, get_args, get_origin
+
+from tsukimi.errors import ConfigError
+
+TransportName = Literal["auto", "shm", "tcp"]
+TRANSPORT_NAMES: tuple[str, ...] = get_args(TransportName)
+MIB = 1 << 20
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """Transfer Engine settings.
+
+    transport: "auto" picks shm for shared-memory buffers of a peer on this host and tcp
+        otherwise; "shm" or "tcp" force one (a request the forced transport cannot serve fails).
+    num_connections: parallel TCP connections per peer that large transfers are striped over.
+    slice_bytes: requests larger than this are split into slices of this size.
+    timeout_s: default deadline of a request, from submission to completion.
+    """
+
+    transport: TransportName = "auto"
+    bind_host: str = "127.0.0.1"
+    port: int = 0
+    num_connections: int = 4
+    slice_bytes: int = 2 * MIB
+    max_slice_bytes: int = 64 * MIB
+    pipeline_depth: int = 4
+    timeout_s: float = 30.0
+    connect_timeout_s: float = 3.0
+    max_retries: int = 2
+    num_shm_workers: int = 2
+    max_server_connections: int = 256
+    shm_dir: str = "/dev/shm"
+
+    def __post_init__(self) -> None:
+        _require(
+            self.transport in TRANSPORT_NAMES,
+            f"transfer.transport must be one of {', '.join(TRANSPORT_NAMES)}, got {self.transport!r}",
+        )
+        _require(0 <= self.port <= 65535, f"transfer.port must be in 0..65535, got {self.port}")
+        _require(1 <= self.num_connections <= 64, "transfer.num_connections must be in 1..64")
+        _require(
+            4096 <= self.slice_bytes <= self.max_slice_bytes,
+            f"transfer.slice_bytes must be in 4096..max_slice_bytes ({self.max_slice_bytes})",
+        )
+        _require(self.max_slice_bytes <= 1 << 30, "transfer.max_slice_bytes must be <= 1 GiB")
+        _require(1 <= self.pipeline_depth <= 64, "transfer.pipeline_depth must be in 1..64")
+        _require(self.timeout_s > 0, "transfer.timeout_s must be > 0")
+        _require(self.connect_timeout_s > 0, "transfer.connect_timeout_s must be > 0")
+        _require(0 <= self.max_retries <= 16, "transfer.max_retries must be in 0..16")
+        _require(1 <= self.num_shm_workers <= 64, "transfer.num_shm_workers must be in 1..64")
+        _require(self.max_server_connections >= 1, "transfer.max_server_connections must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class MetadataConfig:
+    """Where segment descriptors are published.
+
+    url: "p2p" (no service: peers exchange descriptors by handshake, segment names are
+        host:port), "memory://NAME" (in-process, tests), "http://host:port/metadata"
+        (`tsukimi metadata-server`), or "etcd://host:port[,host:port...]".
+    """
+
+    url: str = "p2p"
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        ok = self.url == "p2p" or self.url.startswith(("memory://", "http://", "etcd://"))
+        _require(
+            ok,
+            f"metadata.url must be p2p, memory://NAME, http://HOST:PORT/PATH or "
+            f"etcd://HOST:PORT[,...], got {self.url!r}",
+        )
+        _require(self.timeout_s > 0, "metadata.timeout_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Every subsystem's configuration."""
+
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    metadata: MetadataConfig = field(default_factory=MetadataConfig)
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Build a `Config` from defaults, an optional TOML file and `section.key=value` overrides.
+
+    Raises:
+        ConfigError: unreadable file, unknown section or key, wrong type, invalid value.
+    """
+    data: dict[str, typing.Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        _require(bool(sep) and "." in key, f"override must look like section.key=value, got {item!r}")
+        *sections, leaf = key.strip().split(".")
+        node = data
+        for name in sections:
+            node = node.setdefault(name, {})
+            _require(isinstance(node, dict), f"{key}: {name} is not a section")
+        node[leaf] = _parse_scalar(raw.strip())
+    return build_dataclass(Config, data, "")
+
+
+def _parse_scalar(raw: str) -> object:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def build_dataclass(cls: type[typing.Any], data: typing.Mapping[str, typing.Any], where: str) -> typing.Any:
+    """Instantiate dataclass `cls` from a mapping, recursing into nested dataclasses."""
+    _require(isinstance(data, dict), f"{where or 'config'} must be a table")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    _require(not unknown, f"unknown key(s) {unknown} in {where or 'config'}; valid: {sorted(names)}")
+    kwargs = {}
+    for name, value in data.items():
+        kind = hints[name]
+        dotted = f"{where}.{name}" if where else name
+        if dataclasses.is_dataclass(kind):
+            kwargs[name] = build_dataclass(typing.cast(type, kind), value, dotted)
+        else:
+            kwargs[name] = _coerce(kind, value, dotted)
+    return cls(**kwargs)
+
+
+def _coerce(kind: object, value: object, where: str) -> object:
+    if get_origin(kind) is Literal:
+        _require(value in get_args(kind), f"{where} must be one of {get_args(kind)}, got {value!r}")
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind in (int, float, str, bool):
+        ok = isinstance(value, typing.cast(type, kind)) and not (kind is int and isinstance(value, bool))
+        _require(ok, f"{where} must be {typing.cast(type, kind).__name__}, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported config type {kind}")

@@ -1,0 +1,105 @@
+"""The one error hierarchy of the whole package.
+
+Errors are named for whose fault they are (after trio and redis-py): the caller's
+(`ConfigError`, `InvalidBufferError`, `OutOfBounds`), our own code's (`ClosedError`), the
+other side's or the network's (`PeerError`, `BrokenConnectionError`, `RpcTimeout`,
+`ProtocolError`). Expected outcomes such as a cache miss are return values, not errors.
+
+Every error has a stable `code` so that it can cross the wire as (code, message) and be
+raised again as the same class on the other side (`error_from_code`).
+"""
+
+from __future__ import annotations
+
+import builtins
+
+
+class TsukimiError(Exception):
+    """Root of every error raised by tsukimi."""
+
+    code = "tsukimi"
+
+
+class ConfigError(TsukimiError, ValueError):
+    """A configuration value or argument is invalid (the caller's fault)."""
+
+    code = "config"
+
+
+class InvalidBufferError(TsukimiError, TypeError):
+    """A buffer cannot be registered or used (not writable, not contiguous, overlapping)."""
+
+    code = "invalid_buffer"
+
+
+class ClosedError(TsukimiError):
+    """The object was closed by this process and can no longer be used."""
+
+    code = "closed"
+
+
+class PeerError(TsukimiError):
+    """The other side reported a failure or misbehaved."""
+
+    code = "peer"
+
+
+class BrokenConnectionError(PeerError):
+    """The connection to a peer failed; the `OSError` is chained as the cause."""
+
+    code = "broken_connection"
+
+
+class RpcTimeout(TsukimiError, builtins.TimeoutError):
+    """A remote call or transfer did not finish within its deadline."""
+
+    code = "timeout"
+
+
+class ProtocolError(PeerError):
+    """Bytes from the network do not follow the protocol (bad magic, oversized, malformed)."""
+
+    code = "protocol"
+
+
+class SegmentNotFound(TsukimiError, LookupError):
+    """No segment of that name is published in the metadata service or reachable."""
+
+    code = "segment_not_found"
+
+
+class OutOfBounds(TsukimiError, IndexError):
+    """A range falls outside every registered buffer of the target segment."""
+
+    code = "out_of_bounds"
+
+
+class MetadataError(PeerError):
+    """The metadata service failed or answered something unexpected."""
+
+    code = "metadata"
+
+
+class TransferError(TsukimiError):
+    """One or more requests of a synchronous transfer failed; `reasons` says why each."""
+
+    code = "transfer"
+
+    def __init__(self, message: str, reasons: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.reasons = reasons or []
+
+
+def _all_subclasses(cls: type[TsukimiError]) -> list[type[TsukimiError]]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+def error_from_code(code: str, message: str) -> TsukimiError:
+    """Rebuild the error a peer sent as (code, message); unknown codes give `PeerError`."""
+    for cls in _all_subclasses(TsukimiError):
+        if cls.code == code:
+            return cls(message)
+    return PeerError(f"[{code}] {message}")

@@ -1,0 +1,22 @@
+"""The Transfer Engine: one-sided batched READ/WRITE between processes' registered memory.
+
+Transports: shm (same host, direct copy from mapped shared memory) and tcp (a segment
+server per process; slices striped over pooled connections). Segment descriptors are
+published to a metadata backend (memory, http, etcd) or exchanged by handshake (p2p).
+"""
+
+from tsukimi.transfer.batch import OpCode, RequestState, RequestStatus, SegmentHandle, TransferRequest
+from tsukimi.transfer.engine import BatchStatus, TransferEngine
+from tsukimi.transfer.segment import RegisteredBuffer, SegmentDescriptor
+
+__all__ = [
+    "BatchStatus",
+    "OpCode",
+    "RegisteredBuffer",
+    "RequestState",
+    "RequestStatus",
+    "SegmentDescriptor",
+    "SegmentHandle",
+    "TransferEngine",
+    "TransferRequest",
+]

@@ -1,0 +1,363 @@
+"""The Transfer Engine: owns this process's segment and moves bytes to and from peers'.
+
+    engine = TransferEngine(config=cfg)            # binds its segment server, publishes
+    base = engine.register(array)                  # or engine.allocate(n) for shared memory
+    peer = engine.open_segment("other")            # descriptor from metadata or handshake
+    engine.write(peer, remote_offset, data)        # sync; batches and asyncio below
+
+Batches follow Mooncake: allocate_batch -> submit -> status/wait -> free_batch. Each request
+is checked against the peer's descriptor (re-fetched once when the range is unknown), given
+a transport (shm for shared-memory buffers of a same-host peer, else tcp, unless forced),
+cut into slices and handed to that transport's threads; submit never waits on the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tsukimi.clock import Clock, WallClock
+from tsukimi.config import TRANSPORT_NAMES, Config
+from tsukimi.errors import ClosedError, ConfigError, InvalidBufferError, OutOfBounds, TransferError, TsukimiError
+from tsukimi.transfer.batch import Batch, BatchId, OpCode, RequestState, RequestStatus, SegmentHandle, TransferRequest
+from tsukimi.transfer.directory import SegmentDirectory, parse_host_port
+from tsukimi.transfer.metadata import MetadataBackend, connect_metadata
+from tsukimi.transfer.segment import (
+    BufferDescriptor,
+    LocalSegment,
+    RegisteredBuffer,
+    SegmentDescriptor,
+    byte_view,
+    decode_descriptor,
+    encode_descriptor,
+    host_id,
+)
+from tsukimi.transfer.server import SegmentServer
+from tsukimi.transfer.shared_memory import SharedMemoryAllocator
+from tsukimi.transfer.transports import Slice, Transport
+from tsukimi.transfer.transports.shm import ShmTransport
+from tsukimi.transfer.transports.tcp import TcpTransport
+
+logger = logging.getLogger(__name__)
+
+SHM_SLICE_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStatus:
+    batch_id: BatchId
+    done: bool
+    requests: list[RequestStatus]
+
+
+class TransferEngine:
+    """One segment's owner and initiator of transfers. Thread-safe; close() when done."""
+
+    def __init__(
+        self,
+        name: str | None = None,
+        config: Config | None = None,
+        *,
+        metadata: MetadataBackend | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        cfg = config or Config()
+        self.config = cfg.transfer
+        self._clock = clock or WallClock()
+        self._owns_backend = metadata is None
+        backend = metadata if metadata is not None else connect_metadata(cfg.metadata)
+        self._host_id = host_id()
+        self._segment = LocalSegment(name or "")
+        self._server = SegmentServer(
+            self._segment, self.config, self._describe_bytes, self._on_handshake, self._clock
+        )
+        endpoint = self._server.endpoint
+        if backend is None and name is not None and parse_host_port(name) != endpoint:
+            self._server.close()
+            raise ConfigError(f"in p2p mode the segment name is its server's address; drop name={name!r}")
+        self.name = self._segment.name = name or f"{endpoint.host}:{endpoint.port}"
+        self._directory = SegmentDirectory(backend, self._describe_bytes, cfg.metadata.timeout_s)
+        self._shm = SharedMemoryAllocator(self.config.shm_dir)
+        self._transports: dict[str, Transport] = {
+            "shm": ShmTransport(self.config, self._host_id, self._clock),
+            "tcp": TcpTransport(self.config, self._clock),
+        }
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._handles: dict[int, SegmentHandle] = {}
+        self._batches: dict[BatchId, Batch] = {}
+        self._closed = False
+        self._publish()
+        logger.info("transfer engine %s serving on %s:%d", self.name, endpoint.host, endpoint.port)
+
+    # -- the local segment -------------------------------------------------------------
+
+    def register(self, buffer: object) -> int:
+        """Register memory that peers may read and write; returns its base (remote offset).
+
+        Accepts bytearray, mmap, numpy arrays, torch CPU tensors, (address, length).
+        Raises InvalidBufferError (read-only, non-contiguous, overlapping). Mutates; publishes.
+        """
+        view, address = byte_view(buffer, writable=True)
+        buf = self._segment.add(view, address, buffer)
+        self._publish()
+        return buf.base
+
+    def unregister(self, base: int) -> None:
+        """Withdraw the buffer registered at `base`. Raises OutOfBounds if there is none."""
+        buf = self._segment.remove(base)
+        if buf.shm_name:
+            self._shm.release(buf.shm_name)
+        self._publish()
+
+    def allocate(self, nbytes: int) -> RegisteredBuffer:
+        """Shared memory, registered: peers on this host reach it with zero-copy shm.
+
+        Returns the registered buffer: `.view` to fill or read it, `.base` for peers.
+        Free it with `unregister(buffer.base)`.
+        """
+        mapping = self._shm.create(nbytes)
+        address = byte_view(mapping.view)[1]
+        buf = self._segment.add(mapping.view, address, mapping, shm_name=mapping.name)
+        self._publish()
+        return buf
+
+    def describe(self) -> SegmentDescriptor:
+        """This engine's current descriptor (what peers see)."""
+        return SegmentDescriptor(
+            name=self.name,
+            host_id=self._host_id,
+            pid=os.getpid(),
+            version=self._segment.version,
+            endpoints=[self._server.endpoint],
+            buffers=[buf.describe() for buf in self._segment.buffers()],
+        )
+
+    # -- peers and batches -------------------------------------------------------------
+
+    def open_segment(self, name: str, transport: str = "") -> SegmentHandle:
+        """Find a peer's segment; `transport` ("auto", "shm", "tcp") overrides the config.
+
+        Raises SegmentNotFound (unknown or unreachable), ConfigError (bad transport).
+        """
+        self._check_open()
+        chosen = transport or self.config.transport
+        if chosen not in TRANSPORT_NAMES:
+            raise ConfigError(f"transport must be one of {TRANSPORT_NAMES}, got {transport!r}")
+        self._directory.get(name)
+        handle = SegmentHandle(next(self._ids), name, chosen)
+        with self._lock:
+            self._handles[handle.handle_id] = handle
+        return handle
+
+    def allocate_batch(self, capacity: int = 4096) -> BatchId:
+        """A new, empty batch that will hold up to `capacity` requests."""
+        self._check_open()
+        if capacity <= 0:
+            raise ConfigError(f"batch capacity must be positive, got {capacity}")
+        batch = Batch(next(self._ids), capacity)
+        with self._lock:
+            self._batches[batch.batch_id] = batch
+        return batch.batch_id
+
+    def submit(self, batch_id: BatchId, requests: Sequence[TransferRequest], timeout_s: float | None = None) -> None:
+        """Start `requests` in the batch; returns without waiting for the network.
+
+        Every request is validated first, so a caller error (bad buffer, unknown segment,
+        full batch) raises before anything starts. Out-of-range requests do not raise:
+        they end FAILED with an out-of-bounds reason.
+        """
+        batch = self._batch(batch_id)
+        deadline = self._clock.now() + (timeout_s if timeout_s is not None else self.config.timeout_s)
+        plans = [self._plan(req) for req in requests]
+        if len(batch.records) + len(plans) > batch.capacity:
+            raise OutOfBounds(f"batch {batch_id} holds at most {batch.capacity} requests")
+        refreshed: set[str] = set()
+        for handle, op, local, offset in plans:
+            record = batch.add(len(local), deadline)
+            desc = self._directory.get(handle.name)
+            buffer = desc.find(offset, len(local))
+            if buffer is None and handle.name not in refreshed:
+                refreshed.add(handle.name)
+                desc = self._directory.fetch(handle.name)
+                buffer = desc.find(offset, len(local))
+            if buffer is None:
+                record.fail_now(OutOfBounds(f"[{offset:#x}, +{len(local)}) is outside every buffer of {handle.name}"))
+                continue
+            transport = self._choose(handle, desc, buffer)
+            if transport is None:
+                record.fail_now(TransferError(f"transport {handle.transport} cannot reach that buffer of {handle.name}"))
+                continue
+            step = self.config.slice_bytes if transport.name == "tcp" else SHM_SLICE_BYTES
+            pieces = [
+                Slice(record, op, local[i : i + step], offset + i, buffer) for i in range(0, len(local), step)
+            ]
+            record.slices_left = len(pieces)
+            transport.submit(desc, pieces)
+
+    def status(self, batch_id: BatchId) -> BatchStatus:
+        """Per-request states of the batch (does not wait)."""
+        batch = self._batch(batch_id)
+        return BatchStatus(batch_id, batch.done, batch.statuses())
+
+    def wait(self, batch_id: BatchId, timeout_s: float | None = None) -> BatchStatus:
+        """Block until every request of the batch ended, or `timeout_s` passed."""
+        batch = self._batch(batch_id)
+        try:
+            batch.future.result(timeout=timeout_s if timeout_s is not None else self.config.timeout_s * 2)
+        except TimeoutError:
+            pass
+        return self.status(batch_id)
+
+    async def wait_async(self, batch_id: BatchId) -> BatchStatus:
+        """Await the end of every request of the batch (each is bounded by its deadline)."""
+        await asyncio.wrap_future(self._batch(batch_id).future)
+        return self.status(batch_id)
+
+    # -- one-call helpers ----------------------------------------------------------------
+
+    def transfer(self, requests: Sequence[TransferRequest], timeout_s: float | None = None) -> list[RequestStatus]:
+        """Submit `requests` as one batch, wait for all, return their final statuses."""
+        batch_id = self.allocate_batch(max(1, len(requests)))
+        try:
+            self.submit(batch_id, requests, timeout_s)
+            return self.wait(batch_id, None if timeout_s is None else timeout_s * 2).requests
+        finally:
+            self._release(batch_id)
+
+    async def transfer_async(
+        self, requests: Sequence[TransferRequest], timeout_s: float | None = None
+    ) -> list[RequestStatus]:
+        """Like `transfer`, awaitable from asyncio (the wait does not block the loop)."""
+        batch_id = self.allocate_batch(max(1, len(requests)))
+        try:
+            self.submit(batch_id, requests, timeout_s)
+            return (await self.wait_async(batch_id)).requests
+        finally:
+            self._release(batch_id)
+
+    def read(self, segment: SegmentHandle | str, remote_offset: int, into: object) -> None:
+        """Fill `into` from the peer's segment at `remote_offset`; raises on failure."""
+        self.batch_read(segment, [(remote_offset, into)])
+
+    def write(self, segment: SegmentHandle | str, remote_offset: int, data: object) -> None:
+        """Write `data` into the peer's segment at `remote_offset`; raises on failure."""
+        self.batch_write(segment, [(remote_offset, data)])
+
+    def batch_read(self, segment: SegmentHandle | str, items: Sequence[tuple[int, object]]) -> None:
+        """Read each (remote_offset, local buffer) pair in one batch; raises the first failure."""
+        self._raise_first(self.transfer([TransferRequest(OpCode.READ, segment, off, buf) for off, buf in items]))
+
+    def batch_write(self, segment: SegmentHandle | str, items: Sequence[tuple[int, object]]) -> None:
+        """Write each (remote_offset, local buffer) pair in one batch; raises the first failure."""
+        self._raise_first(self.transfer([TransferRequest(OpCode.WRITE, segment, off, buf) for off, buf in items]))
+
+    async def read_async(self, segment: SegmentHandle | str, remote_offset: int, into: object) -> None:
+        self._raise_first(await self.transfer_async([TransferRequest(OpCode.READ, segment, remote_offset, into)]))
+
+    async def write_async(self, segment: SegmentHandle | str, remote_offset: int, data: object) -> None:
+        self._raise_first(await self.transfer_async([TransferRequest(OpCode.WRITE, segment, remote_offset, data)]))
+
+    def free_batch(self, batch_id: BatchId) -> None:
+        """Forget a finished batch. Raises TransferError while requests are pending."""
+        batch = self._batch(batch_id)
+        if not batch.done:
+            raise TransferError(f"batch {batch_id} still has pending requests")
+        with self._lock:
+            self._batches.pop(batch_id, None)
+
+    def close(self) -> None:
+        """Withdraw the segment, stop serving, fail what is pending, free shared memory."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._directory.withdraw(self.name)
+        except TsukimiError as exc:
+            logger.warning("could not withdraw segment %s: %s", self.name, exc)
+        self._server.close()
+        for transport in self._transports.values():
+            transport.close()
+        self._shm.close()
+        if self._owns_backend:
+            self._directory.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _plan(self, req: TransferRequest) -> tuple[SegmentHandle, OpCode, memoryview, int]:
+        if not isinstance(req.op, OpCode):
+            raise ConfigError(f"op must be an OpCode, got {req.op!r}")
+        view, _ = byte_view(req.local, writable=req.op is OpCode.READ)
+        length = len(view) - req.local_offset if req.length is None else req.length
+        if req.local_offset < 0 or length <= 0 or req.local_offset + length > len(view):
+            raise InvalidBufferError(
+                f"local range [{req.local_offset}, +{length}) does not fit a buffer of {len(view)} bytes"
+            )
+        if req.remote_offset < 0:
+            raise OutOfBounds(f"remote offset {req.remote_offset} is negative")
+        handle = req.segment if isinstance(req.segment, SegmentHandle) else self._handle_for(req.segment)
+        return handle, req.op, view[req.local_offset : req.local_offset + length], req.remote_offset
+
+    def _handle_for(self, name: str) -> SegmentHandle:
+        self._directory.get(name)
+        return SegmentHandle(0, name, self.config.transport)
+
+    def _choose(self, handle: SegmentHandle, desc: SegmentDescriptor, buffer: BufferDescriptor) -> Transport | None:
+        shm, tcp = self._transports["shm"], self._transports["tcp"]
+        if handle.transport in ("auto", "shm") and shm.can_serve(desc, buffer):
+            return shm
+        if handle.transport in ("auto", "tcp") and tcp.can_serve(desc, buffer):
+            return tcp
+        return None
+
+    def _release(self, batch_id: BatchId) -> None:
+        # NOTE: dropped even if still pending (the wait timed out): its requests end by their
+        # deadline on the transport threads, which hold their own references.
+        with self._lock:
+            self._batches.pop(batch_id, None)
+
+    @staticmethod
+    def _raise_first(statuses: Sequence[RequestStatus]) -> None:
+        error = first_error(statuses)
+        if error is not None:
+            raise error
+
+    def _batch(self, batch_id: BatchId) -> Batch:
+        self._check_open()
+        batch = self._batches.get(batch_id)
+        if batch is None:
+            raise ConfigError(f"no batch {batch_id} (never allocated, or already freed)")
+        return batch
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"transfer engine {self.name} is closed")
+
+    def _publish(self) -> None:
+        self._directory.publish(self.describe())
+
+    def _describe_bytes(self) -> bytes:
+        return encode_descriptor(self.describe())
+
+    def _on_handshake(self, raw: bytes) -> None:
+        self._directory.learn(decode_descriptor(raw))
+
+
+def first_error(statuses: Sequence[RequestStatus]) -> TsukimiError | None:
+    """The error of the first request that did not complete, if any."""
+    for status in statuses:
+        if status.state is not RequestState.COMPLETED:
+            return status.error() or TransferError("request still pending")
+    return None

@@ -1,0 +1,204 @@
+"""Segments: the memory a Transfer Engine registers, and the descriptor peers see of it.
+
+A segment's address space is the owner's virtual address space (as in Mooncake): a buffer
+registered at address A of length L covers remote offsets [A, A + L). Buffers never overlap,
+and a request must fall inside exactly one buffer.
+
+`LocalSegment` is the owner's registry; lookups (`resolve`) are lock-free reads of an
+immutable snapshot, registration copies the snapshot under a lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import os
+import socket
+import threading
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from tsukimi.errors import InvalidBufferError, OutOfBounds
+
+
+class Endpoint(msgspec.Struct, frozen=True):
+    """A TCP address where the segment's server listens."""
+
+    host: str
+    port: int
+
+
+class BufferDescriptor(msgspec.Struct, frozen=True):
+    """One registered buffer as peers see it. `shm_name` is set when it lives in shared
+    memory (a file under the owner's shm directory, at `shm_offset`)."""
+
+    base: int
+    length: int
+    shm_name: str = ""
+    shm_offset: int = 0
+
+
+class SegmentDescriptor(msgspec.Struct, frozen=True):
+    """What a segment owner publishes: who it is, where to reach it, what it registered."""
+
+    name: str
+    host_id: str
+    pid: int
+    version: int
+    endpoints: list[Endpoint]
+    buffers: list[BufferDescriptor]
+
+    def find(self, offset: int, length: int) -> BufferDescriptor | None:
+        """The buffer that wholly contains [offset, offset + length), if any."""
+        for buf in self.buffers:
+            if buf.base <= offset and offset + length <= buf.base + buf.length:
+                return buf
+        return None
+
+
+_descriptor_decoder = msgspec.json.Decoder(SegmentDescriptor)
+
+
+def encode_descriptor(desc: SegmentDescriptor) -> bytes:
+    return msgspec.json.encode(desc)
+
+
+def decode_descriptor(data: bytes | memoryview) -> SegmentDescriptor:
+    """Raises msgspec.ValidationError / DecodeError on malformed input."""
+    return _descriptor_decoder.decode(data)
+
+
+def host_id() -> str:
+    """Identity of this host (hostname + kernel boot id): equal ids can share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def byte_view(obj: object, writable: bool = True) -> tuple[memoryview, int]:
+    """A flat byte memoryview over `obj` and its address.
+
+    Accepts bytes-like objects (bytearray, mmap, memoryview, numpy arrays), torch CPU
+    tensors, and `(address, length)` tuples (the caller keeps that memory alive).
+
+    Raises:
+        InvalidBufferError: not a buffer, not C-contiguous, empty, or read-only when
+            `writable` is required.
+    """
+    if isinstance(obj, tuple):
+        if len(obj) != 2 or not all(isinstance(v, int) for v in obj) or obj[0] <= 0 or obj[1] <= 0:
+            raise InvalidBufferError("an address buffer must be (address > 0, length > 0)")
+        array = (ctypes.c_ubyte * obj[1]).from_address(obj[0])
+        return memoryview(array).cast("B"), obj[0]
+    if hasattr(obj, "data_ptr") and hasattr(obj, "untyped_storage"):  # a torch tensor
+        return _tensor_view(obj)
+    try:
+        view = memoryview(obj)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidBufferError(f"cannot use a {type(obj).__name__} as a buffer") from None
+    if not view.c_contiguous:
+        raise InvalidBufferError("buffer must be C-contiguous")
+    if writable and view.readonly:
+        raise InvalidBufferError("buffer must be writable")
+    if view.nbytes == 0:
+        raise InvalidBufferError("buffer must not be empty")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    return view, address
+
+
+def _tensor_view(tensor: object) -> tuple[memoryview, int]:
+    t = tensor  # duck-typed torch.Tensor: avoid importing torch here
+    if getattr(t, "device").type != "cpu":
+        raise InvalidBufferError("only CPU tensors can be registered")
+    if not t.is_contiguous():  # type: ignore[attr-defined]
+        raise InvalidBufferError("tensor must be contiguous")
+    nbytes = t.numel() * t.element_size()  # type: ignore[attr-defined]
+    if nbytes == 0:
+        raise InvalidBufferError("tensor must not be empty")
+    address = int(t.data_ptr())  # type: ignore[attr-defined]
+    array = (ctypes.c_ubyte * nbytes).from_address(address)
+    return memoryview(array).cast("B"), address
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredBuffer:
+    """A buffer in a local segment. `owner` keeps the registered object alive."""
+
+    base: int
+    length: int
+    view: memoryview
+    owner: object
+    shm_name: str = ""
+    shm_offset: int = 0
+
+    def describe(self) -> BufferDescriptor:
+        return BufferDescriptor(self.base, self.length, self.shm_name, self.shm_offset)
+
+
+class LocalSegment:
+    """The buffers this process registered, found by offset. Thread-safe."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pid = os.getpid()
+        self.version = 0
+        self._lock = threading.Lock()
+        # NOTE: one tuple swapped atomically, so lock-free readers see a consistent pair.
+        self._snapshot: tuple[list[int], list[RegisteredBuffer]] = ([], [])
+
+    def add(self, view: memoryview, base: int, owner: object, shm_name: str = "") -> RegisteredBuffer:
+        """Register `view` at `base` (mutates). Raises InvalidBufferError when it overlaps."""
+        buf = RegisteredBuffer(base, len(view), view, owner, shm_name)
+        with self._lock:
+            bases, buffers = self._snapshot
+            i = bisect.bisect_left(bases, base)
+            prev_end = buffers[i - 1].base + buffers[i - 1].length if i else 0
+            next_base = bases[i] if i < len(bases) else 1 << 64
+            if prev_end > base or base + buf.length > next_base:
+                raise InvalidBufferError(f"buffer at {base:#x}+{buf.length} overlaps a registered one")
+            self._snapshot = (bases[:i] + [base] + bases[i:], buffers[:i] + [buf] + buffers[i:])
+            self.version += 1
+        return buf
+
+    def remove(self, base: int) -> RegisteredBuffer:
+        """Unregister the buffer starting at `base` (mutates). Raises OutOfBounds if none."""
+        with self._lock:
+            bases, buffers = self._snapshot
+            i = bisect.bisect_left(bases, base)
+            if i == len(bases) or bases[i] != base:
+                raise OutOfBounds(f"no buffer registered at {base:#x}")
+            buf = buffers[i]
+            self._snapshot = (bases[:i] + bases[i + 1 :], buffers[:i] + buffers[i + 1 :])
+            self.version += 1
+        return buf
+
+    def resolve(self, offset: int, length: int) -> memoryview:
+        """The registered bytes [offset, offset + length); never mutates.
+
+        Raises:
+            OutOfBounds: the range is empty or not inside one registered buffer.
+        """
+        bases, buffers = self._snapshot
+        i = bisect.bisect_right(bases, offset) - 1
+        if length <= 0 or i < 0 or offset + length > buffers[i].base + buffers[i].length:
+            raise OutOfBounds(
+                f"[{offset:#x}, {offset:#x}+{length}) is not inside a registered buffer of segment {self.name}"
+            )
+        start = offset - buffers[i].base
+        return buffers[i].view[start : start + length]
+
+    def buffers(self) -> list[RegisteredBuffer]:
+        return list(self._snapshot[1])
+
+    def check_invariants(self) -> None:
+        """Bases sorted and matching the buffers; buffers non-empty and disjoint."""
+        bases, buffers = self._snapshot
+        assert bases == [b.base for b in buffers]
+        assert all(b.length > 0 and len(b.view) == b.length for b in buffers)
+        assert all(a.base + a.length <= b.base for a, b in zip(buffers, buffers[1:]))

@@ -1,0 +1,152 @@
+"""The segment server: serves peers' one-sided READ and WRITE requests on this process's
+registered buffers over TCP, on its own threads (never the application's).
+
+One accept thread, one thread per connection. Every request is checked against the
+registered buffers before a byte is touched: out-of-range requests get an OUT_OF_BOUNDS
+answer (a write's payload is drained so the stream stays in sync) and the connection keeps
+serving; a malformed frame closes only that connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+import msgspec
+
+from tsukimi.clock import Clock, WallClock
+from tsukimi.config import TransferConfig
+from tsukimi.errors import OutOfBounds, ProtocolError
+from tsukimi.transfer import wire
+from tsukimi.transfer.segment import Endpoint, LocalSegment
+
+logger = logging.getLogger(__name__)
+
+_DRAIN_BYTES = 256 << 10
+_TICK_S = 0.5  # how often blocked socket calls wake up to check deadlines and close()
+
+
+class SegmentServer:
+    """Serves `segment` on `config.bind_host:config.port` (0 = ephemeral)."""
+
+    def __init__(
+        self,
+        segment: LocalSegment,
+        config: TransferConfig,
+        describe: Callable[[], bytes],
+        on_handshake: Callable[[bytes], None],
+        clock: Clock | None = None,
+    ) -> None:
+        self._segment = segment
+        self._clock = clock or WallClock()
+        self._config = config
+        self._describe = describe
+        self._on_handshake = on_handshake
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        self._listener = socket.create_server((config.bind_host, config.port), backlog=128)
+        self.endpoint = Endpoint(config.bind_host, self._listener.getsockname()[1])
+        self._thread = threading.Thread(target=self._accept, name=f"tsukimi-serve-{self.endpoint.port}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop accepting and drop every connection (mutates; idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=5)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._closed or len(self._conns) >= self._config.max_server_connections:
+                    logger.warning("refusing connection from %s: closed or at the connection limit", addr)
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn, addr), name="tsukimi-serve-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, addr: object) -> None:
+        head = memoryview(bytearray(wire.REQUEST.size))
+        wire.set_io_timeout(conn, _TICK_S)
+        try:
+            while True:
+                # Idle connections stay open until the peer or close() ends them; a frame,
+                # once started, must arrive whole within the transfer timeout.
+                wire.recv_exact(conn, head, lambda got: self._closed or got > 0)
+                request = wire.decode_request(head, self._config.max_slice_bytes)
+                self._handle(conn, request, self._clock.now() + self._config.timeout_s)
+        except ProtocolError as exc:
+            logger.warning("closing connection from %s: %s", addr, exc)
+        except OSError as exc:
+            logger.debug("connection from %s ended: %s", addr, exc)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _handle(self, conn: socket.socket, req: wire.RequestHeader, deadline: float) -> None:
+        def expired(_: int = 0) -> bool:
+            return self._closed or self._clock.now() >= deadline
+
+        if req.op is wire.Op.HANDSHAKE:
+            self._handshake(conn, req, expired)
+            return
+        try:
+            view = self._segment.resolve(req.offset, req.length)
+        except OutOfBounds as exc:
+            if req.op is wire.Op.WRITE:
+                scratch = memoryview(bytearray(max(1, min(req.length, _DRAIN_BYTES))))
+                while req.length > 0:  # drain the payload so the stream stays in sync
+                    chunk = min(req.length, len(scratch))
+                    wire.recv_exact(conn, scratch[:chunk], expired)
+                    req = wire.RequestHeader(req.op, req.seq, req.offset, req.length - chunk)
+            self._reply(conn, wire.ResponseHeader(wire.Status.OUT_OF_BOUNDS, req.seq, 0), str(exc).encode(), expired)
+            return
+        if req.op is wire.Op.WRITE:
+            wire.recv_exact(conn, view, expired)
+            self._reply(conn, wire.ResponseHeader(wire.Status.OK, req.seq, 0), b"", expired)
+        else:
+            self._reply(conn, wire.ResponseHeader(wire.Status.OK, req.seq, req.length), view, expired)
+
+    def _handshake(self, conn: socket.socket, req: wire.RequestHeader, expired: Callable[[int], bool]) -> None:
+        body = bytearray(req.length)
+        wire.recv_exact(conn, memoryview(body), expired)
+        if body:
+            try:
+                self._on_handshake(bytes(body))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                reason = f"bad descriptor: {exc}".encode()
+                self._reply(conn, wire.ResponseHeader(wire.Status.BAD_REQUEST, req.seq, 0), reason, expired)
+                return
+        self._reply(conn, wire.ResponseHeader(wire.Status.OK, req.seq, 0), self._describe(), expired)
+
+    @staticmethod
+    def _reply(
+        conn: socket.socket, head: wire.ResponseHeader, body: bytes | memoryview, expired: Callable[[int], bool]
+    ) -> None:
+        """Send a response; an error reason is cut to MAX_REASON_BYTES."""
+        if head.status is not wire.Status.OK:
+            body = bytes(body[: wire.MAX_REASON_BYTES])
+        head = wire.ResponseHeader(head.status, head.seq, len(body))
+        wire.send_all(conn, [head.pack(), body], lambda: expired(0))

@@ -1,0 +1,151 @@
+"""Shared-memory transport: peers on this host map each other's shm files once and copy.
+
+The owner's process does no work. Copies run on a small pool of worker threads (numpy's
+copy releases the GIL, so large copies run in parallel with the caller). Before and after
+each copy the owner's liveness is checked through a pidfd, and the file's link count tells
+whether the owner unregistered the buffer, so writes into a dead or released segment are
+reported as failures rather than silently landing in orphaned memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import threading
+
+import numpy as np
+
+from tsukimi.clock import Clock
+from tsukimi.config import TransferConfig
+from tsukimi.errors import ClosedError, PeerError
+from tsukimi.transfer.batch import OpCode
+from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
+from tsukimi.transfer.shared_memory import SharedMapping, map_shared, valid_shm_name
+from tsukimi.transfer.transports import Slice
+
+logger = logging.getLogger(__name__)
+
+
+class _ShmPeer:
+    """One peer process: its pidfd and the files of it mapped so far."""
+
+    def __init__(self, desc: SegmentDescriptor, shm_dir: str) -> None:
+        self.name, self.pid = desc.name, desc.pid
+        self.pidfd = os.pidfd_open(desc.pid)
+        self.shm_dir = shm_dir
+        self.lock = threading.Lock()
+        self.mappings: dict[str, SharedMapping] = {}
+
+    def alive(self) -> bool:
+        readable, _, _ = select.select([self.pidfd], [], [], 0)
+        return not readable
+
+    def mapping(self, shm_name: str) -> SharedMapping:
+        found = self.mappings.get(shm_name)
+        if found is None:
+            with self.lock:
+                found = self.mappings.get(shm_name)
+                if found is None:
+                    found = self.mappings[shm_name] = map_shared(self.shm_dir, shm_name)
+        return found
+
+    def close(self) -> None:
+        with self.lock:
+            for mapping in self.mappings.values():
+                mapping.close()
+            self.mappings.clear()
+            os.close(self.pidfd)
+
+
+class ShmTransport:
+    name = "shm"
+
+    def __init__(self, config: TransferConfig, local_host_id: str, clock: Clock) -> None:
+        self._config = config
+        self._clock = clock
+        self._host_id = local_host_id
+        self._lock = threading.Lock()
+        self._peers: dict[str, _ShmPeer] = {}
+        self._queue: queue.SimpleQueue[tuple[_ShmPeer, Slice] | None] = queue.SimpleQueue()
+        self._closed = False
+        self._workers = [
+            threading.Thread(target=self._work, name=f"tsukimi-shm-{i}", daemon=True)
+            for i in range(config.num_shm_workers)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    def can_serve(self, peer: SegmentDescriptor, buffer: BufferDescriptor) -> bool:
+        if not buffer.shm_name or peer.host_id != self._host_id or not valid_shm_name(buffer.shm_name):
+            return False
+        try:
+            self._peer(peer)
+        except OSError:  # another pid namespace, or the process is gone
+            return False
+        return True
+
+    def submit(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
+        if self._closed:
+            raise ClosedError("shm transport is closed")
+        state = self._peer(peer)
+        for piece in slices:
+            self._queue.put((state, piece))
+
+    def forget(self, peer_name: str) -> None:
+        with self._lock:
+            state = self._peers.pop(peer_name, None)
+        if state is not None:
+            state.close()
+
+    def close(self) -> None:
+        self._closed = True
+        for _ in self._workers:
+            self._queue.put(None)
+        for worker in self._workers:
+            worker.join(timeout=5)
+        for name in list(self._peers):
+            self.forget(name)
+
+    def _peer(self, desc: SegmentDescriptor) -> _ShmPeer:
+        state = self._peers.get(desc.name)
+        if state is not None and state.pid == desc.pid:
+            return state
+        with self._lock:
+            state = self._peers.get(desc.name)
+            if state is None or state.pid != desc.pid:
+                stale, state = state, _ShmPeer(desc, self._config.shm_dir)
+                self._peers[desc.name] = state
+                if stale is not None:
+                    stale.close()
+        return state
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            peer, piece = item
+            if self._clock.now() > piece.record.deadline:
+                piece.record.slice_failed("deadline passed before the copy started", timed_out=True)
+                continue
+            try:
+                self._copy(peer, piece)
+            except (OSError, ValueError, PeerError) as exc:
+                piece.record.slice_failed(f"shm transfer to {peer.name} failed: {exc}", PeerError.code)
+            else:
+                piece.record.slice_done(len(piece.local))
+
+    def _copy(self, peer: _ShmPeer, piece: Slice) -> None:
+        if not peer.alive():
+            raise PeerError(f"owner process {peer.pid} has exited")
+        mapping = peer.mapping(piece.buffer.shm_name)
+        if mapping.unlinked():
+            raise PeerError("the owner released this buffer")
+        start = piece.remote_offset - piece.buffer.base + piece.buffer.shm_offset
+        remote = np.frombuffer(mapping.view, np.uint8, len(piece.local), start)
+        local = np.frombuffer(piece.local, np.uint8)
+        if piece.op is OpCode.WRITE:
+            np.copyto(remote, local)
+        else:
+            np.copyto(local, remote)
+        if not peer.alive():
+            raise PeerError(f"owner process {peer.pid} exited during the copy")
