@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
             http.serve(args.host, args.port)
         elif args.command == "demo":
-            from tsukimi.bench import demo
+            from tsukimi import demo
 
             demo.run(console, args.seconds)
         elif args.command == "bench" and args.bench == "transfer":

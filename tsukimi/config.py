@@ -132,14 +132,17 @@ def _parse_scalar(raw: str) -> object:
         return raw
 
 
-def build_dataclass(cls: type[typing.Any], data: typing.Mapping[str, typing.Any], where: str) -> typing.Any:
+T = typing.TypeVar("T")
+
+
+def build_dataclass(cls: type[T], data: typing.Mapping[str, typing.Any], where: str) -> T:
     """Instantiate dataclass `cls` from a mapping, recursing into nested dataclasses."""
     _require(isinstance(data, dict), f"{where or 'config'} must be a table")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - names)
     _require(not unknown, f"unknown key(s) {unknown} in {where or 'config'}; valid: {sorted(names)}")
-    kwargs = {}
+    kwargs: dict[str, object] = {}
     for name, value in data.items():
         kind = hints[name]
         dotted = f"{where}.{name}" if where else name

@@ -16,7 +16,7 @@ KIB, MIB = 1 << 10, 1 << 20
 TARGET_BYTES = 4 * MIB
 
 # The conformance suite runs once per transport setting: (name, TransferConfig overrides).
-TRANSPORT_CASES = {
+TRANSPORT_CASES: dict[str, dict[str, object]] = {
     "shm": {"transport": "shm"},
     "tcp-1": {"transport": "tcp", "num_connections": 1},
     "tcp-4": {"transport": "tcp", "num_connections": 4},

@@ -53,12 +53,14 @@ def test_hundred_async_requests_in_one_batch(pair: EnginePair) -> None:
     assert asyncio.run(go()) == [RequestState.COMPLETED] * 100
     backs = [np.zeros(16 * KIB, np.uint8) for _ in range(100)]
     batch = pair.initiator.allocate_batch(100)
-    pair.initiator.submit(batch, [TransferRequest(OpCode.READ, seg, pair.buf.base + i * 16 * KIB, b) for i, b in enumerate(backs)])
+    pair.initiator.submit(
+        batch, [TransferRequest(OpCode.READ, seg, pair.buf.base + i * 16 * KIB, b) for i, b in enumerate(backs)]
+    )
     status = asyncio.run(pair.initiator.wait_async(batch))
     pair.initiator.free_batch(batch)
     assert status.done and all(r.state is RequestState.COMPLETED for r in status.requests)
     assert all(r.transferred_bytes == 16 * KIB for r in status.requests)
-    assert all(np.array_equal(a, b) for a, b in zip(blocks, backs))
+    assert all(np.array_equal(a, b) for a, b in zip(blocks, backs, strict=False))
 
 
 def test_out_of_bounds_fails_and_the_peer_keeps_serving(pair: EnginePair) -> None:
@@ -114,7 +116,7 @@ def test_concurrent_batches_from_several_threads(pair: EnginePair) -> None:
                 pair.initiator.batch_write(seg, [(base + i * (region // 4), b) for i, b in enumerate(blocks)])
                 backs = [np.zeros(region // 4, np.uint8) for _ in range(4)]
                 pair.initiator.batch_read(seg, [(base + i * (region // 4), b) for i, b in enumerate(backs)])
-                assert all(np.array_equal(a, b) for a, b in zip(blocks, backs))
+                assert all(np.array_equal(a, b) for a, b in zip(blocks, backs, strict=False))
         except BaseException as exc:  # collected and re-raised in the test thread
             errors.append(exc)
 
@@ -167,7 +169,9 @@ def test_a_stalled_tcp_peer_times_out(target_process: JsonWorker) -> None:
         target_process.send_signal(signal.SIGSTOP)
         try:
             start = time.monotonic()
-            status = engine.transfer([TransferRequest(OpCode.WRITE, seg, target_process.ready["base"], bytes(16 * MIB))])[0]
+            status = engine.transfer(
+                [TransferRequest(OpCode.WRITE, seg, target_process.ready["base"], bytes(16 * MIB))]
+            )[0]
             elapsed = time.monotonic() - start
         finally:
             target_process.send_signal(signal.SIGCONT)

@@ -70,7 +70,7 @@ class SegmentModel(RuleBasedStateMachine):
 
     @rule(base=st.integers(0, 60).map(lambda i: 4096 + i * 1000), length=st.integers(1, 3000))
     def add(self, base: int, length: int) -> None:
-        view = memoryview(self.backing)[: length]
+        view = memoryview(self.backing)[:length]
         overlaps = any(b < base + length and base < b + n for b, n in self.model.items())
         if overlaps:
             with pytest.raises(InvalidBufferError):

@@ -1,8 +1,10 @@
 """Worker processes of `tsukimi bench transfer`, driven by line-delimited JSON on stdin/stdout.
 
 Roles (`python -m tsukimi.bench.peer ROLE`):
-  target      a Transfer Engine owning a shared-memory buffer; prints {"name", "base"}.
-  initiator   Transfer Engines (one per connection count) that run `measure` commands.
+  target SIZE [METADATA_URL]     a Transfer Engine owning a shared-memory buffer; prints
+                                {"name", "base"}; answers "digest" commands.
+  initiator SIZE [METADATA_URL]  Transfer Engines (one per connection count and slice size)
+                                that run `measure` and `verify` commands.
   sink        a raw-socket baseline: accepts one connection and recv_into()s a 4 MiB buffer.
   source      the other end of the baseline: sendall()s 4 MiB blocks for a duration.
 Every process exits when its stdin closes.
@@ -10,7 +12,9 @@ Every process exits when its stdin closes.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import socket
 import sys
 import time
@@ -19,10 +23,11 @@ from typing import Any
 import numpy as np
 
 from tsukimi.bench.workers import child_reply as _reply
-from tsukimi.config import Config, TransferConfig
+from tsukimi.config import Config, MetadataConfig, TransferConfig
 from tsukimi.transfer import OpCode, TransferEngine, TransferRequest
 
 BASELINE_BLOCK = 4 << 20
+_DEFAULT_SLICE_BYTES = TransferConfig().slice_bytes
 
 
 def _commands() -> Any:
@@ -31,13 +36,20 @@ def _commands() -> Any:
             yield json.loads(line)
 
 
-def run_target(size: int) -> None:
-    with TransferEngine(config=Config(transfer=TransferConfig(num_connections=1))) as engine:
+def _config(metadata_url: str, **transfer: int) -> Config:
+    return Config(transfer=TransferConfig(**transfer), metadata=MetadataConfig(url=metadata_url))  # type: ignore[arg-type]
+
+
+def run_target(size: int, metadata_url: str) -> None:
+    name = None if metadata_url == "p2p" else f"bench-target-{os.getpid()}"
+    with TransferEngine(name, _config(metadata_url, num_connections=1)) as engine:
         buf = engine.allocate(size)
-        np.frombuffer(buf.view, np.uint8)[:] = 7
+        memory = np.frombuffer(buf.view, np.uint8)
+        memory[:] = 7
         _reply({"name": engine.name, "base": buf.base})
-        for _ in _commands():
-            pass
+        for cmd in _commands():  # "digest": what landed in our memory, for the demo's check
+            chunk = memory[cmd["offset"] : cmd["offset"] + cmd["nbytes"]]
+            _reply({"sha256": hashlib.sha256(chunk.data).hexdigest()})
 
 
 def measure(engine: TransferEngine, cmd: dict[str, Any], local: np.ndarray) -> float:
@@ -66,18 +78,32 @@ def measure(engine: TransferEngine, cmd: dict[str, Any], local: np.ndarray) -> f
         moved += block * batch
 
 
-def run_initiator(size: int) -> None:
+def verify(engine: TransferEngine, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Write random bytes, read them back into another buffer; report digests."""
+    handle = engine.open_segment(cmd["name"], transport=cmd["transport"])
+    data = np.random.default_rng(cmd["seed"]).integers(0, 256, cmd["nbytes"], dtype=np.uint8)
+    engine.write(handle, cmd["base"], data)
+    back = np.zeros_like(data)
+    engine.read(handle, cmd["base"], back)
+    return {"sha256": hashlib.sha256(data.data).hexdigest(), "read_back_equal": bool(np.array_equal(data, back))}
+
+
+def run_initiator(size: int, metadata_url: str) -> None:
     engines: dict[tuple[int, int], TransferEngine] = {}
     local = np.full(size, 3, np.uint8)
     _reply({})
     try:
         for cmd in _commands():
-            key = (cmd["connections"], cmd.get("slice_bytes", TransferConfig.slice_bytes))
+            key = (cmd["connections"], cmd.get("slice_bytes", _DEFAULT_SLICE_BYTES))
             if key not in engines:
-                cfg = TransferConfig(num_connections=key[0], slice_bytes=key[1])
-                engines[key] = TransferEngine(config=Config(transfer=cfg))
+                name = None if metadata_url == "p2p" else f"bench-initiator-{os.getpid()}-{len(engines)}"
+                config = _config(metadata_url, num_connections=key[0], slice_bytes=key[1])
+                engines[key] = TransferEngine(name, config)
             try:
-                _reply({"gbps": measure(engines[key], cmd, local)})
+                if cmd.get("cmd") == "verify":
+                    _reply(verify(engines[key], cmd))
+                else:
+                    _reply({"gbps": measure(engines[key], cmd, local)})
             except Exception as exc:  # report to the driver, which raises it there
                 _reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
     finally:
@@ -111,10 +137,11 @@ def run_source(port: int, duration_s: float) -> None:
 
 def main(argv: list[str]) -> None:
     role = argv[0]
+    metadata_url = argv[2] if len(argv) > 2 else "p2p"
     if role == "target":
-        run_target(int(argv[1]))
+        run_target(int(argv[1]), metadata_url)
     elif role == "initiator":
-        run_initiator(int(argv[1]))
+        run_initiator(int(argv[1]), metadata_url)
     elif role == "sink":
         run_sink()
     elif role == "source":

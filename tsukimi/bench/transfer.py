@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import numpy as np
 from rich.table import Table
@@ -80,7 +81,7 @@ class TransferBenchResult:
 
 
 def cells(cfg: TransferBenchConfig) -> list[Cell]:
-    out = []
+    out: list[Cell] = []
     for transport in cfg.transports:
         conns = cfg.connections if transport == "tcp" else (1,)
         for op in cfg.ops:
@@ -93,7 +94,7 @@ def memcpy_gbps(nbytes: int = 256 * MIB, seconds: float = 1.0) -> float:
     """numpy copy bandwidth between two large arrays (bytes copied per second)."""
     src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
     np.copyto(dst, src)  # fault the pages in
-    samples = []
+    samples: list[float] = []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end or len(samples) < 3:
         start = time.perf_counter()
@@ -119,10 +120,11 @@ def socket_gbps(seconds: float) -> float:
 class TsukimiPair:
     """A target and an initiator process running tsukimi Transfer Engines."""
 
-    def __init__(self, buffer_bytes: int) -> None:
-        self.target = JsonWorker("tsukimi target", ["tsukimi.bench.peer", "target", str(buffer_bytes)])
+    def __init__(self, buffer_bytes: int, metadata_url: str = "p2p") -> None:
+        args = [str(buffer_bytes), metadata_url]
+        self.target = JsonWorker("tsukimi target", ["tsukimi.bench.peer", "target", *args])
         try:
-            self.initiator = JsonWorker("tsukimi initiator", ["tsukimi.bench.peer", "initiator", str(buffer_bytes)])
+            self.initiator = JsonWorker("tsukimi initiator", ["tsukimi.bench.peer", "initiator", *args])
         except BaseException:
             self.target.stop()
             raise
@@ -171,7 +173,7 @@ def run(cfg: TransferBenchConfig, progress: Callable[[str], None] = lambda _: No
                 ours[cell].append(pair.measure(cell, cfg.duration_s, cfg.warmup_s))
                 if mooncake is not None and cell in mooncake_cells:
                     progress(f"round {round_no + 1}/{cfg.repeats}: mooncake {_label(cell)}")
-                    op = "read" if cell.op == "read" else "write"
+                    op: Literal["read", "write"] = "read" if cell.op == "read" else "write"
                     gbps = mooncake.measure(op, cell.block_bytes, cell.batch, cfg.duration_s, cfg.warmup_s)
                     theirs.setdefault(cell, []).append(gbps)
     finally:

@@ -75,7 +75,7 @@ class RequestStatus:
 class RequestRecord:
     """Mutable progress of one request; updated by transport threads under `batch.lock`."""
 
-    __slots__ = ("batch", "length", "deadline", "slices_left", "done_bytes", "state", "reason", "code")
+    __slots__ = ("batch", "code", "deadline", "done_bytes", "length", "reason", "slices_left", "state")
 
     def __init__(self, batch: Batch, length: int, deadline: float) -> None:
         self.batch = batch

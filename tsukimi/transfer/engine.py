@@ -14,6 +14,7 @@ cut into slices and handed to that transport's threads; submit never waits on th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -73,9 +74,7 @@ class TransferEngine:
         backend = metadata if metadata is not None else connect_metadata(cfg.metadata)
         self._host_id = host_id()
         self._segment = LocalSegment(name or "")
-        self._server = SegmentServer(
-            self._segment, self.config, self._describe_bytes, self._on_handshake, self._clock
-        )
+        self._server = SegmentServer(self._segment, self.config, self._describe_bytes, self._on_handshake, self._clock)
         endpoint = self._server.endpoint
         if backend is None and name is not None and parse_host_port(name) != endpoint:
             self._server.close()
@@ -191,12 +190,12 @@ class TransferEngine:
                 continue
             transport = self._choose(handle, desc, buffer)
             if transport is None:
-                record.fail_now(TransferError(f"transport {handle.transport} cannot reach that buffer of {handle.name}"))
+                record.fail_now(
+                    TransferError(f"transport {handle.transport} cannot reach that buffer of {handle.name}")
+                )
                 continue
             step = self.config.slice_bytes if transport.name == "tcp" else SHM_SLICE_BYTES
-            pieces = [
-                Slice(record, op, local[i : i + step], offset + i, buffer) for i in range(0, len(local), step)
-            ]
+            pieces = [Slice(record, op, local[i : i + step], offset + i, buffer) for i in range(0, len(local), step)]
             record.slices_left = len(pieces)
             transport.submit(desc, pieces)
 
@@ -208,10 +207,8 @@ class TransferEngine:
     def wait(self, batch_id: BatchId, timeout_s: float | None = None) -> BatchStatus:
         """Block until every request of the batch ended, or `timeout_s` passed."""
         batch = self._batch(batch_id)
-        try:
+        with contextlib.suppress(TimeoutError):
             batch.future.result(timeout=timeout_s if timeout_s is not None else self.config.timeout_s * 2)
-        except TimeoutError:
-            pass
         return self.status(batch_id)
 
     async def wait_async(self, batch_id: BatchId) -> BatchStatus:

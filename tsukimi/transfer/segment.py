@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import itertools
 import os
 import socket
 import threading
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import msgspec
 import numpy as np
@@ -112,16 +114,31 @@ def byte_view(obj: object, writable: bool = True) -> tuple[memoryview, int]:
     return view, address
 
 
+class _Device(Protocol):
+    type: str
+
+
+class _TensorLike(Protocol):
+    """The part of torch.Tensor we use (duck-typed: torch is not imported here)."""
+
+    device: _Device
+
+    def is_contiguous(self) -> bool: ...
+    def numel(self) -> int: ...
+    def element_size(self) -> int: ...
+    def data_ptr(self) -> int: ...
+
+
 def _tensor_view(tensor: object) -> tuple[memoryview, int]:
-    t = tensor  # duck-typed torch.Tensor: avoid importing torch here
-    if getattr(t, "device").type != "cpu":
+    t = cast(_TensorLike, tensor)
+    if t.device.type != "cpu":
         raise InvalidBufferError("only CPU tensors can be registered")
-    if not t.is_contiguous():  # type: ignore[attr-defined]
+    if not t.is_contiguous():
         raise InvalidBufferError("tensor must be contiguous")
-    nbytes = t.numel() * t.element_size()  # type: ignore[attr-defined]
+    nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         raise InvalidBufferError("tensor must not be empty")
-    address = int(t.data_ptr())  # type: ignore[attr-defined]
+    address = int(t.data_ptr())
     array = (ctypes.c_ubyte * nbytes).from_address(address)
     return memoryview(array).cast("B"), address
 
@@ -162,7 +179,7 @@ class LocalSegment:
             next_base = bases[i] if i < len(bases) else 1 << 64
             if prev_end > base or base + buf.length > next_base:
                 raise InvalidBufferError(f"buffer at {base:#x}+{buf.length} overlaps a registered one")
-            self._snapshot = (bases[:i] + [base] + bases[i:], buffers[:i] + [buf] + buffers[i:])
+            self._snapshot = ([*bases[:i], base, *bases[i:]], [*buffers[:i], buf, *buffers[i:]])
             self.version += 1
         return buf
 
@@ -201,4 +218,4 @@ class LocalSegment:
         bases, buffers = self._snapshot
         assert bases == [b.base for b in buffers]
         assert all(b.length > 0 and len(b.view) == b.length for b in buffers)
-        assert all(a.base + a.length <= b.base for a, b in zip(buffers, buffers[1:]))
+        assert all(a.base + a.length <= b.base for a, b in itertools.pairwise(buffers))

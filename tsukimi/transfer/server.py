@@ -9,6 +9,7 @@ serving; a malformed frame closes only that connection.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -59,16 +60,12 @@ class SegmentServer:
                 return
             self._closed = True
             conns = list(self._conns)
-        try:
+        with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._listener.close()
         for conn in conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         self._thread.join(timeout=5)
 
     def _accept(self) -> None:

@@ -8,6 +8,7 @@ allocator that starts on the host.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -40,10 +41,8 @@ class SharedMapping:
 
     def close(self) -> None:
         self.view.release()
-        try:
+        with contextlib.suppress(BufferError):  # someone still holds a slice; the GC unmaps it later
             self.mm.close()
-        except BufferError:  # someone still holds a slice; the GC unmaps it later
-            pass
         os.close(self.fd)
 
 
@@ -108,10 +107,8 @@ class SharedMemoryAllocator:
             mapping = self._live.pop(name, None)
         if mapping is None:
             return
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.shm_dir, name))
-        except FileNotFoundError:
-            pass
         mapping.close()
 
     def close(self) -> None:

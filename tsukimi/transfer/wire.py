@@ -143,7 +143,9 @@ def recv_exact(sock: socket.socket, view: memoryview, expired: Callable[[int], b
         pos += got
 
 
-def send_all(sock: socket.socket, parts: Sequence[bytes | memoryview], expired: Callable[[], bool] | None = None) -> None:
+def send_all(
+    sock: socket.socket, parts: Sequence[bytes | memoryview], expired: Callable[[], bool] | None = None
+) -> None:
     """Send every byte of `parts` with as few syscalls as possible (sendmsg, no joining).
 
     Raises TimeoutError when the I/O timeout ticks and `expired()` is True (or is absent).

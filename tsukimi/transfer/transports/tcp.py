@@ -14,6 +14,7 @@ stalled peer turns into failed or timed-out requests, never a hang.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import queue
@@ -131,7 +132,7 @@ class _Connection:
         deadline = piece.record.deadline
         op = wire.Op.WRITE if piece.op is OpCode.WRITE else wire.Op.READ
         head = wire.REQUEST.pack(wire.MAGIC, op, 0, seq, piece.remote_offset, len(piece.local))
-        parts = [head, piece.local] if piece.op is OpCode.WRITE else [head]
+        parts: list[bytes | memoryview] = [head, piece.local] if piece.op is OpCode.WRITE else [head]
         try:
             wire.send_all(sock, parts, lambda: self.stopping or self.peer.clock.now() >= deadline)
         except OSError as exc:
@@ -222,10 +223,8 @@ class _Connection:
             sock = self.sock
         self.queue.put(None)
         if sock is not None:  # unblock threads waiting on a stalled peer
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def join(self, timeout_s: float) -> None:
         for thread in self.threads:
@@ -246,10 +245,8 @@ class _Connection:
 
 
 def _close(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
     sock.close()
 
 

@@ -1,0 +1,43 @@
+# Two entry points (see README): `make demo` and `make test`. Both create or reuse .venv and
+# install what they need, Debian packages included (apt-get, via sudo when not root).
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test lint bench system-deps clean
+
+demo: $(STAMP)
+	$(BIN)/tsukimi demo
+
+test: $(STAMP) system-deps lint
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+# The full transfer benchmark, side by side with the real Mooncake TE (writes nothing; copy
+# the table into docs/benchmarks.md by hand, with the command).
+bench: $(STAMP)
+	@dpkg -s libibverbs1 >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libibverbs1)
+	$(BIN)/pip install -q 'mooncake-transfer-engine-non-cuda'
+	$(BIN)/tsukimi bench transfer --compare-mooncake
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || \
+		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q python3-venv && $(PYTHON) -m venv $(VENV))
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q 'torch==2.13.0'
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+system-deps:
+	@command -v etcd >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q etcd-server)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info

@@ -1,0 +1,59 @@
+"""Config loading: defaults, TOML, overrides, and the errors for each kind of mistake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tsukimi.config import Config, MetadataConfig, TransferConfig, load_config
+from tsukimi.errors import ConfigError
+
+
+def test_defaults_bind_loopback() -> None:
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.transfer.bind_host == "127.0.0.1" and cfg.metadata.url == "p2p"
+
+
+def test_toml_then_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[transfer]\nnum_connections = 2\ntimeout_s = 3\n[metadata]\nurl = "etcd://127.0.0.1:2379"\n')
+    cfg = load_config(path, ["transfer.num_connections=8", "transfer.transport=tcp"])
+    assert cfg.transfer.num_connections == 8 and cfg.transfer.transport == "tcp"
+    assert cfg.transfer.timeout_s == 3.0 and isinstance(cfg.transfer.timeout_s, float)
+    assert cfg.metadata == MetadataConfig(url="etcd://127.0.0.1:2379")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["transfer.bogus=1"], r"unknown key\(s\) \['bogus'\] in transfer"),
+        (["nosection.x=1"], r"unknown key\(s\) \['nosection'\]"),
+        (["transfer.transport=rdma"], "must be one of"),
+        (["transfer.num_connections=0"], "num_connections must be in 1..64"),
+        (["transfer.num_connections=two"], "must be int"),
+        (["transfer.num_connections=true"], "must be int"),
+        (["transfer.slice_bytes=100"], "slice_bytes must be in 4096"),
+        (["metadata.url=ftp://x"], "metadata.url must be"),
+        (["noequals"], "section.key=value"),
+        (["transfer=1"], "section.key=value"),
+    ],
+)
+def test_mistakes_are_config_errors_naming_the_fix(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[transfer\n")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(bad)
+
+
+def test_config_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        TransferConfig(timeout_s=-1)

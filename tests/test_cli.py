@@ -1,0 +1,64 @@
+"""The command line: the transfer benchmark's JSON shape and the demo, end to end (small)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _tsukimi(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tsukimi.cli", *args], capture_output=True, text=True, timeout=110, check=False
+    )
+
+
+def test_bench_transfer_json_has_the_documented_shape() -> None:
+    out = _tsukimi(
+        "bench",
+        "transfer",
+        "--json",
+        "--transport",
+        "tcp,shm",
+        "--op",
+        "write,read",
+        "--block-sizes",
+        "64K",
+        "--connections",
+        "2",
+        "--duration",
+        "0.2",
+        "--warmup",
+        "0.05",
+        "--repeats",
+        "1",
+        "--batch",
+        "2",
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert set(report) >= {"results", "baselines", "mooncake", "git_rev", "config"}
+    assert report["mooncake"] is None
+    rows = {(r["transport"], r["op"]) for r in report["results"]}
+    assert rows == {("tcp", "write"), ("tcp", "read"), ("shm", "write"), ("shm", "read")}
+    for row in report["results"]:
+        assert set(row) == {"transport", "op", "block_bytes", "batch", "connections", "gbps"}
+        assert row["block_bytes"] == 65536 and row["batch"] == 2 and row["gbps"] > 0
+    assert report["baselines"]["socket_gbps"] > 0 and report["baselines"]["memcpy_gbps"] > 0
+
+
+def test_bench_rejects_bad_arguments_clearly() -> None:
+    out = _tsukimi("bench", "transfer", "--transport", "rdma", "--quick")
+    assert out.returncode == 2 and "transport must be tcp or shm" in out.stdout + out.stderr
+    out = _tsukimi("bench", "transfer", "--block-sizes", "lots")
+    assert out.returncode == 2 and "not a size" in out.stderr
+
+
+def test_demo_moves_bytes_both_ways() -> None:
+    out = _tsukimi("demo", "--seconds", "0.2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("yes") == 2 and "shm" in out.stdout and "tcp" in out.stdout

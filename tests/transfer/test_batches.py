@@ -1,0 +1,80 @@
+"""The batch API's contract: capacity, validation before anything starts, free, close."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.transfer.conftest import MIB, EnginePair, initiator_config
+from tsukimi.bench.workers import JsonWorker
+from tsukimi.errors import ClosedError, ConfigError, InvalidBufferError, OutOfBounds, TransferError
+from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
+
+
+def test_capacity_and_validation_come_before_any_transfer(pair: EnginePair) -> None:
+    engine = pair.initiator
+    seg = engine.open_segment("target")
+    batch = engine.allocate_batch(2)
+    ok = TransferRequest(OpCode.WRITE, seg, pair.buf.base, b"one")
+    with pytest.raises(OutOfBounds, match="at most 2"):
+        engine.submit(batch, [ok, ok, ok])
+    with pytest.raises(InvalidBufferError, match="writable"):
+        engine.submit(batch, [ok, TransferRequest(OpCode.READ, seg, pair.buf.base, b"read-only dst")])
+    with pytest.raises(InvalidBufferError, match="does not fit"):
+        engine.submit(batch, [TransferRequest(OpCode.WRITE, seg, pair.buf.base, b"abc", length=10)])
+    assert engine.status(batch).requests == []  # nothing was started by the refused submits
+    assert bytes(pair.buf.view[:3]) == b"\x00\x00\x00"
+    engine.submit(batch, [ok])
+    engine.submit(batch, [TransferRequest(OpCode.WRITE, seg, pair.buf.base + 3, b"two")])
+    status = engine.wait(batch)
+    assert status.done and [r.state for r in status.requests] == [RequestState.COMPLETED] * 2
+    assert bytes(pair.buf.view[:6]) == b"onetwo"
+    engine.free_batch(batch)
+    with pytest.raises(ConfigError, match="no batch"):
+        engine.status(batch)
+
+
+def test_local_offset_and_length_select_part_of_the_buffer(pair: EnginePair) -> None:
+    engine = pair.initiator
+    local = bytearray(b"0123456789")
+    engine.transfer([TransferRequest(OpCode.WRITE, "target", pair.buf.base, local, length=4, local_offset=3)])
+    assert bytes(pair.buf.view[:5]) == b"3456\x00"
+
+
+def test_free_batch_refuses_pending_requests(target_process: JsonWorker) -> None:
+    with TransferEngine(config=initiator_config("tcp-1")) as engine:
+        seg = engine.open_segment(target_process.ready["name"])
+        target_process.send_signal(signal.SIGSTOP)  # the peer cannot answer: the request stays pending
+        try:
+            batch = engine.allocate_batch(1)
+            engine.submit(batch, [TransferRequest(OpCode.READ, seg, target_process.ready["base"], bytearray(MIB))])
+            assert engine.status(batch).requests[0].state is RequestState.PENDING
+            with pytest.raises(TransferError, match="pending"):
+                engine.free_batch(batch)
+        finally:
+            target_process.send_signal(signal.SIGCONT)
+        assert engine.wait(batch).requests[0].state is RequestState.COMPLETED
+        engine.free_batch(batch)
+
+
+def test_closed_engine_refuses_work(pair: EnginePair) -> None:
+    engine = pair.initiator
+    engine.close()
+    with pytest.raises(ClosedError):
+        engine.allocate_batch()
+    with pytest.raises(ClosedError):
+        engine.open_segment("target")
+    engine.close()  # idempotent
+
+
+def test_bad_arguments(pair: EnginePair) -> None:
+    engine = pair.initiator
+    with pytest.raises(ConfigError):
+        engine.allocate_batch(0)
+    with pytest.raises(ConfigError, match="transport"):
+        engine.open_segment("target", transport="rdma")
+    with pytest.raises(OutOfBounds, match="negative"):
+        engine.write("target", -1, b"x")
+    with pytest.raises(ConfigError, match="OpCode"):
+        engine.transfer([TransferRequest("write", "target", 0, b"x")])  # type: ignore[arg-type]
