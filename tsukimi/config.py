@@ -43,7 +43,7 @@ class TransferConfig:
     num_connections: int = 4
     slice_bytes: int = 2 * MIB
     max_slice_bytes: int = 64 * MIB
-    pipeline_depth: int = 4
+    pipeline_depth: int = 8
     timeout_s: float = 30.0
     connect_timeout_s: float = 3.0
     max_retries: int = 2

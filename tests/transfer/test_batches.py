@@ -8,8 +8,9 @@ import pytest
 
 from tests.transfer.conftest import MIB, EnginePair, initiator_config
 from tsukimi.bench.workers import JsonWorker
-from tsukimi.errors import ClosedError, ConfigError, InvalidBufferError, OutOfBounds, TransferError
+from tsukimi.errors import ClosedError, ConfigError, InvalidBufferError, MetadataError, OutOfBounds, TransferError
 from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
+from tsukimi.transfer.metadata.memory import MemoryMetadata
 
 
 def test_capacity_and_validation_come_before_any_transfer(pair: EnginePair) -> None:
@@ -78,3 +79,33 @@ def test_bad_arguments(pair: EnginePair) -> None:
         engine.write("target", -1, b"x")
     with pytest.raises(ConfigError, match="OpCode"):
         engine.transfer([TransferRequest("write", "target", 0, b"x")])  # type: ignore[arg-type]
+
+
+class _FailingMetadata(MemoryMetadata):
+    """Works until `broken` is set, then every get fails like an unreachable service."""
+
+    broken = False
+
+    def get(self, key: str) -> bytes | None:
+        if self.broken:
+            raise MetadataError("metadata service unreachable (test)")
+        return super().get(key)
+
+
+def test_regression_metadata_failure_on_refetch_fails_the_request_not_the_batch() -> None:
+    """A re-fetch that raised used to leave the request PENDING forever, hanging wait()."""
+    store = _FailingMetadata.named(f"flaky-{id(object())}")
+    with TransferEngine("owner", metadata=store) as owner, TransferEngine("user", metadata=store) as user:
+        buf = owner.allocate(4096)
+        seg = user.open_segment("owner")
+        store.broken = True
+        statuses = user.transfer(
+            [
+                TransferRequest(OpCode.WRITE, seg, buf.base, b"known range: no fetch"),
+                TransferRequest(OpCode.WRITE, seg, buf.base + 8192, b"unknown range: fetch fails"),
+            ],
+            timeout_s=2.0,
+        )
+        store.broken = False
+    assert [s.state for s in statuses] == [RequestState.COMPLETED, RequestState.FAILED]
+    assert statuses[1].error_code == "metadata" and "unreachable" in statuses[1].reason

@@ -25,7 +25,16 @@ from dataclasses import dataclass
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import TRANSPORT_NAMES, Config
 from tsukimi.errors import ClosedError, ConfigError, InvalidBufferError, OutOfBounds, TransferError, TsukimiError
-from tsukimi.transfer.batch import Batch, BatchId, OpCode, RequestState, RequestStatus, SegmentHandle, TransferRequest
+from tsukimi.transfer.batch import (
+    Batch,
+    BatchId,
+    OpCode,
+    RequestRecord,
+    RequestState,
+    RequestStatus,
+    SegmentHandle,
+    TransferRequest,
+)
 from tsukimi.transfer.directory import SegmentDirectory, parse_host_port
 from tsukimi.transfer.metadata import MetadataBackend, connect_metadata
 from tsukimi.transfer.segment import (
@@ -177,27 +186,52 @@ class TransferEngine:
         if len(batch.records) + len(plans) > batch.capacity:
             raise OutOfBounds(f"batch {batch_id} holds at most {batch.capacity} requests")
         refreshed: set[str] = set()
+        routes: dict[tuple[str, str], tuple[Transport, SegmentDescriptor, list[Slice]]] = {}
         for handle, op, local, offset in plans:
             record = batch.add(len(local), deadline)
-            desc = self._directory.get(handle.name)
+            try:
+                route = self._route(record, handle, op, local, offset, refreshed)
+            except TsukimiError as exc:  # e.g. the metadata service failed on a re-fetch
+                record.fail_now(exc)
+                continue
+            if route is not None:
+                transport, desc, pieces = route
+                routes.setdefault((transport.name, desc.name), (transport, desc, []))[2].extend(pieces)
+        for transport, desc, pieces in routes.values():  # one hand-off per transport and peer
+            try:
+                transport.submit(desc, pieces)
+            except TsukimiError as exc:  # closed concurrently
+                for piece in pieces:
+                    piece.record.slice_failed(str(exc), exc.code)
+
+    def _route(
+        self,
+        record: RequestRecord,
+        handle: SegmentHandle,
+        op: OpCode,
+        local: memoryview,
+        offset: int,
+        refreshed: set[str],
+    ) -> tuple[Transport, SegmentDescriptor, list[Slice]] | None:
+        """Pick the transport and cut the slices of one validated request; None when it
+        already ended FAILED (mutates `refreshed`)."""
+        desc = self._directory.get(handle.name)
+        buffer = desc.find(offset, len(local))
+        if buffer is None and handle.name not in refreshed:  # maybe registered after we cached
+            refreshed.add(handle.name)
+            desc = self._directory.fetch(handle.name)
             buffer = desc.find(offset, len(local))
-            if buffer is None and handle.name not in refreshed:
-                refreshed.add(handle.name)
-                desc = self._directory.fetch(handle.name)
-                buffer = desc.find(offset, len(local))
-            if buffer is None:
-                record.fail_now(OutOfBounds(f"[{offset:#x}, +{len(local)}) is outside every buffer of {handle.name}"))
-                continue
-            transport = self._choose(handle, desc, buffer)
-            if transport is None:
-                record.fail_now(
-                    TransferError(f"transport {handle.transport} cannot reach that buffer of {handle.name}")
-                )
-                continue
-            step = self.config.slice_bytes if transport.name == "tcp" else SHM_SLICE_BYTES
-            pieces = [Slice(record, op, local[i : i + step], offset + i, buffer) for i in range(0, len(local), step)]
-            record.slices_left = len(pieces)
-            transport.submit(desc, pieces)
+        if buffer is None:
+            record.fail_now(OutOfBounds(f"[{offset:#x}, +{len(local)}) is outside every buffer of {handle.name}"))
+            return None
+        transport = self._choose(handle, desc, buffer)
+        if transport is None:
+            record.fail_now(TransferError(f"transport {handle.transport} cannot reach that buffer of {handle.name}"))
+            return None
+        step = self.config.slice_bytes if transport.name == "tcp" else SHM_SLICE_BYTES
+        pieces = [Slice(record, op, local[i : i + step], offset + i, buffer) for i in range(0, len(local), step)]
+        record.slices_left = len(pieces)
+        return transport, desc, pieces
 
     def status(self, batch_id: BatchId) -> BatchStatus:
         """Per-request states of the batch (does not wait)."""
@@ -296,7 +330,7 @@ class TransferEngine:
     def _plan(self, req: TransferRequest) -> tuple[SegmentHandle, OpCode, memoryview, int]:
         if not isinstance(req.op, OpCode):
             raise ConfigError(f"op must be an OpCode, got {req.op!r}")
-        view, _ = byte_view(req.local, writable=req.op is OpCode.READ)
+        view = byte_view(req.local, writable=req.op is OpCode.READ, with_address=False)[0]
         length = len(view) - req.local_offset if req.length is None else req.length
         if req.local_offset < 0 or length <= 0 or req.local_offset + length > len(view):
             raise InvalidBufferError(

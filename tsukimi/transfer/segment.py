@@ -82,8 +82,8 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def byte_view(obj: object, writable: bool = True) -> tuple[memoryview, int]:
-    """A flat byte memoryview over `obj` and its address.
+def byte_view(obj: object, writable: bool = True, with_address: bool = True) -> tuple[memoryview, int]:
+    """A flat byte memoryview over `obj` and its address (0 unless `with_address`).
 
     Accepts bytes-like objects (bytearray, mmap, memoryview, numpy arrays), torch CPU
     tensors, and `(address, length)` tuples (the caller keeps that memory alive).
@@ -110,8 +110,9 @@ def byte_view(obj: object, writable: bool = True) -> tuple[memoryview, int]:
     if view.nbytes == 0:
         raise InvalidBufferError("buffer must not be empty")
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-    address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-    return view, address
+    if not with_address:  # NOTE: the per-request path only needs the view
+        return view, 0
+    return view, int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 class _Device(Protocol):

@@ -26,6 +26,7 @@ from tsukimi.transfer.segment import Endpoint, LocalSegment
 logger = logging.getLogger(__name__)
 
 _DRAIN_BYTES = 256 << 10
+_DATA_OPS = (wire.Op.READ, wire.Op.WRITE)
 _TICK_S = 0.5  # how often blocked socket calls wake up to check deadlines and close()
 
 
@@ -84,15 +85,42 @@ class SegmentServer:
             threading.Thread(target=self._serve, args=(conn, addr), name="tsukimi-serve-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket, addr: object) -> None:
-        head = memoryview(bytearray(wire.REQUEST.size))
+        head = bytearray(wire.REQUEST.size)
+        head_view = memoryview(head)
+        deadline = [0.0]  # of the frame being served; read by `expired` on socket ticks
+        clock, timeout_s, max_slice = self._clock, self._config.timeout_s, self._config.max_slice_bytes
+        resolve, unpack, ok = self._segment.resolve, wire.REQUEST.unpack_from, wire.RESPONSE.pack
+
+        def idle(got: int) -> bool:  # between frames: wait for ever; inside a header: not at all
+            return self._closed or got > 0
+
+        def expired(_: int = 0) -> bool:
+            return self._closed or clock.now() >= deadline[0]
+
         wire.set_io_timeout(conn, _TICK_S)
+        acks: list[bytes | memoryview] = []  # write acks held back while more requests are queued
         try:
             while True:
-                # Idle connections stay open until the peer or close() ends them; a frame,
-                # once started, must arrive whole within the transfer timeout.
-                wire.recv_exact(conn, head, lambda got: self._closed or got > 0)
-                request = wire.decode_request(head, self._config.max_slice_bytes)
-                self._handle(conn, request, self._clock.now() + self._config.timeout_s)
+                self._next_header(conn, head_view, acks, idle, expired)
+                deadline[0] = clock.now() + timeout_s
+                magic, op, _flags, seq, offset, length = unpack(head)
+                # NOTE: the hot path (a valid READ/WRITE in bounds) allocates nothing per frame.
+                if magic == wire.MAGIC and op in _DATA_OPS and length <= max_slice:
+                    try:
+                        view = resolve(offset, length)
+                    except OutOfBounds as exc:
+                        self._flush(conn, acks, expired)
+                        self._refuse(conn, wire.decode_request(head, max_slice), exc, expired)
+                        continue
+                    if op == wire.Op.WRITE:
+                        wire.recv_exact(conn, view, expired)
+                        acks.append(ok(wire.MAGIC, 0, 0, seq, 0))
+                    else:
+                        acks += (ok(wire.MAGIC, 0, 0, seq, length), view)
+                        self._flush(conn, acks, expired)
+                else:  # handshakes, and malformed frames (decode_request raises ProtocolError)
+                    self._flush(conn, acks, expired)
+                    self._handshake(conn, wire.decode_request(head, max_slice), expired)
         except ProtocolError as exc:
             logger.warning("closing connection from %s: %s", addr, exc)
         except OSError as exc:
@@ -102,31 +130,51 @@ class SegmentServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _handle(self, conn: socket.socket, req: wire.RequestHeader, deadline: float) -> None:
-        def expired(_: int = 0) -> bool:
-            return self._closed or self._clock.now() >= deadline
+    @staticmethod
+    def _next_header(
+        conn: socket.socket,
+        head: memoryview,
+        acks: list[bytes | memoryview],
+        idle: Callable[[int], bool],
+        expired: Callable[[int], bool],
+    ) -> None:
+        """Read the next request header. Held-back acks go out first unless another request
+        is already waiting (then one peer wake-up covers several acks)."""
+        got = 0
+        if acks:
+            try:
+                got = conn.recv_into(head, len(head), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                got = 0
+            else:
+                if got == 0:
+                    raise ConnectionResetError("peer closed the connection")
+            if got == 0:
+                SegmentServer._flush(conn, acks, expired)
+        if got < len(head):
+            wire.recv_exact(conn, head[got:], idle if got == 0 else (lambda _: True))
 
-        if req.op is wire.Op.HANDSHAKE:
-            self._handshake(conn, req, expired)
-            return
-        try:
-            view = self._segment.resolve(req.offset, req.length)
-        except OutOfBounds as exc:
-            if req.op is wire.Op.WRITE:
-                scratch = memoryview(bytearray(max(1, min(req.length, _DRAIN_BYTES))))
-                while req.length > 0:  # drain the payload so the stream stays in sync
-                    chunk = min(req.length, len(scratch))
-                    wire.recv_exact(conn, scratch[:chunk], expired)
-                    req = wire.RequestHeader(req.op, req.seq, req.offset, req.length - chunk)
-            self._reply(conn, wire.ResponseHeader(wire.Status.OUT_OF_BOUNDS, req.seq, 0), str(exc).encode(), expired)
-            return
+    @staticmethod
+    def _flush(conn: socket.socket, acks: list[bytes | memoryview], expired: Callable[[int], bool]) -> None:
+        if acks:
+            wire.send_all(conn, acks, lambda: expired(0))
+            acks.clear()
+
+    def _refuse(
+        self, conn: socket.socket, req: wire.RequestHeader, exc: OutOfBounds, expired: Callable[[int], bool]
+    ) -> None:
+        """Answer OUT_OF_BOUNDS; a write's payload is drained so the stream stays in sync."""
         if req.op is wire.Op.WRITE:
-            wire.recv_exact(conn, view, expired)
-            self._reply(conn, wire.ResponseHeader(wire.Status.OK, req.seq, 0), b"", expired)
-        else:
-            self._reply(conn, wire.ResponseHeader(wire.Status.OK, req.seq, req.length), view, expired)
+            scratch = memoryview(bytearray(max(1, min(req.length, _DRAIN_BYTES))))
+            left = req.length
+            while left > 0:
+                chunk = min(left, len(scratch))
+                wire.recv_exact(conn, scratch[:chunk], expired)
+                left -= chunk
+        self._reply(conn, wire.ResponseHeader(wire.Status.OUT_OF_BOUNDS, req.seq, 0), str(exc).encode(), expired)
 
     def _handshake(self, conn: socket.socket, req: wire.RequestHeader, expired: Callable[[int], bool]) -> None:
+        assert req.op is wire.Op.HANDSHAKE  # decode_request let only valid frames through
         body = bytearray(req.length)
         wire.recv_exact(conn, memoryview(body), expired)
         if body:

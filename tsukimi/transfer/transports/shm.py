@@ -27,6 +27,8 @@ from tsukimi.transfer.transports import Slice
 
 logger = logging.getLogger(__name__)
 
+INLINE_BYTES = 256 << 10  # slices up to this size are copied by the submitting thread
+
 
 class _ShmPeer:
     """One peer process: its pidfd and the files of it mapped so far."""
@@ -91,7 +93,10 @@ class ShmTransport:
             raise ClosedError("shm transport is closed")
         state = self._peer(peer)
         for piece in slices:
-            self._queue.put((state, piece))
+            if len(piece.local) <= INLINE_BYTES:
+                self._run(state, piece)  # NOTE: cheaper than a hand-off to a worker thread
+            else:
+                self._queue.put((state, piece))
 
     def forget(self, peer_name: str) -> None:
         with self._lock:
@@ -123,16 +128,19 @@ class ShmTransport:
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
-            peer, piece = item
-            if self._clock.now() > piece.record.deadline:
-                piece.record.slice_failed("deadline passed before the copy started", timed_out=True)
-                continue
-            try:
-                self._copy(peer, piece)
-            except (OSError, ValueError, PeerError) as exc:
-                piece.record.slice_failed(f"shm transfer to {peer.name} failed: {exc}", PeerError.code)
-            else:
-                piece.record.slice_done(len(piece.local))
+            self._run(*item)
+
+    def _run(self, peer: _ShmPeer, piece: Slice) -> None:
+        """Copy one slice and end it (done, failed or timed out)."""
+        if self._clock.now() > piece.record.deadline:
+            piece.record.slice_failed("deadline passed before the copy started", timed_out=True)
+            return
+        try:
+            self._copy(peer, piece)
+        except (OSError, ValueError, PeerError) as exc:
+            piece.record.slice_failed(f"shm transfer to {peer.name} failed: {exc}", PeerError.code)
+        else:
+            piece.record.slice_done(len(piece.local))
 
     def _copy(self, peer: _ShmPeer, piece: Slice) -> None:
         if not peer.alive():

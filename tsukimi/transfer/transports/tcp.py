@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 _STATUS_CODES = {wire.Status.OUT_OF_BOUNDS: OutOfBounds.code}
 _TICK_S = 0.1  # how often a blocked socket call wakes up to check deadlines and shutdown
+_COALESCE_BYTES = 512 << 10  # a sender merges queued slices into one sendmsg up to this size
 
 
 def connect(endpoint: Endpoint, timeout_s: float) -> socket.socket:
@@ -88,6 +89,7 @@ class _Connection:
         self.slots = threading.Semaphore(peer.config.pipeline_depth)
         self.seq = itertools.count(1)
         self._head = bytearray(wire.RESPONSE.size)
+        self._head_view = memoryview(self._head)
         name = f"tsukimi-tcp-{peer.name}-{index}"
         self.threads = [
             threading.Thread(target=self._send_loop, name=name + "-tx", daemon=True),
@@ -99,40 +101,65 @@ class _Connection:
     # -- sender ------------------------------------------------------------------------
 
     def _send_loop(self) -> None:
-        clock = self.peer.clock
-        while (piece := self.queue.get()) is not None:
-            if piece.record.state is not RequestState.PENDING:
-                piece.record.slice_failed("")  # the request already ended; only account for it
-                continue
-            if clock.now() >= piece.record.deadline:
-                piece.record.slice_failed("request timed out before it was sent", timed_out=True)
-                continue
-            while not self.slots.acquire(timeout=_TICK_S):
-                if self.stopping:
-                    piece.record.slice_failed("transfer engine closed", ClosedError.code)
+        clock, depth = self.peer.clock, self.peer.config.pipeline_depth
+        # NOTE: coalescing small slices saves syscalls and wake-ups; large ones stream better
+        # one sendmsg each (measured: 16 MiB in one call slowed 1-connection writes by 15%).
+        coalesce_bytes = _COALESCE_BYTES
+        stop = False
+        while not stop and (first := self.queue.get()) is not None:
+            pieces: list[Slice] = []
+            pending_bytes = 0
+            candidate: Slice | None = first
+            while candidate is not None:  # coalesce what is queued into one sendmsg
+                if candidate.record.state is not RequestState.PENDING:
+                    candidate.record.slice_failed("")  # the request already ended; only account for it
+                elif clock.now() >= candidate.record.deadline:
+                    candidate.record.slice_failed("request timed out before it was sent", timed_out=True)
+                else:
+                    pieces.append(candidate)
+                    pending_bytes += len(candidate.local)
+                if len(pieces) >= depth or pending_bytes >= coalesce_bytes:
                     break
-            else:
-                self._send(piece)
+                try:
+                    candidate = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                stop = candidate is None
+            self._send([p for p in pieces if self._take_slot(p)])
         self.fail_queued()
 
-    def _send(self, piece: Slice) -> None:
+    def _take_slot(self, piece: Slice) -> bool:
+        while not self.slots.acquire(timeout=_TICK_S):
+            if self.stopping:
+                piece.record.slice_failed("transfer engine closed", ClosedError.code)
+                return False
+        return True
+
+    def _send(self, pieces: list[Slice]) -> None:
+        """Write the requests (and write payloads) of `pieces`, each holding a slot."""
+        if not pieces:
+            return
         while True:
             try:
                 sock, gen = self._connected()
             except OSError as exc:
-                self.slots.release()
-                self.peer.retry(piece, self.index, f"cannot connect to {self.endpoint}: {exc}", False)
+                for piece in pieces:
+                    self.slots.release()
+                    self.peer.retry(piece, self.index, f"cannot connect to {self.endpoint}: {exc}", False)
                 return
             with self.lock:
                 if gen == self.gen:
-                    seq = next(self.seq) & 0xFFFFFFFF
-                    self.inflight.append((seq, piece, gen, sock))
+                    parts: list[bytes | memoryview] = []
+                    for piece in pieces:
+                        seq = next(self.seq) & 0xFFFFFFFF
+                        self.inflight.append((seq, piece, gen, sock))
+                        op = wire.Op.WRITE if piece.op is OpCode.WRITE else wire.Op.READ
+                        parts.append(wire.REQUEST.pack(wire.MAGIC, op, 0, seq, piece.remote_offset, len(piece.local)))
+                        if piece.op is OpCode.WRITE:
+                            parts.append(piece.local)
                     self.ready.notify()
                     break
-        deadline = piece.record.deadline
-        op = wire.Op.WRITE if piece.op is OpCode.WRITE else wire.Op.READ
-        head = wire.REQUEST.pack(wire.MAGIC, op, 0, seq, piece.remote_offset, len(piece.local))
-        parts: list[bytes | memoryview] = [head, piece.local] if piece.op is OpCode.WRITE else [head]
+        deadline = min(piece.record.deadline for piece in pieces)
         try:
             wire.send_all(sock, parts, lambda: self.stopping or self.peer.clock.now() >= deadline)
         except OSError as exc:
@@ -177,21 +204,21 @@ class _Connection:
         def expired(_: int) -> bool:
             return self.stopping or self.peer.clock.now() >= deadline
 
-        head = memoryview(self._head)
-        wire.recv_exact(sock, head, expired)
-        response = wire.decode_response(head)
-        if response.seq != seq:
-            raise ProtocolError(f"answer for request {response.seq}, expected {seq}")
-        if response.status is wire.Status.OK:
+        wire.recv_exact(sock, self._head_view, expired)
+        magic, status, _flags, got_seq, length = wire.RESPONSE.unpack_from(self._head)
+        if magic != wire.MAGIC or got_seq != seq:
+            raise ProtocolError(f"bad answer header (magic {magic:#x}, request {got_seq}, expected {seq})")
+        if status == wire.Status.OK:
             if piece.op is OpCode.READ:
-                if response.length != len(piece.local):
-                    raise ProtocolError(f"read answer of {response.length} bytes, asked {len(piece.local)}")
+                if length != len(piece.local):
+                    raise ProtocolError(f"read answer of {length} bytes, asked {len(piece.local)}")
                 wire.recv_exact(sock, piece.local, expired)
             piece.record.slice_done(len(piece.local))
             return
-        if response.length > wire.MAX_REASON_BYTES:
-            raise ProtocolError(f"error reason of {response.length} bytes is over the limit")
-        reason = bytearray(response.length)
+        response = wire.decode_response(self._head)  # raises on an unknown status
+        if length > wire.MAX_REASON_BYTES:
+            raise ProtocolError(f"error reason of {length} bytes is over the limit")
+        reason = bytearray(length)
         wire.recv_exact(sock, memoryview(reason), expired)
         code = _STATUS_CODES.get(response.status, PeerError.code)
         piece.record.slice_failed(reason.decode(errors="replace"), code)
@@ -263,9 +290,15 @@ class _TcpPeer:
         self._next = itertools.count()
 
     def dispatch(self, pieces: list[Slice]) -> None:
+        """Deal slices to connections in groups of about `slice_bytes`: large transfers are
+        striped, while a burst of small requests stays on one connection (fewer wake-ups)."""
         n = len(self.connections)
+        conn, group_bytes = self.connections[next(self._next) % n], 0
         for piece in pieces:
-            self.connections[next(self._next) % n].queue.put(piece)
+            if group_bytes >= self.config.slice_bytes:
+                conn, group_bytes = self.connections[next(self._next) % n], 0
+            conn.queue.put(piece)
+            group_bytes += len(piece.local)
 
     def retry(self, piece: Slice, failed_on: int, reason: str, timed_out: bool) -> None:
         piece.attempts += 1
