@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--compare-mooncake", action="store_true", help="also run the real Mooncake TE (tcp)")
     tr.add_argument("--quick", action="store_true", help="a small grid for CI smoke runs")
     tr.add_argument("--json", action="store_true", help="print one JSON object")
+    tr.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
     return parser
 
 
@@ -86,6 +87,8 @@ def _bench_transfer(args: argparse.Namespace, console: Console) -> None:
         result = transfer.run(cfg, progress=lambda text: status.update(text))
     if args.json:
         print(json.dumps(transfer.to_json(result)))
+    elif args.markdown:
+        print(transfer.render_markdown(transfer.to_json(result)))
     else:
         console.print(transfer.render_table(result))
 
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    console = Console(stderr=bool(getattr(args, "json", False)))
+    console = Console(stderr=bool(getattr(args, "json", False) or getattr(args, "markdown", False)))
     try:
         if args.command == "metadata-server":
             from tsukimi.transfer.metadata import http

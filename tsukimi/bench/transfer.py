@@ -262,3 +262,36 @@ def render_table(result: TransferBenchResult) -> Table:
         )
     )
     return table
+
+
+def render_markdown(report: dict[str, object]) -> str:
+    """The `to_json` report as a Markdown table (what docs/benchmarks.md shows)."""
+    baselines = report["baselines"]
+    assert isinstance(baselines, dict)
+    lines = [
+        f"Baselines: raw socket stream {baselines['socket_gbps']:.2f} GB/s, "
+        f"memcpy {baselines['memcpy_gbps']:.2f} GB/s. git {report['git_rev']}.",
+        "",
+        "| transport | op | block | batch | conns | GB/s | x baseline | x Mooncake (same run) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows = report["ratios"]
+    assert isinstance(rows, list)
+    for row in rows:
+        block = int(row["block_bytes"])
+        size = f"{block // MIB} MiB" if block >= MIB else f"{block // KIB} KiB"
+        baseline = "socket" if row["transport"] == "tcp" else "memcpy"
+        vs_mc = f"{row['vs_mooncake']:.2f}" if "vs_mooncake" in row else "-"
+        lines.append(
+            f"| {row['transport']} | {row['op']} | {size} | {row['batch']} | {row['connections']} | "
+            f"{row['gbps']:.2f} | {row['vs_baseline']:.2f} ({baseline}) | {vs_mc} |"
+        )
+    mooncake = report.get("mooncake")
+    if isinstance(mooncake, list) and mooncake:
+        lines += ["", "Mooncake TE (TCP, P2P handshake), same cells, same run:", ""]
+        lines += ["| op | block | batch | GB/s |", "|---|---|---|---|"]
+        for row in mooncake:
+            block = int(row["block_bytes"])
+            size = f"{block // MIB} MiB" if block >= MIB else f"{block // KIB} KiB"
+            lines.append(f"| {row['op']} | {size} | {row['batch']} | {row['gbps']:.2f} |")
+    return "\n".join(lines)
