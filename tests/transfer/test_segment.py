@@ -107,3 +107,30 @@ class SegmentModel(RuleBasedStateMachine):
 
 
 TestSegmentModel = SegmentModel.TestCase
+
+
+def _desc(buffers: list[tuple[int, int]]) -> bytes:
+    from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor, encode_descriptor
+
+    return encode_descriptor(SegmentDescriptor("s", "h", 1, 1, [], [BufferDescriptor(b, n) for b, n in buffers]))
+
+
+def test_descriptors_are_sorted_on_decode_and_found_by_bisection() -> None:
+    from tsukimi.transfer.segment import decode_descriptor
+
+    desc = decode_descriptor(_desc([(3000, 100), (1000, 500), (2000, 10)]))
+    assert [b.base for b in desc.buffers] == [1000, 2000, 3000]
+    assert desc.find(1000, 500) == desc.buffers[0]
+    assert desc.find(2005, 5) == desc.buffers[1]
+    assert desc.find(2005, 6) is None  # runs past the end of its buffer
+    assert desc.find(999, 1) is None and desc.find(3100, 1) is None and desc.find(1500, 1) is None
+
+
+@pytest.mark.parametrize("buffers", [[(1000, 500), (1400, 10)], [(1000, 0)], [(-5, 10)]])
+def test_malformed_descriptors_are_rejected(buffers: list[tuple[int, int]]) -> None:
+    import msgspec
+
+    from tsukimi.transfer.segment import decode_descriptor
+
+    with pytest.raises(msgspec.ValidationError):
+        decode_descriptor(_desc(buffers))

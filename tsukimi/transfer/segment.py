@@ -53,11 +53,18 @@ class SegmentDescriptor(msgspec.Struct, frozen=True):
     buffers: list[BufferDescriptor]
 
     def find(self, offset: int, length: int) -> BufferDescriptor | None:
-        """The buffer that wholly contains [offset, offset + length), if any."""
-        for buf in self.buffers:
-            if buf.base <= offset and offset + length <= buf.base + buf.length:
+        """The buffer that wholly contains [offset, offset + length), if any (O(log n):
+        `buffers` is sorted by base, which `decode_descriptor` guarantees)."""
+        i = bisect.bisect_right(self.buffers, offset, key=_base) - 1
+        if i >= 0:
+            buf = self.buffers[i]
+            if offset + length <= buf.base + buf.length:
                 return buf
         return None
+
+
+def _base(buf: BufferDescriptor) -> int:
+    return buf.base
 
 
 _descriptor_decoder = msgspec.json.Decoder(SegmentDescriptor)
@@ -68,8 +75,17 @@ def encode_descriptor(desc: SegmentDescriptor) -> bytes:
 
 
 def decode_descriptor(data: bytes | memoryview) -> SegmentDescriptor:
-    """Raises msgspec.ValidationError / DecodeError on malformed input."""
-    return _descriptor_decoder.decode(data)
+    """Decode a peer's descriptor; its buffers come back sorted by base.
+
+    Raises msgspec.ValidationError / DecodeError on malformed input, including buffers that
+    are empty, negative or overlapping.
+    """
+    desc = _descriptor_decoder.decode(data)
+    buffers = sorted(desc.buffers, key=_base)
+    for prev, buf in zip([None, *buffers], buffers, strict=False):
+        if buf.base < 0 or buf.length <= 0 or (prev is not None and prev.base + prev.length > buf.base):
+            raise msgspec.ValidationError(f"buffer at {buf.base:#x}+{buf.length} is empty, negative or overlaps")
+    return desc if buffers == desc.buffers else msgspec.structs.replace(desc, buffers=buffers)
 
 
 def host_id() -> str:

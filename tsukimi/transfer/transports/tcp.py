@@ -84,6 +84,7 @@ class _Connection:
         self.gen = 0
         self.stopping = False
         self.lock = threading.Lock()
+        self.send_lock = threading.Lock()  # one writer at a time: the sender thread or an inline caller
         self.ready = threading.Condition(self.lock)
         self.inflight: collections.deque[tuple[int, Slice, int, socket.socket]] = collections.deque()
         self.slots = threading.Semaphore(peer.config.pipeline_depth)
@@ -125,8 +126,29 @@ class _Connection:
                 except queue.Empty:
                     break
                 stop = candidate is None
-            self._send([p for p in pieces if self._take_slot(p)])
+            taken = [p for p in pieces if self._take_slot(p)]
+            with self.send_lock:
+                self._send(taken)
         self.fail_queued()
+
+    def try_send_inline(self, pieces: list[Slice]) -> bool:
+        """Send a small burst from the caller's thread when this connection is connected and
+        idle (nothing queued, sender not writing, slots free): saves a thread hand-off.
+        False means nothing was done and the caller should queue the pieces."""
+        if self.sock is None or not self.queue.empty() or not self.send_lock.acquire(blocking=False):
+            return False
+        try:
+            taken = 0
+            while taken < len(pieces) and self.slots.acquire(blocking=False):
+                taken += 1
+            if taken < len(pieces):
+                for _ in range(taken):
+                    self.slots.release()
+                return False
+            self._send(pieces)
+            return True
+        finally:
+            self.send_lock.release()
 
     def _take_slot(self, piece: Slice) -> bool:
         while not self.slots.acquire(timeout=_TICK_S):
@@ -136,7 +158,8 @@ class _Connection:
         return True
 
     def _send(self, pieces: list[Slice]) -> None:
-        """Write the requests (and write payloads) of `pieces`, each holding a slot."""
+        """Write the requests (and write payloads) of `pieces`, each holding a slot.
+        Called with `send_lock` held, so `inflight` order is wire order."""
         if not pieces:
             return
         while True:
@@ -291,9 +314,14 @@ class _TcpPeer:
 
     def dispatch(self, pieces: list[Slice]) -> None:
         """Deal slices to connections in groups of about `slice_bytes`: large transfers are
-        striped, while a burst of small requests stays on one connection (fewer wake-ups)."""
+        striped, while a burst of small requests stays on one connection (fewer wake-ups) and,
+        when that connection is idle, is written by the calling thread itself."""
         n = len(self.connections)
-        conn, group_bytes = self.connections[next(self._next) % n], 0
+        conn = self.connections[next(self._next) % n]
+        small = len(pieces) <= self.config.pipeline_depth and sum(len(p.local) for p in pieces) <= _COALESCE_BYTES
+        if small and conn.try_send_inline(pieces):
+            return
+        group_bytes = 0
         for piece in pieces:
             if group_bytes >= self.config.slice_bytes:
                 conn, group_bytes = self.connections[next(self._next) % n], 0
