@@ -176,4 +176,4 @@ def test_a_stalled_tcp_peer_times_out(target_process: JsonWorker) -> None:
         finally:
             target_process.send_signal(signal.SIGCONT)
         assert status.state is RequestState.TIMED_OUT
-        assert 0.9 < elapsed < 2.0
+        assert 0.9 < elapsed < 2.5  # the 1 s deadline, plus socket-tick and scheduling slack

@@ -107,8 +107,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 def serve(host: str = "127.0.0.1", port: int = 8080, *, store: MetadataBackend | None = None) -> None:
     """Run the metadata server in the foreground until interrupted (blocks)."""
-    logger.info("metadata server listening on http://%s:%d%s", host, port, METADATA_PATH)
-    uvicorn.run(create_app(store), host=host, port=port, log_level="info")
+    sock = _listen(host, port)  # NOTE: not uvicorn.run(host=, port=): see _listen on Nagle
+    logger.info("metadata server listening on http://%s:%d%s", host, sock.getsockname()[1], METADATA_PATH)
+    uvicorn.Server(uvicorn.Config(create_app(store), log_level="info")).run(sockets=[sock])
 
 
 class ServerHandle:
