@@ -75,7 +75,7 @@ def test_bad_arguments(pair: EnginePair) -> None:
         engine.allocate_batch(0)
     with pytest.raises(ConfigError, match="transport"):
         engine.open_segment("target", transport="rdma")
-    with pytest.raises(OutOfBounds, match="negative"):
+    with pytest.raises(OutOfBounds, match="64-bit address space"):
         engine.write("target", -1, b"x")
     with pytest.raises(ConfigError, match="OpCode"):
         engine.transfer([TransferRequest("write", "target", 0, b"x")])  # type: ignore[arg-type]

@@ -92,6 +92,9 @@ def test_a_released_buffer_is_not_written(pair: EnginePair) -> None:
     pair.target.unregister(extra.base)
     status = pair.initiator.transfer([TransferRequest(OpCode.WRITE, seg, extra.base, b"after")])[0]
     assert status.state is RequestState.FAILED
+    # shm sees the file unlinked; tcp's server no longer finds the buffer
+    assert status.error_code == ("peer" if pair.case == "shm" else "out_of_bounds")
+    assert ("released" if pair.case == "shm" else "not inside a registered buffer") in status.reason
     pair.initiator.write(seg, pair.buf.base, b"still serving")
 
 
@@ -147,7 +150,9 @@ def test_peer_killed_mid_transfer_fails_within_the_timeout(case: str, target_pro
 
         thread = threading.Thread(target=hammer)
         thread.start()
-        time.sleep(0.3)
+        wait_until = time.monotonic() + 10
+        while not outcomes and time.monotonic() < wait_until:  # kill mid-stream, not before it
+            time.sleep(0.01)
         killed_at = time.monotonic()
         target_process.kill()
         time.sleep(0.5)

@@ -141,10 +141,11 @@ def test_connection_limit() -> None:
 @given(st.binary(min_size=wire.REQUEST.size, max_size=wire.REQUEST.size))
 def test_decode_request_never_crashes(frame: bytes) -> None:
     try:
-        req = wire.decode_request(frame, 1 << 20)
+        req = wire.decode_request(frame, 4096)
     except ProtocolError:
         return
-    assert req.length <= wire.MAX_DESCRIPTOR_BYTES
+    assert req.length <= (wire.MAX_DESCRIPTOR_BYTES if req.op is wire.Op.HANDSHAKE else 4096)
+    assert req.offset + req.length < 1 << 64
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -154,7 +155,7 @@ def test_decode_request_never_crashes(frame: bytes) -> None:
         st.builds(
             lambda op, off, ln, tail: struct.pack("<HBBIQQ", wire.MAGIC, op, 0, 1, off, ln) + tail,
             st.integers(0, 255),
-            st.one_of(st.integers(0, 1 << 64 - 1), st.integers(BASE - 10, BASE + SIZE + 10)),
+            st.one_of(st.integers(0, (1 << 64) - 1), st.integers(BASE - 10, BASE + SIZE + 10)),
             st.integers(0, 1 << 16),
             st.binary(max_size=64),
         ),
@@ -171,6 +172,6 @@ def test_fuzzed_bytes_never_stop_the_server(served: tuple[SegmentServer, bytearr
                 pass
         except (ConnectionResetError, BrokenPipeError, OSError) as exc:  # refused mid-way: fine
             assert not isinstance(exc, TimeoutError), "the server neither answered nor closed"
-    with _connect(server) as sock:
+    with _connect(server) as sock:  # a fuzzed in-bounds write may have changed the bytes
         head, body = _ask(sock, wire.Op.READ, 1, BASE + 1, 1)
-        assert head.status is wire.Status.OK and body == b"\x01"
+        assert head.status is wire.Status.OK and len(body) == 1

@@ -73,46 +73,69 @@ class RequestStatus:
 
 
 class RequestRecord:
-    """Mutable progress of one request; updated by transport threads under `batch.lock`."""
+    """Mutable progress of one request; updated by transport threads under `batch.lock`.
 
-    __slots__ = ("batch", "code", "deadline", "done_bytes", "length", "reason", "slices_left", "state")
+    A request becomes final only when every one of its slices has ended, so once a caller
+    sees a final state nothing touches its buffer any more. The first failure is kept as the
+    reason (`doomed`), and later slices of a doomed request are not sent. `keepalive` holds
+    the caller's buffer object (a torch tensor, say) until then.
+    """
 
-    def __init__(self, batch: Batch, length: int, deadline: float) -> None:
+    __slots__ = ("batch", "code", "deadline", "done_bytes", "keepalive", "reason", "slices_left", "state", "timed_out")
+
+    def __init__(self, batch: Batch, deadline: float, keepalive: object) -> None:
         self.batch = batch
-        self.length = length
         self.deadline = deadline
+        self.keepalive: object = keepalive
         self.slices_left = 0
         self.done_bytes = 0
         self.state = RequestState.PENDING
         self.reason = ""
         self.code = ""
+        self.timed_out = False
+
+    @property
+    def doomed(self) -> bool:
+        """A slice failed: the request will end FAILED or TIMED_OUT."""
+        return bool(self.code)
 
     def slice_done(self, nbytes: int) -> None:
         with self.batch.lock:
             self.done_bytes += nbytes
-            self.slices_left -= 1
-            if self.slices_left == 0 and self.state is RequestState.PENDING:
-                self._finish(RequestState.COMPLETED)
+            self._slice_ended()
 
     def slice_failed(self, reason: str, code: str = "", timed_out: bool = False) -> None:
+        """End one slice as failed; the first failure's reason and code are kept."""
         with self.batch.lock:
-            self.slices_left -= 1
-            if self.state is RequestState.PENDING:
-                self.reason, self.code = reason, code or TransferError.code
-                self._finish(RequestState.TIMED_OUT if timed_out else RequestState.FAILED)
+            if not self.code:
+                self.reason, self.code, self.timed_out = reason, code or TransferError.code, timed_out
+            self._slice_ended()
 
     def fail_now(self, exc: TsukimiError) -> None:
-        """Fail a request before any slice was dispatched (e.g. out of bounds)."""
+        """Fail a request none of whose slices were dispatched (e.g. out of bounds)."""
         with self.batch.lock:
             self.reason, self.code = str(exc), exc.code
-            self._finish(RequestState.FAILED)
+            self.slices_left = 0
+            self._finish()
 
-    def _finish(self, state: RequestState) -> None:
-        # Called with batch.lock held. Late slices of a failed request only decrement counts.
-        self.state = state
+    def _slice_ended(self) -> None:
+        # Called with batch.lock held.
+        self.slices_left -= 1
+        if self.slices_left == 0:
+            self._finish()
+
+    def _finish(self) -> None:
+        # Called with batch.lock held, once per request.
+        if not self.code:
+            self.state = RequestState.COMPLETED
+        else:
+            self.state = RequestState.TIMED_OUT if self.timed_out else RequestState.FAILED
+        self.keepalive = None
         self.batch.request_finished()
 
     def status(self) -> RequestStatus:
+        if self.state is RequestState.PENDING:
+            return RequestStatus(self.state, self.done_bytes)
         return RequestStatus(self.state, self.done_bytes, self.reason, self.code)
 
 
@@ -125,19 +148,26 @@ class Batch:
         self.lock = threading.Lock()
         self.records: list[RequestRecord] = []
         self.unfinished = 0
+        self.latest_deadline = 0.0
         self.future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.future.set_result(None)  # an empty batch is complete
 
-    def add(self, length: int, deadline: float) -> RequestRecord:
-        record = RequestRecord(self, length, deadline)
+    def add_many(self, keepalives: list[object], deadline: float) -> list[RequestRecord]:
+        """Add one record per request, all or none (mutates).
+
+        Raises:
+            OutOfBounds: the batch would hold more than `capacity` requests.
+        """
+        records = [RequestRecord(self, deadline, keep) for keep in keepalives]
         with self.lock:
-            if len(self.records) >= self.capacity:
+            if len(self.records) + len(records) > self.capacity:
                 raise OutOfBounds(f"batch {self.batch_id} holds at most {self.capacity} requests")
-            if self.unfinished == 0:
+            if records and self.unfinished == 0:
                 self.future = concurrent.futures.Future()
-            self.records.append(record)
-            self.unfinished += 1
-        return record
+            self.records += records
+            self.unfinished += len(records)
+            self.latest_deadline = max(self.latest_deadline, deadline)
+        return records
 
     def request_finished(self) -> None:
         # Called with self.lock held.

@@ -22,6 +22,8 @@ from tsukimi.transfer.transports import tcp
 
 logger = logging.getLogger(__name__)
 
+MAX_CACHED_SEGMENTS = 65536
+
 
 def parse_host_port(name: str) -> Endpoint:
     """`host:port` -> Endpoint. Raises ConfigError for anything else."""
@@ -84,19 +86,32 @@ class SegmentDirectory:
             raise ProtocolError(f"malformed descriptor for segment {name}: {exc}") from exc
         if desc.name != name:
             raise ProtocolError(f"asked for segment {name!r}, got the descriptor of {desc.name!r}")
-        self.learn(desc)
+        with self._lock:
+            self._cache[name] = desc
         return desc
 
     def cached(self, name: str) -> SegmentDescriptor | None:
         """The descriptor of `name` if it is cached (never fetches)."""
         return self._cache.get(name)
 
-    def learn(self, desc: SegmentDescriptor) -> None:
-        """Remember a descriptor a peer sent us (handshake); newer versions win per process."""
+    def learn_hint(self, desc: SegmentDescriptor) -> None:
+        """Remember the descriptor a peer sent in its handshake (p2p mode only).
+
+        NOTE: a hint never replaces a descriptor we fetched ourselves, and is ignored when a
+        metadata service is the authority: otherwise any client of our segment server could
+        redirect our writes for another peer's name. (Without the cluster secret of a later
+        issue, a local process can still pose as a peer we have not contacted yet.)
+        """
+        if self._backend is not None:
+            return
         with self._lock:
-            old = self._cache.get(desc.name)
-            if old is None or old.pid != desc.pid or desc.version >= old.version:
+            if desc.name not in self._cache and len(self._cache) < MAX_CACHED_SEGMENTS:
                 self._cache[desc.name] = desc
+
+    def invalidate(self, name: str) -> None:
+        """Forget the cached descriptor of `name`; the next use fetches it again."""
+        with self._lock:
+            self._cache.pop(name, None)
 
     def close(self) -> None:
         if self._backend is not None:

@@ -56,6 +56,7 @@ from tsukimi.transfer.transports.tcp import TcpTransport
 logger = logging.getLogger(__name__)
 
 SHM_SLICE_BYTES = 16 << 20
+WAIT_GRACE_S = 2.0  # past the latest deadline: socket ticks, retries and thread scheduling
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +93,12 @@ class TransferEngine:
         self._directory = SegmentDirectory(backend, self._describe_bytes, cfg.metadata.timeout_s)
         self._shm = SharedMemoryAllocator(self.config.shm_dir)
         self._transports: dict[str, Transport] = {
-            "shm": ShmTransport(self.config, self._host_id, self._clock),
+            "shm": ShmTransport(self.config, self._host_id, self._clock, self._directory.invalidate),
             "tcp": TcpTransport(self.config, self._clock),
         }
         self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._handles: dict[int, SegmentHandle] = {}
         self._batches: dict[BatchId, Batch] = {}
         self._closed = False
         self._publish()
@@ -158,10 +159,7 @@ class TransferEngine:
         if chosen not in TRANSPORT_NAMES:
             raise ConfigError(f"transport must be one of {TRANSPORT_NAMES}, got {transport!r}")
         self._directory.get(name)
-        handle = SegmentHandle(next(self._ids), name, chosen)
-        with self._lock:
-            self._handles[handle.handle_id] = handle
-        return handle
+        return SegmentHandle(next(self._ids), name, chosen)
 
     def allocate_batch(self, capacity: int = 4096) -> BatchId:
         """A new, empty batch that will hold up to `capacity` requests."""
@@ -183,20 +181,28 @@ class TransferEngine:
         batch = self._batch(batch_id)
         deadline = self._clock.now() + (timeout_s if timeout_s is not None else self.config.timeout_s)
         plans = [self._plan(req) for req in requests]
-        if len(batch.records) + len(plans) > batch.capacity:
-            raise OutOfBounds(f"batch {batch_id} holds at most {batch.capacity} requests")
+        records = batch.add_many([req.local for req in requests], deadline)  # all or none
         refreshed: set[str] = set()
         routes: dict[tuple[str, str], tuple[Transport, SegmentDescriptor, list[Slice]]] = {}
-        for handle, op, local, offset in plans:
-            record = batch.add(len(local), deadline)
-            try:
-                route = self._route(record, handle, op, local, offset, refreshed)
-            except TsukimiError as exc:  # e.g. the metadata service failed on a re-fetch
-                record.fail_now(exc)
-                continue
-            if route is not None:
-                transport, desc, pieces = route
-                routes.setdefault((transport.name, desc.name), (transport, desc, []))[2].extend(pieces)
+        routed = 0
+        try:
+            for record, (handle, op, local, offset) in zip(records, plans, strict=True):
+                try:
+                    route = self._route(record, handle, op, local, offset, refreshed)
+                except TsukimiError as exc:  # e.g. the metadata service failed on a re-fetch
+                    record.fail_now(exc)
+                    route = None
+                routed += 1
+                if route is not None:
+                    transport, desc, pieces = route
+                    routes.setdefault((transport.name, desc.name), (transport, desc, []))[2].extend(pieces)
+        except BaseException:  # a bug or an interrupt: never leave a record pending for ever
+            for record in records[routed:]:
+                record.fail_now(TransferError("submit was interrupted before this request was routed"))
+            for _, _, pieces in routes.values():
+                for piece in pieces:
+                    piece.record.slice_failed("submit was interrupted")
+            raise
         for transport, desc, pieces in routes.values():  # one hand-off per transport and peer
             try:
                 transport.submit(desc, pieces)
@@ -239,10 +245,13 @@ class TransferEngine:
         return BatchStatus(batch_id, batch.done, batch.statuses())
 
     def wait(self, batch_id: BatchId, timeout_s: float | None = None) -> BatchStatus:
-        """Block until every request of the batch ended, or `timeout_s` passed."""
+        """Block until every request of the batch ended, or `timeout_s` passed (default:
+        the batch's latest request deadline plus a grace period, by when all have ended)."""
         batch = self._batch(batch_id)
+        if timeout_s is None:
+            timeout_s = max(0.0, batch.latest_deadline - self._clock.now()) + WAIT_GRACE_S
         with contextlib.suppress(TimeoutError):
-            batch.future.result(timeout=timeout_s if timeout_s is not None else self.config.timeout_s * 2)
+            batch.future.result(timeout=timeout_s)
         return self.status(batch_id)
 
     async def wait_async(self, batch_id: BatchId) -> BatchStatus:
@@ -257,17 +266,18 @@ class TransferEngine:
         batch_id = self.allocate_batch(max(1, len(requests)))
         try:
             self.submit(batch_id, requests, timeout_s)
-            return self.wait(batch_id, None if timeout_s is None else timeout_s * 2).requests
+            return self.wait(batch_id).requests
         finally:
             self._release(batch_id)
 
     async def transfer_async(
         self, requests: Sequence[TransferRequest], timeout_s: float | None = None
     ) -> list[RequestStatus]:
-        """Like `transfer`, awaitable from asyncio (the wait does not block the loop)."""
+        """Like `transfer`, awaitable from asyncio; nothing blocks the event loop (submit runs
+        on a worker thread, since a first contact with a peer may wait on the network)."""
         batch_id = self.allocate_batch(max(1, len(requests)))
         try:
-            self.submit(batch_id, requests, timeout_s)
+            await asyncio.to_thread(self.submit, batch_id, requests, timeout_s)
             return (await self.wait_async(batch_id)).requests
         finally:
             self._release(batch_id)
@@ -336,8 +346,8 @@ class TransferEngine:
             raise InvalidBufferError(
                 f"local range [{req.local_offset}, +{length}) does not fit a buffer of {len(view)} bytes"
             )
-        if req.remote_offset < 0:
-            raise OutOfBounds(f"remote offset {req.remote_offset} is negative")
+        if req.remote_offset < 0 or req.remote_offset + length >= 1 << 64:
+            raise OutOfBounds(f"remote range [{req.remote_offset}, +{length}) is outside the 64-bit address space")
         handle = req.segment if isinstance(req.segment, SegmentHandle) else self._handle_for(req.segment)
         return handle, req.op, view[req.local_offset : req.local_offset + length], req.remote_offset
 
@@ -377,13 +387,15 @@ class TransferEngine:
             raise ClosedError(f"transfer engine {self.name} is closed")
 
     def _publish(self) -> None:
-        self._directory.publish(self.describe())
+        # NOTE: serialised, so concurrent registrations never leave an older descriptor last.
+        with self._publish_lock:
+            self._directory.publish(self.describe())
 
     def _describe_bytes(self) -> bytes:
         return encode_descriptor(self.describe())
 
     def _on_handshake(self, raw: bytes) -> None:
-        self._directory.learn(decode_descriptor(raw))
+        self._directory.learn_hint(decode_descriptor(raw))
 
 
 def first_error(statuses: Sequence[RequestStatus]) -> TsukimiError | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import ipaddress
 import itertools
 import os
 import socket
@@ -81,11 +82,27 @@ def decode_descriptor(data: bytes | memoryview) -> SegmentDescriptor:
     are empty, negative or overlapping.
     """
     desc = _descriptor_decoder.decode(data)
+    for endpoint in desc.endpoints:
+        if not 0 < endpoint.port < 65536 or not _valid_host(endpoint.host):
+            raise msgspec.ValidationError(f"bad endpoint {endpoint.host!r}:{endpoint.port}")
     buffers = sorted(desc.buffers, key=_base)
     for prev, buf in zip([None, *buffers], buffers, strict=False):
-        if buf.base < 0 or buf.length <= 0 or (prev is not None and prev.base + prev.length > buf.base):
-            raise msgspec.ValidationError(f"buffer at {buf.base:#x}+{buf.length} is empty, negative or overlaps")
+        bad = buf.base < 0 or buf.length <= 0 or buf.base + buf.length >= 1 << 64 or buf.shm_offset < 0
+        if bad or (prev is not None and prev.base + prev.length > buf.base):
+            raise msgspec.ValidationError(f"buffer at {buf.base:#x}+{buf.length} is empty, out of range or overlaps")
     return desc if buffers == desc.buffers else msgspec.structs.replace(desc, buffers=buffers)
+
+
+def _valid_host(host: str) -> bool:
+    """An IP address or a DNS name whose labels fit (an over-long label made connect() raise
+    UnicodeError inside a transport thread)."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.split(".")
+    return 0 < len(host) <= 253 and all(0 < len(label) <= 63 and label.isascii() for label in labels)
 
 
 def host_id() -> str:

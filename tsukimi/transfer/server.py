@@ -27,7 +27,9 @@ logger = logging.getLogger(__name__)
 
 _DRAIN_BYTES = 256 << 10
 _DATA_OPS = (wire.Op.READ, wire.Op.WRITE)
-_TICK_S = 0.5  # how often blocked socket calls wake up to check deadlines and close()
+_TICK_S = 0.5
+_ACCEPT_BACKOFF_S = 0.05
+_ACK_FLUSH_BYTES = 256 << 10  # how often blocked socket calls wake up to check deadlines and close()
 
 
 class SegmentServer:
@@ -73,8 +75,13 @@ class SegmentServer:
         while True:
             try:
                 conn, addr = self._listener.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._closed:
+                    return
+                # EMFILE, ECONNABORTED, ENOBUFS...: keep serving once the pressure eases
+                logger.warning("accept failed on %s: %s", self.endpoint, exc)
+                self._clock.sleep(_ACCEPT_BACKOFF_S)
+                continue
             with self._lock:
                 if self._closed or len(self._conns) >= self._config.max_server_connections:
                     logger.warning("refusing connection from %s: closed or at the connection limit", addr)
@@ -101,10 +108,12 @@ class SegmentServer:
         acks: list[bytes | memoryview] = []  # write acks held back while more requests are queued
         try:
             while True:
+                deadline[0] = clock.now() + timeout_s  # bounds a header that arrives in pieces
                 self._next_header(conn, head_view, acks, idle, expired)
                 deadline[0] = clock.now() + timeout_s
                 magic, op, _flags, seq, offset, length = unpack(head)
-                # NOTE: the hot path (a valid READ/WRITE in bounds) allocates nothing per frame.
+                # NOTE: the hot path (a valid READ/WRITE in bounds) creates no objects per frame
+                # beyond the packed answer.
                 if magic == wire.MAGIC and op in _DATA_OPS and length <= max_slice:
                     try:
                         view = resolve(offset, length)
@@ -113,7 +122,9 @@ class SegmentServer:
                         self._refuse(conn, wire.decode_request(head, max_slice), exc, expired)
                         continue
                     if op == wire.Op.WRITE:
-                        wire.recv_exact(conn, view, expired)
+                        if length >= _ACK_FLUSH_BYTES:  # don't hold small acks through a long payload
+                            self._flush(conn, acks, expired)
+                        wire.recv_exact(conn, view, expired, strict=True)
                         acks.append(ok(wire.MAGIC, 0, 0, seq, 0))
                     else:
                         acks += (ok(wire.MAGIC, 0, 0, seq, length), view)
@@ -151,8 +162,10 @@ class SegmentServer:
                     raise ConnectionResetError("peer closed the connection")
             if got == 0:
                 SegmentServer._flush(conn, acks, expired)
-        if got < len(head):
-            wire.recv_exact(conn, head[got:], idle if got == 0 else (lambda _: True))
+        if got == 0:
+            wire.recv_exact(conn, head, idle)
+        elif got < len(head):
+            wire.recv_exact(conn, head[got:], expired, strict=True)
 
     @staticmethod
     def _flush(conn: socket.socket, acks: list[bytes | memoryview], expired: Callable[[int], bool]) -> None:
@@ -169,14 +182,14 @@ class SegmentServer:
             left = req.length
             while left > 0:
                 chunk = min(left, len(scratch))
-                wire.recv_exact(conn, scratch[:chunk], expired)
+                wire.recv_exact(conn, scratch[:chunk], expired, strict=True)
                 left -= chunk
         self._reply(conn, wire.ResponseHeader(wire.Status.OUT_OF_BOUNDS, req.seq, 0), str(exc).encode(), expired)
 
     def _handshake(self, conn: socket.socket, req: wire.RequestHeader, expired: Callable[[int], bool]) -> None:
         assert req.op is wire.Op.HANDSHAKE  # decode_request let only valid frames through
         body = bytearray(req.length)
-        wire.recv_exact(conn, memoryview(body), expired)
+        wire.recv_exact(conn, memoryview(body), expired, strict=True)
         if body:
             try:
                 self._on_handshake(bytes(body))

@@ -119,11 +119,15 @@ def set_io_timeout(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def recv_exact(sock: socket.socket, view: memoryview, expired: Callable[[int], bool] | None = None) -> None:
+def recv_exact(
+    sock: socket.socket, view: memoryview, expired: Callable[[int], bool] | None = None, strict: bool = False
+) -> None:
     """Fill `view` completely from `sock` (zero-copy recv_into).
 
     Each time the socket's I/O timeout ticks, `expired(bytes_received_so_far)` decides
-    whether to give up (True) or keep waiting; without it a tick is a timeout.
+    whether to give up (True) or keep waiting; without it a tick is a timeout. With
+    `strict`, it is also asked after every partial chunk, so a peer that trickles bytes
+    cannot stretch a deadline.
 
     Raises:
         ConnectionResetError: the peer closed the connection first.
@@ -141,6 +145,8 @@ def recv_exact(sock: socket.socket, view: memoryview, expired: Callable[[int], b
         if got == 0:
             raise ConnectionResetError("peer closed the connection")
         pos += got
+        if strict and pos < size and expired is not None and expired(pos):
+            raise TimeoutError(f"timed out after receiving {pos} of {size} bytes")
 
 
 def send_all(
@@ -148,7 +154,8 @@ def send_all(
 ) -> None:
     """Send every byte of `parts` with as few syscalls as possible (sendmsg, no joining).
 
-    Raises TimeoutError when the I/O timeout ticks and `expired()` is True (or is absent).
+    Raises TimeoutError when `expired()` is True (or absent) at an I/O-timeout tick or after
+    a partial send.
     """
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     while views:
@@ -163,3 +170,5 @@ def send_all(
             views.pop(0)
         if sent:
             views[0] = views[0][sent:]
+        if views and expired is not None and expired():
+            raise TimeoutError("timed out while sending")

@@ -35,7 +35,8 @@ class Transport(Protocol):
         ...
 
     def submit(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
-        """Start the slices; never blocks on the network."""
+        """Start the slices. Raises ClosedError only when none of them was started (the
+        caller then ends them); after that, every slice ends through its record."""
         ...
 
     def forget(self, peer_name: str) -> None:

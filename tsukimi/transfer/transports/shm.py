@@ -14,6 +14,7 @@ import os
 import queue
 import select
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -53,6 +54,13 @@ class _ShmPeer:
                     found = self.mappings[shm_name] = map_shared(self.shm_dir, shm_name)
         return found
 
+    def drop(self, shm_name: str) -> None:
+        """Unmap a file the owner released (frees its memory once nothing else maps it)."""
+        with self.lock:
+            mapping = self.mappings.pop(shm_name, None)
+        if mapping is not None:
+            mapping.close()
+
     def close(self) -> None:
         with self.lock:
             for mapping in self.mappings.values():
@@ -64,9 +72,12 @@ class _ShmPeer:
 class ShmTransport:
     name = "shm"
 
-    def __init__(self, config: TransferConfig, local_host_id: str, clock: Clock) -> None:
+    def __init__(
+        self, config: TransferConfig, local_host_id: str, clock: Clock, on_stale: Callable[[str], None]
+    ) -> None:
         self._config = config
         self._clock = clock
+        self._on_stale = on_stale  # told the name of a peer whose cached descriptor is stale
         self._host_id = local_host_id
         self._lock = threading.Lock()
         self._peers: dict[str, _ShmPeer] = {}
@@ -89,14 +100,19 @@ class ShmTransport:
         return True
 
     def submit(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
-        if self._closed:
-            raise ClosedError("shm transport is closed")
         state = self._peer(peer)
+        queued = []
         for piece in slices:
             if len(piece.local) <= INLINE_BYTES:
                 self._run(state, piece)  # NOTE: cheaper than a hand-off to a worker thread
             else:
-                self._queue.put((state, piece))
+                queued.append(piece)
+        with self._lock:  # never behind the workers' stop signals
+            for piece in queued:
+                if self._closed:
+                    piece.record.slice_failed("shm transport is closed", ClosedError.code)
+                else:
+                    self._queue.put((state, piece))
 
     def forget(self, peer_name: str) -> None:
         with self._lock:
@@ -105,15 +121,18 @@ class ShmTransport:
             state.close()
 
     def close(self) -> None:
-        self._closed = True
-        for _ in self._workers:
-            self._queue.put(None)
+        with self._lock:
+            self._closed = True
+            for _ in self._workers:
+                self._queue.put(None)
         for worker in self._workers:
             worker.join(timeout=5)
         for name in list(self._peers):
             self.forget(name)
 
     def _peer(self, desc: SegmentDescriptor) -> _ShmPeer:
+        if self._closed:
+            raise ClosedError("shm transport is closed")
         state = self._peers.get(desc.name)
         if state is not None and state.pid == desc.pid:
             return state
@@ -132,7 +151,10 @@ class ShmTransport:
 
     def _run(self, peer: _ShmPeer, piece: Slice) -> None:
         """Copy one slice and end it (done, failed or timed out)."""
-        if self._clock.now() > piece.record.deadline:
+        if piece.record.doomed:
+            piece.record.slice_failed("")  # a sibling slice failed; only account for this one
+            return
+        if self._clock.now() >= piece.record.deadline:
             piece.record.slice_failed("deadline passed before the copy started", timed_out=True)
             return
         try:
@@ -146,8 +168,10 @@ class ShmTransport:
         if not peer.alive():
             raise PeerError(f"owner process {peer.pid} has exited")
         mapping = peer.mapping(piece.buffer.shm_name)
-        if mapping.unlinked():
-            raise PeerError("the owner released this buffer")
+        if mapping.unlinked():  # released; its address may already hold a new buffer
+            peer.drop(piece.buffer.shm_name)
+            self._on_stale(peer.name)
+            raise PeerError("the owner released this buffer (descriptor dropped: the next request re-fetches it)")
         start = piece.remote_offset - piece.buffer.base + piece.buffer.shm_offset
         remote = np.frombuffer(mapping.view, np.uint8, len(piece.local), start)
         local = np.frombuffer(piece.local, np.uint8)
