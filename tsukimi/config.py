@@ -93,12 +93,57 @@ class MetadataConfig:
         _require(self.timeout_s > 0, "metadata.timeout_s must be > 0")
 
 
+PlacementName = Literal["random", "most_free", "local_first"]
+PLACEMENT_NAMES: tuple[str, ...] = get_args(PlacementName)
+
+
+@dataclass(frozen=True, slots=True)
+class MasterConfig:
+    """Store master settings.
+
+    client_ttl_s: a client silent this long loses its segments and the replicas in them.
+    heartbeat_interval_s: how often clients heartbeat; a client silent for 1.5 intervals
+        gets no new replicas.
+    lease_ttl_s: how long a get keeps an object from being evicted or freed.
+    put_timeout_s: a put started and not ended within this is reclaimed.
+    high_watermark / evict_ratio: above this usage, evict this fraction of the capacity.
+    placement: how replicas pick segments (preferred segments always come first).
+    """
+
+    host: str = "127.0.0.1"
+    rpc_port: int = 50051
+    http_port: int = 8081
+    client_ttl_s: float = 3.0
+    heartbeat_interval_s: float = 1.0
+    lease_ttl_s: float = 5.0
+    put_timeout_s: float = 30.0
+    high_watermark: float = 0.90
+    evict_ratio: float = 0.05
+    placement: PlacementName = "random"
+    seed: int = 0
+    tick_interval_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        _require(
+            self.placement in PLACEMENT_NAMES,
+            f"master.placement must be one of {', '.join(PLACEMENT_NAMES)}, got {self.placement!r}",
+        )
+        for name in ("rpc_port", "http_port"):
+            _require(0 <= getattr(self, name) <= 65535, f"master.{name} must be in 0..65535")
+        for name in ("client_ttl_s", "heartbeat_interval_s", "lease_ttl_s", "put_timeout_s", "tick_interval_s"):
+            _require(getattr(self, name) > 0, f"master.{name} must be > 0")
+        _require(self.heartbeat_interval_s < self.client_ttl_s, "master.heartbeat_interval_s must be < client_ttl_s")
+        _require(0 < self.high_watermark <= 1, "master.high_watermark must be in (0, 1]")
+        _require(0 < self.evict_ratio <= 1, "master.evict_ratio must be in (0, 1]")
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """Every subsystem's configuration."""
 
     transfer: TransferConfig = field(default_factory=TransferConfig)
     metadata: MetadataConfig = field(default_factory=MetadataConfig)
+    master: MasterConfig = field(default_factory=MasterConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:

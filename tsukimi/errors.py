@@ -90,6 +90,39 @@ class TransferError(TsukimiError):
         self.reasons = reasons or []
 
 
+class InvalidArgument(TsukimiError, ValueError):
+    """An argument of a call is invalid (bad key, size, replica count): the caller's fault."""
+
+    code = "invalid_argument"
+
+
+class ObjectNotFound(TsukimiError, KeyError):
+    """No complete object of that key exists (for calls where a miss is an error)."""
+
+    code = "object_not_found"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ObjectExists(TsukimiError):
+    """An object of that key exists or is being written; use upsert to replace it."""
+
+    code = "object_exists"
+
+
+class OutOfSpace(TsukimiError):
+    """No segment has room for the object, even after evicting what may be evicted."""
+
+    code = "out_of_space"
+
+
+class LeaseHeld(TsukimiError):
+    """The object is leased to readers; removing it needs force."""
+
+    code = "lease_held"
+
+
 def _all_subclasses(cls: type[TsukimiError]) -> list[type[TsukimiError]]:
     out = [cls]
     for sub in cls.__subclasses__():

@@ -1,0 +1,205 @@
+"""The master state machine under a virtual clock: exact outcomes of each operation."""
+
+from __future__ import annotations
+
+import pytest
+
+from tsukimi.clock import VirtualClock
+from tsukimi.config import MasterConfig
+from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectExists, ObjectNotFound, OutOfSpace
+from tsukimi.store.master.state import MasterState
+from tsukimi.store.protocol import MountSegment, ReplicaConfig
+
+KIB = 1024
+SEG = 64 * KIB
+
+
+def make_state(num_segments: int = 2, size: int = SEG, **cfg: object) -> tuple[MasterState, VirtualClock]:
+    clock = VirtualClock()
+    state = MasterState(MasterConfig(**cfg), clock)  # type: ignore[arg-type]
+    for i in range(num_segments):
+        state.registry.mount(MountSegment(f"c{i}", f"seg{i}", f"te{i}", 0x10000 * (i + 1) * 1000, size), clock.now())
+    return state, clock
+
+
+def advance(state: MasterState, clock: VirtualClock, seconds: float) -> None:
+    """Let time pass while every client keeps heartbeating."""
+    clock.advance(seconds)
+    for client_id in list(state.registry.clients):
+        state.registry.heartbeat(client_id, clock.now())
+
+
+def put(state: MasterState, key: str, size: int = KIB, client: str = "c0", **config: object) -> None:
+    state.put_start(client, key, size, ReplicaConfig(**config), upsert=False)  # type: ignore[arg-type]
+    state.put_end(client, key)
+
+
+def test_put_get_round_trip_and_addresses() -> None:
+    state, _ = make_state()
+    locations = state.put_start("c0", "k", 1000, ReplicaConfig(replicas=2), upsert=False)
+    assert len(locations) == 2 and len({loc.te_segment for loc in locations}) == 2
+    for loc in locations:
+        seg = next(s for s in state.registry.segments.values() if s.te_segment == loc.te_segment)
+        assert seg.base <= loc.address < seg.base + SEG and loc.size == 1000
+    assert state.get_replicas("k") == ([], 0)  # pending: invisible
+    assert not state.exists("k")
+    state.put_end("c0", "k")
+    replicas, size = state.get_replicas("k")
+    assert replicas == locations and size == 1000
+    state.check_invariants()
+
+
+def test_replicas_are_capped_by_the_segments() -> None:
+    state, _ = make_state(num_segments=2)
+    assert len(state.put_start("c0", "k", KIB, ReplicaConfig(replicas=3), upsert=False)) == 2
+
+
+def test_reput_fails_and_upsert_replaces_after_the_readers_lease() -> None:
+    state, clock = make_state(lease_ttl_s=5.0)
+    put(state, "k")
+    with pytest.raises(ObjectExists, match="upsert"):
+        state.put_start("c0", "k", KIB, ReplicaConfig(), upsert=False)
+    old, _ = state.get_replicas("k")  # a reader holds a lease on the old version
+    new = state.put_start("c0", "k", 2 * KIB, ReplicaConfig(), upsert=True)
+    assert state.get_replicas("k")[0] == old  # readers see the old version while the new one is written
+    with pytest.raises(ObjectExists, match="being written"):
+        state.put_start("c1", "k", KIB, ReplicaConfig(), upsert=True)
+    state.put_end("c0", "k")
+    assert state.get_replicas("k") == (new, 2 * KIB)
+    assert len(state.retired) == 1  # the old block waits for the old lease
+    advance(state, clock, 5.1)
+    state.tick()
+    assert state.retired == []
+    state.check_invariants()
+
+
+def test_remove_is_refused_under_lease_unless_forced() -> None:
+    state, clock = make_state(lease_ttl_s=2.0)
+    put(state, "a")
+    put(state, "b")
+    state.get_replicas("a")
+    state.get_replicas("b")
+    with pytest.raises(LeaseHeld):
+        state.remove("a", force=False)
+    state.remove("b", force=True)
+    assert not state.exists("b")
+    advance(state, clock, 2.01)
+    state.remove("a", force=False)
+    with pytest.raises(ObjectNotFound):
+        state.remove("a", force=False)
+    state.check_invariants()
+
+
+def test_exists_grants_no_lease() -> None:
+    state, _ = make_state()
+    put(state, "k")
+    assert state.exists("k")
+    state.remove("k", force=False)  # no LeaseHeld: exists did not lease it
+
+
+def test_eviction_order_is_exact() -> None:
+    """One 8 KiB segment holds 8 objects of 1 KiB. LRU first; leased and hard-pinned never;
+    soft-pinned last."""
+    state, clock = make_state(num_segments=1, size=8 * KIB, lease_ttl_s=1.0, evict_ratio=0.01)
+    put(state, "hard", hard_pin=True)
+    put(state, "soft", soft_pin=True)
+    for key in "abcde":
+        put(state, key)
+    put(state, "leased")
+    state.get_replicas("a")  # a is now most recently used and leased
+    advance(state, clock, 1.5)  # a's lease ends
+    state.get_replicas("leased")  # leased is leased
+    put(state, "x")  # full: evicts the least recently used evictable object: b
+    assert sorted(state.objects) == sorted(["hard", "soft", "a", "c", "d", "e", "leased", "x"])
+    for key, victim in [("y", "c"), ("z", "d"), ("w", "e"), ("v", "a"), ("u", "x"), ("t", "y")]:
+        put(state, key)
+        assert victim not in state.objects, f"{key} should have evicted {victim}"
+    assert {"hard", "soft", "leased"} <= set(state.objects)
+    advance(state, clock, 1.5)
+    for key in ["s1", "s2", "s3", "s4", "s5", "s6"]:  # everything unpinned goes; soft last
+        put(state, key)
+    assert "soft" in state.objects
+    for key in ["s1", "s2", "s3", "s4", "s5", "s6"]:
+        state.get_replicas(key)  # leased: not evictable
+    put(state, "s7")  # now only the soft-pinned object may go
+    assert "soft" not in state.objects and "hard" in state.objects
+    assert state.counters["evictions"] == 14
+    state.check_invariants()
+
+
+def test_filling_ten_times_the_capacity_never_fails_a_put() -> None:
+    state, _ = make_state(num_segments=2, size=SEG)
+    for i in range(10 * 2 * SEG // (4 * KIB)):
+        put(state, f"k{i}", size=4 * KIB, replicas=1 + i % 2)
+    assert state.counters["evictions"] > 0
+    state.check_invariants()
+
+
+def test_out_of_space_when_everything_is_pinned() -> None:
+    state, _ = make_state(num_segments=1, size=4 * KIB)
+    for i in range(4):
+        put(state, f"p{i}", hard_pin=True)
+    with pytest.raises(OutOfSpace):
+        state.put_start("c0", "one-more", KIB, ReplicaConfig(), upsert=False)
+    state.check_invariants()
+
+
+def test_abandoned_puts_are_reclaimed() -> None:
+    state, clock = make_state(put_timeout_s=10.0)
+    state.put_start("c0", "abandoned", KIB, ReplicaConfig(replicas=2), upsert=False)
+    assert state.registry.used == 2 * KIB
+    advance(state, clock, 10.0)
+    state.tick()
+    assert state.registry.used == 0 and "abandoned" not in state.pending
+    with pytest.raises(ObjectNotFound, match="reclaimed"):
+        state.put_end("c0", "abandoned")
+    assert state.counters["puts_reclaimed"] == 1
+
+
+def test_revoke_frees_and_only_the_writer_may_end_or_revoke() -> None:
+    state, _ = make_state()
+    state.put_start("c0", "k", KIB, ReplicaConfig(), upsert=False)
+    with pytest.raises(ObjectNotFound):
+        state.put_end("c1", "k")
+    state.put_revoke("c0", "k")
+    assert state.registry.used == 0
+    state.check_invariants()
+
+
+def test_silent_clients_get_no_new_replicas_and_are_dropped_after_the_ttl() -> None:
+    state, clock = make_state(num_segments=3, client_ttl_s=3.0, heartbeat_interval_s=1.0)
+    put(state, "two", replicas=2)
+    put(state, "one", replicas=1)
+    holders = {p.segment_id for p in state.objects["two"].replicas} | {
+        p.segment_id for p in state.objects["one"].replicas
+    }
+    silent = next(iter(holders))
+    clock.advance(2.0)
+    for client in ("c0", "c1", "c2"):
+        if f"seg{client[1]}" != silent:
+            state.registry.heartbeat(client, clock.now())
+    locations = state.put_start("c0", "new", KIB, ReplicaConfig(replicas=3), upsert=False)
+    assert f"te{silent[3]}" not in {loc.te_segment for loc in locations} and len(locations) == 2
+    clock.advance(1.5)  # the silent client passes client_ttl
+    state.tick()
+    assert silent not in state.registry.segments
+    assert all(p.segment_id != silent for r in state.objects.values() for p in r.replicas)
+    assert "two" in state.objects  # one replica survived
+    state.check_invariants()
+
+
+def test_remount_is_idempotent_and_conflicts_are_refused() -> None:
+    state, clock = make_state(num_segments=1)
+    state.registry.mount(MountSegment("c0", "seg0", "te0", 0x10000 * 1000, SEG), clock.now())
+    with pytest.raises(ObjectExists):
+        state.registry.mount(MountSegment("intruder", "seg0", "te9", 0x99999000, SEG), clock.now())
+    assert state.registry.heartbeat("nobody", clock.now()) is False
+
+
+@pytest.mark.parametrize("key", ["", "x" * 5000])
+def test_bad_keys(key: str) -> None:
+    state, _ = make_state()
+    with pytest.raises(InvalidArgument):
+        state.put_start("c0", key, KIB, ReplicaConfig(), upsert=False)
+    with pytest.raises(InvalidArgument):
+        state.get_replicas(key)

@@ -1,0 +1,1 @@
+"""Mooncake Store in Python: master (metadata), client (moves bytes with the Transfer Engine)."""

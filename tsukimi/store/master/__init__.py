@@ -1,0 +1,1 @@
+"""The store master: a pure state machine and the servers that wrap it."""

@@ -1,0 +1,114 @@
+"""The master's request handler: protocol messages in, results out, over a `MasterState`.
+
+Pure like the state machine (the RPC server and the tests call `handle` directly). Single
+operations raise typed errors, which the RPC layer sends as (code, message); a `Batch`
+reports each operation's error as a `Failure` in its place, so one bad key never fails the
+others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from tsukimi.errors import InvalidArgument, TsukimiError
+from tsukimi.store import protocol as p
+from tsukimi.store.master.state import MasterState
+
+BatchResultItem = p.Ok | p.PutStartResult | p.GetReplicasResult | p.ExistsResult | p.Failure
+
+
+class MasterService:
+    def __init__(self, state: MasterState) -> None:
+        self.state = state
+        self._handlers: dict[type[msgspec.Struct], Callable[[msgspec.Struct], msgspec.Struct]] = {
+            p.Heartbeat: self._heartbeat,
+            p.MountSegment: self._mount,
+            p.UnmountSegment: self._unmount,
+            p.PutStart: self._put_start,
+            p.PutEnd: self._put_end,
+            p.PutRevoke: self._put_revoke,
+            p.GetReplicas: self._get_replicas,
+            p.Exists: self._exists,
+            p.Remove: self._remove,
+            p.RemoveAll: self._remove_all,
+            p.Batch: self._batch,
+            p.QueryKey: self._query_key,
+            p.ListSegments: self._segments,
+        }
+
+    def handle(self, request: msgspec.Struct) -> msgspec.Struct:
+        """Apply one request (mutates the state). Raises the operation's TsukimiError."""
+        handler = self._handlers.get(type(request))
+        if handler is None:
+            raise InvalidArgument(f"the master does not handle {type(request).__name__}")
+        return handler(request)
+
+    def _heartbeat(self, op: msgspec.Struct) -> p.HeartbeatResult:
+        assert isinstance(op, p.Heartbeat)
+        return p.HeartbeatResult(self.state.registry.heartbeat(op.client_id, self.state.clock.now()))
+
+    def _mount(self, op: msgspec.Struct) -> p.Ok:
+        assert isinstance(op, p.MountSegment)
+        self.state.registry.mount(op, self.state.clock.now())
+        return p.Ok()
+
+    def _unmount(self, op: msgspec.Struct) -> p.Ok:
+        assert isinstance(op, p.UnmountSegment)
+        self.state.unmount(op.client_id, op.segment_id)
+        return p.Ok()
+
+    def _put_start(self, op: msgspec.Struct) -> p.PutStartResult:
+        assert isinstance(op, p.PutStart)
+        return p.PutStartResult(self.state.put_start(op.client_id, op.key, op.size, op.config, op.upsert))
+
+    def _put_end(self, op: msgspec.Struct) -> p.Ok:
+        assert isinstance(op, p.PutEnd)
+        self.state.put_end(op.client_id, op.key)
+        return p.Ok()
+
+    def _put_revoke(self, op: msgspec.Struct) -> p.Ok:
+        assert isinstance(op, p.PutRevoke)
+        self.state.put_revoke(op.client_id, op.key)
+        return p.Ok()
+
+    def _get_replicas(self, op: msgspec.Struct) -> p.GetReplicasResult:
+        assert isinstance(op, p.GetReplicas)
+        replicas, size = self.state.get_replicas(op.key)
+        return p.GetReplicasResult(replicas, size, self.state.config.lease_ttl_s if replicas else 0.0)
+
+    def _exists(self, op: msgspec.Struct) -> p.ExistsResult:
+        assert isinstance(op, p.Exists)
+        return p.ExistsResult(self.state.exists(op.key))
+
+    def _remove(self, op: msgspec.Struct) -> p.Ok:
+        assert isinstance(op, p.Remove)
+        self.state.remove(op.key, op.force)
+        return p.Ok()
+
+    def _remove_all(self, op: msgspec.Struct) -> p.RemoveAllResult:
+        assert isinstance(op, p.RemoveAll)
+        return p.RemoveAllResult(self.state.remove_all(op.force))
+
+    def _batch(self, op: msgspec.Struct) -> p.BatchResult:
+        assert isinstance(op, p.Batch)
+        if len(op.ops) > p.MAX_BATCH:
+            raise InvalidArgument(f"a batch holds at most {p.MAX_BATCH} operations, got {len(op.ops)}")
+        results: list[BatchResultItem] = []
+        for item in op.ops:
+            try:
+                result = self.handle(item)
+            except TsukimiError as exc:
+                results.append(p.Failure(exc.code, str(exc)))
+            else:
+                assert isinstance(result, p.Ok | p.PutStartResult | p.GetReplicasResult | p.ExistsResult)
+                results.append(result)
+        return p.BatchResult(results)
+
+    def _query_key(self, op: msgspec.Struct) -> p.ObjectInfo:
+        assert isinstance(op, p.QueryKey)
+        return self.state.describe(op.key)
+
+    def _segments(self, op: msgspec.Struct) -> p.SegmentsResult:
+        return p.SegmentsResult(self.state.registry.infos(self.state.clock.now()))

@@ -1,0 +1,271 @@
+"""The store master's state machine: object metadata, replicas, leases, eviction.
+
+Pure: no sockets, no threads, the clock injected. Every change is one of the operations in
+`tsukimi.store.protocol`, applied by `apply` (one at a time: the server serialises them), plus
+`tick`, which lets time pass (expired puts, leases, clients; the high watermark).
+
+An object is first *pending* (put_start gave the writer its replicas), then *complete*
+(put_end made it visible). An upsert's new version stays pending while readers keep seeing
+the old one; when it completes, the old replicas are *retired*: freed once the old version's
+lease ends, so a reader holding a lease never sees its bytes reused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+from tsukimi.clock import Clock
+from tsukimi.config import MasterConfig
+from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectExists, ObjectNotFound, OutOfSpace
+from tsukimi.store.master.eviction import EvictionPolicy, LruPolicy
+from tsukimi.store.master.segments import Placement, SegmentRegistry
+from tsukimi.store.protocol import ObjectInfo, ReplicaConfig, ReplicaLocation, check_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ObjectRecord:
+    key: str
+    size: int
+    config: ReplicaConfig
+    replicas: list[Placement]
+    writer: str
+    put_deadline: float  # pending objects only
+    lease_until: float = 0.0
+
+
+class MasterState:
+    """Object and segment metadata. Not thread-safe: one caller at a time."""
+
+    def __init__(self, config: MasterConfig, clock: Clock, policy: EvictionPolicy | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.registry = SegmentRegistry(config)
+        self.objects: dict[str, ObjectRecord] = {}  # complete, visible
+        self.pending: dict[str, ObjectRecord] = {}  # put started, not ended
+        self.retired: list[tuple[float, Placement]] = []  # (free at, block) of replaced/removed leased objects
+        self.policy: EvictionPolicy = policy or LruPolicy()
+        self.counters: Counter[str] = Counter()
+
+    # -- writes ----------------------------------------------------------------------
+
+    def put_start(
+        self, client_id: str, key: str, size: int, config: ReplicaConfig, upsert: bool
+    ) -> list[ReplicaLocation]:
+        """Allocate replicas for a new object (or a new version, with `upsert`), evicting if
+        needed. Mutates. Raises InvalidArgument, ObjectExists, OutOfSpace."""
+        check_key(key)
+        if size <= 0:
+            raise InvalidArgument(f"object size must be positive, got {size}")
+        if key in self.pending:
+            raise ObjectExists(f"{key!r} is being written")
+        if key in self.objects and not upsert:
+            raise ObjectExists(f"{key!r} exists (use upsert to replace it)")
+        now = self.clock.now()
+        placed = self._allocate(client_id, size, config, now)
+        self.pending[key] = ObjectRecord(key, size, config, placed, client_id, now + self.config.put_timeout_s)
+        self.counters["puts_started"] += 1
+        return self._locations(placed, size)
+
+    def _allocate(self, client_id: str, size: int, config: ReplicaConfig, now: float) -> list[Placement]:
+        wanted = self.registry.wanted_replicas(config, now)
+        if wanted == 0:
+            raise OutOfSpace("no healthy segment is mounted")
+        while True:
+            placed = self.registry.place(size, config, client_id, now)
+            if len(placed) >= wanted:
+                return placed
+            for p in placed:
+                self.registry.free(p)
+            need = max(int(self.config.evict_ratio * self.registry.capacity), size * wanted)
+            if self._evict(need, now) == 0:
+                break
+        placed = self.registry.place(size, config, client_id, now)  # best effort: fewer replicas
+        if not placed:
+            raise OutOfSpace(f"no room for {size} bytes: every segment is full of leased, pinned or pending objects")
+        return placed
+
+    def put_end(self, client_id: str, key: str) -> None:
+        """Make a pending object visible; an older version is retired. Mutates.
+        Raises ObjectNotFound (never started, revoked, reclaimed or lost)."""
+        record = self._pending_of(client_id, key)
+        del self.pending[key]
+        old = self.objects.pop(key, None)
+        if old is not None:
+            self._retire(old, self.clock.now())
+        self.objects[key] = record
+        self.policy.insert(key)
+        self.counters["puts_completed"] += 1
+
+    def put_revoke(self, client_id: str, key: str) -> None:
+        """Abandon a pending put and free its replicas. Mutates. Raises ObjectNotFound."""
+        record = self._pending_of(client_id, key)
+        del self.pending[key]
+        self._free(record)
+        self.counters["puts_revoked"] += 1
+
+    def _pending_of(self, client_id: str, key: str) -> ObjectRecord:
+        record = self.pending.get(key)
+        if record is None or record.writer != client_id:
+            raise ObjectNotFound(f"no put of {key!r} by this client is in progress (revoked, reclaimed or lost)")
+        return record
+
+    # -- reads -----------------------------------------------------------------------
+
+    def get_replicas(self, key: str) -> tuple[list[ReplicaLocation], int]:
+        """Complete replicas (empty on a miss) and the size; grants a read lease and marks the
+        object recently used. Mutates."""
+        check_key(key)
+        record = self.objects.get(key)
+        if record is None:
+            self.counters["misses"] += 1
+            return [], 0
+        record.lease_until = max(record.lease_until, self.clock.now() + self.config.lease_ttl_s)
+        self.policy.touch(key)
+        self.counters["hits"] += 1
+        return self._locations(record.replicas, record.size), record.size
+
+    def exists(self, key: str) -> bool:
+        """Whether a complete object exists. Grants no lease and leaves the LRU order alone."""
+        check_key(key)
+        return key in self.objects
+
+    def remove(self, key: str, force: bool) -> None:
+        """Remove a complete object. Mutates. Raises ObjectNotFound, LeaseHeld (unless force)."""
+        check_key(key)
+        record = self.objects.get(key)
+        if record is None:
+            raise ObjectNotFound(f"no object {key!r}")
+        now = self.clock.now()
+        if record.lease_until > now and not force:
+            raise LeaseHeld(f"{key!r} is leased to readers for {record.lease_until - now:.2f} s more")
+        del self.objects[key]
+        self.policy.remove(key)
+        self._retire(record, now)
+        self.counters["removes"] += 1
+
+    def remove_all(self, force: bool) -> int:
+        """Remove every complete object (leased ones only with force). Mutates; returns how many."""
+        now = self.clock.now()
+        keys = [k for k, r in self.objects.items() if force or r.lease_until <= now]
+        for key in keys:
+            self.remove(key, force=True)
+        return len(keys)
+
+    def describe(self, key: str) -> ObjectInfo:
+        """What the master knows of `key` (complete or pending). Raises ObjectNotFound."""
+        check_key(key)
+        record = self.objects.get(key) or self.pending.get(key)
+        if record is None:
+            raise ObjectNotFound(f"no object {key!r}")
+        return ObjectInfo(
+            key,
+            record.size,
+            key in self.objects and self.objects[key] is record,
+            self._locations(record.replicas, record.size),
+            record.config.soft_pin,
+            record.config.hard_pin,
+            max(0.0, record.lease_until - self.clock.now()),
+        )
+
+    # -- segments and time -----------------------------------------------------------
+
+    def unmount(self, client_id: str, segment_id: str) -> None:
+        """Unmount a segment and drop the replicas in it. Mutates. Raises ObjectNotFound."""
+        self.registry.unmount(client_id, segment_id)
+        self._drop_replicas_in({segment_id})
+
+    def tick(self) -> None:
+        """Let time pass: reclaim abandoned puts, free retired blocks, drop silent clients,
+        evict above the high watermark. Mutates."""
+        now = self.clock.now()
+        for record in [r for r in self.pending.values() if r.put_deadline <= now]:
+            del self.pending[record.key]
+            self._free(record)
+            self.counters["puts_reclaimed"] += 1
+            logger.info("reclaimed the abandoned put of %r", record.key)
+        due = [p for at, p in self.retired if at <= now]
+        self.retired = [(at, p) for at, p in self.retired if at > now]
+        for placement in due:
+            self.registry.free(placement)
+        for client_id in self.registry.expired_clients(now):
+            segments = self.registry.drop_client(client_id)
+            logger.warning("client %s missed its heartbeats: dropped %d segments", client_id, len(segments))
+            self._drop_replicas_in({s.segment_id for s in segments})
+        capacity = self.registry.capacity
+        if capacity and self.registry.used > self.config.high_watermark * capacity:
+            self._evict(int(self.config.evict_ratio * capacity), now)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _evict(self, target_bytes: int, now: float) -> int:
+        """Evict unleased, unpinned objects, least recently used first, soft-pinned last,
+        until `target_bytes` are freed. Returns the bytes freed."""
+        freed = 0
+        for soft_pass in (False, True):
+            for key in self.policy.victims():
+                record = self.objects[key]
+                if record.config.hard_pin or record.config.soft_pin != soft_pass or record.lease_until > now:
+                    continue
+                del self.objects[key]
+                self.policy.remove(key)
+                self._free(record)
+                freed += record.size * len(record.replicas)
+                self.counters["evictions"] += 1
+                self.counters["evicted_bytes"] += record.size
+                if freed >= target_bytes:
+                    return freed
+        return freed
+
+    def _retire(self, record: ObjectRecord, now: float) -> None:
+        if record.lease_until > now:
+            self.retired.extend((record.lease_until, p) for p in record.replicas)
+        else:
+            self._free(record)
+
+    def _free(self, record: ObjectRecord) -> None:
+        for placement in record.replicas:
+            self.registry.free(placement)
+
+    def _drop_replicas_in(self, segment_ids: set[str]) -> None:
+        self.retired = [(at, p) for at, p in self.retired if p.segment_id not in segment_ids]
+        for key, record in list(self.pending.items()):
+            if any(p.segment_id in segment_ids for p in record.replicas):  # the writer's put_end will fail
+                del self.pending[key]
+                for p in record.replicas:
+                    if p.segment_id not in segment_ids:
+                        self.registry.free(p)
+        for key, record in list(self.objects.items()):
+            record.replicas = [p for p in record.replicas if p.segment_id not in segment_ids]
+            if not record.replicas:
+                del self.objects[key]
+                self.policy.remove(key)
+                self.counters["objects_lost"] += 1
+
+    def _locations(self, placed: list[Placement], size: int) -> list[ReplicaLocation]:
+        segments = self.registry.segments
+        return [
+            ReplicaLocation(segments[p.segment_id].te_segment, segments[p.segment_id].base + p.offset, size)
+            for p in placed
+        ]
+
+    def check_invariants(self) -> None:
+        """Every replica and retired block is allocated exactly once in a mounted segment;
+        replicas of an object are on distinct segments; the policy knows exactly the
+        complete objects."""
+        owners: Counter[tuple[str, int]] = Counter()
+        for record in [*self.objects.values(), *self.pending.values()]:
+            assert record.replicas, f"{record.key} has no replica"
+            assert len({p.segment_id for p in record.replicas}) == len(record.replicas)
+            owners.update((p.segment_id, p.offset) for p in record.replicas)
+        owners.update((p.segment_id, p.offset) for _, p in self.retired)
+        assert all(n == 1 for n in owners.values()), "a block is owned twice"
+        per_segment = Counter(sid for sid, _ in owners)
+        for sid, seg in self.registry.segments.items():
+            seg.allocator.check_invariants()
+            assert seg.allocator.num_allocations == per_segment[sid], f"{sid}: leaked or foreign blocks"
+        assert set(per_segment) <= set(self.registry.segments), "a replica in an unmounted segment"
+        assert self.policy.keys() == set(self.objects)

@@ -1,0 +1,220 @@
+"""The store's boundary types: every master operation and its result, as msgspec Structs.
+
+They are at once the arguments of `MasterState` (the pure state machine), the RPC messages
+between clients and the master, and (a later issue) the records of the master's operation
+log: every state change is one of these operations, applied in order.
+
+Addresses: a replica lives in a client's mounted segment; `ReplicaLocation.address` is the
+address in the holder's Transfer Engine segment (`te_segment`), ready for a TE READ/WRITE.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tsukimi.errors import InvalidArgument
+
+MAX_KEY_BYTES = 4096
+MAX_REPLICAS = 8
+MAX_BATCH = 4096
+
+
+def check_key(key: str) -> None:
+    """Raises InvalidArgument unless `key` is a non-empty str of at most MAX_KEY_BYTES UTF-8 bytes."""
+    if not isinstance(key, str) or not key:
+        raise InvalidArgument(f"a key must be a non-empty string, got {key!r:.80}")
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise InvalidArgument(f"key of {len(key.encode())} bytes is over the limit of {MAX_KEY_BYTES}")
+
+
+class ReplicaConfig(msgspec.Struct, frozen=True):
+    """How an object is stored: replica count, pins, preferred holders (TE segment names)."""
+
+    replicas: int = 1
+    soft_pin: bool = False
+    hard_pin: bool = False
+    preferred_segments: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.replicas <= MAX_REPLICAS:
+            raise InvalidArgument(f"replicas must be in 1..{MAX_REPLICAS}, got {self.replicas}")
+
+
+class ReplicaLocation(msgspec.Struct, frozen=True):
+    te_segment: str
+    address: int
+    size: int
+
+
+# -- operations (requests) ------------------------------------------------------------
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    client_id: str
+
+
+class MountSegment(msgspec.Struct, frozen=True, tag=True):
+    """A client contributes [base, base + size) of its TE segment `te_segment`."""
+
+    client_id: str
+    segment_id: str
+    te_segment: str
+    base: int
+    size: int
+
+
+class UnmountSegment(msgspec.Struct, frozen=True, tag=True):
+    client_id: str
+    segment_id: str
+
+
+class PutStart(msgspec.Struct, frozen=True, tag=True):
+    client_id: str
+    key: str
+    size: int
+    config: ReplicaConfig = ReplicaConfig()
+    upsert: bool = False
+
+
+class PutEnd(msgspec.Struct, frozen=True, tag=True):
+    client_id: str
+    key: str
+
+
+class PutRevoke(msgspec.Struct, frozen=True, tag=True):
+    client_id: str
+    key: str
+
+
+class GetReplicas(msgspec.Struct, frozen=True, tag=True):
+    key: str
+
+
+class Exists(msgspec.Struct, frozen=True, tag=True):
+    key: str
+
+
+class Remove(msgspec.Struct, frozen=True, tag=True):
+    key: str
+    force: bool = False
+
+
+class RemoveAll(msgspec.Struct, frozen=True, tag=True):
+    force: bool = False
+
+
+class Batch(msgspec.Struct, frozen=True, tag=True):
+    """Several operations applied in order; each gets its own result or error."""
+
+    ops: list[PutStart | PutEnd | PutRevoke | GetReplicas | Exists | Remove]
+
+
+class QueryKey(msgspec.Struct, frozen=True, tag=True):
+    key: str
+
+
+class ListSegments(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+# -- results ------------------------------------------------------------------------------
+
+
+class Ok(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class HeartbeatResult(msgspec.Struct, frozen=True, tag=True):
+    known: bool  # False: the master does not know this client (it restarted): remount
+
+
+class PutStartResult(msgspec.Struct, frozen=True, tag=True):
+    replicas: list[ReplicaLocation]
+
+
+class GetReplicasResult(msgspec.Struct, frozen=True, tag=True):
+    """Complete replicas in the order to try them; empty on a miss. `lease_s` is how long
+    the replicas are guaranteed to stay in place."""
+
+    replicas: list[ReplicaLocation]
+    size: int = 0
+    lease_s: float = 0.0
+
+
+class ExistsResult(msgspec.Struct, frozen=True, tag=True):
+    exists: bool
+
+
+class RemoveAllResult(msgspec.Struct, frozen=True, tag=True):
+    removed: int
+
+
+class Failure(msgspec.Struct, frozen=True, tag=True):
+    """One failed operation of a batch: an error code and message (see tsukimi.errors)."""
+
+    code: str
+    message: str
+
+
+class BatchResult(msgspec.Struct, frozen=True, tag=True):
+    results: list[Ok | PutStartResult | GetReplicasResult | ExistsResult | Failure]
+
+
+class ObjectInfo(msgspec.Struct, frozen=True, tag=True):
+    key: str
+    size: int
+    complete: bool
+    replicas: list[ReplicaLocation]
+    soft_pin: bool
+    hard_pin: bool
+    lease_remaining_s: float
+
+
+class SegmentInfo(msgspec.Struct, frozen=True):
+    segment_id: str
+    te_segment: str
+    client_id: str
+    capacity: int
+    used: int
+    healthy: bool
+
+
+class SegmentsResult(msgspec.Struct, frozen=True, tag=True):
+    segments: list[SegmentInfo]
+
+
+Request = (
+    Heartbeat
+    | MountSegment
+    | UnmountSegment
+    | PutStart
+    | PutEnd
+    | PutRevoke
+    | GetReplicas
+    | Exists
+    | Remove
+    | RemoveAll
+    | Batch
+    | QueryKey
+    | ListSegments
+)
+Response = (
+    Ok
+    | HeartbeatResult
+    | PutStartResult
+    | GetReplicasResult
+    | ExistsResult
+    | RemoveAllResult
+    | BatchResult
+    | ObjectInfo
+    | SegmentsResult
+    | Failure
+)
+REQUEST_TYPES: tuple[type[msgspec.Struct], ...] = (
+    Heartbeat, MountSegment, UnmountSegment, PutStart, PutEnd, PutRevoke, GetReplicas, Exists, Remove,
+    RemoveAll, Batch, QueryKey, ListSegments,
+)  # fmt: skip
+RESPONSE_TYPES: tuple[type[msgspec.Struct], ...] = (
+    Ok, HeartbeatResult, PutStartResult, GetReplicasResult, ExistsResult, RemoveAllResult, BatchResult,
+    ObjectInfo, SegmentsResult, Failure,
+)  # fmt: skip
