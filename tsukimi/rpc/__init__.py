@@ -1,0 +1,19 @@
+"""Control-plane RPC: msgspec Struct messages over pyzmq request/reply.
+
+A service declares tagged msgspec Structs for its requests and responses, builds one
+`Codec` from them, serves a handler with `RpcServer` and calls it with `RpcClient`.
+Errors raised by the handler cross the wire as `ErrorReply(code, message)` and are raised
+again on the caller as the same `TsukimiError` class.
+
+    codec = Codec([GetRequest], [GetResponse])
+    with RpcServer(codec, handle) as server, RpcClient(codec, server.endpoint) as client:
+        response = client.call_as(GetRequest(key="k"), GetResponse)
+"""
+
+from __future__ import annotations
+
+from tsukimi.rpc.client import RpcClient
+from tsukimi.rpc.codec import DEFAULT_MAX_FRAME_BYTES, Codec, ErrorReply
+from tsukimi.rpc.server import Handler, RpcServer
+
+__all__ = ["DEFAULT_MAX_FRAME_BYTES", "Codec", "ErrorReply", "Handler", "RpcClient", "RpcServer"]
