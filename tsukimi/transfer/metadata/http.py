@@ -15,16 +15,13 @@ over the limit), with a JSON body `{"detail": message}`. The server keeps its da
 from __future__ import annotations
 
 import logging
-import socket
-import threading
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, HTTPException, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from tsukimi.clock import WallClock
-from tsukimi.errors import ClosedError, ConfigError, MetadataError
+from tsukimi import httpd
+from tsukimi.errors import ClosedError, ConfigError, MetadataError, PeerError
 from tsukimi.transfer.metadata import MAX_VALUE_BYTES, MetadataBackend, check_key, check_value
 from tsukimi.transfer.metadata.memory import MemoryMetadata
 
@@ -107,42 +104,17 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 def serve(host: str = "127.0.0.1", port: int = 8080, *, store: MetadataBackend | None = None) -> None:
     """Run the metadata server in the foreground until interrupted (blocks)."""
-    sock = _listen(host, port)  # NOTE: not uvicorn.run(host=, port=): see _listen on Nagle
-    logger.info("metadata server listening on http://%s:%d%s", host, sock.getsockname()[1], METADATA_PATH)
-    uvicorn.Server(uvicorn.Config(create_app(store), log_level="info")).run(sockets=[sock])
+    logger.info("metadata server listening on http://%s:%d%s", host, port, METADATA_PATH)
+    httpd.serve(create_app(store), host, port)
 
 
-class ServerHandle:
+class ServerHandle(httpd.AppHandle):
     """A metadata server running in a daemon thread; `stop()` shuts it down."""
-
-    def __init__(self, server: uvicorn.Server, thread: threading.Thread, sock: socket.socket) -> None:
-        self._server = server
-        self._thread = thread
-        self._sock = sock
-        self.host, self.port = sock.getsockname()[:2]
 
     @property
     def url(self) -> str:
         """The client URL, `http://host:port/metadata`."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}{METADATA_PATH}"
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Shut down gracefully, then forcibly; idempotent. Waits at most about `timeout_s`."""
-        self._server.should_exit = True
-        self._thread.join(timeout_s / 2)
-        if self._thread.is_alive():
-            self._server.force_exit = True
-            self._thread.join(timeout_s / 2)
-        self._sock.close()
-        if self._thread.is_alive():
-            logger.warning("metadata server thread on port %d did not stop", self.port)
-
-    def __enter__(self) -> ServerHandle:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+        return self.base_url + METADATA_PATH
 
 
 def start_in_thread(
@@ -161,47 +133,16 @@ def start_in_thread(
         OSError: the address cannot be bound.
         MetadataError: the server did not start within `startup_timeout_s`.
     """
-    sock = _listen(host, port)
-    config = uvicorn.Config(
-        create_app(store, max_value_bytes=max_value_bytes),
-        log_level="warning",
-        access_log=False,
-        lifespan="off",
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"metadata-server-{sock.getsockname()[1]}"
-    )
-    handle = ServerHandle(server, thread, sock)
-    thread.start()
-    clock = WallClock()  # NOTE: waiting on a real server thread needs real time.
-    deadline = clock.now() + startup_timeout_s
-    while not server.started:
-        if not thread.is_alive() or clock.now() > deadline:
-            handle.stop()
-            raise MetadataError(f"metadata server on {handle.url} did not start within {startup_timeout_s} s")
-        clock.sleep(0.005)
-    logger.info("metadata server started on %s", handle.url)
+    app = create_app(store, max_value_bytes=max_value_bytes)
+    try:
+        handle = httpd.start_in_thread(app, host, port, startup_timeout_s, handle_type=ServerHandle)
+    except PeerError as exc:
+        raise MetadataError(str(exc)) from exc
+    logger.info("metadata server started on %s", handle.base_url)
     return handle, handle.port
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    # NOTE: we bind the socket ourselves so that the port is known before uvicorn starts. It
-    # must say proto=IPPROTO_TCP: accepted sockets inherit the listener's proto, and asyncio
-    # sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP. Without it, uvicorn's
-    # separate header and body writes meet delayed ACKs: ~40 ms per request.
-    # (socket.create_server passes proto=0.)
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+_listen = httpd.listen  # kept for the regression test of the Nagle fix
 
 
 class HttpMetadata:
