@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 
 from rich.console import Console
 
@@ -48,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     meta = sub.add_parser("metadata-server", help="run the embedded HTTP metadata server")
     meta.add_argument("--host", default="127.0.0.1")
     meta.add_argument("--port", type=int, default=8080)
+
+    master = sub.add_parser("master", help="run the store master (RPC + HTTP) until interrupted")
+    holder = sub.add_parser("holder", help="run a store client that contributes memory, until interrupted")
+    for cmd in (master, holder):
+        cmd.add_argument("--config", help="a TOML file (sections: transfer, metadata, master, client)")
+        cmd.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override")
+    holder.add_argument("--master", help="the master's RPC endpoint, tcp://HOST:PORT")
+    holder.add_argument("--segment-bytes", type=_sizes, help="memory to contribute, e.g. 1G")
 
     demo = sub.add_parser("demo", help="two processes move data both ways over each transport")
     demo.add_argument("--seconds", type=float, default=1.0, help="measuring time per cell")
@@ -93,6 +103,34 @@ def _bench_transfer(args: argparse.Namespace, console: Console) -> None:
         console.print(transfer.render_table(result))
 
 
+def _run_until_signalled(args: argparse.Namespace, console: Console) -> None:
+    """`tsukimi master` / `tsukimi holder`: serve until SIGINT or SIGTERM, then clean up."""
+    from tsukimi.config import load_config
+
+    overrides = list(args.set)
+    if args.command == "holder":
+        if args.master:
+            overrides.append(f'client.master="{args.master}"')
+        if args.segment_bytes:
+            overrides.append(f"client.segment_bytes={args.segment_bytes[0]}")
+    config = load_config(args.config, overrides)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    if args.command == "master":
+        from tsukimi.store.master.server import MasterServer
+
+        with MasterServer(config.master) as server:
+            console.print(f"master: RPC {server.endpoint}, HTTP {server.http.base_url}", highlight=False)
+            stop.wait()
+    else:
+        from tsukimi.store.client import StoreClient
+
+        with StoreClient(config) as client:
+            console.print(f"holder {client.engine.name}: {config.client.segment_bytes} bytes mounted", highlight=False)
+            stop.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
@@ -103,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             from tsukimi.transfer.metadata import http
 
             http.serve(args.host, args.port)
+        elif args.command in ("master", "holder"):
+            _run_until_signalled(args, console)
         elif args.command == "demo":
             from tsukimi import demo
 

@@ -138,12 +138,36 @@ class MasterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """Store client settings.
+
+    master: the master's RPC endpoint. segment_bytes: memory this client contributes to the
+    pool (0: a pure client). ssd_dir / ssd_bytes: the optional SSD tier (write-through; gets
+    that miss in memory are served from it and promoted back).
+    """
+
+    master: str = "tcp://127.0.0.1:50051"
+    segment_bytes: int = 0
+    rpc_timeout_s: float = 5.0
+    heartbeat_interval_s: float = 1.0
+    ssd_dir: str = ""
+    ssd_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.master.startswith("tcp://"), f"client.master must be tcp://HOST:PORT, got {self.master!r}")
+        _require(self.segment_bytes >= 0, "client.segment_bytes must be >= 0")
+        _require(self.rpc_timeout_s > 0 and self.heartbeat_interval_s > 0, "client timeouts must be > 0")
+        _require(not self.ssd_dir or self.ssd_bytes > 0, "client.ssd_bytes must be > 0 when ssd_dir is set")
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """Every subsystem's configuration."""
 
     transfer: TransferConfig = field(default_factory=TransferConfig)
     metadata: MetadataConfig = field(default_factory=MetadataConfig)
     master: MasterConfig = field(default_factory=MasterConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:

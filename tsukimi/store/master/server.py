@@ -1,0 +1,145 @@
+"""`tsukimi master`: the store master process around the pure state machine.
+
+Three things share one lock, so the state machine sees one operation at a time: the RPC
+server's thread (clients' operations), a ticker thread (`MasterState.tick` every
+`tick_interval_s`), and the HTTP endpoints `/health`, `/metrics` (Prometheus), `/query_key`
+and `/segments`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+
+import msgspec
+from fastapi import FastAPI, HTTPException, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tsukimi import httpd
+from tsukimi.clock import Clock, WallClock
+from tsukimi.config import MasterConfig
+from tsukimi.errors import InvalidArgument, ObjectNotFound
+from tsukimi.rpc import Codec, RpcServer
+from tsukimi.store import protocol as p
+from tsukimi.store.master.service import MasterService
+from tsukimi.store.master.state import MasterState
+
+logger = logging.getLogger(__name__)
+
+CODEC = Codec(p.REQUEST_TYPES, p.RESPONSE_TYPES)
+COUNTERS = ("hits", "misses", "evictions", "evicted_bytes", "puts_started", "puts_completed", "puts_revoked",
+            "puts_reclaimed", "removes", "objects_lost")  # fmt: skip
+
+
+class MasterServer:
+    """Serves a `MasterState` over RPC and HTTP until `close()`."""
+
+    def __init__(self, config: MasterConfig, clock: Clock | None = None) -> None:
+        self.config = config
+        self.state = MasterState(config, clock or WallClock())
+        self.service = MasterService(self.state)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.metrics = CollectorRegistry()
+        self.metrics.register(_StateCollector(self))
+        self._latency = Histogram(
+            "tsukimi_master_op_seconds", "Master operation latency", ["op"], registry=self.metrics,
+            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
+        )  # fmt: skip
+        self.rpc = RpcServer(CODEC, self._handle, bind=f"tcp://{config.host}:{config.rpc_port}", name="master")
+        try:
+            self.http: httpd.AppHandle = httpd.start_in_thread(self._app(), config.host, config.http_port)
+        except BaseException:
+            self.rpc.close()
+            raise
+        self._ticker = threading.Thread(target=self._tick_loop, name="tsukimi-master-tick", daemon=True)
+        self._ticker.start()
+        logger.info("master serving RPC on %s, HTTP on %s", self.rpc.endpoint, self.http.base_url)
+
+    @property
+    def endpoint(self) -> str:
+        return self.rpc.endpoint
+
+    def _handle(self, request: msgspec.Struct) -> msgspec.Struct:
+        with self._latency.labels(type(request).__name__).time(), self._lock:
+            return self.service.handle(request)
+
+    def _tick_loop(self) -> None:
+        while not self._stop.wait(self.config.tick_interval_s):
+            with self._lock:
+                self.state.tick()
+
+    def _app(self) -> FastAPI:
+        app = FastAPI(title="tsukimi master")
+
+        @app.get("/health")
+        def health() -> dict[str, str]:
+            return {"status": "ok"}
+
+        @app.get("/metrics")
+        def metrics() -> Response:
+            return Response(generate_latest(self.metrics), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/query_key")
+        def query_key(key: str) -> dict[str, object]:
+            try:
+                with self._lock:
+                    info = self.state.describe(key)
+            except InvalidArgument as exc:
+                raise HTTPException(400, str(exc)) from exc
+            except ObjectNotFound as exc:
+                raise HTTPException(404, str(exc)) from exc
+            return msgspec.to_builtins(info)  # type: ignore[no-any-return]
+
+        @app.get("/segments")
+        def segments() -> list[dict[str, object]]:
+            with self._lock:
+                infos = self.state.registry.infos(self.state.clock.now())
+            return [msgspec.to_builtins(info) for info in infos]
+
+        return app
+
+    def close(self) -> None:
+        """Stop serving (idempotent). The state is kept in memory only (HA is a later issue)."""
+        self._stop.set()
+        self.rpc.close()
+        self.http.stop()
+        self._ticker.join(timeout=5)
+
+    def __enter__(self) -> MasterServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _StateCollector:
+    """Reads the state at scrape time (under the server's lock)."""
+
+    def __init__(self, server: MasterServer) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        server = self._server
+        with server._lock:
+            state = server.state
+            counters = dict(state.counters)
+            objects, pending = len(state.objects), len(state.pending)
+            segments = state.registry.infos(state.clock.now())
+        yield GaugeMetricFamily("tsukimi_master_objects", "Complete objects", value=objects)
+        yield GaugeMetricFamily("tsukimi_master_pending_puts", "Puts started and not ended", value=pending)
+        used = GaugeMetricFamily("tsukimi_master_segment_used_bytes", "Bytes allocated per segment", labels=["segment"])
+        capacity = GaugeMetricFamily(
+            "tsukimi_master_segment_capacity_bytes", "Capacity per segment", labels=["segment"]
+        )
+        for info in segments:
+            used.add_metric([info.segment_id], info.used)
+            capacity.add_metric([info.segment_id], info.capacity)
+        yield used
+        yield capacity
+        for name in COUNTERS:
+            yield CounterMetricFamily(
+                f"tsukimi_master_{name}", f"Master {name.replace('_', ' ')}", value=counters.get(name, 0)
+            )
