@@ -4,6 +4,8 @@ and a factory of clients."""
 
 from __future__ import annotations
 
+import os
+import select
 import signal
 import subprocess
 import sys
@@ -37,6 +39,7 @@ class Deployment:
     clients: list[StoreClient] = field(default_factory=list)
     rpc_port: int = 0
     http_port: int = 0
+    holder_names: list[str] = field(default_factory=list)  # each holder's Transfer Engine segment
 
     def client(self, segment_bytes: int = 0, **client_cfg: object) -> StoreClient:
         cfg = ClientConfig(master=self.endpoint, segment_bytes=segment_bytes, heartbeat_interval_s=0.3, **client_cfg)  # type: ignore[arg-type]
@@ -97,6 +100,7 @@ def start(kind: str) -> Deployment:
         if kind == "inprocess":
             dep.master = MasterServer(replace(MASTER, rpc_port=dep.rpc_port, http_port=dep.http_port))
             dep.holders = [dep.client(HOLDER_BYTES) for _ in range(2)]
+            dep.holder_names = [h.engine.name for h in dep.holders]  # type: ignore[union-attr]
             dep.clients.clear()
         else:
             dep.procs.append(dep._spawn_master())
@@ -104,12 +108,26 @@ def start(kind: str) -> Deployment:
             for _ in range(2):
                 cmd = [sys.executable, "-m", "tsukimi.cli", "holder", "--master", dep.endpoint,
                        "--segment-bytes", str(HOLDER_BYTES), "--set=client.heartbeat_interval_s=0.3"]  # fmt: skip
-                dep.holders.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+                dep.holders.append(proc)
+                dep.holder_names.append(_read_holder_name(proc))
         _wait_for(lambda: len(dep.segments()) == 2)
     except BaseException:
         dep.close()
         raise
     return dep
+
+
+def _read_holder_name(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> str:
+    """The holder prints "holder NAME: ..." once it has mounted its segment."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    if not ready:
+        raise TimeoutError("holder did not start")
+    line = proc.stdout.readline().decode()
+    assert line.startswith("holder "), line
+    return line.split()[1].rstrip(":")
 
 
 def _wait_for(condition: object, timeout_s: float = 20.0) -> None:
