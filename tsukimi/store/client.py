@@ -255,6 +255,14 @@ class StoreClient:
             out.append(result.exists or (self._disk is not None and self._disk.contains(key)))
         return out
 
+    def size_of(self, key: str) -> int | None:
+        """The size of a complete object, or None (grants no lease)."""
+        try:
+            info = self._rpc.call_as(p.QueryKey(key), p.ObjectInfo)
+        except ObjectNotFound:
+            return None
+        return info.size if info.complete else None
+
     def remove(self, key: str, force: bool = False) -> bool:
         """Remove an object; False if there was none. Raises LeaseHeld while readers hold it."""
         if self._disk is not None:

@@ -1,0 +1,1 @@
+"""Drop-in facades for code written against other systems' Python APIs."""

@@ -1,0 +1,362 @@
+"""The `mooncake` Python package's store and transfer-engine API, on tsukimi.
+
+Code written for Mooncake's Python store runs against tsukimi by changing the import:
+
+    from tsukimi.compat.mooncake import MooncakeDistributedStore, ReplicateConfig
+
+Method names, positional signatures and return conventions follow `mooncake.store` and
+`mooncake.engine` (0.3.x): 0 or a size on success, negative codes on failure, `b""` for a
+missing key in `get`. Errors are logged, not raised, as Mooncake does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+
+from tsukimi.config import ClientConfig, Config, MetadataConfig, TransferConfig
+from tsukimi.errors import (
+    ConfigError,
+    InvalidArgument,
+    InvalidBufferError,
+    LeaseHeld,
+    ObjectExists,
+    ObjectNotFound,
+    OutOfBounds,
+    OutOfSpace,
+    TransferError,
+    TsukimiError,
+)
+from tsukimi.store import protocol as p
+from tsukimi.store.client import StoreClient
+from tsukimi.transfer import RegisteredBuffer
+from tsukimi.transfer import TransferEngine as _Engine
+from tsukimi.transfer.segment import byte_view
+
+logger = logging.getLogger(__name__)
+
+OK = 0
+NO_SPACE = -200
+INVALID_PARAMS = -600
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+OBJECT_HAS_LEASE = -706
+TRANSFER_FAIL = -800
+RPC_FAIL = -900
+_CODES: list[tuple[type[TsukimiError], int]] = [
+    (OutOfSpace, NO_SPACE),
+    (InvalidArgument, INVALID_PARAMS),
+    (ConfigError, INVALID_PARAMS),
+    (InvalidBufferError, INVALID_PARAMS),
+    (OutOfBounds, INVALID_PARAMS),
+    (ObjectNotFound, OBJECT_NOT_FOUND),
+    (ObjectExists, OBJECT_ALREADY_EXISTS),
+    (LeaseHeld, OBJECT_HAS_LEASE),
+    (TransferError, TRANSFER_FAIL),
+]
+
+
+def code_of(error: TsukimiError | None) -> int:
+    """Mooncake's error code for a tsukimi error (RPC_FAIL for network and master failures)."""
+    if error is None:
+        return OK
+    for cls, code in _CODES:
+        if isinstance(error, cls):
+            return code
+    return RPC_FAIL
+
+
+class ReplicateConfig:
+    """`mooncake.store.ReplicateConfig`: plain attributes, set after construction."""
+
+    def __init__(self) -> None:
+        self.replica_num = 1
+        self.with_soft_pin = False
+        self.with_hard_pin = False
+        self.preferred_segment = ""
+        self.preferred_segments: list[str] = []
+
+    def _to_tsukimi(self) -> p.ReplicaConfig:
+        preferred = [self.preferred_segment] if self.preferred_segment else []
+        return p.ReplicaConfig(self.replica_num, self.with_soft_pin, self.with_hard_pin,
+                               tuple(preferred + list(self.preferred_segments)))  # fmt: skip
+
+
+class MooncakeDistributedStore:
+    """`mooncake.store.MooncakeDistributedStore` on a `StoreClient`."""
+
+    def __init__(self) -> None:
+        self._client: StoreClient | None = None
+
+    def setup(
+        self,
+        local_hostname: str,
+        metadata_server: str,
+        global_segment_size: int = 0,
+        local_buffer_size: int = 0,
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+        master_server_addr: str = "127.0.0.1:50051",
+        engine: object = None,
+        **_ignored: object,
+    ) -> int:
+        """Connect to the master at host:port and mount `global_segment_size` bytes.
+        `local_buffer_size` needs no pre-allocation here (any buffer can be read into);
+        "tcp" lets same-host peers use shared memory, as tsukimi's transport choice is per peer."""
+        try:
+            url = "p2p" if metadata_server.upper() in ("P2PHANDSHAKE", "") else metadata_server
+            transport = "tcp" if protocol == "tcp-only" else "auto"
+            config = Config(
+                transfer=TransferConfig(transport=transport),  # type: ignore[arg-type]
+                metadata=MetadataConfig(url=url),
+                client=ClientConfig(master=f"tcp://{master_server_addr}", segment_bytes=global_segment_size),
+            )
+            self._client = StoreClient(config)
+        except TsukimiError as exc:
+            logger.error("setup failed: %s", exc)
+            return code_of(exc)
+        return OK
+
+    def init_all(self, protocol: str, device_name: str, mount_segment_size: int = 16 << 20) -> int:
+        return self.setup("localhost", "P2PHANDSHAKE", mount_segment_size, 0, protocol, device_name)
+
+    # -- puts --------------------------------------------------------------------------
+
+    def put(self, key: str, value: object, config: ReplicateConfig | None = None) -> int:
+        return self._put([(key, value)], config, upsert=False)[0]
+
+    def upsert(self, key: str, value: object, config: ReplicateConfig | None = None) -> int:
+        return self._put([(key, value)], config, upsert=True)[0]
+
+    def put_batch(self, keys: list[str], values: list[object], config: ReplicateConfig | None = None) -> int:
+        codes = self._put(list(zip(keys, values, strict=True)), config, upsert=False)
+        return next((c for c in codes if c != OK), OK)
+
+    def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+        return self.batch_put_from([key], [buffer_ptr], [size], config)[0]
+
+    def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+        return self._put([(key, (buffer_ptr, size))], config, upsert=True)[0]
+
+    def batch_put_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: ReplicateConfig | None = None
+    ) -> list[int]:
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [INVALID_PARAMS] * len(keys)
+        return self._put([(k, (ptr, n)) for k, ptr, n in zip(keys, buffer_ptrs, sizes, strict=True)], config, False)
+
+    def _put(self, items: Sequence[tuple[str, object]], config: ReplicateConfig | None, upsert: bool) -> list[int]:
+        client = self._ready()
+        if client is None:
+            return [RPC_FAIL] * len(items)
+        try:
+            rc = (config or ReplicateConfig())._to_tsukimi()
+            pin = "hard" if rc.hard_pin else "soft" if rc.soft_pin else ""
+            if upsert:
+                errors: list[TsukimiError | None] = []
+                for key, data in items:
+                    try:
+                        client.upsert(key, data, rc.replicas, pin, rc.preferred_segments)
+                        errors.append(None)
+                    except TsukimiError as exc:
+                        errors.append(exc)
+            else:
+                errors = client.batch_put(items, rc.replicas, pin, rc.preferred_segments)
+        except TsukimiError as exc:
+            logger.error("put failed: %s", exc)
+            return [code_of(exc)] * len(items)
+        return [code_of(e) for e in errors]
+
+    # -- gets --------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        """The value, or b"" when the key is missing or unreadable."""
+        return self.get_batch([key])[0]
+
+    def get_batch(self, keys: list[str]) -> list[bytes]:
+        client = self._ready()
+        if client is None:
+            return [b""] * len(keys)
+        try:
+            return [value or b"" for value in client.batch_get(keys)]
+        except TsukimiError as exc:
+            logger.error("get failed: %s", exc)
+            return [b""] * len(keys)
+
+    def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        return self.batch_get_into([key], [buffer_ptr], [size])[0]
+
+    def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
+        """Bytes read per key, or a negative code (-704 missing, -800 unreadable, -600 too small)."""
+        client = self._ready()
+        if client is None or not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [RPC_FAIL if client is None else INVALID_PARAMS] * len(keys)
+        results = []
+        for key, ptr, n in zip(keys, buffer_ptrs, sizes, strict=True):
+            try:
+                got = client.get_into(key, byte_view((ptr, n))[0])
+            except TsukimiError as exc:
+                results.append(code_of(exc))
+                continue
+            results.append(got if got > 0 else OBJECT_NOT_FOUND)
+        return results
+
+    def get_size(self, key: str) -> int:
+        client = self._ready()
+        if client is None:
+            return RPC_FAIL
+        try:
+            size = client.size_of(key)
+        except TsukimiError as exc:
+            return code_of(exc)
+        return size if size is not None else OBJECT_NOT_FOUND
+
+    # -- metadata ----------------------------------------------------------------------
+
+    def is_exist(self, key: str) -> int:
+        """1 if the key exists, 0 if not, a negative code on error."""
+        return self.batch_is_exist([key])[0]
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        client = self._ready()
+        if client is None:
+            return [RPC_FAIL] * len(keys)
+        try:
+            return [int(found) for found in client.batch_exists(keys)]
+        except TsukimiError as exc:
+            return [code_of(exc)] * len(keys)
+
+    def remove(self, key: str, force: bool = False) -> int:
+        return self.batch_remove([key], force)[0]
+
+    def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
+        client = self._ready()
+        if client is None:
+            return [RPC_FAIL] * len(keys)
+        codes = []
+        for key in keys:
+            try:
+                codes.append(OK if client.remove(key, force) else OBJECT_NOT_FOUND)
+            except TsukimiError as exc:
+                codes.append(code_of(exc))
+        return codes
+
+    def remove_all(self, force: bool = False) -> int:
+        """How many objects were removed, or a negative code."""
+        client = self._ready()
+        if client is None:
+            return RPC_FAIL
+        try:
+            return client.remove_all(force)
+        except TsukimiError as exc:
+            return code_of(exc)
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """Accepted for compatibility: tsukimi reads into and writes from any buffer."""
+        return OK if buffer_ptr > 0 and size > 0 else INVALID_PARAMS
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        return OK
+
+    def get_hostname(self) -> str:
+        client = self._ready()
+        return client.engine.name if client is not None else ""
+
+    def health_check(self) -> int:
+        return OK if self._client is not None else RPC_FAIL
+
+    def close(self) -> int:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        return OK
+
+    def _ready(self) -> StoreClient | None:
+        if self._client is None:
+            logger.error("MooncakeDistributedStore: call setup() first")
+        return self._client
+
+
+class TransferEngine:
+    """`mooncake.engine.TransferEngine` on tsukimi's Transfer Engine (p2p handshake or a
+    metadata server; segment names are host:port, as Mooncake's P2P mode)."""
+
+    def __init__(self) -> None:
+        self._engine: _Engine | None = None
+        self._managed: dict[int, RegisteredBuffer] = {}
+
+    def initialize(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int:
+        url = "p2p" if metadata_server.upper() in ("P2PHANDSHAKE", "") else metadata_server
+        try:
+            host = local_hostname.rsplit(":", 1)[0] if local_hostname else "127.0.0.1"
+            config = replace(Config(), transfer=TransferConfig(bind_host=host), metadata=MetadataConfig(url=url))
+            self._engine = _Engine(None if url == "p2p" else local_hostname, config)
+        except (TsukimiError, OSError) as exc:
+            logger.error("initialize failed: %s", exc)
+            return -1
+        return OK
+
+    def get_rpc_port(self) -> int:
+        return self._require().describe().endpoints[0].port
+
+    def get_local_hostname(self) -> str:
+        return self._require().name
+
+    def register_memory(self, buffer_addr: int, capacity: int) -> int:
+        try:
+            self._require().register((buffer_addr, capacity))
+        except TsukimiError as exc:
+            logger.error("register_memory failed: %s", exc)
+            return -1
+        return OK
+
+    def unregister_memory(self, buffer_addr: int) -> int:
+        try:
+            self._require().unregister(buffer_addr)
+        except TsukimiError:
+            return -1
+        return OK
+
+    def allocate_managed_buffer(self, length: int) -> int:
+        """A registered buffer owned by the engine; returns its address (0 on failure)."""
+        buf = self._require().allocate(length)
+        self._managed[buf.base] = buf
+        return buf.base
+
+    def free_managed_buffer(self, buffer_addr: int, length: int) -> int:
+        if self._managed.pop(buffer_addr, None) is None:
+            return -1
+        self._require().unregister(buffer_addr)
+        return OK
+
+    def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int) -> int:
+        return self.batch_transfer_sync_write(target_hostname, [buffer], [peer_buffer_address], [length])
+
+    def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int) -> int:
+        return self.batch_transfer_sync_read(target_hostname, [buffer], [peer_buffer_address], [length])
+
+    def batch_transfer_sync_write(
+        self, target: str, buffers: list[int], peer_addrs: list[int], lengths: list[int]
+    ) -> int:
+        return self._batch(target, buffers, peer_addrs, lengths, write=True)
+
+    def batch_transfer_sync_read(
+        self, target: str, buffers: list[int], peer_addrs: list[int], lengths: list[int]
+    ) -> int:
+        return self._batch(target, buffers, peer_addrs, lengths, write=False)
+
+    def _batch(self, target: str, buffers: list[int], peer_addrs: list[int], lengths: list[int], write: bool) -> int:
+        engine = self._require()
+        items = [(peer, (local, n)) for local, peer, n in zip(buffers, peer_addrs, lengths, strict=True)]
+        try:
+            (engine.batch_write if write else engine.batch_read)(target, items)
+        except TsukimiError as exc:
+            logger.error("transfer to %s failed: %s", target, exc)
+            return -1
+        return OK
+
+    def _require(self) -> _Engine:
+        if self._engine is None:
+            raise ConfigError("TransferEngine: call initialize() first")
+        return self._engine
