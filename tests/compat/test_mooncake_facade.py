@@ -99,3 +99,4 @@ def test_transfer_engine_facade_p2p() -> None:
     assert back.raw == local.raw
     assert a.transfer_sync_read(target, ctypes.addressof(back), remote + (1 << 30), 64) == -1
     assert b.free_managed_buffer(remote, 1 << 20) == 0
+    assert a.close() == 0 and b.close() == 0

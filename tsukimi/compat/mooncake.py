@@ -356,6 +356,13 @@ class TransferEngine:
             return -1
         return OK
 
+    def close(self) -> int:
+        """Not in Mooncake's API (its engine lives as long as the process); frees ours."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        return OK
+
     def _require(self) -> _Engine:
         if self._engine is None:
             raise ConfigError("TransferEngine: call initialize() first")
