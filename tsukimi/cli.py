@@ -76,7 +76,42 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--quick", action="store_true", help="a small grid for CI smoke runs")
     tr.add_argument("--json", action="store_true", help="print one JSON object")
     tr.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
+    st = bench.add_parser("store", help="store put/get throughput and latency (vs Mooncake's store)")
+    st.add_argument("--value-sizes", type=_sizes, default=(4 * KIB, 64 * KIB, KIB * KIB, 4 * KIB * KIB, 16 * KIB * KIB))
+    st.add_argument("--replicas", type=_ints, default=(1, 2))
+    st.add_argument("--api", type=_names, default=("single", "batch"), help="single,batch")
+    st.add_argument("--batch", type=int, default=16)
+    st.add_argument("--holder-bytes", type=_sizes, default=(1 << 30,), help="memory per holder, e.g. 1G")
+    st.add_argument("--duration", type=float, default=0.5, help="seconds of puts, then of gets, per cell")
+    st.add_argument("--repeats", type=int, default=3)
+    st.add_argument("--force-tcp", action="store_true", help="every process uses tcp (not shared memory)")
+    st.add_argument("--compare-mooncake", action="store_true", help="also run the real Mooncake store")
+    st.add_argument("--quick", action="store_true", help="a small grid for CI")
+    st.add_argument("--json", action="store_true")
     return parser
+
+
+def _bench_store(args: argparse.Namespace, console: Console) -> None:
+    from tsukimi.bench import store
+
+    quick = args.quick
+    cfg = store.StoreBenchConfig(
+        value_bytes=(64 * KIB, KIB * KIB) if quick else args.value_sizes,
+        apis=args.api,
+        replicas=(1,) if quick else args.replicas,
+        batch=4 if quick else args.batch,
+        holder_bytes=(128 << 20) if quick else args.holder_bytes[0],
+        duration_s=0.2 if quick else args.duration,
+        repeats=1 if quick else args.repeats,
+        force_tcp=args.force_tcp,
+        compare_mooncake=args.compare_mooncake,
+    )
+    with console.status("benchmarking the store") as status:
+        report = store.run(cfg, progress=lambda text: status.update(text))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        console.print(store.render_table(report))
 
 
 def _bench_transfer(args: argparse.Namespace, console: Console) -> None:
@@ -149,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             demo.run(console, args.seconds)
         elif args.command == "bench" and args.bench == "transfer":
             _bench_transfer(args, console)
+        elif args.command == "bench" and args.bench == "store":
+            _bench_store(args, console)
     except TsukimiError as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2

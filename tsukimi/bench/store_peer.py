@@ -1,0 +1,173 @@
+"""The measuring client of `tsukimi bench store`: a process that mounts nothing and runs
+timed put/get loops against tsukimi or the real Mooncake store, verifying every byte read.
+
+    python -m tsukimi.bench.store_peer SYSTEM MASTER_ADDR BUFFER_BYTES [TRANSPORT]
+
+Commands (line JSON): {"cmd": "measure", ...cell} -> figures; {"cmd": "small_ops"} ->
+exists/remove p50. Both systems are driven through the same adapter shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from dataclasses import replace
+from typing import Any, Protocol
+
+import numpy as np
+
+from tsukimi.bench.workers import child_reply
+from tsukimi.clock import WallClock
+from tsukimi.config import ClientConfig, Config, TransferConfig
+from tsukimi.store.client import StoreClient
+
+
+class StoreAdapter(Protocol):
+    src: np.ndarray
+    dst: np.ndarray
+
+    def put_from(self, key: str, offset: int, size: int, replicas: int) -> None: ...
+    def batch_put_from(self, keys: list[str], offsets: list[int], size: int, replicas: int) -> None: ...
+    def get_into(self, key: str, offset: int, size: int) -> int: ...
+    def batch_get_into(self, keys: list[str], offsets: list[int], size: int) -> list[int]: ...
+    def exists(self, key: str) -> bool: ...
+    def remove(self, key: str) -> None: ...
+    def remove_all(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class TsukimiStoreAdapter:
+    def __init__(self, master_addr: str, buffer_bytes: int, transport: str = "auto") -> None:
+        cfg = replace(Config(), transfer=TransferConfig(transport=transport), client=ClientConfig(master=master_addr))  # type: ignore[arg-type]
+        self.client = StoreClient(cfg)
+        self.src = np.zeros(buffer_bytes, np.uint8)
+        self.dst = np.zeros(buffer_bytes, np.uint8)
+
+    def put_from(self, key: str, offset: int, size: int, replicas: int) -> None:
+        self.client.put_from(key, self.src[offset : offset + size], replicas=replicas)
+
+    def batch_put_from(self, keys: list[str], offsets: list[int], size: int, replicas: int) -> None:
+        errors = self.client.batch_put_from(
+            [(k, self.src[o : o + size]) for k, o in zip(keys, offsets, strict=True)], replicas
+        )
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise failed[0]
+
+    def get_into(self, key: str, offset: int, size: int) -> int:
+        return self.client.get_into(key, self.dst[offset : offset + size])
+
+    def batch_get_into(self, keys: list[str], offsets: list[int], size: int) -> list[int]:
+        return self.client.batch_get_into(keys, [self.dst[o : o + size] for o in offsets])
+
+    def exists(self, key: str) -> bool:
+        return self.client.exists(key)
+
+    def remove(self, key: str) -> None:
+        self.client.remove(key, force=True)
+
+    def remove_all(self) -> None:
+        self.client.remove_all(force=True)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def measure(store: StoreAdapter, cmd: dict[str, Any]) -> dict[str, float]:
+    """Put then get one cell for `duration_s` each; latencies per call; bytes verified."""
+    clock = WallClock()
+    size, batch, replicas, limit = cmd["value_bytes"], cmd["batch"], cmd["replicas"], cmd["max_stored_bytes"]
+    rng = np.random.default_rng(size + batch + replicas)
+    store.src[: size * batch] = rng.integers(0, 256, size * batch, dtype=np.uint8)
+    offsets = [i * size for i in range(batch)]
+    groups: list[list[str]] = []
+    put_s: list[float] = []
+    start = clock.now()
+    # NOTE: stored bytes stay under `max_stored_bytes`, so gets read what is still resident
+    while (not put_s or clock.now() - start < cmd["duration_s"]) and (len(groups) + 1) * batch * size <= limit:
+        keys = [f"{cmd['prefix']}-{len(groups)}-{j}" for j in range(batch)]
+        t0 = clock.now()
+        if batch == 1:
+            store.put_from(keys[0], 0, size, replicas)
+        else:
+            store.batch_put_from(keys, offsets, size, replicas)
+        put_s.append(clock.now() - t0)
+        groups.append(keys)
+    get_s: list[float] = []
+    start, i = clock.now(), 0
+    while not get_s or clock.now() - start < cmd["duration_s"]:
+        keys = groups[i % len(groups)]
+        store.dst[: size * batch] = 0
+        t0 = clock.now()
+        got = [store.get_into(keys[0], 0, size)] if batch == 1 else store.batch_get_into(keys, offsets, size)
+        get_s.append(clock.now() - t0)
+        if got != [size] * batch or not np.array_equal(store.dst[: size * batch], store.src[: size * batch]):
+            raise RuntimeError(f"get of {keys[0]} returned {got[:3]}... or wrong bytes")
+        i += 1
+    store.remove_all()
+    moved = size * batch
+    return {
+        "put_gbps": moved * len(put_s) / sum(put_s) / 1e9,
+        "get_gbps": moved * len(get_s) / sum(get_s) / 1e9,
+        "put_p50_us": _pct(put_s, 50),
+        "put_p99_us": _pct(put_s, 99),
+        "get_p50_us": _pct(get_s, 50),
+        "get_p99_us": _pct(get_s, 99),
+    }
+
+
+def small_ops(store: StoreAdapter, count: int = 200) -> dict[str, float]:
+    clock = WallClock()
+    keys = [f"small-{i}" for i in range(count)]
+    for key in keys:
+        store.put_from(key, 0, 64, 1)
+    exists_s, remove_s = [], []
+    for key in keys:
+        t0 = clock.now()
+        assert store.exists(key)
+        exists_s.append(clock.now() - t0)
+    for key in keys:
+        t0 = clock.now()
+        store.remove(key)
+        remove_s.append(clock.now() - t0)
+    return {"exists_p50_us": _pct(exists_s, 50), "remove_p50_us": _pct(remove_s, 50)}
+
+
+def _pct(samples: list[float], pct: int) -> float:
+    ordered = sorted(samples)
+    return (
+        ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))] * 1e6
+        if pct != 50
+        else statistics.median(samples) * 1e6
+    )
+
+
+def main(argv: list[str]) -> None:
+    system, master, buffer_bytes = argv[0], argv[1], int(argv[2])
+    protocol_out = sys.stdout
+    if system == "mooncake":
+        from tsukimi.bench.mooncake_store import MooncakeStoreAdapter
+
+        # NOTE: the C++ library prints to fd 1: keep a private copy of it for our replies.
+        protocol_out = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
+        store: StoreAdapter = MooncakeStoreAdapter(master, buffer_bytes)
+    else:
+        store = TsukimiStoreAdapter(master, buffer_bytes, argv[3] if len(argv) > 3 else "auto")
+    child_reply({}, protocol_out)
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            try:
+                figures = small_ops(store) if cmd["cmd"] == "small_ops" else measure(store, cmd)
+                child_reply(figures, protocol_out)
+            except Exception as exc:  # reported to the driver, which raises it there
+                child_reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"}, protocol_out)
+    finally:
+        store.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
