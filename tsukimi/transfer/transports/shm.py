@@ -28,7 +28,7 @@ from tsukimi.transfer.transports import Slice
 
 logger = logging.getLogger(__name__)
 
-INLINE_BYTES = 256 << 10  # slices up to this size are copied by the submitting thread
+INLINE_BYTES = 1 << 20  # a submit of at most this many bytes is copied by the submitting thread
 
 
 class _ShmPeer:
@@ -101,14 +101,14 @@ class ShmTransport:
 
     def submit(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
         state = self._peer(peer)
-        queued = []
-        for piece in slices:
-            if len(piece.local) <= INLINE_BYTES:
-                self._run(state, piece)  # NOTE: cheaper than a hand-off to a worker thread
-            else:
-                queued.append(piece)
+        # NOTE: a small submit is copied by the caller: a hand-off to a worker costs more than
+        # the copy. Larger ones go to the workers, which copy in parallel (numpy drops the GIL).
+        if sum(len(piece.local) for piece in slices) <= INLINE_BYTES:
+            for piece in slices:
+                self._run(state, piece)
+            return
         with self._lock:  # never behind the workers' stop signals
-            for piece in queued:
+            for piece in slices:
                 if self._closed:
                     piece.record.slice_failed("shm transport is closed", ClosedError.code)
                 else:
