@@ -97,3 +97,25 @@ def test_metadata_server_command_serves_and_stops_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=5)
+
+
+def test_bench_store_quick_json_shape() -> None:
+    out = _tsukimi("bench", "store", "--quick", "--json", "--api", "single")
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert set(report) >= {"results", "small_ops", "git_rev", "config"}
+    for row in report["results"]:
+        assert {
+            "system",
+            "mode",
+            "api",
+            "value_bytes",
+            "replicas",
+            "put_gbps",
+            "get_gbps",
+            "put_p50_us",
+            "get_p50_us",
+        } <= set(row)
+        assert row["system"] == "tsukimi" and row["mode"] == "shm" and row["get_gbps"] > 0
+    assert {r["value_bytes"] for r in report["results"]} == {65536, 1 << 20}
+    assert report["small_ops"]["tsukimi"]["exists_p50_us"] > 0

@@ -1,20 +1,22 @@
-"""Tests of tsukimi.rpc: codec round trips, error mapping, timeouts, stale replies, bad frames."""
+"""Tests of tsukimi.rpc: codec round trips, error mapping, timeouts, stale replies, bad frames,
+reconnection and the serialized handler."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
-import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tsukimi.clock import WallClock
 from tsukimi.errors import (
+    BrokenConnectionError,
     ClosedError,
     ConfigError,
     OutOfBounds,
@@ -24,6 +26,8 @@ from tsukimi.errors import (
     TsukimiError,
 )
 from tsukimi.rpc import Codec, ErrorReply, RpcClient, RpcServer
+from tsukimi.rpc import server as rpc_server
+from tsukimi.rpc.frame import HEADER, format_endpoint, parse_endpoint
 
 CLOCK = WallClock()
 
@@ -188,52 +192,202 @@ def test_nothing_listening_times_out() -> None:
         assert CLOCK.now() - start < 0.3 + 0.5
 
 
+def _frame(payload: bytes, request_id: int) -> bytes:
+    return HEADER.pack(len(payload), request_id) + payload
+
+
+def _read_frame(sock: socket.socket) -> tuple[int, bytes]:
+    sock.settimeout(2.0)
+    head = _recv_exact(sock, HEADER.size)
+    length, request_id = HEADER.unpack(head)
+    return request_id, _recv_exact(sock, length)
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        assert chunk, "connection closed"
+        data += chunk
+    return data
+
+
+def _raw(server: RpcServer) -> socket.socket:
+    host, port = server.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=2.0)
+
+
+def _assert_closed_by_peer(sock: socket.socket) -> None:
+    sock.settimeout(2.0)
+    with contextlib.suppress(ConnectionResetError):
+        assert sock.recv(1) == b""
+
+
 def test_malformed_frames_get_protocol_error_and_server_keeps_serving(server: RpcServer, client: RpcClient) -> None:
-    raw: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(server.endpoint)
-    try:
-        raw.send_multipart([b"\x00" * 8, b"\xc1garbage"])
-        assert raw.poll(2000, zmq.POLLIN)
-        request_id, payload = raw.recv_multipart()
-        assert request_id == b"\x00" * 8
-        reply = CODEC.decode_response(payload)
-        assert isinstance(reply, ErrorReply)
-        assert reply.code == "protocol"
-        raw.send_multipart([b"just one frame"])  # envelope is only the identity
-        raw.send_multipart([b"a", b"b", msgspec.msgpack.encode(EchoResponse("wrong way"))])
-        replies = []
-        for _ in range(2):
-            assert raw.poll(2000, zmq.POLLIN)
-            replies.append(raw.recv_multipart())
-        assert [len(frames) for frames in replies] == [1, 3]
-        for frames in replies:
-            error = CODEC.decode_response(frames[-1])
-            assert isinstance(error, ErrorReply)
-            assert error.code == "protocol"
-    finally:
-        raw.close(linger=0)
+    with _raw(server) as raw:
+        raw.sendall(_frame(b"\xc1garbage", 7) + _frame(msgspec.msgpack.encode(EchoResponse("wrong way")), 8))
+        for expected_id in (7, 8):
+            request_id, payload = _read_frame(raw)
+            assert request_id == expected_id
+            reply = CODEC.decode_response(payload)
+            assert isinstance(reply, ErrorReply)
+            assert reply.code == "protocol"
+        raw.sendall(_frame(CODEC.encode(EchoRequest("same connection")), 9))  # still in sync
+        assert _read_frame(raw) == (9, CODEC.encode(EchoResponse("same connection")))
     assert client.call(EchoRequest("ok")) == EchoResponse("ok")
 
 
-def test_reply_with_another_request_id_is_discarded() -> None:
+def test_frame_sent_byte_by_byte_and_pipelined_frames_are_served(server: RpcServer) -> None:
+    with _raw(server) as raw:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for byte in _frame(CODEC.encode(EchoRequest("slow")), 1):
+            raw.sendall(bytes([byte]))
+        assert _read_frame(raw) == (1, CODEC.encode(EchoResponse("slow")))
+        raw.sendall(b"".join(_frame(CODEC.encode(EchoRequest(str(i))), 10 + i) for i in range(20)))
+        for i in range(20):
+            assert _read_frame(raw) == (10 + i, CODEC.encode(EchoResponse(str(i))))
+        texts = [str(i) * 30_000 for i in range(5)]  # frames straddle the end of the server's buffer
+        raw.sendall(b"".join(_frame(CODEC.encode(EchoRequest(text)), 40 + i) for i, text in enumerate(texts)))
+        for i, text in enumerate(texts):
+            assert _read_frame(raw) == (40 + i, CODEC.encode(EchoResponse(text)))
+
+
+def test_large_frames_round_trip(client: RpcClient) -> None:
+    text = "x" * (1 << 20)  # larger than the readers' buffers
+    assert client.call_as(EchoRequest(text), EchoResponse).text == text
+    assert client.call(EchoRequest("small again")) == EchoResponse("small again")
+
+
+def test_garbage_oversized_and_truncated_frames_close_only_their_connection(
+    server: RpcServer, client: RpcClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rpc_server, "_FRAME_TIMEOUT_S", 0.3)
+    with _raw(server) as oversized, _raw(server) as garbage, _raw(server) as truncated, _raw(server) as stalled:
+        oversized.sendall(HEADER.pack(CODEC.max_frame_bytes + 1, 1))  # refused before allocating
+        garbage.sendall(b"\xff" * 64)  # reads as an absurd length prefix
+        truncated.sendall(_frame(CODEC.encode(EchoRequest("cut short")), 2)[:-3])
+        truncated.shutdown(socket.SHUT_WR)
+        stalled.sendall(_frame(CODEC.encode(EchoRequest("never finished")), 3)[:5])
+        for sock in (oversized, garbage, truncated):
+            _assert_closed_by_peer(sock)
+        assert client.call(EchoRequest("meanwhile")) == EchoResponse("meanwhile")
+        start = CLOCK.now()
+        _assert_closed_by_peer(stalled)  # after the frame bound and at most one tick
+        assert CLOCK.now() - start < 1.5
+    assert client.call(EchoRequest("after")) == EchoResponse("after")
+
+
+def test_idle_connections_stay_open(server: RpcServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rpc_server, "_FRAME_TIMEOUT_S", 0.1)
+    with _raw(server) as raw:
+        CLOCK.sleep(0.7)  # over a server tick with no frame started
+        raw.sendall(_frame(CODEC.encode(EchoRequest("still there")), 4))
+        assert _read_frame(raw) == (4, CODEC.encode(EchoResponse("still there")))
+
+
+def test_connection_limit_refuses_extra_connections(server: RpcServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rpc_server, "_MAX_CONNECTIONS", 1)
+    with _raw(server) as first, _raw(server) as second:
+        first.sendall(_frame(CODEC.encode(EchoRequest("first")), 1))
+        assert _read_frame(first) == (1, CODEC.encode(EchoResponse("first")))
+        _assert_closed_by_peer(second)
+
+
+@contextlib.contextmanager
+def _fake_server() -> Iterator[tuple[socket.socket, str]]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(2.0)
+        yield listener, f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_reply_with_another_request_id_is_a_protocol_error() -> None:
     """A late reply carrying an earlier call's id must never answer the current call."""
-    router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        with RpcClient(CODEC, f"tcp://127.0.0.1:{port}", timeout_s=2.0) as cli, ThreadPoolExecutor(1) as pool:
-            future = pool.submit(cli.call, EchoRequest("question"))
-            assert router.poll(2000, zmq.POLLIN)
-            identity, request_id, payload = router.recv_multipart()
+    with (
+        _fake_server() as (listener, endpoint),
+        RpcClient(CODEC, endpoint, timeout_s=2.0) as cli,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        future = pool.submit(cli.call, EchoRequest("question"))
+        conn, _ = listener.accept()
+        with conn:
+            request_id, payload = _read_frame(conn)
             assert CODEC.decode_request(payload) == EchoRequest("question")
-            stale_id = (int.from_bytes(request_id, "big") - 1).to_bytes(8, "big")
-            router.send_multipart([identity, stale_id, CODEC.encode(EchoResponse("stale"))])
-            router.send_multipart([identity, b"junk"])
-            router.send_multipart([identity, request_id, CODEC.encode(EchoResponse("answer"))])
+            conn.sendall(_frame(CODEC.encode(EchoResponse("stale")), request_id - 1))
+            with pytest.raises(ProtocolError, match="reply for request"):
+                future.result(timeout=2.0)
+            _assert_closed_by_peer(conn)  # the client dropped the connection
+        future = pool.submit(cli.call, EchoRequest("again"))
+        conn, _ = listener.accept()  # a fresh connection, a fresh id
+        with conn:
+            next_id, _payload = _read_frame(conn)
+            assert next_id > request_id
+            conn.sendall(_frame(CODEC.encode(EchoResponse("answer")), next_id))
             assert future.result(timeout=2.0) == EchoResponse("answer")
-    finally:
-        router.close(linger=0)
+
+
+def test_connection_lost_after_sending_is_not_retried() -> None:
+    """Once the whole request left, the server may have acted on it: no resend."""
+    with (
+        _fake_server() as (listener, endpoint),
+        RpcClient(CODEC, endpoint, timeout_s=2.0) as cli,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        future = pool.submit(cli.call, EchoRequest("once"))
+        conn, _ = listener.accept()
+        _read_frame(conn)
+        conn.close()
+        start = CLOCK.now()
+        with pytest.raises(BrokenConnectionError) as info:
+            future.result(timeout=2.0)
+        assert isinstance(info.value.__cause__, OSError)
+        assert CLOCK.now() - start < 0.5
+        listener.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+
+
+def test_client_reconnects_after_server_restart() -> None:
+    with RpcServer(CODEC, handle) as first, RpcClient(CODEC, first.endpoint, timeout_s=3.0) as cli:
+        assert cli.call(EchoRequest("before")) == EchoResponse("before")
+        first.close()
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(cli.call, EchoRequest("during"))  # retries until the new server is up
+            CLOCK.sleep(0.2)
+            with RpcServer(CODEC, handle, bind=first.endpoint):
+                assert future.result(timeout=3.0) == EchoResponse("during")
+                assert cli.call(EchoRequest("after")) == EchoResponse("after")
+
+
+def test_handler_calls_never_overlap() -> None:
+    guard = threading.Lock()
+    active = [0]
+    overlaps = [0]
+    calls = [0]
+
+    def counting(request: msgspec.Struct) -> msgspec.Struct:
+        with guard:
+            active[0] += 1
+            calls[0] += 1
+            overlaps[0] += active[0] > 1
+        CLOCK.sleep(0.0002)  # invites another connection's thread in, were it allowed
+        with guard:
+            active[0] -= 1
+        return handle(request)
+
+    with RpcServer(CODEC, counting) as srv:
+        clients = [RpcClient(CODEC, srv.endpoint) for _ in range(4)]
+        try:
+
+            def worker(cli: RpcClient) -> int:
+                return sum(cli.call(EchoRequest("n")) == EchoResponse("n") for _ in range(100))
+
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                assert list(pool.map(worker, clients)) == [100] * 4
+        finally:
+            for cli in clients:
+                cli.close()
+    assert calls[0] == 400
+    assert overlaps[0] == 0
 
 
 def test_concurrent_calls_on_one_client(client: RpcClient) -> None:
@@ -276,7 +430,23 @@ def test_bad_arguments_are_config_errors() -> None:
         RpcClient(CODEC, "tcp://127.0.0.1:1", timeout_s=0)
     with pytest.raises(ConfigError):
         RpcClient(CODEC, "not an endpoint")
+    for endpoint in ("tcp://127.0.0.1:65536", "ipc:///tmp/x", "tcp://:80", "tcp://host"):
+        with pytest.raises(ConfigError):
+            RpcClient(CODEC, endpoint)
     with pytest.raises(ConfigError):
         RpcServer(CODEC, handle, bind="tcp://256.0.0.1:0")
+    with RpcServer(CODEC, handle) as taken, pytest.raises(ConfigError, match="cannot bind"):
+        RpcServer(CODEC, handle, bind=taken.endpoint)
     with pytest.raises(TsukimiError):
         Codec([EchoRequest], [EchoResponse], max_frame_bytes=0)
+
+
+def test_endpoints_parse_and_format() -> None:
+    assert parse_endpoint("tcp://127.0.0.1:5") == ("127.0.0.1", 5)
+    assert parse_endpoint("tcp://*:0") == ("0.0.0.0", 0)
+    assert parse_endpoint("tcp://[::1]:7") == ("::1", 7)
+    assert format_endpoint("::1", 7) == "tcp://[::1]:7"
+    with RpcServer(CODEC, handle, bind="tcp://*:0") as srv:
+        assert srv.endpoint.startswith("tcp://0.0.0.0:")
+        with RpcClient(CODEC, srv.endpoint.replace("0.0.0.0", "127.0.0.1")) as cli:
+            assert cli.call(EchoRequest("any interface")) == EchoResponse("any interface")

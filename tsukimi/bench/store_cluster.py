@@ -101,18 +101,21 @@ class TsukimiCluster:
             self._clock.sleep(0.02)
 
     def close(self) -> None:
-        """Stop holders, then the master (SIGTERM, then SIGKILL); idempotent."""
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-            if proc.stdout is not None:
-                proc.stdout.close()
+        """Stop the holders (they unmount while the master still answers), then the master;
+        SIGTERM, then SIGKILL; idempotent."""
+        holders = [p for p in self.procs if p is not getattr(self, "master", None)]
+        for group in (holders, [p for p in self.procs if p not in holders]):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in group:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
+                if proc.stdout is not None:
+                    proc.stdout.close()
         self.procs.clear()
 
     def __enter__(self) -> TsukimiCluster:

@@ -1,4 +1,4 @@
-"""Control-plane RPC: msgspec Struct messages over pyzmq request/reply.
+"""Control-plane RPC: msgspec Struct messages, one request/reply frame each way over TCP.
 
 A service declares tagged msgspec Structs for its requests and responses, builds one
 `Codec` from them, serves a handler with `RpcServer` and calls it with `RpcClient`.

@@ -1,40 +1,62 @@
-"""The RPC client: blocking calls with deadlines over one zmq DEALER socket.
+"""The RPC client: blocking calls with deadlines over one persistent TCP connection.
 
-Each call sends ``[request id, payload]`` and waits for the reply that echoes the same id
-(see tsukimi/rpc/server.py for the wire format). Two guards keep a late reply to a
-timed-out call from ever answering a later call:
+Each call sends one frame (tsukimi/rpc/frame.py) and reads the one reply, which must echo
+the call's request id. The connection is opened on the first call and again after any
+failure. Calls on one client are serialized by a lock; time spent waiting for it counts
+against the call's deadline.
 
-- ids are never reused, and a reply whose id is not the current call's is discarded;
-- on a timeout the socket is closed (LINGER 0, so queued requests and late replies are
-  dropped) and a fresh one is connected, so the server's late reply goes to an identity
-  that no longer exists and ROUTER drops it.
+A late reply can never answer a later call: request ids are never reused, and a call that
+fails after sending (timeout, bad reply, broken connection) closes the connection, so a
+late reply has nowhere to arrive. A reply with another id is a `ProtocolError`.
 
-Calls on one client are serialized by a lock (the server handles one request at a time
-anyway); time spent waiting for the lock counts against the call's deadline.
+Delivery is at most once: while the request surely has not reached the server (nothing
+listening, the connection found dead before sending, a send that failed), the call retries
+every `_RETRY_S` until its deadline, then raises `RpcTimeout`; once the whole request is
+sent, a dropped connection raises `BrokenConnectionError` at once, never a resend, since
+the server may have acted on it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import itertools
 import logging
 import math
+import os
+import select
+import socket
 import threading
+from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
 import msgspec
-import zmq
 
+from tsukimi import netio
 from tsukimi.clock import WallClock
-from tsukimi.errors import ClosedError, ConfigError, ProtocolError, RpcTimeout, error_from_code
+from tsukimi.errors import (
+    BrokenConnectionError,
+    ClosedError,
+    ConfigError,
+    ProtocolError,
+    RpcTimeout,
+    error_from_code,
+)
 from tsukimi.rpc.codec import Codec, ErrorReply
+from tsukimi.rpc.frame import FrameReader, parse_endpoint, send_frame
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=msgspec.Struct)
 
-_SLICE_S = 0.1  # a waiting call checks for close() this often
+_TICK_S = 0.02  # blocked socket calls wake up this often: bounds how late a deadline is noticed
+_RETRY_S = 0.02  # backoff between attempts to reach the server
 _CLOSE_WAIT_S = 2.0
+
+
+class _NotSent(Exception):
+    """The request surely did not reach the server; the call may try again. Wraps the OSError."""
 
 
 class RpcClient:
@@ -46,19 +68,22 @@ class RpcClient:
         timeout_s: the default deadline of a call, in seconds.
 
     Raises:
-        ConfigError: `timeout_s` is not positive and finite or `endpoint` is not a valid zmq endpoint.
+        ConfigError: `timeout_s` is not positive and finite or `endpoint` is not tcp://HOST:PORT.
     """
 
     def __init__(self, codec: Codec, endpoint: str, timeout_s: float = 5.0) -> None:
         _check_timeout(timeout_s)
+        self._address = parse_endpoint(endpoint)
         self._codec = codec
         self._endpoint = endpoint
         self._timeout_s = timeout_s
         self._clock = WallClock()
-        self._lock = threading.Lock()  # guards the socket and the id counter
+        self._lock = threading.Lock()  # serializes calls: guards the connection and the id counter
+        self._sock_lock = threading.Lock()  # guards _sock between a call and close()
+        self._closing = threading.Event()
         self._ids = itertools.count(1)
-        self._closed = False
-        self._socket: zmq.Socket[bytes] | None = self._connect()
+        self._sock: socket.socket | None = None  # set as soon as connecting starts, for close()
+        self._conn: _Connection | None = None  # once connected
 
     @property
     def endpoint(self) -> str:
@@ -76,26 +101,26 @@ class RpcClient:
             The decoded response (one of the codec's response types).
 
         Raises:
-            RpcTimeout: no reply before the deadline (the socket is reset).
+            RpcTimeout: no reply before the deadline (the connection is closed), or the server
+                could not be reached before it.
+            BrokenConnectionError: the connection dropped after the request was sent (the
+                request may or may not have been acted on).
             TsukimiError: the server answered with an error: the same class as raised there;
                 `PeerError` for codes this side does not know (e.g. "internal").
-            ProtocolError: the reply frame is malformed or of an undeclared type.
+            ProtocolError: the reply is malformed, of an undeclared type, or for another request.
             ClosedError: the client is closed, or was closed during the call.
         """
         timeout = self._timeout_s if timeout_s is None else timeout_s
         _check_timeout(timeout)
         deadline = self._clock.now() + timeout
         payload = self._codec.encode(request)
-        if self._closed:
+        if self._closing.is_set():
             raise ClosedError(f"rpc client to {self._endpoint} is closed")
         if not self._lock.acquire(timeout=timeout):
             raise RpcTimeout(f"{type(request).__name__} to {self._endpoint}: client busy for {timeout:.3f} s")
         try:
             reply = self._exchange(request, payload, deadline, timeout)
         finally:
-            if self._closed and self._socket is not None:
-                self._socket.close(linger=0)
-                self._socket = None
             self._lock.release()
         if isinstance(reply, ErrorReply):
             raise error_from_code(reply.code, reply.message)
@@ -117,18 +142,23 @@ class RpcClient:
         return reply
 
     def close(self) -> None:
-        """Close the socket (mutates; idempotent; never blocks on the network).
+        """Close the connection (mutates; idempotent; never blocks on the network).
 
-        A call in flight on another thread ends within ~0.1 s with `ClosedError`.
+        A call in flight on another thread ends promptly with `ClosedError`.
         """
-        if self._closed:
-            return
-        self._closed = True
+        with self._sock_lock:
+            if self._closing.is_set():
+                return
+            self._closing.set()
+            sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a call blocked on it; its thread closes it
+        # NOTE: the socket is closed only by whoever holds the call lock, never under a
+        # thread blocked on it (its descriptor could be reused meanwhile).
         if self._lock.acquire(timeout=_CLOSE_WAIT_S):
             try:
-                if self._socket is not None:
-                    self._socket.close(linger=0)
-                    self._socket = None
+                self._drop()
             finally:
                 self._lock.release()
 
@@ -140,56 +170,144 @@ class RpcClient:
     ) -> None:
         self.close()
 
-    def _connect(self) -> zmq.Socket[bytes]:
-        socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, self._codec.max_frame_bytes)
-        try:
-            socket.connect(self._endpoint)
-        except zmq.ZMQError as exc:
-            socket.close()
-            raise ConfigError(f"invalid rpc endpoint {self._endpoint!r}: {exc}") from exc
-        return socket
-
-    def _reset(self) -> None:
-        """Replace the socket, dropping whatever is queued on it (caller holds the lock)."""
-        if self._socket is not None:
-            self._socket.close(linger=0)
-            self._socket = None
-        self._socket = self._connect()
-
     def _exchange(self, request: msgspec.Struct, payload: bytes, deadline: float, timeout: float) -> msgspec.Struct:
-        """Send one request and wait for its reply (caller holds the lock)."""
-        if self._closed or self._socket is None:
-            raise ClosedError(f"rpc client to {self._endpoint} is closed")
-        socket = self._socket
-        request_id = next(self._ids).to_bytes(8, "big")
-        # NOTE: send may block when the queue to an absent server is full; wait for room
-        # within the deadline like for the reply.
-        if self._wait(socket, zmq.POLLOUT, deadline):
-            socket.send_multipart([request_id, payload], zmq.NOBLOCK)
-            while self._wait(socket, zmq.POLLIN, deadline):
-                frames = socket.recv_multipart(zmq.NOBLOCK)
-                if len(frames) == 2 and frames[0] == request_id:
-                    return self._codec.decode_response(frames[1])
-                logger.debug("rpc client to %s: discarded a stale or malformed reply", self._endpoint)
-        self._reset()
-        raise RpcTimeout(f"{type(request).__name__} to {self._endpoint}: no reply within {timeout:.3f} s")
+        """Send one request and read its reply, reconnecting while it surely was not sent
+        (caller holds the lock)."""
+        request_id = next(self._ids)
+        clock, closing = self._clock, self._closing
 
-    def _wait(self, socket: zmq.Socket[bytes], event: int, deadline: float) -> bool:
-        """Poll `socket` for `event` until the deadline: True when ready, False when late.
+        def expired(_: object = None) -> bool:
+            return closing.is_set() or clock.now() >= deadline
+
+        while True:
+            self._check_open()
+            try:
+                reader = self._send(request_id, payload, deadline, expired)
+                break
+            except _NotSent as exc:
+                self._drop()
+                wait = min(_RETRY_S, deadline - clock.now())
+                if wait <= 0 or closing.wait(wait):
+                    self._check_open()
+                    raise RpcTimeout(f"{self._what(request)}: unreachable for {timeout:.3f} s") from exc.__cause__
+                logger.debug("rpc client %s: retrying: %s", self._what(request), exc.__cause__)
+            except TimeoutError as exc:
+                self._drop()
+                self._check_open()
+                raise RpcTimeout(f"{self._what(request)}: not sent within {timeout:.3f} s") from exc
+            except BaseException:
+                self._drop()
+                raise
+        try:
+            reply_id, body = reader.read(expired)
+            if reply_id != request_id:
+                raise ProtocolError(f"{self._what(request)}: reply for request {reply_id}, expected {request_id}")
+            if reader.buffered_bytes:
+                raise ProtocolError(f"{self._what(request)}: {reader.buffered_bytes} unexpected bytes after the reply")
+            return self._codec.decode_response(body)
+        except TimeoutError as exc:
+            self._drop()
+            self._check_open()
+            raise RpcTimeout(f"{self._what(request)}: no reply within {timeout:.3f} s") from exc
+        except OSError as exc:
+            self._drop()
+            self._check_open()
+            raise BrokenConnectionError(f"{self._what(request)}: connection lost awaiting the reply: {exc}") from exc
+        except BaseException:
+            self._drop()
+            raise
+
+    def _send(self, request_id: int, payload: bytes, deadline: float, expired: Callable[[], bool]) -> FrameReader:
+        """Send the whole request on a live connection, opening one if needed; returns the
+        connection's reader (caller holds the lock).
 
         Raises:
+            _NotSent: the request did not (fully) leave; the connection is unusable.
+            TimeoutError: the deadline passed while sending (a partial frame may be out).
             ClosedError: `close()` was called meanwhile.
         """
-        while True:
-            if self._closed:
+        conn = self._conn
+        # NOTE: a kept connection the server has closed meanwhile (it restarted) is found
+        # here, before sending, so that the request can go on a new one without ambiguity.
+        if conn is None or not conn.idle_and_open():
+            self._drop()
+            conn = self._conn = _Connection(self._connect(deadline), self._codec.max_frame_bytes)
+        try:
+            send_frame(conn.sock, request_id, payload, expired)
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            raise _NotSent from exc
+        return conn.reader
+
+    def _connect(self, deadline: float) -> socket.socket:
+        """A connected socket, registered for close() (caller holds the lock).
+
+        Raises:
+            _NotSent: no connection (refused, unreachable, timed out, unresolvable host).
+            ClosedError: `close()` was called meanwhile.
+        """
+        host, port = self._address
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        except OSError as exc:
+            raise _NotSent from exc
+        sock = socket.socket(family, kind, proto)
+        with self._sock_lock:
+            if self._closing.is_set():
+                sock.close()
                 raise ClosedError(f"rpc client to {self._endpoint} was closed during a call")
-            remaining = deadline - self._clock.now()
-            if remaining <= 0:
-                return False
-            if socket.poll(max(1, round(min(remaining, _SLICE_S) * 1000)), event):
-                return True
+            self._sock = sock
+        try:
+            sock.setblocking(False)
+            err = sock.connect_ex(address)
+            poller = select.poll()
+            poller.register(sock, select.POLLOUT)
+            while err in (errno.EINPROGRESS, errno.EALREADY):
+                self._check_open()
+                remaining = deadline - self._clock.now()
+                if remaining <= 0:
+                    err = errno.ETIMEDOUT
+                elif poller.poll(max(1, round(min(remaining, _TICK_S) * 1000))):
+                    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise OSError(err, os.strerror(err))
+            sock.setblocking(True)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            netio.set_io_timeout(sock, _TICK_S)
+        except OSError as exc:
+            raise _NotSent from exc
+        return sock
+
+    def _drop(self) -> None:
+        """Close the connection, if any (caller holds the lock)."""
+        with self._sock_lock:
+            sock, self._sock, self._conn = self._sock, None, None
+        if sock is not None:
+            sock.close()
+
+    def _check_open(self) -> None:
+        if self._closing.is_set():
+            raise ClosedError(f"rpc client to {self._endpoint} is closed")
+
+    def _what(self, request: msgspec.Struct) -> str:
+        return f"{type(request).__name__} to {self._endpoint}"
+
+
+class _Connection:
+    """A connected socket, its frame reader, and a poller that tells whether it is usable."""
+
+    __slots__ = ("_poller", "reader", "sock")
+
+    def __init__(self, sock: socket.socket, max_payload_bytes: int) -> None:
+        self.sock = sock
+        self.reader = FrameReader(sock, max_payload_bytes)
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
+
+    def idle_and_open(self) -> bool:
+        """True when nothing is pending (no end of stream, no stray bytes, no error); pure."""
+        return not self._poller.poll(0)
 
 
 def _check_timeout(timeout_s: float) -> None:
