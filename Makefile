@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lint bench system-deps clean
+.PHONY: demo test lint bench bench-store mooncake system-deps clean
 
 demo: $(STAMP)
 	$(BIN)/tsukimi demo
@@ -23,10 +23,17 @@ lint: $(STAMP)
 
 # The full transfer benchmark, side by side with the real Mooncake TE (writes nothing; copy
 # the table into docs/benchmarks.md by hand, with the command).
-bench: $(STAMP)
+bench: mooncake
+	$(BIN)/tsukimi bench transfer --compare-mooncake
+
+bench-store: mooncake
+	$(BIN)/tsukimi bench store --compare-mooncake
+	$(BIN)/tsukimi bench store --compare-mooncake --force-tcp
+
+mooncake: $(STAMP)
 	@dpkg -s libibverbs1 >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libibverbs1)
 	$(BIN)/pip install -q 'mooncake-transfer-engine-non-cuda'
-	$(BIN)/tsukimi bench transfer --compare-mooncake
+
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || \

@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--compare-mooncake", action="store_true", help="also run the real Mooncake store")
     st.add_argument("--quick", action="store_true", help="a small grid for CI")
     st.add_argument("--json", action="store_true")
+    st.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
     return parser
 
 
@@ -110,6 +111,8 @@ def _bench_store(args: argparse.Namespace, console: Console) -> None:
         report = store.run(cfg, progress=lambda text: status.update(text))
     if args.json:
         print(json.dumps(report))
+    elif args.markdown:
+        print(store.render_markdown(report))
     else:
         console.print(store.render_table(report))
 

@@ -209,3 +209,37 @@ def render_table(report: dict[str, object]) -> Table:
         f"{name}: exists {v['exists_p50_us']:.0f}, remove {v['remove_p50_us']:.0f}" for name, v in small.items()
     )
     return table
+
+
+def render_markdown(report: dict[str, object]) -> str:
+    """The report as Markdown: one row per cell, tsukimi beside Mooncake."""
+    rows = report["results"]
+    small = report["small_ops"]
+    assert isinstance(rows, list) and isinstance(small, dict)
+    theirs = {(r["api"], r["value_bytes"], r["replicas"]): r for r in rows if r["system"] == "mooncake"}
+    lines = [
+        f"git {report['git_rev']}. Throughput in GB/s (1e9 B/s); latency p50 / p99 in us.",
+        "",
+        "| mode | api | value | repl | put GB/s | get GB/s | put p50/p99 | get p50/p99 | Mooncake put / get GB/s "
+        "| put x | get x |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in (r for r in rows if r["system"] == "tsukimi"):
+        size = int(row["value_bytes"])
+        label = f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
+        mc = theirs.get((row["api"], row["value_bytes"], row["replicas"]))
+        vs = (
+            f"{mc['put_gbps']:.2f} / {mc['get_gbps']:.2f} | {row['put_gbps'] / mc['put_gbps']:.2f} "
+            f"| {row['get_gbps'] / mc['get_gbps']:.2f}"
+            if mc
+            else "- | - | -"
+        )
+        lines.append(
+            f"| {row['mode']} | {row['api']} | {label} | {row['replicas']} | {row['put_gbps']:.2f} | "
+            f"{row['get_gbps']:.2f} | {row['put_p50_us']:.0f} / {row['put_p99_us']:.0f} | "
+            f"{row['get_p50_us']:.0f} / {row['get_p99_us']:.0f} | {vs} |"
+        )
+    lines += ["", "Small keys, p50 (us): " + "; ".join(
+        f"{name}: exists {v['exists_p50_us']:.0f}, remove {v['remove_p50_us']:.0f}" for name, v in small.items()
+    )]  # fmt: skip
+    return "\n".join(lines)
