@@ -286,7 +286,7 @@ def test_idle_connections_stay_open(server: RpcServer, monkeypatch: pytest.Monke
 
 
 def test_connection_limit_refuses_extra_connections(server: RpcServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rpc_server, "_MAX_CONNECTIONS", 1)
+    monkeypatch.setattr(server, "_max_connections", 1)
     with _raw(server) as first, _raw(server) as second:
         first.sendall(_frame(CODEC.encode(EchoRequest("first")), 1))
         assert _read_frame(first) == (1, CODEC.encode(EchoResponse("first")))

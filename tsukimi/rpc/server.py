@@ -18,7 +18,6 @@ limit, or that stalls, closes its connection only. Nothing a peer sends stops th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import threading
@@ -38,14 +37,13 @@ logger = logging.getLogger(__name__)
 _TICK_S = 0.5  # blocked socket calls wake up this often to check close() and the frame deadline
 _FRAME_TIMEOUT_S = 30.0  # a started frame (and the reply to it) must complete within this
 _MAX_CONNECTIONS = 1024
-_ACCEPT_BACKOFF_S = 0.05
 _JOIN_S = 5.0  # close() waits at most this long for all threads together
 _MAX_ERROR_CHARS = 16 << 10  # an error reply must always fit in a frame
 
 Handler = Callable[[msgspec.Struct], msgspec.Struct]
 
 
-class RpcServer:
+class RpcServer(netio.ConnectionServer):
     """Serves `handler` on a TCP socket bound to `bind`; starts serving at once.
 
     Args:
@@ -60,23 +58,17 @@ class RpcServer:
 
     def __init__(self, codec: Codec, handler: Handler, bind: str = "tcp://127.0.0.1:0", name: str = "rpc") -> None:
         host, port = parse_endpoint(bind)
+        try:
+            super().__init__(host, port, f"rpc-{name}", _MAX_CONNECTIONS, _TICK_S)
+        except OSError as exc:
+            raise ConfigError(f"rpc server {name!r} cannot bind {bind!r}: {exc}") from exc
         self._codec = codec
         self._handler = handler
         self._name = name
         self._clock = WallClock()
         self._handler_lock = threading.Lock()
-        self._lock = threading.Lock()  # guards _closed, _conns and _threads
-        self._closed = False
-        self._conns: set[socket.socket] = set()
-        self._threads: set[threading.Thread] = set()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        try:
-            self._listener = socket.create_server((host, port), family=family, backlog=128)
-        except OSError as exc:
-            raise ConfigError(f"rpc server {name!r} cannot bind {bind!r}: {exc}") from exc
-        self._endpoint = format_endpoint(host, self._listener.getsockname()[1])
-        self._acceptor = threading.Thread(target=self._accept, name=f"tsukimi-rpc-{name}", daemon=True)
-        self._acceptor.start()
+        self._endpoint = format_endpoint(host, self.port)
+        self.start()
         logger.info("rpc server %s serving on %s", name, self._endpoint)
 
     @property
@@ -84,30 +76,13 @@ class RpcServer:
         """The bound endpoint, with the real port, e.g. "tcp://127.0.0.1:40123"."""
         return self._endpoint
 
-    def close(self) -> None:
+    def close(self, join_s: float = _JOIN_S) -> None:
         """Stop serving and drop every connection (mutates; idempotent; waits at most ~5 s).
 
         A handler call in progress is finished (its reply is dropped); frames not yet handled
         are dropped.
         """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            conns, threads = list(self._conns), list(self._threads)
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)  # wakes recv(); the connection's thread closes it
-        deadline = self._clock.now() + _JOIN_S
-        for thread in (self._acceptor, *threads):
-            if thread is not threading.current_thread():
-                thread.join(timeout=max(0.0, deadline - self._clock.now()))
-        self._listener.close()
-        if any(thread.is_alive() for thread in threads):
-            logger.warning("rpc server %s: a handler is still busy after %.1f s; left running", self._name, _JOIN_S)
-        logger.info("rpc server %s on %s closed", self._name, self._endpoint)
+        super().close(join_s)
 
     def __enter__(self) -> RpcServer:
         return self
@@ -117,39 +92,14 @@ class RpcServer:
     ) -> None:
         self.close()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, addr = self._listener.accept()
-            except OSError as exc:
-                if self._closed:
-                    return
-                # EMFILE, ECONNABORTED, ENOBUFS...: keep serving once the pressure eases
-                logger.warning("rpc server %s: accept failed: %s", self._name, exc)
-                self._clock.sleep(_ACCEPT_BACKOFF_S)
-                continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            netio.set_io_timeout(conn, _TICK_S)
-            thread = threading.Thread(
-                target=self._serve, args=(conn, addr), name=f"tsukimi-rpc-{self._name}-conn", daemon=True
-            )
-            with self._lock:  # NOTE: started under the lock, so close() never joins an unstarted thread
-                if self._closed or len(self._conns) >= _MAX_CONNECTIONS:
-                    logger.warning("rpc server %s: refusing %s: closed or at the connection limit", self._name, addr)
-                    conn.close()
-                    continue
-                self._conns.add(conn)
-                self._threads.add(thread)
-                thread.start()
-
-    def _serve(self, conn: socket.socket, addr: object) -> None:
+    def serve(self, conn: socket.socket, addr: object) -> None:
         reader = FrameReader(conn, self._codec.max_frame_bytes)
         clock = self._clock
         started: list[float | None] = [None]  # when the frame being read was first seen partial
         reply_deadline = [0.0]
 
         def expired(partial: bool) -> bool:  # idle: wait for ever; inside a frame: up to the bound
-            if self._closed:
+            if self.closed:
                 return True
             if not partial:
                 return False
@@ -160,7 +110,7 @@ class RpcServer:
             return now - started[0] >= _FRAME_TIMEOUT_S
 
         def send_expired() -> bool:
-            return self._closed or clock.now() >= reply_deadline[0]
+            return self.closed or clock.now() >= reply_deadline[0]
 
         try:
             while True:
@@ -175,11 +125,6 @@ class RpcServer:
             logger.warning("rpc server %s: closing the connection from %s: %s", self._name, addr, exc)
         except OSError as exc:  # the peer left, a frame stalled (TimeoutError), or close()
             logger.debug("rpc server %s: connection from %s ended: %s", self._name, addr, exc)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-                self._threads.discard(threading.current_thread())
-            conn.close()
 
     def _reply_to(self, payload: memoryview) -> bytes | None:
         """The encoded reply to one request frame; None when the server closed meanwhile."""
@@ -190,7 +135,7 @@ class RpcServer:
             return self._error(exc.code, str(exc))
         logger.debug("rpc server %s: %s", self._name, type(request).__name__)
         with self._handler_lock:
-            if self._closed:
+            if self.closed:
                 return None
             try:
                 return self._codec.encode(self._handler(request))

@@ -1,7 +1,7 @@
 """The segment server: serves peers' one-sided READ and WRITE requests on this process's
 registered buffers over TCP, on its own threads (never the application's).
 
-One accept thread, one thread per connection. Every request is checked against the
+One thread per connection (netio.ConnectionServer). Every request is checked against the
 registered buffers before a byte is touched: out-of-range requests get an OUT_OF_BOUNDS
 answer (a write's payload is drained so the stream stays in sync) and the connection keeps
 serving; a malformed frame closes only that connection.
@@ -9,14 +9,13 @@ serving; a malformed frame closes only that connection.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
-import threading
 from collections.abc import Callable
 
 import msgspec
 
+from tsukimi import netio
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import TransferConfig
 from tsukimi.errors import OutOfBounds, ProtocolError
@@ -28,11 +27,10 @@ logger = logging.getLogger(__name__)
 _DRAIN_BYTES = 256 << 10
 _DATA_OPS = (wire.Op.READ, wire.Op.WRITE)
 _TICK_S = 0.5
-_ACCEPT_BACKOFF_S = 0.05
 _ACK_FLUSH_BYTES = 256 << 10  # how often blocked socket calls wake up to check deadlines and close()
 
 
-class SegmentServer:
+class SegmentServer(netio.ConnectionServer):
     """Serves `segment` on `config.bind_host:config.port` (0 = ephemeral)."""
 
     def __init__(
@@ -43,55 +41,16 @@ class SegmentServer:
         on_handshake: Callable[[bytes], None],
         clock: Clock | None = None,
     ) -> None:
+        super().__init__(config.bind_host, config.port, "segment-server", config.max_server_connections, _TICK_S)
         self._segment = segment
-        self._clock = clock or WallClock()
         self._config = config
+        self._clock = clock or WallClock()
         self._describe = describe
         self._on_handshake = on_handshake
-        self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
-        self._closed = False
-        self._listener = socket.create_server((config.bind_host, config.port), backlog=128)
-        self.endpoint = Endpoint(config.bind_host, self._listener.getsockname()[1])
-        self._thread = threading.Thread(target=self._accept, name=f"tsukimi-serve-{self.endpoint.port}", daemon=True)
-        self._thread.start()
+        self.endpoint = Endpoint(config.bind_host, self.port)
+        self.start()
 
-    def close(self) -> None:
-        """Stop accepting and drop every connection (mutates; idempotent)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            conns = list(self._conns)
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=5)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, addr = self._listener.accept()
-            except OSError as exc:
-                if self._closed:
-                    return
-                # EMFILE, ECONNABORTED, ENOBUFS...: keep serving once the pressure eases
-                logger.warning("accept failed on %s: %s", self.endpoint, exc)
-                self._clock.sleep(_ACCEPT_BACKOFF_S)
-                continue
-            with self._lock:
-                if self._closed or len(self._conns) >= self._config.max_server_connections:
-                    logger.warning("refusing connection from %s: closed or at the connection limit", addr)
-                    conn.close()
-                    continue
-                self._conns.add(conn)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn, addr), name="tsukimi-serve-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket, addr: object) -> None:
+    def serve(self, conn: socket.socket, addr: object) -> None:
         head = bytearray(wire.REQUEST.size)
         head_view = memoryview(head)
         deadline = [0.0]  # of the frame being served; read by `expired` on socket ticks
@@ -99,12 +58,11 @@ class SegmentServer:
         resolve, unpack, ok = self._segment.resolve, wire.REQUEST.unpack_from, wire.RESPONSE.pack
 
         def idle(got: int) -> bool:  # between frames: wait for ever; inside a header: not at all
-            return self._closed or got > 0
+            return self.closed or got > 0
 
         def expired(_: int = 0) -> bool:
-            return self._closed or clock.now() >= deadline[0]
+            return self.closed or clock.now() >= deadline[0]
 
-        wire.set_io_timeout(conn, _TICK_S)
         acks: list[bytes | memoryview] = []  # write acks held back while more requests are queued
         try:
             while True:
@@ -136,10 +94,6 @@ class SegmentServer:
             logger.warning("closing connection from %s: %s", addr, exc)
         except OSError as exc:
             logger.debug("connection from %s ended: %s", addr, exc)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
 
     @staticmethod
     def _next_header(
