@@ -36,7 +36,7 @@ def mooncake_style_script(MooncakeDistributedStore, ReplicateConfig, master_serv
     assert store.get("no-such-key") == b""
     assert store.is_exist("key1") == 1 and store.is_exist("no-such-key") == 0
     assert store.batch_is_exist(["key1", "no-such-key"]) == [1, 0]
-    assert store.put("key1", b"again") == -705  # exists
+    assert store.put("key1", b"again") == 0 and store.get("key1") == b"hello mooncake"  # kept, as Mooncake
     assert store.upsert("key1", b"replaced") == 0 and store.get("key1") == b"replaced"
     assert store.put_batch(["b1", "b2"], [b"one", b"two"], config) == 0
     assert store.get_batch(["b1", "b2", "zz"]) == [b"one", b"two", b""]
@@ -74,6 +74,7 @@ def test_a_mooncake_store_script_runs_unchanged(master: MasterServer) -> None:
 def test_lease_and_error_codes(master: MasterServer) -> None:
     store = compat.MooncakeDistributedStore()
     assert store.setup("localhost", "P2PHANDSHAKE", 1 << 20, 0, "tcp", "", master.endpoint.removeprefix("tcp://")) == 0
+    assert store.health_check() == 0
     assert store.put("k", b"v") == 0 and store.get("k") == b"v"  # the get leases it
     assert store.remove("k") == -706
     assert store.remove("k", True) == 0
@@ -83,6 +84,7 @@ def test_lease_and_error_codes(master: MasterServer) -> None:
     assert store.put("huge", bytes(2 << 20), big) == -200  # more than the 1 MiB pool
     store.close()
     assert compat.MooncakeDistributedStore().put("k", b"v") == -900  # no setup
+    assert compat.MooncakeDistributedStore().health_check() == 1
 
 
 def test_transfer_engine_facade_p2p() -> None:
@@ -100,3 +102,18 @@ def test_transfer_engine_facade_p2p() -> None:
     assert a.transfer_sync_read(target, ctypes.addressof(back), remote + (1 << 30), 64) == -1
     assert b.free_managed_buffer(remote, 1 << 20) == 0
     assert a.close() == 0 and b.close() == 0
+
+
+def test_the_same_script_passes_on_the_real_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keeps the facade honest: the script's expectations are Mooncake's own behaviour."""
+    from tsukimi.bench.mooncake_store import MooncakeCluster, mooncake_store_available
+    from tsukimi.bench.mooncake_te import MOONCAKE_ENV
+
+    if not mooncake_store_available():
+        pytest.skip("the real Mooncake store is not installed (make mooncake)")
+    for name, value in MOONCAKE_ENV.items():
+        monkeypatch.setenv(name, value)
+    import mooncake.store as real
+
+    with MooncakeCluster(64 << 20, num_holders=1) as cluster:
+        mooncake_style_script(real.MooncakeDistributedStore, real.ReplicateConfig, cluster.master_addr)

@@ -16,11 +16,11 @@ from tsukimi.store.master.server import MasterServer
 
 HOLDER_BYTES = 4 << 20
 MASTER = MasterConfig(
-    rpc_port=0, http_port=0, lease_ttl_s=0.5, client_ttl_s=1.5, heartbeat_interval_s=0.3, put_timeout_s=1.0,
+    rpc_port=0, http_port=0, lease_ttl_s=1.0, client_ttl_s=2.0, heartbeat_interval_s=0.5, put_timeout_s=1.0,
     tick_interval_s=0.05,
 )  # fmt: skip
-CLIENT_SETTINGS = ("client.heartbeat_interval_s=0.3",)
-MASTER_SETTINGS = ["lease_ttl_s=0.5", "client_ttl_s=1.5", "heartbeat_interval_s=0.3", "put_timeout_s=1.0",
+CLIENT_SETTINGS = ("client.heartbeat_interval_s=0.5",)
+MASTER_SETTINGS = ["lease_ttl_s=1.0", "client_ttl_s=2.0", "heartbeat_interval_s=0.5", "put_timeout_s=1.0",
                    "tick_interval_s=0.05"]  # fmt: skip
 
 
@@ -38,7 +38,7 @@ class Deployment:
     holder_names: list[str] = field(default_factory=list)  # each holder's Transfer Engine segment
 
     def client(self, segment_bytes: int = 0, **client_cfg: object) -> StoreClient:
-        cfg = ClientConfig(master=self.endpoint, segment_bytes=segment_bytes, heartbeat_interval_s=0.3, **client_cfg)  # type: ignore[arg-type]
+        cfg = ClientConfig(master=self.endpoint, segment_bytes=segment_bytes, heartbeat_interval_s=0.5, **client_cfg)  # type: ignore[arg-type]
         client = StoreClient(replace(Config(), client=cfg))
         self.clients.append(client)
         return client

@@ -33,7 +33,8 @@ class MasterModel(RuleBasedStateMachine):
     @rule(i=SEGMENTS, kib=st.sampled_from([4, 8, 16]))
     def mount(self, i: int, kib: int) -> None:
         if f"seg{i}" not in self.state.registry.segments:
-            op = MountSegment(f"client{i}", f"seg{i}", f"te{i}", (i + 1) << 32, kib * 1024)
+            # segments 0 and 2 belong to one client (one engine), 1 and 3 to another
+            op = MountSegment(f"client{i % 2}", f"seg{i}", f"te{i % 2}", (i + 1) << 32, kib * 1024)
             self.state.registry.mount(op, self.clock.now())
 
     @rule(key=KEYS, kib=st.integers(1, 3), replicas=st.integers(1, 3), pin=st.sampled_from(["", "soft", "hard"]),
@@ -41,11 +42,11 @@ class MasterModel(RuleBasedStateMachine):
     def put_start(self, key: str, kib: int, replicas: int, pin: str, upsert: bool, writer: int) -> None:
         config = ReplicaConfig(replicas=replicas, soft_pin=pin == "soft", hard_pin=pin == "hard")
         try:
-            locations = self.state.put_start(f"client{writer}", key, kib * 1024, config, upsert)
+            locations = self.state.put_start(f"client{writer % 2}", key, kib * 1024, config, upsert)
         except (ObjectExists, OutOfSpace):
             return
         assert 1 <= len(locations) <= replicas and len({loc.te_segment for loc in locations}) == len(locations)
-        self.pending[key] = f"client{writer}"
+        self.pending[key] = f"client{writer % 2}"
 
     @rule(key=KEYS)
     def put_end(self, key: str) -> None:
@@ -86,10 +87,19 @@ class MasterModel(RuleBasedStateMachine):
         self.complete.discard(key)
         self.hard.discard(key)
 
+    @rule(force=st.booleans())
+    def remove_all(self, force: bool) -> None:
+        removed = self.state.remove_all(force)
+        assert removed <= len(self.complete)
+        if force:
+            assert not self.state.objects
+        self.complete &= set(self.state.objects)
+        self.hard &= set(self.state.objects)
+
     @rule(i=SEGMENTS)
     def unmount(self, i: int) -> None:
         try:
-            self.state.unmount(f"client{i}", f"seg{i}")
+            self.state.unmount(f"client{i % 2}", f"seg{i}")
         except ObjectNotFound:
             return
         self.segments_lost = True

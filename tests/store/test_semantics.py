@@ -63,10 +63,10 @@ def test_reput_fails_upsert_replaces(client) -> None:  # type: ignore[no-untyped
 
 def test_remove_under_lease(client) -> None:  # type: ignore[no-untyped-def]
     client.put("leased", b"x")
-    client.get("leased")  # lease for 0.5 s
+    client.get("leased")  # lease for 1 s
     with pytest.raises(LeaseHeld):
         client.remove("leased")
-    time.sleep(0.6)
+    time.sleep(1.1)
     assert client.remove("leased") is True
     client.put("forced", b"x")
     client.get("forced")
@@ -92,16 +92,40 @@ def test_filling_ten_times_the_capacity_never_fails(client) -> None:  # type: ig
     assert client.get(f"fill{i - 1}") == value  # the newest survives
 
 
+def _used(deployment: Deployment) -> int:
+    return sum(int(str(s["used"])) for s in deployment.segments())
+
+
+def _until(condition: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
 def test_abandoned_puts_are_reclaimed(deployment: Deployment) -> None:
-    time.sleep(0.6)  # blocks of objects removed while leased are freed when their lease ends
-    used_before = sum(int(s["used"]) for s in deployment.segments())  # type: ignore[call-overload]
+    # blocks of objects removed while leased are freed when their lease ends: wait for quiet
+    _until(lambda: _used(deployment) == 0)
     with RpcClient(CODEC, deployment.endpoint) as rpc:
         rpc.call(p.PutStart("a-writer-that-dies", "abandoned", MIB, p.ReplicaConfig(replicas=2)))
-        assert sum(int(s["used"]) for s in deployment.segments()) >= used_before + 2 * MIB  # type: ignore[call-overload]
-        time.sleep(1.3)  # put_timeout_s = 1.0
-        assert sum(int(s["used"]) for s in deployment.segments()) == used_before  # type: ignore[call-overload]
+        assert _used(deployment) >= 2 * MIB
+        _until(lambda: _used(deployment) == 0)  # put_timeout_s = 1.0
         with pytest.raises(ObjectNotFound, match="reclaimed"):
             rpc.call(p.PutEnd("a-writer-that-dies", "abandoned"))
+
+
+def test_regression_closing_a_client_on_a_shared_engine_returns_its_segment(deployment: Deployment) -> None:
+    """The segment buffer of a client built on a caller's engine was never unregistered."""
+    from dataclasses import replace
+
+    from tsukimi.config import ClientConfig, Config
+    from tsukimi.store.client import StoreClient
+    from tsukimi.transfer import TransferEngine
+
+    with TransferEngine() as engine:
+        cfg = replace(Config(), client=ClientConfig(master=deployment.endpoint, segment_bytes=MIB))
+        StoreClient(cfg, engine=engine).close()
+        assert engine.describe().buffers == []
 
 
 def test_ssd_tier_offload_hit_promote_restart(deployment: Deployment, tmp_path: Path) -> None:
@@ -113,7 +137,13 @@ def test_ssd_tier_offload_hit_promote_restart(deployment: Deployment, tmp_path: 
     assert deployment.client().get("cold") is None  # gone from the memory pool
     assert writer.get("cold") == b"c" * 1000  # served from the SSD tier, and promoted
     assert deployment.client().get("cold") == b"c" * 1000  # back in memory for everyone
+    writer.remove("cold", force=True)
+    writer.put("kept", b"k" * 500)
     writer.close()
     again = deployment.client(ssd_dir=str(ssd), ssd_bytes=64 * MIB)  # a restarted client
-    again.remove("cold", force=True)
-    assert again.exists("cold") is False
+    for i in range(40):  # push "kept" out of memory: only the restarted client's SSD has it
+        again.put(f"hot-again{i}", bytes(256 << 10))
+    assert deployment.client().get("kept") is None
+    assert again.get("kept") == b"k" * 500  # found again on the SSD after the restart
+    assert again.remove_all(force=True) >= 1
+    assert again.get("kept") is None  # regression: remove_all used to leave the SSD copy behind

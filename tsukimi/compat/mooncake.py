@@ -113,9 +113,9 @@ class MooncakeDistributedStore:
                 client=ClientConfig(master=f"tcp://{master_server_addr}", segment_bytes=global_segment_size),
             )
             self._client = StoreClient(config)
-        except TsukimiError as exc:
+        except (TsukimiError, OSError) as exc:
             logger.error("setup failed: %s", exc)
-            return code_of(exc)
+            return code_of(exc) if isinstance(exc, TsukimiError) else INVALID_PARAMS
         return OK
 
     def init_all(self, protocol: str, device_name: str, mount_segment_size: int = 16 << 20) -> int:
@@ -166,7 +166,8 @@ class MooncakeDistributedStore:
         except TsukimiError as exc:
             logger.error("put failed: %s", exc)
             return [code_of(exc)] * len(items)
-        return [code_of(e) for e in errors]
+        # NOTE: Mooncake answers a put of an existing key with success and keeps the old value
+        return [OK if isinstance(e, ObjectExists) else code_of(e) for e in errors]
 
     # -- gets --------------------------------------------------------------------------
 
@@ -264,7 +265,14 @@ class MooncakeDistributedStore:
         return client.engine.name if client is not None else ""
 
     def health_check(self) -> int:
-        return OK if self._client is not None else RPC_FAIL
+        """0 healthy, 1 not set up (or closed), 2 the master does not answer (as Mooncake)."""
+        if self._client is None:
+            return 1
+        try:
+            self._client.exists("__tsukimi_health_check__")
+        except TsukimiError:
+            return 2
+        return 0
 
     def close(self) -> int:
         if self._client is not None:

@@ -20,10 +20,12 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
+from tsukimi.clock import WallClock
 from tsukimi.config import Config
 from tsukimi.errors import (
     InvalidArgument,
     InvalidBufferError,
+    ObjectExists,
     ObjectNotFound,
     TransferError,
     TsukimiError,
@@ -37,6 +39,9 @@ from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferReque
 from tsukimi.transfer.segment import byte_view
 
 logger = logging.getLogger(__name__)
+
+LEASE_SHARE = 0.8  # reads must end within this share of the read lease
+MIN_READ_S = 0.05
 
 PinName = str  # "", "soft" or "hard"
 
@@ -63,15 +68,18 @@ class StoreClient:
         self.config = config or Config()
         cfg = self.config.client
         self.client_id = uuid.uuid4().hex
+        self._clock = WallClock()
         self._owns_engine = engine is None
         self.engine = engine or TransferEngine(config=self.config)
         self._rpc = RpcClient(CODEC, cfg.master, cfg.rpc_timeout_s)
         self._mounts: list[p.MountSegment] = []
+        self._segment_base = 0
         self._disk = DiskTier(cfg.ssd_dir, cfg.ssd_bytes) if cfg.ssd_dir else None
         self._stop = threading.Event()
         try:
             if cfg.segment_bytes:
                 buf = self.engine.allocate(cfg.segment_bytes)
+                self._segment_base = buf.base
                 mount = p.MountSegment(
                     self.client_id, f"{self.engine.name}/{buf.base:x}", self.engine.name, buf.base, buf.length
                 )
@@ -119,34 +127,53 @@ class StoreClient:
 
     def _put_many(self, puts: list[_Put]) -> list[TsukimiError | None]:
         started = self._call_batch([p.PutStart(self.client_id, u.key, len(u.data), u.config, u.upsert) for u in puts])
-        requests: list[TransferRequest] = []
-        owners: list[int] = []
-        for i, (put, result) in enumerate(zip(puts, started, strict=True)):
-            if isinstance(result, p.PutStartResult):
-                for loc in result.replicas:
-                    requests.append(TransferRequest(OpCode.WRITE, loc.te_segment, loc.address, put.data))
-                    owners.append(i)
-        statuses = self.engine.transfer(requests) if requests else []
         errors: list[TsukimiError | None] = [_error(r) for r in started]
-        for i, status in zip(owners, statuses, strict=True):
-            if status.state is not RequestState.COMPLETED and errors[i] is None:
-                errors[i] = TransferError(f"writing a replica of {puts[i].key!r} failed: {status.reason}")
-        ends: list[p.PutEnd | p.PutRevoke] = []
-        for put, result, error in zip(puts, started, errors, strict=True):
-            if isinstance(result, p.PutStartResult):
-                ends.append(
-                    p.PutEnd(self.client_id, put.key) if error is None else p.PutRevoke(self.client_id, put.key)
-                )
-        ended = iter(self._call_batch(ends))
-        for i, result in enumerate(started):
-            if isinstance(result, p.PutStartResult):
-                end_error = _error(next(ended))
-                errors[i] = errors[i] or end_error
+        live = [i for i, r in enumerate(started) if isinstance(r, p.PutStartResult)]
+        written = False
+        try:
+            self._write_replicas(puts, started, live, errors)
+            written = True
+        finally:  # NOTE: even when the writes raised, never leave a started put pending
+            if not written:
+                for i in live:
+                    errors[i] = errors[i] or TransferError(f"writing {puts[i].key!r} was interrupted")
+            self._end_puts(puts, live, errors)
         if self._disk is not None:
             for put, error in zip(puts, errors, strict=True):
                 if error is None:
                     self._disk.put(put.key, put.data)
         return errors
+
+    def _write_replicas(
+        self, puts: list[_Put], started: list[msgspec.Struct], live: list[int], errors: list[TsukimiError | None]
+    ) -> None:
+        requests: list[TransferRequest] = []
+        owners: list[int] = []
+        for i in live:
+            result = started[i]
+            assert isinstance(result, p.PutStartResult)
+            for loc in result.replicas:
+                requests.append(TransferRequest(OpCode.WRITE, loc.te_segment, loc.address, puts[i].data))
+                owners.append(i)
+        statuses = self.engine.transfer(requests) if requests else []
+        for i, status in zip(owners, statuses, strict=True):
+            if status.state is not RequestState.COMPLETED and errors[i] is None:
+                errors[i] = TransferError(f"writing a replica of {puts[i].key!r} failed: {status.reason}")
+
+    def _end_puts(self, puts: list[_Put], live: list[int], errors: list[TsukimiError | None]) -> None:
+        """PutEnd where every replica was written, PutRevoke elsewhere (mutates `errors`)."""
+        ends = [
+            p.PutEnd(self.client_id, puts[i].key) if errors[i] is None else p.PutRevoke(self.client_id, puts[i].key)
+            for i in live
+        ]
+        try:
+            ended = self._call_batch(ends)
+        except TsukimiError as exc:  # ambiguous: the master may or may not have applied them
+            for i in live:
+                errors[i] = errors[i] or exc
+            return
+        for i, result in zip(live, ended, strict=True):
+            errors[i] = errors[i] or _error(result)
 
     # -- reads -------------------------------------------------------------------------
 
@@ -179,6 +206,7 @@ class StoreClient:
         found = self._call_batch([p.GetReplicas(k) for k in keys])
         results: list[memoryview | TsukimiError | None] = [None] * len(keys)
         targets: dict[int, tuple[memoryview, list[p.ReplicaLocation]]] = {}
+        lease_s = min((r.lease_s for r in found if isinstance(r, p.GetReplicasResult) and r.replicas), default=0.0)
         for i, result in enumerate(found):
             if isinstance(result, p.Failure):
                 results[i] = error_from_code(result.code, result.message)
@@ -188,7 +216,9 @@ class StoreClient:
                     results[i] = InvalidBufferError(f"{keys[i]!r} is {result.size} bytes; the buffer holds {len(dest)}")
                     continue
                 targets[i] = (dest[: result.size], list(result.replicas))
-        self._read_replicas(keys, targets, results)
+        # NOTE: replicas stay in place only while the lease lasts; a read that could finish
+        # later might read blocks already given to another object, so it must end before.
+        self._read_replicas(keys, targets, results, self._clock.now() + LEASE_SHARE * lease_s)
         if self._disk is not None:
             self._from_disk(keys, into, results)
         return results
@@ -198,14 +228,16 @@ class StoreClient:
         keys: list[str],
         targets: dict[int, tuple[memoryview, list[p.ReplicaLocation]]],
         results: list[memoryview | TsukimiError | None],
+        lease_end: float,
     ) -> None:
-        """READ each target from its first replica; the failed ones from the next, and so on."""
+        """READ each target from its first replica; the failed ones from the next, and so on,
+        all before `lease_end`."""
         attempt = 0
         while targets:
             order = list(targets)
             requests = [TransferRequest(OpCode.READ, targets[i][1][attempt].te_segment, targets[i][1][attempt].address,
                                         targets[i][0]) for i in order]  # fmt: skip
-            statuses = self.engine.transfer(requests)
+            statuses = self.engine.transfer(requests, timeout_s=max(MIN_READ_S, lease_end - self._clock.now()))
             attempt += 1
             for i, status in zip(order, statuses, strict=True):
                 dest, replicas = targets[i]
@@ -235,8 +267,9 @@ class StoreClient:
                 results[i] = into[i][: len(data)]
             else:
                 results[i] = memoryview(bytearray(data))
-            promoted = self._put_many([_Put(key, memoryview(data), p.ReplicaConfig(), upsert=True)])[0]
-            if promoted is not None:
+            # NOTE: not an upsert: a newer version put meanwhile by anyone must win
+            promoted = self._put_many([_Put(key, memoryview(data), p.ReplicaConfig(), upsert=False)])[0]
+            if promoted is not None and not isinstance(promoted, ObjectExists):
                 logger.info("could not promote %r from the SSD tier: %s", key, promoted)
 
     # -- metadata ----------------------------------------------------------------------
@@ -274,6 +307,10 @@ class StoreClient:
         return True
 
     def remove_all(self, force: bool = False) -> int:
+        """Remove every object from the pool (and this client's SSD tier); returns how many."""
+        if self._disk is not None:
+            for key in list(self._disk.keys()):
+                self._disk.remove(key)
         result = self._call(p.RemoveAll(force))
         assert isinstance(result, p.RemoveAllResult)
         return result.removed
@@ -326,6 +363,8 @@ class StoreClient:
         self._rpc.close()
         if self._owns_engine:
             self.engine.close()
+        elif self._segment_base:  # a shared engine lives on: give our segment back
+            self.engine.unregister(self._segment_base)
 
     def close(self) -> None:
         """Unmount this client's segments (best effort), stop heartbeats, close the engine."""

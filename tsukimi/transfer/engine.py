@@ -174,9 +174,9 @@ class TransferEngine:
     def submit(self, batch_id: BatchId, requests: Sequence[TransferRequest], timeout_s: float | None = None) -> None:
         """Start `requests` in the batch; returns without waiting for the network.
 
-        Every request is validated first, so a caller error (bad buffer, unknown segment,
-        full batch) raises before anything starts. Out-of-range requests do not raise:
-        they end FAILED with an out-of-bounds reason.
+        Every request is validated first, so a caller error (bad buffer, full batch) raises
+        before anything starts. Requests to a segment that cannot be found or reached, or out
+        of its range, do not raise: they end FAILED with that reason.
         """
         batch = self._batch(batch_id)
         deadline = self._clock.now() + (timeout_s if timeout_s is not None else self.config.timeout_s)
@@ -348,12 +348,14 @@ class TransferEngine:
             )
         if req.remote_offset < 0 or req.remote_offset + length >= 1 << 64:
             raise OutOfBounds(f"remote range [{req.remote_offset}, +{length}) is outside the 64-bit address space")
-        handle = req.segment if isinstance(req.segment, SegmentHandle) else self._handle_for(req.segment)
+        # NOTE: a segment named by string is resolved when its request is routed: an
+        # unreachable peer fails its own requests (SegmentNotFound), not the whole batch.
+        handle = (
+            req.segment
+            if isinstance(req.segment, SegmentHandle)
+            else SegmentHandle(0, req.segment, self.config.transport)
+        )
         return handle, req.op, view[req.local_offset : req.local_offset + length], req.remote_offset
-
-    def _handle_for(self, name: str) -> SegmentHandle:
-        self._directory.get(name)
-        return SegmentHandle(0, name, self.config.transport)
 
     def _choose(self, handle: SegmentHandle, desc: SegmentDescriptor, buffer: BufferDescriptor) -> Transport | None:
         shm, tcp = self._transports["shm"], self._transports["tcp"]

@@ -80,8 +80,6 @@ class SegmentRegistry:
         """
         if op.size <= 0 or op.base <= 0 or not op.segment_id or not op.te_segment:
             raise InvalidArgument(f"cannot mount segment {op.segment_id!r}: base {op.base}, size {op.size}")
-        client = self.clients.setdefault(op.client_id, Client(op.client_id, now))
-        client.last_seen = now
         old = self.segments.get(op.segment_id)
         if old is not None:
             rounded = op.size - op.size % old.allocator.alignment
@@ -92,8 +90,11 @@ class SegmentRegistry:
                 rounded,
             )
             if same:
+                self.clients[op.client_id].last_seen = now
                 return
             raise ObjectExists(f"segment {op.segment_id} is already mounted by {old.client_id}")
+        client = self.clients.setdefault(op.client_id, Client(op.client_id, now))
+        client.last_seen = now
         self.segments[op.segment_id] = Segment(
             op.segment_id, op.te_segment, op.client_id, op.base, OffsetAllocator(op.size)
         )
@@ -121,18 +122,27 @@ class SegmentRegistry:
         """Allocate up to `config.replicas` blocks of `size`, each in a distinct healthy
         segment, in placement order (mutates allocators). May return fewer, or none."""
         placed: list[Placement] = []
+        holders: set[str] = set()  # NOTE: distinct holders, not just segments: they die together
         for seg in self._candidates(config, client_id, now):
+            if seg.te_segment in holders:
+                continue
             offset = seg.allocator.allocate(size)
             if offset is not None:
                 placed.append(Placement(seg.segment_id, offset))
+                holders.add(seg.te_segment)
                 if len(placed) == config.replicas:
                     break
         return placed
 
-    def wanted_replicas(self, config: ReplicaConfig, now: float) -> int:
-        """How many replicas a put should get: as asked, capped by the healthy segments."""
-        healthy = sum(1 for s in self.segments.values() if self.healthy(s.client_id, now))
-        return min(config.replicas, healthy)
+    def wanted_replicas(self, config: ReplicaConfig, size: int, now: float) -> int:
+        """How many replicas a put should get: as asked, capped by the healthy holders with a
+        segment large enough for the object (eviction cannot make room anywhere else)."""
+        holders = {
+            s.te_segment
+            for s in self.segments.values()
+            if self.healthy(s.client_id, now) and s.allocator.capacity >= size
+        }
+        return min(config.replicas, len(holders))
 
     def _candidates(self, config: ReplicaConfig, client_id: str, now: float) -> list[Segment]:
         healthy = [s for s in self.segments.values() if self.healthy(s.client_id, now)]

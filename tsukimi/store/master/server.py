@@ -69,7 +69,10 @@ class MasterServer:
     def _tick_loop(self) -> None:
         while not self._stop.wait(self.config.tick_interval_s):
             with self._lock:
-                self.state.tick()
+                try:
+                    self.state.tick()
+                except Exception:  # NOTE: a bug in one tick must not stop expiry for good
+                    logger.exception("master tick failed")
 
     def _app(self) -> FastAPI:
         app = FastAPI(title="tsukimi master")

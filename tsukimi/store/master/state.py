@@ -71,7 +71,7 @@ class MasterState:
         return self._locations(placed, size)
 
     def _allocate(self, client_id: str, size: int, config: ReplicaConfig, now: float) -> list[Placement]:
-        wanted = self.registry.wanted_replicas(config, now)
+        wanted = self.registry.wanted_replicas(config, size, now)
         if wanted == 0:
             raise OutOfSpace("no healthy segment is mounted")
         while True:
