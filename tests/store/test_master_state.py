@@ -203,3 +203,26 @@ def test_bad_keys(key: str) -> None:
         state.put_start("c0", key, KIB, ReplicaConfig(), upsert=False)
     with pytest.raises(InvalidArgument):
         state.get_replicas(key)
+
+
+def test_regression_a_stale_put_end_cannot_complete_a_newer_put() -> None:
+    """A put reclaimed at put_timeout, then a new put of the key by the same client (another
+    thread): the first put's late PutEnd used to make the second visible before it was written."""
+    from tsukimi.store.master.service import MasterService
+    from tsukimi.store.protocol import PutEnd, PutStart, PutStartResult
+
+    state, clock = make_state(put_timeout_s=1.0)
+    service = MasterService(state)
+    first = service.handle(PutStart("c0", "k", KIB))
+    assert isinstance(first, PutStartResult) and first.put_id
+    advance(state, clock, 1.0)
+    state.tick()  # reclaimed
+    second = service.handle(PutStart("c0", "k", KIB))
+    assert isinstance(second, PutStartResult) and second.put_id != first.put_id
+    with pytest.raises(ObjectNotFound):
+        service.handle(PutEnd("c0", "k", first.put_id))  # the stale one
+    assert not state.exists("k")
+    service.handle(PutEnd("c0", "k", second.put_id))
+    assert state.exists("k")
+    other_run = MasterState(MasterConfig(), clock, epoch=7)
+    assert other_run._put_ids.__next__() >> 32 == 7  # ids of another master run never collide

@@ -137,7 +137,7 @@ class StoreClient:
             if not written:
                 for i in live:
                     errors[i] = errors[i] or TransferError(f"writing {puts[i].key!r} was interrupted")
-            self._end_puts(puts, live, errors)
+            self._end_puts(puts, started, live, errors)
         if self._disk is not None:
             for put, error in zip(puts, errors, strict=True):
                 if error is None:
@@ -160,12 +160,16 @@ class StoreClient:
             if status.state is not RequestState.COMPLETED and errors[i] is None:
                 errors[i] = TransferError(f"writing a replica of {puts[i].key!r} failed: {status.reason}")
 
-    def _end_puts(self, puts: list[_Put], live: list[int], errors: list[TsukimiError | None]) -> None:
+    def _end_puts(
+        self, puts: list[_Put], started: list[msgspec.Struct], live: list[int], errors: list[TsukimiError | None]
+    ) -> None:
         """PutEnd where every replica was written, PutRevoke elsewhere (mutates `errors`)."""
-        ends = [
-            p.PutEnd(self.client_id, puts[i].key) if errors[i] is None else p.PutRevoke(self.client_id, puts[i].key)
-            for i in live
-        ]
+        ends: list[p.PutEnd | p.PutRevoke] = []
+        for i in live:
+            result = started[i]
+            assert isinstance(result, p.PutStartResult)
+            end = p.PutEnd if errors[i] is None else p.PutRevoke
+            ends.append(end(self.client_id, puts[i].key, result.put_id))
         try:
             ended = self._call_batch(ends)
         except TsukimiError as exc:  # ambiguous: the master may or may not have applied them

@@ -77,13 +77,18 @@ class PutStart(msgspec.Struct, frozen=True, tag=True):
 
 
 class PutEnd(msgspec.Struct, frozen=True, tag=True):
+    """`put_id` (from PutStartResult) names the put being ended: a stale PutEnd of a put that
+    was reclaimed cannot complete a newer put of the same key. 0: unchecked."""
+
     client_id: str
     key: str
+    put_id: int = 0
 
 
 class PutRevoke(msgspec.Struct, frozen=True, tag=True):
     client_id: str
     key: str
+    put_id: int = 0
 
 
 class GetReplicas(msgspec.Struct, frozen=True, tag=True):
@@ -130,6 +135,7 @@ class HeartbeatResult(msgspec.Struct, frozen=True, tag=True):
 
 class PutStartResult(msgspec.Struct, frozen=True, tag=True):
     replicas: list[ReplicaLocation]
+    put_id: int = 0
 
 
 class GetReplicasResult(msgspec.Struct, frozen=True, tag=True):

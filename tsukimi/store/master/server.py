@@ -9,6 +9,7 @@ and `/segments`.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import Iterator
 
@@ -38,7 +39,7 @@ class MasterServer:
 
     def __init__(self, config: MasterConfig, clock: Clock | None = None) -> None:
         self.config = config
-        self.state = MasterState(config, clock or WallClock())
+        self.state = MasterState(config, clock or WallClock(), epoch=secrets.randbits(30) + 1)
         self.service = MasterService(self.state)
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -61,16 +61,17 @@ class MasterService:
 
     def _put_start(self, op: msgspec.Struct) -> p.PutStartResult:
         assert isinstance(op, p.PutStart)
-        return p.PutStartResult(self.state.put_start(op.client_id, op.key, op.size, op.config, op.upsert))
+        replicas = self.state.put_start(op.client_id, op.key, op.size, op.config, op.upsert)
+        return p.PutStartResult(replicas, self.state.pending[op.key].put_id)
 
     def _put_end(self, op: msgspec.Struct) -> p.Ok:
         assert isinstance(op, p.PutEnd)
-        self.state.put_end(op.client_id, op.key)
+        self.state.put_end(op.client_id, op.key, op.put_id)
         return p.Ok()
 
     def _put_revoke(self, op: msgspec.Struct) -> p.Ok:
         assert isinstance(op, p.PutRevoke)
-        self.state.put_revoke(op.client_id, op.key)
+        self.state.put_revoke(op.client_id, op.key, op.put_id)
         return p.Ok()
 
     def _get_replicas(self, op: msgspec.Struct) -> p.GetReplicasResult:

@@ -12,6 +12,7 @@ lease ends, so a reader holding a lease never sees its bytes reused.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -35,13 +36,18 @@ class ObjectRecord:
     writer: str
     put_deadline: float  # pending objects only
     lease_until: float = 0.0
+    put_id: int = 0
 
 
 class MasterState:
     """Object and segment metadata. Not thread-safe: one caller at a time."""
 
-    def __init__(self, config: MasterConfig, clock: Clock, policy: EvictionPolicy | None = None) -> None:
+    def __init__(
+        self, config: MasterConfig, clock: Clock, policy: EvictionPolicy | None = None, epoch: int = 1
+    ) -> None:
+        """`epoch` tells this master run's put ids from an earlier run's (the server draws it)."""
         self.config = config
+        self._put_ids = itertools.count((epoch << 32) + 1)
         self.clock = clock
         self.registry = SegmentRegistry(config)
         self.objects: dict[str, ObjectRecord] = {}  # complete, visible
@@ -66,7 +72,9 @@ class MasterState:
             raise ObjectExists(f"{key!r} exists (use upsert to replace it)")
         now = self.clock.now()
         placed = self._allocate(client_id, size, config, now)
-        self.pending[key] = ObjectRecord(key, size, config, placed, client_id, now + self.config.put_timeout_s)
+        self.pending[key] = ObjectRecord(
+            key, size, config, placed, client_id, now + self.config.put_timeout_s, put_id=next(self._put_ids)
+        )
         self.counters["puts_started"] += 1
         return self._locations(placed, size)
 
@@ -88,10 +96,11 @@ class MasterState:
             raise OutOfSpace(f"no room for {size} bytes: every segment is full of leased, pinned or pending objects")
         return placed
 
-    def put_end(self, client_id: str, key: str) -> None:
+    def put_end(self, client_id: str, key: str, put_id: int = 0) -> None:
         """Make a pending object visible; an older version is retired. Mutates.
-        Raises ObjectNotFound (never started, revoked, reclaimed or lost)."""
-        record = self._pending_of(client_id, key)
+        Raises ObjectNotFound (never started, revoked, reclaimed or lost; or `put_id`, when
+        given, names another put of the key)."""
+        record = self._pending_of(client_id, key, put_id)
         del self.pending[key]
         old = self.objects.pop(key, None)
         if old is not None:
@@ -100,16 +109,16 @@ class MasterState:
         self.policy.insert(key)
         self.counters["puts_completed"] += 1
 
-    def put_revoke(self, client_id: str, key: str) -> None:
+    def put_revoke(self, client_id: str, key: str, put_id: int = 0) -> None:
         """Abandon a pending put and free its replicas. Mutates. Raises ObjectNotFound."""
-        record = self._pending_of(client_id, key)
+        record = self._pending_of(client_id, key, put_id)
         del self.pending[key]
         self._free(record)
         self.counters["puts_revoked"] += 1
 
-    def _pending_of(self, client_id: str, key: str) -> ObjectRecord:
+    def _pending_of(self, client_id: str, key: str, put_id: int) -> ObjectRecord:
         record = self.pending.get(key)
-        if record is None or record.writer != client_id:
+        if record is None or record.writer != client_id or (put_id and record.put_id != put_id):
             raise ObjectNotFound(f"no put of {key!r} by this client is in progress (revoked, reclaimed or lost)")
         return record
 
