@@ -106,6 +106,8 @@ class MasterConfig:
         gets no new replicas.
     lease_ttl_s: how long a get keeps an object from being evicted or freed.
     put_timeout_s: a put started and not ended within this is reclaimed.
+    write_grace_s: blocks of a revoked or reclaimed put stay out of use this long, since the
+        failed writer's bytes may still be in flight; at least the clients' transfer timeout.
     high_watermark / evict_ratio: above this usage, evict this fraction of the capacity.
     placement: how replicas pick segments (preferred segments always come first).
     """
@@ -117,6 +119,7 @@ class MasterConfig:
     heartbeat_interval_s: float = 1.0
     lease_ttl_s: float = 5.0
     put_timeout_s: float = 30.0
+    write_grace_s: float = 30.0
     high_watermark: float = 0.90
     evict_ratio: float = 0.05
     placement: PlacementName = "random"
@@ -132,6 +135,7 @@ class MasterConfig:
             _require(0 <= getattr(self, name) <= 65535, f"master.{name} must be in 0..65535")
         for name in ("client_ttl_s", "heartbeat_interval_s", "lease_ttl_s", "put_timeout_s", "tick_interval_s"):
             _require(getattr(self, name) > 0, f"master.{name} must be > 0")
+        _require(self.write_grace_s >= 0, "master.write_grace_s must be >= 0")
         _require(self.heartbeat_interval_s < self.client_ttl_s, "master.heartbeat_interval_s must be < client_ttl_s")
         _require(0 < self.high_watermark <= 1, "master.high_watermark must be in (0, 1]")
         _require(0 < self.evict_ratio <= 1, "master.evict_ratio must be in (0, 1]")

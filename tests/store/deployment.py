@@ -17,11 +17,11 @@ from tsukimi.store.master.server import MasterServer
 HOLDER_BYTES = 4 << 20
 MASTER = MasterConfig(
     rpc_port=0, http_port=0, lease_ttl_s=1.0, client_ttl_s=2.0, heartbeat_interval_s=0.5, put_timeout_s=1.0,
-    tick_interval_s=0.05,
+    write_grace_s=0.5, tick_interval_s=0.05,
 )  # fmt: skip
 CLIENT_SETTINGS = ("client.heartbeat_interval_s=0.5",)
 MASTER_SETTINGS = ["lease_ttl_s=1.0", "client_ttl_s=2.0", "heartbeat_interval_s=0.5", "put_timeout_s=1.0",
-                   "tick_interval_s=0.05"]  # fmt: skip
+                   "write_grace_s=0.5", "tick_interval_s=0.05"]  # fmt: skip
 
 
 @dataclass

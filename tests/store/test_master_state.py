@@ -150,18 +150,26 @@ def test_abandoned_puts_are_reclaimed() -> None:
     assert state.registry.used == 2 * KIB
     advance(state, clock, 10.0)
     state.tick()
-    assert state.registry.used == 0 and "abandoned" not in state.pending
+    assert "abandoned" not in state.pending
+    assert state.registry.used == 2 * KIB  # quarantined: the writer may still have bytes in flight
+    advance(state, clock, state.config.write_grace_s)
+    state.tick()
+    assert state.registry.used == 0
     with pytest.raises(ObjectNotFound, match="reclaimed"):
         state.put_end("c0", "abandoned")
     assert state.counters["puts_reclaimed"] == 1
 
 
 def test_revoke_frees_and_only_the_writer_may_end_or_revoke() -> None:
-    state, _ = make_state()
+    state, clock = make_state()
     state.put_start("c0", "k", KIB, ReplicaConfig(), upsert=False)
     with pytest.raises(ObjectNotFound):
         state.put_end("c1", "k")
     state.put_revoke("c0", "k")
+    assert state.registry.used == KIB and not state.exists("k")  # quarantined for write_grace_s
+    state.check_invariants()
+    advance(state, clock, state.config.write_grace_s)
+    state.tick()
     assert state.registry.used == 0
     state.check_invariants()
 

@@ -113,7 +113,7 @@ class MasterState:
         """Abandon a pending put and free its replicas. Mutates. Raises ObjectNotFound."""
         record = self._pending_of(client_id, key, put_id)
         del self.pending[key]
-        self._free(record)
+        self._quarantine(record.replicas, self.clock.now())
         self.counters["puts_revoked"] += 1
 
     def _pending_of(self, client_id: str, key: str, put_id: int) -> ObjectRecord:
@@ -193,7 +193,7 @@ class MasterState:
         now = self.clock.now()
         for record in [r for r in self.pending.values() if r.put_deadline <= now]:
             del self.pending[record.key]
-            self._free(record)
+            self._quarantine(record.replicas, now)
             self.counters["puts_reclaimed"] += 1
             logger.info("reclaimed the abandoned put of %r", record.key)
         due = [p for at, p in self.retired if at <= now]
@@ -235,6 +235,15 @@ class MasterState:
         else:
             self._free(record)
 
+    def _quarantine(self, blocks: list[Placement], now: float) -> None:
+        """Blocks of a failed put: its writer may still have bytes in flight to them, which
+        must not land in the next object placed there, so they wait `write_grace_s`."""
+        if self.config.write_grace_s > 0:
+            self.retired.extend((now + self.config.write_grace_s, p) for p in blocks)
+        else:
+            for placement in blocks:
+                self.registry.free(placement)
+
     def _free(self, record: ObjectRecord) -> None:
         for placement in record.replicas:
             self.registry.free(placement)
@@ -244,9 +253,7 @@ class MasterState:
         for key, record in list(self.pending.items()):
             if any(p.segment_id in segment_ids for p in record.replicas):  # the writer's put_end will fail
                 del self.pending[key]
-                for p in record.replicas:
-                    if p.segment_id not in segment_ids:
-                        self.registry.free(p)
+                self._quarantine([p for p in record.replicas if p.segment_id not in segment_ids], self.clock.now())
         for key, record in list(self.objects.items()):
             record.replicas = [p for p in record.replicas if p.segment_id not in segment_ids]
             if not record.replicas:
