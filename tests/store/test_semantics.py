@@ -147,3 +147,8 @@ def test_ssd_tier_offload_hit_promote_restart(deployment: Deployment, tmp_path: 
     assert again.get("kept") == b"k" * 500  # found again on the SSD after the restart
     assert again.remove_all(force=True) >= 1
     assert again.get("kept") is None  # regression: remove_all used to leave the SSD copy behind
+
+
+def test_batch_get_into_needs_a_buffer_per_key(client) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidArgument, match="2 keys but 1 buffers"):
+        client.batch_get_into(["a", "b"], [bytearray(10)])

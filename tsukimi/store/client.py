@@ -202,6 +202,8 @@ class StoreClient:
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[object]) -> list[int]:
         """Sizes read into each buffer; 0 on a miss, -1 where no replica was readable (logged)."""
+        if len(keys) != len(buffers):
+            raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
         views = [_view(b, writable=True) for b in buffers]
         results = self._get_many(list(keys), views)
         return [-1 if isinstance(r, TsukimiError) else (len(r) if r is not None else 0) for r in results]
