@@ -4,12 +4,11 @@ and a factory of clients."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 
 import httpx
 
-from tsukimi.bench.store_cluster import TsukimiCluster, free_port
+from tsukimi.bench.store_cluster import TsukimiCluster, free_port, wait_until
 from tsukimi.config import ClientConfig, Config, MasterConfig
 from tsukimi.store.client import StoreClient
 from tsukimi.store.master.server import MasterServer
@@ -83,21 +82,8 @@ def start(kind: str) -> Deployment:
         dep.holders = [dep.client(HOLDER_BYTES) for _ in range(2)]
         dep.holder_names = [h.engine.name for h in dep.holders]
         dep.clients.clear()
-        _wait_for(lambda: len(dep.segments()) == 2)
+        wait_until(lambda: len(dep.segments()) == 2)
     except BaseException:
         dep.close()
         raise
     return dep
-
-
-def _wait_for(condition: object, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if condition():  # type: ignore[operator]
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("deployment did not come up")
-        time.sleep(0.05)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.store.deployment import HOLDER_BYTES, Deployment, start
+from tsukimi.bench.store_cluster import wait_until
 from tsukimi.errors import InvalidArgument, InvalidBufferError, LeaseHeld, ObjectExists, ObjectNotFound
 from tsukimi.rpc import RpcClient
 from tsukimi.store import protocol as p
@@ -96,20 +97,13 @@ def _used(deployment: Deployment) -> int:
     return sum(int(str(s["used"])) for s in deployment.segments())
 
 
-def _until(condition: object, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 def test_abandoned_puts_are_reclaimed(deployment: Deployment) -> None:
     # blocks of objects removed while leased are freed when their lease ends: wait for quiet
-    _until(lambda: _used(deployment) == 0)
+    wait_until(lambda: _used(deployment) == 0)
     with RpcClient(CODEC, deployment.endpoint) as rpc:
         rpc.call(p.PutStart("a-writer-that-dies", "abandoned", MIB, p.ReplicaConfig(replicas=2)))
         assert _used(deployment) >= 2 * MIB
-        _until(lambda: _used(deployment) == 0)  # put_timeout_s = 1.0
+        wait_until(lambda: _used(deployment) == 0)  # put_timeout_s = 1.0
         with pytest.raises(ObjectNotFound, match="reclaimed"):
             rpc.call(p.PutEnd("a-writer-that-dies", "abandoned"))
 

@@ -8,6 +8,7 @@ import select
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 
 import httpx
 
@@ -23,12 +24,30 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_until(condition: Callable[[], bool], timeout_s: float = _STARTUP_S, interval_s: float = 0.02) -> None:
+    """Poll `condition` (an HTTP error counts as not yet) until it holds.
+
+    Raises:
+        PeerError: it did not hold within `timeout_s`.
+    """
+    clock = WallClock()
+    deadline = clock.now() + timeout_s
+    while True:
+        try:
+            if condition():
+                return
+        except httpx.HTTPError:
+            pass
+        if clock.now() > deadline:
+            raise PeerError(f"condition not reached within {timeout_s} s")
+        clock.sleep(interval_s)
+
+
 class TsukimiCluster:
     """A master and `num_holders` holders of `holder_bytes` each. `master_addr` is the RPC
     endpoint; `settings` are extra `--set` overrides for every process (e.g. force tcp)."""
 
     def __init__(self, holder_bytes: int, num_holders: int = 2, settings: tuple[str, ...] = ()) -> None:
-        self._clock = WallClock()
         self.rpc_port, self.http_port = free_port(), free_port()
         self.master_addr = f"tcp://127.0.0.1:{self.rpc_port}"
         self.http_url = f"http://127.0.0.1:{self.http_port}"
@@ -40,7 +59,7 @@ class TsukimiCluster:
             for _ in range(num_holders):
                 holder = self._spawn("holder", "--master", self.master_addr, "--segment-bytes", str(holder_bytes))
                 self.holder_names.append(self._announced_name(holder))
-            self._wait(lambda: len(httpx.get(self.http_url + "/segments", timeout=1).json()) == num_holders)
+            wait_until(lambda: len(httpx.get(self.http_url + "/segments", timeout=1).json()) == num_holders)
         except BaseException:
             self.close()
             raise
@@ -49,7 +68,7 @@ class TsukimiCluster:
         self.master = self._spawn(
             "master", f"--set=master.rpc_port={self.rpc_port}", f"--set=master.http_port={self.http_port}"
         )
-        self._wait(lambda: httpx.get(self.http_url + "/health", timeout=1).status_code == 200)
+        wait_until(lambda: httpx.get(self.http_url + "/health", timeout=1).status_code == 200)
 
     def restart_master(self) -> None:
         """SIGTERM the master and start a new one on the same ports (its state is lost)."""
@@ -80,25 +99,10 @@ class TsukimiCluster:
             raise PeerError(f"holder did not start (said {line!r})")
         return line.split()[1].rstrip(":")
 
-    def _wait(self, condition: object) -> None:
-        deadline = self._clock.now() + _STARTUP_S
-        while True:
-            try:
-                if condition():  # type: ignore[operator]
-                    return
-            except httpx.HTTPError:
-                pass
-            if self._clock.now() > deadline:
-                raise PeerError("the tsukimi store cluster did not come up")
-            self._clock.sleep(0.05)
-
     def wait_drained(self, timeout_s: float = 10.0) -> None:
         """Wait until no segment holds any block (removed objects' leases have ended)."""
-        deadline = self._clock.now() + timeout_s
-        while any(int(s["used"]) for s in httpx.get(self.http_url + "/segments", timeout=5).json()):
-            if self._clock.now() > deadline:
-                raise PeerError("the store did not drain")
-            self._clock.sleep(0.02)
+        segments = self.http_url + "/segments"
+        wait_until(lambda: not any(int(s["used"]) for s in httpx.get(segments, timeout=5).json()), timeout_s)
 
     def close(self) -> None:
         """Stop the holders (they unmount while the master still answers), then the master;

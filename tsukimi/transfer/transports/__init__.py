@@ -39,10 +39,6 @@ class Transport(Protocol):
         caller then ends them); after that, every slice ends through its record."""
         ...
 
-    def forget(self, peer_name: str) -> None:
-        """Drop cached connections or mappings of a peer (its descriptor changed)."""
-        ...
-
     def close(self) -> None:
         """Stop workers; pending slices fail with a ClosedError reason."""
         ...

@@ -114,7 +114,7 @@ class ShmTransport:
                 else:
                     self._queue.put((state, piece))
 
-    def forget(self, peer_name: str) -> None:
+    def _drop_peer(self, peer_name: str) -> None:
         with self._lock:
             state = self._peers.pop(peer_name, None)
         if state is not None:
@@ -128,7 +128,7 @@ class ShmTransport:
         for worker in self._workers:
             worker.join(timeout=5)
         for name in list(self._peers):
-            self.forget(name)
+            self._drop_peer(name)
 
     def _peer(self, desc: SegmentDescriptor) -> _ShmPeer:
         if self._closed:

@@ -129,12 +129,6 @@ class TcpTransport:
     def submit(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
         self._pool(peer).dispatch(slices)
 
-    def forget(self, peer_name: str) -> None:
-        with self._lock:
-            pool = self._pools.pop(peer_name, None)
-        if pool is not None:
-            pool.stop()
-
     def close(self) -> None:
         with self._lock:
             self._closed = True
