@@ -110,6 +110,11 @@ class MasterConfig:
         failed writer's bytes may still be in flight; at least the clients' transfer timeout.
     high_watermark / evict_ratio: above this usage, evict this fraction of the capacity.
     placement: how replicas pick segments (preferred segments always come first).
+    rpc_spin_us / rpc_spinners: after answering, a connection's thread polls for that
+        client's next call this long before it sleeps, skipping a ~50-80 us wake-up on a VM;
+        only while that client's previous call came within the window, and in at most
+        `rpc_spinners` threads at once: polling costs at most that many CPUs while clients
+        are busy and nothing while they are idle. 0 turns it off.
     """
 
     host: str = "127.0.0.1"
@@ -125,8 +130,12 @@ class MasterConfig:
     placement: PlacementName = "random"
     seed: int = 0
     tick_interval_s: float = 0.1
+    rpc_spin_us: float = 1000.0
+    rpc_spinners: int = 1
 
     def __post_init__(self) -> None:
+        _require(0 <= self.rpc_spin_us <= 1e6, "master.rpc_spin_us must be in [0, 1e6]")
+        _require(0 <= self.rpc_spinners <= 64, "master.rpc_spinners must be in 0..64")
         _require(
             self.placement in PLACEMENT_NAMES,
             f"master.placement must be one of {', '.join(PLACEMENT_NAMES)}, got {self.placement!r}",
@@ -147,12 +156,15 @@ class ClientConfig:
 
     master: the master's RPC endpoint. segment_bytes: memory this client contributes to the
     pool (0: a pure client). ssd_dir / ssd_bytes: the optional SSD tier (write-through; gets
-    that miss in memory are served from it and promoted back).
+    that miss in memory are served from it and promoted back). rpc_spin_us: how long a call
+    to the master polls for its reply before sleeping (saves a ~50 us wake-up per call on a
+    VM; costs at most this much CPU per call; 0 never polls).
     """
 
     master: str = "tcp://127.0.0.1:50051"
     segment_bytes: int = 0
     rpc_timeout_s: float = 5.0
+    rpc_spin_us: float = 250.0
     heartbeat_interval_s: float = 1.0
     ssd_dir: str = ""
     ssd_bytes: int = 0
@@ -161,6 +173,7 @@ class ClientConfig:
         _require(self.master.startswith("tcp://"), f"client.master must be tcp://HOST:PORT, got {self.master!r}")
         _require(self.segment_bytes >= 0, "client.segment_bytes must be >= 0")
         _require(self.rpc_timeout_s > 0 and self.heartbeat_interval_s > 0, "client timeouts must be > 0")
+        _require(0 <= self.rpc_spin_us <= 1e6, "client.rpc_spin_us must be in [0, 1e6]")
         _require(not self.ssd_dir or self.ssd_bytes > 0, "client.ssd_bytes must be > 0 when ssd_dir is set")
 
 

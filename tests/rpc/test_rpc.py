@@ -4,6 +4,7 @@ reconnection and the serialized handler."""
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import threading
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from tsukimi.errors import (
 )
 from tsukimi.rpc import Codec, ErrorReply, RpcClient, RpcServer
 from tsukimi.rpc import server as rpc_server
-from tsukimi.rpc.frame import HEADER, format_endpoint, parse_endpoint
+from tsukimi.rpc.frame import HEADER, FrameReader, format_endpoint, parse_endpoint
 
 CLOCK = WallClock()
 
@@ -73,9 +74,10 @@ def handle(request: msgspec.Struct) -> msgspec.Struct:
     raise AssertionError(f"unexpected {request!r}")
 
 
-@pytest.fixture
-def server() -> Iterator[RpcServer]:
-    with RpcServer(CODEC, handle, name="test") as srv:
+@pytest.fixture(params=[0.0, 300e-6], ids=["sleeping", "polling"])
+def server(request: pytest.FixtureRequest) -> Iterator[RpcServer]:
+    """Every server test runs against a server that sleeps between frames and one that polls."""
+    with RpcServer(CODEC, handle, name="test", spin_s=request.param) as srv:
         yield srv
 
 
@@ -374,20 +376,51 @@ def test_handler_calls_never_overlap() -> None:
             active[0] -= 1
         return handle(request)
 
-    with RpcServer(CODEC, counting) as srv:
-        clients = [RpcClient(CODEC, srv.endpoint) for _ in range(4)]
-        try:
-
-            def worker(cli: RpcClient) -> int:
-                return sum(cli.call(EchoRequest("n")) == EchoResponse("n") for _ in range(100))
-
-            with ThreadPoolExecutor(max_workers=4) as pool:
-                assert list(pool.map(worker, clients)) == [100] * 4
-        finally:
-            for cli in clients:
-                cli.close()
+    with RpcServer(CODEC, counting, spin_s=300e-6, spinners=2) as srv:
+        assert _echo_from_many_clients(srv.endpoint, clients=4, calls=100) == [100] * 4
     assert calls[0] == 400
     assert overlaps[0] == 0
+
+
+@pytest.mark.parametrize("spinners", [1, 3])
+def test_polling_threads_are_bounded(spinners: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """However many clients are busy, at most `spinners` server threads poll at once."""
+    guard = threading.Lock()
+    polling = [0]
+    peak = [0]
+    original = FrameReader.spin
+
+    def counting_spin(reader: FrameReader, seconds: float) -> None:
+        if not seconds:  # the clients' (they do not poll)
+            return
+        with guard:
+            polling[0] += 1
+            peak[0] = max(peak[0], polling[0])
+        try:
+            original(reader, seconds)
+        finally:
+            with guard:
+                polling[0] -= 1
+
+    monkeypatch.setattr(FrameReader, "spin", counting_spin)
+    with RpcServer(CODEC, handle, spin_s=500e-6, spinners=spinners) as srv:
+        assert _echo_from_many_clients(srv.endpoint, clients=6, calls=60, spin_s=0) == [60] * 6
+    assert 1 <= peak[0] <= spinners
+
+
+def _echo_from_many_clients(endpoint: str, clients: int, calls: int, spin_s: float = 250e-6) -> list[int]:
+    """Each of `clients` clients, in its own thread, makes `calls` echo calls; the successes."""
+    opened = [RpcClient(CODEC, endpoint, spin_s=spin_s) for _ in range(clients)]
+    try:
+
+        def worker(cli: RpcClient) -> int:
+            return sum(cli.call(EchoRequest("n")) == EchoResponse("n") for _ in range(calls))
+
+        with ThreadPoolExecutor(max_workers=clients) as pool:
+            return list(pool.map(worker, opened))
+    finally:
+        for cli in opened:
+            cli.close()
 
 
 def test_concurrent_calls_on_one_client(client: RpcClient) -> None:
@@ -413,16 +446,22 @@ def test_close_is_idempotent_and_calls_after_close_fail(server: RpcServer) -> No
     assert CLOCK.now() - start < 1.0
 
 
-def test_close_interrupts_a_waiting_call(server: RpcServer) -> None:
-    cli = RpcClient(CODEC, server.endpoint, timeout_s=5.0)
+@pytest.mark.parametrize("spin_s", [0.0, 0.5], ids=["sleeping", "polling"])
+@pytest.mark.parametrize("closing", ["client", "server"])
+def test_closing_either_end_interrupts_a_waiting_call(server: RpcServer, closing: str, spin_s: float) -> None:
+    """Whether the client sleeps or polls for the reply, a close ends the call promptly (the
+    server first finishes the handler call in progress)."""
+    cli = RpcClient(CODEC, server.endpoint, timeout_s=5.0, spin_s=spin_s)
+    expected = ClosedError if closing == "client" else BrokenConnectionError
     with ThreadPoolExecutor(max_workers=1) as pool:
         future = pool.submit(cli.call, SleepRequest(0.4, "slow"))
         CLOCK.sleep(0.05)
         start = CLOCK.now()
-        cli.close()
-        with pytest.raises(ClosedError):
+        (cli if closing == "client" else server).close()
+        with pytest.raises(expected):
             future.result(timeout=2.0)
-        assert CLOCK.now() - start < 0.3
+        assert CLOCK.now() - start < (0.3 if closing == "client" else 1.0)
+    cli.close()
 
 
 def test_bad_arguments_are_config_errors() -> None:
@@ -433,6 +472,13 @@ def test_bad_arguments_are_config_errors() -> None:
     for endpoint in ("tcp://127.0.0.1:65536", "ipc:///tmp/x", "tcp://:80", "tcp://host"):
         with pytest.raises(ConfigError):
             RpcClient(CODEC, endpoint)
+    for spin in (-1.0, math.inf, math.nan):
+        with pytest.raises(ConfigError, match="spin_s"):
+            RpcClient(CODEC, "tcp://127.0.0.1:1", spin_s=spin)
+        with pytest.raises(ConfigError, match="spin_s"):
+            RpcServer(CODEC, handle, spin_s=spin)
+    with pytest.raises(ConfigError, match="spinners"):
+        RpcServer(CODEC, handle, spinners=-1)
     with pytest.raises(ConfigError):
         RpcServer(CODEC, handle, bind="tcp://256.0.0.1:0")
     with RpcServer(CODEC, handle) as taken, pytest.raises(ConfigError, match="cannot bind"):

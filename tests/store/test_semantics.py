@@ -45,6 +45,11 @@ def test_byte_exact_round_trips_and_misses(client) -> None:  # type: ignore[no-u
         buf = bytearray(size + 10)
         assert client.get_into(f"rt{i}", buf) == size and bytes(buf[:size]) == data
     assert client.get("missing") is None and client.get_into("missing", bytearray(4)) == 0
+    registered = client.engine.allocate(4096)  # zero-copy on registered memory, passed as is
+    registered.view[:] = bytes(range(256)) * 16
+    client.put_from("registered", registered)
+    registered.view[:] = bytes(4096)
+    assert client.get_into("registered", registered) == 4096 and bytes(registered.view) == bytes(range(256)) * 16
     assert client.batch_exists(["rt0", "missing"]) == [True, False]
     with pytest.raises(InvalidBufferError):
         client.get_into("rt3", bytearray(10))

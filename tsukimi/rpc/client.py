@@ -53,6 +53,7 @@ T = TypeVar("T", bound=msgspec.Struct)
 _TICK_S = 0.02  # blocked socket calls wake up this often: bounds how late a deadline is noticed
 _RETRY_S = 0.02  # backoff between attempts to reach the server
 _CLOSE_WAIT_S = 2.0
+DEFAULT_SPIN_S = 250e-6  # a master answers a small call in ~20-100 us
 
 
 class _NotSent(Exception):
@@ -66,13 +67,20 @@ class RpcClient:
         codec: the same message types as the server's codec.
         endpoint: e.g. "tcp://127.0.0.1:40123".
         timeout_s: the default deadline of a call, in seconds.
+        spin_s: how long a call polls for its reply before it sleeps on the socket (see
+            `FrameReader.spin`): replies faster than this skip a wake-up (~50 us on a VM)
+            at the price of this much CPU per call at most; 0 never polls.
 
     Raises:
-        ConfigError: `timeout_s` is not positive and finite or `endpoint` is not tcp://HOST:PORT.
+        ConfigError: `timeout_s` is not positive and finite, `spin_s` is negative or not
+            finite, or `endpoint` is not tcp://HOST:PORT.
     """
 
-    def __init__(self, codec: Codec, endpoint: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, codec: Codec, endpoint: str, timeout_s: float = 5.0, spin_s: float = DEFAULT_SPIN_S) -> None:
         _check_timeout(timeout_s)
+        if not (spin_s >= 0 and math.isfinite(spin_s)):
+            raise ConfigError(f"spin_s must be >= 0 and finite, got {spin_s}")
+        self._spin_s = spin_s
         self._address = parse_endpoint(endpoint)
         self._codec = codec
         self._endpoint = endpoint
@@ -199,6 +207,7 @@ class RpcClient:
                 self._drop()
                 raise
         try:
+            reader.spin(self._spin_s)
             reply_id, body = reader.read(expired)
             if reply_id != request_id:
                 raise ProtocolError(f"{self._what(request)}: reply for request {reply_id}, expected {request_id}")

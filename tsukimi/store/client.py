@@ -71,7 +71,7 @@ class StoreClient:
         self._clock = WallClock()
         self._owns_engine = engine is None
         self.engine = engine or TransferEngine(config=self.config)
-        self._rpc = RpcClient(CODEC, cfg.master, cfg.rpc_timeout_s)
+        self._rpc = RpcClient(CODEC, cfg.master, cfg.rpc_timeout_s, cfg.rpc_spin_us * 1e-6)
         self._mounts: list[p.MountSegment] = []
         self._segment_base = 0
         self._disk = DiskTier(cfg.ssd_dir, cfg.ssd_bytes) if cfg.ssd_dir else None

@@ -119,7 +119,8 @@ def byte_view(obj: object, writable: bool = True, with_address: bool = True) -> 
     """A flat byte memoryview over `obj` and its address (0 unless `with_address`).
 
     Accepts bytes-like objects (bytearray, mmap, memoryview, numpy arrays), torch CPU
-    tensors, and `(address, length)` tuples (the caller keeps that memory alive).
+    tensors, `RegisteredBuffer`s (what `TransferEngine.allocate` returns), and
+    `(address, length)` tuples (the caller keeps that memory alive).
 
     Raises:
         InvalidBufferError: not a buffer, not C-contiguous, empty, or read-only when
@@ -130,6 +131,8 @@ def byte_view(obj: object, writable: bool = True, with_address: bool = True) -> 
             raise InvalidBufferError("an address buffer must be (address > 0, length > 0)")
         array = (ctypes.c_ubyte * obj[1]).from_address(obj[0])
         return memoryview(array).cast("B"), obj[0]
+    if isinstance(obj, RegisteredBuffer):
+        return obj.view, obj.base if with_address else 0
     if hasattr(obj, "data_ptr") and hasattr(obj, "untyped_storage"):  # a torch tensor
         return _tensor_view(obj)
     try:

@@ -2,6 +2,10 @@
 
 The owner creates `tsukimi-<pid>-<random>` files and maps them; peers open the same file by
 name (`map_shared`) and copy directly, with no work by the owner's process. Files are
+allocated in full when created (posix_fallocate: a full tmpfs fails here, with a clear error,
+instead of killing a later writer with SIGBUS) and every mapping is populated (MAP_POPULATE),
+so a copy never pays a page fault per 4 KiB page (~0.5 ms per fresh MiB on this kind of host).
+Files are
 unlinked when released; files left by processes that died (SIGKILL) are reaped by the next
 allocator that starts on the host.
 """
@@ -9,6 +13,7 @@ allocator that starts on the host.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -17,13 +22,14 @@ import secrets
 import threading
 from dataclasses import dataclass
 
-from tsukimi.errors import ConfigError, InvalidBufferError
+from tsukimi.errors import ConfigError, InvalidBufferError, OutOfSpace
 
 logger = logging.getLogger(__name__)
 
 SHM_PREFIX = "tsukimi-"
 _NAME_RE = re.compile(r"^tsukimi-(\d+)-[0-9a-f]{16}$")
 PAGE_BYTES = mmap.PAGESIZE
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +68,7 @@ def map_shared(shm_dir: str, name: str) -> SharedMapping:
     fd = os.open(os.path.join(shm_dir, name), os.O_RDWR | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, size, _MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
         raise
@@ -89,8 +95,14 @@ class SharedMemoryAllocator:
         path = os.path.join(self.shm_dir, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size, _MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            if exc.errno == errno.ENOSPC:
+                raise OutOfSpace(f"{self.shm_dir} has no room for {size} bytes of shared memory") from exc
+            raise
         except BaseException:
             os.close(fd)
             os.unlink(path)

@@ -49,7 +49,14 @@ class MasterServer:
             "tsukimi_master_op_seconds", "Master operation latency", ["op"], registry=self.metrics,
             buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
         )  # fmt: skip
-        self.rpc = RpcServer(CODEC, self._handle, bind=f"tcp://{config.host}:{config.rpc_port}", name="master")
+        self.rpc = RpcServer(
+            CODEC,
+            self._handle,
+            bind=f"tcp://{config.host}:{config.rpc_port}",
+            name="master",
+            spin_s=config.rpc_spin_us * 1e-6,
+            spinners=config.rpc_spinners,
+        )
         try:
             self.http: httpd.AppHandle = httpd.start_in_thread(self._app(), config.host, config.http_port)
         except BaseException:
