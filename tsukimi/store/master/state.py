@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from tsukimi.clock import Clock
 from tsukimi.config import MasterConfig
 from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectExists, ObjectNotFound, OutOfSpace
-from tsukimi.store.master.eviction import EvictionPolicy, LruPolicy
+from tsukimi.eviction import EvictionPolicy, make_policy
 from tsukimi.store.master.segments import Placement, SegmentRegistry
 from tsukimi.store.protocol import ObjectInfo, ReplicaConfig, ReplicaLocation, check_key
 
@@ -43,7 +43,7 @@ class MasterState:
     """Object and segment metadata. Not thread-safe: one caller at a time."""
 
     def __init__(
-        self, config: MasterConfig, clock: Clock, policy: EvictionPolicy | None = None, epoch: int = 1
+        self, config: MasterConfig, clock: Clock, policy: EvictionPolicy[str] | None = None, epoch: int = 1
     ) -> None:
         """`epoch` tells this master run's put ids from an earlier run's (the server draws it)."""
         self.config = config
@@ -53,7 +53,7 @@ class MasterState:
         self.objects: dict[str, ObjectRecord] = {}  # complete, visible
         self.pending: dict[str, ObjectRecord] = {}  # put started, not ended
         self.retired: list[tuple[float, Placement]] = []  # (free at, block) of replaced/removed leased objects
-        self.policy: EvictionPolicy = policy or LruPolicy()
+        self.policy: EvictionPolicy[str] = policy or make_policy(config.eviction)
         self.counters: Counter[str] = Counter()
 
     # -- writes ----------------------------------------------------------------------
@@ -211,7 +211,7 @@ class MasterState:
     # -- internals -------------------------------------------------------------------
 
     def _evict(self, target_bytes: int, now: float) -> int:
-        """Evict unleased, unpinned objects, least recently used first, soft-pinned last,
+        """Evict unleased, unpinned objects in the policy's order (LRU by default), soft-pinned last,
         until `target_bytes` are freed. Returns the bytes freed."""
         freed = 0
         for soft_pass in (False, True):
@@ -284,4 +284,4 @@ class MasterState:
             seg.allocator.check_invariants()
             assert seg.allocator.num_allocations == per_segment[sid], f"{sid}: leaked or foreign blocks"
         assert set(per_segment) <= set(self.registry.segments), "a replica in an unmounted segment"
-        assert self.policy.keys() == set(self.objects)
+        assert len(self.policy) == len(self.objects) and all(key in self.policy for key in self.objects)
