@@ -12,6 +12,7 @@ import threading
 from rich.console import Console
 
 from tsukimi.errors import TsukimiError
+from tsukimi.sim import commands as sim_commands
 
 logger = logging.getLogger(__name__)
 KIB = 1 << 10
@@ -89,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--quick", action="store_true", help="a small grid for CI")
     st.add_argument("--json", action="store_true")
     st.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
+    sc = bench.add_parser("scheduler", help="Conductor decision latency and whole-trace simulation time")
+    sc.add_argument("--trace", default=sim_commands.DEFAULT_TRACE)
+    sc.add_argument("--prefill", type=int, default=32)
+    sc.add_argument("--decode", type=int, default=32)
+    sc.add_argument("--indexed-blocks", type=int, default=100_000)
+    sc.add_argument("--decisions", type=int, default=5000)
+    sc.add_argument("--no-simulate", action="store_true", help="skip the whole-trace simulations")
+    sc.add_argument("--json", action="store_true")
+    sc.add_argument("--markdown", action="store_true")
+    sim_commands.add_parser(sub)
     return parser
 
 
@@ -115,6 +126,16 @@ def _bench_store(args: argparse.Namespace, console: Console) -> None:
         print(store.render_markdown(report))
     else:
         console.print(store.render_table(report))
+
+
+def _bench_scheduler(args: argparse.Namespace) -> None:
+    from tsukimi.bench import scheduler
+
+    cfg = scheduler.SchedulerBenchConfig(
+        args.trace, args.prefill, args.decode, args.indexed_blocks, args.decisions, not args.no_simulate
+    )
+    result = scheduler.run(cfg)
+    print(scheduler.dumps(result) if args.json else scheduler.markdown(result))
 
 
 def _bench_transfer(args: argparse.Namespace, console: Console) -> None:
@@ -189,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
             _bench_transfer(args, console)
         elif args.command == "bench" and args.bench == "store":
             _bench_store(args, console)
+        elif args.command == "bench" and args.bench == "scheduler":
+            _bench_scheduler(args)
+        elif args.command == "sim":
+            sim_commands.run(args, console)
     except TsukimiError as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal, get_args, get_origin
 
 from tsukimi.errors import ConfigError
+from tsukimi.eviction import POLICY_NAMES, PolicyName
 
 TransportName = Literal["auto", "shm", "tcp"]
 TRANSPORT_NAMES: tuple[str, ...] = get_args(TransportName)
@@ -110,6 +111,7 @@ class MasterConfig:
         failed writer's bytes may still be in flight; at least the clients' transfer timeout.
     high_watermark / evict_ratio: above this usage, evict this fraction of the capacity.
     placement: how replicas pick segments (preferred segments always come first).
+    eviction: the order objects are evicted in ("lru", "lfu"; see tsukimi/eviction.py).
     rpc_spin_us / rpc_spinners: after answering, a connection's thread polls for that
         client's next call this long before it sleeps, skipping a ~50-80 us wake-up on a VM;
         only while that client's previous call came within the window, and in at most
@@ -128,6 +130,7 @@ class MasterConfig:
     high_watermark: float = 0.90
     evict_ratio: float = 0.05
     placement: PlacementName = "random"
+    eviction: PolicyName = "lru"
     seed: int = 0
     tick_interval_s: float = 0.1
     rpc_spin_us: float = 1000.0
@@ -136,6 +139,10 @@ class MasterConfig:
     def __post_init__(self) -> None:
         _require(0 <= self.rpc_spin_us <= 1e6, "master.rpc_spin_us must be in [0, 1e6]")
         _require(0 <= self.rpc_spinners <= 64, "master.rpc_spinners must be in 0..64")
+        _require(
+            self.eviction in POLICY_NAMES,
+            f"master.eviction must be one of {', '.join(POLICY_NAMES)}, got {self.eviction!r}",
+        )
         _require(
             self.placement in PLACEMENT_NAMES,
             f"master.placement must be one of {', '.join(PLACEMENT_NAMES)}, got {self.placement!r}",
@@ -177,6 +184,54 @@ class ClientConfig:
         _require(not self.ssd_dir or self.ssd_bytes > 0, "client.ssd_bytes must be > 0 when ssd_dir is set")
 
 
+RejectionName = Literal["none", "baseline", "early", "predicted"]
+REJECTION_NAMES: tuple[str, ...] = get_args(RejectionName)
+
+
+@dataclass(frozen=True, slots=True)
+class ConductorConfig:
+    """The Conductor (tsukimi/scheduler/conductor.py).
+
+    block_tokens: tokens per KV block (the traces' 512).
+    ttft_slo_s / tbt_slo_s: the service-level objectives a placement must meet.
+    rejection: "none" admits everything; "baseline" checks TTFT at arrival and the decode
+        load only when prefill is done (a request rejected then wasted its prefill); "early"
+        also checks the current decode load at arrival; "predicted" checks the decode load
+        predicted for when the request would reach decode.
+    reuse: "global": a prefill instance may fetch a longer prefix from any other cache (the
+        pool); "local": only its own cache counts (the per-instance baseline).
+    balancing_threshold: a prefill instance fetches a longer prefix from elsewhere only when
+        it is at least this many times its local match (else it recomputes the difference);
+        a fetched prefix stays in its cache (hot-spot replication).
+    prefill_chunk_tokens: prefill instances compute at most this many tokens per iteration.
+    kv_bandwidth_bytes_s: KV transfer bandwidth between instances and the pool.
+    decode_estimate_s: a request's decode stage length assumed before any has finished (the
+        estimate then follows the observed mean).
+    """
+
+    block_tokens: int = 512
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    rejection: RejectionName = "predicted"
+    reuse: Literal["global", "local"] = "global"
+    balancing_threshold: float = 1.0
+    prefill_chunk_tokens: int = 8192
+    kv_bandwidth_bytes_s: float = 100e9
+    decode_estimate_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.rejection in REJECTION_NAMES,
+            f"conductor.rejection must be one of {', '.join(REJECTION_NAMES)}, got {self.rejection!r}",
+        )
+        _require(self.block_tokens > 0, "conductor.block_tokens must be > 0")
+        for name in ("ttft_slo_s", "tbt_slo_s", "kv_bandwidth_bytes_s", "decode_estimate_s"):
+            _require(getattr(self, name) > 0, f"conductor.{name} must be > 0")
+        _require(self.reuse in ("global", "local"), f"conductor.reuse must be global or local, got {self.reuse!r}")
+        _require(self.balancing_threshold >= 1, "conductor.balancing_threshold must be >= 1")
+        _require(self.prefill_chunk_tokens > 0, "conductor.prefill_chunk_tokens must be > 0")
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """Every subsystem's configuration."""
@@ -185,6 +240,7 @@ class Config:
     metadata: MetadataConfig = field(default_factory=MetadataConfig)
     master: MasterConfig = field(default_factory=MasterConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
+    conductor: ConductorConfig = field(default_factory=ConductorConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:

@@ -1,0 +1,132 @@
+"""`tsukimi bench scheduler`: how fast the Conductor decides, and how fast the simulator
+replays a whole trace.
+
+- decision latency: a Conductor over `num_prefill` prefill and `num_decode` decode instances
+  whose index holds `indexed_blocks` distinct blocks (the trace's own chains, spread over the
+  instances' caches, hot prefixes on several); every trace request is scheduled, admitted to
+  decode and finished, and each `schedule` call is timed (p50 / p99 / max, microseconds);
+- simulation time: the whole trace through the Mooncake cluster (8P+8D, predicted
+  rejection) and the colocated baseline (16 instances), wall seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tsukimi.config import ConductorConfig
+from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
+from tsukimi.scheduler.cost_model import RooflineCostModel
+from tsukimi.scheduler.prefix_index import PrefixIndex, location
+from tsukimi.sim.simulator import SimConfig, simulate
+from tsukimi.sim.trace import TraceRequest, load_trace
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerBenchConfig:
+    trace: str
+    num_prefill: int = 32
+    num_decode: int = 32
+    indexed_blocks: int = 100_000
+    decisions: int = 5000
+    simulate: bool = True
+
+
+def decision_latency(trace: Sequence[TraceRequest], cfg: SchedulerBenchConfig) -> dict[str, float]:
+    """Per-decision wall time of `Conductor.schedule`, in microseconds."""
+    index = PrefixIndex()
+    prefill = [f"prefill-{i}" for i in range(cfg.num_prefill)]
+    seen: set[int] = set()
+    for n, request in enumerate(trace):  # each chain on one instance, its first block on four
+        if len(seen) >= cfg.indexed_blocks:
+            break
+        index.stored(location(prefill[n % len(prefill)], "dram"), request.hash_ids)
+        for k in range(1, 4):
+            index.stored(location(prefill[(n + k) % len(prefill)], "dram"), request.hash_ids[:1])
+        seen.update(request.hash_ids)
+    cost = RooflineCostModel()
+    conductor = Conductor(
+        ConductorConfig(rejection="predicted", ttft_slo_s=1e9, tbt_slo_s=1e9), cost, index, prefill,
+        [f"decode-{i}" for i in range(cfg.num_decode)], cost.kv_capacity_tokens(),
+    )  # fmt: skip
+    times: list[float] = []
+    clock = time.perf_counter
+    now = 0.0
+    decoding: deque[int] = deque()  # about 64 requests stay in decode, as in a busy cluster
+    for i in range(cfg.decisions):
+        request = trace[i % len(trace)]
+        ask = ScheduleRequest(i, request.input_length, request.hash_ids)
+        start = clock()
+        decision = conductor.schedule(ask, now)
+        times.append(clock() - start)
+        now += 0.3
+        if decision.accepted and conductor.admit_decode(i, now) is not None:
+            decoding.append(i)
+        if len(decoding) > 64:
+            conductor.decode_finished(decoding.popleft(), now, 300)
+    ordered = sorted(times)
+    return {
+        "indexed_blocks": float(index.num_blocks()),
+        "p50_us": statistics.median(times) * 1e6,
+        "p99_us": ordered[int(0.99 * (len(ordered) - 1))] * 1e6,
+        "max_us": ordered[-1] * 1e6,
+    }
+
+
+def simulation_time(trace: Sequence[TraceRequest]) -> dict[str, float]:
+    """Wall seconds to replay `trace` through each cluster shape."""
+    figures: dict[str, float] = {"requests": float(len(trace))}
+    for name, sim in (("pd_s", SimConfig()), ("colocated_s", SimConfig(shape="colocated"))):
+        start = time.perf_counter()
+        simulate(trace, sim, ConductorConfig())
+        figures[name] = time.perf_counter() - start
+    return figures
+
+
+def run(cfg: SchedulerBenchConfig) -> dict[str, object]:
+    trace = load_trace(cfg.trace)
+    result: dict[str, object] = {
+        "config": asdict(cfg),
+        "git_rev": _git_rev(),
+        "decision": decision_latency(trace, cfg),
+    }
+    if cfg.simulate:
+        result["simulation"] = simulation_time(trace)
+    return result
+
+
+def markdown(result: dict[str, object]) -> str:
+    decision, cfg = result["decision"], result["config"]
+    assert isinstance(decision, dict) and isinstance(cfg, dict)
+    lines = [
+        f"git {result['git_rev']}, trace {Path(str(cfg['trace'])).name}.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| Conductor decision, {cfg['num_prefill']}P + {cfg['num_decode']}D, "
+        f"{int(decision['indexed_blocks']):,} indexed blocks: p50 / p99 / max | "
+        f"{decision['p50_us']:.0f} / {decision['p99_us']:.0f} / {decision['max_us']:.0f} us |",
+    ]
+    sim = result.get("simulation")
+    if isinstance(sim, dict):
+        lines.append(f"| whole trace ({int(sim['requests']):,} requests), Mooncake 8P+8D | {sim['pd_s']:.1f} s |")
+        lines.append(f"| whole trace, colocated 16 instances | {sim['colocated_s']:.1f} s |")
+    return "\n".join(lines)
+
+
+def _git_rev() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def dumps(result: dict[str, object]) -> str:
+    return json.dumps(result)

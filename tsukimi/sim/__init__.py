@@ -1,0 +1,1 @@
+"""Trace-driven simulation of Mooncake serving: traces, cache replay, the cluster simulator."""

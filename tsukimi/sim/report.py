@@ -1,0 +1,107 @@
+"""Figures from a simulation: latency percentiles, SLO attainment, cache reuse, rejections,
+decode load over time; as a JSON-ready dict (stable key order, rounded floats, so equal runs
+give byte-identical reports) and as a rich table."""
+
+from __future__ import annotations
+
+import io
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from tsukimi.sim.simulator import SimResult
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_s: float
+    tbt_s: float
+
+
+def percentile(values: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile (NaN for no values); pure."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(pct / 100 * len(ordered)) - 1))]
+
+
+def summarize(result: SimResult, slo: Slo) -> dict[str, object]:
+    """The report of one run (see the module)."""
+    done = [j for j in result.jobs if j.finish_s >= 0 and j.request_id not in result.rejected]
+    ttft = [j.first_token_s - j.arrival_s for j in done]
+    tbt = [(j.finish_s - j.first_token_s) / (j.output_tokens - 1) for j in done if j.output_tokens > 1]
+    prefilled = [j for j in result.jobs if j.first_token_s >= 0]
+    input_tokens = sum(j.input_tokens for j in prefilled)
+    good = sum(
+        1
+        for j in done
+        if j.first_token_s - j.arrival_s <= slo.ttft_s
+        and (j.output_tokens <= 1 or (j.finish_s - j.first_token_s) / (j.output_tokens - 1) <= slo.tbt_s)
+    )
+    span = max((j.arrival_s for j in result.jobs), default=0.0) or 1.0
+    reasons = Counter(result.rejected.values())
+    return {
+        "requests": len(result.jobs),
+        "completed": len(done),
+        "rejected": len(result.rejected),
+        "rejected_by_reason": {k: reasons[k] for k in sorted(reasons)},
+        "ttft_s": _quantiles(ttft),
+        "tbt_s": _quantiles(tbt),
+        "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s},
+        "slo_attainment": _round(good / len(result.jobs)) if result.jobs else 0.0,
+        "meets_slo_p90": bool(done) and percentile(ttft, 90) <= slo.ttft_s and percentile(tbt, 90) <= slo.tbt_s,
+        "goodput_rps": _round(good / span),
+        "token_hit_ratio": _round(sum(j.cached_tokens for j in prefilled) / input_tokens) if input_tokens else 0.0,
+        "fetched_token_ratio": _round(sum(j.fetch_tokens for j in prefilled) / input_tokens) if input_tokens else 0.0,
+        "prefill_s_mean": _round(sum(j.first_token_s - j.prefill_start_s for j in prefilled) / len(prefilled))
+        if prefilled
+        else 0.0,
+        "wasted_prefills": reasons.get("decode_overloaded", 0),
+        "end_s": _round(result.end_s),
+    }
+
+
+def decode_load(result: SimResult, every_s: float) -> list[tuple[float, int]]:
+    """Total decode batch over all instances, sampled every `every_s` (the last sample of
+    each instance at or before each tick); pure."""
+    ticks = int(result.end_s // every_s) + 1
+    total = [0] * ticks
+    for samples in result.samples.values():
+        i, current = 0, 0
+        for tick in range(ticks):
+            while i < len(samples) and samples[i][0] <= tick * every_s:
+                current = samples[i][1]
+                i += 1
+            total[tick] += current
+    return [(tick * every_s, total[tick]) for tick in range(ticks)]
+
+
+def table(title: str, rows: Sequence[tuple[str, dict[str, object]]]) -> str:
+    """A rich table of several runs' main figures, rendered to text."""
+    grid = Table(title=title)
+    for column in ("run", "done", "rejected", "TTFT p50/p90 s", "TBT p50/p90 ms", "hit ratio", "SLO ok"):
+        grid.add_column(column, justify="right" if column != "run" else "left")
+    for name, report in rows:
+        ttft, tbt = report["ttft_s"], report["tbt_s"]
+        assert isinstance(ttft, dict) and isinstance(tbt, dict)
+        grid.add_row(
+            name, str(report["completed"]), str(report["rejected"]),
+            f"{ttft['p50']:.2f} / {ttft['p90']:.2f}", f"{1e3 * tbt['p50']:.0f} / {1e3 * tbt['p90']:.0f}",
+            f"{report['token_hit_ratio']:.3f}", f"{report['slo_attainment']:.3f}",
+        )  # fmt: skip
+    out = io.StringIO()
+    Console(file=out, width=120, color_system=None).print(grid)
+    return out.getvalue()
+
+
+def _quantiles(values: Sequence[float]) -> dict[str, float]:
+    return {f"p{p}": _round(percentile(values, p)) for p in (50, 90, 99)}
+
+
+def _round(value: float) -> float:
+    return round(value, 6) if math.isfinite(value) else value

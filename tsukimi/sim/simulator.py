@@ -1,0 +1,229 @@
+"""The discrete-event simulator: replays a Mooncake trace through simulated instances under a
+virtual clock, with the same Conductor, prefix index and eviction policies as the live system.
+
+Two cluster shapes:
+
+- "pd" (Mooncake): prefill instances, each with a DRAM block cache (together they form the
+  KV pool the Conductor indexes), and decode instances; the Conductor places every request.
+- "colocated" (the vLLM-like baseline): instances that prefill and decode in one batch, each
+  with its own prefix cache only, routed round-robin or to the least loaded.
+
+The main loop pops the next event (an arrival, a prefill finishing, a KV transfer landing),
+first brings every decode instance up to that time, then handles it. Deterministic: no
+randomness, and ties in time are broken by event order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tsukimi.config import ConductorConfig
+from tsukimi.errors import ConfigError
+from tsukimi.eviction import make_policy
+from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest
+from tsukimi.scheduler.cost_model import CostModel, RooflineCostModel, chunked_prefill_s
+from tsukimi.scheduler.prefix_index import PrefixIndex, location
+from tsukimi.sim.instances import BlockCache, ColocatedInstance, DecodeInstance, Job
+from tsukimi.sim.trace import TraceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """The simulated cluster.
+
+    speed: the trace is replayed this many times faster than recorded.
+    cache_blocks: each instance's DRAM cache, in blocks (None: unbounded).
+    colocated_chunk_tokens: the colocated baseline's chunked-prefill budget per step.
+    """
+
+    shape: Literal["pd", "colocated"] = "pd"
+    num_prefill: int = 8
+    num_decode: int = 8
+    num_colocated: int = 16
+    router: Literal["round_robin", "least_load"] = "least_load"
+    speed: float = 1.0
+    policy: str = "lru"
+    cache_blocks: int | None = 6000
+    colocated_chunk_tokens: int = 2048
+    sample_every_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.shape not in ("pd", "colocated") or self.router not in ("round_robin", "least_load"):
+            raise ConfigError("shape must be pd or colocated; router round_robin or least_load")
+        if min(self.num_prefill, self.num_decode, self.num_colocated) < 1 or self.speed <= 0:
+            raise ConfigError("instance counts must be >= 1 and speed > 0")
+        if self.cache_blocks is not None and self.cache_blocks < 1:
+            raise ConfigError("cache_blocks must be >= 1 (or None for unbounded)")
+
+
+@dataclass(slots=True)
+class SimResult:
+    """Every request's job (times filled in as far as it got), how rejected ones ended, and
+    decode batch sizes over time per instance."""
+
+    jobs: list[Job]
+    rejected: dict[int, str] = field(default_factory=dict)  # request id -> reason
+    samples: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    end_s: float = 0.0
+
+
+def simulate(
+    trace: Sequence[TraceRequest],
+    sim: SimConfig,
+    conductor: ConductorConfig | None = None,
+    cost: CostModel | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> SimResult:
+    """Replay `trace` through the cluster `sim` describes; pure apart from `progress`
+    (called with the number of requests that arrived so far)."""
+    cost = cost or RooflineCostModel()
+    jobs = [
+        Job(i, r.timestamp_ms / 1000 / sim.speed, r.input_length, max(1, r.output_length), r.hash_ids)
+        for i, r in enumerate(trace)
+    ]
+    runner = _PdRun(sim, conductor or ConductorConfig(), cost) if sim.shape == "pd" else _ColocatedRun(sim, cost)
+    return runner.run(jobs, progress)
+
+
+class _PdRun:
+    def __init__(self, sim: SimConfig, cfg: ConductorConfig, cost: RooflineCostModel | CostModel) -> None:
+        self.sim, self.cfg, self.cost = sim, cfg, cost
+        self.index = PrefixIndex()
+        self.prefill = [f"prefill-{i}" for i in range(sim.num_prefill)]
+        capacity = cost.kv_capacity_tokens() if isinstance(cost, RooflineCostModel) else 1 << 40
+        self.caches = {
+            name: BlockCache(location(name, "dram"), sim.cache_blocks, make_policy(sim.policy), self.index)
+            for name in self.prefill
+        }
+        self.queues: dict[str, deque[tuple[Job, Decision]]] = {name: deque() for name in self.prefill}
+        self.busy: dict[str, bool] = dict.fromkeys(self.prefill, False)
+        self.decode = {
+            f"decode-{i}": DecodeInstance(f"decode-{i}", cost, capacity, self._finished, sim.sample_every_s)
+            for i in range(sim.num_decode)
+        }
+        self.conductor = Conductor(cfg, cost, self.index, self.prefill, list(self.decode), capacity)
+        self.events: list[tuple[float, int, int, object]] = []
+        self.seq = itertools.count()
+        self.result = SimResult([])
+
+    def run(self, jobs: list[Job], progress: Callable[[int], None] | None) -> SimResult:
+        self.result.jobs = jobs
+        for job in jobs:
+            self._push(job.arrival_s, 0, job)
+        arrived = 0
+        while self.events:
+            now, _, kind, payload = heapq.heappop(self.events)
+            for instance in self.decode.values():
+                instance.advance(now)
+            if kind == 0:
+                assert isinstance(payload, Job)
+                self._arrive(payload, now)
+                arrived += 1
+                if progress is not None and arrived % 500 == 0:
+                    progress(arrived)
+            else:
+                assert isinstance(payload, tuple)
+                instance_name, job = payload
+                if kind == 1:
+                    self._prefill_done(instance_name, job, now)
+                else:
+                    self.decode[instance_name].join(job, now)
+        for instance in self.decode.values():
+            instance.advance(float("inf"))
+            self.result.end_s = max(self.result.end_s, instance.now)
+        self.result.samples = {name: inst.samples for name, inst in self.decode.items()}
+        return self.result
+
+    def _push(self, at: float, kind: int, payload: object) -> None:
+        heapq.heappush(self.events, (at, next(self.seq), kind, payload))
+
+    def _arrive(self, job: Job, now: float) -> None:
+        decision = self.conductor.schedule(ScheduleRequest(job.request_id, job.input_tokens, job.blocks), now)
+        if not decision.accepted:
+            self.result.rejected[job.request_id] = decision.reason
+            return
+        assert decision.prefill is not None
+        self.queues[decision.prefill].append((job, decision))
+        if not self.busy[decision.prefill]:
+            self._start_prefill(decision.prefill, now)
+
+    def _start_prefill(self, name: str, now: float) -> None:
+        """Start the next queued job on `name`, with the prefix actually cached now."""
+        if not self.queues[name]:
+            self.busy[name] = False
+            return
+        job, decision = self.queues[name].popleft()
+        self.busy[name] = True
+        block = self.cfg.block_tokens
+        local = self.index.match_at(self.caches[name].loc, job.blocks)
+        fetched = self.index.match_at(decision.fetch_from, job.blocks) if decision.fetch_from else 0
+        job.cached_tokens = max(0, min(max(local, fetched) * block, job.input_tokens - 1))
+        job.fetch_tokens = max(0, job.cached_tokens - max(0, min(local * block, job.input_tokens - 1)))
+        job.compute_s = chunked_prefill_s(
+            self.cost, job.input_tokens - job.cached_tokens, job.cached_tokens, self.cfg.prefill_chunk_tokens
+        )
+        job.prefill_start_s = now
+        job.instances = (name,)
+        duration = self.cost.transfer_s(job.fetch_tokens, self.cfg.kv_bandwidth_bytes_s) + job.compute_s
+        self._push(now + duration, 1, (name, job))
+
+    def _prefill_done(self, name: str, job: Job, now: float) -> None:
+        job.first_token_s = now
+        self.caches[name].access(job.blocks)
+        decode = self.conductor.admit_decode(job.request_id, now)
+        if decode is None:
+            self.result.rejected[job.request_id] = "decode_overloaded"
+        else:
+            job.instances = (name, decode)
+            landed = now + self.cost.transfer_s(job.input_tokens, self.cfg.kv_bandwidth_bytes_s)
+            self._push(landed, 2, (decode, job))
+        self._start_prefill(name, now)
+
+    def _finished(self, job: Job, now: float) -> None:
+        self.conductor.decode_finished(job.request_id, now, job.output_tokens)
+
+
+class _ColocatedRun:
+    def __init__(self, sim: SimConfig, cost: CostModel) -> None:
+        self.sim, self.cost = sim, cost
+        self.index = PrefixIndex()
+        capacity = cost.kv_capacity_tokens() if isinstance(cost, RooflineCostModel) else 1 << 40
+        self.instances = [self._instance(f"colocated-{i}", capacity) for i in range(sim.num_colocated)]
+        self.turn = 0
+
+    def _instance(self, name: str, capacity: int) -> ColocatedInstance:
+        cache = BlockCache(location(name, "dram"), self.sim.cache_blocks, make_policy(self.sim.policy), self.index)
+        return ColocatedInstance(
+            name, self.cost, capacity, _ignore, self.sim.sample_every_s,
+            cache=cache, chunk_tokens=self.sim.colocated_chunk_tokens, on_first_token=_ignore,
+        )  # fmt: skip
+
+    def run(self, jobs: list[Job], progress: Callable[[int], None] | None) -> SimResult:
+        for n, job in enumerate(jobs, 1):
+            for instance in self.instances:
+                instance.advance(job.arrival_s)
+            instance = self._route()
+            job.instances = (instance.name,)
+            instance.submit(job, job.arrival_s)
+            if progress is not None and n % 500 == 0:
+                progress(n)
+        end = 0.0
+        for instance in self.instances:
+            instance.advance(float("inf"))
+            end = max(end, instance.now)
+        return SimResult(jobs, {}, {i.name: i.samples for i in self.instances}, end)
+
+    def _route(self) -> ColocatedInstance:
+        if self.sim.router == "round_robin":
+            self.turn = (self.turn + 1) % len(self.instances)
+            return self.instances[self.turn - 1 if self.turn else len(self.instances) - 1]
+        return min(self.instances, key=lambda i: i.load)
+
+
+def _ignore(job: Job, now: float) -> None:
+    return None
