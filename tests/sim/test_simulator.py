@@ -90,3 +90,13 @@ def test_same_trace_and_config_give_byte_identical_reports() -> None:
     assert runs[0] == runs[1]
     report = json.loads(runs[0])["report"]
     assert report["requests"] == 1000 and report["completed"] + report["rejected"] == 1000
+
+
+def test_cli_run_prints_a_table_and_plots_decode_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tsukimi.cli import main
+
+    plot = tmp_path / "load.png"
+    args = ["sim", "run", "--trace", str(SAMPLE), "--shape", "colocated", "--speed", "8", "--plot", str(plot)]
+    assert main(args) == 0
+    assert "colocated" in capsys.readouterr().out and plot.stat().st_size > 1000
+    assert main(["sim", "run", "--trace", str(SAMPLE), "--cache-blocks", "0"]) == 2  # a clear ConfigError

@@ -140,9 +140,9 @@ class Conductor:
             return self._reject(best, "ttft_slo")
         mode = cfg.rejection
         at = now + best.ttft_s if mode == "predicted" else now
-        decode, tbt_s, fits = self._best_decode(request.input_tokens, now, at if mode == "predicted" else None)
-        if mode in ("early", "predicted") and not fits:
-            return self._reject(best, "tbt_slo" if decode else "kv_memory")
+        decode, tbt_s, problem = self._best_decode(request.input_tokens, now, at if mode == "predicted" else None)
+        if mode in ("early", "predicted") and problem:
+            return self._reject(best, problem)
         decision = _replace(best, decode=decode, tbt_s=tbt_s)
         self._book(decision, request, now)
         self.counters["accepted"] += 1
@@ -151,16 +151,15 @@ class Conductor:
     def admit_decode(self, request_id: int, now: float) -> str | None:
         """Prefill of `request_id` is done: the decode instance it goes to, or None when it is
         rejected now (modes other than "none", when no instance meets the TBT SLO). Mutates."""
-        prefill, planned, tokens = self._requests[request_id]
+        prefill, _, tokens = self._requests[request_id]
         self._prefill_done(prefill, request_id, now)
         for load in self._decode.values():
             load.incoming.pop(request_id, None)
-        decode, _, fits = self._best_decode(tokens, now, None)
-        if not fits and self.config.rejection != "none":
+        chosen, _, problem = self._best_decode(tokens, now, None)
+        if problem and self.config.rejection != "none":
             del self._requests[request_id]
             self.counters["rejected_at_decode"] += 1
             return None
-        chosen = decode or planned
         self._decode[chosen].active[request_id] = (now, tokens)
         self._decode[chosen].active_tokens += tokens
         self._requests[request_id] = (prefill, chosen, tokens)
@@ -190,25 +189,26 @@ class Conductor:
         cost, block, chunk = self.cost, cfg.block_tokens, cfg.prefill_chunk_tokens
         tokens = request.input_tokens
         best: Decision | None = None
+        prefill_s: dict[int, float] = {}  # cached tokens -> prefill time: instances share most
+
+        def compute_s(cached: int) -> float:
+            if cached not in prefill_s:
+                prefill_s[cached] = chunked_prefill_s(cost, tokens - cached, cached, chunk)
+            return prefill_s[cached]
+
         for name, load in self._prefill.items():
             queue_s = max(0.0, load.free_at - now)
             local_loc = self._local[name]
             local = matches.get(local_loc, 0)
             cached = _cached_tokens(local, block, tokens)
-            option: tuple[float, float, str | None, int, int] = (
-                chunked_prefill_s(cost, tokens - cached, cached, chunk),
-                0.0,
-                None,
-                0,
-                cached,
-            )
+            option: tuple[float, float, str | None, int, int] = (compute_s(cached), 0.0, None, 0, cached)
             remote = next(((loc, n) for loc, n in ranked if loc != local_loc), None)
             if remote is not None and remote[1] > local and remote[1] >= cfg.balancing_threshold * local:
                 fetched = _cached_tokens(remote[1], block, tokens)
                 transfer_s = cost.transfer_s(fetched - cached, cfg.kv_bandwidth_bytes_s)
-                prefill_s = chunked_prefill_s(cost, tokens - fetched, fetched, chunk)
-                if transfer_s + prefill_s < option[0]:
-                    option = (prefill_s, transfer_s, remote[0], remote[1] - local, fetched)
+                fetched_s = compute_s(fetched)
+                if transfer_s + fetched_s < option[0]:
+                    option = (fetched_s, transfer_s, remote[0], remote[1] - local, fetched)
             ttft_s = queue_s + option[0] + option[1]
             if best is None or ttft_s < best.ttft_s:
                 fetch_from, fetch_blocks = option[2], option[3]
@@ -220,24 +220,25 @@ class Conductor:
         assert best is not None
         return best
 
-    def _best_decode(self, input_tokens: int, now: float, at: float | None) -> tuple[str | None, float, bool]:
-        """(instance with the lowest TBT, that TBT, whether it meets the SLO and fits in
-        memory) for the load now, or predicted for time `at`; the instance is None when none
-        has room."""
+    def _best_decode(self, input_tokens: int, now: float, at: float | None) -> tuple[str, float, str]:
+        """(the instance with the lowest TBT among those with room in their KV memory, or with
+        the most room when none has enough; that TBT; "" when it meets the SLO, else why not:
+        "tbt_slo" / "kv_memory") for the load now, or predicted for time `at`."""
         mean_out = self._output_sum / self._output_n if self._output_n else _INITIAL_OUTPUT_TOKENS
-        chosen: tuple[str | None, float, bool] = (None, float("inf"), False)
+        best: tuple[float, float, str] | None = None  # (no room, tbt, name): lowest wins
         for name, load in self._decode.items():
             if at is None:
                 count, context = float(len(load.active)), float(load.active_tokens)
             else:
                 count, context = self._predicted(load, now, at)
             context += count * mean_out / 2
-            if context + input_tokens + mean_out > load.capacity_tokens:
-                continue
+            overflow = max(0.0, context + input_tokens + mean_out - load.capacity_tokens)
             tbt_s = self.cost.decode_step_s(round(count) + 1, int(context + input_tokens + mean_out / 2))
-            if tbt_s < chosen[1]:
-                chosen = (name, tbt_s, tbt_s <= self.config.tbt_slo_s)
-        return chosen
+            if best is None or (overflow, tbt_s) < best[:2]:
+                best = (overflow, tbt_s, name)
+        assert best is not None
+        overflow, tbt_s, name = best
+        return name, tbt_s, "kv_memory" if overflow else ("tbt_slo" if tbt_s > self.config.tbt_slo_s else "")
 
     def _predicted(self, load: _DecodeLoad, now: float, at: float) -> tuple[float, float]:
         """Expected (requests, their prompt tokens) in `load` at time `at`."""

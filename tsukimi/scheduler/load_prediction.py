@@ -28,7 +28,7 @@ class DecodeStagePredictor:
             raise ConfigError(f"the prior decode stage length must be > 0, got {prior_s}")
         self._counts = np.zeros(_BINS + 1, dtype=np.int64)
         self._prior_bin = min(_BINS, int(prior_s / _BIN_S))
-        self._survival: np.ndarray | None = None
+        self._survival: list[float] | None = None
         self.observed = 0
 
     def observe(self, duration_s: float) -> None:
@@ -45,9 +45,9 @@ class DecodeStagePredictor:
             return 1.0 if int(t / _BIN_S) < self._prior_bin else 0.0
         if self._survival is None:  # S[k] = P(duration bin >= k): counts from bin k on
             tail = np.cumsum(self._counts[::-1])[::-1]
-            self._survival = np.append(tail / self.observed, 0.0)
+            self._survival = [*(tail / self.observed).tolist(), 0.0]  # NOTE: a list: scalar lookups are faster
         k = int(t / _BIN_S) + 1
-        return float(self._survival[min(k, _BINS + 1)])
+        return self._survival[min(k, _BINS + 1)]
 
     def still_present(self, age_s: float, horizon_s: float) -> float:
         """P(a request `age_s` seconds into decode is still there `horizon_s` later)."""

@@ -14,7 +14,7 @@ from tsukimi.config import REJECTION_NAMES, ConductorConfig
 from tsukimi.errors import ConfigError
 from tsukimi.eviction import POLICY_NAMES
 from tsukimi.sim.cache_replay import parse_capacities, run_cache_command
-from tsukimi.sim.report import Slo, summarize, table
+from tsukimi.sim.report import Slo, decode_load, summarize, table
 from tsukimi.sim.simulator import SimConfig, simulate
 from tsukimi.sim.trace import load_trace
 
@@ -44,6 +44,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     run.add_argument("--ttft-slo", type=float, default=30.0)
     run.add_argument("--tbt-slo", type=float, default=0.1)
     run.add_argument("--json", action="store_true")
+    run.add_argument("--plot", help="write decode load over time to this PNG")
     exp = sim.add_parser("experiment", help="run one of the paper's experiments (docs/reproduction.md)")
     exp.add_argument("number", choices=(*_EXPERIMENTS, "all"))
     exp.add_argument("--trace", default=DEFAULT_TRACE)
@@ -78,6 +79,11 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         task = bar.add_task("simulating", total=len(trace))
         result = simulate(trace, sim, conductor, progress=lambda n: bar.update(task, completed=n))
     report = summarize(result, Slo(args.ttft_slo, args.tbt_slo))
+    if args.plot:
+        from tsukimi.sim import plots  # NOTE: matplotlib only when asked for
+
+        every_s = max(1.0, result.end_s / 500)
+        plots.decode_load({args.shape: decode_load(result, every_s)}, Path(args.plot), Path(args.trace).name)
     if args.json:
         print(json.dumps({"trace": Path(args.trace).name, "sim": _plain(sim), "report": report}))
     else:

@@ -25,6 +25,7 @@ from typing import Literal
 from tsukimi.config import ConductorConfig
 from tsukimi.errors import ConfigError
 from tsukimi.eviction import make_policy
+from tsukimi.scheduler.baselines import make_router
 from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest
 from tsukimi.scheduler.cost_model import CostModel, RooflineCostModel, chunked_prefill_s
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
@@ -194,7 +195,7 @@ class _ColocatedRun:
         self.index = PrefixIndex()
         capacity = cost.kv_capacity_tokens() if isinstance(cost, RooflineCostModel) else 1 << 40
         self.instances = [self._instance(f"colocated-{i}", capacity) for i in range(sim.num_colocated)]
-        self.turn = 0
+        self.router = make_router(sim.router)
 
     def _instance(self, name: str, capacity: int) -> ColocatedInstance:
         cache = BlockCache(location(name, "dram"), self.sim.cache_blocks, make_policy(self.sim.policy), self.index)
@@ -207,7 +208,7 @@ class _ColocatedRun:
         for n, job in enumerate(jobs, 1):
             for instance in self.instances:
                 instance.advance(job.arrival_s)
-            instance = self._route()
+            instance = self.instances[self.router.route([i.load for i in self.instances])]
             job.instances = (instance.name,)
             instance.submit(job, job.arrival_s)
             if progress is not None and n % 500 == 0:
@@ -217,12 +218,6 @@ class _ColocatedRun:
             instance.advance(float("inf"))
             end = max(end, instance.now)
         return SimResult(jobs, {}, {i.name: i.samples for i in self.instances}, end)
-
-    def _route(self) -> ColocatedInstance:
-        if self.sim.router == "round_robin":
-            self.turn = (self.turn + 1) % len(self.instances)
-            return self.instances[self.turn - 1 if self.turn else len(self.instances) - 1]
-        return min(self.instances, key=lambda i: i.load)
 
 
 def _ignore(job: Job, now: float) -> None:
