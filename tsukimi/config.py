@@ -205,8 +205,8 @@ class ConductorConfig:
         a fetched prefix stays in its cache (hot-spot replication).
     prefill_chunk_tokens: prefill instances compute at most this many tokens per iteration.
     kv_bandwidth_bytes_s: KV transfer bandwidth between instances and the pool.
-    decode_estimate_s: a request's decode stage length assumed before any has finished (the
-        estimate then follows the observed mean).
+    decode_estimate_s: a request's decode stage length assumed before any has finished (then
+        the distribution of the observed ones is used).
     """
 
     block_tokens: int = 512

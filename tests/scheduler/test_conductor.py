@@ -154,3 +154,26 @@ def test_bad_requests_and_configs_are_refused() -> None:
         ConductorConfig(rejection="sometimes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="reuse"):
         ConductorConfig(reuse="everywhere")  # type: ignore[arg-type]
+
+
+def test_regression_queue_estimates_follow_each_finished_job_once() -> None:
+    """Each finished job shifts the jobs behind it by its own error, not again by earlier ones."""
+    conductor = _conductor(prefill=1, decode=1, rejection="none")
+    for request_id in range(4):  # 10 s each: booked to end at 10, 20, 30, 40
+        conductor.schedule(_request(request_id, [], 10_000), 0.0)
+    conductor.admit_decode(0, 5.0)  # 5 s early: the rest end at 15, 25, 35
+    assert conductor.prefill_queue_s("p0", 5.0) == pytest.approx(30.0)
+    conductor.admit_decode(1, 15.0)  # on time, after the shift
+    assert conductor.prefill_queue_s("p0", 15.0) == pytest.approx(20.0)
+    conductor.admit_decode(2, 25.0)
+    assert conductor.prefill_queue_s("p0", 25.0) == pytest.approx(10.0)
+    conductor.admit_decode(3, 36.0)
+    assert conductor.prefill_queue_s("p0", 36.0) == 0.0
+
+
+def test_a_request_that_ends_at_prefill_leaves_no_decode_load() -> None:
+    conductor = _conductor(prefill=1, decode=1, tbt_slo_s=0.0112, rejection="early", ttft_slo_s=100)
+    assert conductor.schedule(_request(1, [], 1000), 0.0).accepted
+    conductor.finished_at_prefill(1, 1.0)
+    assert conductor.prefill_queue_s("p0", 1.0) == 0.0
+    assert conductor.schedule(_request(2, [], 1000), 1.0).accepted and conductor.admit_decode(2, 2.0) == "d0"

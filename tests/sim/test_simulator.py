@@ -100,3 +100,16 @@ def test_cli_run_prints_a_table_and_plots_decode_load(tmp_path: Path, capsys: py
     assert main(args) == 0
     assert "colocated" in capsys.readouterr().out and plot.stat().st_size > 1000
     assert main(["sim", "run", "--trace", str(SAMPLE), "--cache-blocks", "0"]) == 2  # a clear ConfigError
+
+
+def test_regression_idle_decode_instances_sample_zero() -> None:
+    trace = [_req(0, 100, 5, (1,)), _req(100_000, 100, 5, (2,))]
+    result = simulate(trace, SimConfig(num_prefill=1, num_decode=1, sample_every_s=10.0), CONDUCTOR, COST)
+    load = dict(decode_load(result, 10.0))
+    assert all(load[t] == 0 for t in (10.0, 50.0, 90.0))
+
+
+def test_one_token_outputs_end_at_prefill() -> None:
+    result = simulate([_req(0, 1000, 1, (1, 2))], SimConfig(num_prefill=1, num_decode=1), CONDUCTOR, COST)
+    (job,) = result.jobs
+    assert job.finish_s == job.first_token_s == pytest.approx(1.0) and job.decode_join_s < 0

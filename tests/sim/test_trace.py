@@ -64,6 +64,7 @@ BAD_LINES = {
     "negative timestamp": '{"timestamp": -1, "input_length": 600, "output_length": 7, "hash_ids": [1]}',
     "negative input": '{"timestamp": 6, "input_length": -600, "output_length": 7, "hash_ids": [1]}',
     "negative output": '{"timestamp": 6, "input_length": 600, "output_length": -7, "hash_ids": [1]}',
+    "empty prompt": '{"timestamp": 6, "input_length": 0, "output_length": 7, "hash_ids": []}',
     "float hash id": '{"timestamp": 6, "input_length": 600, "output_length": 7, "hash_ids": [1, 2.0]}',
     "string hash id": '{"timestamp": 6, "input_length": 600, "output_length": 7, "hash_ids": ["1"]}',
     "hash ids not a list": '{"timestamp": 6, "input_length": 600, "output_length": 7, "hash_ids": 1}',
@@ -84,6 +85,7 @@ def test_messages_say_what_is_wrong(tmp_path: Path) -> None:
         "missing field": "output_length",
         "string field": "$.input_length",
         "negative output": ">= 0",
+        "empty prompt": ">= 1",
         "float hash id": "$.hash_ids[1]",
         "timestamp going backwards": "timestamp 4 ms is earlier than the previous request's 5 ms",
     }

@@ -83,8 +83,9 @@ class Decision:
 
 @dataclass(slots=True)
 class _PrefillLoad:
-    free_at: float = 0.0  # when its queue drains, by the estimates
-    jobs: dict[int, float] = field(default_factory=dict)  # request id -> estimated end
+    free_at: float = 0.0  # when its queue drains, by the estimates corrected by `shift`
+    shift: float = 0.0  # how much later than booked the queue runs (the last finished job's error)
+    jobs: dict[int, float] = field(default_factory=dict)  # request id -> end as booked (never shifted)
 
 
 @dataclass(slots=True)
@@ -164,6 +165,13 @@ class Conductor:
         self._decode[chosen].active_tokens += tokens
         self._requests[request_id] = (prefill, chosen, tokens)
         return chosen
+
+    def finished_at_prefill(self, request_id: int, now: float) -> None:
+        """Prefill of `request_id` produced its only output token: it never reaches decode."""
+        prefill, _, _ = self._requests.pop(request_id)
+        self._prefill_done(prefill, request_id, now)
+        for load in self._decode.values():
+            load.incoming.pop(request_id, None)
 
     def decode_finished(self, request_id: int, now: float, output_tokens: int) -> None:
         """The request left its decode instance (mutates the load and the estimates)."""
@@ -258,15 +266,21 @@ class Conductor:
         load = self._prefill[decision.prefill]
         start = max(load.free_at, now)
         load.free_at = start + decision.prefill_s + decision.transfer_s
-        load.jobs[request.request_id] = load.free_at
+        load.jobs[request.request_id] = load.free_at - load.shift
         self._decode[decision.decode].incoming[request.request_id] = (now + decision.ttft_s, request.input_tokens)
         self._requests[request.request_id] = (decision.prefill, decision.decode, request.input_tokens)
 
     def _prefill_done(self, name: str, request_id: int, now: float) -> None:
         load = self._prefill[name]
-        estimated_end = load.jobs.pop(request_id, now)
-        # NOTE: FIFO: the jobs behind this one start earlier or later by the same error.
-        load.free_at = now if not load.jobs else load.free_at + (now - estimated_end)
+        booked_end = load.jobs.pop(request_id, now)
+        if not load.jobs:
+            load.free_at, load.shift = now, 0.0
+            return
+        # NOTE: FIFO: the jobs behind this one now run `error` later than booked; free_at
+        # already carries the previous error, so only the change is applied.
+        error = now - booked_end
+        load.free_at += error - load.shift
+        load.shift = error
 
     def _reject(self, best: Decision, reason: str) -> Decision:
         self.counters[f"rejected_{reason}"] += 1

@@ -82,7 +82,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     if args.plot:
         from tsukimi.sim import plots  # NOTE: matplotlib only when asked for
 
-        every_s = max(1.0, result.end_s / 500)
+        every_s = sim.sample_every_s * max(1, int(result.end_s / sim.sample_every_s / 500))
         plots.decode_load({args.shape: decode_load(result, every_s)}, Path(args.plot), Path(args.trace).name)
     if args.json:
         print(json.dumps({"trace": Path(args.trace).name, "sim": _plain(sim), "report": report}))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tsukimi.config import ConductorConfig
+from tsukimi.errors import InvalidArgument
 from tsukimi.sim import plots
 from tsukimi.sim.cache_replay import sweep_cache
 from tsukimi.sim.report import Slo, decode_load, summarize
@@ -97,7 +98,10 @@ def effective_capacity(trace: Sequence[TraceRequest], out_dir: Path, progress: P
         "colocated_chunked": [SimConfig(shape="colocated", colocated_chunk_tokens=c) for c in COLOCATED_CHUNKS],
         "colocated_whole": [SimConfig(shape="colocated", colocated_chunk_tokens=WHOLE_PROMPT)],
     }
-    rate = len(trace) / max(1e-9, (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000)
+    if not trace:
+        raise InvalidArgument("experiment 3 needs a non-empty trace")
+    span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000
+    rate = len(trace) / span_s if span_s > 0 else math.nan  # requests per second at 1x
     rows: list[dict[str, object]] = []
     runs: dict[tuple[str, float], dict[str, object]] = {}  # (config, speed) -> report: shared by the SLOs
     for tbt in TBT_SLOS_S:

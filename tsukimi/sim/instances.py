@@ -103,12 +103,20 @@ class DecodeInstance:
         self.advance(at)
         queue.append(job)
         if self.step_end is None:  # idle: start stepping now
+            self._record_until(at)
             self.now = at
             self._start_step()
+
+    def _record_until(self, t: float) -> None:
+        """Sample the batch size at every grid point (multiples of sample_every_s) before `t`."""
+        while self.next_sample_s < t:
+            self.samples.append((self.next_sample_s, self.batch))
+            self.next_sample_s = (len(self.samples)) * self.sample_every_s
 
     def advance(self, until: float) -> None:
         """Run every step that ends by `until` (mutates)."""
         while self.step_end is not None and self.step_end <= until:
+            self._record_until(self.step_end)
             self.now = self.step_end
             self.steps += 1
             self.context += self.batch
@@ -143,9 +151,6 @@ class DecodeInstance:
             self.context += job.input_tokens
             self.reserved += _need(job)
             heapq.heappush(self.finishing, (self.steps + remaining, job.request_id, job))
-        if self.now >= self.next_sample_s:
-            self.samples.append((self.now, self.batch))
-            self.next_sample_s = self.now + self.sample_every_s
         chunk, chunk_context = self._prefill_chunk()
         if self.batch or chunk:
             self.step_end = self.now + self.cost.mixed_step_s(chunk, chunk_context, self.batch, self.context)

@@ -1,6 +1,12 @@
 """Figures from a simulation: latency percentiles, SLO attainment, cache reuse, rejections,
 decode load over time; as a JSON-ready dict (stable key order, rounded floats, so equal runs
-give byte-identical reports) and as a rich table."""
+give byte-identical reports; null where there is no value) and as a rich table.
+
+Definitions: TTFT = first token - arrival. TBT is per request, (last token - first token) /
+(output tokens - 1): the mean time per output token after the first, which in the PD cluster
+includes the KV transfer to decode and any wait for decode memory; its percentiles are over
+requests (not over individual token gaps, whose tail under chunked prefill is much longer).
+"""
 
 from __future__ import annotations
 
@@ -54,7 +60,9 @@ def summarize(result: SimResult, slo: Slo) -> dict[str, object]:
         "tbt_s": _quantiles(tbt),
         "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s},
         "slo_attainment": _round(good / len(result.jobs)) if result.jobs else 0.0,
-        "meets_slo_p90": bool(done) and percentile(ttft, 90) <= slo.ttft_s and percentile(tbt, 90) <= slo.tbt_s,
+        "meets_slo_p90": bool(done)
+        and percentile(ttft, 90) <= slo.ttft_s
+        and (not tbt or percentile(tbt, 90) <= slo.tbt_s),
         "goodput_rps": _round(good / span),
         "token_hit_ratio": _round(sum(j.cached_tokens for j in prefilled) / input_tokens) if input_tokens else 0.0,
         "fetched_token_ratio": _round(sum(j.fetch_tokens for j in prefilled) / input_tokens) if input_tokens else 0.0,
@@ -67,17 +75,15 @@ def summarize(result: SimResult, slo: Slo) -> dict[str, object]:
 
 
 def decode_load(result: SimResult, every_s: float) -> list[tuple[float, int]]:
-    """Total decode batch over all instances, sampled every `every_s` (the last sample of
-    each instance at or before each tick); pure."""
+    """Total decode batch over all instances every `every_s` (a multiple of the instances'
+    sampling interval; an instance with no sample at a tick was idle); pure."""
     ticks = int(result.end_s // every_s) + 1
     total = [0] * ticks
     for samples in result.samples.values():
-        i, current = 0, 0
-        for tick in range(ticks):
-            while i < len(samples) and samples[i][0] <= tick * every_s:
-                current = samples[i][1]
-                i += 1
-            total[tick] += current
+        for t, batch in samples:
+            tick = t / every_s
+            if abs(tick - round(tick)) < 1e-6 and round(tick) < ticks:
+                total[round(tick)] += batch
     return [(tick * every_s, total[tick]) for tick in range(ticks)]
 
 
@@ -99,9 +105,9 @@ def table(title: str, rows: Sequence[tuple[str, dict[str, object]]]) -> str:
     return out.getvalue()
 
 
-def _quantiles(values: Sequence[float]) -> dict[str, float]:
+def _quantiles(values: Sequence[float]) -> dict[str, float | None]:
     return {f"p{p}": _round(percentile(values, p)) for p in (50, 90, 99)}
 
 
-def _round(value: float) -> float:
-    return round(value, 6) if math.isfinite(value) else value
+def _round(value: float) -> float | None:
+    return round(value, 6) if math.isfinite(value) else None

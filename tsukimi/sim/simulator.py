@@ -60,6 +60,8 @@ class SimConfig:
             raise ConfigError("instance counts must be >= 1 and speed > 0")
         if self.cache_blocks is not None and self.cache_blocks < 1:
             raise ConfigError("cache_blocks must be >= 1 (or None for unbounded)")
+        if self.colocated_chunk_tokens < 1 or self.sample_every_s <= 0:
+            raise ConfigError("colocated_chunk_tokens must be >= 1 and sample_every_s > 0")
 
 
 @dataclass(slots=True)
@@ -176,6 +178,11 @@ class _PdRun:
     def _prefill_done(self, name: str, job: Job, now: float) -> None:
         job.first_token_s = now
         self.caches[name].access(job.blocks)
+        if job.output_tokens <= 1:  # its only token came from prefill: nothing to decode
+            self.conductor.finished_at_prefill(job.request_id, now)
+            job.finish_s = now
+            self._start_prefill(name, now)
+            return
         decode = self.conductor.admit_decode(job.request_id, now)
         if decode is None:
             self.result.rejected[job.request_id] = "decode_overloaded"

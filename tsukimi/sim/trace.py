@@ -32,13 +32,14 @@ BLOCK_SIZE_TOKENS = 512
 """Tokens per block in the Mooncake traces."""
 
 _NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+_Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class _TraceLine(msgspec.Struct):
     """One line as it is on disk; every field required, ints only (bools and floats rejected)."""
 
     timestamp: _NonNegative
-    input_length: _NonNegative
+    input_length: _Positive  # NOTE: a request has a prompt; 0 would wedge a simulated instance
     output_length: _NonNegative
     hash_ids: list[int]
 
