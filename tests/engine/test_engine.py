@@ -1,0 +1,104 @@
+"""The paged, continuously batched engine against the slow reference (greedy, the tiny model):
+batching, chunked prefill, prefix caching, preemption, sampling and stopping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tsukimi.engine.engine import LLMEngine
+from tsukimi.engine.kv_cache import KVLayout
+from tsukimi.engine.model import generate_greedy_reference
+from tsukimi.engine.sampling import SamplingParams
+from tsukimi.engine.weights import LoadedModel, random_tiny
+from tsukimi.errors import InvalidArgument
+
+PROMPTS = [[1, 5, 9, 200, 3000] * 7, [1, 7, 7, 100], [1, 5, 9, 200, 3000] * 7 + [42, 43], [1, *range(300, 360)]]
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[LoadedModel]:
+    torch.set_num_threads(1)
+    yield random_tiny(0)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny: LoadedModel) -> list[list[int]]:
+    return [list(generate_greedy_reference(tiny.model, p, GREEDY.max_tokens)) for p in PROMPTS]
+
+
+def _engine(tiny: LoadedModel, block_tokens: int = 16, num_blocks: int = 256, batch: int = 512) -> LLMEngine:
+    cfg = tiny.config
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_tokens)
+    return LLMEngine(tiny.model, layout, num_blocks, cfg.eos_token_ids, max_batched_tokens=batch)
+
+
+@pytest.mark.parametrize(("block_tokens", "batch"), [(16, 512), (16, 24), (1, 512), (7, 10)])
+def test_batched_paged_and_chunked_equal_the_reference(
+    tiny: LoadedModel, expected: list[list[int]], block_tokens: int, batch: int
+) -> None:
+    engine = _engine(tiny, block_tokens, batch=batch)
+    assert engine.generate(PROMPTS, GREEDY) == expected
+    engine.cache.pool.check_invariants()
+
+
+def test_a_shared_prefix_is_computed_once(tiny: LoadedModel, expected: list[list[int]]) -> None:
+    engine = _engine(tiny)
+    assert engine.generate(PROMPTS[:1], GREEDY) == expected[:1]
+    engine.add_request("again", PROMPTS[2], GREEDY)
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    assert [t for o in outputs for t in o.token_ids] == expected[2]
+    assert outputs[0].cached_tokens == 32  # two full 16-token blocks of the 35-token shared prefix
+    engine.cache.pool.check_invariants()
+
+
+def test_a_full_cache_preempts_and_still_gives_the_same_tokens(tiny: LoadedModel, expected: list[list[int]]) -> None:
+    engine = _engine(tiny, block_tokens=4, num_blocks=24)  # not enough for all four at once
+    assert engine.generate(PROMPTS, GREEDY) == expected
+    engine.cache.pool.check_invariants()
+
+
+def test_sampling_is_reproducible_and_stops(tiny: LoadedModel) -> None:
+    engine = _engine(tiny)
+    hot = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    first, second = engine.generate([PROMPTS[1], PROMPTS[1]], hot)
+    assert first == second and len(first) == 12
+    greedy = engine.generate([PROMPTS[1]], GREEDY)[0]
+    stop_at = greedy[3]
+    stopped = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=10, stop_token_ids=(stop_at,)))[0]
+    assert stopped == greedy[: greedy.index(stop_at)]  # the stop token itself is not emitted
+
+
+def test_bad_requests_are_refused(tiny: LoadedModel) -> None:
+    engine = _engine(tiny, num_blocks=4)
+    with pytest.raises(InvalidArgument):
+        engine.add_request("empty", [], GREEDY)
+    with pytest.raises(InvalidArgument, match="exceed the KV cache"):
+        engine.add_request("huge", list(range(1, 100)), GREEDY)
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    with pytest.raises(InvalidArgument, match="already running"):
+        engine.add_request("a", [1, 2, 3], GREEDY)
+    engine.abort("a")
+    assert not engine.has_work()
+    engine.cache.pool.check_invariants()
+    for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}):
+        with pytest.raises(InvalidArgument):
+            SamplingParams(**bad)  # type: ignore[arg-type]
+
+
+def test_prefix_caching_off_computes_every_prompt(tiny: LoadedModel, expected: list[list[int]]) -> None:
+    cfg = tiny.config
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16)
+    engine = LLMEngine(tiny.model, layout, 256, cfg.eos_token_ids, prefix_caching=False)
+    assert engine.generate(PROMPTS[:1], GREEDY) == expected[:1]
+    engine.add_request("again", PROMPTS[0], GREEDY)
+    first = engine.step()
+    assert first[0].cached_tokens == 0
+    while engine.has_work():
+        engine.step()
+    engine.cache.pool.check_invariants()

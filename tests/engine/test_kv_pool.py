@@ -1,0 +1,97 @@
+"""KV blocks through the store: a prefill engine publishes them, a decode engine (its own cache)
+loads them, and the tokens equal a colocated run; lost blocks are recomputed; blocks of
+another format are refused. The store is a real master and holders in this process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.store import deployment
+from tsukimi.engine.engine import LLMEngine, StepOutput
+from tsukimi.engine.kv_cache import KVLayout
+from tsukimi.engine.kv_pool import HEADER_BYTES, KVFormat, KVFormatError, StoreKVConnector
+from tsukimi.engine.model import generate_greedy_reference
+from tsukimi.engine.sampling import SamplingParams
+from tsukimi.engine.weights import LoadedModel, random_tiny
+from tsukimi.scheduler.block_hash import hash_blocks
+from tsukimi.store.client import StoreClient
+
+BLOCK = 8
+PROMPTS = [[1, *range(100, 140)], [1, *range(100, 132), 7, 7, 7], [1, 2, 3]]  # the 2nd shares 4 blocks
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[LoadedModel]:
+    torch.set_num_threads(1)
+    yield random_tiny(0)
+
+
+@pytest.fixture
+def store() -> Iterator[deployment.Deployment]:
+    dep = deployment.start("inprocess")
+    yield dep
+    dep.close()
+
+
+def _engine(tiny: LoadedModel, client: StoreClient | None) -> tuple[LLMEngine, StoreKVConnector | None]:
+    cfg = tiny.config
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK)
+    connector = StoreKVConnector(client, KVFormat.of(tiny.source, layout)) if client is not None else None
+    return LLMEngine(tiny.model, layout, 128, cfg.eos_token_ids, connector=connector), connector
+
+
+def _run(engine: LLMEngine, name: str, prompt: list[int], max_tokens: int) -> list[StepOutput]:
+    engine.add_request(name, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    return outputs
+
+
+def test_prefill_to_pool_to_decode_equals_colocated(tiny: LoadedModel, store: deployment.Deployment) -> None:
+    prefill, prefill_pool = _engine(tiny, store.client())
+    decode, decode_pool = _engine(tiny, store.client())
+    assert prefill_pool is not None and decode_pool is not None
+    # (cached tokens, of which from the pool) for prefill, then decode
+    reuse = [((0, 0), (40, 40)), ((32, 0), (32, 0)), ((0, 0), (0, 0))]
+    for n, prompt in enumerate(PROMPTS):
+        expected = list(generate_greedy_reference(tiny.model, prompt, NEW))
+        first = _run(prefill, f"p{n}", prompt, 1)
+        assert [t for o in first for t in o.token_ids] == expected[:1]
+        rest = _run(decode, f"d{n}", prompt + expected[:1], NEW - 1)
+        assert [t for o in rest for t in o.token_ids] == expected[1:]
+        got = ((first[0].cached_tokens, first[0].pool_tokens), (rest[0].cached_tokens, rest[0].pool_tokens))
+        assert got == reuse[n]  # prompt 1 shares 4 blocks with prompt 0: both engines hold them locally
+    assert prefill_pool.saved_blocks == 5  # prompt 0's full blocks; prompt 1 computed no new full block
+    assert decode_pool.loaded_blocks == 5
+
+
+def test_a_lost_block_is_recomputed_never_misread(tiny: LoadedModel, store: deployment.Deployment) -> None:
+    prefill, _ = _engine(tiny, store.client())
+    decode, pool = _engine(tiny, store.client())
+    assert pool is not None
+    prompt = PROMPTS[0]
+    expected = list(generate_greedy_reference(tiny.model, prompt, NEW))
+    _run(prefill, "p", prompt, 1)
+    lost = hash_blocks(prompt, BLOCK)[2]
+    assert store.client().remove(pool.format.key(lost), force=True)
+    rest = _run(decode, "d", prompt + expected[:1], NEW - 1)
+    assert rest[0].pool_tokens == 2 * BLOCK  # blocks 0 and 1; block 2 and on were computed
+    assert [t for o in rest for t in o.token_ids] == expected[1:]
+
+
+def test_blocks_of_another_format_are_refused(tiny: LoadedModel, store: deployment.Deployment) -> None:
+    decode, pool = _engine(tiny, store.client())
+    assert pool is not None
+    prompt = PROMPTS[0]
+    first = hash_blocks(prompt, BLOCK)[0]
+    size = HEADER_BYTES + decode.cache.layout.block_bytes
+    store.client().put(pool.format.key(first), b"\x01" * size)  # right size, wrong header
+    with pytest.raises(KVFormatError, match="another format"):
+        _run(decode, "d", prompt, 2)
+    other = KVFormat.of("some-other-model", decode.cache.layout)
+    assert other.prefix != pool.format.prefix  # another model's blocks live under other keys

@@ -1,0 +1,179 @@
+"""`tsukimi bench serve`: drive the OpenAI API with a workload and measure what users see.
+
+Workloads (token-id prompts through `/v1/completions`, streamed):
+- chat: `conversations` multi-turn chats that all start with the same `prefix_tokens` system
+  prompt; turn k sends the whole history (prefix, then each earlier user message and a reply
+  of `max_tokens` tokens) plus a new user message, as soon as turn k-1 has finished; the first
+  turns start at `rate` per second.
+- trace: a Mooncake trace; each `hash_id` becomes the same `block_tokens` token ids wherever it
+  appears (so shared prefixes are real shared prefixes), lengths scaled from 512-token blocks to
+  `block_tokens`, sent at the trace's timestamps sped up by `speed`.
+
+Per request: TTFT (first streamed token), TBT (mean gap between later tokens), prompt tokens
+served from cache (`usage.prompt_tokens_details.cached_tokens`), HTTP 429 rejections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from tsukimi.sim.trace import TraceRequest
+
+_TIMEOUT = httpx.Timeout(120.0, connect=5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatWorkload:
+    conversations: int = 8
+    turns: int = 4
+    prefix_tokens: int = 2000
+    user_tokens: int = 64
+    max_tokens: int = 16
+    rate: float = 2.0  # first turns per second
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class Sample:
+    ttft_s: float = float("nan")
+    tbt_s: float = float("nan")
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    rejected: bool = False
+    error: str = ""
+
+
+@dataclass(slots=True)
+class ServeReport:
+    samples: list[Sample] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        ok = [s for s in self.samples if not s.rejected and not s.error]
+        prompt = sum(s.prompt_tokens for s in ok)
+        return {
+            "requests": len(self.samples),
+            "completed": len(ok),
+            "rejected": sum(s.rejected for s in self.samples),
+            "errors": sum(bool(s.error) for s in self.samples),
+            "ttft_s": _quantiles([s.ttft_s for s in ok]),
+            "tbt_s": _quantiles([s.tbt_s for s in ok if s.tbt_s == s.tbt_s]),
+            "throughput_rps": round(len(ok) / self.wall_s, 4) if self.wall_s else 0.0,
+            "output_tokens_per_s": round(sum(s.completion_tokens for s in ok) / self.wall_s, 2) if self.wall_s else 0.0,
+            "prompt_tokens": prompt,
+            "cached_prompt_tokens": sum(s.cached_tokens for s in ok),
+            "cached_ratio": round(sum(s.cached_tokens for s in ok) / prompt, 4) if prompt else 0.0,
+        }
+
+
+async def complete(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> Sample:
+    """One streamed completion; never raises for HTTP or network errors (they are recorded)."""
+    sample = Sample(prompt_tokens=len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    start = time.perf_counter()
+    stamps: list[float] = []
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=_TIMEOUT) as response:
+            if response.status_code == 429:
+                sample.rejected = True
+                return sample
+            if response.status_code != 200:
+                sample.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return sample
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if any(choice.get("text") for choice in chunk.get("choices", [])):
+                    stamps.append(time.perf_counter())
+                usage = chunk.get("usage") or {}
+                if usage:
+                    sample.prompt_tokens = usage.get("prompt_tokens", sample.prompt_tokens)
+                    sample.completion_tokens = usage.get("completion_tokens", 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    sample.cached_tokens = details.get("cached_tokens", 0) or 0
+    except httpx.HTTPError as exc:
+        sample.error = f"{type(exc).__name__}: {exc}"
+        return sample
+    if stamps:
+        sample.ttft_s = stamps[0] - start
+        if len(stamps) > 1:
+            sample.tbt_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    sample.completion_tokens = sample.completion_tokens or len(stamps)
+    return sample
+
+
+async def run_chat(url: str, model: str, workload: ChatWorkload) -> ServeReport:
+    """The chat workload against `url` (see the module)."""
+    rng = np.random.default_rng(workload.seed)
+    vocab = (3, 250)  # NOTE: ids every tokenizer here has; the content does not matter, only reuse
+    prefix = rng.integers(*vocab, workload.prefix_tokens).tolist()
+    report = ServeReport()
+    start = time.perf_counter()
+
+    async def conversation(index: int, client: httpx.AsyncClient) -> None:
+        await asyncio.sleep(index / workload.rate)
+        history = list(prefix)
+        for _ in range(workload.turns):
+            history += rng.integers(*vocab, workload.user_tokens).tolist()
+            report.samples.append(await complete(client, url, model, list(history), workload.max_tokens))
+            history += rng.integers(*vocab, workload.max_tokens).tolist()  # stands for the reply
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
+        await asyncio.gather(*(conversation(i, client) for i in range(workload.conversations)))
+    report.wall_s = time.perf_counter() - start
+    return report
+
+
+def trace_prompts(trace: Sequence[TraceRequest], block_tokens: int, max_prompt: int) -> list[list[int]]:
+    """Token prompts standing for the trace's requests: the same ids for the same hash id."""
+    prompts = []
+    for request in trace:
+        tokens: list[int] = []
+        for block in request.hash_ids:
+            tokens += np.random.default_rng(block).integers(3, 250, block_tokens).tolist()
+        scaled = max(1, round(request.input_length * block_tokens / 512))
+        prompts.append(tokens[: min(scaled, max_prompt)] or [3])
+    return prompts
+
+
+async def run_trace(
+    url: str, model: str, trace: Sequence[TraceRequest], block_tokens: int, speed: float, max_prompt: int,
+    max_tokens: int,
+) -> ServeReport:  # fmt: skip
+    """The trace workload (see the module): open loop at the trace's pace times `speed`."""
+    prompts = trace_prompts(trace, block_tokens, max_prompt)
+    report = ServeReport()
+    start = time.perf_counter()
+    t0 = trace[0].timestamp_ms if trace else 0
+
+    async def one(request: TraceRequest, prompt: list[int], client: httpx.AsyncClient) -> None:
+        await asyncio.sleep((request.timestamp_ms - t0) / 1000 / speed)
+        out = max(1, min(max_tokens, round(request.output_length * block_tokens / 512)))
+        report.samples.append(await complete(client, url, model, prompt, out))
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
+        await asyncio.gather(*(one(r, p, client) for r, p in zip(trace, prompts, strict=True)))
+    report.wall_s = time.perf_counter() - start
+    return report
+
+
+def _quantiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
+
+    return {"p50": round(statistics.median(values), 4), "p90": pick(0.9), "p99": pick(0.99)}

@@ -1,0 +1,220 @@
+"""The paged KV cache: fixed-size token blocks in one tensor, a block pool with local prefix
+caching, and the attention that reads a batch of sequences' KV from their block tables.
+
+Layout (one block is contiguous, so it moves to and from the KV pool as one buffer, and each
+layer of it as one slice)::
+
+    kv[block, layer, k|v, token in block, kv head, head dim]
+
+A block holding a full, hashed run of tokens stays cached after its sequence ends and is reused
+by any later sequence with the same prefix (chained block hashes, tsukimi/scheduler/block_hash.py);
+unreferenced cached blocks are recycled least recently used first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tsukimi.errors import ConfigError
+from tsukimi.eviction import LruPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_tokens: int
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_tokens, self.num_kv_heads, self.head_dim)
+
+    @property
+    def layer_bytes(self) -> int:
+        return 2 * self.block_tokens * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+
+class BlockPool:
+    """Block ids 0..num_blocks-1 with reference counts and a local prefix cache. Not thread-safe."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ConfigError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives the lowest id first
+        self._refs = [0] * num_blocks
+        self._by_hash: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
+        self._idle: LruPolicy[int] = LruPolicy()  # cached blocks nobody references
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free or idle cached)."""
+        return len(self._free) + len(self._idle)
+
+    def allocate(self) -> int | None:
+        """A block with one reference, or None when every block is in use (mutates)."""
+        if self._free:
+            block = self._free.pop()
+        else:
+            victim = self._idle.pop_victim()
+            if victim is None:
+                return None
+            block = victim
+            del self._by_hash[self._hash_of.pop(block)]
+        self._refs[block] = 1
+        return block
+
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes`, each with one more reference."""
+        found: list[int] = []
+        for block_hash in hashes:
+            block = self._by_hash.get(block_hash)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                self._idle.remove(block)
+            self._refs[block] += 1
+            found.append(block)
+        return found
+
+    def cache(self, block: int, block_hash: int) -> None:
+        """`block` now holds the full block whose chained hash is `block_hash` (mutates; a hash
+        already cached elsewhere keeps its first block)."""
+        if block_hash not in self._by_hash and block not in self._hash_of:
+            self._by_hash[block_hash] = block
+            self._hash_of[block] = block_hash
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block; cached ones stay reusable until recycled."""
+        for block in blocks:
+            assert self._refs[block] > 0, f"block {block} released more often than taken"
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._hash_of:
+                    self._idle.insert(block)
+                else:
+                    self._free.append(block)
+
+    def check_invariants(self) -> None:
+        free, idle = set(self._free), {b for b in range(self.num_blocks) if b in self._idle}
+        assert len(free) == len(self._free) and not free & idle
+        for block in range(self.num_blocks):
+            in_use = self._refs[block] > 0
+            assert in_use + (block in free) + (block in idle) == 1, f"block {block} in several states"
+            assert block not in free or block not in self._hash_of
+        assert all(self._by_hash[h] == b for b, h in self._hash_of.items())
+        assert len(self._by_hash) == len(self._hash_of)
+
+
+@dataclass(slots=True)
+class SequenceKV:
+    """One sequence's blocks, and how many of its tokens have KV in them."""
+
+    block_table: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class PagedKVCache:
+    """The KV tensor and its block pool. `storage`, when given, is the memory to use (e.g.
+    registered shared memory, so that the KV pool reads and writes blocks in place)."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, storage: memoryview | None = None) -> None:
+        self.layout, self.pool = layout, BlockPool(num_blocks)
+        shape = (num_blocks, *layout.block_shape)
+        if storage is None:
+            self.kv = torch.zeros(shape, dtype=layout.dtype)
+        else:
+            if len(storage) < num_blocks * layout.block_bytes:
+                raise ConfigError(f"KV storage of {len(storage)} bytes < {num_blocks} blocks of {layout.block_bytes}")
+            flat = torch.frombuffer(storage, dtype=layout.dtype, count=num_blocks * layout.block_bytes // _size(layout))
+            self.kv = flat.view(shape)
+        self._bytes = self.kv.view(torch.uint8).view(num_blocks, layout.block_bytes)
+
+    def block_bytes(self, block: int) -> memoryview:
+        """The bytes of one block (all layers), a writable view into the cache."""
+        return memoryview(self._bytes[block].numpy())  # type: ignore[arg-type]
+
+    def layer_bytes(self, block: int, layer: int) -> memoryview:
+        size = self.layout.layer_bytes
+        return self.block_bytes(block)[layer * size : (layer + 1) * size]
+
+    def reserve(self, seq: SequenceKV, num_tokens: int) -> bool:
+        """Make room in `seq` for `num_tokens` more tokens; False (and nothing taken) when
+        the pool runs out (mutates)."""
+        needed = -(-(seq.num_tokens + num_tokens) // self.layout.block_tokens) - len(seq.block_table)
+        taken: list[int] = []
+        for _ in range(max(0, needed)):
+            block = self.pool.allocate()
+            if block is None:
+                self.pool.release(taken)
+                return False
+            taken.append(block)
+        seq.block_table.extend(taken)
+        return True
+
+
+class BatchAttention:
+    """The model's `attend` for one forward over several sequences: stores each layer's new
+    K/V in the cache, then attends each sequence's new queries to all its keys (causal).
+
+    `segments` lists, in token order, (sequence, number of new tokens); the new tokens of a
+    sequence take positions seq.num_tokens onwards. Call `commit()` after the forward.
+    """
+
+    def __init__(self, cache: PagedKVCache, segments: Sequence[tuple[SequenceKV, int]]) -> None:
+        self.cache, self.segments = cache, list(segments)
+        bt = cache.layout.block_tokens
+        blocks, offsets = [], []
+        self._plans: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]] = []
+        start = 0
+        for seq, count in self.segments:
+            positions = range(seq.num_tokens, seq.num_tokens + count)
+            blocks += [seq.block_table[p // bt] for p in positions]
+            offsets += [p % bt for p in positions]
+            context = seq.num_tokens + count
+            table = torch.tensor(seq.block_table[: -(-context // bt)], dtype=torch.long)
+            mask = None
+            if count > 1 and seq.num_tokens > 0:  # causal, aligned to the end of the context
+                mask = torch.arange(context)[None, :] <= torch.arange(seq.num_tokens, context)[:, None]
+            self._plans.append((start, count, table, context, mask))
+            start += count
+        self._blocks = torch.tensor(blocks, dtype=torch.long)
+        self._offsets = torch.tensor(offsets, dtype=torch.long)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kv = self.cache.kv
+        kv[self._blocks, layer, 0, self._offsets] = k.to(kv.dtype)
+        kv[self._blocks, layer, 1, self._offsets] = v.to(kv.dtype)
+        out = torch.empty_like(q)
+        heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+        for start, count, table, context, mask in self._plans:
+            keys = kv[table, layer, 0].reshape(-1, kv_heads, dim)[:context].transpose(0, 1)
+            values = kv[table, layer, 1].reshape(-1, kv_heads, dim)[:context].transpose(0, 1)
+            query = q[start : start + count].transpose(0, 1)
+            causal = count > 1 and mask is None
+            attended = F.scaled_dot_product_attention(
+                query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, is_causal=causal,
+                enable_gqa=heads != kv_heads,
+            )  # fmt: skip
+            out[start : start + count] = attended.transpose(0, 1)
+        return out
+
+    def commit(self) -> None:
+        """The forward ran: each sequence now has KV for its new tokens (mutates)."""
+        for seq, count in self.segments:
+            seq.num_tokens += count
+
+
+def _size(layout: KVLayout) -> int:
+    return torch.finfo(layout.dtype).bits // 8
