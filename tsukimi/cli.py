@@ -12,6 +12,7 @@ import threading
 from rich.console import Console
 
 from tsukimi.errors import TsukimiError
+from tsukimi.serving import router_commands, worker_commands
 from tsukimi.sim import commands as sim_commands
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--repeats", type=int, default=3)
     prof.add_argument("--json", action="store_true")
     sim_commands.add_parser(sub)
+    worker_commands.add_parser(sub)
+    router_commands.add_parser(sub)
     return parser
 
 
@@ -220,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(max(level, logging.WARNING))  # NOTE: a line per request otherwise
     console = Console(stderr=bool(getattr(args, "json", False) or getattr(args, "markdown", False)))
     try:
         if args.command == "metadata-server":
@@ -240,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
             _bench_scheduler(args)
         elif args.command == "profile":
             _profile(args, console)
+        elif args.command in ("worker", "up"):
+            worker_commands.run(args, console)
+        elif args.command == "router":
+            router_commands.run(args, console)
         elif args.command == "sim":
             sim_commands.run(args, console)
     except TsukimiError as exc:

@@ -1,0 +1,314 @@
+"""The OpenAI-compatible API over a router and FAKE workers (see test_router.py), with the
+byte-level tokenizer: completions and chat completions, streamed and not, usage, stop
+strings (cut text, the worker stream closed), multi-byte characters, errors with OpenAI
+bodies (400, 404, 429 with the Conductor's reason, 502, 503), /v1/models, /health, /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from tests.serving.test_router import FAST, PROMPT, FakeWorker, close_all, dead_url
+from tsukimi import httpd
+from tsukimi.config import ConductorConfig
+from tsukimi.engine.tokenizer import ByteTokenizer
+from tsukimi.serving.openai_api import StopText, create_app
+from tsukimi.serving.router import Router, WorkerSpec
+
+TOKENIZER = ByteTokenizer()
+MODEL = "tiny"
+
+Serve = Callable[..., httpx.Client]
+
+
+def ids(text: str) -> list[int]:
+    return TOKENIZER.encode(text)
+
+
+@pytest.fixture
+def serve() -> Iterator[Serve]:
+    """serve(*fake workers or specs, conductor=None) -> a client of a router app over them."""
+    cleanup: list[Callable[[], None]] = []
+
+    def start(*workers: FakeWorker | WorkerSpec, conductor: ConductorConfig | None = None) -> httpx.Client:
+        specs = [w.spec if isinstance(w, FakeWorker) else w for w in workers]
+        cleanup.extend(w.close for w in workers if isinstance(w, FakeWorker))
+        app = create_app(Router(specs, FAST, conductor), TOKENIZER, MODEL)
+        handle: httpd.AppHandle = httpd.start_in_thread(app)
+        client = httpx.Client(base_url=handle.base_url, timeout=10.0)
+
+        def stop() -> None:
+            client.close()
+            handle.stop(2.0)
+
+        cleanup.append(stop)
+        return client
+
+    yield start
+    close_all(cleanup)
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[tuple[httpx.Client, FakeWorker]]:
+    """One colocated fake worker behind one router app, for the tests that need no other."""
+    fake = FakeWorker("w")
+    handle: httpd.AppHandle = httpd.start_in_thread(create_app(Router([fake.spec], FAST), TOKENIZER, MODEL))
+    with httpx.Client(base_url=handle.base_url, timeout=10.0) as client:
+        yield client, fake
+    close_all([lambda: handle.stop(2.0), fake.close])
+
+
+Colo = Callable[..., tuple[httpx.Client, FakeWorker]]
+
+
+@pytest.fixture
+def colo(shared: tuple[httpx.Client, FakeWorker]) -> Colo:
+    """colo(**knobs) -> the shared client and its fake worker, reconfigured with `knobs`."""
+
+    def configure(**knobs: object) -> tuple[httpx.Client, FakeWorker]:
+        shared[1].configure(**knobs)
+        return shared
+
+    return configure
+
+
+def sse(response: httpx.Response) -> list[dict[str, object]]:
+    """The data events of a server-sent event stream; checks that it ends with [DONE]."""
+    assert response.headers["content-type"].startswith("text/event-stream")
+    data = [line[len("data: ") :] for line in response.text.split("\n\n") if line]
+    assert data[-1] == "[DONE]"
+    return [json.loads(item) for item in data[:-1]]
+
+
+def error_of(response: httpx.Response, status: int) -> dict[str, object]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"])
+    return body["error"]  # type: ignore[no-any-return]
+
+
+def test_models_health_and_completion(colo: Colo) -> None:
+    client, _ = colo(cached=2)
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    body = client.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 3}).json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == MODEL
+    assert body["choices"] == [{"index": 0, "text": "def", "logprobs": None, "finish_reason": "length"}]
+    usage = {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+    assert body["usage"] == usage
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["mode"] == "colocated"
+    assert [(w["name"], w["role"], w["healthy"]) for w in health["workers"]] == [("w", "colocated", True)]
+
+
+def test_completion_with_token_ids_and_default_max_tokens(colo: Colo) -> None:
+    client, fake = colo()
+    body = client.post("/v1/completions", json={"prompt": ids("a"), "temperature": 0, "seed": 3}).json()
+    assert body["choices"][0]["text"] == "bcdefghijklmnopq" and body["usage"]["completion_tokens"] == 16
+    assert (fake.calls[0]["max_tokens"], fake.calls[0]["temperature"], fake.calls[0]["seed"]) == (16, 0.0, 3)
+
+
+def test_completion_stream(colo: Colo) -> None:
+    client, _ = colo()
+    payload = {"prompt": "a", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = sse(client.post("/v1/completions", json=payload))
+    *text_chunks, usage = chunks
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == "bcde"  # type: ignore[index]
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks] == [None] * 3 + ["length"]  # type: ignore[index]
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5  # type: ignore[index]
+
+
+def test_chat_completion(colo: Colo) -> None:
+    client, fake = colo(reply=ids("Hi there!"))
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+    ]
+    body = client.post("/v1/chat/completions", json={"messages": messages, "max_completion_tokens": 20}).json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hi there!"},
+            "logprobs": None,
+            "finish_reason": "length",
+        }
+    ]
+    rendered = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert fake.calls[0]["prompt_ids"] == ids(rendered)
+    assert body["usage"]["prompt_tokens"] == len(ids(rendered)) and body["usage"]["completion_tokens"] == 9
+
+
+def test_chat_completion_stream(colo: Colo) -> None:
+    client, _ = colo(reply=ids("Hi!"))
+    chunks = sse(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                            "stream": True}))  # fmt: skip
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    deltas = [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in chunks]  # type: ignore[index]
+    assert deltas == [({"role": "assistant", "content": ""}, None), ({"content": "H"}, None), ({"content": "i"}, None),
+                      ({"content": "!"}, None), ({}, "length")]  # fmt: skip
+
+
+def test_stop_string_cuts_text_and_closes_the_worker_stream(colo: Colo) -> None:
+    reply = "Hello, world. And then a long tail that the client never sees."
+    client, fake = colo(reply=ids(reply), delay_s=0.005)
+    payload = {"prompt": "x", "max_tokens": 100, "stop": ["zzz", "world"]}
+    body = client.post("/v1/completions", json=payload).json()
+    assert body["choices"][0]["text"] == "Hello, " and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == len("Hello, world")
+    assert fake.disconnected.wait(2.0)
+    chunks = sse(client.post("/v1/completions", json={**payload, "stop": ". And", "stream": True}))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello, world"  # type: ignore[index]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"  # type: ignore[index]
+
+
+def test_client_disconnect_closes_the_worker_stream(colo: Colo) -> None:
+    client, fake = colo(reply=ids("x" * 200), delay_s=0.01)
+    with client.stream("POST", "/v1/completions", json={"prompt": "a", "max_tokens": 200, "stream": True}) as response:
+        assert next(response.iter_lines()).startswith("data: ")
+    assert fake.disconnected.wait(2.0)
+
+
+def test_multibyte_characters_are_never_split(colo: Colo) -> None:
+    client, _ = colo(reply=ids("héllo ✓ done"))
+    chunks = sse(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 50, "stream": True}))
+    pieces = [c["choices"][0]["text"] for c in chunks]  # type: ignore[index]
+    assert "".join(pieces) == "héllo ✓ done" and not any("\ufffd" in p for p in pieces)
+    body = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 50, "stop": "✓"}).json()
+    assert body["choices"][0]["text"] == "héllo "
+
+
+def test_stop_text_holds_back_a_possible_stop_prefix() -> None:
+    text = StopText(TOKENIZER, ["abc", ""])
+    assert [text.push(ids(c)) for c in "xyab"] == ["x", "y", "", ""]
+    assert text.push(ids("d")) == "abd" and not text.stopped
+    assert text.push(ids("ab")) == "" and text.flush() == "ab"
+    text = StopText(TOKENIZER, ["abc"])
+    assert text.push(ids("xab")) == "x" and text.push(ids("cde")) == "" and text.stopped
+    assert text.push(ids("more")) == "" and text.flush() == ""
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ({"prompt": "a", "n": 2}, "n must be 1"),
+        ({"prompt": "a", "temperature": 3}, "temperature"),
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": ""}, "at least one token"),
+        ({"prompt": [1, 99999]}, "token ids"),
+        ({"max_tokens": 3}, "missing required field `prompt`"),
+        ({"prompt": "a", "stop": 3}, "stop"),
+    ],
+)
+def test_bad_completion_requests_are_400(colo: Colo, payload: dict[str, object], message: str) -> None:
+    client, fake = colo()
+    error = error_of(client.post("/v1/completions", json=payload), 400)
+    assert error["type"] == "invalid_request_error" and message in str(error["message"])
+    assert fake.calls == []
+
+
+def test_bad_json_unknown_model_and_bad_chat_are_rejected(colo: Colo) -> None:
+    client, _ = colo()
+    headers = {"content-type": "application/json"}
+    assert "invalid request body" in str(error_of(client.post("/v1/completions", content=b"{", headers=headers), 400))
+    error = error_of(client.post("/v1/completions", json={"prompt": "a", "model": "gpt-9"}), 404)
+    assert error["code"] == "model_not_found"
+    assert error_of(client.post("/v1/chat/completions", json={"messages": []}), 400)
+    error = error_of(client.post("/v1/chat/completions", json={"messages": [{"role": "user"}], "n": 3}), 400)
+    assert "n must be 1" in str(error["message"])
+
+
+def test_rejection_is_429_with_the_reason(serve: Serve) -> None:
+    workers = FakeWorker("p0", "prefill"), FakeWorker("d0", "decode")
+    client = serve(*workers, conductor=ConductorConfig(rejection="baseline", ttft_slo_s=1e-6))
+    for stream in (False, True):
+        error = error_of(client.post("/v1/completions", json={"prompt": "abc", "stream": stream}), 429)
+        assert (error["type"], error["code"]) == ("rate_limit_error", "ttft_slo")
+    assert 'tsukimi_router_rejections_total{reason="ttft_slo"} 2.0' in client.get("/metrics").text
+
+
+def test_pd_completion_through_the_api(serve: Serve) -> None:
+    client = serve(FakeWorker("p0", "prefill", cached=4), FakeWorker("d0", "decode"))
+    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}).json()
+    assert TOKENIZER.encode(body["choices"][0]["text"]) == [110, 111, 112]
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert client.get("/health").json()["mode"] == "pd"
+    assert "tsukimi_router_pool_prompt_tokens_total 2.0" in client.get("/metrics").text
+
+
+def test_worker_failures_are_502_and_503(serve: Serve) -> None:
+    client = serve(FakeWorker("w", status=500))
+    assert error_of(client.post("/v1/completions", json={"prompt": "a"}), 502)["code"] == "worker_error"
+    client = serve(WorkerSpec("dead", "colocated", dead_url()))
+    for stream in (False, True):
+        error = error_of(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                   "stream": stream}), 503)  # fmt: skip
+        assert error["code"] == "worker_unavailable"
+    assert client.get("/health").json()["status"] == "degraded"
+
+
+def test_metrics(serve: Serve) -> None:
+    client = serve(FakeWorker("w", cached=2, load={"waiting": 3}))
+    client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4})
+    client.post("/v1/completions", json={"prompt": "abc", "n": 2})
+    text = client.get("/metrics").text
+    for line in (
+        "tsukimi_router_ttft_seconds_count 1.0",
+        "tsukimi_router_tbt_seconds_count 3.0",
+        'tsukimi_router_requests_total{endpoint="completions",outcome="ok"} 1.0',
+        'tsukimi_router_requests_total{endpoint="completions",outcome="bad_request"} 1.0',
+        "tsukimi_router_prompt_tokens_total 3.0",
+        "tsukimi_router_completion_tokens_total 4.0",
+        "tsukimi_router_cached_prompt_tokens_total 2.0",
+        'tsukimi_router_worker_waiting{role="colocated",worker="w"} 3.0',
+        'tsukimi_router_worker_up{role="colocated",worker="w"} 1.0',
+    ):
+        assert line in text, line
+    assert 'tsukimi_router_ttft_seconds_bucket{le="0.005"}' in text
+
+
+def test_real_workers_pd_matches_colocated() -> None:
+    """The real engine behind the API: greedy PD (prefill worker -> KV pool -> decode worker)
+    gives the colocated worker's text, and the prompt's blocks are then reused."""
+    from tsukimi.bench.store_cluster import TsukimiCluster
+    from tsukimi.engine.weights import load_model
+    from tsukimi.serving.worker import Worker, WorkerConfig
+
+    tiny = load_model("tiny")
+    prompt = "The quick brown fox jumps over the lazy dog. " * 2  # 90 tokens: 5 full blocks of 16
+    payload = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with TsukimiCluster(holder_bytes=0, num_holders=0) as store:
+        pool = {"model": "tiny", "master": store.master_addr, "segment_bytes": 16 << 20, "num_blocks": 64}
+        with (
+            Worker(WorkerConfig(name="colo", model="tiny", num_blocks=64), tiny).start() as colo,
+            Worker(WorkerConfig(name="p0", role="prefill", **pool), tiny).start() as prefill,  # type: ignore[arg-type]
+            Worker(WorkerConfig(name="d0", role="decode", **pool), tiny).start() as decode,  # type: ignore[arg-type]
+        ):
+            texts = []
+            pd = [WorkerSpec("p0", "prefill", prefill.base_url), WorkerSpec("d0", "decode", decode.base_url)]
+            for specs in ([WorkerSpec("colo", "colocated", colo.base_url)], pd):
+                router = Router(specs, FAST, ConductorConfig(rejection="none"))
+                handle: httpd.AppHandle = httpd.start_in_thread(create_app(router, TOKENIZER, MODEL))
+                try:
+                    with httpx.Client(base_url=handle.base_url, timeout=30.0) as client:
+                        first = client.post("/v1/completions", json=payload).json()
+                        again = client.post("/v1/completions", json=payload).json()
+                finally:
+                    handle.stop(2.0)
+                assert first["choices"][0]["text"] == again["choices"][0]["text"]
+                assert first["usage"]["completion_tokens"] == 12
+                assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
+                texts.append(first["choices"][0]["text"])
+            assert texts[0] == texts[1]
+            assert router.block_tokens == 16
+            assert router.index.locations() == ["p0/dram", "pool/dram"]

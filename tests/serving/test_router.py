@@ -1,0 +1,471 @@
+"""The router over FAKE workers (tiny FastAPI apps implementing the worker API
+deterministically): colocated least-load placement, the PD flow through the Conductor
+(prefill with max_tokens=1, decode with prompt + first token), rejections, failing workers
+answered promptly with typed errors, and the prefix index after prefill.
+
+`FakeWorker` is shared with test_openai_api.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import TypeVar
+
+import pytest
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tsukimi import httpd
+from tsukimi.config import ConductorConfig
+from tsukimi.errors import ConfigError, InvalidArgument
+from tsukimi.scheduler.block_hash import hash_blocks
+from tsukimi.serving.router import (
+    GenerateRequest,
+    Rejected,
+    Router,
+    RouterConfig,
+    TokenEvent,
+    WorkerError,
+    WorkerSpec,
+    WorkerUnavailable,
+)
+from tsukimi.serving.router_commands import add_parser, load_router_config, parse_workers
+
+T = TypeVar("T")
+BLOCK_TOKENS = 4
+FAST = RouterConfig(poll_interval_s=0.05, connect_timeout_s=1.0, read_timeout_s=5.0, startup_timeout_s=0.3)
+
+
+class FakeWorker:
+    """The worker API, deterministic: each token is the one before plus 1 (or the ids of
+    `reply`, when given), `cached_tokens` = `cached`; a prefill worker makes one token.
+
+    Knobs: `load` for /load, `status` to refuse /generate, `hang` to never answer,
+    `gate` to pause after the first token, `delay_s` between tokens, `abort` to end with
+    finish_reason "abort". Records request bodies in `calls`; `disconnected` is set when a
+    client left before the stream's end.
+    """
+
+    def __init__(self, name: str, role: str = "colocated", **knobs: object) -> None:
+        self.name, self.role = name, role
+        self.configure(**knobs)
+        self.handle: httpd.AppHandle = httpd.start_in_thread(self._app())
+
+    def configure(self, **knobs: object) -> None:
+        """Sets the knobs (the rest to their defaults) and forgets the calls."""
+        self.calls: list[dict[str, object]] = []
+        self.load = {"waiting": 0, "running": 0, "free_blocks": 100, "total_blocks": 100}
+        self.load.update(knobs.pop("load", {}))  # type: ignore[call-overload]
+        self.reply: list[int] | None = knobs.pop("reply", None)  # type: ignore[assignment]
+        self.status: int | None = knobs.pop("status", None)  # type: ignore[assignment]
+        self.hang = bool(knobs.pop("hang", False))
+        self.abort = bool(knobs.pop("abort", False))
+        self.delay_s = float(knobs.pop("delay_s", 0.0))  # type: ignore[arg-type]
+        self.cached = int(knobs.pop("cached", 0))  # type: ignore[call-overload]
+        self.reported_role = str(knobs.pop("reported_role", self.role))
+        assert not knobs, knobs
+        self.gate = threading.Event()
+        self.gated = False
+        self.released = threading.Event()
+        self.disconnected = threading.Event()
+
+    @property
+    def spec(self) -> WorkerSpec:
+        return WorkerSpec(self.name, self.role, self.handle.base_url)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.released.set()
+        self.gate.set()
+        self.handle.stop(timeout_s=2.0)
+
+    def tokens(self, body: dict[str, object]) -> list[int]:
+        prompt: list[int] = body["prompt_ids"]  # type: ignore[assignment]
+        count = 1 if self.role == "prefill" else int(body["max_tokens"])  # type: ignore[call-overload]
+        if self.reply is not None:
+            return self.reply[:count]
+        return [prompt[-1] + 1 + i for i in range(count)]
+
+    def _app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        def health() -> dict[str, object]:
+            return {"status": "ok", "name": self.name, "role": self.reported_role, "model": "tiny",
+                    "block_tokens": BLOCK_TOKENS}  # fmt: skip
+
+        @app.get("/load")
+        def load() -> dict[str, int]:
+            return self.load
+
+        @app.post("/generate")
+        async def generate(request: Request) -> Response:
+            body = json.loads(await request.body())
+            self.calls.append(body)
+            if self.status is not None:
+                return JSONResponse({"error": f"scripted {self.status}"}, status_code=self.status)
+            while self.hang and not self.released.is_set():
+                await asyncio.sleep(0.01)
+            return StreamingResponse(self._lines(body), media_type="application/x-ndjson")
+
+        return app
+
+    async def _lines(self, body: dict[str, object]) -> AsyncIterator[bytes]:
+        tokens, stops = self.tokens(body), body.get("stop_token_ids") or []
+        finished = False
+        try:
+            for i, token in enumerate(tokens):
+                if i == 1 and self.gated:
+                    while not self.gate.is_set():
+                        await asyncio.sleep(0.005)
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                stop = token in stops  # type: ignore[operator]
+                last = stop or i == len(tokens) - 1
+                reason = ("abort" if self.abort else "stop" if stop else "length") if last else None
+                line = {"token_ids": [] if stop else [token], "finish_reason": reason,
+                        "cached_tokens": self.cached, "pool_tokens": self.cached // 2}  # fmt: skip
+                yield json.dumps(line).encode() + b"\n"
+                if last:
+                    break
+            finished = True
+        finally:
+            if not finished:
+                self.disconnected.set()
+
+
+@pytest.fixture
+def workers() -> Iterator[list[FakeWorker]]:
+    """Append FakeWorkers; they are closed after the test."""
+    made: list[FakeWorker] = []
+    yield made
+    close_all([worker.close for worker in made])
+
+
+def close_all(closers: Sequence[Callable[[], None]]) -> None:
+    """Runs the closers in parallel threads (each server takes ~0.2 s to stop)."""
+    threads = [threading.Thread(target=close) for close in closers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def dead_url() -> str:
+    """A loopback URL on which nothing listens."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def request(prompt: Sequence[int], max_tokens: int, rid: str = "r", **extra: object) -> GenerateRequest:
+    return GenerateRequest(rid, tuple(prompt), max_tokens, 0.0, **extra)  # type: ignore[arg-type]
+
+
+async def collect(router: Router, req: GenerateRequest) -> list[TokenEvent]:
+    return [event async for event in router.generate(req)]
+
+
+def run_with(router: Router, body: Callable[[Router], Awaitable[T]]) -> T:
+    """Runs coroutine function `body(router)` on a fresh loop, closing the router after."""
+
+    async def main() -> T:
+        try:
+            return await body(router)
+        finally:
+            await router.close()
+
+    return asyncio.run(main())
+
+
+def tokens(events: Sequence[TokenEvent]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+def test_parse_workers_and_modes() -> None:
+    specs = parse_workers("p0=prefill@http://127.0.0.1:1/, d0 = decode@http://h:2")
+    assert specs == [WorkerSpec("p0", "prefill", "http://127.0.0.1:1"), WorkerSpec("d0", "decode", "http://h:2")]
+    assert Router(specs).mode == "pd"
+    assert Router(parse_workers("a=colocated@http://h:1")).mode == "colocated"
+    for bad in ("p0=prefill", "x=cook@http://h:1", "a=colocated@ftp://h", "a=colocated@http://h:1,a=decode@http://h:2",
+                "", "pool=prefill@http://h:1"):  # fmt: skip
+        with pytest.raises(ConfigError):
+            parse_workers(bad)
+    with pytest.raises(ConfigError, match="fit no pd mode"):
+        Router(parse_workers("a=colocated@http://h:1"), RouterConfig(mode="pd"))
+    with pytest.raises(ConfigError, match="fit no auto mode"):
+        Router(parse_workers("a=colocated@http://h:1,p=prefill@http://h:2"))
+    with pytest.raises(ConfigError, match="fit no auto mode"):
+        Router([])
+
+
+def test_load_router_config_reads_tables_and_overrides(tmp_path: object) -> None:
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "router.toml"
+    path.write_text('[router]\nmode = "pd"\ndecode_step_s = 0.05\n[conductor]\nttft_slo_s = 2\n')
+    router, conductor = load_router_config(path, ["router.poll_interval_s=0.25", "conductor.rejection=early"])
+    assert (router.mode, router.decode_step_s, router.poll_interval_s) == ("pd", 0.05, 0.25)
+    assert (conductor.ttft_slo_s, conductor.rejection) == (2.0, "early")
+    assert router.cost_model().decode_step_s(1, 0) == pytest.approx(0.05)
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_router_config(None, ["router.nope=1"])
+    with pytest.raises(ConfigError, match="must be > 0"):
+        load_router_config(None, ["router.read_timeout_s=0"])
+
+
+def test_router_command_arguments() -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["router", "--workers", "a=colocated@http://h:1", "--mode", "colocated",
+                              "--set", "router.policy=round_robin", "--set", "conductor.ttft_slo_s=5"])  # fmt: skip
+    assert (args.command, args.host, args.port, args.model, args.mode, args.config) == (
+        "router", "127.0.0.1", 8000, "tiny", "colocated", None)  # fmt: skip
+    router, conductor = load_router_config(args.config, args.set)
+    assert (router.policy, conductor.ttft_slo_s) == ("round_robin", 5.0)
+
+
+# -- colocated ------------------------------------------------------------------------------
+
+
+def test_colocated_least_load_follows_polled_loads(workers: list[FakeWorker]) -> None:
+    workers += [FakeWorker("a", load={"running": 3}), FakeWorker("b")]
+    router = Router([w.spec for w in workers], FAST)
+
+    async def body(router: Router) -> None:
+        for i in range(3):
+            events = await collect(router, request([10, 20, 30], 4, f"r{i}"))
+            assert tokens(events) == [31, 32, 33, 34]
+            assert events[-1].finish_reason == "length" and all(e.finish_reason is None for e in events[:-1])
+            assert {e.worker for e in events} == {"b"} and {e.stage for e in events} == {"colocated"}
+
+    run_with(router, body)
+    assert (len(workers[0].calls), len(workers[1].calls)) == (0, 3)
+    assert workers[1].calls[0] == {"request_id": "r0", "prompt_ids": [10, 20, 30], "max_tokens": 4,
+                                   "temperature": 0.0, "top_p": 1.0, "seed": None, "stop_token_ids": [],
+                                   "ignore_eos": False}  # fmt: skip
+
+
+def test_colocated_least_load_counts_requests_in_flight(workers: list[FakeWorker]) -> None:
+    workers += [FakeWorker("a"), FakeWorker("b")]
+    workers[0].gated = True
+    router = Router([w.spec for w in workers], FAST)
+
+    async def body(router: Router) -> None:
+        held = router.generate(request([1], 3, "held"))
+        assert (await anext(held)).worker == "a"  # a tie goes to the first worker
+        assert [w.in_flight for w in router.workers()] == [1, 0]
+        assert {e.worker for e in await collect(router, request([1], 3, "next"))} == {"b"}
+        workers[0].gate.set()
+        assert tokens([e async for e in held]) == [3, 4]
+        assert [w.in_flight for w in router.workers()] == [0, 0]
+        assert {e.worker for e in await collect(router, request([1], 3, "third"))} == {"a"}
+
+    run_with(router, body)
+
+
+def test_colocated_round_robin(workers: list[FakeWorker]) -> None:
+    workers += [FakeWorker("a", load={"running": 5}), FakeWorker("b")]
+    router = Router([w.spec for w in workers], RouterConfig(policy="round_robin", startup_timeout_s=1.0))
+
+    async def body(router: Router) -> list[str]:
+        return [(await collect(router, request([1], 1, f"r{i}")))[0].worker for i in range(4)]
+
+    assert run_with(router, body) == ["a", "b", "a", "b"]
+
+
+# -- PD ---------------------------------------------------------------------------------------
+
+
+def pd_router(workers: list[FakeWorker], conductor: ConductorConfig | None = None, **knobs: object) -> Router:
+    workers += [FakeWorker("p0", "prefill", cached=4, **knobs), FakeWorker("d0", "decode")]
+    return Router([w.spec for w in workers], FAST, conductor or ConductorConfig(rejection="none"))
+
+
+PROMPT = list(range(100, 110))  # two full blocks of 4 and a partial one
+
+
+def test_pd_flow_prefill_then_decode(workers: list[FakeWorker]) -> None:
+    router = pd_router(workers)
+
+    async def body(router: Router) -> list[TokenEvent]:
+        return await collect(router, request(PROMPT, 5, "pd-1", seed=7, stop_token_ids=(999,)))
+
+    events = run_with(router, body)
+    prefill, decode = workers
+    assert tokens(events) == [110, 111, 112, 113, 114]
+    assert [(e.stage, e.worker) for e in events] == [("prefill", "p0")] + [("decode", "d0")] * 4
+    assert events[0].finish_reason is None and events[-1].finish_reason == "length"
+    assert (events[0].cached_tokens, events[0].pool_tokens) == (4, 2)
+    [p_call], [d_call] = prefill.calls, decode.calls
+    assert (p_call["prompt_ids"], p_call["max_tokens"], p_call["seed"]) == (PROMPT, 1, 7)
+    assert (d_call["prompt_ids"], d_call["max_tokens"]) == ([*PROMPT, 110], 4)
+    assert d_call["stop_token_ids"] == [999] and d_call["request_id"] == p_call["request_id"] == "pd-1"
+    # The prompt's two full blocks are indexed at the prefill worker and at the pool.
+    assert router.index.match(hash_blocks(PROMPT, BLOCK_TOKENS)) == {"p0/dram": 2, "pool/dram": 2}
+    assert router.block_tokens == BLOCK_TOKENS
+    conductor = router.conductor
+    assert conductor is not None and conductor.counters["accepted"] == 1
+    assert conductor.prefill_queue_s("p0", router.clock.now()) == 0.0
+
+
+def test_pd_finishes_at_prefill(workers: list[FakeWorker]) -> None:
+    router = pd_router(workers)
+
+    async def body(router: Router) -> tuple[list[TokenEvent], list[TokenEvent]]:
+        one = await collect(router, request(PROMPT, 1, "one"))
+        stopped = await collect(router, request(PROMPT, 8, "stop", stop_token_ids=(110,)))
+        return one, stopped
+
+    one, stopped = run_with(router, body)
+    assert [(tokens(one), one[-1].finish_reason)] == [([110], "length")]
+    assert [(tokens(stopped), stopped[-1].finish_reason)] == [([], "stop")]
+    assert len(workers[0].calls) == 2 and workers[1].calls == []
+
+
+def test_pd_rejection_is_typed_with_reason(workers: list[FakeWorker]) -> None:
+    router = pd_router(workers, ConductorConfig(rejection="baseline", ttft_slo_s=1e-6))
+
+    async def body(router: Router) -> None:
+        with pytest.raises(Rejected) as info:
+            await collect(router, request(PROMPT, 4))
+        assert info.value.reason == "ttft_slo"
+
+    run_with(router, body)
+    assert workers[0].calls == [] and workers[1].calls == []
+
+
+def test_pd_rejection_at_decode_comes_after_the_prefill(workers: list[FakeWorker]) -> None:
+    router = pd_router(workers, ConductorConfig(rejection="baseline", tbt_slo_s=1e-6))
+
+    async def body(router: Router) -> None:
+        with pytest.raises(Rejected) as info:
+            await collect(router, request(PROMPT, 4))
+        assert info.value.reason == "rejected_at_decode"
+
+    run_with(router, body)
+    assert len(workers[0].calls) == 1 and workers[1].calls == []  # the prefill was wasted (baseline mode)
+
+
+def test_pd_closing_early_aborts_decode_and_frees_the_conductor(workers: list[FakeWorker]) -> None:
+    router = pd_router(workers)
+    workers[1].gated = True
+
+    async def body(router: Router) -> None:
+        events = router.generate(request(PROMPT, 50, "early"))
+        assert (await anext(events)).stage == "prefill"
+        assert (await anext(events)).stage == "decode"
+        await events.aclose()
+        assert [w.in_flight for w in router.workers()] == [0, 0]
+        # the next request still runs to the end
+        assert tokens(await collect(router, request(PROMPT, 2, "after"))) == [110, 111]
+
+    run_with(router, body)
+    assert workers[1].disconnected.wait(2.0)
+
+
+# -- failures -------------------------------------------------------------------------------
+
+
+def test_unreachable_worker_is_503_promptly_and_skipped(workers: list[FakeWorker]) -> None:
+    workers.append(FakeWorker("live"))
+    started = time.monotonic()
+    alone = Router([WorkerSpec("dead", "colocated", dead_url())], FAST)
+
+    async def fails(router: Router) -> None:
+        with pytest.raises(WorkerUnavailable, match="no colocated worker"):
+            await collect(router, request([1], 2))
+
+    run_with(alone, fails)
+    assert time.monotonic() - started < 3.0
+    both = Router([WorkerSpec("dead", "colocated", dead_url()), workers[0].spec], FAST)
+
+    async def succeeds(router: Router) -> None:
+        assert tokens(await collect(router, request([1], 2))) == [2, 3]
+        assert [w.healthy for w in router.workers()] == [False, True]
+
+    run_with(both, succeeds)
+
+
+def test_worker_that_dies_after_start_is_retried_elsewhere(workers: list[FakeWorker]) -> None:
+    workers += [FakeWorker("a"), FakeWorker("b", load={"running": 1})]
+    router = Router([w.spec for w in workers], RouterConfig(poll_interval_s=60, startup_timeout_s=1.0))
+
+    async def body(router: Router) -> None:
+        await router.start()
+        workers[0].close()  # refused connections from now on; the poller has not noticed yet
+        events = await collect(router, request([1], 2))
+        assert {e.worker for e in events} == {"b"}
+
+    run_with(router, body)
+
+
+@pytest.mark.parametrize(
+    ("status", "error"), [(500, WorkerError), (400, InvalidArgument), (503, WorkerUnavailable), (409, WorkerError)]
+)
+def test_worker_error_statuses(workers: list[FakeWorker], status: int, error: type[Exception]) -> None:
+    workers.append(FakeWorker("a", status=status))
+    router = Router([workers[0].spec], FAST)
+
+    async def body(router: Router) -> None:
+        with pytest.raises(error, match=f"HTTP {status}: scripted {status}"):
+            await collect(router, request([1], 2))
+
+    run_with(router, body)
+
+
+def test_stalled_worker_times_out(workers: list[FakeWorker]) -> None:
+    workers.append(FakeWorker("slow", hang=True))
+    config = RouterConfig(read_timeout_s=0.3, startup_timeout_s=1.0)
+    router = Router([workers[0].spec], config)
+    started = time.monotonic()
+
+    async def body(router: Router) -> None:
+        with pytest.raises(WorkerError, match=r"did not answer within 0\.3 s"):
+            await collect(router, request([1], 2))
+
+    run_with(router, body)
+    assert time.monotonic() - started < 3.0
+
+
+def test_aborted_stream_is_a_worker_error(workers: list[FakeWorker]) -> None:
+    workers.append(FakeWorker("a", abort=True))
+    router = Router([workers[0].spec], FAST)
+
+    async def body(router: Router) -> None:
+        with pytest.raises(WorkerError, match="aborted"):
+            await collect(router, request([1], 3))
+
+    run_with(router, body)
+
+
+def test_pd_prefill_failure_releases_the_booking(workers: list[FakeWorker]) -> None:
+    router = pd_router(workers, status=500)
+
+    async def body(router: Router) -> None:
+        with pytest.raises(WorkerError):
+            await collect(router, request(PROMPT, 4))
+        conductor = router.conductor
+        assert conductor is not None and conductor.prefill_queue_s("p0", router.clock.now()) == 0.0
+
+    run_with(router, body)
+    assert router.index.locations() == []  # nothing was cached
+
+
+def test_role_mismatch_is_a_config_error(workers: list[FakeWorker]) -> None:
+    workers.append(FakeWorker("a", reported_role="prefill"))
+    router = Router([workers[0].spec], FAST)
+
+    async def body(router: Router) -> None:
+        with pytest.raises(ConfigError, match="declared colocated but reports prefill"):
+            await router.start()
+
+    run_with(router, body)

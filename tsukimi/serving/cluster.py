@@ -1,0 +1,434 @@
+"""`tsukimi up`: a whole local cluster as processes, started in order and supervised.
+
+    tsukimi master   (mode "pd" only: the KV pool's master; the workers contribute its memory)
+      -> tsukimi worker x N   (prefill + decode, or colocated; started together)
+        -> tsukimi router     (the OpenAI-compatible API, 127.0.0.1:8000 by default)
+
+Each group starts once the previous one answers GET /health with {"status": "ok"} (the router
+says "ok" once it reaches every worker). Children run in sessions of their own, log to
+LOG_DIR/NAME.log, and are stopped by the supervisor: on Ctrl-C or SIGTERM, when one of them
+dies, and when startup fails or times out, every process started gets SIGTERM in reverse
+order (router, workers, master), then SIGKILL after `stop_timeout_s`.
+
+The configuration is a TOML file of `ClusterConfig`; unknown keys are errors, absent ones
+take the defaults below (ports 0: free ones)::
+
+    model = "smollm2"   # or "tiny", a .gguf path, a Hugging Face directory
+    mode = "pd"         # prefill + decode workers over the KV pool, or "colocated"
+    [workers]
+    prefill = 1
+    decode = 1
+    colocated = 1       # used in mode "colocated"
+    num_blocks = 512
+    segment_bytes = 268435456
+    [router]
+    port = 8000
+    [master]
+    rpc_port = 0
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import tomllib
+import typing
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import httpx
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tsukimi.clock import WallClock
+from tsukimi.config import build_dataclass
+from tsukimi.errors import ConfigError, PeerError
+
+logger = logging.getLogger(__name__)
+
+ClusterMode = Literal["pd", "colocated"]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_port(port: int, where: str) -> None:
+    _require(0 <= port <= 65535, f"{where} must be in 0..65535 (0 = a free port), got {port}")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterMasterConfig:
+    """The store master's ports (0 = a free port)."""
+
+    rpc_port: int = 0
+    http_port: int = 0
+
+    def __post_init__(self) -> None:
+        _check_port(self.rpc_port, "master.rpc_port")
+        _check_port(self.http_port, "master.http_port")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterWorkersConfig:
+    """How many workers of each role (mode "pd" starts prefill + decode, "colocated" the
+    colocated ones) and the settings they share; base_port 0 = free ports, else consecutive
+    ports from there. segment_bytes: memory each PD worker contributes to the KV pool."""
+
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 1
+    base_port: int = 0
+    block_tokens: int = 16
+    num_blocks: int = 512
+    max_batched_tokens: int = 512
+    segment_bytes: int = 256 << 20
+    threads: int = 1
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode", "colocated", "segment_bytes"):
+            _require(getattr(self, name) >= 0, f"workers.{name} must be >= 0")
+        for name in ("block_tokens", "num_blocks", "max_batched_tokens", "threads"):
+            _require(getattr(self, name) >= 1, f"workers.{name} must be >= 1")
+        _check_port(self.base_port, "workers.base_port")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterRouterConfig:
+    """Where the OpenAI API listens; served_model_name "" = the model spec."""
+
+    port: int = 8000
+    served_model_name: str = ""
+
+    def __post_init__(self) -> None:
+        _check_port(self.port, "router.port")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """`tsukimi up`. log_dir "" = a new temporary directory."""
+
+    model: str = "smollm2"
+    mode: ClusterMode = "pd"
+    host: str = "127.0.0.1"
+    log_dir: str = ""
+    startup_timeout_s: float = 300.0
+    stop_timeout_s: float = 10.0
+    master: ClusterMasterConfig = field(default_factory=ClusterMasterConfig)
+    workers: ClusterWorkersConfig = field(default_factory=ClusterWorkersConfig)
+    router: ClusterRouterConfig = field(default_factory=ClusterRouterConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.mode in ("pd", "colocated"), f"mode must be pd or colocated, got {self.mode!r}")
+        _require(self.startup_timeout_s > 0 and self.stop_timeout_s > 0, "the timeouts must be > 0")
+        w = self.workers
+        if self.mode == "pd":
+            _require(w.prefill >= 1 and w.decode >= 1, "mode pd needs workers.prefill >= 1 and workers.decode >= 1")
+        else:
+            _require(w.colocated >= 1, "mode colocated needs workers.colocated >= 1")
+
+
+def load_cluster_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> ClusterConfig:
+    """Defaults, then the TOML file, then `key=value` / `section.key=value` overrides.
+
+    Raises:
+        ConfigError: an unreadable file, an unknown key or section, a bad value.
+    """
+    data: dict[str, typing.Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read cluster config {path}: {exc}") from exc
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        *sections, leaf = key.strip().split(".")
+        _require(bool(sep and leaf) and len(sections) <= 1, f"an override must look like [section.]key=value: {item!r}")
+        node = data
+        for name in sections:
+            node = node.setdefault(name, {})
+            _require(isinstance(node, dict), f"{key}: {name} is not a section")
+        try:
+            node[leaf] = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            node[leaf] = raw.strip()  # a bare word: tiny, pd
+    return build_dataclass(ClusterConfig, data, "")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSpec:
+    """One child: its name, role, `tsukimi` arguments and HTTP base URL."""
+
+    name: str
+    role: str
+    args: tuple[str, ...]
+    url: str
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def plan(config: ClusterConfig, port: Callable[[], int] | None = None) -> list[list[ProcessSpec]]:
+    """The processes of a cluster, in groups started one after the other.
+
+    Args:
+        config: the cluster.
+        port: gives a free port for each port configured as 0 (default: ask the OS).
+    """
+    h, w = config.host, config.workers
+    pick = port or (lambda: _free_port(h))
+    url_host = f"[{h}]" if ":" in h else h
+    groups: list[list[ProcessSpec]] = []
+    shared: tuple[str, ...] = (
+        "--model", config.model, "--dtype", w.dtype, "--host", h, "--threads", str(w.threads),
+        "--block-tokens", str(w.block_tokens), "--num-blocks", str(w.num_blocks),
+        "--max-batched-tokens", str(w.max_batched_tokens),
+    )  # fmt: skip
+    if config.mode == "pd":
+        rpc, http = config.master.rpc_port or pick(), config.master.http_port or pick()
+        sets = (f'master.host="{h}"', f"master.rpc_port={rpc}", f"master.http_port={http}")
+        groups.append(
+            [ProcessSpec("master", "master", ("master", *(f"--set={s}" for s in sets)), f"http://{url_host}:{http}")]
+        )
+        shared += ("--master", f"tcp://{url_host}:{rpc}", "--segment-bytes", str(w.segment_bytes))
+        roles = ["prefill"] * w.prefill + ["decode"] * w.decode
+    else:
+        roles = ["colocated"] * w.colocated
+    workers = []
+    for i, role in enumerate(roles):
+        name = f"{role}-{roles[:i].count(role)}"
+        worker_port = w.base_port + i if w.base_port else pick()
+        args = ("worker", "--name", name, "--role", role, "--port", str(worker_port), *shared)
+        workers.append(ProcessSpec(name, role, args, f"http://{url_host}:{worker_port}"))
+    groups.append(workers)
+    listed = ",".join(f"{s.name}={s.role}@{s.url}" for s in workers)
+    router_port = config.router.port or pick()
+    args = ("router", "--host", h, "--port", str(router_port), "--model", config.model, "--workers", listed,
+            "--mode", config.mode, "--served-model-name", config.router.served_model_name or config.model)  # fmt: skip
+    groups.append([ProcessSpec("router", "router", args, f"http://{url_host}:{router_port}")])
+    return groups
+
+
+@dataclass(slots=True)
+class _Child:
+    spec: ProcessSpec
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+class Supervisor:
+    """The processes `tsukimi up` started, in groups; `stop()` ends every one of them."""
+
+    def __init__(self, log_dir: Path, stop_timeout_s: float, verbose: int = 1) -> None:
+        self.log_dir, self.stop_timeout_s, self.verbose = log_dir, stop_timeout_s, verbose
+        self.groups: list[list[_Child]] = []
+        self._clock = WallClock()
+
+    @property
+    def children(self) -> list[_Child]:
+        return [child for group in self.groups for child in group]
+
+    def start_group(self, specs: Sequence[ProcessSpec]) -> None:
+        """Spawn `python -m tsukimi.cli ARGS` for each spec (mutates). Raises OSError."""
+        group: list[_Child] = []
+        self.groups.append(group)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for spec in specs:
+            log = self.log_dir / f"{spec.name}.log"
+            verbosity = ["-" + "v" * self.verbose] if self.verbose else []
+            with log.open("wb") as out:  # NOTE: the child keeps its own descriptor
+                # NOTE: a session of its own: the terminal's Ctrl-C reaches the supervisor only,
+                # which stops the children in order (router first, master last).
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "tsukimi.cli", *verbosity, *spec.args], stdin=subprocess.DEVNULL,
+                    stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                )  # fmt: skip
+            group.append(_Child(spec, proc, log))
+            logger.info("started %s (pid %d): %s", spec.name, proc.pid, " ".join(spec.args))
+
+    def wait_ready(
+        self, group: Sequence[_Child], deadline_s: float, stop: threading.Event, on_ready: Callable[[_Child], None]
+    ) -> bool:
+        """Poll each child's /health until it says "ok"; False when `stop` was set first.
+
+        Raises:
+            PeerError: a child exited, or the deadline (a `WallClock` reading) passed.
+        """
+        pending = list(group)
+        with httpx.Client(timeout=httpx.Timeout(2.0)) as client:
+            while pending:
+                for child in list(pending):
+                    self._check_alive(child)
+                    if _healthy(client, child.spec.url):
+                        pending.remove(child)
+                        on_ready(child)
+                if pending and self._clock.now() > deadline_s:
+                    names = ", ".join(c.spec.name for c in pending)
+                    raise PeerError(f"{names} did not become healthy in time; logs in {self.log_dir}")
+                if pending and stop.wait(0.2):
+                    return False
+        return True
+
+    def check_alive(self) -> None:
+        """Raises PeerError naming the first child that exited."""
+        for child in self.children:
+            self._check_alive(child)
+
+    def _check_alive(self, child: _Child) -> None:
+        code = child.proc.poll()
+        if code is not None:
+            raise PeerError(f"{child.spec.name} exited with code {code}; the end of {child.log}:\n{_tail(child.log)}")
+
+    def stop(self) -> None:
+        """SIGTERM each group, last started first; SIGKILL what outlives stop_timeout_s. Idempotent."""
+        for group in reversed(self.groups):
+            for child in group:
+                if child.proc.poll() is None:
+                    child.proc.terminate()
+            deadline = self._clock.now() + self.stop_timeout_s
+            for child in group:
+                try:
+                    child.proc.wait(timeout=max(0.0, deadline - self._clock.now()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s (pid %d) ignored SIGTERM: killing it", child.spec.name, child.proc.pid)
+                    child.proc.kill()
+                    child.proc.wait(timeout=5)
+        self.groups.clear()
+
+
+def _healthy(client: httpx.Client, url: str) -> bool:
+    try:
+        response = client.get(url + "/health")
+        return response.status_code == 200 and response.json().get("status") == "ok"
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def _tail(path: Path, num_lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except OSError as exc:
+        return f"(unreadable: {exc})"
+
+
+def _state_of(supervisor: Supervisor, api_url: str) -> dict[str, object]:
+    """What `--state-file` holds: the API's URL, the log directory and every child."""
+    processes = [{"name": c.spec.name, "role": c.spec.role, "pid": c.proc.pid, "url": c.spec.url,
+                  "log": str(c.log)} for c in supervisor.children]  # fmt: skip
+    return {"api": api_url, "log_dir": str(supervisor.log_dir), "processes": processes}
+
+
+def _write_state(path: str, state: dict[str, object]) -> None:
+    """Write `state` as JSON to `path`, atomically (readers never see half a file)."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(path)
+
+
+def _install_stop_signals(stop: threading.Event) -> Callable[[], None]:
+    """SIGINT and SIGTERM set `stop` (main thread only; elsewhere nothing changes); returns
+    the function that restores the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    return restore
+
+
+def _log_dir_for(config: ClusterConfig) -> Path:
+    """The configured log directory (created), or a new temporary one."""
+    if not config.log_dir:
+        return Path(tempfile.mkdtemp(prefix="tsukimi-up-"))
+    path = Path(config.log_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _curl_example(api_url: str, model: str) -> str:
+    body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 32})
+    return f"curl {api_url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
+def run_cluster(config: ClusterConfig, console: Console, state_file: str | None = None) -> None:
+    """Start the cluster, show where to send requests, and supervise it until Ctrl-C or
+    SIGTERM; every process started is stopped on the way out, whatever happens.
+
+    Raises:
+        PeerError: a process exited, or did not become healthy within startup_timeout_s.
+        OSError: a process could not be spawned or its log not written.
+    """
+    stop = threading.Event()
+    restore = _install_stop_signals(stop)
+    supervisor = Supervisor(_log_dir_for(config), config.stop_timeout_s)
+    try:
+        groups = plan(config)
+        api_url = groups[-1][0].url
+        if not _start(supervisor, groups, config.startup_timeout_s, stop, console):
+            console.print("interrupted while starting", highlight=False)
+            return
+        console.print(_summary(supervisor), highlight=False)
+        model = config.router.served_model_name or config.model
+        console.print(f"\nOpenAI API on {api_url}; try:\n  {_curl_example(api_url, model)}\n", highlight=False)
+        console.print("Ctrl-C stops the cluster.", highlight=False)
+        if state_file:
+            _write_state(state_file, _state_of(supervisor, api_url))
+        while not stop.wait(0.5):
+            supervisor.check_alive()
+    finally:
+        if supervisor.groups:
+            console.print(f"stopping {len(supervisor.children)} processes (logs in {supervisor.log_dir})")
+        supervisor.stop()
+        restore()
+        if state_file:
+            Path(state_file).unlink(missing_ok=True)
+
+
+def _start(
+    supervisor: Supervisor, groups: Sequence[Sequence[ProcessSpec]], timeout_s: float, stop: threading.Event,
+    console: Console,
+) -> bool:  # fmt: skip
+    """Start the groups in order, each once the previous is healthy; False when interrupted."""
+    deadline = WallClock().now() + timeout_s
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    tasks: dict[str, TaskID] = {}
+    with Progress(*columns, console=console) as progress:
+
+        def ready(child: _Child) -> None:
+            text = f"[green]{child.spec.name}[/green]: ready on {child.spec.url} (pid {child.proc.pid})"
+            progress.update(tasks[child.spec.name], description=text, completed=1)
+
+        for specs in groups:
+            supervisor.start_group(specs)
+            for c in supervisor.groups[-1]:
+                tasks[c.spec.name] = progress.add_task(f"{c.spec.name} ({c.spec.role}): starting", total=1)
+            if not supervisor.wait_ready(supervisor.groups[-1], deadline, stop, ready):
+                return False
+    return True
+
+
+def _summary(supervisor: Supervisor) -> Table:
+    table = Table(title=f"tsukimi cluster (logs in {supervisor.log_dir})")
+    for column in ("process", "role", "pid", "url"):
+        table.add_column(column)
+    for child in supervisor.children:
+        table.add_row(child.spec.name, child.spec.role, str(child.proc.pid), child.spec.url)
+    return table

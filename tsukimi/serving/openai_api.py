@@ -1,0 +1,451 @@
+"""The OpenAI-compatible front end over a `Router`: /v1/models, /v1/completions and
+/v1/chat/completions (server-sent events when `stream`, one JSON body otherwise), /health and
+/metrics (Prometheus, in the app's own registry).
+
+Per request: parse and check the body (msgspec; 400 with an OpenAI error body on anything
+wrong), tokenize (chat: messages -> the model's chat template -> tokens), then wait for the
+first token from the router *before* answering, so that a rejection (429, the Conductor's
+reason as the error code) or a dead worker (502/503) is a status code even for streams. Token
+events become text through `StopText`: detokenized incrementally (never half a UTF-8
+character) and cut at the first stop string, after which the worker stream is closed (the
+worker aborts the request). An error after a stream has started arrives as a `data: {"error"}`
+event before `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+
+import msgspec
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tsukimi.engine.tokenizer import StreamDecoder, Tokenizer
+from tsukimi.errors import InvalidArgument, PeerError, RpcTimeout, TsukimiError
+from tsukimi.serving.router import GenerateRequest, Rejected, Router, TokenEvent, WorkerStatus, WorkerUnavailable
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CHAT_MAX_TOKENS = 256
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class _Params(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields both endpoints take; unknown fields are ignored, as OpenAI's servers do."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extensions
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(_Params, frozen=True, kw_only=True):
+    prompt: str | list[int]
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    type: str
+    text: str = ""
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Params, frozen=True, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+class ModelNotFound(InvalidArgument):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+    code = "model_not_found"
+
+
+class ApiMetrics:
+    """The router's Prometheus metrics, in a registry of their own."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"tsukimi_router_{name}", doc, labels, registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tsukimi_router_worker_{name}", doc, ("worker", "role"), registry=r)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"tsukimi_router_{name}_seconds", doc, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.requests = counter("requests", "Requests by endpoint and outcome", "endpoint", "outcome")
+        self.rejections = counter("rejections", "Requests the Conductor rejected, by reason", "reason")
+        self.ttft, self.tbt = histogram("ttft", "Time to first token"), histogram("tbt", "Time between tokens")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens")
+        self.completion_tokens = counter("completion_tokens", "Generated tokens")
+        self.cached_tokens = counter("cached_prompt_tokens", "Prompt tokens whose KV was reused")
+        self.pool_tokens = counter("pool_prompt_tokens", "Prompt tokens whose KV the first worker loaded from the pool")
+        self.waiting = gauge("waiting", "Requests queued at each worker (polled)")
+        self.running = gauge("running", "Requests running at each worker (polled)")
+        self.in_flight = gauge("in_flight", "This router's requests at each worker")
+        self.up = gauge("up", "1 while the worker answers its polls")
+
+    def render(self, workers: Sequence[WorkerStatus]) -> bytes:
+        """The exposition text, with the workers' gauges set from `workers` (mutates them)."""
+        for w in workers:
+            self.waiting.labels(w.name, w.role).set(w.waiting)
+            self.running.labels(w.name, w.role).set(w.running)
+            self.in_flight.labels(w.name, w.role).set(w.in_flight)
+            self.up.labels(w.name, w.role).set(1 if w.healthy else 0)
+        return generate_latest(self.registry)
+
+
+class StopText:
+    """Token ids in, text out: incremental detokenization cut at the first stop string.
+
+    A tail of the text that could be the start of a stop string is held back until the next
+    tokens decide it. Mutable, one per request.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
+        self._decoder = StreamDecoder(tokenizer)
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+        self.stopped = False
+
+    def push(self, ids: Sequence[int]) -> str:
+        """The text that `ids` complete and that is certainly before any stop string."""
+        return self._scan(self._decoder.push(ids), final=False)
+
+    def flush(self) -> str:
+        """The rest of the text at the end of the output."""
+        return self._scan(self._decoder.flush(), final=True)
+
+    def _scan(self, text: str, final: bool) -> str:
+        if self.stopped:
+            return ""
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self.stopped, self._held = True, ""
+            return buf[: min(hits)]
+        keep = 0 if final else max((k for s in self._stops for k in range(len(s) - 1, 0, -1) if buf.endswith(s[:k])),
+                                   default=0)  # fmt: skip
+        self._held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep]
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """A checked request: what to generate and how to answer."""
+
+    chat: bool
+    response_id: str
+    created: int
+    request: GenerateRequest
+    stops: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    arrival_s: float
+
+
+@dataclass(slots=True)
+class _Usage:
+    prompt_tokens: int
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def body(self) -> dict[str, object]:
+        return {
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }  # fmt: skip
+
+
+class OpenAIServer:
+    """The endpoints' logic over `router`; `create_app` wires it into FastAPI.
+
+    Args:
+        router: places the requests. tokenizer: the served model's (text, chat template).
+        model_name: the id /v1/models lists; requests naming another model get 404.
+        default_max_tokens: for chat requests without max_tokens.
+    """
+
+    def __init__(
+        self, router: Router, tokenizer: Tokenizer, model_name: str, default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
+    ) -> None:
+        self.router, self.tokenizer, self.model_name = router, tokenizer, model_name
+        self.default_max_tokens = default_max_tokens
+        self.metrics = ApiMetrics()
+        self._created = int(time.time())  # NOTE: calendar seconds for "created"; the Clock is monotonic
+
+    def models(self) -> dict[str, object]:
+        model = {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "tsukimi"}
+        return {"object": "list", "data": [model]}
+
+    def health(self) -> dict[str, object]:
+        workers = self.router.workers()
+        return {
+            "status": "ok" if all(w.healthy for w in workers) else "degraded", "mode": self.router.mode,
+            "model": self.model_name, "workers": [dataclasses.asdict(w) for w in workers],
+        }  # fmt: skip
+
+    async def complete(self, raw: bytes, chat: bool) -> Response:
+        """Answers one (chat) completion request; never raises a TsukimiError (error bodies)."""
+        endpoint = "chat" if chat else "completions"
+        try:
+            await self.router.start()
+        except TsukimiError as exc:  # NOTE: the deployment's fault (e.g. a role mismatch), not the client's
+            return self._error(endpoint, WorkerUnavailable(f"the router cannot start: {exc}"))
+        try:
+            job = self._parse(raw, chat)
+            self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
+            events = self.router.generate(job.request)
+            first = await anext(events)  # NOTE: before answering, so that failures are status codes
+            if job.stream:
+                return StreamingResponse(self._sse(job, endpoint, events, first), media_type="text/event-stream")
+            async with aclosing(events):
+                usage, parts, finish = _Usage(len(job.request.prompt_ids)), [], "length"
+                async for delta, reason in self._texts(job, events, first, usage):
+                    parts.append(delta)
+                    finish = reason or finish
+        except TsukimiError as exc:
+            return self._error(endpoint, exc)
+        self.metrics.requests.labels(endpoint, "ok").inc()
+        text = "".join(parts)
+        choice: dict[str, object] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        kind = "chat.completion" if chat else "text_completion"
+        return _json({**self._head(job, kind), "choices": [choice], "usage": usage.body()})
+
+    def _parse(self, raw: bytes, chat: bool) -> _Job:
+        """Checks the body and tokenizes the prompt (pure).
+
+        Raises:
+            InvalidArgument: a malformed or invalid request; ModelNotFound: another model.
+        """
+        try:
+            req = msgspec.json.decode(raw, type=ChatRequest if chat else CompletionRequest)
+        except msgspec.DecodeError as exc:
+            raise InvalidArgument(f"invalid request body: {exc}") from exc
+        if req.model is not None and req.model != self.model_name:
+            message = f"the model {req.model!r} does not exist; this server serves {self.model_name!r}"
+            raise ModelNotFound(message)
+        if req.n not in (None, 1):
+            raise InvalidArgument(f"n must be 1, got {req.n}")
+        if isinstance(req, ChatRequest):
+            prompt, default = self._chat_prompt(req.messages), self.default_max_tokens
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        else:
+            assert isinstance(req, CompletionRequest)
+            prompt, default, max_tokens = self._prompt(req.prompt), DEFAULT_COMPLETION_MAX_TOKENS, req.max_tokens
+        max_tokens = default if max_tokens is None else max_tokens
+        temperature = 1.0 if req.temperature is None else req.temperature
+        top_p = 1.0 if req.top_p is None else req.top_p
+        if not 0 <= temperature <= 2 or not 0 < top_p <= 1:
+            raise InvalidArgument(f"temperature must be in [0, 2] and top_p in (0, 1], got {temperature}, {top_p}")
+        if req.seed is not None and not 0 <= req.seed < 2**63:
+            raise InvalidArgument(f"seed must be in 0..2**63-1, got {req.seed}")
+        stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request = GenerateRequest(
+            rid, tuple(prompt), max_tokens, temperature, top_p, req.seed, tuple(req.stop_token_ids or ()),
+            req.ignore_eos,
+        )  # fmt: skip
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return _Job(
+            chat, rid, int(time.time()), request, stops, bool(req.stream), include_usage, self.router.clock.now()
+        )
+
+    def _prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidArgument(f"prompt token ids must be in 0..{vocab - 1}")
+        return prompt
+
+    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
+        if not messages:
+            raise InvalidArgument("messages must not be empty")
+        turns = []
+        for m in messages:
+            parts = m.content if isinstance(m.content, list) else [ContentPart("text", m.content or "")]
+            if any(p.type != "text" for p in parts):
+                raise InvalidArgument("only text content parts are supported")
+            turns.append({"role": m.role, "content": "".join(p.text for p in parts)})
+        text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_bos=False)  # NOTE: templates write their own BOS
+
+    async def _texts(
+        self, job: _Job, events: AsyncIterator[TokenEvent], first: TokenEvent, usage: _Usage
+    ) -> AsyncIterator[tuple[str, str | None]]:
+        """(text, None) pieces, then (text, finish reason); records the token metrics and `usage`."""
+        m = self.metrics
+        m.ttft.observe(max(0.0, first.time_s - job.arrival_s))
+        usage.cached_tokens = first.cached_tokens
+        m.cached_tokens.inc(first.cached_tokens)
+        m.pool_tokens.inc(first.pool_tokens)
+        text, event, previous = StopText(self.tokenizer, job.stops), first, first.time_s
+        while True:
+            usage.completion_tokens += len(event.token_ids)
+            m.completion_tokens.inc(len(event.token_ids))
+            delta = text.push(event.token_ids)
+            if event.finish_reason is not None and not text.stopped:
+                delta += text.flush()
+            if text.stopped or event.finish_reason is not None:
+                yield delta, "stop" if text.stopped else event.finish_reason
+                return
+            if delta:
+                yield delta, None
+            event = await anext(events)
+            count = max(1, len(event.token_ids))
+            for _ in range(count):
+                m.tbt.observe(max(0.0, event.time_s - previous) / count)
+            previous = event.time_s
+
+    async def _sse(
+        self, job: _Job, endpoint: str, events: AsyncGenerator[TokenEvent, None], first: TokenEvent
+    ) -> AsyncIterator[bytes]:
+        usage, outcome = _Usage(len(job.request.prompt_ids)), "cancelled"
+        kind = "chat.completion.chunk" if job.chat else "text_completion"
+        head = self._head(job, kind)
+        try:
+            async with aclosing(events):
+                if job.chat:
+                    yield _event({**head, "choices": [_delta_choice({"role": "assistant", "content": ""}, None)]})
+                async for delta, finish in self._texts(job, events, first, usage):
+                    if not job.chat:
+                        yield _event({**head, "choices": [{"index": 0, "text": delta, "logprobs": None,
+                                                           "finish_reason": finish}]})  # fmt: skip
+                        continue
+                    if delta:
+                        yield _event({**head, "choices": [_delta_choice({"content": delta}, None)]})
+                    if finish is not None:
+                        yield _event({**head, "choices": [_delta_choice({}, finish)]})
+            if job.include_usage:
+                yield _event({**head, "choices": [], "usage": usage.body()})
+            outcome = "ok"
+        except TsukimiError as exc:
+            status, body = _error_body(exc)
+            outcome = _outcome(status)
+            logger.debug("stream %s failed after it started: %s", job.response_id, exc)
+            yield _event(body)
+        finally:
+            self.metrics.requests.labels(endpoint, outcome).inc()
+        yield b"data: [DONE]\n\n"
+
+    def _head(self, job: _Job, kind: str) -> dict[str, object]:
+        return {"id": job.response_id, "object": kind, "created": job.created, "model": self.model_name}
+
+    def _error(self, endpoint: str, exc: TsukimiError) -> Response:
+        status, body = _error_body(exc)
+        if isinstance(exc, Rejected):
+            self.metrics.rejections.labels(exc.reason).inc()
+        self.metrics.requests.labels(endpoint, _outcome(status)).inc()
+        logger.debug("%s request failed with %d: %s", endpoint, status, exc)
+        return _json(body, status)
+
+
+def create_app(
+    router: Router, tokenizer: Tokenizer, model_name: str, default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
+) -> FastAPI:
+    """The FastAPI app. Its lifespan starts and closes `router`; served without a lifespan
+    (httpd.start_in_thread), the router starts on the first request instead.
+
+    Returns:
+        The app; `app.state.server` is its `OpenAIServer` (metrics, for tests).
+    """
+    server = OpenAIServer(router, tokenizer, model_name, default_max_tokens)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.close()
+
+    app = FastAPI(title="tsukimi router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json(server.models())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.complete(await request.body(), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.complete(await request.body(), chat=True)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return _json(server.health())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(router.workers()), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _delta_choice(delta: dict[str, str], finish: str | None) -> dict[str, object]:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+def _event(body: dict[str, object]) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+def _json(body: dict[str, object], status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def _error_body(exc: TsukimiError) -> tuple[int, dict[str, object]]:
+    """The HTTP status and OpenAI error body for `exc` (pure)."""
+    status, kind, code = _classify(exc)
+    return status, {"error": {"message": str(exc), "type": kind, "param": None, "code": code}}
+
+
+def _classify(exc: TsukimiError) -> tuple[int, str, str | None]:
+    if isinstance(exc, ModelNotFound):
+        return 404, "invalid_request_error", "model_not_found"
+    if isinstance(exc, Rejected):
+        return 429, "rate_limit_error", exc.reason
+    if isinstance(exc, WorkerUnavailable):
+        return 503, "server_error", "worker_unavailable"
+    if isinstance(exc, (PeerError, RpcTimeout)):
+        return 502, "server_error", "worker_error"
+    if isinstance(exc, ValueError):  # InvalidArgument, ConfigError
+        return 400, "invalid_request_error", None
+    return 500, "server_error", None
+
+
+def _outcome(status: int) -> str:
+    return {400: "bad_request", 404: "bad_request", 429: "rejected", 502: "worker_error", 503: "unavailable"}.get(
+        status, "error"
+    )

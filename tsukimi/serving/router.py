@@ -1,0 +1,496 @@
+"""Request placement over running workers, independent of any HTTP framework: `Router` owns
+the workers' view (health, load) and, in PD mode, the Conductor and its prefix index.
+
+    colocated:  request -> least-loaded worker ------------------------------> tokens
+    pd:         request -> hash_blocks -> Conductor.schedule --(reject)--> Rejected(reason)
+                        -> prefill worker (max_tokens=1; publishes the prompt's KV to the pool)
+                        -> first token -> admit_decode -> decode worker (prompt + first token,
+                           max_tokens - 1; loads the prompt's KV from the pool) -> tokens
+                        -> decode_finished
+
+`generate` yields `TokenEvent`s as the worker streams them. Every worker call goes through one
+`httpx.AsyncClient` with connect and read timeouts: a worker that cannot be reached raises
+`WorkerUnavailable` (HTTP 503), one that fails, stalls or answers garbage `WorkerError` (502),
+so a request never hangs on a dead worker. Loads come from `GET /load`, polled every
+`poll_interval_s`, and from a local count of this router's requests in flight.
+
+NOTE: the prefix index learns of blocks only when a prefill finishes here (the prompt's full
+blocks at the prefill worker and at the pool); workers do not report evictions back, so the
+index over-approximates what is cached, and the Conductor may expect a hit that turns into
+recomputation. That costs time, never correctness.
+
+Runs on one asyncio event loop (the Conductor and the index are not thread-safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import Literal, cast, get_args
+
+import httpx
+import msgspec
+
+from tsukimi.clock import Clock, WallClock
+from tsukimi.config import ConductorConfig
+from tsukimi.errors import ConfigError, InvalidArgument, PeerError, TsukimiError
+from tsukimi.scheduler.baselines import make_router
+from tsukimi.scheduler.block_hash import hash_blocks
+from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
+from tsukimi.scheduler.cost_model import CostModel, LinearCostModel
+from tsukimi.scheduler.prefix_index import PrefixIndex, location
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["colocated", "prefill", "decode"]
+ROLES: tuple[str, ...] = get_args(Role)
+FinishReason = Literal["stop", "length"]
+POOL = "pool"  # the KV pool's instance name in the prefix index
+DEFAULT_DECODE_CAPACITY_TOKENS = 65536
+
+
+class Rejected(TsukimiError):
+    """The Conductor turned the request away (an SLO could not be met); `reason` says which."""
+
+    code = "rejected"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"rejected by the Conductor: {reason}")
+        self.reason = reason
+
+
+class WorkerError(PeerError):
+    """A worker failed, stalled past the read timeout, or answered something malformed."""
+
+    code = "worker"
+
+
+class WorkerUnavailable(WorkerError):
+    """No worker could take the request: unreachable, refusing (503), or all marked down."""
+
+    code = "worker_unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """The router (`[router]` in the TOML file).
+
+    mode: "auto" (colocated when every worker is colocated, pd when they are prefill and
+        decode workers), "colocated" or "pd". policy: the colocated baseline router.
+    block_tokens / decode_capacity_tokens: 0 = ask the workers (/health, /load).
+    prefill_*_s / decode_*_s / kv_bytes_per_token: the `LinearCostModel` the Conductor
+        estimates with; the defaults suit the small CPU model (0.5 ms per prompt token, 20 ms
+        per decode step).
+    """
+
+    mode: Literal["auto", "colocated", "pd"] = "auto"
+    policy: Literal["least_load", "round_robin"] = "least_load"
+    poll_interval_s: float = 0.5
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 60.0
+    startup_timeout_s: float = 10.0
+    block_tokens: int = 0
+    decode_capacity_tokens: int = 0
+    prefill_base_s: float = 0.005
+    prefill_token_s: float = 0.0005
+    prefill_pair_s: float = 0.0
+    decode_step_s: float = 0.02
+    decode_request_s: float = 0.0
+    decode_context_token_s: float = 0.0
+    kv_bytes_per_token: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "colocated", "pd") or self.policy not in ("least_load", "round_robin"):
+            raise ConfigError(f"router.mode must be auto, colocated or pd and router.policy least_load or round_robin, "
+                              f"got {self.mode!r} and {self.policy!r}")  # fmt: skip
+        for f in dataclasses.fields(self):
+            value, positive = getattr(self, f.name), f.name.endswith(("timeout_s", "interval_s", "per_token"))
+            if isinstance(value, (int, float)) and (value <= 0 if positive else value < 0):
+                raise ConfigError(f"router.{f.name} must be {'> 0' if positive else '>= 0'}, got {value}")
+
+    def cost_model(self) -> CostModel:
+        """The Conductor's cost model built from the coefficients (pure)."""
+        model = LinearCostModel(
+            (self.prefill_base_s, self.prefill_token_s, self.prefill_pair_s),
+            (self.decode_step_s, self.decode_request_s, self.decode_context_token_s),
+            self.kv_bytes_per_token,
+        )
+        # NOTE: CostModel declares kv_bytes_per_token as a plain (settable) attribute, which a
+        # frozen dataclass's field does not satisfy for mypy; the Conductor only reads it.
+        return cast(CostModel, model)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """A worker as declared: its name, role and base URL (http://host:port)."""
+
+    name: str
+    role: Role
+    url: str
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or self.name == POOL:
+            raise ConfigError(f"a worker name must be non-empty, without '/', and not {POOL!r}: {self.name!r}")
+        if self.role not in ROLES:
+            raise ConfigError(f"worker {self.name}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"worker {self.name}: the URL must start with http:// or https://, got {self.url!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One generation, as the workers' POST /generate takes it."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise InvalidArgument("the prompt must hold at least one token")
+        if self.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    def body(self, prompt_ids: Sequence[int] | None = None, max_tokens: int | None = None) -> dict[str, object]:
+        """The JSON body, optionally with another prompt or max_tokens (the PD stages). Pure."""
+        return {
+            "request_id": self.request_id, "prompt_ids": list(self.prompt_ids if prompt_ids is None else prompt_ids),
+            "max_tokens": self.max_tokens if max_tokens is None else max_tokens, "temperature": self.temperature,
+            "top_p": self.top_p, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """Tokens one worker streamed. `finish_reason` is set on the last event only;
+    cached/pool tokens are the producing worker's (prompt tokens reused, of those from the
+    pool); `time_s` is the router's clock when the event arrived."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    cached_tokens: int
+    pool_tokens: int
+    time_s: float
+    worker: str
+    stage: Role
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """A snapshot of one worker for /health and /metrics."""
+
+    name: str
+    role: Role
+    healthy: bool
+    waiting: int
+    running: int
+    in_flight: int
+
+
+class _Line(msgspec.Struct, frozen=True):
+    token_ids: list[int]
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    cached_tokens: int = 0
+    pool_tokens: int = 0
+    error: str | None = None
+
+
+class _Load(msgspec.Struct, frozen=True):
+    waiting: int
+    running: int
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+
+class _Health(msgspec.Struct, frozen=True):
+    role: str
+    block_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Worker:
+    spec: WorkerSpec
+    healthy: bool = True
+    load: _Load = dataclasses.field(default_factory=lambda: _Load(0, 0))
+    block_tokens: int = 0
+    in_flight: int = 0
+
+
+class Router:
+    """Places requests on workers and streams their tokens back (see the module).
+
+    Args:
+        workers: the workers; the mode decides which roles are allowed.
+        config / conductor: the router's and the Conductor's settings.
+        clock: timestamps and the Conductor's `now`.
+
+    Raises:
+        ConfigError: no workers, or roles that fit no mode (or not the one asked for).
+    """
+
+    def __init__(
+        self, workers: Sequence[WorkerSpec], config: RouterConfig | None = None,
+        conductor: ConductorConfig | None = None, clock: Clock | None = None,
+    ) -> None:  # fmt: skip
+        self.config = config or RouterConfig()
+        self.mode = _resolve_mode(self.config.mode, workers)
+        self.clock: Clock = clock or WallClock()
+        self.index = PrefixIndex()
+        self.conductor: Conductor | None = None
+        self.block_tokens = self.config.block_tokens
+        self._conductor_config = conductor or ConductorConfig()
+        self._workers = {w.name: _Worker(w) for w in workers}
+        self._policy = make_router(self.config.policy)
+        self._client: httpx.AsyncClient | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._ids = itertools.count()
+
+    async def start(self) -> None:
+        """Probes the workers (retrying for `startup_timeout_s`; those still silent are marked
+        down), builds the Conductor in PD mode and starts polling loads. Idempotent; mutates.
+
+        Raises:
+            ConfigError: a worker reports another role than declared, or PD workers disagree
+                on block_tokens (or with `router.block_tokens`).
+        """
+        async with self._lock:
+            if self._poller is not None:
+                return
+            cfg = self.config
+            timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s)
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
+            try:
+                await self._discover()
+                self.conductor = self._build_conductor() if self.mode == "pd" else None
+            except BaseException:
+                await self.close()
+                raise
+            self._poller = asyncio.create_task(self._poll_forever(), name="router-load-poller")
+            logger.info("router started in %s mode over %d workers", self.mode, len(self._workers))
+
+    async def close(self) -> None:
+        """Stops polling and closes the connections (idempotent; mutates)."""
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        if self._client is not None:
+            await self._client.aclose()
+        self._poller = self._client = None
+
+    def workers(self) -> list[WorkerStatus]:
+        """The workers' health and loads as last seen (pure)."""
+        return [WorkerStatus(w.spec.name, w.spec.role, w.healthy, w.load.waiting, w.load.running, w.in_flight)
+                for w in self._workers.values()]  # fmt: skip
+
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+        """The request's tokens as the workers stream them; close the iterator early (aclose)
+        to abort. Starts the router if needed.
+
+        Raises (from the iterator):
+            Rejected: the Conductor turned it away (PD). InvalidArgument: a worker refused the
+            input (400). WorkerUnavailable / WorkerError: see the module.
+        """
+        return self._generate_pd(request) if self.mode == "pd" else self._generate_colocated(request)
+
+    async def _generate_colocated(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+        await self.start()
+        tried: dict[str, WorkerUnavailable] = {}
+        while True:
+            worker = self._pick_colocated(tried)
+            worker.in_flight += 1
+            started = False
+            try:
+                async with contextlib.aclosing(self._stream(worker, request.body(), "colocated")) as stream:
+                    async for event in stream:
+                        started = True
+                        yield event
+                return
+            except WorkerUnavailable as exc:
+                if started:
+                    raise
+                # NOTE: nothing was generated there, so another worker may take it.
+                worker.healthy, tried[worker.spec.name] = False, exc
+            finally:
+                worker.in_flight -= 1
+
+    def _pick_colocated(self, tried: dict[str, WorkerUnavailable]) -> _Worker:
+        candidates = [w for w in self._workers.values() if w.healthy and w.spec.name not in tried]
+        if not candidates:
+            why = "; ".join(str(e) for e in tried.values()) or "all are marked down"
+            raise WorkerUnavailable(f"no colocated worker is reachable: {why}")
+        loads = [max(w.in_flight, w.load.waiting + w.load.running) for w in candidates]
+        return candidates[self._policy.route(loads)]
+
+    async def _generate_pd(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+        await self.start()
+        conductor = self.conductor
+        assert conductor is not None
+        rid, prompt = next(self._ids), request.prompt_ids
+        blocks = hash_blocks(prompt, self.block_tokens)
+        decision = conductor.schedule(ScheduleRequest(rid, len(prompt), blocks), self.clock.now())
+        if not decision.accepted:
+            raise Rejected(decision.reason)
+        assert decision.prefill is not None
+        prefill = self._workers[decision.prefill]
+        try:
+            first = await self._prefill(prefill, request)
+        except BaseException:
+            conductor.finished_at_prefill(rid, self.clock.now())
+            raise
+        self.index.stored(location(prefill.spec.name, "dram"), blocks)
+        self.index.stored(location(POOL, "dram"), blocks)
+        if first.finish_reason == "stop" or len(first.token_ids) >= request.max_tokens:
+            conductor.finished_at_prefill(rid, self.clock.now())
+            yield dataclasses.replace(first, finish_reason=first.finish_reason or "length")
+            return
+        name = conductor.admit_decode(rid, self.clock.now())
+        if name is None:
+            raise Rejected("rejected_at_decode")  # the Conductor's counter name
+        decode, generated = self._workers[name], len(first.token_ids)
+        body = request.body([*prompt, *first.token_ids], request.max_tokens - generated)
+        decode.in_flight += 1
+        try:
+            yield dataclasses.replace(first, finish_reason=None)
+            async with contextlib.aclosing(self._stream(decode, body, "decode")) as stream:
+                async for event in stream:
+                    generated += len(event.token_ids)
+                    yield event
+        finally:
+            decode.in_flight -= 1
+            conductor.decode_finished(rid, self.clock.now(), generated)
+
+    async def _prefill(self, worker: _Worker, request: GenerateRequest) -> TokenEvent:
+        """Runs the prefill stage (max_tokens=1) to its end; one event with all its tokens."""
+        worker.in_flight += 1
+        try:  # NOTE: the stream runs to its end (or raises), so nothing is left to close
+            events = [event async for event in self._stream(worker, request.body(max_tokens=1), "prefill")]
+        finally:
+            worker.in_flight -= 1
+        last = events[-1]
+        tokens = tuple(t for e in events for t in e.token_ids)
+        cached, pool = max(e.cached_tokens for e in events), max(e.pool_tokens for e in events)
+        return dataclasses.replace(last, token_ids=tokens, cached_tokens=cached, pool_tokens=pool)
+
+    async def _stream(self, worker: _Worker, body: dict[str, object], stage: Role) -> AsyncGenerator[TokenEvent, None]:
+        """POST /generate and parse its NDJSON lines until one has a finish reason."""
+        assert self._client is not None
+        name, url = worker.spec.name, f"{worker.spec.url}/generate"
+        try:
+            async with self._client.stream("POST", url, json=body) as response:
+                if response.status_code != 200:
+                    raise _status_error(name, response.status_code, await response.aread())
+                async for text in response.aiter_lines():
+                    if not text.strip():
+                        continue
+                    try:
+                        line = msgspec.json.decode(text, type=_Line)
+                    except msgspec.DecodeError as exc:
+                        raise WorkerError(f"worker {name} sent a malformed line: {exc}") from exc
+                    if line.finish_reason == "abort":
+                        raise WorkerError(f"worker {name} aborted the request: {line.error or 'no reason given'}")
+                    now = self.clock.now()
+                    ids = tuple(line.token_ids)
+                    yield TokenEvent(ids, line.finish_reason, line.cached_tokens, line.pool_tokens, now, name, stage)
+                    if line.finish_reason is not None:
+                        return
+                raise WorkerError(f"worker {name} ended the stream before the request finished")
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            worker.healthy = False
+            raise WorkerUnavailable(f"worker {name} at {worker.spec.url} is unreachable: {exc}") from exc
+        except httpx.TimeoutException as exc:
+            raise WorkerError(f"worker {name} did not answer within {self.config.read_timeout_s} s") from exc
+        except httpx.HTTPError as exc:
+            raise WorkerError(f"worker {name} failed: {exc!r}") from exc
+
+    async def _discover(self) -> None:
+        clock, cfg = self.clock, self.config
+        deadline = clock.now() + cfg.startup_timeout_s
+        pending = list(self._workers.values())
+        while True:
+            answered = await asyncio.gather(*(self._refresh(w, health=True) for w in pending))
+            pending = [w for w, ok in zip(pending, answered, strict=True) if not ok]
+            if not pending or clock.now() >= deadline:
+                break
+            await asyncio.sleep(0.05)  # NOTE: an async wait; the Clock protocol only blocks
+        if pending:
+            names = ", ".join(w.spec.name for w in pending)
+            logger.warning("workers %s did not answer within %s s; marked down", names, cfg.startup_timeout_s)
+
+    async def _refresh(self, worker: _Worker, health: bool = False) -> bool:
+        """GET /load (after /health, whose role must match, when `health`); marks the worker up
+        or down (mutates). Returns whether it answered. Raises ConfigError on a role mismatch."""
+        try:
+            info = msgspec.json.decode(await self._get(worker, "/health"), type=_Health) if health else None
+            load = msgspec.json.decode(await self._get(worker, "/load"), type=_Load)
+        except (httpx.HTTPError, msgspec.DecodeError) as exc:
+            if worker.healthy:
+                logger.warning("worker %s is down: %r", worker.spec.name, exc)
+            worker.healthy = False
+            return False
+        if info is not None and info.role != worker.spec.role:
+            raise ConfigError(f"worker {worker.spec.name} is declared {worker.spec.role} but reports {info.role}")
+        if not worker.healthy:
+            logger.info("worker %s is up", worker.spec.name)
+        worker.block_tokens = info.block_tokens if info is not None else worker.block_tokens
+        worker.load, worker.healthy = load, True
+        return True
+
+    async def _get(self, worker: _Worker, path: str) -> bytes:
+        assert self._client is not None
+        timeout = min(self.config.connect_timeout_s, 2 * self.config.poll_interval_s)
+        response = await self._client.get(f"{worker.spec.url}{path}", timeout=timeout)
+        response.raise_for_status()
+        return response.content
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.poll_interval_s)
+            await asyncio.gather(*(self._refresh(w) for w in self._workers.values()))
+
+    def _build_conductor(self) -> Conductor:
+        """Checks that the PD workers agree on block_tokens, then builds the Conductor over them."""
+        seen = {w.block_tokens for w in self._workers.values() if w.block_tokens > 0} | {self.block_tokens} - {0}
+        if len(seen) > 1:
+            raise ConfigError(f"PD workers (and router.block_tokens) disagree on block_tokens: {sorted(seen)}")
+        if not seen:
+            logger.warning("no worker reported block_tokens; using conductor.block_tokens")
+        self.block_tokens = seen.pop() if seen else self._conductor_config.block_tokens
+        capacity = self.config.decode_capacity_tokens
+        if not capacity:
+            known = [w.load.total_blocks for w in self._workers.values() if w.spec.role == "decode"]
+            capacity = min((b for b in known if b > 0), default=0) * self.block_tokens or DEFAULT_DECODE_CAPACITY_TOKENS
+        conductor = dataclasses.replace(self._conductor_config, block_tokens=self.block_tokens)
+        names = {role: [w.spec.name for w in self._workers.values() if w.spec.role == role] for role in ROLES}
+        return Conductor(conductor, self.config.cost_model(), self.index, names["prefill"], names["decode"], capacity)
+
+
+def _resolve_mode(mode: str, workers: Sequence[WorkerSpec]) -> Literal["colocated", "pd"]:
+    roles = {w.role for w in workers}
+    if mode in ("auto", "colocated") and roles == {"colocated"}:
+        return "colocated"
+    if mode in ("auto", "pd") and roles == {"prefill", "decode"}:
+        return "pd"
+    raise ConfigError(f"workers with roles {sorted(roles) or 'none'} fit no {mode} mode: colocated needs colocated "
+                      "workers only, pd prefill and decode workers only")  # fmt: skip
+
+
+def _status_error(name: str, status: int, body: bytes) -> TsukimiError:
+    message = body[:200].decode(errors="replace")
+    with contextlib.suppress(msgspec.DecodeError):
+        message = str(msgspec.json.decode(body, type=dict[str, object]).get("error", message))
+    kind = {400: InvalidArgument, 503: WorkerUnavailable}.get(status, WorkerError)  # 400: the input's fault
+    return kind(f"worker {name} answered HTTP {status}: {message}")

@@ -1,0 +1,117 @@
+"""The `tsukimi router` command: the OpenAI-compatible front end over running workers.
+
+    tsukimi router --model tiny --workers p0=prefill@http://127.0.0.1:9001,d0=decode@http://127.0.0.1:9002
+
+`--config` reads a TOML file whose `[router]` table is `RouterConfig` and whose other tables
+are the package `Config` (only `[conductor]` matters here); `--set section.key=value`
+overrides either. The router loads only the model's tokenizer, never its weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tomllib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from tsukimi.config import ConductorConfig, Config, build_dataclass
+from tsukimi.errors import ConfigError
+from tsukimi.serving.router import RouterConfig, WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Registers `tsukimi router` on the CLI's subparsers (mutates `sub`)."""
+    p = sub.add_parser("router", help="serve the OpenAI-compatible API over running workers")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default="tiny", help="model spec for the tokenizer: tiny, smollm2, PATH.gguf, HF_DIR")
+    p.add_argument("--served-model-name", help="the model id /v1/models lists (default: --model)")
+    p.add_argument("--workers", required=True, help="NAME=ROLE@URL,... with ROLE colocated, prefill or decode")
+    p.add_argument("--mode", choices=("auto", "colocated", "pd"), help="default: router.mode (auto)")
+    p.add_argument("--config", help="TOML file: [router] and [conductor] tables")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a setting")
+
+
+def run(args: argparse.Namespace, console: Console) -> None:
+    """Runs the router in the foreground until SIGINT/SIGTERM.
+
+    Raises:
+        ConfigError: bad workers, settings or model spec.
+    """
+    from tsukimi import httpd
+    from tsukimi.engine.tokenizer import load_tokenizer
+    from tsukimi.serving.openai_api import create_app
+    from tsukimi.serving.router import Router
+
+    workers = parse_workers(args.workers)
+    overrides = [*args.set, *([f"router.mode={args.mode}"] if args.mode else [])]
+    router_config, conductor_config = load_router_config(args.config, overrides)
+    tokenizer = load_tokenizer(args.model)
+    router = Router(workers, router_config, conductor_config)
+    name = args.served_model_name or args.model
+    app = create_app(router, tokenizer, name)
+    roles = ", ".join(f"{w.name} ({w.role})" for w in workers)
+    console.print(f"router ({router.mode}) for {name} on http://{args.host}:{args.port} over {roles}", highlight=False)
+    httpd.serve(app, args.host, args.port, log_level="warning")
+
+
+def parse_workers(text: str) -> list[WorkerSpec]:
+    """Parses "NAME=ROLE@URL,..." (e.g. "p0=prefill@http://127.0.0.1:9001"). Pure.
+
+    Raises:
+        ConfigError: a malformed item, a bad role or URL, no worker, or a duplicate name.
+    """
+    specs: list[WorkerSpec] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, rest = item.partition("=")
+        role, at, url = rest.partition("@")
+        if not (eq and at):
+            raise ConfigError(f"a worker must look like NAME=ROLE@URL, got {item!r}")
+        specs.append(WorkerSpec(name.strip(), role.strip(), url.strip().rstrip("/")))  # type: ignore[arg-type]
+    if not specs:
+        raise ConfigError("--workers names no worker")
+    if len({s.name for s in specs}) != len(specs):
+        raise ConfigError(f"duplicate worker names in {text!r}")
+    return specs
+
+
+def load_router_config(
+    path: str | Path | None = None, overrides: Iterable[str] = ()
+) -> tuple[RouterConfig, ConductorConfig]:
+    """The router's and the Conductor's settings: defaults, then the TOML file, then
+    `section.key=value` overrides (pure apart from reading the file).
+
+    Raises:
+        ConfigError: an unreadable file, an unknown section or key, a bad value.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        section, dot, leaf = key.strip().partition(".")
+        if not (sep and dot and leaf and "." not in leaf):
+            raise ConfigError(f"an override must look like section.key=value, got {item!r}")
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section} is not a table")
+        table[leaf] = _scalar(raw.strip())
+    router = build_dataclass(RouterConfig, data.pop("router", {}), "router")
+    return router, build_dataclass(Config, data, "").conductor
+
+
+def _scalar(raw: str) -> object:
+    """A TOML value, or the bare text when it is not one ("pd" without quotes)."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw

@@ -1,0 +1,497 @@
+"""One inference worker: an `LLMEngine` owned by one engine thread, behind the internal HTTP
+API that the router calls (`tsukimi worker`).
+
+    uvicorn's event loop                          engine thread (the only one touching the engine)
+    POST /generate -> _Add -----> inbox --------> engine.add_request -> verdict (200/400/409)
+         NDJSON lines <- asyncio.Queue <--------- engine.step() outputs (call_soon_threadsafe)
+    client gone    -> _Abort ---> inbox --------> engine.abort
+    GET /load      <- LoadSnapshot, published by the engine thread after every iteration
+
+Roles: "colocated" generates with the local prefix cache only; "prefill" generates exactly one
+token, and its engine loads the prompt's full blocks from the KV pool and publishes the ones it
+computes; "decode" generates in full and loads the prompt's blocks from the pool (the router
+sends the original prompt plus the first token from prefill).
+
+`POST /generate` streams NDJSON lines `{"token_ids", "finish_reason", "cached_tokens",
+"pool_tokens"}`; the last has a finish_reason ("stop", "length" or "abort"). A request that
+fails inside the worker (engine error, shutdown) ends with finish_reason "abort" and an
+"error" message. Bad input is 400 `{"error": ...}`, a request id already running 409.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import msgspec
+import torch
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.types import Receive, Scope, Send
+
+from tsukimi import httpd
+from tsukimi.engine.engine import LLMEngine, StepOutput
+from tsukimi.engine.kv_cache import KVLayout
+from tsukimi.engine.kv_pool import KVFormat, StoreKVConnector
+from tsukimi.engine.model import DTYPES, DTypeName
+from tsukimi.engine.sampling import SamplingParams
+from tsukimi.engine.weights import LoadedModel, load_model
+from tsukimi.errors import ClosedError, ConfigError, InvalidArgument
+from tsukimi.store.client import StoreClient
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["colocated", "prefill", "decode"]
+ROLES: tuple[str, ...] = get_args(Role)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One worker. port 0 = ephemeral. master (tcp://HOST:PORT) and segment_bytes (memory this
+    worker contributes to the KV pool) matter for the prefill and decode roles only. threads:
+    torch's intra-op threads (process-wide)."""
+
+    name: str = "worker-0"
+    role: Role = "colocated"
+    model: str = "smollm2"
+    host: str = "127.0.0.1"
+    port: int = 0
+    block_tokens: int = 16
+    num_blocks: int = 512
+    max_batched_tokens: int = 512
+    master: str = ""
+    segment_bytes: int = 256 << 20
+    threads: int = 1
+    dtype: DTypeName = "float32"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"worker role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"worker dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"worker port must be in 0..65535, got {self.port}")
+        for name, low in (("block_tokens", 1), ("num_blocks", 1), ("max_batched_tokens", 1), ("threads", 1),
+                          ("segment_bytes", 0)):  # fmt: skip
+            if getattr(self, name) < low:
+                raise ConfigError(f"worker {name} must be >= {low}, got {getattr(self, name)}")
+        if self.role != "colocated" and not self.master.startswith("tcp://"):
+            raise ConfigError(f"a {self.role} worker needs the store master as tcp://HOST:PORT, got {self.master!r}")
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The body of POST /generate."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class GenerateChunk(msgspec.Struct, omit_defaults=True):
+    """One NDJSON line of the /generate stream."""
+
+    token_ids: list[int]
+    finish_reason: str | None
+    cached_tokens: int
+    pool_tokens: int
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """What GET /load answers. waiting: accepted requests without a token yet (queued or
+    prefilling); running: requests producing tokens."""
+
+    waiting: int
+    running: int
+    free_blocks: int
+    total_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    """A request's first event: accepted (200) or why not; later, a failure that ends it."""
+
+    status: int
+    message: str = ""
+
+
+_Event = StepOutput | _Verdict
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One request's channel from the engine thread to the event loop."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[_Event]
+    prompt_tokens: int
+    started: bool = False  # engine side: a first output was produced
+    finished: bool = False  # loop side: the last line was read
+
+    def send(self, event: _Event) -> None:
+        """Thread-safe; a closed loop means nobody listens any more."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    stream: _Stream
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    stream: _Stream
+
+
+class WorkerMetrics:
+    """The worker's Prometheus metrics, in a registry of its own (tests run several workers)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.waiting = Gauge("tsukimi_worker_waiting_requests", "Requests accepted, no token yet", registry=r)
+        self.running = Gauge("tsukimi_worker_running_requests", "Requests producing tokens", registry=r)
+        self.free_blocks = Gauge("tsukimi_worker_free_kv_blocks", "KV cache blocks free or reusable", registry=r)
+        self.requests = Counter("tsukimi_worker_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.generated = Counter("tsukimi_worker_generated_tokens", "Tokens generated", registry=r)
+        self.prompt = Counter("tsukimi_worker_prompt_tokens", "Prompt tokens received", registry=r)
+        self.pool = Counter("tsukimi_worker_pool_prompt_tokens", "Prompt tokens with KV from the pool", registry=r)
+        self.local = Counter("tsukimi_worker_local_prompt_tokens", "Prompt tokens with KV cached here", registry=r)
+
+    def record(self, out: StepOutput, stream: _Stream) -> None:
+        """Account one engine output (from the engine thread)."""
+        if not stream.started:
+            self.prompt.inc(stream.prompt_tokens)
+            self.pool.inc(out.pool_tokens)
+            self.local.inc(out.cached_tokens - out.pool_tokens)
+        self.generated.inc(len(out.token_ids))
+        if out.finish_reason is not None:
+            self.requests.labels(out.finish_reason).inc()
+
+
+class EngineThread:
+    """The one thread that owns an `LLMEngine`: takes commands from an inbox, steps the engine
+    while it has work, sleeps on a condition otherwise, and routes outputs to their streams.
+
+    A failing step fails every request in the engine with its error and replaces the engine
+    (its state may be inconsistent); the thread keeps serving.
+    """
+
+    def __init__(self, make_engine: Callable[[], LLMEngine], metrics: WorkerMetrics, threads: int, name: str) -> None:
+        self._make_engine, self._metrics, self._threads = make_engine, metrics, threads
+        self._engine = make_engine()
+        self._cond = threading.Condition()
+        self._inbox: deque[_Add | _Abort] = deque()
+        self._active: dict[str, _Stream] = {}
+        self._stopping = False
+        self.load = LoadSnapshot(0, 0, self._engine.cache.pool.num_free, self._engine.cache.pool.num_blocks)
+        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, command: _Add | _Abort) -> None:
+        """Queue a command for the engine thread (thread-safe). Raises ClosedError once closing."""
+        with self._cond:
+            if self._stopping:
+                raise ClosedError("the worker is shutting down")
+            self._inbox.append(command)
+            self._cond.notify()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop after the current step; every unfinished request ends with an error. Idempotent."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.ident is not None:
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("engine thread %s did not stop within %.1f s", self._thread.name, timeout_s)
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._threads)
+        while (commands := self._next_commands()) is not None:
+            for command in commands:
+                self._guarded(self._apply, command)
+            if self._engine.has_work():
+                self._guarded(self._step)
+            self._publish()
+        self._fail_all("the worker is shutting down")
+
+    def _next_commands(self) -> list[_Add | _Abort] | None:
+        """Sleep until there is something to do; the commands queued, or None when stopping."""
+        with self._cond:
+            while not (self._inbox or self._stopping or self._engine.has_work()):
+                self._cond.wait()
+            commands = list(self._inbox)
+            self._inbox.clear()
+        if not self._stopping:
+            return commands
+        for command in commands:
+            if isinstance(command, _Add):
+                command.stream.send(_Verdict(503, "the worker is shutting down"))
+        return None
+
+    def _guarded(self, action: Callable[..., None], *args: _Add | _Abort) -> None:
+        try:
+            action(*args)
+        except Exception as exc:  # NOTE: fail the requests with the cause instead of dying silently
+            logger.exception("the engine failed; failing %d requests", len(self._active))
+            self._fail_all(f"the engine failed: {type(exc).__name__}: {exc}")
+            self._engine = self._make_engine()  # NOTE: the old one's state may be inconsistent
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        stream = command.stream
+        rid = stream.request_id
+        if isinstance(command, _Abort):
+            if self._active.get(rid) is stream:  # NOTE: not a later request that reuses the id
+                del self._active[rid]
+                self._metrics.requests.labels("abort").inc()
+                self._engine.abort(rid)
+            return
+        if rid in self._active:
+            stream.send(_Verdict(409, f"request {rid!r} is already running"))
+            return
+        self._active[rid] = stream  # NOTE: first, so that an engine failure fails this request too
+        try:
+            self._engine.add_request(rid, command.prompt, command.params)
+        except InvalidArgument as exc:
+            del self._active[rid]
+            stream.send(_Verdict(400, str(exc)))
+            return
+        stream.send(_Verdict(200))
+        logger.debug("accepted %s (%d prompt tokens)", rid, len(command.prompt))
+
+    def _step(self) -> None:
+        for out in self._engine.step():
+            stream = self._active.get(out.request_id)
+            if stream is None:
+                continue
+            self._metrics.record(out, stream)
+            stream.started = True
+            if out.finish_reason is not None:
+                del self._active[out.request_id]
+            stream.send(out)
+
+    def _fail_all(self, message: str) -> None:
+        for rid, stream in self._active.items():
+            with contextlib.suppress(Exception):  # NOTE: best effort on an engine that just failed
+                self._engine.abort(rid)
+            self._metrics.requests.labels("abort").inc()
+            stream.send(_Verdict(500, message))
+        self._active.clear()
+
+    def _publish(self) -> None:
+        waiting = sum(not s.started for s in self._active.values())
+        pool = self._engine.cache.pool
+        self.load = LoadSnapshot(waiting, len(self._active) - waiting, pool.num_free, pool.num_blocks)
+        self._metrics.waiting.set(waiting)
+        self._metrics.running.set(len(self._active) - waiting)
+        self._metrics.free_blocks.set(pool.num_free)
+
+
+class _TokenStream(StreamingResponse):
+    """One request's NDJSON stream; `on_close` runs however it ends (done, client gone, shutdown)."""
+
+    def __init__(self, lines: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(lines, media_type="application/x-ndjson")
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _lines(stream: _Stream) -> AsyncIterator[bytes]:
+    """Engine events as NDJSON lines; events already queued are merged into one line."""
+    while not stream.finished:
+        events = [await stream.queue.get()]
+        while not stream.queue.empty():
+            events.append(stream.queue.get_nowait())
+        chunk = GenerateChunk([], None, 0, 0)
+        for event in events:
+            if isinstance(event, StepOutput):
+                chunk.token_ids += event.token_ids
+                chunk.finish_reason, chunk.cached_tokens = event.finish_reason, event.cached_tokens
+                chunk.pool_tokens = event.pool_tokens
+            else:
+                chunk.finish_reason, chunk.error = "abort", event.message
+        stream.finished = chunk.finish_reason is not None
+        yield msgspec.json.encode(chunk) + b"\n"
+
+
+class Worker:
+    """A worker in this process: `start()` loads the model (unless `loaded` is given), joins the
+    store (prefill and decode roles), starts the engine thread and serves HTTP; `close()` undoes it."""
+
+    def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None) -> None:
+        self.config, self._loaded = config, loaded
+        self.metrics = WorkerMetrics()
+        self._store: StoreClient | None = None
+        self._engine: EngineThread | None = None
+        self._http: httpd.AppHandle | None = None
+        self._streams: dict[str, _Stream] = {}  # requests with an open response (event loop only)
+
+    @property
+    def base_url(self) -> str:
+        if self._http is None:
+            raise ClosedError(f"worker {self.config.name} is not serving")
+        return self._http.base_url
+
+    def start(self) -> Worker:
+        """Raises ConfigError (model spec, dtype), PeerError/RpcTimeout (store), OSError (port)."""
+        cfg = self.config
+        try:
+            if self._loaded is None:
+                self._loaded = load_model(cfg.model, cfg.dtype)
+            mc = self._loaded.config
+            layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_tokens, mc.torch_dtype)
+            connector = None
+            if cfg.role != "colocated":
+                self._store = StoreClient.connect(cfg.master, cfg.segment_bytes)
+                connector = StoreKVConnector(self._store, KVFormat.of(mc.identity, layout))
+            model = self._loaded.model
+
+            def make_engine() -> LLMEngine:
+                return LLMEngine(model, layout, cfg.num_blocks, mc.eos_token_ids, cfg.max_batched_tokens, connector)
+
+            self._engine = EngineThread(make_engine, self.metrics, cfg.threads, cfg.name)
+            self._engine.start()
+            self._http = httpd.start_in_thread(self._app(self._engine), cfg.host, cfg.port)
+        except BaseException:
+            self.close()
+            raise
+        logger.info("worker %s (%s, %s) serving on %s", cfg.name, cfg.role, mc.name, self._http.base_url)
+        return self
+
+    def close(self) -> None:
+        """Fail unfinished requests, stop serving, leave the store. Idempotent."""
+        if self._engine is not None:
+            self._engine.close()
+        if self._http is not None:
+            self._http.stop()
+        if self._store is not None:
+            self._store.close()
+        self._engine = self._http = self._store = None
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def sampling_params(self, body: GenerateRequest) -> SamplingParams:
+        """The engine's parameters for a request (a prefill worker makes one token). Raises
+        InvalidArgument for bad values or token ids outside the vocabulary."""
+        assert self._loaded is not None
+        mc = self._loaded.config
+        if not body.request_id:
+            raise InvalidArgument("request_id must not be empty")
+        if not all(0 <= t < mc.vocab_size for t in body.prompt_ids):
+            raise InvalidArgument(f"prompt_ids must be token ids in 0..{mc.vocab_size - 1}")
+        max_tokens = 1 if self.config.role == "prefill" else body.max_tokens
+        params = SamplingParams(max_tokens, body.temperature, body.top_p, tuple(body.stop_token_ids),
+                                body.ignore_eos, body.seed)  # fmt: skip
+        if len(body.prompt_ids) + params.max_tokens > mc.max_position:
+            raise InvalidArgument(f"prompt + max_tokens exceed the model's context of {mc.max_position} tokens")
+        return params
+
+    def _app(self, engine: EngineThread) -> FastAPI:
+        app = FastAPI(title=f"tsukimi worker {self.config.name}")
+        assert self._loaded is not None
+        health = {"status": "ok", "name": self.config.name, "role": self.config.role,
+                  "model": self._loaded.config.identity, "model_name": self._loaded.config.name,
+                  "block_tokens": self.config.block_tokens}  # fmt: skip
+
+        @app.get("/health")
+        def get_health() -> dict[str, object]:
+            return health
+
+        @app.get("/load")
+        def get_load() -> dict[str, int]:
+            return dataclasses.asdict(engine.load)
+
+        @app.get("/metrics")
+        def get_metrics() -> Response:
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.post("/generate")
+        async def generate(request: Request) -> Response:
+            return await self._generate(engine, await request.body())
+
+        return app
+
+    async def _generate(self, engine: EngineThread, raw: bytes) -> Response:
+        try:
+            body = msgspec.json.decode(raw, type=GenerateRequest)
+            params = self.sampling_params(body)
+        except (msgspec.DecodeError, InvalidArgument) as exc:  # ValidationError is a DecodeError
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        rid = body.request_id
+        if rid in self._streams:
+            return JSONResponse({"error": f"request {rid!r} is already running"}, status_code=409)
+        stream = _Stream(rid, asyncio.get_running_loop(), asyncio.Queue(), len(body.prompt_ids))
+        self._streams[rid] = stream
+        try:
+            engine.submit(_Add(tuple(body.prompt_ids), params, stream))
+            verdict = await stream.queue.get()
+        except ClosedError as exc:
+            self._streams.pop(rid, None)
+            return JSONResponse({"error": str(exc)}, status_code=503)
+        except BaseException:  # cancelled while waiting: the request must not run on
+            self._close_stream(engine, stream)
+            raise
+        assert isinstance(verdict, _Verdict)
+        if verdict.status != 200:
+            self._streams.pop(rid, None)
+            return JSONResponse({"error": verdict.message}, status_code=verdict.status)
+        logger.debug("streaming %s", rid)
+        return _TokenStream(_lines(stream), lambda: self._close_stream(engine, stream))
+
+    def _close_stream(self, engine: EngineThread, stream: _Stream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+        if not stream.finished:
+            logger.debug("aborting %s: its client went away", stream.request_id)
+            with contextlib.suppress(ClosedError):
+                engine.submit(_Abort(stream))
+
+
+def run_worker(config: WorkerConfig, on_ready: Callable[[Worker], None] | None = None) -> None:
+    """Run a worker until SIGINT or SIGTERM (call from the main thread), then shut it down.
+
+    Args:
+        config: the worker.
+        on_ready: called once it serves (e.g. to print its address).
+    """
+    stop = threading.Event()
+    previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with Worker(config).start() as worker:
+            if on_ready is not None:
+                on_ready(worker)
+            stop.wait()
+            logger.info("worker %s stopping", config.name)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

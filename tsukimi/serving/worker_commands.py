@@ -1,0 +1,90 @@
+"""The `tsukimi worker` and `tsukimi up` commands (registered by tsukimi/cli.py).
+
+    tsukimi worker --role prefill --model smollm2 --port 9001 --master tcp://127.0.0.1:50051
+    tsukimi up [--config cluster.toml] [--model tiny] [--mode colocated] [--set workers.decode=2]
+
+Importing this module is cheap: torch and the engine load only when a worker runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from rich.console import Console
+
+logger = logging.getLogger(__name__)
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+ROLE_CHOICES = ("colocated", "prefill", "decode")  # tsukimi.serving.worker.ROLES, without importing torch
+
+
+def _size(text: str) -> int:
+    """'256M' -> bytes (K, M, G are powers of 1024; plain digits are bytes)."""
+    item = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = _UNITS.get(item[-1:], 1)
+    digits = item[:-1] if item[-1:] in _UNITS else item
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 256M or 1G)")
+    return int(digits) * scale
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `tsukimi worker` and `tsukimi up` on the CLI's subparsers (mutates `sub`)."""
+    worker = sub.add_parser("worker", help="run one inference worker (the router's internal HTTP API)")
+    worker.add_argument("--name", default="worker-0", help="the worker's name (in /health and the router)")
+    worker.add_argument("--role", choices=ROLE_CHOICES, default="colocated")
+    worker.add_argument("--model", default="smollm2", help="tiny, tiny:SEED, smollm2, PATH.gguf or a HF directory")
+    worker.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    worker.add_argument("--host", default="127.0.0.1")
+    worker.add_argument("--port", type=int, default=0, help="0 = an ephemeral port (printed once serving)")
+    worker.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block")
+    worker.add_argument("--num-blocks", type=int, default=512, help="KV cache size in blocks")
+    worker.add_argument("--max-batched-tokens", type=int, default=512, help="tokens per forward at most")
+    worker.add_argument("--master", default="", help="the store master, tcp://HOST:PORT (prefill and decode roles)")
+    worker.add_argument("--segment-bytes", type=_size, default=256 << 20, help="memory given to the KV pool, e.g. 1G")
+    worker.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+
+    up = sub.add_parser("up", help="start a local cluster (store master, workers, router) and supervise it")
+    up.add_argument("--config", help="a TOML file of ClusterConfig (see tsukimi/serving/cluster.py)")
+    up.add_argument("--set", action="append", default=[], metavar="[SECTION.]KEY=VALUE", help="override a setting")
+    up.add_argument("--model", help="the model spec for every worker and the router (default: smollm2)")
+    up.add_argument("--mode", choices=("pd", "colocated"), help="prefill + decode workers, or colocated ones")
+    up.add_argument("--port", type=int, help="the OpenAI API's port (default 8000)")
+    up.add_argument("--state-file", help="once up, write the processes' names, pids and URLs here (JSON)")
+
+
+def run(args: argparse.Namespace, console: Console) -> None:
+    """Run `tsukimi worker` or `tsukimi up` in the foreground until SIGINT or SIGTERM.
+
+    Raises:
+        ConfigError: bad settings or model spec.
+        PeerError: (up) a process died or did not start in time; (worker) the store failed.
+    """
+    if args.command == "worker":
+        _worker(args, console)
+    elif args.command == "up":
+        from tsukimi.serving.cluster import load_cluster_config, run_cluster
+
+        overrides = list(args.set)
+        overrides += [f'model="{args.model}"'] if args.model else []
+        overrides += [f'mode="{args.mode}"'] if args.mode else []
+        overrides += [f"router.port={args.port}"] if args.port is not None else []
+        run_cluster(load_cluster_config(args.config, overrides), console, args.state_file)
+    else:
+        raise ValueError(f"not a serving command: {args.command!r}")
+
+
+def _worker(args: argparse.Namespace, console: Console) -> None:
+    from tsukimi.serving.worker import Worker, WorkerConfig, run_worker
+
+    config = WorkerConfig(
+        name=args.name, role=args.role, model=args.model, host=args.host, port=args.port,
+        block_tokens=args.block_tokens, num_blocks=args.num_blocks, max_batched_tokens=args.max_batched_tokens,
+        master=args.master, segment_bytes=args.segment_bytes, threads=args.threads, dtype=args.dtype,
+    )  # fmt: skip
+
+    def ready(worker: Worker) -> None:
+        console.print(f"worker {config.name} ({config.role}, {config.model}) on {worker.base_url}", highlight=False)
+
+    run_worker(config, ready)
