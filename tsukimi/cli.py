@@ -100,6 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--no-simulate", action="store_true", help="skip the whole-trace simulations")
     sc.add_argument("--json", action="store_true")
     sc.add_argument("--markdown", action="store_true")
+    sv = bench.add_parser("serve", help="drive the OpenAI API with a workload (TTFT, TBT, reuse)")
+    sv.add_argument("--url", default="", help="a running API; default: start `tsukimi up` per run")
+    sv.add_argument("--model", default="tiny")
+    sv.add_argument("--mode", choices=("pd", "colocated"), default="pd")
+    sv.add_argument("--workload", choices=("chat", "trace"), default="chat")
+    sv.add_argument("--conversations", type=int, default=8)
+    sv.add_argument("--turns", type=int, default=4)
+    sv.add_argument("--prefix-tokens", type=int, default=2000)
+    sv.add_argument("--rate", type=float, default=2.0, help="chat: first turns per second")
+    sv.add_argument("--trace", default=sim_commands.DEFAULT_TRACE)
+    sv.add_argument("--speed", type=float, default=1.0, help="trace: replay this many times faster")
+    sv.add_argument("--trace-limit", type=int, default=200)
+    sv.add_argument("--no-compare", action="store_true", help="one run with reuse only")
+    sv.add_argument("--json", action="store_true")
+    sv.add_argument("--markdown", action="store_true")
     prof = sub.add_parser("profile", help="time this engine's prefill and decode steps; fit the cost model")
     prof.add_argument("--model", default="tiny", help="tiny, tiny:SEED, smollm2, a .gguf file or an HF directory")
     prof.add_argument("--block-tokens", type=int, default=16)
@@ -135,6 +150,25 @@ def _bench_store(args: argparse.Namespace, console: Console) -> None:
         print(store.render_markdown(report))
     else:
         console.print(store.render_table(report))
+
+
+def _bench_serve(args: argparse.Namespace, console: Console) -> None:
+    from tsukimi.bench import serve
+
+    chat = serve.ChatWorkload(args.conversations, args.turns, args.prefix_tokens, rate=args.rate)
+    cfg = serve.ServeBenchConfig(
+        args.url,
+        args.model,
+        args.mode,
+        args.workload,
+        chat,
+        args.trace,
+        args.speed,
+        args.trace_limit,
+        not args.no_compare,
+    )
+    result = serve.run_bench(cfg, lambda text: console.print(text, highlight=False))
+    print(json.dumps(result) if args.json else serve.markdown(result))
 
 
 def _profile(args: argparse.Namespace, console: Console) -> None:
@@ -240,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             _bench_transfer(args, console)
         elif args.command == "bench" and args.bench == "store":
             _bench_store(args, console)
+        elif args.command == "bench" and args.bench == "serve":
+            _bench_serve(args, console)
         elif args.command == "bench" and args.bench == "scheduler":
             _bench_scheduler(args)
         elif args.command == "profile":

@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
 
+from tsukimi.errors import PeerError
 from tsukimi.sim.trace import TraceRequest
 
 _TIMEOUT = httpx.Timeout(120.0, connect=5.0)
@@ -177,3 +182,116 @@ def _quantiles(values: list[float]) -> dict[str, float | None]:
         return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
 
     return {"p50": round(statistics.median(values), 4), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+@dataclass(frozen=True, slots=True)
+class ServeBenchConfig:
+    """`url` of a running API, or "" to start `tsukimi up` (model, mode) for each run;
+    compare_reuse: run twice, with and without KV reuse, and report the TTFT ratio."""
+
+    url: str = ""
+    model: str = "tiny"
+    mode: str = "pd"
+    workload: str = "chat"
+    chat: ChatWorkload = ChatWorkload()
+    trace: str = ""
+    speed: float = 1.0
+    trace_limit: int = 200
+    compare_reuse: bool = True
+
+
+class LocalCluster:
+    """`tsukimi up` in a subprocess, for one benchmark run; `api` once it is up."""
+
+    def __init__(self, model: str, mode: str, prefix_caching: bool, workdir: str) -> None:
+        from pathlib import Path
+
+        self._state = Path(workdir) / "state.json"
+        log = (Path(workdir) / "up.log").open("wb")
+        settings = [f"workers.prefix_caching={'true' if prefix_caching else 'false'}", "workers.num_blocks=4096",
+                    f"workers.segment_bytes={512 << 20}", f'log_dir="{workdir}/logs"']  # fmt: skip
+        cmd = [sys.executable, "-m", "tsukimi.cli", "up", "--model", model, "--mode", mode, "--port", str(_free_port()),
+               "--state-file", str(self._state), *(f"--set={s}" for s in settings)]  # fmt: skip
+        self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + 300
+        while not self._state.exists():
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise PeerError(f"tsukimi up did not start: see {workdir}/up.log")
+            time.sleep(0.2)
+        self.api = str(json.loads(self._state.read_text())["api"])
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
+def run_bench(cfg: ServeBenchConfig, progress: Callable[[str], None]) -> dict[str, object]:
+    """Run the workload (twice with compare_reuse); the JSON-ready result."""
+    runs: dict[str, dict[str, object]] = {}
+    for reuse in (True, False) if cfg.compare_reuse and not cfg.url else (True,):
+        label = "reuse" if reuse else "no_reuse"
+        with tempfile.TemporaryDirectory(prefix="tsukimi-bench-serve-") as workdir:
+            cluster = None if cfg.url else LocalCluster(cfg.model, cfg.mode, reuse, workdir)
+            try:
+                url = cfg.url or (cluster.api if cluster else "")
+                progress(f"{label}: {cfg.workload} workload against {url}")
+                runs[label] = asyncio.run(_workload(cfg, url)).as_dict()
+            finally:
+                if cluster is not None:
+                    cluster.close()
+    result: dict[str, object] = {"config": _plain(cfg), "runs": runs}
+    if "no_reuse" in runs:
+        with_reuse, without = runs["reuse"]["ttft_s"], runs["no_reuse"]["ttft_s"]
+        assert isinstance(with_reuse, dict) and isinstance(without, dict)
+        if with_reuse["p50"] and without["p50"]:
+            result["ttft_p50_ratio"] = round(with_reuse["p50"] / without["p50"], 4)
+    return result
+
+
+async def _workload(cfg: ServeBenchConfig, url: str) -> ServeReport:
+    if cfg.workload == "chat":
+        return await run_chat(url, cfg.model, cfg.chat)
+    from tsukimi.sim.trace import load_trace
+
+    trace = load_trace(cfg.trace, limit=cfg.trace_limit)
+    return await run_trace(url, cfg.model, trace, 16, cfg.speed, 4096, 32)
+
+
+def markdown(result: dict[str, object]) -> str:
+    runs = result["runs"]
+    assert isinstance(runs, dict)
+    header = "| run | requests | done | rejected | TTFT p50 / p90 / p99 s | TBT p50 / p90 ms | cached prompt share |"
+    lines = [header, "|---|---|---|---|---|---|---|"]
+    for label, run in runs.items():
+        ttft, tbt = run["ttft_s"], run["tbt_s"]
+        lines.append(f"| {label} | {run['requests']} | {run['completed']} | {run['rejected']} | "
+                     f"{ttft['p50']} / {ttft['p90']} / {ttft['p99']} | {_ms(tbt['p50'])} / {_ms(tbt['p90'])} | "
+                     f"{run['cached_ratio']} |")  # fmt: skip
+    if "ttft_p50_ratio" in result:
+        lines.append(f"\nmedian TTFT with reuse / without: {result['ttft_p50_ratio']}")
+    return "\n".join(lines)
+
+
+def _ms(value: object) -> str:
+    return f"{float(str(value)) * 1e3:.0f}" if value is not None else "-"
+
+
+def _plain(cfg: ServeBenchConfig) -> dict[str, object]:
+    from dataclasses import asdict
+
+    return asdict(cfg)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -96,6 +96,7 @@ class ClusterWorkersConfig:
     segment_bytes: int = 256 << 20
     threads: int = 1
     dtype: Literal["float32", "bfloat16"] = "float32"
+    prefix_caching: bool = True  # False: no KV reuse at all (local cache or pool): a baseline
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated", "segment_bytes"):
@@ -198,6 +199,7 @@ def plan(config: ClusterConfig, port: Callable[[], int] | None = None) -> list[l
         "--model", config.model, "--dtype", w.dtype, "--host", h, "--threads", str(w.threads),
         "--block-tokens", str(w.block_tokens), "--num-blocks", str(w.num_blocks),
         "--max-batched-tokens", str(w.max_batched_tokens),
+        *(() if w.prefix_caching else ("--no-prefix-caching",)),
     )  # fmt: skip
     if config.mode == "pd":
         rpc, http = config.master.rpc_port or pick(), config.master.http_port or pick()

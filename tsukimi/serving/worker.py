@@ -72,6 +72,7 @@ class WorkerConfig:
     segment_bytes: int = 256 << 20
     threads: int = 1
     dtype: DTypeName = "float32"
+    prefix_caching: bool = True  # False: compute every prompt in full (the no-reuse baseline)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -373,7 +374,10 @@ class Worker:
             model = self._loaded.model
 
             def make_engine() -> LLMEngine:
-                return LLMEngine(model, layout, cfg.num_blocks, mc.eos_token_ids, cfg.max_batched_tokens, connector)
+                return LLMEngine(
+                    model, layout, cfg.num_blocks, mc.eos_token_ids, cfg.max_batched_tokens, connector,
+                    prefix_caching=cfg.prefix_caching,
+                )  # fmt: skip
 
             self._engine = EngineThread(make_engine, self.metrics, cfg.threads, cfg.name)
             self._engine.start()

@@ -44,6 +44,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     worker.add_argument("--master", default="", help="the store master, tcp://HOST:PORT (prefill and decode roles)")
     worker.add_argument("--segment-bytes", type=_size, default=256 << 20, help="memory given to the KV pool, e.g. 1G")
     worker.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    worker.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
 
     up = sub.add_parser("up", help="start a local cluster (store master, workers, router) and supervise it")
     up.add_argument("--config", help="a TOML file of ClusterConfig (see tsukimi/serving/cluster.py)")
@@ -82,6 +83,7 @@ def _worker(args: argparse.Namespace, console: Console) -> None:
         name=args.name, role=args.role, model=args.model, host=args.host, port=args.port,
         block_tokens=args.block_tokens, num_blocks=args.num_blocks, max_batched_tokens=args.max_batched_tokens,
         master=args.master, segment_bytes=args.segment_bytes, threads=args.threads, dtype=args.dtype,
+        prefix_caching=not args.no_prefix_caching,
     )  # fmt: skip
 
     def ready(worker: Worker) -> None:
