@@ -10,8 +10,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: demo test lint bench bench-store mooncake system-deps clean
 
+# The whole local cluster: store master, a prefill and a decode worker (SmolLM2-135M-Instruct),
+# the OpenAI API on 127.0.0.1:8000; Ctrl-C stops every process. (`tsukimi demo`: the TE demo.)
 demo: $(STAMP)
-	$(BIN)/tsukimi demo
+	$(BIN)/tsukimi up
 
 test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest -q

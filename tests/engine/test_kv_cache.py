@@ -75,8 +75,10 @@ def test_block_views_are_the_cache_memory() -> None:
     cache.kv[1, 1, 0, 0, 0, 0] = 2.5
     view = cache.layer_bytes(1, 1)
     assert torch.frombuffer(bytearray(view[:4]), dtype=torch.float32).item() == 2.5
-    cache.block_bytes(2)[:] = cache.block_bytes(1)
+    for layer in range(2):
+        cache.slot(2, layer)[:] = cache.slot(1, layer)
     assert torch.equal(cache.kv[2], cache.kv[1])
+    assert len(cache.slot(0, 0)) == layout.layer_bytes + 64  # K/V, then the KV pool's trailer
     seq = SequenceKV()
     assert cache.reserve(seq, 5) and len(seq.block_table) == 3
     seq.num_tokens = 5

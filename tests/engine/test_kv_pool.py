@@ -12,7 +12,7 @@ import torch
 from tests.store import deployment
 from tsukimi.engine.engine import LLMEngine, StepOutput
 from tsukimi.engine.kv_cache import KVLayout
-from tsukimi.engine.kv_pool import HEADER_BYTES, KVFormat, KVFormatError, StoreKVConnector
+from tsukimi.engine.kv_pool import KVFormat, KVFormatError, StoreKVConnector
 from tsukimi.engine.model import generate_greedy_reference
 from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import LoadedModel, random_tiny
@@ -78,7 +78,7 @@ def test_a_lost_block_is_recomputed_never_misread(tiny: LoadedModel, store: depl
     expected = list(generate_greedy_reference(tiny.model, prompt, NEW))
     _run(prefill, "p", prompt, 1)
     lost = hash_blocks(prompt, BLOCK)[2]
-    assert store.client().remove(pool.format.key(lost), force=True)
+    assert store.client().remove(pool.format.key(lost, 1), force=True)  # one layer of block 2 is gone
     rest = _run(decode, "d", prompt + expected[:1], NEW - 1)
     assert rest[0].pool_tokens == 2 * BLOCK  # blocks 0 and 1; block 2 and on were computed
     assert [t for o in rest for t in o.token_ids] == expected[1:]
@@ -89,9 +89,42 @@ def test_blocks_of_another_format_are_refused(tiny: LoadedModel, store: deployme
     assert pool is not None
     prompt = PROMPTS[0]
     first = hash_blocks(prompt, BLOCK)[0]
-    size = HEADER_BYTES + decode.cache.layout.block_bytes
-    store.client().put(pool.format.key(first), b"\x01" * size)  # right size, wrong header
+    size = decode.cache.layout.slot_bytes
+    for layer in range(decode.cache.layout.num_layers):
+        store.client().put(pool.format.key(first, layer), b"\x01" * size)  # right size, wrong trailer
     with pytest.raises(KVFormatError, match="another format"):
         _run(decode, "d", prompt, 2)
     other = KVFormat.of("some-other-model", decode.cache.layout)
     assert other.prefix != pool.format.prefix  # another model's blocks live under other keys
+
+
+class _Recorder:
+    """A connector that notes, at each save_layer, whether the next layer was computed yet."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, bool]] = []
+
+    def load(self, hashes: object, blocks: object, cache: object) -> int:
+        return 0
+
+    def save_layer(self, layer: int, hashes: list[int], blocks: list[int], cache: object) -> None:
+        from tsukimi.engine.kv_cache import PagedKVCache
+
+        assert isinstance(cache, PagedKVCache)
+        later = layer + 1 < cache.layout.num_layers and bool(cache.kv[blocks[0], layer + 1].abs().sum() > 0)
+        self.events.append(("save", layer, later))
+
+    def flush(self) -> None:
+        self.events.append(("flush", -1, False))
+
+
+def test_layers_are_published_while_the_next_ones_compute(tiny: LoadedModel) -> None:
+    cfg = tiny.config
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK)
+    recorder = _Recorder()
+    engine = LLMEngine(tiny.model, layout, 64, cfg.eos_token_ids, connector=recorder)
+    _run(engine, "p", PROMPTS[0], 1)
+    saves = [e for e in recorder.events if e[0] == "save"]
+    assert [layer for _, layer, _ in saves] == list(range(cfg.num_layers))  # one call per layer, in order
+    assert not any(computed for _, _, computed in saves)  # each before the next layer's K/V existed
+    assert recorder.events[-1][0] == "flush"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import socket
 import threading
@@ -39,7 +40,7 @@ from tsukimi.serving.router_commands import add_parser, load_router_config, pars
 
 T = TypeVar("T")
 BLOCK_TOKENS = 4
-FAST = RouterConfig(poll_interval_s=0.05, connect_timeout_s=1.0, read_timeout_s=5.0, startup_timeout_s=0.3)
+FAST = RouterConfig(poll_interval_s=0.05, connect_timeout_s=1.0, read_timeout_s=5.0, startup_timeout_s=3.0)
 
 
 class FakeWorker:
@@ -378,7 +379,8 @@ def test_pd_closing_early_aborts_decode_and_frees_the_conductor(workers: list[Fa
 def test_unreachable_worker_is_503_promptly_and_skipped(workers: list[FakeWorker]) -> None:
     workers.append(FakeWorker("live"))
     started = time.monotonic()
-    alone = Router([WorkerSpec("dead", "colocated", dead_url())], FAST)
+    quick = dataclasses.replace(FAST, startup_timeout_s=0.3)  # NOTE: the dead one is waited for until then
+    alone = Router([WorkerSpec("dead", "colocated", dead_url())], quick)
 
     async def fails(router: Router) -> None:
         with pytest.raises(WorkerUnavailable, match="no colocated worker"):
@@ -386,7 +388,7 @@ def test_unreachable_worker_is_503_promptly_and_skipped(workers: list[FakeWorker
 
     run_with(alone, fails)
     assert time.monotonic() - started < 3.0
-    both = Router([WorkerSpec("dead", "colocated", dead_url()), workers[0].spec], FAST)
+    both = Router([WorkerSpec("dead", "colocated", dead_url()), workers[0].spec], quick)
 
     async def succeeds(router: Router) -> None:
         assert tokens(await collect(router, request([1], 2))) == [2, 3]

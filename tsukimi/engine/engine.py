@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,8 +43,13 @@ class KVConnector(Protocol):
         many of the first ones it could load."""
         ...
 
-    def save(self, hashes: Sequence[int], blocks: Sequence[int], cache: PagedKVCache) -> None:
-        """Offer these freshly computed full blocks to the pool."""
+    def save_layer(self, layer: int, hashes: Sequence[int], blocks: Sequence[int], cache: PagedKVCache) -> None:
+        """Offer `layer` of these freshly computed full blocks to the pool (may return before it
+        is written: the forward goes on with the next layer)."""
+        ...
+
+    def flush(self) -> None:
+        """Wait until everything offered is written."""
         ...
 
 
@@ -148,7 +153,9 @@ class LLMEngine:
             start = request.seq.num_tokens
             ids += request.tokens[start : start + count]
             positions += range(start, start + count)
-        attend = BatchAttention(self.cache, [(r.seq, n) for r, n in scheduled])
+        filled = [self._filling(request, count) for request, count in scheduled]
+        publish = self._publishable(scheduled, filled)
+        attend = BatchAttention(self.cache, [(r.seq, n) for r, n in scheduled], on_layer=publish)
         with torch.inference_mode():
             hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), attend)
             attend.commit()
@@ -159,8 +166,10 @@ class LLMEngine:
                     ready.append(request)
                     last.append(offset - 1)
             logits = self.model.logits(hidden[last]) if ready else None
-        for request, _ in scheduled:
-            self._cache_full_blocks(request)
+        for (request, _), blocks in zip(scheduled, filled, strict=True):
+            self._cache_filled(request, blocks)
+        if self.connector is not None:
+            self.connector.flush()  # NOTE: published before the first token leaves this worker
         outputs = []
         for row, request in enumerate(ready):
             assert logits is not None
@@ -241,24 +250,40 @@ class LLMEngine:
         request.cached_tokens, request.pool_tokens = request.seq.num_tokens, loaded * bt
         request.admitted = True
 
-    def _cache_full_blocks(self, request: _Request) -> None:
+    def _publishable(
+        self, scheduled: list[tuple[_Request, int]], filled: list[list[tuple[int, int]]]
+    ) -> Callable[[int], None] | None:
+        """The per-layer hook that publishes the prompt blocks this step fills (None: none)."""
+        connector, bt = self.connector, self.cache.layout.block_tokens
+        if connector is None:
+            return None
+        hashes, blocks = [], []
+        for (request, _), pairs in zip(scheduled, filled, strict=True):
+            prompt_blocks = len(request.prompt) // bt
+            for n, (block_hash, block) in enumerate(pairs, start=len(request.hashes)):
+                if n < prompt_blocks:
+                    hashes.append(block_hash)
+                    blocks.append(block)
+        if not hashes:
+            return None
+        return lambda layer: connector.save_layer(layer, hashes, blocks, self.cache)
+
+    def _filling(self, request: _Request, count: int) -> list[tuple[int, int]]:
+        """(hash, block) of the blocks that this step's `count` tokens of `request` fill."""
         if not self.prefix_caching:
-            return
+            return []
         bt = self.cache.layout.block_tokens
-        full = request.seq.num_tokens // bt
-        if full <= len(request.hashes):
-            return
-        known = len(request.hashes)
+        known, full = len(request.hashes), (request.seq.num_tokens + count) // bt
+        if full <= known:
+            return []
         parent = BlockHash(request.hashes[-1]) if request.hashes else None
         new = hash_blocks(request.tokens[known * bt : full * bt], bt, parent=parent)
-        blocks = request.seq.block_table[known:full]
-        for block, block_hash in zip(blocks, new, strict=True):
+        return list(zip(new, request.seq.block_table[known:full], strict=True))
+
+    def _cache_filled(self, request: _Request, filled: list[tuple[int, int]]) -> None:
+        for block_hash, block in filled:
             self.cache.pool.cache(block, block_hash)
-        request.hashes += new
-        if self.connector is not None and known * bt < len(request.prompt):
-            prompt_blocks = min(full, len(request.prompt) // bt) - known
-            if prompt_blocks > 0:
-                self.connector.save(new[:prompt_blocks], blocks[:prompt_blocks], self.cache)
+        request.hashes += [block_hash for block_hash, _ in filled]
 
     def _preempt(self, request: _Request) -> None:
         """Out of blocks: give up `request`'s KV; it recomputes (prompt + output so far) later."""

@@ -1,10 +1,12 @@
 """The paged KV cache: fixed-size token blocks in one tensor, a block pool with local prefix
 caching, and the attention that reads a batch of sequences' KV from their block tables.
 
-Layout (one block is contiguous, so it moves to and from the KV pool as one buffer, and each
-layer of it as one slice)::
+Layout: each (block, layer) is one contiguous slot, its K/V followed by a 64-byte trailer
+that the KV pool fills with the slot's identity, so a slot moves to and from the pool as one
+buffer, in place (tsukimi/engine/kv_pool.py)::
 
-    kv[block, layer, k|v, token in block, kv head, head dim]
+    slot(block, layer) = | k|v, token in block, kv head, head dim (layer_bytes) | trailer (64 B) |
+    kv[block, layer, k|v, token, kv head, head dim]: a strided tensor view over the slots
 
 A block holding a full, hashed run of tokens stays cached after its sequence ends and is reused
 by any later sequence with the same prefix (chained block hashes, tsukimi/scheduler/block_hash.py);
@@ -13,7 +15,7 @@ unreferenced cached blocks are recycled least recently used first.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +23,8 @@ import torch.nn.functional as F
 
 from tsukimi.errors import ConfigError
 from tsukimi.eviction import LruPolicy
+
+SLOT_TRAILER_BYTES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,11 @@ class KVLayout:
     @property
     def block_bytes(self) -> int:
         return self.num_layers * self.layer_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """One (block, layer) slot: its K/V and the trailer."""
+        return self.layer_bytes + SLOT_TRAILER_BYTES
 
 
 class BlockPool:
@@ -131,23 +140,28 @@ class PagedKVCache:
 
     def __init__(self, layout: KVLayout, num_blocks: int, storage: memoryview | None = None) -> None:
         self.layout, self.pool = layout, BlockPool(num_blocks)
-        shape = (num_blocks, *layout.block_shape)
+        total = num_blocks * layout.num_layers * layout.slot_bytes
         if storage is None:
-            self.kv = torch.zeros(shape, dtype=layout.dtype)
+            raw = torch.zeros(total, dtype=torch.uint8)
+        elif len(storage) < total:
+            raise ConfigError(f"KV storage of {len(storage)} bytes < {num_blocks} blocks of {total // num_blocks}")
         else:
-            if len(storage) < num_blocks * layout.block_bytes:
-                raise ConfigError(f"KV storage of {len(storage)} bytes < {num_blocks} blocks of {layout.block_bytes}")
-            flat = torch.frombuffer(storage, dtype=layout.dtype, count=num_blocks * layout.block_bytes // _size(layout))
-            self.kv = flat.view(shape)
-        self._bytes = self.kv.view(torch.uint8).view(num_blocks, layout.block_bytes)
+            raw = torch.frombuffer(storage, dtype=torch.uint8, count=total)
+        self._slots = raw.view(num_blocks, layout.num_layers, layout.slot_bytes)
+        elements = raw.view(layout.dtype)  # NOTE: slot_bytes is a multiple of the element size
+        slot, token = layout.slot_bytes // _size(layout), layout.num_kv_heads * layout.head_dim
+        self.kv = elements.as_strided(
+            (num_blocks, *layout.block_shape),
+            (layout.num_layers * slot, slot, layout.block_tokens * token, token, layout.head_dim, 1),
+        )
 
-    def block_bytes(self, block: int) -> memoryview:
-        """The bytes of one block (all layers), a writable view into the cache."""
-        return memoryview(self._bytes[block].numpy())  # type: ignore[arg-type]
+    def slot(self, block: int, layer: int) -> memoryview:
+        """One (block, layer) slot, K/V then trailer: a writable view into the cache."""
+        return memoryview(self._slots[block, layer].numpy())  # type: ignore[arg-type]
 
     def layer_bytes(self, block: int, layer: int) -> memoryview:
-        size = self.layout.layer_bytes
-        return self.block_bytes(block)[layer * size : (layer + 1) * size]
+        """The K/V bytes of one layer of one block (the slot without its trailer)."""
+        return self.slot(block, layer)[: self.layout.layer_bytes]
 
     def reserve(self, seq: SequenceKV, num_tokens: int) -> bool:
         """Make room in `seq` for `num_tokens` more tokens; False (and nothing taken) when
@@ -169,11 +183,18 @@ class BatchAttention:
     K/V in the cache, then attends each sequence's new queries to all its keys (causal).
 
     `segments` lists, in token order, (sequence, number of new tokens); the new tokens of a
-    sequence take positions seq.num_tokens onwards. Call `commit()` after the forward.
+    sequence take positions seq.num_tokens onwards. `on_layer(layer)` runs once each layer's
+    K/V are stored (the KV pool publishes that layer while the next ones compute). Call
+    `commit()` after the forward.
     """
 
-    def __init__(self, cache: PagedKVCache, segments: Sequence[tuple[SequenceKV, int]]) -> None:
-        self.cache, self.segments = cache, list(segments)
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        segments: Sequence[tuple[SequenceKV, int]],
+        on_layer: Callable[[int], None] | None = None,
+    ) -> None:
+        self.cache, self.segments, self._on_layer = cache, list(segments), on_layer
         bt = cache.layout.block_tokens
         blocks, offsets = [], []
         self._plans: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]] = []
@@ -196,6 +217,8 @@ class BatchAttention:
         kv = self.cache.kv
         kv[self._blocks, layer, 0, self._offsets] = k.to(kv.dtype)
         kv[self._blocks, layer, 1, self._offsets] = v.to(kv.dtype)
+        if self._on_layer is not None:
+            self._on_layer(layer)
         out = torch.empty_like(q)
         heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
         for start, count, table, context, mask in self._plans:

@@ -1,17 +1,23 @@
 """KV blocks in the store (the KV pool): how a prefill instance publishes the blocks it
-computed and how any instance loads a prefix that is already there.
+computes and how any instance loads a prefix that is already there.
 
-One store object per full block, keyed by the block's chained hash under a prefix that
-digests the KV format (model identity, dtype, layer count, KV heads, head size, block size),
-so instances of different models or layouts never read each other's blocks. Each object
-starts with a 64-byte header that repeats the format digest and the block hash; a block
-whose header or size does not match is refused (`KVFormatError`) instead of being used::
+One store object per (full block, layer), keyed by the block's chained hash and the layer under
+a prefix that digests the KV format (model identity, dtype, layer count, KV heads, head size,
+block size), so instances of different models or layouts never read each other's blocks.
+Publishing is layer by layer: as soon as the forward has stored layer l's K/V, a background
+thread writes layer l of the blocks that this step fills, while the next layers compute;
+`flush()` waits for them at the end of the step, before any block can be released.
 
-    | magic "TSKV" | version u32 | format digest 16 B | block hash u64 | payload bytes u64 | pad |
-    | payload: kv[layer, k|v, token, kv head, head dim] of one block (KVLayout)             |
+An object is exactly one KV cache slot (tsukimi/engine/kv_cache.py): the layer's K/V, then a
+64-byte trailer that names the format digest, the block hash and the layer. Both directions
+are zero-copy on our side: the store writes from and reads into the slot itself; a slot whose
+trailer or size does not match is refused (`KVFormatError`), and the block is not used::
 
-Loading stops at the first block the pool does not have (lost, evicted or never written):
-the engine computes the rest, so a lost block costs time, never correctness.
+    | payload: kv[k|v, token, kv head, head dim] of one layer of one block (KVLayout)              |
+    | magic "TSKV" | version u32 | format digest 16 B | block hash u64 | payload u64 | layer u32 | pad |
+
+Loading stops at the first block that the pool does not hold in full (lost, evicted or never
+written): the engine computes the rest, so a lost block costs time, never correctness.
 """
 
 from __future__ import annotations
@@ -22,17 +28,18 @@ import json
 import logging
 import struct
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from tsukimi.engine.kv_cache import KVLayout, PagedKVCache
 from tsukimi.errors import ObjectExists, TsukimiError
 from tsukimi.store.client import StoreClient
+from tsukimi.store.protocol import MAX_BATCH
 
 logger = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<4sI16sQQ")
-HEADER_BYTES = 64
-_MAGIC, _VERSION = b"TSKV", 1
+_TRAILER = struct.Struct("<4sI16sQQI")
+_MAGIC, _VERSION = b"TSKV", 3
 
 
 class KVFormatError(TsukimiError):
@@ -63,16 +70,19 @@ class KVFormat:
     def prefix(self) -> str:
         return f"kv/{self.digest.hex()}"
 
-    def key(self, block_hash: int) -> str:
-        return f"{self.prefix}/{block_hash:016x}"
+    def key(self, block_hash: int, layer: int) -> str:
+        return f"{self.prefix}/{block_hash:016x}/{layer}"
 
 
 class StoreKVConnector:
-    """The engine's `KVConnector` over a `StoreClient` (thread-safe as the client is)."""
+    """The engine's `KVConnector` over a `StoreClient`. `save_layer` may be called from the
+    engine thread only; writes run on one background thread, in order."""
 
     def __init__(self, client: StoreClient, fmt: KVFormat, replicas: int = 1) -> None:
         self.client, self.format, self.replicas = client, fmt, replicas
         self.loaded_blocks = self.saved_blocks = 0
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsukimi-kv-publish")
+        self._pending: list[Future[None]] = []
         described = json.dumps(asdict(fmt), sort_keys=True).encode()
         with contextlib.suppress(ObjectExists):  # NOTE: for readers of the pool: what the digest stands for
             client.put(f"{fmt.prefix}/format", described, pin="soft")
@@ -80,36 +90,64 @@ class StoreKVConnector:
     def load(self, hashes: Sequence[int], blocks: Sequence[int], cache: PagedKVCache) -> int:
         if not hashes:
             return 0
-        size = HEADER_BYTES + cache.layout.block_bytes
-        staging = [bytearray(size) for _ in hashes]
-        got = self.client.batch_get_into([self.format.key(h) for h in hashes], staging)
+        layers, size = self.format.num_layers, cache.layout.slot_bytes
+        pairs = [(h, b, layer) for h, b in zip(hashes, blocks, strict=False) for layer in range(layers)]
+        keys = [self.format.key(h, layer) for h, _, layer in pairs]
+        slots = [cache.slot(b, layer) for _, b, layer in pairs]
+        got: list[int] = []
+        for start in range(0, len(keys), MAX_BATCH):
+            got += self.client.batch_get_into(keys[start : start + MAX_BATCH], slots[start : start + MAX_BATCH])
         loaded = 0
-        for block_hash, block, buffer, length in zip(hashes, blocks, staging, got, strict=False):
-            if length != size:  # missing (0), unreadable (-1) or another size: compute from here on
-                if length not in (0, -1):
-                    raise KVFormatError(f"KV block {block_hash:016x} holds {length} bytes, expected {size}")
+        for n, block_hash in enumerate(hashes[: len(blocks)]):
+            span = range(n * layers, (n + 1) * layers)
+            if any(got[i] != size for i in span):  # missing (0), unreadable (-1): compute from here
+                wrong = [got[i] for i in span if got[i] not in (0, -1, size)]
+                if wrong:
+                    raise KVFormatError(f"KV block {block_hash:016x} holds {wrong[0]} bytes a layer, expected {size}")
                 break
-            self._check_header(buffer, block_hash, cache.layout.block_bytes)
-            cache.block_bytes(block)[:] = memoryview(buffer)[HEADER_BYTES:]
+            for layer, i in enumerate(span):
+                self._check(slots[i], block_hash, layer, cache.layout.layer_bytes)
             loaded += 1
         self.loaded_blocks += loaded
         return loaded
 
-    def save(self, hashes: Sequence[int], blocks: Sequence[int], cache: PagedKVCache) -> None:
+    def save_layer(self, layer: int, hashes: Sequence[int], blocks: Sequence[int], cache: PagedKVCache) -> None:
+        """Publish `layer` of these freshly computed blocks, in the background (see `flush`)."""
         items = []
         for block_hash, block in zip(hashes, blocks, strict=True):
-            header = _HEADER.pack(_MAGIC, _VERSION, self.format.digest, block_hash, cache.layout.block_bytes)
-            items.append((self.format.key(block_hash), header.ljust(HEADER_BYTES, b"\0") + cache.block_bytes(block)))
-        errors = self.client.batch_put(items, replicas=self.replicas)
+            slot = cache.slot(block, layer)
+            trailer = _TRAILER.pack(_MAGIC, _VERSION, self.format.digest, block_hash, cache.layout.layer_bytes, layer)
+            slot[cache.layout.layer_bytes : cache.layout.layer_bytes + len(trailer)] = trailer
+            items.append((self.format.key(block_hash, layer), slot))  # NOTE: sent from the cache itself
+        if items:
+            self._pending.append(self._writer.submit(self._put, items, layer == self.format.num_layers - 1))
+
+    def flush(self) -> None:
+        """Wait until every layer handed to `save_layer` is written (or failed, logged)."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)
+
+    def _put(self, items: list[tuple[str, memoryview]], last_layer: bool) -> None:
+        try:
+            errors = self.client.batch_put(items, replicas=self.replicas)
+        except TsukimiError as exc:  # the pool is best effort: the prefill itself succeeded
+            logger.warning("could not publish %d KV objects: %s", len(items), exc)
+            return
         for (key, _), error in zip(items, errors, strict=True):
             if error is None:
-                self.saved_blocks += 1
+                self.saved_blocks += last_layer
             elif not isinstance(error, ObjectExists):  # another instance published it first: fine
-                logger.warning("could not publish KV block %s: %s", key, error)
+                logger.warning("could not publish KV object %s: %s", key, error)
 
-    def _check_header(self, buffer: bytearray, block_hash: int, payload: int) -> None:
-        magic, version, digest, found_hash, found_payload = _HEADER.unpack_from(buffer)
+    def _check(self, slot: memoryview, block_hash: int, layer: int, payload: int) -> None:
+        magic, version, digest, found_hash, found_payload, found_layer = _TRAILER.unpack_from(slot, payload)
         if magic != _MAGIC or version != _VERSION or digest != self.format.digest:
             raise KVFormatError(f"KV block {block_hash:016x} was written in another format: refusing it")
-        if found_hash != block_hash or found_payload != payload:
-            raise KVFormatError(f"KV block {block_hash:016x}: header names block {found_hash:016x}")
+        if (found_hash, found_layer, found_payload) != (block_hash, layer, payload):
+            named = f"{found_hash:016x}/{found_layer}"
+            raise KVFormatError(f"KV block {block_hash:016x} layer {layer}: its trailer names {named}")
