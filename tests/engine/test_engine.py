@@ -102,3 +102,32 @@ def test_prefix_caching_off_computes_every_prompt(tiny: LoadedModel, expected: l
     while engine.has_work():
         engine.step()
     engine.cache.pool.check_invariants()
+
+
+def test_regression_a_waiting_request_never_holds_blocks_a_running_one_needs(tiny: LoadedModel) -> None:
+    """The review's livelock: a waiting request admitted with cached blocks, then unable to
+    reserve more, kept them while the only running request waited for a block for ever."""
+    engine = _engine(tiny, block_tokens=4, num_blocks=4)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    engine.generate([prompt], SamplingParams(max_tokens=1))  # 2 cached blocks left idle
+    engine.add_request("a", [9, 10, 11, 12, 13], SamplingParams(max_tokens=11, ignore_eos=True))
+    engine.step()
+    engine.add_request("b", [*prompt, 99], SamplingParams(max_tokens=2, ignore_eos=True))
+    produced = {"a": 0, "b": 0}
+    for _ in range(200):
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            produced[out.request_id] += len(out.token_ids)
+    assert produced == {"a": 10, "b": 2} and not engine.has_work()
+    engine.cache.pool.check_invariants()
+
+
+def test_blocks_are_released_tail_first(tiny: LoadedModel) -> None:
+    """Evicting one idle block must cost a chain its tail, not its head."""
+    engine = _engine(tiny, block_tokens=4, num_blocks=6)
+    prompt = list(range(1, 22))  # 5 full blocks + 1 token
+    engine.generate([prompt], SamplingParams(max_tokens=1))
+    engine.generate([[500, 501, 502, 503, 504]], SamplingParams(max_tokens=1))  # takes 2 blocks: 1 evicted
+    engine.add_request("again", prompt, SamplingParams(max_tokens=1))
+    assert engine.step()[0].cached_tokens == 16  # 4 of the 5 blocks are still reachable

@@ -143,9 +143,12 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Run one iteration (mutates); the tokens it produced, per request."""
         scheduled = self._schedule()
+        if not scheduled and self._running:  # every running request waits for blocks: free some
+            self._preempt(self._running[-1])
+            scheduled = self._schedule()
         if not scheduled:
-            if self._waiting and not self._running:
-                raise OutOfSpace("the KV cache cannot hold the next waiting request")
+            if self.has_work():
+                raise OutOfSpace("the KV cache cannot hold the next request")
             return []
         ids: list[int] = []
         positions: list[int] = []
@@ -222,6 +225,7 @@ class LLMEngine:
                 self._admit(request)
             count = min(len(request.tokens) - request.seq.num_tokens, budget)
             if not self.cache.reserve(request.seq, count):
+                self._unadmit(request)  # NOTE: never hold blocks while waiting: a running one may need them
                 break
             self._running.append(self._waiting.popleft())
             scheduled.append((request, count))
@@ -289,11 +293,16 @@ class LLMEngine:
         """Out of blocks: give up `request`'s KV; it recomputes (prompt + output so far) later."""
         logger.debug("preempting %s: the KV cache is full", request.request_id)
         self._running.remove(request)
-        self.cache.pool.release(request.seq.block_table)
-        request.seq, request.hashes, request.admitted = SequenceKV(), [], False
+        self._unadmit(request)
         self._waiting.appendleft(request)
 
+    def _unadmit(self, request: _Request) -> None:
+        # NOTE: tail first, so that the idle LRU gives up a chain's tail before its head
+        # (a head evicted first would leave the rest cached but unreachable).
+        self.cache.pool.release(request.seq.block_table[::-1])
+        request.seq, request.hashes, request.admitted = SequenceKV(), [], False
+
     def _finish(self, request: _Request) -> None:
-        self.cache.pool.release(request.seq.block_table)
+        self.cache.pool.release(request.seq.block_table[::-1])  # tail first (see _unadmit)
         request.seq.block_table = []
         self._ids.discard(request.request_id)

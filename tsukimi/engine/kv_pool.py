@@ -80,7 +80,7 @@ class StoreKVConnector:
 
     def __init__(self, client: StoreClient, fmt: KVFormat, replicas: int = 1) -> None:
         self.client, self.format, self.replicas = client, fmt, replicas
-        self.loaded_blocks = self.saved_blocks = 0
+        self.loaded_blocks = self.saved_blocks = self.refused_blocks = 0
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsukimi-kv-publish")
         self._pending: list[Future[None]] = []
         described = json.dumps(asdict(fmt), sort_keys=True).encode()
@@ -95,21 +95,33 @@ class StoreKVConnector:
         keys = [self.format.key(h, layer) for h, _, layer in pairs]
         slots = [cache.slot(b, layer) for _, b, layer in pairs]
         got: list[int] = []
-        for start in range(0, len(keys), MAX_BATCH):
-            got += self.client.batch_get_into(keys[start : start + MAX_BATCH], slots[start : start + MAX_BATCH])
+        try:
+            for start in range(0, len(keys), MAX_BATCH):
+                got += self.client.batch_get_into(keys[start : start + MAX_BATCH], slots[start : start + MAX_BATCH])
+        except TsukimiError as exc:  # the pool is an optimisation: compute instead
+            logger.warning("KV pool unavailable for a load (%s): computing instead", exc)
+            return 0
         loaded = 0
         for n, block_hash in enumerate(hashes[: len(blocks)]):
             span = range(n * layers, (n + 1) * layers)
             if any(got[i] != size for i in span):  # missing (0), unreadable (-1): compute from here
-                wrong = [got[i] for i in span if got[i] not in (0, -1, size)]
-                if wrong:
-                    raise KVFormatError(f"KV block {block_hash:016x} holds {wrong[0]} bytes a layer, expected {size}")
+                if any(got[i] not in (0, -1, size) for i in span):
+                    self._refuse(KVFormatError(f"KV block {block_hash:016x}: an object of the wrong size"))
                 break
-            for layer, i in enumerate(span):
-                self._check(slots[i], block_hash, layer, cache.layout.layer_bytes)
+            try:
+                for layer, i in enumerate(span):
+                    self._check(slots[i], block_hash, layer, cache.layout.layer_bytes)
+            except KVFormatError as exc:
+                self._refuse(exc)
+                break
             loaded += 1
         self.loaded_blocks += loaded
         return loaded
+
+    def _refuse(self, error: KVFormatError) -> None:
+        """A block written in another format (or damaged): never used; this request computes it."""
+        self.refused_blocks += 1
+        logger.error("refusing a KV block from the pool: %s", error)
 
     def save_layer(self, layer: int, hashes: Sequence[int], blocks: Sequence[int], cache: PagedKVCache) -> None:
         """Publish `layer` of these freshly computed blocks, in the background (see `flush`)."""

@@ -349,6 +349,7 @@ class Worker:
         self.config, self._loaded = config, loaded
         self.metrics = WorkerMetrics()
         self._store: StoreClient | None = None
+        self._connector: StoreKVConnector | None = None
         self._engine: EngineThread | None = None
         self._http: httpd.AppHandle | None = None
         self._streams: dict[str, _Stream] = {}  # requests with an open response (event loop only)
@@ -370,7 +371,7 @@ class Worker:
             connector = None
             if cfg.role != "colocated":
                 self._store = StoreClient.connect(cfg.master, cfg.segment_bytes)
-                connector = StoreKVConnector(self._store, KVFormat.of(mc.identity, layout))
+                connector = self._connector = StoreKVConnector(self._store, KVFormat.of(mc.identity, layout))
             model = self._loaded.model
 
             def make_engine() -> LLMEngine:
@@ -394,9 +395,11 @@ class Worker:
             self._engine.close()
         if self._http is not None:
             self._http.stop()
+        if self._connector is not None:
+            self._connector.close()  # NOTE: before the store: it may still be publishing
         if self._store is not None:
             self._store.close()
-        self._engine = self._http = self._store = None
+        self._engine = self._http = self._store = self._connector = None
 
     def __enter__(self) -> Worker:
         return self
