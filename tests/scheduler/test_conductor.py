@@ -177,3 +177,13 @@ def test_a_request_that_ends_at_prefill_leaves_no_decode_load() -> None:
     conductor.finished_at_prefill(1, 1.0)
     assert conductor.prefill_queue_s("p0", 1.0) == 0.0
     assert conductor.schedule(_request(2, [], 1000), 1.0).accepted and conductor.admit_decode(2, 2.0) == "d0"
+
+
+def test_excluded_instances_are_never_picked() -> None:
+    conductor = _conductor(prefill=2, decode=2, rejection="none")
+    decision = conductor.schedule(_request(1, [], 1000), 0.0, exclude={"p0", "d0"})
+    assert (decision.prefill, decision.decode) == ("p1", "d1")
+    assert conductor.admit_decode(1, 1.0, exclude={"d1"}) == "d0"
+    assert conductor.schedule(_request(2, [], 100), 1.0, exclude={"p0", "p1"}).reason == "no_instance"
+    assert conductor.schedule(_request(3, [], 100), 1.0).accepted
+    assert conductor.admit_decode(3, 2.0, exclude={"d0", "d1"}) is None

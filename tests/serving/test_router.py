@@ -471,3 +471,20 @@ def test_role_mismatch_is_a_config_error(workers: list[FakeWorker]) -> None:
             await router.start()
 
     run_with(router, body)
+
+
+def test_pd_places_again_when_a_prefill_worker_is_down(workers: list[FakeWorker]) -> None:
+    workers += [FakeWorker("p0", "prefill"), FakeWorker("p1", "prefill"), FakeWorker("d0", "decode")]
+    router = Router([w.spec for w in workers], FAST, ConductorConfig(rejection="none"))
+
+    async def body(router: Router) -> None:
+        await router.start()
+        workers[0].handle.stop(timeout_s=2.0)  # p0, the Conductor's first choice on a tie, dies
+        events = await collect(router, request(PROMPT, 3, "pd-2"))
+        assert tokens(events) == [110, 111, 112] and events[0].worker == "p1"
+        assert [w.healthy for w in router.workers() if w.role == "prefill"] == [False, True]
+        workers[1].handle.stop(timeout_s=2.0)
+        with pytest.raises(WorkerUnavailable, match="marked down"):
+            await collect(router, request(PROMPT, 3, "pd-3"))
+
+    run_with(router, body)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 from tsukimi.config import ConductorConfig
@@ -128,13 +128,20 @@ class Conductor:
         self._stages = DecodeStagePredictor(config.decode_estimate_s)
         self._output_sum, self._output_n = 0.0, 0
         self.counters: Counter[str] = Counter()
+        self._exclude: Container[str] = ()  # instances the current call must not pick
 
     # -- decisions ----------------------------------------------------------------------
 
-    def schedule(self, request: ScheduleRequest, now: float) -> Decision:
-        """Place `request` arriving at `now` (mutates: books the instances on acceptance)."""
+    def schedule(self, request: ScheduleRequest, now: float, exclude: Container[str] = ()) -> Decision:
+        """Place `request` arriving at `now` (mutates: books the instances on acceptance).
+        Instances in `exclude` (e.g. down) are not considered; with none left the decision is
+        a rejection with reason "no_instance"."""
         if request.input_tokens <= 0:
             raise InvalidArgument(f"request {request.request_id}: input_tokens must be > 0")
+        self._exclude = exclude
+        if all(name in exclude for name in self._prefill) or all(name in exclude for name in self._decode):
+            self.counters["rejected_no_instance"] += 1
+            return Decision(request.request_id, False, "no_instance")
         best = self._best_prefill(request, now)
         cfg = self.config
         if cfg.rejection != "none" and best.ttft_s > cfg.ttft_slo_s:
@@ -149,13 +156,19 @@ class Conductor:
         self.counters["accepted"] += 1
         return decision
 
-    def admit_decode(self, request_id: int, now: float) -> str | None:
+    def admit_decode(self, request_id: int, now: float, exclude: Container[str] = ()) -> str | None:
         """Prefill of `request_id` is done: the decode instance it goes to, or None when it is
-        rejected now (modes other than "none", when no instance meets the TBT SLO). Mutates."""
+        rejected now (modes other than "none", when no instance meets the TBT SLO; any mode
+        when every decode instance is in `exclude`). Mutates."""
         prefill, _, tokens = self._requests[request_id]
         self._prefill_done(prefill, request_id, now)
         for load in self._decode.values():
             load.incoming.pop(request_id, None)
+        self._exclude = exclude
+        if all(name in exclude for name in self._decode):
+            del self._requests[request_id]
+            self.counters["rejected_no_instance"] += 1
+            return None
         chosen, _, problem = self._best_decode(tokens, now, None)
         if problem and self.config.rejection != "none":
             del self._requests[request_id]
@@ -205,6 +218,8 @@ class Conductor:
             return prefill_s[cached]
 
         for name, load in self._prefill.items():
+            if name in self._exclude:
+                continue
             queue_s = max(0.0, load.free_at - now)
             local_loc = self._local[name]
             local = matches.get(local_loc, 0)
@@ -235,6 +250,8 @@ class Conductor:
         mean_out = self._output_sum / self._output_n if self._output_n else _INITIAL_OUTPUT_TOKENS
         best: tuple[float, float, str] | None = None  # (no room, tbt, name): lowest wins
         for name, load in self._decode.items():
+            if name in self._exclude:
+                continue
             if at is None:
                 count, context = float(len(load.active)), float(load.active_tokens)
             else:

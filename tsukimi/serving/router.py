@@ -341,24 +341,35 @@ class Router:
         assert conductor is not None
         rid, prompt = next(self._ids), request.prompt_ids
         blocks = hash_blocks(prompt, self.block_tokens)
-        decision = conductor.schedule(ScheduleRequest(rid, len(prompt), blocks), self.clock.now())
-        if not decision.accepted:
-            raise Rejected(decision.reason)
-        assert decision.prefill is not None
-        prefill = self._workers[decision.prefill]
-        try:
-            first = await self._prefill(prefill, request)
-        except BaseException:
-            conductor.finished_at_prefill(rid, self.clock.now())
-            raise
+        while True:  # NOTE: a prefill worker found down before any token: place the request again
+            down = {name for name, w in self._workers.items() if not w.healthy}
+            decision = conductor.schedule(ScheduleRequest(rid, len(prompt), blocks), self.clock.now(), down)
+            if not decision.accepted:
+                if decision.reason == "no_instance":
+                    raise WorkerUnavailable("no prefill or decode worker is reachable: all are marked down")
+                raise Rejected(decision.reason)
+            assert decision.prefill is not None
+            prefill = self._workers[decision.prefill]
+            try:
+                first = await self._prefill(prefill, request)
+                break
+            except WorkerUnavailable:
+                conductor.finished_at_prefill(rid, self.clock.now())
+                prefill.healthy = False
+            except BaseException:
+                conductor.finished_at_prefill(rid, self.clock.now())
+                raise
         self.index.stored(location(prefill.spec.name, "dram"), blocks)
         self.index.stored(location(POOL, "dram"), blocks)
         if first.finish_reason == "stop" or len(first.token_ids) >= request.max_tokens:
             conductor.finished_at_prefill(rid, self.clock.now())
             yield dataclasses.replace(first, finish_reason=first.finish_reason or "length")
             return
-        name = conductor.admit_decode(rid, self.clock.now())
+        down = {name for name, w in self._workers.items() if not w.healthy}
+        name = conductor.admit_decode(rid, self.clock.now(), down)
         if name is None:
+            if all(w.spec.name in down for w in self._workers.values() if w.spec.role == "decode"):
+                raise WorkerUnavailable("no decode worker is reachable: all are marked down")
             raise Rejected("rejected_at_decode")  # the Conductor's counter name
         decode, generated = self._workers[name], len(first.token_ids)
         body = request.body([*prompt, *first.token_ids], request.max_tokens - generated)
