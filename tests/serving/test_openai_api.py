@@ -102,7 +102,7 @@ def test_models_health_and_completion(colo: Colo) -> None:
         "prompt_tokens": 3,
         "completion_tokens": 3,
         "total_tokens": 6,
-        "prompt_tokens_details": {"cached_tokens": 2},
+        "prompt_tokens_details": {"cached_tokens": 2, "pool_tokens": 1},
     }
     assert body["usage"] == usage
     health = client.get("/health").json()
@@ -241,7 +241,7 @@ def test_pd_completion_through_the_api(serve: Serve) -> None:
     client = serve(FakeWorker("p0", "prefill", cached=4), FakeWorker("d0", "decode"))
     body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}).json()
     assert TOKENIZER.encode(body["choices"][0]["text"]) == [110, 111, 112]
-    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 4, "pool_tokens": 2}
     assert client.get("/health").json()["mode"] == "pd"
     assert "tsukimi_router_pool_prompt_tokens_total 2.0" in client.get("/metrics").text
 

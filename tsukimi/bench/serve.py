@@ -52,6 +52,7 @@ class Sample:
     tbt_s: float = float("nan")
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    pool_tokens: int = 0
     completion_tokens: int = 0
     rejected: bool = False
     error: str = ""
@@ -77,6 +78,7 @@ class ServeReport:
             "prompt_tokens": prompt,
             "cached_prompt_tokens": sum(s.cached_tokens for s in ok),
             "cached_ratio": round(sum(s.cached_tokens for s in ok) / prompt, 4) if prompt else 0.0,
+            "pool_prompt_tokens": sum(s.pool_tokens for s in ok),
         }
 
 
@@ -107,6 +109,7 @@ async def complete(client: httpx.AsyncClient, url: str, model: str, prompt: list
                     sample.completion_tokens = usage.get("completion_tokens", 0)
                     details = usage.get("prompt_tokens_details") or {}
                     sample.cached_tokens = details.get("cached_tokens", 0) or 0
+                    sample.pool_tokens = details.get("pool_tokens", 0) or 0
     except httpx.HTTPError as exc:
         sample.error = f"{type(exc).__name__}: {exc}"
         return sample
@@ -267,13 +270,13 @@ async def _workload(cfg: ServeBenchConfig, url: str) -> ServeReport:
 def markdown(result: dict[str, object]) -> str:
     runs = result["runs"]
     assert isinstance(runs, dict)
-    header = "| run | requests | done | rejected | TTFT p50 / p90 / p99 s | TBT p50 / p90 ms | cached prompt share |"
-    lines = [header, "|---|---|---|---|---|---|---|"]
+    header = "| run | requests | done | rejected | TTFT p50 / p90 / p99 s | TBT p50 / p90 ms | cached | from pool |"
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
     for label, run in runs.items():
         ttft, tbt = run["ttft_s"], run["tbt_s"]
         lines.append(f"| {label} | {run['requests']} | {run['completed']} | {run['rejected']} | "
                      f"{ttft['p50']} / {ttft['p90']} / {ttft['p99']} | {_ms(tbt['p50'])} / {_ms(tbt['p90'])} | "
-                     f"{run['cached_ratio']} |")  # fmt: skip
+                     f"{run['cached_ratio']} | {run['pool_prompt_tokens']} |")  # fmt: skip
     if "ttft_p50_ratio" in result:
         lines.append(f"\nmedian TTFT with reuse / without: {result['ttft_p50_ratio']}")
     return "\n".join(lines)

@@ -173,13 +173,15 @@ class _Job:
 class _Usage:
     prompt_tokens: int
     cached_tokens: int = 0
+    pool_tokens: int = 0
     completion_tokens: int = 0
 
     def body(self) -> dict[str, object]:
+        # NOTE: pool_tokens (of cached_tokens, those loaded from the KV pool) is not OpenAI's
         return {
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens, "pool_tokens": self.pool_tokens},
         }  # fmt: skip
 
 
@@ -304,7 +306,7 @@ class OpenAIServer:
         """(text, None) pieces, then (text, finish reason); records the token metrics and `usage`."""
         m = self.metrics
         m.ttft.observe(max(0.0, first.time_s - job.arrival_s))
-        usage.cached_tokens = first.cached_tokens
+        usage.cached_tokens, usage.pool_tokens = first.cached_tokens, first.pool_tokens
         m.cached_tokens.inc(first.cached_tokens)
         m.pool_tokens.inc(first.pool_tokens)
         text, event, previous = StopText(self.tokenizer, job.stops), first, first.time_s
