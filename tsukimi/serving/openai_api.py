@@ -177,7 +177,8 @@ class _Usage:
     completion_tokens: int = 0
 
     def body(self) -> dict[str, object]:
-        # NOTE: pool_tokens (of cached_tokens, those loaded from the KV pool) is not OpenAI's
+        # NOTE: pool_tokens (not OpenAI's): prompt tokens whose KV a worker (prefill, then
+        # decode) loaded from the KV pool instead of computing
         return {
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
@@ -310,6 +311,7 @@ class OpenAIServer:
         m.cached_tokens.inc(first.cached_tokens)
         m.pool_tokens.inc(first.pool_tokens)
         text, event, previous = StopText(self.tokenizer, job.stops), first, first.time_s
+        stage = first.stage
         while True:
             usage.completion_tokens += len(event.token_ids)
             m.completion_tokens.inc(len(event.token_ids))
@@ -322,6 +324,10 @@ class OpenAIServer:
             if delta:
                 yield delta, None
             event = await anext(events)
+            if event.stage == "decode" and event.stage != stage:  # the decode worker's own pool loads
+                usage.pool_tokens += event.pool_tokens
+                m.pool_tokens.inc(event.pool_tokens)
+            stage = event.stage
             count = max(1, len(event.token_ids))
             for _ in range(count):
                 m.tbt.observe(max(0.0, event.time_s - previous) / count)
