@@ -3,7 +3,8 @@
 Errors are named for whose fault they are (after trio and redis-py): the caller's
 (`ConfigError`, `InvalidBufferError`, `OutOfBounds`), our own code's (`ClosedError`), the
 other side's or the network's (`PeerError`, `BrokenConnectionError`, `RpcTimeout`,
-`ProtocolError`). Expected outcomes such as a cache miss are return values, not errors.
+`ProtocolError`, `WorkerError`), or nobody's (`Rejected`: the Conductor chose to turn a request
+away). Expected outcomes such as a cache miss are return values, not errors.
 
 Every error has a stable `code` so that it can cross the wire as (code, message) and be
 raised again as the same class on the other side (`error_from_code`).
@@ -121,6 +122,45 @@ class LeaseHeld(TsukimiError):
     """The object is leased to readers; removing it needs force."""
 
     code = "lease_held"
+
+
+class KVFormatError(TsukimiError):
+    """A KV block in the pool was written in another format (model, dtype, layout)."""
+
+    code = "kv_format"
+
+
+class ModelNotFound(InvalidArgument):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+    code = "model_not_found"
+
+
+class WorkerError(PeerError):
+    """A worker failed, stalled past the read timeout, or answered something malformed (HTTP 502)."""
+
+    code = "worker_error"
+
+
+class WorkerUnavailable(WorkerError):
+    """No worker could take the request: unreachable, refusing with 503, or all marked down (HTTP 503)."""
+
+    code = "worker_unavailable"
+
+
+_REJECTED_PREFIX = "rejected by the Conductor: "
+
+
+class Rejected(TsukimiError):
+    """The Conductor turned the request away (an SLO could not be met; HTTP 429); `reason` says which."""
+
+    code = "rejected"
+
+    def __init__(self, reason: str) -> None:
+        # NOTE: error_from_code passes the message back in; strip the prefix so that it round-trips
+        reason = reason.removeprefix(_REJECTED_PREFIX)
+        super().__init__(f"{_REJECTED_PREFIX}{reason}")
+        self.reason = reason
 
 
 def _all_subclasses(cls: type[TsukimiError]) -> list[type[TsukimiError]]:

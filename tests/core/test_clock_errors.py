@@ -30,11 +30,20 @@ def test_wall_clock_is_monotonic() -> None:
 
 @pytest.mark.parametrize(
     "cls",
-    [errors.OutOfBounds, errors.SegmentNotFound, errors.RpcTimeout, errors.ProtocolError, errors.ClosedError],
-)
+    [
+        errors.OutOfBounds, errors.SegmentNotFound, errors.RpcTimeout, errors.ProtocolError, errors.ClosedError,
+        errors.WorkerError, errors.WorkerUnavailable, errors.KVFormatError, errors.ModelNotFound,
+    ],
+)  # fmt: skip
 def test_errors_cross_the_wire_as_the_same_class(cls: type[errors.TsukimiError]) -> None:
     again = errors.error_from_code(cls.code, "message")
     assert type(again) is cls and str(again) == "message"
+
+
+def test_rejected_crosses_the_wire_with_its_reason() -> None:
+    sent = errors.Rejected("ttft_slo")
+    again = errors.error_from_code(sent.code, str(sent))
+    assert type(again) is errors.Rejected and again.reason == "ttft_slo" and str(again) == str(sent)
 
 
 def test_unknown_codes_become_peer_errors() -> None:

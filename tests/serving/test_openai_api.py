@@ -257,6 +257,17 @@ def test_worker_failures_are_502_and_503(serve: Serve) -> None:
     assert client.get("/health").json()["status"] == "degraded"
 
 
+def test_moved_errors_are_still_importable_from_their_old_modules() -> None:
+    from tsukimi import errors
+    from tsukimi.engine import kv_pool
+    from tsukimi.serving import openai_api, router
+
+    assert (router.Rejected, router.WorkerError, router.WorkerUnavailable) == (
+        errors.Rejected, errors.WorkerError, errors.WorkerUnavailable,
+    )  # fmt: skip
+    assert (kv_pool.KVFormatError, openai_api.ModelNotFound) == (errors.KVFormatError, errors.ModelNotFound)
+
+
 def test_metrics(serve: Serve) -> None:
     client = serve(FakeWorker("w", cached=2, load={"waiting": 3}))
     client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4})

@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from tsukimi.engine.kv_cache import KVLayout, PagedKVCache
+from tsukimi.errors import KVFormatError as KVFormatError
 from tsukimi.errors import ObjectExists, TsukimiError
 from tsukimi.store.client import StoreClient
 from tsukimi.store.protocol import MAX_BATCH
@@ -40,12 +41,6 @@ logger = logging.getLogger(__name__)
 
 _TRAILER = struct.Struct("<4sI16sQQI")
 _MAGIC, _VERSION = b"TSKV", 3
-
-
-class KVFormatError(TsukimiError):
-    """A KV block in the pool was written in another format (model, dtype, layout)."""
-
-    code = "kv_format"
 
 
 @dataclass(frozen=True, slots=True)

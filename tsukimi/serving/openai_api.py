@@ -28,8 +28,10 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tsukimi.engine.tokenizer import StreamDecoder, Tokenizer
-from tsukimi.errors import InvalidArgument, PeerError, RpcTimeout, TsukimiError
-from tsukimi.serving.router import GenerateRequest, Rejected, Router, TokenEvent, WorkerStatus, WorkerUnavailable
+from tsukimi.errors import InvalidArgument, PeerError, Rejected, RpcTimeout, TsukimiError, WorkerUnavailable
+from tsukimi.errors import ModelNotFound as ModelNotFound
+from tsukimi.serving.router import Router
+from tsukimi.serving.worker_client import GenerateRequest, TokenEvent, WorkerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +77,6 @@ class ChatMessage(msgspec.Struct, frozen=True):
 class ChatRequest(_Params, frozen=True, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-
-
-class ModelNotFound(InvalidArgument):
-    """The request names a model this server does not serve (HTTP 404)."""
-
-    code = "model_not_found"
 
 
 class ApiMetrics:

@@ -9,10 +9,11 @@ the workers' view (health, load) and, in PD mode, the Conductor and its prefix i
                         -> decode_finished
 
 `generate` yields `TokenEvent`s as the worker streams them. Every worker call goes through one
-`httpx.AsyncClient` with connect and read timeouts: a worker that cannot be reached raises
-`WorkerUnavailable` (HTTP 503), one that fails, stalls or answers garbage `WorkerError` (502),
-so a request never hangs on a dead worker. Loads come from `GET /load`, polled every
-`poll_interval_s`, and from a local count of this router's requests in flight.
+`WorkerClient` (tsukimi/serving/worker_client.py), with connect and read timeouts: a worker
+that cannot be reached raises `WorkerUnavailable` (HTTP 503), one that fails, stalls or answers
+garbage `WorkerError` (502), so a request never hangs on a dead worker. Loads come from
+`GET /load`, polled every `poll_interval_s`, and from a local count of this router's requests
+in flight.
 
 NOTE: the prefix index learns of blocks only when a prefill finishes here (the prompt's full
 blocks at the prefill worker and at the pool); workers do not report evictions back, so the
@@ -31,49 +32,49 @@ import itertools
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from typing import Literal, cast, get_args
-
-import httpx
-import msgspec
+from typing import Literal, cast
 
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import ConductorConfig
-from tsukimi.errors import ConfigError, InvalidArgument, PeerError, TsukimiError
+from tsukimi.errors import ConfigError, Rejected, WorkerError, WorkerUnavailable
 from tsukimi.scheduler.baselines import make_router
 from tsukimi.scheduler.block_hash import hash_blocks
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import CostModel, LinearCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
+from tsukimi.serving.worker_client import (
+    POOL,
+    ROLES,
+    FinishReason,
+    GenerateRequest,
+    Role,
+    TokenEvent,
+    WorkerClient,
+    WorkerHandle,
+    WorkerSpec,
+    WorkerStatus,
+)
+
+__all__ = [  # NOTE: the worker-facing types and the errors live elsewhere; re-exported for callers
+    "DEFAULT_DECODE_CAPACITY_TOKENS",
+    "POOL",
+    "ROLES",
+    "FinishReason",
+    "GenerateRequest",
+    "Rejected",
+    "Role",
+    "Router",
+    "RouterConfig",
+    "TokenEvent",
+    "WorkerError",
+    "WorkerSpec",
+    "WorkerStatus",
+    "WorkerUnavailable",
+]
 
 logger = logging.getLogger(__name__)
 
-Role = Literal["colocated", "prefill", "decode"]
-ROLES: tuple[str, ...] = get_args(Role)
-FinishReason = Literal["stop", "length"]
-POOL = "pool"  # the KV pool's instance name in the prefix index
 DEFAULT_DECODE_CAPACITY_TOKENS = 65536
-
-
-class Rejected(TsukimiError):
-    """The Conductor turned the request away (an SLO could not be met); `reason` says which."""
-
-    code = "rejected"
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"rejected by the Conductor: {reason}")
-        self.reason = reason
-
-
-class WorkerError(PeerError):
-    """A worker failed, stalled past the read timeout, or answered something malformed."""
-
-    code = "worker"
-
-
-class WorkerUnavailable(WorkerError):
-    """No worker could take the request: unreachable, refusing (503), or all marked down."""
-
-    code = "worker_unavailable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,108 +126,6 @@ class RouterConfig:
         return cast(CostModel, model)
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """A worker as declared: its name, role and base URL (http://host:port)."""
-
-    name: str
-    role: Role
-    url: str
-
-    def __post_init__(self) -> None:
-        if not self.name or "/" in self.name or self.name == POOL:
-            raise ConfigError(f"a worker name must be non-empty, without '/', and not {POOL!r}: {self.name!r}")
-        if self.role not in ROLES:
-            raise ConfigError(f"worker {self.name}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if not self.url.startswith(("http://", "https://")):
-            raise ConfigError(f"worker {self.name}: the URL must start with http:// or https://, got {self.url!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateRequest:
-    """One generation, as the workers' POST /generate takes it."""
-
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise InvalidArgument("the prompt must hold at least one token")
-        if self.max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
-
-    def body(self, prompt_ids: Sequence[int] | None = None, max_tokens: int | None = None) -> dict[str, object]:
-        """The JSON body, optionally with another prompt or max_tokens (the PD stages). Pure."""
-        return {
-            "request_id": self.request_id, "prompt_ids": list(self.prompt_ids if prompt_ids is None else prompt_ids),
-            "max_tokens": self.max_tokens if max_tokens is None else max_tokens, "temperature": self.temperature,
-            "top_p": self.top_p, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
-            "ignore_eos": self.ignore_eos,
-        }  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """Tokens one worker streamed. `finish_reason` is set on the last event only;
-    cached/pool tokens are the producing worker's (prompt tokens reused, of those from the
-    pool); `time_s` is the router's clock when the event arrived."""
-
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None
-    cached_tokens: int
-    pool_tokens: int
-    time_s: float
-    worker: str
-    stage: Role
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerStatus:
-    """A snapshot of one worker for /health and /metrics."""
-
-    name: str
-    role: Role
-    healthy: bool
-    waiting: int
-    running: int
-    in_flight: int
-
-
-class _Line(msgspec.Struct, frozen=True):
-    token_ids: list[int]
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-    cached_tokens: int = 0
-    pool_tokens: int = 0
-    error: str | None = None
-
-
-class _Load(msgspec.Struct, frozen=True):
-    waiting: int
-    running: int
-    free_blocks: int = 0
-    total_blocks: int = 0
-
-
-class _Health(msgspec.Struct, frozen=True):
-    role: str
-    block_tokens: int = 0
-
-
-@dataclass(slots=True)
-class _Worker:
-    spec: WorkerSpec
-    healthy: bool = True
-    load: _Load = dataclasses.field(default_factory=lambda: _Load(0, 0))
-    block_tokens: int = 0
-    in_flight: int = 0
-
-
 class Router:
     """Places requests on workers and streams their tokens back (see the module).
 
@@ -250,9 +149,9 @@ class Router:
         self.conductor: Conductor | None = None
         self.block_tokens = self.config.block_tokens
         self._conductor_config = conductor or ConductorConfig()
-        self._workers = {w.name: _Worker(w) for w in workers}
+        self._workers = {w.name: WorkerHandle(w) for w in workers}
         self._policy = make_router(self.config.policy)
-        self._client: httpx.AsyncClient | None = None
+        self._client: WorkerClient | None = None
         self._poller: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._ids = itertools.count()
@@ -268,17 +167,16 @@ class Router:
         async with self._lock:
             if self._poller is not None:
                 return
-            cfg = self.config
-            timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s)
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
+            cfg, workers = self.config, list(self._workers.values())
+            client = WorkerClient(self.clock, cfg.connect_timeout_s, cfg.read_timeout_s, cfg.poll_interval_s)
+            self._client = client
             try:
-                await self._discover()
+                await client.discover(workers, cfg.startup_timeout_s)
                 self.conductor = self._build_conductor() if self.mode == "pd" else None
             except BaseException:
                 await self.close()
                 raise
-            self._poller = asyncio.create_task(self._poll_forever(), name="router-load-poller")
+            self._poller = asyncio.create_task(client.poll_forever(workers), name="router-load-poller")
             logger.info("router started in %s mode over %d workers", self.mode, len(self._workers))
 
     async def close(self) -> None:
@@ -293,8 +191,7 @@ class Router:
 
     def workers(self) -> list[WorkerStatus]:
         """The workers' health and loads as last seen (pure)."""
-        return [WorkerStatus(w.spec.name, w.spec.role, w.healthy, w.load.waiting, w.load.running, w.in_flight)
-                for w in self._workers.values()]  # fmt: skip
+        return [w.status() for w in self._workers.values()]
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         """The request's tokens as the workers stream them; close the iterator early (aclose)
@@ -327,7 +224,7 @@ class Router:
             finally:
                 worker.in_flight -= 1
 
-    def _pick_colocated(self, tried: dict[str, WorkerUnavailable]) -> _Worker:
+    def _pick_colocated(self, tried: dict[str, WorkerUnavailable]) -> WorkerHandle:
         candidates = [w for w in self._workers.values() if w.healthy and w.spec.name not in tried]
         if not candidates:
             why = "; ".join(str(e) for e in tried.values()) or "all are marked down"
@@ -384,7 +281,7 @@ class Router:
             decode.in_flight -= 1
             conductor.decode_finished(rid, self.clock.now(), generated)
 
-    async def _prefill(self, worker: _Worker, request: GenerateRequest) -> TokenEvent:
+    async def _prefill(self, worker: WorkerHandle, request: GenerateRequest) -> TokenEvent:
         """Runs the prefill stage (max_tokens=1) to its end; one event with all its tokens."""
         worker.in_flight += 1
         try:  # NOTE: the stream runs to its end (or raises), so nothing is left to close
@@ -396,81 +293,9 @@ class Router:
         cached, pool = max(e.cached_tokens for e in events), max(e.pool_tokens for e in events)
         return dataclasses.replace(last, token_ids=tokens, cached_tokens=cached, pool_tokens=pool)
 
-    async def _stream(self, worker: _Worker, body: dict[str, object], stage: Role) -> AsyncGenerator[TokenEvent, None]:
-        """POST /generate and parse its NDJSON lines until one has a finish reason."""
+    def _stream(self, worker: WorkerHandle, body: dict[str, object], stage: Role) -> AsyncGenerator[TokenEvent, None]:
         assert self._client is not None
-        name, url = worker.spec.name, f"{worker.spec.url}/generate"
-        try:
-            async with self._client.stream("POST", url, json=body) as response:
-                if response.status_code != 200:
-                    raise _status_error(name, response.status_code, await response.aread())
-                async for text in response.aiter_lines():
-                    if not text.strip():
-                        continue
-                    try:
-                        line = msgspec.json.decode(text, type=_Line)
-                    except msgspec.DecodeError as exc:
-                        raise WorkerError(f"worker {name} sent a malformed line: {exc}") from exc
-                    if line.finish_reason == "abort":
-                        raise WorkerError(f"worker {name} aborted the request: {line.error or 'no reason given'}")
-                    now = self.clock.now()
-                    ids = tuple(line.token_ids)
-                    yield TokenEvent(ids, line.finish_reason, line.cached_tokens, line.pool_tokens, now, name, stage)
-                    if line.finish_reason is not None:
-                        return
-                raise WorkerError(f"worker {name} ended the stream before the request finished")
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            worker.healthy = False
-            raise WorkerUnavailable(f"worker {name} at {worker.spec.url} is unreachable: {exc}") from exc
-        except httpx.TimeoutException as exc:
-            raise WorkerError(f"worker {name} did not answer within {self.config.read_timeout_s} s") from exc
-        except httpx.HTTPError as exc:
-            raise WorkerError(f"worker {name} failed: {exc!r}") from exc
-
-    async def _discover(self) -> None:
-        clock, cfg = self.clock, self.config
-        deadline = clock.now() + cfg.startup_timeout_s
-        pending = list(self._workers.values())
-        while True:
-            answered = await asyncio.gather(*(self._refresh(w, health=True) for w in pending))
-            pending = [w for w, ok in zip(pending, answered, strict=True) if not ok]
-            if not pending or clock.now() >= deadline:
-                break
-            await asyncio.sleep(0.05)  # NOTE: an async wait; the Clock protocol only blocks
-        if pending:
-            names = ", ".join(w.spec.name for w in pending)
-            logger.warning("workers %s did not answer within %s s; marked down", names, cfg.startup_timeout_s)
-
-    async def _refresh(self, worker: _Worker, health: bool = False) -> bool:
-        """GET /load (after /health, whose role must match, when `health`); marks the worker up
-        or down (mutates). Returns whether it answered. Raises ConfigError on a role mismatch."""
-        try:
-            info = msgspec.json.decode(await self._get(worker, "/health"), type=_Health) if health else None
-            load = msgspec.json.decode(await self._get(worker, "/load"), type=_Load)
-        except (httpx.HTTPError, msgspec.DecodeError) as exc:
-            if worker.healthy:
-                logger.warning("worker %s is down: %r", worker.spec.name, exc)
-            worker.healthy = False
-            return False
-        if info is not None and info.role != worker.spec.role:
-            raise ConfigError(f"worker {worker.spec.name} is declared {worker.spec.role} but reports {info.role}")
-        if not worker.healthy:
-            logger.info("worker %s is up", worker.spec.name)
-        worker.block_tokens = info.block_tokens if info is not None else worker.block_tokens
-        worker.load, worker.healthy = load, True
-        return True
-
-    async def _get(self, worker: _Worker, path: str) -> bytes:
-        assert self._client is not None
-        timeout = min(self.config.connect_timeout_s, 2 * self.config.poll_interval_s)
-        response = await self._client.get(f"{worker.spec.url}{path}", timeout=timeout)
-        response.raise_for_status()
-        return response.content
-
-    async def _poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.poll_interval_s)
-            await asyncio.gather(*(self._refresh(w) for w in self._workers.values()))
+        return self._client.stream(worker, body, stage)
 
     def _build_conductor(self) -> Conductor:
         """Checks that the PD workers agree on block_tokens, then builds the Conductor over them."""
@@ -497,11 +322,3 @@ def _resolve_mode(mode: str, workers: Sequence[WorkerSpec]) -> Literal["colocate
         return "pd"
     raise ConfigError(f"workers with roles {sorted(roles) or 'none'} fit no {mode} mode: colocated needs colocated "
                       "workers only, pd prefill and decode workers only")  # fmt: skip
-
-
-def _status_error(name: str, status: int, body: bytes) -> TsukimiError:
-    message = body[:200].decode(errors="replace")
-    with contextlib.suppress(msgspec.DecodeError):
-        message = str(msgspec.json.decode(body, type=dict[str, object]).get("error", message))
-    kind = {400: InvalidArgument, 503: WorkerUnavailable}.get(status, WorkerError)  # 400: the input's fault
-    return kind(f"worker {name} answered HTTP {status}: {message}")

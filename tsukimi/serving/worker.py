@@ -1,10 +1,10 @@
 """One inference worker: an `LLMEngine` owned by one engine thread, behind the internal HTTP
 API that the router calls (`tsukimi worker`).
 
-    uvicorn's event loop                          engine thread (the only one touching the engine)
-    POST /generate -> _Add -----> inbox --------> engine.add_request -> verdict (200/400/409)
-         NDJSON lines <- asyncio.Queue <--------- engine.step() outputs (call_soon_threadsafe)
-    client gone    -> _Abort ---> inbox --------> engine.abort
+    uvicorn's event loop                      engine thread (tsukimi/serving/engine_thread.py)
+    POST /generate -> AddCommand ---> inbox --> engine.add_request -> Verdict (200/400/409)
+    NDJSON lines   <- asyncio.Queue <---------- engine.step() outputs (call_soon_threadsafe)
+    client gone    -> AbortCommand -> inbox --> engine.abort
     GET /load      <- LoadSnapshot, published by the engine thread after every iteration
 
 Roles: "colocated" generates with the local prefix cache only; "prefill" generates exactly one
@@ -26,16 +26,14 @@ import dataclasses
 import logging
 import signal
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import msgspec
-import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
 from tsukimi import httpd
@@ -46,7 +44,29 @@ from tsukimi.engine.model import DTYPES, DTypeName
 from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import LoadedModel, load_model
 from tsukimi.errors import ClosedError, ConfigError, InvalidArgument
+from tsukimi.serving.engine_thread import (
+    AbortCommand,
+    AddCommand,
+    EngineThread,
+    LoadSnapshot,
+    RequestStream,
+    Verdict,
+    WorkerMetrics,
+)
 from tsukimi.store.client import StoreClient
+
+__all__ = [  # NOTE: the engine thread's types live in engine_thread.py; re-exported for callers
+    "ROLES",
+    "EngineThread",
+    "GenerateChunk",
+    "GenerateRequest",
+    "LoadSnapshot",
+    "Role",
+    "Worker",
+    "WorkerConfig",
+    "WorkerMetrics",
+    "run_worker",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -112,203 +132,6 @@ class GenerateChunk(msgspec.Struct, omit_defaults=True):
     error: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class LoadSnapshot:
-    """What GET /load answers. waiting: accepted requests without a token yet (queued or
-    prefilling); running: requests producing tokens."""
-
-    waiting: int
-    running: int
-    free_blocks: int
-    total_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Verdict:
-    """A request's first event: accepted (200) or why not; later, a failure that ends it."""
-
-    status: int
-    message: str = ""
-
-
-_Event = StepOutput | _Verdict
-
-
-@dataclass(slots=True)
-class _Stream:
-    """One request's channel from the engine thread to the event loop."""
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[_Event]
-    prompt_tokens: int
-    started: bool = False  # engine side: a first output was produced
-    finished: bool = False  # loop side: the last line was read
-
-    def send(self, event: _Event) -> None:
-        """Thread-safe; a closed loop means nobody listens any more."""
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-
-
-@dataclass(frozen=True, slots=True)
-class _Add:
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    stream: _Stream
-
-
-@dataclass(frozen=True, slots=True)
-class _Abort:
-    stream: _Stream
-
-
-class WorkerMetrics:
-    """The worker's Prometheus metrics, in a registry of its own (tests run several workers)."""
-
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        self.waiting = Gauge("tsukimi_worker_waiting_requests", "Requests accepted, no token yet", registry=r)
-        self.running = Gauge("tsukimi_worker_running_requests", "Requests producing tokens", registry=r)
-        self.free_blocks = Gauge("tsukimi_worker_free_kv_blocks", "KV cache blocks free or reusable", registry=r)
-        self.requests = Counter("tsukimi_worker_requests", "Finished requests", ["finish_reason"], registry=r)
-        self.generated = Counter("tsukimi_worker_generated_tokens", "Tokens generated", registry=r)
-        self.prompt = Counter("tsukimi_worker_prompt_tokens", "Prompt tokens received", registry=r)
-        self.pool = Counter("tsukimi_worker_pool_prompt_tokens", "Prompt tokens with KV from the pool", registry=r)
-        self.local = Counter("tsukimi_worker_local_prompt_tokens", "Prompt tokens with KV cached here", registry=r)
-
-    def record(self, out: StepOutput, stream: _Stream) -> None:
-        """Account one engine output (from the engine thread)."""
-        if not stream.started:
-            self.prompt.inc(stream.prompt_tokens)
-            self.pool.inc(out.pool_tokens)
-            self.local.inc(out.cached_tokens - out.pool_tokens)
-        self.generated.inc(len(out.token_ids))
-        if out.finish_reason is not None:
-            self.requests.labels(out.finish_reason).inc()
-
-
-class EngineThread:
-    """The one thread that owns an `LLMEngine`: takes commands from an inbox, steps the engine
-    while it has work, sleeps on a condition otherwise, and routes outputs to their streams.
-
-    A failing step fails every request in the engine with its error and replaces the engine
-    (its state may be inconsistent); the thread keeps serving.
-    """
-
-    def __init__(self, make_engine: Callable[[], LLMEngine], metrics: WorkerMetrics, threads: int, name: str) -> None:
-        self._make_engine, self._metrics, self._threads = make_engine, metrics, threads
-        self._engine = make_engine()
-        self._cond = threading.Condition()
-        self._inbox: deque[_Add | _Abort] = deque()
-        self._active: dict[str, _Stream] = {}
-        self._stopping = False
-        self.load = LoadSnapshot(0, 0, self._engine.cache.pool.num_free, self._engine.cache.pool.num_blocks)
-        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def submit(self, command: _Add | _Abort) -> None:
-        """Queue a command for the engine thread (thread-safe). Raises ClosedError once closing."""
-        with self._cond:
-            if self._stopping:
-                raise ClosedError("the worker is shutting down")
-            self._inbox.append(command)
-            self._cond.notify()
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop after the current step; every unfinished request ends with an error. Idempotent."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread.ident is not None:
-            self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            logger.warning("engine thread %s did not stop within %.1f s", self._thread.name, timeout_s)
-
-    def _run(self) -> None:
-        torch.set_num_threads(self._threads)
-        while (commands := self._next_commands()) is not None:
-            for command in commands:
-                self._guarded(self._apply, command)
-            if self._engine.has_work():
-                self._guarded(self._step)
-            self._publish()
-        self._fail_all("the worker is shutting down")
-
-    def _next_commands(self) -> list[_Add | _Abort] | None:
-        """Sleep until there is something to do; the commands queued, or None when stopping."""
-        with self._cond:
-            while not (self._inbox or self._stopping or self._engine.has_work()):
-                self._cond.wait()
-            commands = list(self._inbox)
-            self._inbox.clear()
-        if not self._stopping:
-            return commands
-        for command in commands:
-            if isinstance(command, _Add):
-                command.stream.send(_Verdict(503, "the worker is shutting down"))
-        return None
-
-    def _guarded(self, action: Callable[..., None], *args: _Add | _Abort) -> None:
-        try:
-            action(*args)
-        except Exception as exc:  # NOTE: fail the requests with the cause instead of dying silently
-            logger.exception("the engine failed; failing %d requests", len(self._active))
-            self._fail_all(f"the engine failed: {type(exc).__name__}: {exc}")
-            self._engine = self._make_engine()  # NOTE: the old one's state may be inconsistent
-
-    def _apply(self, command: _Add | _Abort) -> None:
-        stream = command.stream
-        rid = stream.request_id
-        if isinstance(command, _Abort):
-            if self._active.get(rid) is stream:  # NOTE: not a later request that reuses the id
-                del self._active[rid]
-                self._metrics.requests.labels("abort").inc()
-                self._engine.abort(rid)
-            return
-        if rid in self._active:
-            stream.send(_Verdict(409, f"request {rid!r} is already running"))
-            return
-        self._active[rid] = stream  # NOTE: first, so that an engine failure fails this request too
-        try:
-            self._engine.add_request(rid, command.prompt, command.params)
-        except InvalidArgument as exc:
-            del self._active[rid]
-            stream.send(_Verdict(400, str(exc)))
-            return
-        stream.send(_Verdict(200))
-        logger.debug("accepted %s (%d prompt tokens)", rid, len(command.prompt))
-
-    def _step(self) -> None:
-        for out in self._engine.step():
-            stream = self._active.get(out.request_id)
-            if stream is None:
-                continue
-            self._metrics.record(out, stream)
-            stream.started = True
-            if out.finish_reason is not None:
-                del self._active[out.request_id]
-            stream.send(out)
-
-    def _fail_all(self, message: str) -> None:
-        for rid, stream in self._active.items():
-            with contextlib.suppress(Exception):  # NOTE: best effort on an engine that just failed
-                self._engine.abort(rid)
-            self._metrics.requests.labels("abort").inc()
-            stream.send(_Verdict(500, message))
-        self._active.clear()
-
-    def _publish(self) -> None:
-        waiting = sum(not s.started for s in self._active.values())
-        pool = self._engine.cache.pool
-        self.load = LoadSnapshot(waiting, len(self._active) - waiting, pool.num_free, pool.num_blocks)
-        self._metrics.waiting.set(waiting)
-        self._metrics.running.set(len(self._active) - waiting)
-        self._metrics.free_blocks.set(pool.num_free)
-
-
 class _TokenStream(StreamingResponse):
     """One request's NDJSON stream; `on_close` runs however it ends (done, client gone, shutdown)."""
 
@@ -323,7 +146,7 @@ class _TokenStream(StreamingResponse):
             self._on_close()
 
 
-async def _lines(stream: _Stream) -> AsyncIterator[bytes]:
+async def _lines(stream: RequestStream) -> AsyncIterator[bytes]:
     """Engine events as NDJSON lines; events already queued are merged into one line."""
     while not stream.finished:
         events = [await stream.queue.get()]
@@ -352,7 +175,7 @@ class Worker:
         self._connector: StoreKVConnector | None = None
         self._engine: EngineThread | None = None
         self._http: httpd.AppHandle | None = None
-        self._streams: dict[str, _Stream] = {}  # requests with an open response (event loop only)
+        self._streams: dict[str, RequestStream] = {}  # requests with an open response (event loop only)
 
     @property
     def base_url(self) -> str:
@@ -457,10 +280,10 @@ class Worker:
         rid = body.request_id
         if rid in self._streams:
             return JSONResponse({"error": f"request {rid!r} is already running"}, status_code=409)
-        stream = _Stream(rid, asyncio.get_running_loop(), asyncio.Queue(), len(body.prompt_ids))
+        stream = RequestStream(rid, asyncio.get_running_loop(), asyncio.Queue(), len(body.prompt_ids))
         self._streams[rid] = stream
         try:
-            engine.submit(_Add(tuple(body.prompt_ids), params, stream))
+            engine.submit(AddCommand(tuple(body.prompt_ids), params, stream))
             verdict = await stream.queue.get()
         except ClosedError as exc:
             self._streams.pop(rid, None)
@@ -468,20 +291,20 @@ class Worker:
         except BaseException:  # cancelled while waiting: the request must not run on
             self._close_stream(engine, stream)
             raise
-        assert isinstance(verdict, _Verdict)
+        assert isinstance(verdict, Verdict)
         if verdict.status != 200:
             self._streams.pop(rid, None)
             return JSONResponse({"error": verdict.message}, status_code=verdict.status)
         logger.debug("streaming %s", rid)
         return _TokenStream(_lines(stream), lambda: self._close_stream(engine, stream))
 
-    def _close_stream(self, engine: EngineThread, stream: _Stream) -> None:
+    def _close_stream(self, engine: EngineThread, stream: RequestStream) -> None:
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
         if not stream.finished:
             logger.debug("aborting %s: its client went away", stream.request_id)
             with contextlib.suppress(ClosedError):
-                engine.submit(_Abort(stream))
+                engine.submit(AbortCommand(stream))
 
 
 def run_worker(config: WorkerConfig, on_ready: Callable[[Worker], None] | None = None) -> None:

@@ -1,0 +1,233 @@
+"""The engine thread of a worker (tsukimi/serving/worker.py): the one thread that owns an
+`LLMEngine`, and the channel between it and the HTTP side's asyncio event loop.
+
+    event loop                                   engine thread (the only one touching the engine)
+    submit(AddCommand)   -> inbox -------------> engine.add_request -> Verdict (200/400/409)
+    RequestStream.queue  <- call_soon_threadsafe  engine.step() outputs (StepOutput), or a
+                                                  Verdict(500/503) that ends the request
+    submit(AbortCommand) -> inbox -------------> engine.abort
+    EngineThread.load    <- LoadSnapshot, published after every iteration
+
+A failing step fails every request in the engine with its error and replaces the engine (its
+state may be inconsistent); the thread keeps serving. Closing fails every unfinished request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from tsukimi.engine.engine import LLMEngine, StepOutput
+from tsukimi.engine.sampling import SamplingParams
+from tsukimi.errors import ClosedError, InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """What GET /load answers. waiting: accepted requests without a token yet (queued or
+    prefilling); running: requests producing tokens."""
+
+    waiting: int
+    running: int
+    free_blocks: int
+    total_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A request's first event: accepted (200) or why not; later, a failure that ends it."""
+
+    status: int
+    message: str = ""
+
+
+EngineEvent = StepOutput | Verdict
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """One request's channel from the engine thread to the event loop."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[EngineEvent]
+    prompt_tokens: int
+    started: bool = False  # engine side: a first output was produced
+    finished: bool = False  # loop side: the last line was read
+
+    def send(self, event: EngineEvent) -> None:
+        """Thread-safe; a closed loop means nobody listens any more."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+@dataclass(frozen=True, slots=True)
+class AddCommand:
+    """Add a request; the engine thread answers with a `Verdict` on its stream."""
+
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    stream: RequestStream
+
+
+@dataclass(frozen=True, slots=True)
+class AbortCommand:
+    """Abort the stream's request (its client went away); ignored once it finished."""
+
+    stream: RequestStream
+
+
+class WorkerMetrics:
+    """The worker's Prometheus metrics, in a registry of its own (tests run several workers)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.waiting = Gauge("tsukimi_worker_waiting_requests", "Requests accepted, no token yet", registry=r)
+        self.running = Gauge("tsukimi_worker_running_requests", "Requests producing tokens", registry=r)
+        self.free_blocks = Gauge("tsukimi_worker_free_kv_blocks", "KV cache blocks free or reusable", registry=r)
+        self.requests = Counter("tsukimi_worker_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.generated = Counter("tsukimi_worker_generated_tokens", "Tokens generated", registry=r)
+        self.prompt = Counter("tsukimi_worker_prompt_tokens", "Prompt tokens received", registry=r)
+        self.pool = Counter("tsukimi_worker_pool_prompt_tokens", "Prompt tokens with KV from the pool", registry=r)
+        self.local = Counter("tsukimi_worker_local_prompt_tokens", "Prompt tokens with KV cached here", registry=r)
+
+    def record(self, out: StepOutput, stream: RequestStream) -> None:
+        """Account one engine output (from the engine thread)."""
+        if not stream.started:
+            self.prompt.inc(stream.prompt_tokens)
+            self.pool.inc(out.pool_tokens)
+            self.local.inc(out.cached_tokens - out.pool_tokens)
+        self.generated.inc(len(out.token_ids))
+        if out.finish_reason is not None:
+            self.requests.labels(out.finish_reason).inc()
+
+
+class EngineThread:
+    """The one thread that owns an `LLMEngine`: takes commands from an inbox, steps the engine
+    while it has work, sleeps on a condition otherwise, and routes outputs to their streams.
+
+    A failing step fails every request in the engine with its error and replaces the engine
+    (its state may be inconsistent); the thread keeps serving.
+    """
+
+    def __init__(self, make_engine: Callable[[], LLMEngine], metrics: WorkerMetrics, threads: int, name: str) -> None:
+        self._make_engine, self._metrics, self._threads = make_engine, metrics, threads
+        self._engine = make_engine()
+        self._cond = threading.Condition()
+        self._inbox: deque[AddCommand | AbortCommand] = deque()
+        self._active: dict[str, RequestStream] = {}
+        self._stopping = False
+        self.load = LoadSnapshot(0, 0, self._engine.cache.pool.num_free, self._engine.cache.pool.num_blocks)
+        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, command: AddCommand | AbortCommand) -> None:
+        """Queue a command for the engine thread (thread-safe). Raises ClosedError once closing."""
+        with self._cond:
+            if self._stopping:
+                raise ClosedError("the worker is shutting down")
+            self._inbox.append(command)
+            self._cond.notify()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop after the current step; every unfinished request ends with an error. Idempotent."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.ident is not None:
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("engine thread %s did not stop within %.1f s", self._thread.name, timeout_s)
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._threads)
+        while (commands := self._next_commands()) is not None:
+            for command in commands:
+                self._guarded(self._apply, command)
+            if self._engine.has_work():
+                self._guarded(self._step)
+            self._publish()
+        self._fail_all("the worker is shutting down")
+
+    def _next_commands(self) -> list[AddCommand | AbortCommand] | None:
+        """Sleep until there is something to do; the commands queued, or None when stopping."""
+        with self._cond:
+            while not (self._inbox or self._stopping or self._engine.has_work()):
+                self._cond.wait()
+            commands = list(self._inbox)
+            self._inbox.clear()
+        if not self._stopping:
+            return commands
+        for command in commands:
+            if isinstance(command, AddCommand):
+                command.stream.send(Verdict(503, "the worker is shutting down"))
+        return None
+
+    def _guarded(self, action: Callable[..., None], *args: AddCommand | AbortCommand) -> None:
+        try:
+            action(*args)
+        except Exception as exc:  # NOTE: fail the requests with the cause instead of dying silently
+            logger.exception("the engine failed; failing %d requests", len(self._active))
+            self._fail_all(f"the engine failed: {type(exc).__name__}: {exc}")
+            self._engine = self._make_engine()  # NOTE: the old one's state may be inconsistent
+
+    def _apply(self, command: AddCommand | AbortCommand) -> None:
+        stream = command.stream
+        rid = stream.request_id
+        if isinstance(command, AbortCommand):
+            if self._active.get(rid) is stream:  # NOTE: not a later request that reuses the id
+                del self._active[rid]
+                self._metrics.requests.labels("abort").inc()
+                self._engine.abort(rid)
+            return
+        if rid in self._active:
+            stream.send(Verdict(409, f"request {rid!r} is already running"))
+            return
+        self._active[rid] = stream  # NOTE: first, so that an engine failure fails this request too
+        try:
+            self._engine.add_request(rid, command.prompt, command.params)
+        except InvalidArgument as exc:
+            del self._active[rid]
+            stream.send(Verdict(400, str(exc)))
+            return
+        stream.send(Verdict(200))
+        logger.debug("accepted %s (%d prompt tokens)", rid, len(command.prompt))
+
+    def _step(self) -> None:
+        for out in self._engine.step():
+            stream = self._active.get(out.request_id)
+            if stream is None:
+                continue
+            self._metrics.record(out, stream)
+            stream.started = True
+            if out.finish_reason is not None:
+                del self._active[out.request_id]
+            stream.send(out)
+
+    def _fail_all(self, message: str) -> None:
+        for rid, stream in self._active.items():
+            with contextlib.suppress(Exception):  # NOTE: best effort on an engine that just failed
+                self._engine.abort(rid)
+            self._metrics.requests.labels("abort").inc()
+            stream.send(Verdict(500, message))
+        self._active.clear()
+
+    def _publish(self) -> None:
+        waiting = sum(not s.started for s in self._active.values())
+        pool = self._engine.cache.pool
+        self.load = LoadSnapshot(waiting, len(self._active) - waiting, pool.num_free, pool.num_blocks)
+        self._metrics.waiting.set(waiting)
+        self._metrics.running.set(len(self._active) - waiting)
+        self._metrics.free_blocks.set(pool.num_free)
