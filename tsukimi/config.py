@@ -249,6 +249,19 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
     Raises:
         ConfigError: unreadable file, unknown section or key, wrong type, invalid value.
     """
+    return build_dataclass(Config, read_settings(path, overrides), "")
+
+
+def read_settings(
+    path: str | Path | None, overrides: typing.Iterable[str], top_level_keys: bool = False
+) -> dict[str, typing.Any]:
+    """The tables of an optional TOML file with `section.key=value` overrides applied (a value
+    is read as TOML, else taken as a bare string: `model=tiny`); with `top_level_keys`,
+    `key=value` sets a top-level key too. Every settings file of tsukimi is read this way.
+
+    Raises:
+        ConfigError: an unreadable file, a malformed override, an override into a non-table.
+    """
     data: dict[str, typing.Any] = {}
     if path is not None:
         try:
@@ -257,14 +270,17 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
             raise ConfigError(f"cannot read config file {path}: {exc}") from exc
     for item in overrides:
         key, sep, raw = item.partition("=")
-        _require(bool(sep) and "." in key, f"override must look like section.key=value, got {item!r}")
         *sections, leaf = key.strip().split(".")
+        shape = "[section.]key=value" if top_level_keys else "section.key=value"
+        _require(
+            bool(sep and leaf) and (bool(sections) or top_level_keys), f"override must look like {shape}, got {item!r}"
+        )
         node = data
         for name in sections:
             node = node.setdefault(name, {})
             _require(isinstance(node, dict), f"{key}: {name} is not a section")
         node[leaf] = _parse_scalar(raw.strip())
-    return build_dataclass(Config, data, "")
+    return data
 
 
 def _parse_scalar(raw: str) -> object:

@@ -44,7 +44,7 @@ def test_config_from_toml_and_overrides(tmp_path: Path) -> None:
         ("mode = 'colocated'\n[workers]\ncolocated = 0", "needs workers.colocated >= 1"),
         ("[router]\nport = 70000", "router.port must be in 0..65535"),
         ("[workers]\nnum_blocks = '8'", "workers.num_blocks must be int"),
-        ("model = ", "cannot read cluster config"),
+        ("model = ", "cannot read config file"),
     ],
 )
 def test_config_errors_name_the_key(tmp_path: Path, text: str, match: str) -> None:

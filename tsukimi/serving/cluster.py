@@ -38,8 +38,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import tomllib
-import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +49,7 @@ from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElaps
 from rich.table import Table
 
 from tsukimi.clock import WallClock
-from tsukimi.config import build_dataclass
+from tsukimi.config import build_dataclass, read_settings
 from tsukimi.errors import ConfigError, PeerError
 
 logger = logging.getLogger(__name__)
@@ -147,24 +145,7 @@ def load_cluster_config(path: str | Path | None = None, overrides: Iterable[str]
     Raises:
         ConfigError: an unreadable file, an unknown key or section, a bad value.
     """
-    data: dict[str, typing.Any] = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read cluster config {path}: {exc}") from exc
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        *sections, leaf = key.strip().split(".")
-        _require(bool(sep and leaf) and len(sections) <= 1, f"an override must look like [section.]key=value: {item!r}")
-        node = data
-        for name in sections:
-            node = node.setdefault(name, {})
-            _require(isinstance(node, dict), f"{key}: {name} is not a section")
-        try:
-            node[leaf] = tomllib.loads(f"v = {raw.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            node[leaf] = raw.strip()  # a bare word: tiny, pd
+    data = read_settings(path, overrides, top_level_keys=True)
     return build_dataclass(ClusterConfig, data, "")
 
 

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import tomllib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 
-from tsukimi.config import ConductorConfig, Config, build_dataclass
+from tsukimi.config import ConductorConfig, Config, build_dataclass, read_settings
 from tsukimi.errors import ConfigError
 from tsukimi.serving.router import RouterConfig, WorkerSpec
 
@@ -90,28 +88,6 @@ def load_router_config(
     Raises:
         ConfigError: an unreadable file, an unknown section or key, a bad value.
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        section, dot, leaf = key.strip().partition(".")
-        if not (sep and dot and leaf and "." not in leaf):
-            raise ConfigError(f"an override must look like section.key=value, got {item!r}")
-        table = data.setdefault(section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"{section} is not a table")
-        table[leaf] = _scalar(raw.strip())
+    data = read_settings(path, overrides)
     router = build_dataclass(RouterConfig, data.pop("router", {}), "router")
     return router, build_dataclass(Config, data, "").conductor
-
-
-def _scalar(raw: str) -> object:
-    """A TOML value, or the bare text when it is not one ("pd" without quotes)."""
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
