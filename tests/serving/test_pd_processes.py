@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from tsukimi.bench.store_cluster import TsukimiCluster, free_port, wait_until
+from tsukimi.bench.store_cluster import TsukimiCluster, free_port, stop_processes, wait_until
 from tsukimi.engine.model import generate_greedy_reference
 from tsukimi.engine.weights import random_tiny
 
@@ -40,14 +40,7 @@ def workers() -> Iterator[dict[str, str]]:
             wait_until(lambda u=url: httpx.get(u + "/health", timeout=1).status_code == 200, 60)
         yield urls
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(procs)
         store.close()
 
 

@@ -43,6 +43,21 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = _STARTUP_S, int
         clock.sleep(interval_s)
 
 
+def stop_processes(procs: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
+    """SIGTERM them all, wait up to `timeout_s` each, SIGKILL the ones still running."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
 class TsukimiCluster:
     """A master and `num_holders` holders of `holder_bytes` each. `master_addr` is the RPC
     endpoint; `settings` are extra `--set` overrides for every process (e.g. force tcp)."""
@@ -109,17 +124,7 @@ class TsukimiCluster:
         SIGTERM, then SIGKILL; idempotent."""
         holders = [p for p in self.procs if p is not getattr(self, "master", None)]
         for group in (holders, [p for p in self.procs if p not in holders]):
-            for proc in group:
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in group:
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=5)
-                if proc.stdout is not None:
-                    proc.stdout.close()
+            stop_processes(group)
         self.procs.clear()
 
     def __enter__(self) -> TsukimiCluster:

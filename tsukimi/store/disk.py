@@ -151,13 +151,7 @@ class DiskTier:
 
     def get(self, key: str) -> bytes | None:
         """The value of `key` (crc-checked), marked most recently used; None on a miss."""
-        raw = _key_bytes(key)
-        with self._lock:
-            size = self._index.get(key)
-            if size is None:
-                return None
-            buffer = bytearray(size)
-            return bytes(buffer) if self._read_touch(key, raw, memoryview(buffer)) else None
+        return self._value(key, remove=False)
 
     def get_into(self, key: str, buffer: bytearray | memoryview) -> int | None:
         """Read the value of `key` into the front of `buffer`, marking it most recently used.
@@ -183,14 +177,21 @@ class DiskTier:
 
     def pop(self, key: str) -> bytes | None:
         """Get and remove `key` (promotion to memory); None on a miss (mutates)."""
+        return self._value(key, remove=True)
+
+    def _value(self, key: str, remove: bool) -> bytes | None:
+        """`key`'s checked bytes, then touched (or dropped, with `remove` or when unreadable)."""
         raw = _key_bytes(key)
         with self._lock:
             size = self._index.get(key)
             if size is None:
                 return None
             buffer = bytearray(size)
-            ok = self._read(key, raw, memoryview(buffer))
-            self._drop(key)
+            if remove:
+                ok = self._read(key, raw, memoryview(buffer))
+                self._drop(key)
+            else:
+                ok = self._read_touch(key, raw, memoryview(buffer))
             return bytes(buffer) if ok else None
 
     def remove(self, key: str) -> bool:
