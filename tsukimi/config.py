@@ -110,6 +110,11 @@ class MasterConfig:
     write_grace_s: blocks of a revoked or reclaimed put stay out of use this long, since the
         failed writer's bytes may still be in flight; at least the clients' transfer timeout.
     high_watermark / evict_ratio: above this usage, evict this fraction of the capacity.
+    ha_etcd: "etcd://HOST:PORT[,...]" runs this master as one of several against etcd: one
+        is elected leader through an etcd lease of `ha_lease_ttl_s`, the others stand by; the
+        leader logs every state change in etcd before acknowledging it and snapshots every
+        `ha_snapshot_records` records (docs/reliability.md). "" runs a lone master, state
+        in memory only. ha_cluster names the cluster's keys in etcd.
     placement: how replicas pick segments (preferred segments always come first).
     eviction: the order objects are evicted in ("lru", "lfu"; see tsukimi/eviction.py).
     rpc_spin_us / rpc_spinners: after answering, a connection's thread polls for that
@@ -135,9 +140,25 @@ class MasterConfig:
     tick_interval_s: float = 0.1
     rpc_spin_us: float = 1000.0
     rpc_spinners: int = 1
+    ha_etcd: str = ""
+    ha_cluster: str = "tsukimi"
+    ha_lease_ttl_s: int = 2
+    ha_snapshot_records: int = 20000
+    ha_commit_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         _require(0 <= self.rpc_spin_us <= 1e6, "master.rpc_spin_us must be in [0, 1e6]")
+        _require(
+            not self.ha_etcd or self.ha_etcd.startswith("etcd://"),
+            f"master.ha_etcd must be empty or etcd://HOST:PORT[,HOST:PORT], got {self.ha_etcd!r}",
+        )
+        _require(
+            bool(self.ha_cluster) and all(c.isalnum() or c in "-_." for c in self.ha_cluster),
+            f"master.ha_cluster must be a non-empty name of letters, digits, -, _ and ., got {self.ha_cluster!r}",
+        )
+        _require(2 <= self.ha_lease_ttl_s <= 600, "master.ha_lease_ttl_s must be in 2..600 (etcd's minimum is 2)")
+        _require(self.ha_snapshot_records >= 100, "master.ha_snapshot_records must be >= 100")
+        _require(self.ha_commit_timeout_s > 0, "master.ha_commit_timeout_s must be > 0")
         _require(0 <= self.rpc_spinners <= 64, "master.rpc_spinners must be in 0..64")
         _require(
             self.eviction in POLICY_NAMES,
@@ -161,7 +182,11 @@ class MasterConfig:
 class ClientConfig:
     """Store client settings.
 
-    master: the master's RPC endpoint. segment_bytes: memory this client contributes to the
+    master: the master's RPC endpoint, or etcd://HOST:PORT[,...] to follow the elected leader
+    of an HA master group (`ha_cluster` names it); calls that fail because the leader changed
+    are retried for up to `failover_timeout_s`. checksum: store a crc32c with every object
+    put and verify it on every get (a replica that fails is skipped). segment_bytes: memory
+    this client contributes to the
     pool (0: a pure client). ssd_dir / ssd_bytes: the optional SSD tier (write-through; gets
     that miss in memory are served from it and promoted back). rpc_spin_us: how long a call
     to the master polls for its reply before sleeping (saves a ~50 us wake-up per call on a
@@ -175,13 +200,58 @@ class ClientConfig:
     heartbeat_interval_s: float = 1.0
     ssd_dir: str = ""
     ssd_bytes: int = 0
+    ha_cluster: str = "tsukimi"
+    failover_timeout_s: float = 10.0
+    checksum: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.master.startswith("tcp://"), f"client.master must be tcp://HOST:PORT, got {self.master!r}")
+        _require(
+            self.master.startswith(("tcp://", "etcd://")),
+            f"client.master must be tcp://HOST:PORT or etcd://HOST:PORT[,...], got {self.master!r}",
+        )
+        _require(self.failover_timeout_s > 0, "client.failover_timeout_s must be > 0")
         _require(self.segment_bytes >= 0, "client.segment_bytes must be >= 0")
         _require(self.rpc_timeout_s > 0 and self.heartbeat_interval_s > 0, "client timeouts must be > 0")
         _require(0 <= self.rpc_spin_us <= 1e6, "client.rpc_spin_us must be in [0, 1e6]")
         _require(not self.ssd_dir or self.ssd_bytes > 0, "client.ssd_bytes must be > 0 when ssd_dir is set")
+
+
+SECRET_ENV = "TSUKIMI_CLUSTER_SECRET"
+MIN_SECRET_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    """The optional shared cluster secret (docs/reliability.md, "Security").
+
+    When set, every control-plane (RPC) and Transfer Engine connection authenticates both
+    ways with an HMAC-SHA256 challenge-response before anything else is accepted, and the
+    metadata and master HTTP APIs require signed requests. The secret is read from
+    `secret_file` (one line; at least 16 bytes), or from the environment variable
+    TSUKIMI_CLUSTER_SECRET, which wins. Never put it on a command line.
+    """
+
+    secret_file: str = ""
+
+    def secret(self) -> bytes | None:
+        """The cluster secret, or None when none is configured.
+
+        Raises:
+            ConfigError: the file cannot be read, or the secret is shorter than 16 bytes.
+        """
+        import os
+
+        raw = os.environ.get(SECRET_ENV)
+        if raw is None and self.secret_file:
+            try:
+                raw = Path(self.secret_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"cannot read security.secret_file {self.secret_file}: {exc}") from exc
+        if not raw:
+            return None
+        secret = raw.encode()
+        _require(len(secret) >= MIN_SECRET_BYTES, f"the cluster secret must be at least {MIN_SECRET_BYTES} bytes")
+        return secret
 
 
 RejectionName = Literal["none", "baseline", "early", "predicted"]
@@ -241,6 +311,7 @@ class Config:
     master: MasterConfig = field(default_factory=MasterConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:

@@ -148,6 +148,33 @@ class WorkerUnavailable(WorkerError):
     code = "worker_unavailable"
 
 
+class AuthError(PeerError):
+    """A peer failed the cluster-secret handshake (or one side has a secret and the other not).
+
+    Raised on the side that tried to connect; the side that refused touched nothing."""
+
+    code = "auth"
+
+
+class NotLeader(PeerError):
+    """This master is not the leader (a standby, or a leader that lost its etcd lease): ask
+    the current leader. Retriable: a client given an etcd:// master finds it by itself."""
+
+    code = "not_leader"
+
+
+class MasterUnavailable(PeerError):
+    """No master leader answered within the client's failover bound (`client.failover_timeout_s`)."""
+
+    code = "master_unavailable"
+
+
+class ChecksumMismatch(TransferError):
+    """The bytes read do not match the crc32c stored with the object (every replica was tried)."""
+
+    code = "checksum"
+
+
 _REJECTED_PREFIX = "rejected by the Conductor: "
 
 
