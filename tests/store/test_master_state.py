@@ -234,3 +234,63 @@ def test_regression_a_stale_put_end_cannot_complete_a_newer_put() -> None:
     assert state.exists("k")
     other_run = MasterState(MasterConfig(), clock, epoch=7)
     assert other_run._put_ids.__next__() >> 32 == 7  # ids of another master run never collide
+
+
+def test_a_retried_put_start_and_put_end_with_the_same_put_id_are_the_same_put() -> None:
+    state, _ = make_state()
+    first = state.put_start("c0", "k", KIB, ReplicaConfig(), upsert=False, put_id=77)
+    assert state.put_start("c0", "k", KIB, ReplicaConfig(), upsert=False, put_id=77) == first
+    with pytest.raises(ObjectExists):  # another put id (or writer) is another put
+        state.put_start("c0", "k", KIB, ReplicaConfig(), upsert=False, put_id=78)
+    state.put_end("c0", "k", 77)
+    state.put_end("c0", "k", 77)  # the reply was lost and the client retried: a no-op
+    with pytest.raises(ObjectNotFound):
+        state.put_end("c0", "k", 78)
+    assert state.pending == {} and state.objects["k"].put_id == 77
+    state.check_invariants()
+
+
+def test_put_start_rejects_out_of_range_numbers() -> None:
+    state, _ = make_state()
+    for size, put_id, checksum in ((0, 0, None), (1 << 41, 0, None), (KIB, -1, None), (KIB, 1 << 63, None),
+                                   (KIB, 0, 1 << 32), (KIB, 0, -5)):  # fmt: skip
+        with pytest.raises(InvalidArgument):
+            state.put_start("c0", "k", size, ReplicaConfig(), upsert=False, put_id=put_id, checksum=checksum)
+    assert state.pending == {}
+
+
+def test_a_dead_writers_put_is_reclaimed_when_it_misses_its_heartbeats() -> None:
+    state, clock = make_state(client_ttl_s=3.0, heartbeat_interval_s=1.0, put_timeout_s=60.0, write_grace_s=0.5)
+    state.put_start("writer", "k", KIB, ReplicaConfig(), upsert=False)
+    used = state.registry.used
+    assert used > 0 and "writer" in state.registry.clients
+    advance(state, clock, 2.0)  # every known client heartbeats, the writer too
+    clock.advance(3.5)  # then the writer dies (a pure client: no segment) and stays silent past client_ttl
+    for client_id in ("c0", "c1"):
+        state.registry.heartbeat(client_id, clock.now())
+    state.tick()
+    assert "k" not in state.pending and "writer" not in state.registry.clients
+    assert state.registry.used == used  # quarantined for write_grace_s: the writer's bytes may be in flight
+    clock.advance(0.5)
+    state.tick()
+    assert state.registry.used == 0 and state.counters["puts_reclaimed"] == 1
+    state.check_invariants()
+
+
+def test_a_holder_restarted_under_the_same_name_drops_the_old_incarnations_replicas() -> None:
+    clock = VirtualClock()
+    state = MasterState(MasterConfig(), clock)
+    for i, te in enumerate(("te0", "te1")):
+        state.mount(MountSegment(f"old{i}", f"{te}/1000", te, 0x1000000, SEG, incarnation=f"inc{i}"))
+    state.put_start("old0", "both", KIB, ReplicaConfig(replicas=2), upsert=False)
+    state.put_end("old0", "both")
+    state.put_start("old0", "only0", KIB, ReplicaConfig(preferred_segments=("te0",)), upsert=False)
+    state.put_end("old0", "only0")
+    state.put_start("old1", "writing", KIB, ReplicaConfig(preferred_segments=("te0",)), upsert=False)
+    # te0's process restarts empty: same name, same address even, a new incarnation
+    state.mount(MountSegment("new0", "te0/1000", "te0", 0x1000000, SEG, incarnation="inc9"))
+    assert state.describe("both").replicas[0].te_segment == "te1" and len(state.describe("both").replicas) == 1
+    assert not state.exists("only0") and "writing" not in state.pending
+    assert state.registry.segments["te0/1000"].client_id == "new0" and "old0" not in state.registry.clients
+    assert state.registry.segments["te0/1000"].allocator.used_bytes == 0
+    state.check_invariants()

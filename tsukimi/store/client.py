@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import crc32c
 import msgspec
 
 from tsukimi.clock import WallClock
 from tsukimi.config import Config
 from tsukimi.errors import (
+    ChecksumMismatch,
     InvalidArgument,
     InvalidBufferError,
     ObjectExists,
@@ -42,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 LEASE_SHARE = 0.8  # reads must end within this share of the read lease
 MIN_READ_S = 0.05
+# NOTE: names this process to the master: a holder restarted under the same TE segment name
+# mounts with a new incarnation, and the master drops the old one's replicas at once.
+INCARNATION = uuid.uuid4().hex
 
 PinName = str  # "", "soft" or "hard"
 
@@ -81,8 +87,9 @@ class StoreClient:
                 buf = self.engine.allocate(cfg.segment_bytes)
                 self._segment_base = buf.base
                 mount = p.MountSegment(
-                    self.client_id, f"{self.engine.name}/{buf.base:x}", self.engine.name, buf.base, buf.length
-                )
+                    self.client_id, f"{self.engine.name}/{buf.base:x}", self.engine.name, buf.base, buf.length,
+                    INCARNATION,
+                )  # fmt: skip
                 self._call(mount)
                 self._mounts.append(mount)
             self._call(p.Heartbeat(self.client_id))
@@ -126,7 +133,12 @@ class StoreClient:
     batch_put_from = batch_put
 
     def _put_many(self, puts: list[_Put]) -> list[TsukimiError | None]:
-        started = self._call_batch([p.PutStart(self.client_id, u.key, len(u.data), u.config, u.upsert) for u in puts])
+        checksum = self.config.client.checksum
+        started = self._call_batch([
+            p.PutStart(self.client_id, u.key, len(u.data), u.config, u.upsert, _new_put_id(),
+                       crc32c.crc32c(u.data) if checksum else None)
+            for u in puts
+        ])  # fmt: skip
         errors: list[TsukimiError | None] = [_error(r) for r in started]
         live = [i for i, r in enumerate(started) if isinstance(r, p.PutStartResult)]
         written = False
@@ -211,7 +223,7 @@ class StoreClient:
     def _get_many(self, keys: list[str], into: list[memoryview] | None) -> list[memoryview | TsukimiError | None]:
         found = self._call_batch([p.GetReplicas(k) for k in keys])
         results: list[memoryview | TsukimiError | None] = [None] * len(keys)
-        targets: dict[int, tuple[memoryview, list[p.ReplicaLocation]]] = {}
+        targets: dict[int, _Target] = {}
         lease_s = min((r.lease_s for r in found if isinstance(r, p.GetReplicasResult) and r.replicas), default=0.0)
         for i, result in enumerate(found):
             if isinstance(result, p.Failure):
@@ -221,7 +233,8 @@ class StoreClient:
                 if len(dest) < result.size:
                     results[i] = InvalidBufferError(f"{keys[i]!r} is {result.size} bytes; the buffer holds {len(dest)}")
                     continue
-                targets[i] = (dest[: result.size], list(result.replicas))
+                checksum = result.checksum if self.config.client.checksum else None
+                targets[i] = _Target(dest[: result.size], list(result.replicas), checksum)
         # NOTE: replicas stay in place only while the lease lasts; a read that could finish
         # later might read blocks already given to another object, so it must end before.
         self._read_replicas(keys, targets, results, self._clock.now() + LEASE_SHARE * lease_s)
@@ -232,27 +245,33 @@ class StoreClient:
     def _read_replicas(
         self,
         keys: list[str],
-        targets: dict[int, tuple[memoryview, list[p.ReplicaLocation]]],
+        targets: dict[int, _Target],
         results: list[memoryview | TsukimiError | None],
         lease_end: float,
     ) -> None:
-        """READ each target from its first replica; the failed ones from the next, and so on,
-        all before `lease_end`."""
+        """READ each target from its first replica; the failed ones (and, with checksums,
+        the ones whose bytes do not match) from the next, and so on, all before `lease_end`."""
         attempt = 0
         while targets:
             order = list(targets)
-            requests = [TransferRequest(OpCode.READ, targets[i][1][attempt].te_segment, targets[i][1][attempt].address,
-                                        targets[i][0]) for i in order]  # fmt: skip
+            requests = [TransferRequest(OpCode.READ, targets[i].replicas[attempt].te_segment,
+                                        targets[i].replicas[attempt].address, targets[i].dest)
+                        for i in order]  # fmt: skip
             statuses = self.engine.transfer(requests, timeout_s=max(MIN_READ_S, lease_end - self._clock.now()))
             attempt += 1
             for i, status in zip(order, statuses, strict=True):
-                dest, replicas = targets[i]
+                target = targets[i]
+                reason, error = status.reason, TransferError
                 if status.state is RequestState.COMPLETED:
-                    results[i] = dest
-                    del targets[i]
-                elif attempt >= len(replicas):
-                    results[i] = TransferError(f"no replica of {keys[i]!r} was readable: {status.reason}")
-                    logger.warning("get %r failed on every replica: %s", keys[i], status.reason)
+                    if target.checksum is None or crc32c.crc32c(target.dest) == target.checksum:
+                        results[i] = target.dest
+                        del targets[i]
+                        continue
+                    reason, error = f"crc32c mismatch in {target.replicas[attempt - 1].te_segment}", ChecksumMismatch
+                    logger.warning("get %r: %s", keys[i], reason)
+                if attempt >= len(target.replicas):
+                    results[i] = error(f"no replica of {keys[i]!r} was readable: {reason}")
+                    logger.warning("get %r failed on every replica: %s", keys[i], reason)
                     del targets[i]
 
     def _from_disk(
@@ -390,6 +409,20 @@ class StoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """A get in progress: where the bytes go, the replicas to try in order, the crc32c."""
+
+    dest: memoryview
+    replicas: list[p.ReplicaLocation]
+    checksum: int | None
+
+
+def _new_put_id() -> int:
+    """A random non-zero put id: a PutStart retried after a lost reply is recognised as the same put."""
+    return secrets.randbits(62) | 1
 
 
 def _view(data: object, writable: bool = False) -> memoryview:

@@ -17,6 +17,7 @@ from tsukimi.errors import InvalidArgument
 MAX_KEY_BYTES = 4096
 MAX_REPLICAS = 8
 MAX_BATCH = 4096
+MAX_OBJECT_BYTES = 1 << 40
 
 
 def check_key(key: str) -> None:
@@ -54,13 +55,18 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
 
 
 class MountSegment(msgspec.Struct, frozen=True, tag=True):
-    """A client contributes [base, base + size) of its TE segment `te_segment`."""
+    """A client contributes [base, base + size) of its TE segment `te_segment`.
+
+    `incarnation` names the process behind the TE segment (new on every start): a mount of
+    the same `te_segment` by another incarnation means the old process is gone (the holder
+    restarted under the same name, empty), so its segments and replicas are dropped."""
 
     client_id: str
     segment_id: str
     te_segment: str
     base: int
     size: int
+    incarnation: str = ""
 
 
 class UnmountSegment(msgspec.Struct, frozen=True, tag=True):
@@ -69,11 +75,17 @@ class UnmountSegment(msgspec.Struct, frozen=True, tag=True):
 
 
 class PutStart(msgspec.Struct, frozen=True, tag=True):
+    """`put_id`: 0 lets the master draw one; a client that may retry proposes its own
+    (random, non-zero), which makes a retried PutStart return the same put. `checksum`: the
+    crc32c of the value, stored and handed to readers (None: not checked)."""
+
     client_id: str
     key: str
     size: int
     config: ReplicaConfig = ReplicaConfig()
     upsert: bool = False
+    put_id: int = 0
+    checksum: int | None = None
 
 
 class PutEnd(msgspec.Struct, frozen=True, tag=True):
@@ -140,11 +152,12 @@ class PutStartResult(msgspec.Struct, frozen=True, tag=True):
 
 class GetReplicasResult(msgspec.Struct, frozen=True, tag=True):
     """Complete replicas in the order to try them; empty on a miss. `lease_s` is how long
-    the replicas are guaranteed to stay in place."""
+    the replicas are guaranteed to stay in place; `checksum` the writer's crc32c, if any."""
 
     replicas: list[ReplicaLocation]
     size: int = 0
     lease_s: float = 0.0
+    checksum: int | None = None
 
 
 class ExistsResult(msgspec.Struct, frozen=True, tag=True):

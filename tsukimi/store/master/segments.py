@@ -26,6 +26,7 @@ class Segment:
     client_id: str
     base: int
     allocator: OffsetAllocator
+    incarnation: str = ""
 
 
 @dataclass(slots=True)
@@ -59,6 +60,10 @@ class SegmentRegistry:
             return False
         client.last_seen = now
         return True
+
+    def know(self, client_id: str, now: float) -> None:
+        """Start tracking a client's heartbeats (as seen now) unless it is known (mutates)."""
+        self.clients.setdefault(client_id, Client(client_id, now))
 
     def healthy(self, client_id: str, now: float) -> bool:
         client = self.clients.get(client_id)
@@ -96,9 +101,21 @@ class SegmentRegistry:
         client = self.clients.setdefault(op.client_id, Client(op.client_id, now))
         client.last_seen = now
         self.segments[op.segment_id] = Segment(
-            op.segment_id, op.te_segment, op.client_id, op.base, OffsetAllocator(op.size)
+            op.segment_id, op.te_segment, op.client_id, op.base, OffsetAllocator(op.size), op.incarnation
         )
         client.segment_ids.add(op.segment_id)
+
+    def stale_incarnations(self, op: MountSegment) -> list[str]:
+        """Clients whose segments are in `op.te_segment` but from another incarnation of its
+        process: that process is gone (pure)."""
+        if not op.incarnation:
+            return []
+        stale = {
+            s.client_id
+            for s in self.segments.values()
+            if s.te_segment == op.te_segment and s.incarnation and s.incarnation != op.incarnation
+        }
+        return sorted(stale)
 
     def unmount(self, client_id: str, segment_id: str) -> Segment:
         """Remove a segment (mutates). Raises ObjectNotFound if this client has no such segment."""

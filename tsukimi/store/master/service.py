@@ -51,7 +51,7 @@ class MasterService:
 
     def _mount(self, op: msgspec.Struct) -> p.Ok:
         assert isinstance(op, p.MountSegment)
-        self.state.registry.mount(op, self.state.clock.now())
+        self.state.mount(op)
         return p.Ok()
 
     def _unmount(self, op: msgspec.Struct) -> p.Ok:
@@ -61,7 +61,7 @@ class MasterService:
 
     def _put_start(self, op: msgspec.Struct) -> p.PutStartResult:
         assert isinstance(op, p.PutStart)
-        replicas = self.state.put_start(op.client_id, op.key, op.size, op.config, op.upsert)
+        replicas = self.state.put_start(op.client_id, op.key, op.size, op.config, op.upsert, op.put_id, op.checksum)
         return p.PutStartResult(replicas, self.state.pending[op.key].put_id)
 
     def _put_end(self, op: msgspec.Struct) -> p.Ok:
@@ -77,7 +77,9 @@ class MasterService:
     def _get_replicas(self, op: msgspec.Struct) -> p.GetReplicasResult:
         assert isinstance(op, p.GetReplicas)
         replicas, size = self.state.get_replicas(op.key)
-        return p.GetReplicasResult(replicas, size, self.state.config.lease_ttl_s if replicas else 0.0)
+        if not replicas:
+            return p.GetReplicasResult([], 0)
+        return p.GetReplicasResult(replicas, size, self.state.config.lease_ttl_s, self.state.objects[op.key].checksum)
 
     def _exists(self, op: msgspec.Struct) -> p.ExistsResult:
         assert isinstance(op, p.Exists)

@@ -22,7 +22,7 @@ from tsukimi.config import MasterConfig
 from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectExists, ObjectNotFound, OutOfSpace
 from tsukimi.eviction import EvictionPolicy, make_policy
 from tsukimi.store.master.segments import Placement, SegmentRegistry
-from tsukimi.store.protocol import ObjectInfo, ReplicaConfig, ReplicaLocation, check_key
+from tsukimi.store.protocol import MAX_OBJECT_BYTES, MountSegment, ObjectInfo, ReplicaConfig, ReplicaLocation, check_key
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class ObjectRecord:
     put_deadline: float  # pending objects only
     lease_until: float = 0.0
     put_id: int = 0
+    checksum: int | None = None
 
 
 class MasterState:
@@ -59,22 +60,36 @@ class MasterState:
     # -- writes ----------------------------------------------------------------------
 
     def put_start(
-        self, client_id: str, key: str, size: int, config: ReplicaConfig, upsert: bool
+        self,
+        client_id: str,
+        key: str,
+        size: int,
+        config: ReplicaConfig,
+        upsert: bool,
+        put_id: int = 0,
+        checksum: int | None = None,
     ) -> list[ReplicaLocation]:
         """Allocate replicas for a new object (or a new version, with `upsert`), evicting if
-        needed. Mutates. Raises InvalidArgument, ObjectExists, OutOfSpace."""
+        needed. A retry of a put this writer already started with the same non-zero `put_id`
+        returns the same replicas. Mutates. Raises InvalidArgument, ObjectExists, OutOfSpace."""
         check_key(key)
-        if size <= 0:
-            raise InvalidArgument(f"object size must be positive, got {size}")
-        if key in self.pending:
+        if not 0 < size <= MAX_OBJECT_BYTES:
+            raise InvalidArgument(f"object size must be in 1..{MAX_OBJECT_BYTES}, got {size}")
+        if not 0 <= put_id < 1 << 63 or (checksum is not None and not 0 <= checksum < 1 << 32):
+            raise InvalidArgument(f"put_id {put_id} or checksum {checksum} out of range")
+        pending = self.pending.get(key)
+        if pending is not None and put_id and (pending.writer, pending.put_id) == (client_id, put_id):
+            return self._locations(pending.replicas, pending.size)  # a retry: the same put
+        if pending is not None:
             raise ObjectExists(f"{key!r} is being written")
         if key in self.objects and not upsert:
             raise ObjectExists(f"{key!r} exists (use upsert to replace it)")
         now = self.clock.now()
         placed = self._allocate(client_id, size, config, now)
-        self.pending[key] = ObjectRecord(
-            key, size, config, placed, client_id, now + self.config.put_timeout_s, put_id=next(self._put_ids)
-        )
+        self.registry.know(client_id, now)  # NOTE: a dead writer's puts are reclaimed: see tick
+        record = ObjectRecord(key, size, config, placed, client_id, now + self.config.put_timeout_s)
+        record.put_id, record.checksum = put_id or next(self._put_ids), checksum
+        self.pending[key] = record
         self.counters["puts_started"] += 1
         return self._locations(placed, size)
 
@@ -99,7 +114,11 @@ class MasterState:
     def put_end(self, client_id: str, key: str, put_id: int = 0) -> None:
         """Make a pending object visible; an older version is retired. Mutates.
         Raises ObjectNotFound (never started, revoked, reclaimed or lost; or `put_id`, when
-        given, names another put of the key)."""
+        given, names another put of the key). Ending a put that already ended is a no-op
+        (a client retrying after a lost reply)."""
+        done = self.objects.get(key)
+        if key not in self.pending and put_id and done and (done.writer, done.put_id) == (client_id, put_id):
+            return
         record = self._pending_of(client_id, key, put_id)
         del self.pending[key]
         old = self.objects.pop(key, None)
@@ -182,6 +201,16 @@ class MasterState:
 
     # -- segments and time -----------------------------------------------------------
 
+    def mount(self, op: MountSegment) -> None:
+        """Mount a segment (mutates). A mount of a TE segment that another incarnation of its
+        process had mounted means that process is gone (it restarted under the same name,
+        empty): its clients are dropped with their replicas first, so none is ever served.
+        Raises InvalidArgument, ObjectExists (see SegmentRegistry.mount)."""
+        for stale in self.registry.stale_incarnations(op):
+            logger.warning("%s restarted (new incarnation): dropping client %s and its replicas", op.te_segment, stale)
+            self._drop_client(stale)
+        self.registry.mount(op, self.clock.now())
+
     def unmount(self, client_id: str, segment_id: str) -> None:
         """Unmount a segment and drop the replicas in it. Mutates. Raises ObjectNotFound."""
         self.registry.unmount(client_id, segment_id)
@@ -201,9 +230,8 @@ class MasterState:
         for placement in due:
             self.registry.free(placement)
         for client_id in self.registry.expired_clients(now):
-            segments = self.registry.drop_client(client_id)
-            logger.warning("client %s missed its heartbeats: dropped %d segments", client_id, len(segments))
-            self._drop_replicas_in({s.segment_id for s in segments})
+            logger.warning("client %s missed its heartbeats: dropping it", client_id)
+            self._drop_client(client_id)
         capacity = self.registry.capacity
         if capacity and self.registry.used > self.config.high_watermark * capacity:
             self._evict(int(self.config.evict_ratio * capacity), now)
@@ -247,6 +275,16 @@ class MasterState:
     def _free(self, record: ObjectRecord) -> None:
         for placement in record.replicas:
             self.registry.free(placement)
+
+    def _drop_client(self, client_id: str) -> None:
+        """Forget a dead client: its segments with the replicas in them, and its puts in
+        progress (their blocks are quarantined for write_grace_s). Mutates."""
+        segments = self.registry.drop_client(client_id)
+        self._drop_replicas_in({s.segment_id for s in segments})
+        for record in [r for r in self.pending.values() if r.writer == client_id]:
+            del self.pending[record.key]
+            self._quarantine(record.replicas, self.clock.now())
+            self.counters["puts_reclaimed"] += 1
 
     def _drop_replicas_in(self, segment_ids: set[str]) -> None:
         self.retired = [(at, p) for at, p in self.retired if p.segment_id not in segment_ids]
