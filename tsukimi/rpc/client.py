@@ -14,6 +14,10 @@ listening, the connection found dead before sending, a send that failed), the ca
 every `_RETRY_S` until its deadline, then raises `RpcTimeout`; once the whole request is
 sent, a dropped connection raises `BrokenConnectionError` at once, never a resend, since
 the server may have acted on it.
+
+Each new connection first runs the cluster-secret handshake (tsukimi/auth.py), bounded by
+the call's deadline. An `AuthError` (a secret missing on one side, or a wrong one) raises at
+once: nothing was sent, but retrying cannot help.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import TypeVar
 
 import msgspec
 
-from tsukimi import netio
+from tsukimi import auth, netio
 from tsukimi.clock import WallClock
 from tsukimi.errors import (
     BrokenConnectionError,
@@ -70,17 +74,28 @@ class RpcClient:
         spin_s: how long a call polls for its reply before it sleeps on the socket (see
             `FrameReader.spin`): replies faster than this skip a wake-up (~50 us on a VM)
             at the price of this much CPU per call at most; 0 never polls.
+        secret: the cluster secret, proven to (and by) the server on every connection;
+            None talks only to servers without one.
 
     Raises:
         ConfigError: `timeout_s` is not positive and finite, `spin_s` is negative or not
             finite, or `endpoint` is not tcp://HOST:PORT.
     """
 
-    def __init__(self, codec: Codec, endpoint: str, timeout_s: float = 5.0, spin_s: float = DEFAULT_SPIN_S) -> None:
+    def __init__(
+        self,
+        codec: Codec,
+        endpoint: str,
+        timeout_s: float = 5.0,
+        spin_s: float = DEFAULT_SPIN_S,
+        *,
+        secret: bytes | None = None,
+    ) -> None:
         _check_timeout(timeout_s)
         if not (spin_s >= 0 and math.isfinite(spin_s)):
             raise ConfigError(f"spin_s must be >= 0 and finite, got {spin_s}")
         self._spin_s = spin_s
+        self._secret = secret
         self._address = parse_endpoint(endpoint)
         self._codec = codec
         self._endpoint = endpoint
@@ -92,6 +107,9 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._sock: socket.socket | None = None  # set as soon as connecting starts, for close()
         self._conn: _Connection | None = None  # once connected
+        # NOTE: False: an unreachable server fails the call at once (RpcTimeout) instead of being
+        # retried until the deadline; a caller that can go elsewhere (MasterLink) wants that.
+        self.retry_unsent = True
 
     @property
     def endpoint(self) -> str:
@@ -113,6 +131,8 @@ class RpcClient:
                 could not be reached before it.
             BrokenConnectionError: the connection dropped after the request was sent (the
                 request may or may not have been acted on).
+            AuthError: the handshake failed: this side or the server lacks the cluster secret,
+                or they differ (raised at once; the request was not sent).
             TsukimiError: the server answered with an error: the same class as raised there;
                 `PeerError` for codes this side does not know (e.g. "internal").
             ProtocolError: the reply is malformed, of an undeclared type, or for another request.
@@ -195,7 +215,7 @@ class RpcClient:
             except _NotSent as exc:
                 self._drop()
                 wait = min(_RETRY_S, deadline - clock.now())
-                if wait <= 0 or closing.wait(wait):
+                if wait <= 0 or not self.retry_unsent or closing.wait(wait):
                     self._check_open()
                     raise RpcTimeout(f"{self._what(request)}: unreachable for {timeout:.3f} s") from exc.__cause__
                 logger.debug("rpc client %s: retrying: %s", self._what(request), exc.__cause__)
@@ -250,10 +270,12 @@ class RpcClient:
         return conn.reader
 
     def _connect(self, deadline: float) -> socket.socket:
-        """A connected socket, registered for close() (caller holds the lock).
+        """A connected, authenticated socket, registered for close() (caller holds the lock).
 
         Raises:
-            _NotSent: no connection (refused, unreachable, timed out, unresolvable host).
+            _NotSent: no connection (refused, unreachable, timed out, unresolvable host, the
+                server hung up or stalled in the handshake).
+            AuthError: the handshake failed.
             ClosedError: `close()` was called meanwhile.
         """
         host, port = self._address
@@ -284,6 +306,8 @@ class RpcClient:
             sock.setblocking(True)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             netio.set_io_timeout(sock, _TICK_S)
+            expired = auth.deadline_expired(deadline, self._closing.is_set)
+            auth.client_handshake(sock, self._secret, expired, f"rpc server {self._endpoint}")
         except OSError as exc:
             raise _NotSent from exc
         return sock

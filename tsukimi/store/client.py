@@ -34,10 +34,10 @@ from tsukimi.errors import (
     TsukimiError,
     error_from_code,
 )
-from tsukimi.rpc import RpcClient
 from tsukimi.store import protocol as p
 from tsukimi.store.disk import DiskTier
 from tsukimi.store.master.server import CODEC
+from tsukimi.store.master_link import MasterLink
 from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
 from tsukimi.transfer.segment import byte_view
 
@@ -77,7 +77,7 @@ class StoreClient:
         self._clock = WallClock()
         self._owns_engine = engine is None
         self.engine = engine or TransferEngine(config=self.config)
-        self._rpc = RpcClient(CODEC, cfg.master, cfg.rpc_timeout_s, cfg.rpc_spin_us * 1e-6)
+        self._rpc = MasterLink(cfg, CODEC)
         self._mounts: list[p.MountSegment] = []
         self._segment_base = 0
         self._disk = DiskTier(cfg.ssd_dir, cfg.ssd_bytes) if cfg.ssd_dir else None

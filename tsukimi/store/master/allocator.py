@@ -148,6 +148,42 @@ class OffsetAllocator:
         self._add_free(start, end - start)
         return size
 
+    def size_of(self, offset: int) -> int | None:
+        """The rounded size of the live block at `offset`, or None (pure)."""
+        return self._allocated.get(offset)
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """Every live block as (offset, rounded size), by offset (pure)."""
+        return sorted(self._allocated.items())
+
+    def restore(self, blocks: list[tuple[int, int]]) -> None:
+        """Make exactly `blocks` (offset, rounded size) the live allocations of this empty
+        allocator, the rest free (mutates; rebuilding a master's state from its log).
+
+        Raises:
+            OutOfBounds: the allocator is not empty, or a block is misaligned, overlaps
+                another or lies outside the capacity.
+        """
+        if self._allocated:
+            raise OutOfBounds("restore needs an empty allocator")
+        cursor = 0
+        for offset, size in sorted(blocks):
+            if offset < cursor or size <= 0 or offset % self._alignment or size % self._alignment:
+                raise OutOfBounds(f"block ({offset}, {size}) is misaligned or overlaps the one before")
+            cursor = offset + size
+        if cursor > self._capacity:
+            raise OutOfBounds(f"blocks end at {cursor}, past the capacity {self._capacity}")
+        self._free_offsets, self._free_sizes, self._by_size = [], {}, []
+        self._allocated = dict(blocks)
+        self._used_bytes = sum(self._allocated.values())
+        cursor = 0
+        for offset, size in sorted(blocks):
+            if offset > cursor:
+                self._add_free(cursor, offset - cursor)
+            cursor = offset + size
+        if cursor < self._capacity:
+            self._add_free(cursor, self._capacity - cursor)
+
     def check_invariants(self) -> None:
         """Assert the internal invariants; for tests, O(n log n), does not mutate."""
         align = self._alignment

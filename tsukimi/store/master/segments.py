@@ -50,6 +50,10 @@ class SegmentRegistry:
         self._rng = random.Random(config.seed)
         self.segments: dict[str, Segment] = {}
         self.clients: dict[str, Client] = {}
+        # NOTE: what changed since the last MasterState.take_changes (None: not tracked):
+        # the HA master logs these rows (tsukimi/store/ha/journal.py).
+        self.changed_segments: set[str] | None = None
+        self.changed_blocks: set[tuple[str, int]] | None = None
 
     # -- clients ---------------------------------------------------------------------
 
@@ -100,6 +104,8 @@ class SegmentRegistry:
             raise ObjectExists(f"segment {op.segment_id} is already mounted by {old.client_id}")
         client = self.clients.setdefault(op.client_id, Client(op.client_id, now))
         client.last_seen = now
+        if self.changed_segments is not None:
+            self.changed_segments.add(op.segment_id)
         self.segments[op.segment_id] = Segment(
             op.segment_id, op.te_segment, op.client_id, op.base, OffsetAllocator(op.size), op.incarnation
         )
@@ -122,6 +128,8 @@ class SegmentRegistry:
         seg = self.segments.get(segment_id)
         if seg is None or seg.client_id != client_id:
             raise ObjectNotFound(f"client {client_id} has no segment {segment_id}")
+        if self.changed_segments is not None:
+            self.changed_segments.add(segment_id)
         del self.segments[segment_id]
         self.clients[client_id].segment_ids.discard(segment_id)
         return seg
@@ -131,7 +139,10 @@ class SegmentRegistry:
         client = self.clients.pop(client_id, None)
         if client is None:
             return []
-        return [self.segments.pop(sid) for sid in sorted(client.segment_ids) if sid in self.segments]
+        dropped = [self.segments.pop(sid) for sid in sorted(client.segment_ids) if sid in self.segments]
+        if self.changed_segments is not None:
+            self.changed_segments.update(s.segment_id for s in dropped)
+        return dropped
 
     # -- placement -------------------------------------------------------------------
 
@@ -145,6 +156,8 @@ class SegmentRegistry:
                 continue
             offset = seg.allocator.allocate(size)
             if offset is not None:
+                if self.changed_blocks is not None:
+                    self.changed_blocks.add((seg.segment_id, offset))
                 placed.append(Placement(seg.segment_id, offset))
                 holders.add(seg.te_segment)
                 if len(placed) == config.replicas:
@@ -181,6 +194,8 @@ class SegmentRegistry:
         seg = self.segments.get(placement.segment_id)
         if seg is not None:
             seg.allocator.free(placement.offset)
+            if self.changed_blocks is not None:
+                self.changed_blocks.add((placement.segment_id, placement.offset))
 
     # -- figures ---------------------------------------------------------------------
 

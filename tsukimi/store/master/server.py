@@ -9,6 +9,7 @@ and `/segments`.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 from collections.abc import Iterator
@@ -21,9 +22,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from tsukimi import httpd
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import MasterConfig
-from tsukimi.errors import InvalidArgument, ObjectNotFound
+from tsukimi.errors import InvalidArgument, NotLeader, ObjectNotFound
 from tsukimi.rpc import Codec, RpcServer
 from tsukimi.store import protocol as p
+from tsukimi.store.ha import journal
+from tsukimi.store.ha.leader import HAController, LeaderInfo
 from tsukimi.store.master.service import MasterService
 from tsukimi.store.master.state import MasterState
 
@@ -39,8 +42,10 @@ class MasterServer:
 
     def __init__(self, config: MasterConfig, clock: Clock | None = None) -> None:
         self.config = config
-        self.state = MasterState(config, clock or WallClock(), epoch=secrets.randbits(30) + 1)
+        self._clock = clock or WallClock()
+        self.state = MasterState(config, self._clock, epoch=secrets.randbits(30) + 1)
         self.service = MasterService(self.state)
+        self.ha: HAController | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.metrics = CollectorRegistry()
@@ -64,30 +69,80 @@ class MasterServer:
             raise
         self._ticker = threading.Thread(target=self._tick_loop, name="tsukimi-master-tick", daemon=True)
         self._ticker.start()
+        if config.ha_etcd:
+            self.state.take_changes()  # starts tracking the rows to log
+            info = LeaderInfo(self.rpc.endpoint, self.http.base_url, f"{config.host}:{self.rpc.port}", os.getpid())
+            self.ha = HAController(config, info, self._install, self._forget, self._snapshot)
+            self.ha.start()
         logger.info("master serving RPC on %s, HTTP on %s", self.rpc.endpoint, self.http.base_url)
+
+    @property
+    def role(self) -> str:
+        """ "leader" (also a master without HA) or "standby"."""
+        return "leader" if self.ha is None or self.ha.leading() else "standby"
 
     @property
     def endpoint(self) -> str:
         return self.rpc.endpoint
 
     def _handle(self, request: msgspec.Struct) -> msgspec.Struct:
-        with self._latency.labels(type(request).__name__).time(), self._lock:
-            return self.service.handle(request)
+        logged: tuple[int, int] | None = None
+        with self._latency.labels(type(request).__name__).time():
+            with self._lock:
+                if self.ha is not None and not self.ha.leading():
+                    raise NotLeader(f"master {self.ha.info.name} is not the leader (find it in etcd)")
+                try:
+                    return_value = self.service.handle(request)
+                finally:
+                    logged = self._log_changes()
+            if logged is not None:  # NOTE: answered only once the change is in etcd
+                assert self.ha is not None
+                self.ha.wait(*logged)
+        return return_value
+
+    def _log_changes(self) -> tuple[int, int] | None:
+        """Queue the rows the last operation changed for the HA log (caller holds the lock)."""
+        if self.ha is None:
+            return None
+        changes = self.state.take_changes()
+        return self.ha.append(journal.records_of(self.state, changes)) if changes else None
+
+    def _install(self, tables: journal.Tables) -> None:
+        """Become the leader with the state the log holds (HA campaign thread)."""
+        state = journal.restore(tables, self.config, self._clock, secrets.randbits(30) + 1)
+        state.take_changes()
+        with self._lock:
+            self.state, self.service = state, MasterService(state)
+
+    def _forget(self) -> None:
+        """Leadership ended: drop the state (a next term starts from the log)."""
+        state = MasterState(self.config, self._clock, epoch=secrets.randbits(30) + 1)
+        state.take_changes()
+        with self._lock:
+            self.state, self.service = state, MasterService(state)
+
+    def _snapshot(self) -> tuple[int, list[journal.Record]]:
+        with self._lock:
+            assert self.ha is not None
+            return self.ha.appended, journal.snapshot_of(self.state)
 
     def _tick_loop(self) -> None:
         while not self._stop.wait(self.config.tick_interval_s):
             with self._lock:
+                if self.ha is not None and not self.ha.leading():
+                    continue
                 try:
                     self.state.tick()
                 except Exception:  # NOTE: a bug in one tick must not stop expiry for good
                     logger.exception("master tick failed")
+                self._log_changes()
 
     def _app(self) -> FastAPI:
         app = FastAPI(title="tsukimi master")
 
         @app.get("/health")
-        def health() -> dict[str, str]:
-            return {"status": "ok"}
+        def health() -> dict[str, object]:
+            return {"status": "ok", "role": self.role, "term": self.ha.term if self.ha else 0}
 
         @app.get("/metrics")
         def metrics() -> Response:
@@ -95,6 +150,8 @@ class MasterServer:
 
         @app.get("/query_key")
         def query_key(key: str) -> dict[str, object]:
+            if self.role != "leader":
+                raise HTTPException(503, "this master is a standby: ask the leader")
             try:
                 with self._lock:
                     info = self.state.describe(key)
@@ -113,7 +170,9 @@ class MasterServer:
         return app
 
     def close(self) -> None:
-        """Stop serving (idempotent). The state is kept in memory only (HA is a later issue)."""
+        """Stop serving (idempotent). Without HA the state is lost; an HA leader hands over."""
+        if self.ha is not None:
+            self.ha.close()
         self._stop.set()
         self.rpc.close()
         self.http.stop()

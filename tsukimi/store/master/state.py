@@ -27,6 +27,40 @@ from tsukimi.store.protocol import MAX_OBJECT_BYTES, MountSegment, ObjectInfo, R
 logger = logging.getLogger(__name__)
 
 
+class _TrackedDict(dict[str, "ObjectRecord"]):
+    """A dict that remembers which keys were set or deleted (when `changed` is a set)."""
+
+    changed: set[str] | None = None
+
+    def __setitem__(self, key: str, value: ObjectRecord) -> None:
+        if self.changed is not None:
+            self.changed.add(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        if self.changed is not None:
+            self.changed.add(key)
+        super().__delitem__(key)
+
+    def pop(self, key: str, default: ObjectRecord | None = None) -> ObjectRecord | None:  # type: ignore[override]
+        if self.changed is not None:
+            self.changed.add(key)
+        return super().pop(key, default)
+
+
+@dataclass(frozen=True, slots=True)
+class Changes:
+    """What one or more operations changed: the rows the HA master logs (pure data)."""
+
+    segments: set[str]
+    blocks: set[tuple[str, int]]
+    objects: set[str]
+    pending: set[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.segments or self.blocks or self.objects or self.pending)
+
+
 @dataclass(slots=True)
 class ObjectRecord:
     key: str
@@ -51,11 +85,24 @@ class MasterState:
         self._put_ids = itertools.count((epoch << 32) + 1)
         self.clock = clock
         self.registry = SegmentRegistry(config)
-        self.objects: dict[str, ObjectRecord] = {}  # complete, visible
-        self.pending: dict[str, ObjectRecord] = {}  # put started, not ended
+        self.objects: dict[str, ObjectRecord] = _TrackedDict()  # complete, visible
+        self.pending: dict[str, ObjectRecord] = _TrackedDict()  # put started, not ended
         self.retired: list[tuple[float, Placement]] = []  # (free at, block) of replaced/removed leased objects
         self.policy: EvictionPolicy[str] = policy or make_policy(config.eviction)
         self.counters: Counter[str] = Counter()
+
+    def take_changes(self) -> Changes:
+        """The rows changed since the last call, and start tracking if not yet (mutates)."""
+        registry = self.registry
+        objects, pending = self.objects, self.pending
+        assert isinstance(objects, _TrackedDict) and isinstance(pending, _TrackedDict)
+        changes = Changes(
+            registry.changed_segments or set(), registry.changed_blocks or set(),
+            objects.changed or set(), pending.changed or set(),
+        )  # fmt: skip
+        registry.changed_segments, registry.changed_blocks = set(), set()
+        objects.changed, pending.changed = set(), set()
+        return changes
 
     # -- writes ----------------------------------------------------------------------
 
@@ -293,7 +340,11 @@ class MasterState:
                 del self.pending[key]
                 self._quarantine([p for p in record.replicas if p.segment_id not in segment_ids], self.clock.now())
         for key, record in list(self.objects.items()):
-            record.replicas = [p for p in record.replicas if p.segment_id not in segment_ids]
+            kept = [p for p in record.replicas if p.segment_id not in segment_ids]
+            if len(kept) == len(record.replicas):
+                continue
+            record.replicas = kept
+            self.objects[key] = record  # NOTE: marks the row changed for the HA log
             if not record.replicas:
                 del self.objects[key]
                 self.policy.remove(key)

@@ -1,0 +1,148 @@
+"""`MasterLink`: a store client's calls to the master, following the leader of an HA group.
+
+Given `tcp://HOST:PORT`, calls go to that master and are not retried (a lone master). Given
+`etcd://HOST:PORT[,...]`, the link reads the leader's address from etcd (the key the elected
+master keeps alive, tsukimi/store/ha/leader.py) and, when a call fails because there is no
+leader, the leader changed or the connection broke, finds the leader again and retries, for
+up to `client.failover_timeout_s` in all; then it raises MasterUnavailable.
+
+Retrying is safe because every store operation is idempotent under retry: reads and
+heartbeats trivially; a mount of the same segment is a no-op; PutStart carries a put id the
+client chose, so a retried one returns the same put; PutEnd of a put that already ended is a
+no-op; a retried PutRevoke, Unmount or Remove that had been applied answers ObjectNotFound.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TypeVar
+
+import msgspec
+
+from tsukimi.clock import WallClock
+from tsukimi.config import ClientConfig
+from tsukimi.errors import (
+    BrokenConnectionError,
+    ClosedError,
+    MasterUnavailable,
+    MetadataError,
+    NotLeader,
+    ProtocolError,
+    RpcTimeout,
+)
+from tsukimi.rpc import Codec, RpcClient
+from tsukimi.store.ha.etcd_kv import EtcdKV
+from tsukimi.store.ha.leader import LeaderInfo, leader_key
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=msgspec.Struct)
+_RETRY_S = 0.05
+# NOTE: ClosedError: another thread of this client found the leader gone and closed its connection
+RETRIABLE = (NotLeader, RpcTimeout, BrokenConnectionError, ClosedError)
+
+
+class MasterLink:
+    """Thread-safe; `close()` when done. Connects lazily."""
+
+    def __init__(self, config: ClientConfig, codec: Codec, secret: bytes | None = None) -> None:
+        self.config = config
+        self._codec = codec
+        self._secret = secret
+        self._clock = WallClock()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._rpc: RpcClient | None = None
+        self._kv: EtcdKV | None = None
+        if config.master.startswith("etcd://"):
+            self._kv = EtcdKV(config.master, timeout_s=min(2.0, config.rpc_timeout_s))
+            self._key = leader_key(config.ha_cluster)
+        else:
+            self._rpc = self._client(config.master)
+        self.failovers = 0
+
+    @property
+    def endpoint(self) -> str:
+        rpc = self._rpc
+        return rpc.endpoint if rpc is not None else self.config.master
+
+    def call(self, request: msgspec.Struct) -> msgspec.Struct:
+        """Send `request` to the master (the leader) and return its response.
+
+        Raises:
+            MasterUnavailable: (HA) no leader answered within failover_timeout_s.
+            and what RpcClient.call raises (a lone master's errors are not retried).
+        """
+        if self._kv is None:
+            assert self._rpc is not None
+            return self._rpc.call(request)
+        deadline = self._clock.now() + self.config.failover_timeout_s
+        while True:
+            rpc = self._leader(deadline)
+            try:
+                return rpc.call(
+                    request, timeout_s=max(0.05, min(self.config.rpc_timeout_s, deadline - self._clock.now()))
+                )
+            except RETRIABLE as exc:
+                self._forget(rpc)
+                if self._clock.now() >= deadline or self._closed.is_set():
+                    raise MasterUnavailable(
+                        f"{type(request).__name__}: no master leader answered within "
+                        f"{self.config.failover_timeout_s} s: {exc}"
+                    ) from exc
+                logger.info("master %s failed (%s); finding the leader again", rpc.endpoint, exc)
+                self._closed.wait(_RETRY_S)
+
+    def call_as(self, request: msgspec.Struct, response_type: type[T]) -> T:
+        """`call`, then check the response type. Raises ProtocolError on another type."""
+        reply = self.call(request)
+        if not isinstance(reply, response_type):
+            raise ProtocolError(
+                f"{type(request).__name__}: expected {response_type.__name__}, got {type(reply).__name__}"
+            )
+        return reply
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            rpc, self._rpc = self._rpc, None
+        if rpc is not None:
+            rpc.close()
+        if self._kv is not None:
+            self._kv.close()
+
+    def _client(self, endpoint: str) -> RpcClient:
+        return RpcClient(self._codec, endpoint, self.config.rpc_timeout_s, self.config.rpc_spin_us * 1e-6)
+
+    def _leader(self, deadline: float) -> RpcClient:
+        """The RPC client of the current leader, looked up in etcd if not known."""
+        assert self._kv is not None
+        while True:
+            with self._lock:
+                if self._rpc is not None:
+                    return self._rpc
+            if self._closed.is_set():
+                raise MasterUnavailable("the store client is closed")
+            problem = "no leader is elected"
+            try:
+                found = self._kv.get(self._key)
+                if found is not None:
+                    info = LeaderInfo.decode(found[0])
+                    with self._lock:
+                        if self._rpc is None:
+                            self._rpc = self._client(info.rpc)
+                            self._rpc.retry_unsent = False
+                            self.failovers += 1
+                        return self._rpc
+            except (MetadataError, ProtocolError) as exc:
+                problem = str(exc)
+            if self._clock.now() >= deadline:
+                raise MasterUnavailable(f"no master leader within {self.config.failover_timeout_s} s: {problem}")
+            self._closed.wait(_RETRY_S)
+
+    def _forget(self, rpc: RpcClient) -> None:
+        with self._lock:
+            if self._rpc is rpc:
+                self._rpc = None
+        rpc.close()
