@@ -163,6 +163,13 @@ class NotLeader(PeerError):
     code = "not_leader"
 
 
+class Recovering(NotLeader):
+    """A newly elected leader has not yet heard from the holders it restored (they heartbeat
+    within client_ttl): retriable, like NotLeader."""
+
+    code = "recovering"
+
+
 class MasterUnavailable(PeerError):
     """No master leader answered within the client's failover bound (`client.failover_timeout_s`)."""
 

@@ -371,13 +371,17 @@ class StoreClient:
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.config.client.heartbeat_interval_s):
             try:
-                beat = self._rpc.call_as(p.Heartbeat(self.client_id), p.HeartbeatResult)
+                beat = self._rpc.call_as(p.Heartbeat(self.client_id), p.HeartbeatResult, self._heartbeat_s())
                 if not beat.known and self._mounts:  # the master restarted: mount again
                     logger.warning("the master does not know this client; remounting %d segments", len(self._mounts))
                     for mount in self._mounts:
                         self._call(mount)
             except TsukimiError as exc:
                 logger.warning("heartbeat to %s failed: %s", self.config.client.master, exc)
+
+    def _heartbeat_s(self) -> float:
+        """How long one heartbeat waits for a master: a heartbeat interval (at least 0.2 s)."""
+        return max(0.2, self.config.client.heartbeat_interval_s)
 
     @staticmethod
     def _raise(error: TsukimiError | None) -> None:

@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=msgspec.Struct)
 _RETRY_S = 0.05
+# NOTE: one attempt on one master waits at most this long, so a paused leader (SIGSTOP, a
+# partition) costs a client this much before it looks for a new one; a slower answer is
+# simply asked again (every operation is idempotent under retry).
+ATTEMPT_S = 1.0
 # NOTE: ClosedError: another thread of this client found the leader gone and closed its connection
 RETRIABLE = (NotLeader, RpcTimeout, BrokenConnectionError, ClosedError)
 
@@ -67,7 +71,7 @@ class MasterLink:
         rpc = self._rpc
         return rpc.endpoint if rpc is not None else self.config.master
 
-    def call(self, request: msgspec.Struct) -> msgspec.Struct:
+    def call(self, request: msgspec.Struct, attempt_s: float = ATTEMPT_S) -> msgspec.Struct:
         """Send `request` to the master (the leader) and return its response.
 
         Raises:
@@ -82,7 +86,8 @@ class MasterLink:
             rpc = self._leader(deadline)
             try:
                 return rpc.call(
-                    request, timeout_s=max(0.05, min(self.config.rpc_timeout_s, deadline - self._clock.now()))
+                    request,
+                    timeout_s=max(0.05, min(self.config.rpc_timeout_s, attempt_s, deadline - self._clock.now())),
                 )
             except RETRIABLE as exc:
                 self._forget(rpc)
@@ -94,9 +99,9 @@ class MasterLink:
                 logger.info("master %s failed (%s); finding the leader again", rpc.endpoint, exc)
                 self._closed.wait(_RETRY_S)
 
-    def call_as(self, request: msgspec.Struct, response_type: type[T]) -> T:
+    def call_as(self, request: msgspec.Struct, response_type: type[T], attempt_s: float = ATTEMPT_S) -> T:
         """`call`, then check the response type. Raises ProtocolError on another type."""
-        reply = self.call(request)
+        reply = self.call(request, attempt_s)
         if not isinstance(reply, response_type):
             raise ProtocolError(
                 f"{type(request).__name__}: expected {response_type.__name__}, got {type(reply).__name__}"

@@ -163,6 +163,7 @@ def restore(tables: Tables, config: MasterConfig, clock: Clock, epoch: int) -> M
     conservatively (see the module). Raises ProtocolError if the tables are inconsistent."""
     state = MasterState(config, clock, epoch=epoch)
     now = clock.now()
+    state.recovering_until = now + config.client_ttl_s
     registry = state.registry
     by_segment: dict[str, list[tuple[int, int]]] = {}
     for (sid, offset), size in tables.blocks.items():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from tsukimi.clock import Clock
 from tsukimi.config import MasterConfig
-from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectExists, ObjectNotFound, OutOfSpace
+from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectExists, ObjectNotFound, OutOfSpace, Recovering
 from tsukimi.eviction import EvictionPolicy, make_policy
 from tsukimi.store.master.segments import Placement, SegmentRegistry
 from tsukimi.store.protocol import MAX_OBJECT_BYTES, MountSegment, ObjectInfo, ReplicaConfig, ReplicaLocation, check_key
@@ -90,6 +90,7 @@ class MasterState:
         self.retired: list[tuple[float, Placement]] = []  # (free at, block) of replaced/removed leased objects
         self.policy: EvictionPolicy[str] = policy or make_policy(config.eviction)
         self.counters: Counter[str] = Counter()
+        self.recovering_until = 0.0  # a new HA leader: holders restored from the log may not have heartbeated yet
 
     def take_changes(self) -> Changes:
         """The rows changed since the last call, and start tracking if not yet (mutates)."""
@@ -142,6 +143,8 @@ class MasterState:
 
     def _allocate(self, client_id: str, size: int, config: ReplicaConfig, now: float) -> list[Placement]:
         wanted = self.registry.wanted_replicas(config, size, now)
+        if wanted == 0 and now < self.recovering_until and self.registry.segments:
+            raise Recovering("this master just took over and waits for the holders' heartbeats: retry")
         if wanted == 0:
             raise OutOfSpace("no healthy segment is mounted")
         while True:
