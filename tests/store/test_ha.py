@@ -101,7 +101,8 @@ def test_leader_sigkilled_during_a_mixed_workload_loses_no_acknowledged_put(
             for key, state in key_states(out).items():
                 data = reader.get(key)
                 versions = [v for v in state.maybe | {state.version} if v is not None]
-                found = None if data is None else next((v for v in versions if data == value_of(key, v, VALUE_BYTES)), -1)
+                matching = [v for v in versions if data == value_of(key, v, VALUE_BYTES)]
+                found = None if data is None else (matching[0] if matching else -1)
                 assert found != -1, f"{key}: bytes of no version it may hold"
                 lost += state.version is not None and not state.allows(found)
                 checked += state.version is not None

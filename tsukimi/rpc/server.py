@@ -16,6 +16,10 @@ window is served without a wake-up. It polls only while the client's previous ca
 within the window, and at most `spinners` threads poll at once (a semaphore taken without
 waiting): polling costs at most that many CPUs while clients are busy, none when they idle.
 
+With a cluster secret, a connection is served only once the client passed the handshake
+(tsukimi/auth.py, run by netio.ConnectionServer): a client without the secret, or with
+another one, is refused before its first frame is read, and the handler never sees it.
+
 A well-delimited frame that does not decode is answered with `ErrorReply("protocol", ...)`;
 a `TsukimiError` from the handler with `ErrorReply(exc.code, str(exc))`; any other exception
 is logged and answered with `ErrorReply("internal", ...)`. A frame whose length is over the
@@ -59,6 +63,10 @@ class RpcServer(netio.ConnectionServer):
         name: names the threads and the log lines.
         spin_s / spinners: poll this long for a connection's next frame, in at most this
             many threads at once (see the module); 0 never polls.
+        settle: called on the connection's thread after each handler call, outside the
+            handler lock, before the reply is sent; a TsukimiError it raises is the reply.
+        secret: the cluster secret every client must prove it knows; None admits anyone
+            (and refuses clients that have a secret: authentication is mutual).
 
     Raises:
         ConfigError: the endpoint is malformed or cannot be bound (bad address, port in use),
@@ -73,6 +81,9 @@ class RpcServer(netio.ConnectionServer):
         name: str = "rpc",
         spin_s: float = 0.0,
         spinners: int = 1,
+        *,
+        secret: bytes | None = None,
+        settle: Callable[[], None] | None = None,
     ) -> None:
         if not (0 <= spin_s < 1 and spinners >= 0):
             raise ConfigError(f"rpc server {name!r}: spin_s must be in [0, 1) and spinners >= 0")
@@ -80,17 +91,18 @@ class RpcServer(netio.ConnectionServer):
         self._spinners = threading.BoundedSemaphore(max(1, spinners))
         host, port = parse_endpoint(bind)
         try:
-            super().__init__(host, port, f"rpc-{name}", _MAX_CONNECTIONS, _TICK_S)
+            super().__init__(host, port, f"rpc-{name}", _MAX_CONNECTIONS, _TICK_S, secret)
         except OSError as exc:
             raise ConfigError(f"rpc server {name!r} cannot bind {bind!r}: {exc}") from exc
         self._codec = codec
         self._handler = handler
+        self._settle = settle
         self._name = name
         self._clock = WallClock()
         self._handler_lock = threading.Lock()
         self._endpoint = format_endpoint(host, self.port)
         self.start()
-        logger.info("rpc server %s serving on %s", name, self._endpoint)
+        logger.info("rpc server %s serving on %s%s", name, self._endpoint, " (cluster secret)" if secret else "")
 
     @property
     def endpoint(self) -> str:
@@ -168,15 +180,26 @@ class RpcServer(netio.ConnectionServer):
         with self._handler_lock:
             if self.closed:
                 return None
+            reply = self._handle(request)
+        if self._settle is not None:
+            # NOTE: outside the handler lock: a handler whose effect must become durable
+            # before it is answered (the HA master) waits here while others are handled.
             try:
-                return self._codec.encode(self._handler(request))
+                self._settle()
             except TsukimiError as exc:
                 return self._error(exc.code, str(exc))
-            except Exception as exc:
-                # NOTE: the one place where catching Exception is right: a bug in one handler
-                # call must not stop the service for every other caller.
-                logger.exception("rpc server %s: handler failed on %s", self._name, type(request).__name__)
-                return self._error("internal", f"{type(exc).__name__}: {exc}")
+        return reply
+
+    def _handle(self, request: msgspec.Struct) -> bytes:
+        try:
+            return self._codec.encode(self._handler(request))
+        except TsukimiError as exc:
+            return self._error(exc.code, str(exc))
+        except Exception as exc:
+            # NOTE: the one place where catching Exception is right: a bug in one handler
+            # call must not stop the service for every other caller.
+            logger.exception("rpc server %s: handler failed on %s", self._name, type(request).__name__)
+            return self._error("internal", f"{type(exc).__name__}: {exc}")
 
     @staticmethod
     def _error(code: str, message: str) -> bytes:

@@ -47,6 +47,7 @@ class MasterServer:
         self.service = MasterService(self.state)
         self.ha: HAController | None = None
         self._lock = threading.Lock()
+        self._unsettled = threading.local()  # the HA log entry each connection thread waits for
         self._stop = threading.Event()
         self.metrics = CollectorRegistry()
         self.metrics.register(_StateCollector(self))
@@ -61,6 +62,7 @@ class MasterServer:
             name="master",
             spin_s=config.rpc_spin_us * 1e-6,
             spinners=config.rpc_spinners,
+            settle=self._settle if config.ha_etcd else None,
         )
         try:
             self.http: httpd.AppHandle = httpd.start_in_thread(self._app(), config.host, config.http_port)
@@ -86,19 +88,21 @@ class MasterServer:
         return self.rpc.endpoint
 
     def _handle(self, request: msgspec.Struct) -> msgspec.Struct:
-        logged: tuple[int, int] | None = None
-        with self._latency.labels(type(request).__name__).time():
-            with self._lock:
-                if self.ha is not None and not self.ha.leading():
-                    raise NotLeader(f"master {self.ha.info.name} is not the leader (find it in etcd)")
-                try:
-                    return_value = self.service.handle(request)
-                finally:
-                    logged = self._log_changes()
-            if logged is not None:  # NOTE: answered only once the change is in etcd
-                assert self.ha is not None
-                self.ha.wait(*logged)
-        return return_value
+        with self._latency.labels(type(request).__name__).time(), self._lock:
+            if self.ha is not None and not self.ha.leading():
+                raise NotLeader(f"master {self.ha.info.name} is not the leader (find it in etcd)")
+            try:
+                return self.service.handle(request)
+            finally:
+                self._unsettled.logged = self._log_changes()
+
+    def _settle(self) -> None:
+        """Wait until what the last request on this thread changed is in etcd (HA; runs
+        outside the RPC handler lock, so one etcd transaction commits many requests)."""
+        logged, self._unsettled.logged = getattr(self._unsettled, "logged", None), None
+        if logged is not None:
+            assert self.ha is not None
+            self.ha.wait(*logged)
 
     def _log_changes(self) -> tuple[int, int] | None:
         """Queue the rows the last operation changed for the HA log (caller holds the lock)."""
