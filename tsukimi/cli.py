@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     meta = sub.add_parser("metadata-server", help="run the embedded HTTP metadata server")
     meta.add_argument("--host", default="127.0.0.1")
     meta.add_argument("--port", type=int, default=8080)
+    meta.add_argument("--config", help="a TOML file (the [security] section: the cluster secret)")
+    meta.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override")
 
     master = sub.add_parser("master", help="run the store master (RPC + HTTP) until interrupted")
     holder = sub.add_parser("holder", help="run a store client that contributes memory, until interrupted")
@@ -242,7 +244,7 @@ def _run_until_signalled(args: argparse.Namespace, console: Console) -> None:
     if args.command == "master":
         from tsukimi.store.master.server import MasterServer
 
-        with MasterServer(config.master) as server:
+        with MasterServer(config.master, secret=config.security.secret()) as server:
             console.print(f"master: RPC {server.endpoint}, HTTP {server.http.base_url}", highlight=False)
             stop.wait()
     else:
@@ -261,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=bool(getattr(args, "json", False) or getattr(args, "markdown", False)))
     try:
         if args.command == "metadata-server":
+            from tsukimi.config import load_config
             from tsukimi.transfer.metadata import http
 
-            http.serve(args.host, args.port)
+            http.serve(args.host, args.port, secret=load_config(args.config, args.set).security.secret())
         elif args.command in ("master", "holder"):
             _run_until_signalled(args, console)
         elif args.command == "demo":

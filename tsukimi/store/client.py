@@ -77,7 +77,7 @@ class StoreClient:
         self._clock = WallClock()
         self._owns_engine = engine is None
         self.engine = engine or TransferEngine(config=self.config)
-        self._rpc = MasterLink(cfg, CODEC)
+        self._rpc = MasterLink(cfg, CODEC, self.config.security.secret())
         self._mounts: list[p.MountSegment] = []
         self._segment_base = 0
         self._disk = DiskTier(cfg.ssd_dir, cfg.ssd_bytes) if cfg.ssd_dir else None

@@ -118,7 +118,8 @@ class MasterLink:
             self._kv.close()
 
     def _client(self, endpoint: str) -> RpcClient:
-        return RpcClient(self._codec, endpoint, self.config.rpc_timeout_s, self.config.rpc_spin_us * 1e-6)
+        spin_s = self.config.rpc_spin_us * 1e-6
+        return RpcClient(self._codec, endpoint, self.config.rpc_timeout_s, spin_s, secret=self._secret)
 
     def _leader(self, deadline: float) -> RpcClient:
         """The RPC client of the current leader, looked up in etcd if not known."""

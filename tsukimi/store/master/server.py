@@ -15,14 +15,14 @@ import threading
 from collections.abc import Iterator
 
 import msgspec
-from fastapi import FastAPI, HTTPException, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from tsukimi import httpd
+from tsukimi import auth, httpd
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import MasterConfig
-from tsukimi.errors import InvalidArgument, NotLeader, ObjectNotFound
+from tsukimi.errors import AuthError, InvalidArgument, NotLeader, ObjectNotFound
 from tsukimi.rpc import Codec, RpcServer
 from tsukimi.store import protocol as p
 from tsukimi.store.ha import journal
@@ -40,12 +40,14 @@ COUNTERS = ("hits", "misses", "evictions", "evicted_bytes", "puts_started", "put
 class MasterServer:
     """Serves a `MasterState` over RPC and HTTP until `close()`."""
 
-    def __init__(self, config: MasterConfig, clock: Clock | None = None) -> None:
+    def __init__(self, config: MasterConfig, clock: Clock | None = None, secret: bytes | None = None) -> None:
+        """`secret`: the cluster secret (SecurityConfig.secret()): RPC clients must prove it."""
         self.config = config
         self._clock = clock or WallClock()
         self.state = MasterState(config, self._clock, epoch=secrets.randbits(30) + 1)
         self.service = MasterService(self.state)
         self.ha: HAController | None = None
+        self._secret = secret
         self._lock = threading.Lock()
         self._unsettled = threading.local()  # the HA log entry each connection thread waits for
         self._stop = threading.Event()
@@ -63,6 +65,7 @@ class MasterServer:
             spin_s=config.rpc_spin_us * 1e-6,
             spinners=config.rpc_spinners,
             settle=self._settle if config.ha_etcd else None,
+            secret=secret,
         )
         try:
             self.http: httpd.AppHandle = httpd.start_in_thread(self._app(), config.host, config.http_port)
@@ -152,7 +155,18 @@ class MasterServer:
         def metrics() -> Response:
             return Response(generate_latest(self.metrics), media_type=CONTENT_TYPE_LATEST)
 
-        @app.get("/query_key")
+        async def signed(request: Request) -> None:
+            """With a cluster secret, the state endpoints need a signed request (tsukimi/auth.py)."""
+            if self._secret is None:
+                return
+            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            try:
+                auth.verify_headers(self._secret, request.method, target, await request.body(), request.headers,
+                                    auth.wall_time())  # fmt: skip
+            except AuthError as exc:
+                raise HTTPException(401, str(exc)) from exc
+
+        @app.get("/query_key", dependencies=[Depends(signed)])
         def query_key(key: str) -> dict[str, object]:
             if self.role != "leader":
                 raise HTTPException(503, "this master is a standby: ask the leader")
@@ -165,7 +179,7 @@ class MasterServer:
                 raise HTTPException(404, str(exc)) from exc
             return msgspec.to_builtins(info)  # type: ignore[no-any-return]
 
-        @app.get("/segments")
+        @app.get("/segments", dependencies=[Depends(signed)])
         def segments() -> list[dict[str, object]]:
             with self._lock:
                 infos = self.state.registry.infos(self.state.clock.now())
