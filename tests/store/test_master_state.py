@@ -294,3 +294,12 @@ def test_a_holder_restarted_under_the_same_name_drops_the_old_incarnations_repli
     assert state.registry.segments["te0/1000"].client_id == "new0" and "old0" not in state.registry.clients
     assert state.registry.segments["te0/1000"].allocator.used_bytes == 0
     state.check_invariants()
+
+
+def test_gets_list_replicas_on_silent_holders_last() -> None:
+    state, clock = make_state(num_segments=2, client_ttl_s=3.0, heartbeat_interval_s=1.0)
+    put(state, "k", replicas=2, preferred_segments=("te0", "te1"))
+    assert [loc.te_segment for loc in state.get_replicas("k")[0]] == ["te0", "te1"]
+    clock.advance(2.0)
+    state.registry.heartbeat("c1", clock.now())  # c0 (te0) is stopped or cut off
+    assert [loc.te_segment for loc in state.get_replicas("k")[0]] == ["te1", "te0"]

@@ -194,17 +194,22 @@ class MasterState:
     # -- reads -----------------------------------------------------------------------
 
     def get_replicas(self, key: str) -> tuple[list[ReplicaLocation], int]:
-        """Complete replicas (empty on a miss) and the size; grants a read lease and marks the
-        object recently used. Mutates."""
+        """Complete replicas (empty on a miss), those on healthy holders first, and the size;
+        grants a read lease and marks the object recently used. Mutates."""
         check_key(key)
         record = self.objects.get(key)
         if record is None:
             self.counters["misses"] += 1
             return [], 0
-        record.lease_until = max(record.lease_until, self.clock.now() + self.config.lease_ttl_s)
+        now = self.clock.now()
+        record.lease_until = max(record.lease_until, now + self.config.lease_ttl_s)
         self.policy.touch(key)
         self.counters["hits"] += 1
-        return self._locations(record.replicas, record.size), record.size
+        # NOTE: replicas on holders that missed heartbeats (stopped, cut off) go last, so a
+        # reader does not spend its lease on them while a healthy replica exists.
+        segments, registry = self.registry.segments, self.registry
+        order = sorted(record.replicas, key=lambda p: not registry.healthy(segments[p.segment_id].client_id, now))
+        return self._locations(order, record.size), record.size
 
     def exists(self, key: str) -> bool:
         """Whether a complete object exists. Grants no lease and leaves the LRU order alone."""
