@@ -1,5 +1,7 @@
 """Serving an ASGI app (FastAPI) with uvicorn on our own listening socket, in the foreground
-or in a daemon thread. Shared by the metadata server and the store master's HTTP endpoints.
+or in a daemon thread, and the HTTP side of the cluster secret: `sign_request` (client) and
+`check_signature` (server), over tsukimi/auth.py's signed headers. Shared by the metadata
+server and the store master's HTTP endpoints.
 """
 
 from __future__ import annotations
@@ -9,11 +11,13 @@ import socket
 import threading
 from typing import TypeVar
 
+import httpx
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException, Request
 
+from tsukimi import auth
 from tsukimi.clock import WallClock
-from tsukimi.errors import PeerError
+from tsukimi.errors import AuthError, PeerError
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,38 @@ def listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def sign_request(request: httpx.Request, secret: bytes | None) -> httpx.Request:
+    """Add the signature headers to `request` (mutates it; no-op without a secret).
+
+    Build it with `client.build_request(...)` and a bytes body, then `client.send(...)` it.
+    """
+    if secret is not None:
+        path = request.url.raw_path.decode("ascii")  # path and query, exactly as sent
+        request.headers.update(auth.sign_headers(secret, request.method, path, request.content))
+    return request
+
+
+def check_signature(request: Request, body: bytes, secret: bytes | None, replay_cache: auth.ReplayCache) -> None:
+    """Refuse a request that is not signed with `secret` (no-op without a secret). Call it
+    in a route after reading the (bounded) body and before touching anything.
+
+    Raises:
+        HTTPException: 401 with the reason (unsigned, bad signature, clock skew, replay).
+    """
+    if secret is None:
+        return
+    raw_path = request.scope.get("raw_path") or request.url.path.encode()
+    query = request.scope.get("query_string") or b""
+    path = (raw_path + b"?" + query if query else raw_path).decode("latin-1")
+    try:
+        auth.verify_headers(
+            secret, request.method, path, body, request.headers, auth.wall_time(), replay_cache=replay_cache
+        )
+    except AuthError as exc:
+        logger.warning("refused %s %s from %s: %s", request.method, request.url.path, request.client, exc)
+        raise HTTPException(401, detail=str(exc)) from exc
 
 
 def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:

@@ -1,6 +1,7 @@
 """Blocking socket I/O with kernel timeouts and deadline callbacks, and a thread-per-connection
 TCP server base; shared by the Transfer Engine (transfer/wire.py, transfer/server.py) and the
-control-plane RPC (rpc/).
+control-plane RPC (rpc/). Every accepted connection first runs the cluster-secret handshake
+(tsukimi/auth.py); only a connection that passes it is served.
 
 NOTE: `ConnectionServer` waits with time.monotonic/time.sleep directly: it supervises real
 threads and sockets, which only run on real time."""
@@ -14,6 +15,9 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+
+from tsukimi import auth
+from tsukimi.errors import AuthError
 
 logger = logging.getLogger(__name__)
 
@@ -92,15 +96,28 @@ class ConnectionServer:
     """A TCP listener that serves each connection on a thread of its own.
 
     Subclasses implement `serve(conn, addr)` and call `start()` at the end of their
-    constructor. The base keeps the connection registry (bounded by `max_connections`; a
-    connection over the limit is closed at once), survives accept errors (EMFILE, ...), and
-    `close()` wakes every blocked thread by shutting its socket down.
+    constructor. Each connection's thread first runs the server side of the handshake
+    (auth.server_handshake, within `handshake_timeout_s`): a client that fails it, stays
+    silent or sends garbage is logged and closed, and `serve` never sees it. The base keeps
+    the connection registry (bounded by `max_connections`; a connection over the limit is
+    closed at once), survives accept errors (EMFILE, ...), and `close()` wakes every blocked
+    thread by shutting its socket down.
 
     Raises (constructor): OSError when host:port cannot be bound.
     """
 
-    def __init__(self, host: str, port: int, name: str, max_connections: int, tick_s: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        name: str,
+        max_connections: int,
+        tick_s: float,
+        secret: bytes | None = None,
+    ) -> None:
         self.name = name
+        self._secret = secret
+        self.handshake_timeout_s = auth.HANDSHAKE_TIMEOUT_S
         self._max_connections = max_connections
         self._tick_s = tick_s
         self._lock = threading.Lock()  # guards closed, _conns, _threads
@@ -166,9 +183,27 @@ class ConnectionServer:
 
     def _run(self, conn: socket.socket, addr: object) -> None:
         try:
-            self.serve(conn, addr)
+            if self._admit(conn, addr):
+                self.serve(conn, addr)
         finally:
             with self._lock:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
             conn.close()
+
+    def _admit(self, conn: socket.socket, addr: object) -> bool:
+        """Run the handshake; False (logged) when the client failed it or left."""
+        deadline = time.monotonic() + self.handshake_timeout_s
+        try:
+            auth.server_handshake(conn, self._secret, auth.deadline_expired(deadline, lambda: self.closed))
+        except AuthError as exc:
+            logger.warning("%s: refused %s: %s", self.name, addr, exc)
+            return False
+        except TimeoutError:
+            if not self.closed:
+                logger.warning("%s: dropped %s: no handshake within %.1f s", self.name, addr, self.handshake_timeout_s)
+            return False
+        except OSError as exc:
+            logger.debug("%s: %s left during the handshake: %s", self.name, addr, exc)
+            return False
+        return True

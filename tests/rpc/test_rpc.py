@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tsukimi import auth
 from tsukimi.clock import WallClock
 from tsukimi.errors import (
     BrokenConnectionError,
@@ -214,9 +215,13 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return data
 
 
-def _raw(server: RpcServer) -> socket.socket:
+def _raw(server: RpcServer, handshake: bool = True) -> socket.socket:
+    """A raw connection to `server`, past the (secret-less) handshake unless told otherwise."""
     host, port = server.endpoint.removeprefix("tcp://").rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=2.0)
+    sock = socket.create_connection((host, int(port)), timeout=2.0)
+    if handshake:
+        auth.client_handshake(sock, None, auth.deadline_expired(CLOCK.now() + 2.0))
+    return sock
 
 
 def _assert_closed_by_peer(sock: socket.socket) -> None:
@@ -289,17 +294,32 @@ def test_idle_connections_stay_open(server: RpcServer, monkeypatch: pytest.Monke
 
 def test_connection_limit_refuses_extra_connections(server: RpcServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server, "_max_connections", 1)
-    with _raw(server) as first, _raw(server) as second:
+    with _raw(server) as first, _raw(server, handshake=False) as second:
         first.sendall(_frame(CODEC.encode(EchoRequest("first")), 1))
         assert _read_frame(first) == (1, CODEC.encode(EchoResponse("first")))
         _assert_closed_by_peer(second)
 
 
+class _Listener:
+    """A scripted server: accept() greets each connection like an RpcServer without a secret."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def settimeout(self, seconds: float) -> None:
+        self.sock.settimeout(seconds)
+
+    def accept(self) -> tuple[socket.socket, object]:
+        conn, addr = self.sock.accept()
+        conn.sendall(auth.encode_greeting(False, bytes(auth.NONCE_BYTES)))
+        return conn, addr
+
+
 @contextlib.contextmanager
-def _fake_server() -> Iterator[tuple[socket.socket, str]]:
+def _fake_server() -> Iterator[tuple[_Listener, str]]:
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.settimeout(2.0)
-        yield listener, f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        yield _Listener(listener), f"tcp://127.0.0.1:{listener.getsockname()[1]}"
 
 
 def test_reply_with_another_request_id_is_a_protocol_error() -> None:

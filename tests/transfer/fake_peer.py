@@ -1,12 +1,15 @@
 """A scripted segment server for fault tests: it speaks the wire protocol but decides itself
-when (and whether) to answer, and can drop the first connection it gets."""
+when (and whether) to answer, and can drop the first connection it gets. Also `connect_raw`,
+a raw client connection to a segment server, past its (secret-less) greeting."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 import uuid
 
+from tsukimi import auth
 from tsukimi.config import Config, MetadataConfig, TransferConfig
 from tsukimi.transfer import TransferEngine, wire
 from tsukimi.transfer.metadata import SEGMENT_PREFIX
@@ -14,6 +17,14 @@ from tsukimi.transfer.metadata.memory import MemoryMetadata
 from tsukimi.transfer.segment import BufferDescriptor, Endpoint, SegmentDescriptor, encode_descriptor
 
 BASE = 0x100000
+
+
+def connect_raw(endpoint: Endpoint, handshake: bool = True, timeout_s: float = 5.0) -> socket.socket:
+    """A raw TCP connection to a segment server; past the greeting unless `handshake` is False."""
+    sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s)
+    if handshake:
+        auth.client_handshake(sock, None, auth.deadline_expired(time.monotonic() + timeout_s))
+    return sock
 
 
 class FakePeer:
@@ -53,6 +64,7 @@ class FakePeer:
     def _serve(self, conn: socket.socket, number: int) -> None:
         with conn:
             try:
+                conn.sendall(auth.encode_greeting(False, bytes(auth.NONCE_BYTES)))  # no secret
                 while True:
                     head = bytearray(wire.REQUEST.size)
                     wire.recv_exact(conn, memoryview(head))

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import torch
 
-from tests.transfer.fake_peer import BASE, FakePeer, engine_for
+from tests.transfer.fake_peer import BASE, FakePeer, connect_raw, engine_for
 from tsukimi.clock import WallClock
 from tsukimi.config import Config, MetadataConfig, TransferConfig
 from tsukimi.errors import ProtocolError
@@ -147,7 +147,7 @@ def test_regression_a_handshake_cannot_redirect_a_named_peer() -> None:
         claim = msgspec.structs.replace(evil.descriptor(name="owner"), pid=1, buffers=[BufferDescriptor(1, 1 << 62)])
         body = encode_descriptor(claim)  # "I am owner, and every address is mine"
         endpoint = user.describe().endpoints[0]
-        with socket.create_connection((endpoint.host, endpoint.port)) as sock:
+        with connect_raw(endpoint) as sock:
             sock.sendall(wire.RequestHeader(wire.Op.HANDSHAKE, 1, 0, len(body)).pack() + body)
             sock.recv(1 << 20)
         user.write(seg, buf.base, b"secret for owner")
@@ -179,7 +179,7 @@ def test_regression_an_accept_error_does_not_stop_the_server() -> None:
     server._listener = flaky  # type: ignore[assignment]
     try:
         for _ in range(2):  # the first wakes the blocked accept(); the next meets the failure
-            with socket.create_connection((server.endpoint.host, server.endpoint.port), timeout=5) as sock:
+            with connect_raw(server.endpoint) as sock:
                 sock.sendall(wire.RequestHeader(wire.Op.HANDSHAKE, 1, 0, 0).pack())
                 sock.settimeout(5)
                 assert len(sock.recv(64)) >= wire.RESPONSE.size

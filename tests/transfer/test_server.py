@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.transfer.fake_peer import connect_raw
 from tsukimi.config import TransferConfig
 from tsukimi.errors import ProtocolError
 from tsukimi.transfer import wire
@@ -39,9 +40,8 @@ def served() -> Iterator[tuple[SegmentServer, bytearray]]:
     server.close()
 
 
-def _connect(server: SegmentServer) -> socket.socket:
-    sock = socket.create_connection((server.endpoint.host, server.endpoint.port), timeout=5)
-    return sock
+def _connect(server: SegmentServer, handshake: bool = True) -> socket.socket:
+    return connect_raw(server.endpoint, handshake)
 
 
 def _ask(
@@ -132,7 +132,7 @@ def test_connection_limit() -> None:
     try:
         with _connect(server) as first:
             _ask(first, wire.Op.HANDSHAKE, 1, 0, 0)
-            with _connect(server) as second:
+            with _connect(server, handshake=False) as second:
                 assert second.recv(16) == b""
     finally:
         server.close()

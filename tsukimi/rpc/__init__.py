@@ -3,7 +3,8 @@
 A service declares tagged msgspec Structs for its requests and responses, builds one
 `Codec` from them, serves a handler with `RpcServer` and calls it with `RpcClient`.
 Errors raised by the handler cross the wire as `ErrorReply(code, message)` and are raised
-again on the caller as the same `TsukimiError` class.
+again on the caller as the same `TsukimiError` class. Given the cluster secret
+(`secret=`), server and client authenticate each connection both ways (tsukimi/auth.py).
 
     codec = Codec([GetRequest], [GetResponse])
     with RpcServer(codec, handle) as server, RpcClient(codec, server.endpoint) as client:

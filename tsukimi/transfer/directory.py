@@ -36,8 +36,15 @@ def parse_host_port(name: str) -> Endpoint:
 class SegmentDirectory:
     """Resolves and caches peers' descriptors. Thread-safe."""
 
-    def __init__(self, backend: MetadataBackend | None, mine: Callable[[], bytes], timeout_s: float) -> None:
+    def __init__(
+        self,
+        backend: MetadataBackend | None,
+        mine: Callable[[], bytes],
+        timeout_s: float,
+        secret: bytes | None = None,
+    ) -> None:
         self._backend = backend
+        self._secret = secret
         self._mine = mine
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -66,13 +73,14 @@ class SegmentDirectory:
 
         Raises:
             SegmentNotFound: not published, or (p2p) not reachable.
+            AuthError: (p2p) the cluster-secret handshake with the peer failed.
             ProtocolError: the descriptor is malformed.
             MetadataError: the metadata service failed.
         """
         if self._backend is None:
             endpoint = parse_host_port(name)
             try:
-                raw = tcp.handshake(endpoint, self._mine(), self._timeout_s)
+                raw = tcp.handshake(endpoint, self._mine(), self._timeout_s, self._secret)
             except OSError as exc:
                 raise SegmentNotFound(f"segment {name} is not reachable: {exc}") from exc
         else:
@@ -99,8 +107,9 @@ class SegmentDirectory:
 
         NOTE: a hint never replaces a descriptor we fetched ourselves, and is ignored when a
         metadata service is the authority: otherwise any client of our segment server could
-        redirect our writes for another peer's name. (Without the cluster secret of a later
-        issue, a local process can still pose as a peer we have not contacted yet.)
+        redirect our writes for another peer's name. (Without the cluster secret, a local
+        process can still pose as a peer we have not contacted yet; with it, only members of
+        the cluster reach this point.)
         """
         if self._backend is not None:
             return

@@ -9,6 +9,8 @@ Batches follow Mooncake: allocate_batch -> submit -> status/wait -> free_batch. 
 is checked against the peer's descriptor (re-fetched once when the range is unknown), given
 a transport (shm for shared-memory buffers of a same-host peer, else tcp, unless forced),
 cut into slices and handed to that transport's threads; submit never waits on the network.
+With a cluster secret (`config.security`), every TCP connection to or from a peer and every
+request to an HTTP metadata server is authenticated with it (tsukimi/auth.py).
 """
 
 from __future__ import annotations
@@ -67,7 +69,13 @@ class BatchStatus:
 
 
 class TransferEngine:
-    """One segment's owner and initiator of transfers. Thread-safe; close() when done."""
+    """One segment's owner and initiator of transfers. Thread-safe; close() when done.
+
+    The cluster secret comes from `config.security.secret()`, read once here.
+
+    Raises (constructor): ConfigError (an unreadable or too short cluster secret, a p2p name
+    that is not the server's address), OSError (the server cannot bind).
+    """
 
     def __init__(
         self,
@@ -81,27 +89,34 @@ class TransferEngine:
         self.config = cfg.transfer
         self._clock = clock or WallClock()
         self._owns_backend = metadata is None
-        backend = metadata if metadata is not None else connect_metadata(cfg.metadata)
+        secret = cfg.security.secret()  # NOTE: read once: a changed file needs a restart
+        backend = metadata if metadata is not None else connect_metadata(cfg.metadata, secret)
         self._host_id = host_id()
         self._segment = LocalSegment(name or "")
-        self._server = SegmentServer(self._segment, self.config, self._describe_bytes, self._on_handshake, self._clock)
+        self._server = SegmentServer(
+            self._segment, self.config, self._describe_bytes, self._on_handshake, self._clock, secret=secret
+        )
         endpoint = self._server.endpoint
         if backend is None and name is not None and parse_host_port(name) != endpoint:
             self._server.close()
             raise ConfigError(f"in p2p mode the segment name is its server's address; drop name={name!r}")
         self.name = self._segment.name = name or f"{endpoint.host}:{endpoint.port}"
-        self._directory = SegmentDirectory(backend, self._describe_bytes, cfg.metadata.timeout_s)
+        self._directory = SegmentDirectory(backend, self._describe_bytes, cfg.metadata.timeout_s, secret)
         self._shm = SharedMemoryAllocator(self.config.shm_dir)
         self._transports: dict[str, Transport] = {
             "shm": ShmTransport(self.config, self._host_id, self._clock, self._directory.invalidate),
-            "tcp": TcpTransport(self.config, self._clock),
+            "tcp": TcpTransport(self.config, self._clock, secret),
         }
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._batches: dict[BatchId, Batch] = {}
         self._closed = False
-        self._publish()
+        try:
+            self._publish()
+        except BaseException:  # e.g. AuthError: the metadata server refused us; stop serving
+            self.close()
+            raise
         logger.info("transfer engine %s serving on %s:%d", self.name, endpoint.host, endpoint.port)
 
     # -- the local segment -------------------------------------------------------------
@@ -152,7 +167,8 @@ class TransferEngine:
     def open_segment(self, name: str, transport: str = "") -> SegmentHandle:
         """Find a peer's segment; `transport` ("auto", "shm", "tcp") overrides the config.
 
-        Raises SegmentNotFound (unknown or unreachable), ConfigError (bad transport).
+        Raises SegmentNotFound (unknown or unreachable), ConfigError (bad transport),
+        AuthError (p2p: the cluster-secret handshake with the peer failed).
         """
         self._check_open()
         chosen = transport or self.config.transport

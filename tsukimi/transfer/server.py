@@ -4,7 +4,9 @@ registered buffers over TCP, on its own threads (never the application's).
 One thread per connection (netio.ConnectionServer). Every request is checked against the
 registered buffers before a byte is touched: out-of-range requests get an OUT_OF_BOUNDS
 answer (a write's payload is drained so the stream stays in sync) and the connection keeps
-serving; a malformed frame closes only that connection.
+serving; a malformed frame closes only that connection. With the cluster secret, a peer is
+served only after the handshake (tsukimi/auth.py, run by netio.ConnectionServer): one that
+fails it never reaches `serve`, so it can neither read nor write a byte.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ _ACK_FLUSH_BYTES = 256 << 10  # how often blocked socket calls wake up to check 
 
 
 class SegmentServer(netio.ConnectionServer):
-    """Serves `segment` on `config.bind_host:config.port` (0 = ephemeral)."""
+    """Serves `segment` on `config.bind_host:config.port` (0 = ephemeral); with `secret`, only
+    to peers that prove they know it."""
 
     def __init__(
         self,
@@ -40,8 +43,12 @@ class SegmentServer(netio.ConnectionServer):
         describe: Callable[[], bytes],
         on_handshake: Callable[[bytes], None],
         clock: Clock | None = None,
+        *,
+        secret: bytes | None = None,
     ) -> None:
-        super().__init__(config.bind_host, config.port, "segment-server", config.max_server_connections, _TICK_S)
+        super().__init__(
+            config.bind_host, config.port, "segment-server", config.max_server_connections, _TICK_S, secret
+        )
         self._segment = segment
         self._config = config
         self._clock = clock or WallClock()

@@ -69,8 +69,9 @@ def check_value(value: bytes) -> None:
         raise ConfigError(f"metadata value is {len(value)} bytes, the limit is {MAX_VALUE_BYTES}")
 
 
-def connect_metadata(config: MetadataConfig) -> MetadataBackend | None:
-    """Open the backend named by `config.url`; None for "p2p" (handshake mode).
+def connect_metadata(config: MetadataConfig, secret: bytes | None = None) -> MetadataBackend | None:
+    """Open the backend named by `config.url`; None for "p2p" (handshake mode). `secret`
+    signs every request to an HTTP metadata server (etcd has its own authentication).
 
     Raises:
         ConfigError: malformed URL.
@@ -85,7 +86,7 @@ def connect_metadata(config: MetadataConfig) -> MetadataBackend | None:
     if url.startswith("http://"):
         from tsukimi.transfer.metadata.http import HttpMetadata
 
-        return HttpMetadata(url, timeout_s=config.timeout_s)
+        return HttpMetadata(url, timeout_s=config.timeout_s, secret=secret)
     from tsukimi.transfer.metadata.etcd import EtcdMetadata
 
     return EtcdMetadata.from_url(url, timeout_s=config.timeout_s)

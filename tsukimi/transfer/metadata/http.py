@@ -10,6 +10,10 @@ The protocol (Mooncake's `http_metadata_server`), all on one path with the key i
 Invalid requests get 400 (missing, empty or oversized key, bad Content-Length) or 413 (value
 over the limit), with a JSON body `{"detail": message}`. The server keeps its data in any
 `MetadataBackend`, by default a private `MemoryMetadata`.
+
+With the cluster secret, every /metadata request must carry tsukimi/auth.py's signature
+headers (the client adds them): an unsigned, badly signed, stale (> 30 s) or replayed request
+gets 401 with the reason, before the store is touched. /health stays open.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ import httpx
 from fastapi import FastAPI, HTTPException, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from tsukimi import httpd
-from tsukimi.errors import ClosedError, ConfigError, MetadataError, PeerError
+from tsukimi import auth, httpd
+from tsukimi.errors import AuthError, ClosedError, ConfigError, MetadataError, PeerError
 from tsukimi.transfer.metadata import MAX_VALUE_BYTES, MetadataBackend, check_key, check_value
 from tsukimi.transfer.metadata.memory import MemoryMetadata
 
@@ -31,14 +35,18 @@ METADATA_PATH = "/metadata"
 _CALLER_FAULT_STATUSES = frozenset({400, 413, 414, 422})
 
 
-def create_app(store: MetadataBackend | None = None, *, max_value_bytes: int = MAX_VALUE_BYTES) -> FastAPI:
+def create_app(
+    store: MetadataBackend | None = None, *, max_value_bytes: int = MAX_VALUE_BYTES, secret: bytes | None = None
+) -> FastAPI:
     """The metadata server as an ASGI app.
 
     Args:
         store: where values live; a fresh private `MemoryMetadata` when None.
         max_value_bytes: largest accepted PUT body (413 above it).
+        secret: the cluster secret requests must be signed with; None accepts any request.
     """
     backend: MetadataBackend = store if store is not None else MemoryMetadata()
+    seen = auth.ReplayCache()
     app = FastAPI(title="tsukimi metadata server", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/health")
@@ -47,6 +55,7 @@ def create_app(store: MetadataBackend | None = None, *, max_value_bytes: int = M
 
     @app.get(METADATA_PATH)
     async def get_value(request: Request) -> Response:
+        httpd.check_signature(request, b"", secret, seen)
         key = _key_of(request)
         value = await run_in_threadpool(backend.get, key)
         if value is None:
@@ -57,11 +66,13 @@ def create_app(store: MetadataBackend | None = None, *, max_value_bytes: int = M
     async def put_value(request: Request) -> Response:
         key = _key_of(request)
         value = await _read_body(request, max_value_bytes)
+        httpd.check_signature(request, value, secret, seen)
         await run_in_threadpool(backend.put, key, value)
         return Response(b"metadata updated", media_type="text/plain")
 
     @app.delete(METADATA_PATH)
     async def delete_value(request: Request) -> Response:
+        httpd.check_signature(request, b"", secret, seen)
         key = _key_of(request)
         existed = await run_in_threadpool(backend.get, key) is not None
         await run_in_threadpool(backend.delete, key)
@@ -102,10 +113,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def serve(host: str = "127.0.0.1", port: int = 8080, *, store: MetadataBackend | None = None) -> None:
+def serve(
+    host: str = "127.0.0.1", port: int = 8080, *, store: MetadataBackend | None = None, secret: bytes | None = None
+) -> None:
     """Run the metadata server in the foreground until interrupted (blocks)."""
-    logger.info("metadata server listening on http://%s:%d%s", host, port, METADATA_PATH)
-    httpd.serve(create_app(store), host, port)
+    signed = " (signed requests only)" if secret else ""
+    logger.info("metadata server listening on http://%s:%d%s%s", host, port, METADATA_PATH, signed)
+    httpd.serve(create_app(store, secret=secret), host, port)
 
 
 class ServerHandle(httpd.AppHandle):
@@ -124,6 +138,7 @@ def start_in_thread(
     store: MetadataBackend | None = None,
     max_value_bytes: int = MAX_VALUE_BYTES,
     startup_timeout_s: float = 5.0,
+    secret: bytes | None = None,
 ) -> tuple[ServerHandle, int]:
     """Start the metadata server in a daemon thread and wait until it accepts connections.
 
@@ -133,7 +148,7 @@ def start_in_thread(
         OSError: the address cannot be bound.
         MetadataError: the server did not start within `startup_timeout_s`.
     """
-    app = create_app(store, max_value_bytes=max_value_bytes)
+    app = create_app(store, max_value_bytes=max_value_bytes, secret=secret)
     try:
         handle = httpd.start_in_thread(app, host, port, startup_timeout_s, handle_type=ServerHandle)
     except PeerError as exc:
@@ -151,11 +166,12 @@ class HttpMetadata:
     Args:
         url: `http://host:port/metadata`; the key is sent as the `?key=` query parameter.
         timeout_s: connect, read and write timeout of each request.
+        secret: the cluster secret every request is signed with; None sends them unsigned.
     Raises:
         ConfigError: malformed URL or non-positive timeout.
     """
 
-    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 5.0, *, secret: bytes | None = None) -> None:
         try:
             parsed = httpx.URL(url)
         except httpx.InvalidURL as exc:
@@ -165,6 +181,7 @@ class HttpMetadata:
         if timeout_s <= 0:
             raise ConfigError(f"metadata timeout_s must be > 0, got {timeout_s}")
         self.url = url
+        self._secret = secret
         # NOTE: trust_env=False: an HTTP(S)_PROXY in the environment must not capture loopback.
         self._client = httpx.Client(timeout=httpx.Timeout(timeout_s), trust_env=False)
         self._closed = False
@@ -173,7 +190,8 @@ class HttpMetadata:
         """The value under `key`, or None on 404.
 
         Raises:
-            ClosedError, ConfigError (invalid key, server rejected it), MetadataError (network, 5xx).
+            ClosedError, ConfigError (invalid key, server rejected it), AuthError (the server
+            refused the signature), MetadataError (network, 5xx).
         """
         response = self._request("GET", key)
         if response.status_code == 404:
@@ -185,7 +203,8 @@ class HttpMetadata:
         """Store `value` under `key` on the server (mutates remote state).
 
         Raises:
-            ClosedError, ConfigError (invalid key, oversized value), MetadataError (network, 5xx).
+            ClosedError, ConfigError (invalid key, oversized value), AuthError (the server
+            refused the signature), MetadataError (network, 5xx).
         """
         check_value(value)
         response = self._request("PUT", key, bytes(value))
@@ -195,7 +214,8 @@ class HttpMetadata:
         """Remove `key` on the server; a missing key (404) is fine (mutates remote state).
 
         Raises:
-            ClosedError, ConfigError (invalid key), MetadataError (network, 5xx).
+            ClosedError, ConfigError (invalid key), AuthError (the server refused the signature),
+            MetadataError (network, 5xx).
         """
         response = self._request("DELETE", key)
         self._expect(response, "DELETE", key, ok=(200, 202, 204, 404))
@@ -217,7 +237,8 @@ class HttpMetadata:
             raise ClosedError("HttpMetadata client is closed")
         check_key(key)
         try:
-            return self._client.request(method, self.url, params={"key": key}, content=content)
+            request = self._client.build_request(method, self.url, params={"key": key}, content=content)
+            return self._client.send(httpd.sign_request(request, self._secret))
         except httpx.TimeoutException as exc:
             raise MetadataError(f"metadata server {self.url} timed out on {method} {key!r}") from exc
         except httpx.HTTPError as exc:
@@ -233,6 +254,8 @@ class HttpMetadata:
             body = None
         detail = str(body["detail"]) if isinstance(body, dict) and "detail" in body else response.text[:200]
         message = f"metadata server {self.url} answered {status} to {method} {key!r}: {detail}"
+        if status == 401:
+            raise AuthError(message)
         if status in _CALLER_FAULT_STATUSES:
             raise ConfigError(message)
         raise MetadataError(message)

@@ -4,7 +4,8 @@ Each peer gets a `PeerPool` of `num_connections` connections (tcp_connection.py)
 first use and spread over the peer's endpoints, like Mooncake's multi-NIC striping. Slices
 are dealt in groups of about `slice_bytes`, so large transfers stripe over every connection
 while a burst of small requests stays on one. A slice whose connection broke is retried on
-the next connection, up to `max_retries`, unless its deadline passed. The server side is
+the next connection, up to `max_retries`, unless its deadline passed; a failed cluster-secret
+handshake is not retried (tcp_connection.py). The server side is
 `tsukimi.transfer.server`; the frames are in `wire.py`.
 """
 
@@ -25,15 +26,17 @@ from tsukimi.transfer.transports.tcp_connection import COALESCE_BYTES, Connectio
 logger = logging.getLogger(__name__)
 
 
-def handshake(endpoint: Endpoint, payload: bytes, timeout_s: float) -> bytes:
-    """Send our descriptor (may be empty) to a segment server and return its own.
+def handshake(endpoint: Endpoint, payload: bytes, timeout_s: float, secret: bytes | None = None) -> bytes:
+    """Send our descriptor (may be empty) to a segment server and return its own (after the
+    cluster-secret handshake, which `secret` answers).
 
     Raises:
+        AuthError: the cluster-secret handshake failed.
         OSError: the peer cannot be reached or hung up.
         ProtocolError: the answer is malformed or oversized.
         PeerError: the peer refused our descriptor.
     """
-    with connect(endpoint, timeout_s) as sock:
+    with connect(endpoint, timeout_s, secret) as sock:
         sock.settimeout(timeout_s)
         wire.send_all(sock, [wire.RequestHeader(wire.Op.HANDSHAKE, 0, 0, len(payload)).pack(), payload])
         head = bytearray(wire.RESPONSE.size)
@@ -51,8 +54,11 @@ def handshake(endpoint: Endpoint, payload: bytes, timeout_s: float) -> bytes:
 class PeerPool:
     """The connections to one peer segment, and the retry policy for their slices."""
 
-    def __init__(self, desc: SegmentDescriptor, config: TransferConfig, clock: Clock) -> None:
+    def __init__(
+        self, desc: SegmentDescriptor, config: TransferConfig, clock: Clock, secret: bytes | None = None
+    ) -> None:
         self.name = desc.name
+        self.secret = secret
         self.endpoints = list(desc.endpoints)
         self.config = config
         self.clock = clock
@@ -114,10 +120,13 @@ class PeerPool:
 
 
 class TcpTransport:
+    """Moves slices over pooled TCP connections; every connection proves `secret` (if any)."""
+
     name = "tcp"
 
-    def __init__(self, config: TransferConfig, clock: Clock) -> None:
+    def __init__(self, config: TransferConfig, clock: Clock, secret: bytes | None = None) -> None:
         self._config = config
+        self._secret = secret
         self._clock = clock
         self._lock = threading.Lock()
         self._pools: dict[str, PeerPool] = {}
@@ -146,7 +155,7 @@ class TcpTransport:
             stale = self._pools.get(desc.name)
             if stale is not None and stale.endpoints == desc.endpoints:
                 return stale
-            pool = self._pools[desc.name] = PeerPool(desc, self._config, self._clock)
+            pool = self._pools[desc.name] = PeerPool(desc, self._config, self._clock, self._secret)
         if stale is not None:  # the peer moved: retire its old pool without blocking the caller
             threading.Thread(target=stale.stop, name=f"tsukimi-retire-{desc.name}", daemon=True).start()
         return pool

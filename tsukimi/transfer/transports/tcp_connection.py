@@ -12,6 +12,10 @@ is released exactly once, when its slice leaves `inflight` or fails before enter
 When either thread hits an error, `_broken` bumps the generation, closes the socket and
 hands every in-flight slice back to the pool, which retries it on another connection or
 ends it. Waits are bounded by the earliest deadline among the in-flight slices.
+
+Every connection runs the cluster-secret handshake (tsukimi/auth.py) right after connecting,
+within `connect_timeout_s`. An `AuthError` is final: the slices that wanted the connection
+fail at once with code "auth" (no retry: another attempt cannot fix a secret).
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ import math
 import queue
 import socket
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tsukimi.errors import ClosedError, OutOfBounds, PeerError, ProtocolError
+from tsukimi import auth
+from tsukimi.errors import AuthError, ClosedError, OutOfBounds, PeerError, ProtocolError
 from tsukimi.transfer import wire
 from tsukimi.transfer.batch import OpCode
 from tsukimi.transfer.segment import Endpoint
@@ -42,10 +49,26 @@ COALESCE_BYTES = 512 << 10  # small slices are merged into one sendmsg (or sent 
 _STATUS_CODES = {wire.Status.OUT_OF_BOUNDS: OutOfBounds.code}
 
 
-def connect(endpoint: Endpoint, timeout_s: float) -> socket.socket:
-    """Open a TCP connection to `endpoint` with Nagle off. Raises OSError."""
+def connect(
+    endpoint: Endpoint, timeout_s: float, secret: bytes | None, stop: Callable[[], bool] | None = None
+) -> socket.socket:
+    """Open an authenticated TCP connection to `endpoint` with Nagle off, blocking with
+    TICK_S I/O ticks; connecting and the handshake together take at most `timeout_s`.
+
+    Raises:
+        AuthError: the handshake failed (a secret missing on one side, or a wrong one).
+        OSError: unreachable, refused, timed out (TimeoutError), or `stop()` became True.
+    """
+    expired = auth.deadline_expired(time.monotonic() + timeout_s, stop)
     sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)
+        wire.set_io_timeout(sock, TICK_S)
+        auth.client_handshake(sock, secret, expired, f"segment server {endpoint.host}:{endpoint.port}")
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
@@ -160,7 +183,13 @@ class Connection:
             if not may_connect:
                 return False
             try:
-                self._connect()
+                self._connect(min(piece.record.deadline for piece in pieces))
+            except AuthError as exc:
+                for piece in pieces:
+                    self.slots.release()
+                    where = f"{self.endpoint.host}:{self.endpoint.port}"
+                    piece.record.slice_failed(f"authentication with {where} failed: {exc}", exc.code)
+                return True
             except (OSError, ValueError) as exc:  # ValueError: e.g. UnicodeError from a bad host name
                 for piece in pieces:
                     self.slots.release()
@@ -192,10 +221,14 @@ class Connection:
         self.ready.notify()
         return parts
 
-    def _connect(self) -> None:
-        sock = connect(self.endpoint, self.pool.config.connect_timeout_s)
-        sock.settimeout(None)
-        wire.set_io_timeout(sock, TICK_S)
+    def _connect(self, deadline: float) -> None:
+        """Connect, giving up at `deadline` (the pool clock's) or on stop(). Raises OSError, AuthError."""
+        clock = self.pool.clock
+
+        def stop() -> bool:
+            return self.stopping or clock.now() >= deadline
+
+        sock = connect(self.endpoint, self.pool.config.connect_timeout_s, self.pool.secret, stop)
         with self.lock:
             if self.sock is None and not self.stopping:
                 self.sock = sock
