@@ -222,7 +222,7 @@ MIN_SECRET_BYTES = 16
 
 @dataclass(frozen=True, slots=True)
 class SecurityConfig:
-    """The optional shared cluster secret (docs/reliability.md, "Security").
+    """The optional shared cluster secret (docs/security.md).
 
     When set, every control-plane (RPC) and Transfer Engine connection authenticates both
     ways with an HMAC-SHA256 challenge-response before anything else is accepted, and the
