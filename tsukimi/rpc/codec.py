@@ -116,5 +116,7 @@ class Codec:
             raise ProtocolError(f"{what} frame of {size} bytes exceeds the {self.max_frame_bytes}-byte limit")
         try:
             return decoder.decode(data)
-        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+            # NOTE: ValidationError is a DecodeError; msgspec raises UnicodeDecodeError itself for
+            # a str that is not UTF-8 (found by tests/fuzz), and RecursionError for deep nesting.
             raise ProtocolError(f"malformed {what} frame ({size} bytes): {exc}") from exc

@@ -246,7 +246,8 @@ class OpenAIServer:
         """
         try:
             req = msgspec.json.decode(raw, type=ChatRequest if chat else CompletionRequest)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:  # NOTE: msgspec raises
+            # UnicodeDecodeError itself for a string that is not UTF-8 (found by tests/fuzz: a 500)
             raise InvalidArgument(f"invalid request body: {exc}") from exc
         if req.model is not None and req.model != self.model_name:
             message = f"the model {req.model!r} does not exist; this server serves {self.model_name!r}"

@@ -190,7 +190,7 @@ class WorkerClient:
                         continue
                     try:
                         line = msgspec.json.decode(text, type=_Line)
-                    except msgspec.DecodeError as exc:
+                    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
                         raise WorkerError(f"worker {name} sent a malformed line: {exc}") from exc
                     if line.finish_reason == "abort":
                         raise WorkerError(f"worker {name} aborted the request: {line.error or 'no reason given'}")
@@ -229,7 +229,7 @@ class WorkerClient:
         try:
             info = msgspec.json.decode(await self._get(worker, "/health"), type=_Health) if health else None
             load = msgspec.json.decode(await self._get(worker, "/load"), type=_Load)
-        except (httpx.HTTPError, msgspec.DecodeError) as exc:
+        except (httpx.HTTPError, msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
             if worker.healthy:
                 logger.warning("worker %s is down: %r", worker.spec.name, exc)
             worker.healthy = False
@@ -256,7 +256,7 @@ class WorkerClient:
 
 def _status_error(name: str, status: int, body: bytes) -> TsukimiError:
     message = body[:200].decode(errors="replace")
-    with contextlib.suppress(msgspec.DecodeError):
+    with contextlib.suppress(msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         message = str(msgspec.json.decode(body, type=dict[str, object]).get("error", message))
     kind = {400: InvalidArgument, 503: WorkerUnavailable}.get(status, WorkerError)  # 400: the input's fault
     return kind(f"worker {name} answered HTTP {status}: {message}")

@@ -79,9 +79,14 @@ def decode_descriptor(data: bytes | memoryview) -> SegmentDescriptor:
     """Decode a peer's descriptor; its buffers come back sorted by base.
 
     Raises msgspec.ValidationError / DecodeError on malformed input, including buffers that
-    are empty, negative or overlapping.
+    are empty, negative or overlapping, and strings that are not UTF-8.
     """
-    desc = _descriptor_decoder.decode(data)
+    try:
+        desc = _descriptor_decoder.decode(data)
+    except (UnicodeDecodeError, RecursionError) as exc:
+        # NOTE: msgspec raises these itself (invalid UTF-8 in a string, deep nesting); callers
+        # catch msgspec's errors only (found by tests/fuzz: it killed a server thread).
+        raise msgspec.DecodeError(f"malformed descriptor: {exc}") from exc
     for endpoint in desc.endpoints:
         if not 0 < endpoint.port < 65536 or not _valid_host(endpoint.host):
             raise msgspec.ValidationError(f"bad endpoint {endpoint.host!r}:{endpoint.port}")

@@ -87,7 +87,7 @@ def decode(data: bytes) -> list[Record]:
     """Raises ProtocolError: the bytes are not a list of records (a corrupt log entry)."""
     try:
         return _DECODER.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError) as exc:
         raise ProtocolError(f"corrupt HA log entry: {exc}") from exc
 
 

@@ -17,6 +17,7 @@ from tsukimi.store.master.allocator import OffsetAllocator
 from tsukimi.store.protocol import MountSegment, ReplicaConfig, SegmentInfo
 
 MISSED_HEARTBEATS = 1.5
+MIN_SEGMENT_BYTES = 4096
 
 
 @dataclass(slots=True)
@@ -87,8 +88,12 @@ class SegmentRegistry:
             InvalidArgument: bad size or base.
             ObjectExists: the segment id is mounted with other parameters or by another client.
         """
-        if op.size <= 0 or op.base <= 0 or not op.segment_id or not op.te_segment:
-            raise InvalidArgument(f"cannot mount segment {op.segment_id!r}: base {op.base}, size {op.size}")
+        bad = op.size < MIN_SEGMENT_BYTES or op.base <= 0 or op.base + op.size > 1 << 64
+        if bad or not op.segment_id or not op.te_segment:
+            raise InvalidArgument(
+                f"cannot mount segment {op.segment_id!r}: base {op.base}, size {op.size} (at least "
+                f"{MIN_SEGMENT_BYTES} bytes, inside the 64-bit address space)"
+            )
         old = self.segments.get(op.segment_id)
         if old is not None:
             rounded = op.size - op.size % old.allocator.alignment

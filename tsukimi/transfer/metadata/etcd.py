@@ -167,7 +167,9 @@ class EtcdMetadata:
                 continue
             except Etcd3Exception as exc:
                 raise MetadataError(f"etcd refused {op} {key!r}: {_describe(exc)}") from exc
-            except (requests.RequestException, ValueError, KeyError) as exc:
+            except (requests.RequestException, ValueError, KeyError, TypeError, AttributeError) as exc:
+                # NOTE: etcd3gw indexes the JSON answer as it comes: a body of another shape
+                # (null, a list, a string of kvs) raises TypeError / AttributeError (found by tests/fuzz)
                 raise MetadataError(f"etcd answered {op} {key!r} unexpectedly: {exc!r}") from exc
             if index != start:
                 logger.info("etcd metadata failed over to %s:%d", *self.endpoints[index])
