@@ -251,7 +251,7 @@ def fuzzed_clients() -> Iterator[tuple[HttpMetadata, EtcdMetadata, list[tuple[in
     )
     adapter = _Adapter()
     etcd = EtcdMetadata([("127.0.0.1", 9)], timeout_s=1.0)
-    for client in etcd._clients:
+    for client in etcd._etcd.clients:
         client.session.mount("http://", adapter)
     yield http, etcd, http_answer, adapter
     http.close()
@@ -287,6 +287,6 @@ def test_regression_etcd_answers_of_another_shape_are_metadata_errors(body: byte
     adapter = _Adapter()
     adapter.body = body
     with EtcdMetadata([("127.0.0.1", 9)], timeout_s=1.0) as etcd:
-        etcd._clients[0].session.mount("http://", adapter)
+        etcd._etcd.clients[0].session.mount("http://", adapter)
         with pytest.raises(MetadataError, match="unexpectedly"):
             etcd.get("tsukimi/segments/x")

@@ -1,29 +1,17 @@
 """The etcd calls the HA master needs: leases, guarded transactions, ranges (etcd3gw's JSON API).
 
-One etcd3gw client per endpoint; a call goes to the endpoint that last worked and fails over
-in URL order when a connection fails or times out. Every call is bounded by `timeout_s` per
-endpoint. Keys and values are bytes (base64 on the wire).
+Endpoint failover is `EtcdEndpoints`' (shared with the metadata backend). Every call is bounded
+by `timeout_s` per endpoint. Keys and values are bytes (base64 on the wire).
 """
 
 from __future__ import annotations
 
 import base64
-import logging
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-import requests
-from etcd3gw.client import Etcd3Client
-from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
+from tsukimi.transfer.metadata.etcd import EtcdEndpoints, parse_etcd_url
 
-from tsukimi.errors import MetadataError
-from tsukimi.transfer.metadata.etcd import ETCD_API_PATH, parse_etcd_url
-
-logger = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
 Op = dict[str, Any]
 
 
@@ -62,19 +50,11 @@ class TxnResult:
 
 
 class EtcdKV:
-    """Thread-safe. Raises MetadataError when no endpoint answers or etcd refuses a call."""
+    """Thread-safe. Raises MetadataError when no endpoint answers or etcd refuses a call
+    (endpoint failover: `EtcdEndpoints`)."""
 
     def __init__(self, url: str, timeout_s: float = 2.0) -> None:
-        self.endpoints = parse_etcd_url(url)
-        self._clients = []
-        for host, port in self.endpoints:
-            session = requests.Session()
-            session.trust_env = False  # NOTE: a proxy in the environment must not capture cluster traffic
-            self._clients.append(
-                Etcd3Client(host=host, port=port, timeout=timeout_s, api_path=ETCD_API_PATH, session=session)
-            )
-        self._lock = threading.Lock()
-        self._current = 0
+        self._etcd = EtcdEndpoints(parse_etcd_url(url), timeout_s)
 
     def grant(self, ttl_s: int) -> int:
         """A new lease of `ttl_s` seconds; returns its id."""
@@ -115,29 +95,7 @@ class EtcdKV:
         return TxnResult(bool(result.get("succeeded", False)), int(result["header"]["revision"]))
 
     def close(self) -> None:
-        for client in self._clients:
-            client.session.close()
+        self._etcd.close()
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call(path, lambda client: client.post(client.get_url(path), json=body))
-
-    def _call(self, what: str, fn: Callable[[Etcd3Client], _T]) -> _T:
-        with self._lock:
-            start = self._current
-        last: Exception | None = None
-        for step in range(len(self._clients)):
-            index = (start + step) % len(self._clients)
-            try:
-                result = fn(self._clients[index])
-            except (ConnectionFailedError, ConnectionTimeoutError) as exc:
-                last = exc
-                continue
-            except Etcd3Exception as exc:
-                raise MetadataError(f"etcd refused {what}: {exc} {exc.detail_text or ''}") from exc
-            except (requests.RequestException, ValueError, KeyError) as exc:
-                raise MetadataError(f"etcd answered {what} unexpectedly: {exc!r}") from exc
-            if index != start:
-                with self._lock:
-                    self._current = index
-            return result
-        raise MetadataError(f"no etcd endpoint answered {what}: {last}") from last
+        return self._etcd.call(path, lambda client: client.post(client.get_url(path), json=body))

@@ -66,6 +66,80 @@ def _parse_endpoint(text: str, url: str) -> Endpoint:
     return host, int(port_text)
 
 
+class EtcdEndpoints:
+    """One etcd3gw client per endpoint, tried in order: a call goes to the endpoint that last
+    worked and fails over to the next when a connection fails or times out (thread-safe).
+    Shared by the metadata backend and the HA master's etcd calls (store/ha/etcd_kv.py).
+
+    Raises (constructor): ConfigError: no endpoints or a non-positive timeout.
+    """
+
+    def __init__(self, endpoints: Sequence[Endpoint], timeout_s: float) -> None:
+        if not endpoints:
+            raise ConfigError("an etcd client needs at least one endpoint")
+        if timeout_s <= 0:
+            raise ConfigError(f"etcd timeout_s must be > 0, got {timeout_s}")
+        self.endpoints = list(endpoints)
+        self.clients = [self._make_client(host, port, timeout_s) for host, port in self.endpoints]
+        self._lock = threading.Lock()
+        self._current = 0
+        self._closed = False
+
+    @staticmethod
+    def _make_client(host: str, port: int, timeout_s: float) -> Etcd3Client:
+        session = requests.Session()
+        # NOTE: an HTTP(S)_PROXY in the environment must not capture cluster-internal traffic.
+        session.trust_env = False
+        return Etcd3Client(host=host, port=port, timeout=timeout_s, api_path=ETCD_API_PATH, session=session)
+
+    def call(self, what: str, fn: Callable[[Etcd3Client], _T]) -> _T:
+        """Run `fn` on the current endpoint, failing over in order on connection trouble.
+
+        Raises:
+            ClosedError: closed.
+            MetadataError: etcd refused the call, answered something malformed, or no
+                endpoint answered (`what` names the call in the message).
+        """
+        with self._lock:
+            if self._closed:
+                raise ClosedError("the etcd client is closed")
+            start = self._current
+        last_error: Etcd3Exception | None = None
+        for step in range(len(self.clients)):
+            index = (start + step) % len(self.clients)
+            try:
+                result = fn(self.clients[index])
+            except (ConnectionFailedError, ConnectionTimeoutError) as exc:
+                logger.debug("etcd %s:%d failed on %s: %s", *self.endpoints[index], what, _describe(exc))
+                last_error = exc
+                continue
+            except Etcd3Exception as exc:
+                raise MetadataError(f"etcd refused {what}: {_describe(exc)}") from exc
+            except (requests.RequestException, ValueError, KeyError, TypeError, AttributeError) as exc:
+                # NOTE: etcd3gw indexes the JSON answer as it comes: a body of another shape
+                # (null, a list, a string of kvs) raises TypeError / AttributeError (found by tests/fuzz)
+                raise MetadataError(f"etcd answered {what} unexpectedly: {exc!r}") from exc
+            if index != start:
+                logger.info("etcd client failed over to %s:%d", *self.endpoints[index])
+                with self._lock:
+                    self._current = index
+            return result
+        assert last_error is not None
+        raise MetadataError(f"no etcd endpoint answered {what} ({self}): {_describe(last_error)}") from last_error
+
+    def close(self) -> None:
+        """Close every endpoint's HTTP session; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for client in self.clients:
+            client.session.close()
+
+    def __str__(self) -> str:
+        return ", ".join(f"{host}:{port}" for host, port in self.endpoints)
+
+
 class EtcdMetadata:
     """A `MetadataBackend` over etcd with client-side failover (thread-safe).
 
@@ -77,15 +151,8 @@ class EtcdMetadata:
     """
 
     def __init__(self, endpoints: Sequence[Endpoint], timeout_s: float = 5.0) -> None:
-        if not endpoints:
-            raise ConfigError("EtcdMetadata needs at least one endpoint")
-        if timeout_s <= 0:
-            raise ConfigError(f"metadata timeout_s must be > 0, got {timeout_s}")
-        self.endpoints = list(endpoints)
-        self._clients = [self._make_client(host, port, timeout_s) for host, port in self.endpoints]
-        self._lock = threading.Lock()
-        self._current = 0
-        self._closed = False
+        self._etcd = EtcdEndpoints(endpoints, timeout_s)
+        self.endpoints = self._etcd.endpoints
 
     @classmethod
     def from_url(cls, url: str, timeout_s: float = 5.0) -> EtcdMetadata:
@@ -96,13 +163,6 @@ class EtcdMetadata:
         """
         return cls(parse_etcd_url(url), timeout_s=timeout_s)
 
-    @staticmethod
-    def _make_client(host: str, port: int, timeout_s: float) -> Etcd3Client:
-        session = requests.Session()
-        # NOTE: an HTTP(S)_PROXY in the environment must not capture cluster-internal traffic.
-        session.trust_env = False
-        return Etcd3Client(host=host, port=port, timeout=timeout_s, api_path=ETCD_API_PATH, session=session)
-
     def get(self, key: str) -> bytes | None:
         """The value under `key`, or None.
 
@@ -110,7 +170,7 @@ class EtcdMetadata:
             ClosedError, ConfigError (invalid key), MetadataError (every endpoint failed).
         """
         raw_key = check_key(key)
-        values = self._call("get", key, lambda client: client.get(raw_key))
+        values = self._etcd.call(f"get {key!r}", lambda client: client.get(raw_key))
         return values[0] if values else None
 
     def put(self, key: str, value: bytes) -> None:
@@ -124,7 +184,7 @@ class EtcdMetadata:
         raw_key = check_key(key)
         check_value(value)
         data = bytes(value)
-        self._call("put", key, lambda client: client.put(raw_key, data))
+        self._etcd.call(f"put {key!r}", lambda client: client.put(raw_key, data))
 
     def delete(self, key: str) -> None:
         """Remove `key`; a missing key is fine (mutates the cluster).
@@ -133,16 +193,11 @@ class EtcdMetadata:
             ClosedError, ConfigError (invalid key), MetadataError (every endpoint failed).
         """
         raw_key = check_key(key)
-        self._call("delete", key, lambda client: client.delete(raw_key))
+        self._etcd.call(f"delete {key!r}", lambda client: client.delete(raw_key))
 
     def close(self) -> None:
         """Close every endpoint's HTTP session; idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        for client in self._clients:
-            client.session.close()
+        self._etcd.close()
 
     def __enter__(self) -> EtcdMetadata:
         return self
@@ -150,41 +205,8 @@ class EtcdMetadata:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _call(self, op: str, key: str, fn: Callable[[Etcd3Client], _T]) -> _T:
-        """Run `fn` on the current endpoint, failing over in order on connection trouble."""
-        with self._lock:
-            if self._closed:
-                raise ClosedError("EtcdMetadata is closed")
-            start = self._current
-        last_error: Etcd3Exception | None = None
-        for step in range(len(self._clients)):
-            index = (start + step) % len(self._clients)
-            try:
-                result = fn(self._clients[index])
-            except (ConnectionFailedError, ConnectionTimeoutError) as exc:
-                logger.debug("etcd %s:%d failed on %s: %s", *self.endpoints[index], op, _describe(exc))
-                last_error = exc
-                continue
-            except Etcd3Exception as exc:
-                raise MetadataError(f"etcd refused {op} {key!r}: {_describe(exc)}") from exc
-            except (requests.RequestException, ValueError, KeyError, TypeError, AttributeError) as exc:
-                # NOTE: etcd3gw indexes the JSON answer as it comes: a body of another shape
-                # (null, a list, a string of kvs) raises TypeError / AttributeError (found by tests/fuzz)
-                raise MetadataError(f"etcd answered {op} {key!r} unexpectedly: {exc!r}") from exc
-            if index != start:
-                logger.info("etcd metadata failed over to %s:%d", *self.endpoints[index])
-                with self._lock:
-                    self._current = index
-            return result
-        assert last_error is not None
-        endpoints = ", ".join(f"{host}:{port}" for host, port in self.endpoints)
-        raise MetadataError(
-            f"no etcd endpoint answered {op} {key!r} ({endpoints}): {_describe(last_error)}"
-        ) from last_error
-
     def __repr__(self) -> str:
-        endpoints = ",".join(f"{host}:{port}" for host, port in self.endpoints)
-        return f"EtcdMetadata(etcd://{endpoints})"
+        return f"EtcdMetadata(etcd://{','.join(f'{h}:{p}' for h, p in self.endpoints)})"
 
 
 def _describe(exc: Etcd3Exception) -> str:
