@@ -516,3 +516,17 @@ def test_endpoints_parse_and_format() -> None:
         assert srv.endpoint.startswith("tcp://0.0.0.0:")
         with RpcClient(CODEC, srv.endpoint.replace("0.0.0.0", "127.0.0.1")) as cli:
             assert cli.call(EchoRequest("any interface")) == EchoResponse("any interface")
+
+
+def test_an_unreachable_server_is_retried_until_the_deadline_unless_retry_unsent_is_off() -> None:
+    with socket.socket() as sock:  # a port with nothing listening
+        sock.bind(("127.0.0.1", 0))
+        endpoint = format_endpoint("127.0.0.1", sock.getsockname()[1])
+    clock = WallClock()
+    for retry_unsent, least_s in ((True, 0.3), (False, 0.0)):
+        with RpcClient(CODEC, endpoint, timeout_s=0.3, retry_unsent=retry_unsent) as client:
+            started = clock.now()
+            with pytest.raises(RpcTimeout, match="unreachable"):
+                client.call(EchoRequest("x"))
+            elapsed = clock.now() - started
+            assert elapsed >= least_s and (retry_unsent or elapsed < 0.3)

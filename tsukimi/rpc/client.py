@@ -76,6 +76,9 @@ class RpcClient:
             at the price of this much CPU per call at most; 0 never polls.
         secret: the cluster secret, proven to (and by) the server on every connection;
             None talks only to servers without one.
+        retry_unsent: False fails a call at once (RpcTimeout) when the server is unreachable,
+            instead of retrying until the deadline: for a caller that can go elsewhere
+            (the store's MasterLink, which then looks for the new leader).
 
     Raises:
         ConfigError: `timeout_s` is not positive and finite, `spin_s` is negative or not
@@ -90,6 +93,7 @@ class RpcClient:
         spin_s: float = DEFAULT_SPIN_S,
         *,
         secret: bytes | None = None,
+        retry_unsent: bool = True,
     ) -> None:
         _check_timeout(timeout_s)
         if not (spin_s >= 0 and math.isfinite(spin_s)):
@@ -107,9 +111,7 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._sock: socket.socket | None = None  # set as soon as connecting starts, for close()
         self._conn: _Connection | None = None  # once connected
-        # NOTE: False: an unreachable server fails the call at once (RpcTimeout) instead of being
-        # retried until the deadline; a caller that can go elsewhere (MasterLink) wants that.
-        self.retry_unsent = True
+        self._retry_unsent = retry_unsent
 
     @property
     def endpoint(self) -> str:
@@ -215,7 +217,7 @@ class RpcClient:
             except _NotSent as exc:
                 self._drop()
                 wait = min(_RETRY_S, deadline - clock.now())
-                if wait <= 0 or not self.retry_unsent or closing.wait(wait):
+                if wait <= 0 or not self._retry_unsent or closing.wait(wait):
                     self._check_open()
                     raise RpcTimeout(f"{self._what(request)}: unreachable for {timeout:.3f} s") from exc.__cause__
                 logger.debug("rpc client %s: retrying: %s", self._what(request), exc.__cause__)

@@ -64,12 +64,6 @@ class MasterLink:
             self._key = leader_key(config.ha_cluster)
         else:
             self._rpc = self._client(config.master)
-        self.failovers = 0
-
-    @property
-    def endpoint(self) -> str:
-        rpc = self._rpc
-        return rpc.endpoint if rpc is not None else self.config.master
 
     def call(self, request: msgspec.Struct, attempt_s: float = ATTEMPT_S) -> msgspec.Struct:
         """Send `request` to the master (the leader) and return its response.
@@ -117,9 +111,11 @@ class MasterLink:
         if self._kv is not None:
             self._kv.close()
 
-    def _client(self, endpoint: str) -> RpcClient:
+    def _client(self, endpoint: str, retry_unsent: bool = True) -> RpcClient:
         spin_s = self.config.rpc_spin_us * 1e-6
-        return RpcClient(self._codec, endpoint, self.config.rpc_timeout_s, spin_s, secret=self._secret)
+        return RpcClient(
+            self._codec, endpoint, self.config.rpc_timeout_s, spin_s, secret=self._secret, retry_unsent=retry_unsent
+        )
 
     def _leader(self, deadline: float) -> RpcClient:
         """The RPC client of the current leader, looked up in etcd if not known."""
@@ -137,9 +133,7 @@ class MasterLink:
                     info = LeaderInfo.decode(found[0])
                     with self._lock:
                         if self._rpc is None:
-                            self._rpc = self._client(info.rpc)
-                            self._rpc.retry_unsent = False
-                            self.failovers += 1
+                            self._rpc = self._client(info.rpc, retry_unsent=False)
                         return self._rpc
             except (MetadataError, ProtocolError) as exc:
                 problem = str(exc)

@@ -94,6 +94,8 @@ class MasterServer:
         with self._latency.labels(type(request).__name__).time(), self._lock:
             if self.ha is not None and not self.ha.leading():
                 raise NotLeader(f"master {self.ha.info.name} is not the leader (find it in etcd)")
+            if self.ha is None:
+                return self.service.handle(request)
             try:
                 return self.service.handle(request)
             finally:

@@ -207,8 +207,10 @@ class MasterState:
         self.counters["hits"] += 1
         # NOTE: replicas on holders that missed heartbeats (stopped, cut off) go last, so a
         # reader does not spend its lease on them while a healthy replica exists.
-        segments, registry = self.registry.segments, self.registry
-        order = sorted(record.replicas, key=lambda p: not registry.healthy(segments[p.segment_id].client_id, now))
+        order = record.replicas
+        if len(order) > 1:
+            segments, registry = self.registry.segments, self.registry
+            order = sorted(order, key=lambda p: not registry.healthy(segments[p.segment_id].client_id, now))
         return self._locations(order, record.size), record.size
 
     def exists(self, key: str) -> bool:
