@@ -131,3 +131,13 @@ def test_blocks_are_released_tail_first(tiny: LoadedModel) -> None:
     engine.generate([[500, 501, 502, 503, 504]], SamplingParams(max_tokens=1))  # takes 2 blocks: 1 evicted
     engine.add_request("again", prompt, SamplingParams(max_tokens=1))
     assert engine.step()[0].cached_tokens == 16  # 4 of the 5 blocks are still reachable
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"temperature": 1e-9}, {"temperature": -0.1}, {"top_p": 1e-9}, {"top_p": 0.0}, {"seed": 2**63}, {"seed": -1}],
+)
+def test_sampling_params_refuse_values_that_would_fail_on_the_engine_thread(fields: dict[str, float]) -> None:
+    with pytest.raises(InvalidArgument):
+        SamplingParams(**fields)  # type: ignore[arg-type]
+    SamplingParams(temperature=1e-6, top_p=1e-6, seed=2**63 - 1)  # the edges are fine

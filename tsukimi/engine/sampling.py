@@ -10,6 +10,7 @@ import torch
 from tsukimi.errors import InvalidArgument
 
 MAX_TOKENS_LIMIT = 1 << 16
+MIN_SAMPLING_VALUE = 1e-6  # smaller positive temperatures and top_p break sampling in float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,10 +29,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
             raise InvalidArgument(f"max_tokens must be in 1..{MAX_TOKENS_LIMIT}, got {self.max_tokens}")
-        if not 0 <= self.temperature <= 100:
-            raise InvalidArgument(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+        # NOTE: a tinier positive temperature overflows logits / temperature to inf, a tinier
+        # top_p is 0 in float32, a seed past 63 bits makes torch's manual_seed raise: each
+        # failed on the engine thread, taking every running request with it (found by tests/fuzz)
+        if not (self.temperature == 0 or MIN_SAMPLING_VALUE <= self.temperature <= 100):
+            raise InvalidArgument(f"temperature must be 0 or in [{MIN_SAMPLING_VALUE}, 100], got {self.temperature}")
+        if not MIN_SAMPLING_VALUE <= self.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in [{MIN_SAMPLING_VALUE}, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidArgument(f"seed must be in 0..2**63-1, got {self.seed}")
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
