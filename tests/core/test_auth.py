@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tsukimi import auth, netio
+from tsukimi import auth, netio, netserver
 from tsukimi.errors import AuthError
 
 SECRET = b"0123456789abcdef-the-cluster-secret"
@@ -164,7 +164,7 @@ def test_a_server_that_stalls_after_the_greeting_times_out_on_time() -> None:
 # -- the server side, on a real ConnectionServer --------------------------------------------
 
 
-class _EchoServer(netio.ConnectionServer):
+class _EchoServer(netserver.ConnectionServer):
     """Echoes one line per connection; counts the connections it served."""
 
     def __init__(self, secret: bytes | None, handshake_timeout_s: float = 5.0) -> None:

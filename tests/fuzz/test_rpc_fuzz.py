@@ -34,7 +34,8 @@ from tsukimi.rpc import RpcClient
 from tsukimi.rpc.codec import ErrorReply
 from tsukimi.rpc.frame import HEADER, parse_endpoint
 from tsukimi.store import protocol as p
-from tsukimi.store.master.server import CODEC, MasterServer
+from tsukimi.store.master.server import MasterServer
+from tsukimi.store.protocol import CODEC
 
 MAX_FRAME = CODEC.max_frame_bytes
 VALID_REQUESTS: list[msgspec.Struct] = [

@@ -16,7 +16,7 @@ from tsukimi.bench.store_cluster import wait_until
 from tsukimi.errors import InvalidArgument, InvalidBufferError, LeaseHeld, ObjectExists, ObjectNotFound
 from tsukimi.rpc import RpcClient
 from tsukimi.store import protocol as p
-from tsukimi.store.master.server import CODEC
+from tsukimi.store.protocol import CODEC
 
 pytestmark = pytest.mark.timeout(120)
 MIB = 1 << 20

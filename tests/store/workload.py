@@ -54,7 +54,7 @@ from tsukimi.errors import (
 from tsukimi.rpc import RpcClient
 from tsukimi.store import protocol as p
 from tsukimi.store.client import StoreClient
-from tsukimi.store.master.server import CODEC
+from tsukimi.store.protocol import CODEC
 
 RETRIABLE = (TransferError, RpcTimeout, PeerError, BrokenConnectionError, OutOfSpace, LeaseHeld)
 # NOTE: a put that failed with these never reached PutEnd (or a remove never applied); any

@@ -32,7 +32,7 @@ from tsukimi.transfer.segment import (
     encode_descriptor,
 )
 from tsukimi.transfer.server import SegmentServer
-from tsukimi.transfer.transports import Slice
+from tsukimi.transfer.transports.base import Slice
 from tsukimi.transfer.transports.tcp import TcpTransport
 
 pytestmark = pytest.mark.timeout(60)

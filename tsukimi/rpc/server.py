@@ -17,7 +17,7 @@ within the window, and at most `spinners` threads poll at once (a semaphore take
 waiting): polling costs at most that many CPUs while clients are busy, none when they idle.
 
 With a cluster secret, a connection is served only once the client passed the handshake
-(tsukimi/auth.py, run by netio.ConnectionServer): a client without the secret, or with
+(tsukimi/auth.py, run by netserver.ConnectionServer): a client without the secret, or with
 another one, is refused before its first frame is read, and the handler never sees it.
 
 A well-delimited frame that does not decode is answered with `ErrorReply("protocol", ...)`;
@@ -36,7 +36,7 @@ from types import TracebackType
 
 import msgspec
 
-from tsukimi import netio
+from tsukimi import netserver
 from tsukimi.clock import WallClock
 from tsukimi.errors import ConfigError, ProtocolError, TsukimiError
 from tsukimi.rpc.codec import Codec, ErrorReply
@@ -53,7 +53,7 @@ _MAX_ERROR_CHARS = 16 << 10  # an error reply must always fit in a frame
 Handler = Callable[[msgspec.Struct], msgspec.Struct]
 
 
-class RpcServer(netio.ConnectionServer):
+class RpcServer(netserver.ConnectionServer):
     """Serves `handler` on a TCP socket bound to `bind`; starts serving at once.
 
     Args:

@@ -36,7 +36,6 @@ from tsukimi.errors import (
 )
 from tsukimi.store import protocol as p
 from tsukimi.store.disk import DiskTier
-from tsukimi.store.master.server import CODEC
 from tsukimi.store.master_link import MasterLink
 from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
 from tsukimi.transfer.segment import byte_view
@@ -77,7 +76,7 @@ class StoreClient:
         self._clock = WallClock()
         self._owns_engine = engine is None
         self.engine = engine or TransferEngine(config=self.config)
-        self._rpc = MasterLink(cfg, CODEC, self.config.security.secret())
+        self._rpc = MasterLink(cfg, p.CODEC, self.config.security.secret())
         self._mounts: list[p.MountSegment] = []
         self._segment_base = 0
         self._disk = DiskTier(cfg.ssd_dir, cfg.ssd_bytes) if cfg.ssd_dir else None

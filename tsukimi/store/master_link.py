@@ -33,7 +33,7 @@ from tsukimi.errors import (
 )
 from tsukimi.rpc import Codec, RpcClient
 from tsukimi.store.ha.etcd_kv import EtcdKV
-from tsukimi.store.ha.leader import LeaderInfo, leader_key
+from tsukimi.store.protocol import LeaderInfo, leader_key
 
 logger = logging.getLogger(__name__)
 

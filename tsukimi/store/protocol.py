@@ -1,8 +1,10 @@
-"""The store's boundary types: every master operation and its result, as msgspec Structs.
+"""The store's boundary types: every master operation and its result, as msgspec Structs,
+the RPC `CODEC` that carries them, and `LeaderInfo`, the record an HA leader publishes.
 
 They are at once the arguments of `MasterState` (the pure state machine), the RPC messages
-between clients and the master, and (a later issue) the records of the master's operation
-log: every state change is one of these operations, applied in order.
+between clients and the master, and the records of the master's operation log: every state
+change is one of these operations, applied in order. Clients import only this module (and
+the RPC client), never the master's server or its HA controller.
 
 Addresses: a replica lives in a client's mounted segment; `ReplicaLocation.address` is the
 address in the holder's Transfer Engine segment (`te_segment`), ready for a TE READ/WRITE.
@@ -10,9 +12,13 @@ address in the holder's Transfer Engine segment (`te_segment`), ready for a TE R
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict, dataclass
+
 import msgspec
 
-from tsukimi.errors import InvalidArgument
+from tsukimi.errors import InvalidArgument, ProtocolError
+from tsukimi.rpc.codec import Codec
 
 MAX_KEY_BYTES = 4096
 MAX_REPLICAS = 8
@@ -175,8 +181,12 @@ class Failure(msgspec.Struct, frozen=True, tag=True):
     message: str
 
 
+BatchResultItem = Ok | PutStartResult | GetReplicasResult | ExistsResult | Failure
+"""The result of one operation of a `Batch`, in its place."""
+
+
 class BatchResult(msgspec.Struct, frozen=True, tag=True):
-    results: list[Ok | PutStartResult | GetReplicasResult | ExistsResult | Failure]
+    results: list[BatchResultItem]
 
 
 class ObjectInfo(msgspec.Struct, frozen=True, tag=True):
@@ -237,3 +247,32 @@ RESPONSE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Ok, HeartbeatResult, PutStartResult, GetReplicasResult, ExistsResult, RemoveAllResult, BatchResult,
     ObjectInfo, SegmentsResult, Failure,
 )  # fmt: skip
+CODEC = Codec(REQUEST_TYPES, RESPONSE_TYPES)
+"""The master's RPC codec: the server and every client use this one."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderInfo:
+    """What an HA leader publishes under `leader_key` and clients read to find it."""
+
+    rpc: str
+    http: str
+    name: str
+    pid: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> LeaderInfo:
+        """Raises ProtocolError on a malformed value."""
+        try:
+            fields = json.loads(data)
+            return cls(str(fields["rpc"]), str(fields["http"]), str(fields["name"]), int(fields.get("pid", 0)))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ProtocolError(f"malformed leader record in etcd: {exc}") from exc
+
+
+def leader_key(cluster: str) -> bytes:
+    """The etcd key of the HA group `cluster`'s leader record."""
+    return f"/tsukimi/{cluster}/leader".encode()

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tsukimi.clock import Clock, WallClock
-from tsukimi.config import TRANSPORT_NAMES, Config
+from tsukimi.config import Config
 from tsukimi.errors import ClosedError, ConfigError, InvalidBufferError, OutOfBounds, TransferError, TsukimiError
 from tsukimi.transfer.batch import (
     Batch,
@@ -51,13 +51,10 @@ from tsukimi.transfer.segment import (
 )
 from tsukimi.transfer.server import SegmentServer
 from tsukimi.transfer.shared_memory import SharedMemoryAllocator
-from tsukimi.transfer.transports import Slice, Transport
-from tsukimi.transfer.transports.shm import ShmTransport
-from tsukimi.transfer.transports.tcp import TcpTransport
+from tsukimi.transfer.transports import Slice, Transport, TransportContext, build_transports
 
 logger = logging.getLogger(__name__)
 
-SHM_SLICE_BYTES = 16 << 20
 WAIT_GRACE_S = 2.0  # past the latest deadline: socket ticks, retries and thread scheduling
 
 
@@ -103,10 +100,8 @@ class TransferEngine:
         self.name = self._segment.name = name or f"{endpoint.host}:{endpoint.port}"
         self._directory = SegmentDirectory(backend, self._describe_bytes, cfg.metadata.timeout_s, secret)
         self._shm = SharedMemoryAllocator(self.config.shm_dir)
-        self._transports: dict[str, Transport] = {
-            "shm": ShmTransport(self.config, self._host_id, self._clock, self._directory.invalidate),
-            "tcp": TcpTransport(self.config, self._clock, secret),
-        }
+        context = TransportContext(self.config, self._clock, self._host_id, secret, self._directory.invalidate)
+        self._transports = build_transports(context)  # in the order "auto" tries them
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -172,8 +167,9 @@ class TransferEngine:
         """
         self._check_open()
         chosen = transport or self.config.transport
-        if chosen not in TRANSPORT_NAMES:
-            raise ConfigError(f"transport must be one of {TRANSPORT_NAMES}, got {transport!r}")
+        names = ("auto", *(t.name for t in self._transports))
+        if chosen not in names:
+            raise ConfigError(f"transport must be one of {', '.join(names)}, got {chosen!r}")
         self._directory.get(name)
         return SegmentHandle(next(self._ids), name, chosen)
 
@@ -250,7 +246,7 @@ class TransferEngine:
         if transport is None:
             record.fail_now(TransferError(f"transport {handle.transport} cannot reach that buffer of {handle.name}"))
             return None
-        step = self.config.slice_bytes if transport.name == "tcp" else SHM_SLICE_BYTES
+        step = transport.slice_bytes
         pieces = [Slice(record, op, local[i : i + step], offset + i, buffer) for i in range(0, len(local), step)]
         record.slices_left = len(pieces)
         return transport, desc, pieces
@@ -339,7 +335,7 @@ class TransferEngine:
         except TsukimiError as exc:
             logger.warning("could not withdraw segment %s: %s", self.name, exc)
         self._server.close()
-        for transport in self._transports.values():
+        for transport in self._transports:
             transport.close()
         self._shm.close()
         if self._owns_backend:
@@ -374,11 +370,10 @@ class TransferEngine:
         return handle, req.op, view[req.local_offset : req.local_offset + length], req.remote_offset
 
     def _choose(self, handle: SegmentHandle, desc: SegmentDescriptor, buffer: BufferDescriptor) -> Transport | None:
-        shm, tcp = self._transports["shm"], self._transports["tcp"]
-        if handle.transport in ("auto", "shm") and shm.can_serve(desc, buffer):
-            return shm
-        if handle.transport in ("auto", "tcp") and tcp.can_serve(desc, buffer):
-            return tcp
+        """The first transport (in rank order) that can serve the buffer, or the one forced."""
+        for transport in self._transports:
+            if handle.transport in ("auto", transport.name) and transport.can_serve(desc, buffer):
+                return transport
         return None
 
     def _release(self, batch_id: BatchId) -> None:

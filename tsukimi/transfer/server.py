@@ -1,11 +1,11 @@
 """The segment server: serves peers' one-sided READ and WRITE requests on this process's
 registered buffers over TCP, on its own threads (never the application's).
 
-One thread per connection (netio.ConnectionServer). Every request is checked against the
+One thread per connection (netserver.ConnectionServer). Every request is checked against the
 registered buffers before a byte is touched: out-of-range requests get an OUT_OF_BOUNDS
 answer (a write's payload is drained so the stream stays in sync) and the connection keeps
 serving; a malformed frame closes only that connection. With the cluster secret, a peer is
-served only after the handshake (tsukimi/auth.py, run by netio.ConnectionServer): one that
+served only after the handshake (tsukimi/auth.py, run by netserver.ConnectionServer): one that
 fails it never reaches `serve`, so it can neither read nor write a byte.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from tsukimi import netio
+from tsukimi import netserver
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import TransferConfig
 from tsukimi.errors import OutOfBounds, ProtocolError
@@ -32,7 +32,7 @@ _TICK_S = 0.5
 _ACK_FLUSH_BYTES = 256 << 10  # how often blocked socket calls wake up to check deadlines and close()
 
 
-class SegmentServer(netio.ConnectionServer):
+class SegmentServer(netserver.ConnectionServer):
     """Serves `segment` on `config.bind_host:config.port` (0 = ephemeral); with `secret`, only
     to peers that prove they know it."""
 

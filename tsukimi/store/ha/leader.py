@@ -32,44 +32,18 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 from tsukimi.clock import WallClock
 from tsukimi.config import MasterConfig
 from tsukimi.errors import MetadataError, NotLeader, ProtocolError
 from tsukimi.store.ha import journal
 from tsukimi.store.ha.etcd_kv import EtcdKV, Op, created_at, delete_op, prefix_end, put_op
+from tsukimi.store.protocol import LeaderInfo, leader_key
 
 logger = logging.getLogger(__name__)
 
 MAX_ENTRY_BYTES = 1 << 20  # etcd refuses requests over 1.5 MiB by default
 _POLL_S = 0.1  # how often a standby looks for a vacant leader key
-
-
-@dataclass(frozen=True, slots=True)
-class LeaderInfo:
-    """What clients read from the leader key to find the leader."""
-
-    rpc: str
-    http: str
-    name: str
-    pid: int = 0
-
-    def encode(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    @classmethod
-    def decode(cls, data: bytes) -> LeaderInfo:
-        """Raises ProtocolError on a malformed value."""
-        try:
-            fields = json.loads(data)
-            return cls(str(fields["rpc"]), str(fields["http"]), str(fields["name"]), int(fields.get("pid", 0)))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ProtocolError(f"malformed leader record in etcd: {exc}") from exc
-
-
-def leader_key(cluster: str) -> bytes:
-    return f"/tsukimi/{cluster}/leader".encode()
 
 
 class HAController:

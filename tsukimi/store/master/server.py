@@ -23,16 +23,15 @@ from tsukimi import auth, httpd
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import MasterConfig
 from tsukimi.errors import AuthError, InvalidArgument, NotLeader, ObjectNotFound
-from tsukimi.rpc import Codec, RpcServer
+from tsukimi.rpc import RpcServer
 from tsukimi.store import protocol as p
 from tsukimi.store.ha import journal
-from tsukimi.store.ha.leader import HAController, LeaderInfo
+from tsukimi.store.ha.leader import HAController
 from tsukimi.store.master.service import MasterService
 from tsukimi.store.master.state import MasterState
 
 logger = logging.getLogger(__name__)
 
-CODEC = Codec(p.REQUEST_TYPES, p.RESPONSE_TYPES)
 COUNTERS = ("hits", "misses", "evictions", "evicted_bytes", "puts_started", "puts_completed", "puts_revoked",
             "puts_reclaimed", "removes", "objects_lost")  # fmt: skip
 
@@ -58,7 +57,7 @@ class MasterServer:
             buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
         )  # fmt: skip
         self.rpc = RpcServer(
-            CODEC,
+            p.CODEC,
             self._handle,
             bind=f"tcp://{config.host}:{config.rpc_port}",
             name="master",
@@ -76,7 +75,7 @@ class MasterServer:
         self._ticker.start()
         if config.ha_etcd:
             self.state.take_changes()  # starts tracking the rows to log
-            info = LeaderInfo(self.rpc.endpoint, self.http.base_url, f"{config.host}:{self.rpc.port}", os.getpid())
+            info = p.LeaderInfo(self.rpc.endpoint, self.http.base_url, f"{config.host}:{self.rpc.port}", os.getpid())
             self.ha = HAController(config, info, self._install, self._forget, self._snapshot)
             self.ha.start()
         logger.info("master serving RPC on %s, HTTP on %s", self.rpc.endpoint, self.http.base_url)

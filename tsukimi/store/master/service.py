@@ -16,8 +16,6 @@ from tsukimi.errors import InvalidArgument, TsukimiError
 from tsukimi.store import protocol as p
 from tsukimi.store.master.state import MasterState
 
-BatchResultItem = p.Ok | p.PutStartResult | p.GetReplicasResult | p.ExistsResult | p.Failure
-
 
 class MasterService:
     def __init__(self, state: MasterState) -> None:
@@ -98,7 +96,7 @@ class MasterService:
         assert isinstance(op, p.Batch)
         if len(op.ops) > p.MAX_BATCH:
             raise InvalidArgument(f"a batch holds at most {p.MAX_BATCH} operations, got {len(op.ops)}")
-        results: list[BatchResultItem] = []
+        results: list[p.BatchResultItem] = []
         for item in op.ops:
             try:
                 result = self.handle(item)

@@ -24,11 +24,12 @@ from tsukimi.errors import ClosedError, PeerError
 from tsukimi.transfer.batch import OpCode
 from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
 from tsukimi.transfer.shared_memory import SharedMapping, map_shared, valid_shm_name
-from tsukimi.transfer.transports import Slice
+from tsukimi.transfer.transports.base import Slice, TransportContext, register_transport
 
 logger = logging.getLogger(__name__)
 
 INLINE_BYTES = 1 << 20  # a submit of at most this many bytes is copied by the submitting thread
+SLICE_BYTES = 16 << 20
 
 
 class _ShmPeer:
@@ -71,6 +72,7 @@ class _ShmPeer:
 
 class ShmTransport:
     name = "shm"
+    slice_bytes = SLICE_BYTES
 
     def __init__(
         self, config: TransferConfig, local_host_id: str, clock: Clock, on_stale: Callable[[str], None]
@@ -181,3 +183,10 @@ class ShmTransport:
             np.copyto(local, remote)
         if not peer.alive():
             raise PeerError(f"owner process {peer.pid} exited during the copy")
+
+
+def _create(context: TransportContext) -> ShmTransport:
+    return ShmTransport(context.config, context.host_id, context.clock, context.on_stale)
+
+
+register_transport("shm", _create, rank=10)

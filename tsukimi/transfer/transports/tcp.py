@@ -20,8 +20,8 @@ from tsukimi.config import TransferConfig
 from tsukimi.errors import ClosedError, PeerError, ProtocolError
 from tsukimi.transfer import wire
 from tsukimi.transfer.segment import BufferDescriptor, Endpoint, SegmentDescriptor
-from tsukimi.transfer.transports import Slice
-from tsukimi.transfer.transports.tcp_connection import COALESCE_BYTES, Connection, connect
+from tsukimi.transfer.transports.base import Slice, TransportContext, register_transport
+from tsukimi.transfer.transports.tcp_connection import COALESCE_BYTES, Connection, PeerLink, connect
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +58,15 @@ class PeerPool:
         self, desc: SegmentDescriptor, config: TransferConfig, clock: Clock, secret: bytes | None = None
     ) -> None:
         self.name = desc.name
-        self.secret = secret
         self.endpoints = list(desc.endpoints)
         self.config = config
         self.clock = clock
         self.closed = False
-        self.connections = [Connection(self, i) for i in range(config.num_connections)]
+        link = PeerLink(desc.name, config, clock, secret)
+        self.connections = [
+            Connection(link, i, self.endpoints[i % len(self.endpoints)], self.retry)
+            for i in range(config.num_connections)
+        ]
         self._next = itertools.count()
 
     def dispatch(self, pieces: list[Slice]) -> None:
@@ -128,6 +131,7 @@ class TcpTransport:
         self._config = config
         self._secret = secret
         self._clock = clock
+        self.slice_bytes = config.slice_bytes
         self._lock = threading.Lock()
         self._pools: dict[str, PeerPool] = {}
         self._closed = False
@@ -159,3 +163,10 @@ class TcpTransport:
         if stale is not None:  # the peer moved: retire its old pool without blocking the caller
             threading.Thread(target=stale.stop, name=f"tsukimi-retire-{desc.name}", daemon=True).start()
         return pool
+
+
+def _create(context: TransportContext) -> TcpTransport:
+    return TcpTransport(context.config, context.clock, context.secret)
+
+
+register_transport("tcp", _create, rank=100)

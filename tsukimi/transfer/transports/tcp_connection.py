@@ -10,8 +10,8 @@ Invariants (all under `lock`): `inflight` order is wire order (every write holds
 `send_lock` from append to sendmsg); nothing is appended once `stopping` is set; every slot
 is released exactly once, when its slice leaves `inflight` or fails before entering it.
 When either thread hits an error, `_broken` bumps the generation, closes the socket and
-hands every in-flight slice back to the pool, which retries it on another connection or
-ends it. Waits are bounded by the earliest deadline among the in-flight slices.
+hands every in-flight slice to `on_broken` (the pool's retry policy, tcp.py), which retries it
+on another connection or ends it. Waits are bounded by the earliest deadline among the in-flight slices.
 
 Every connection runs the cluster-secret handshake (tsukimi/auth.py) right after connecting,
 within `connect_timeout_s`. An `AuthError` is final: the slices that wanted the connection
@@ -30,17 +30,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from tsukimi import auth
+from tsukimi.clock import Clock
+from tsukimi.config import TransferConfig
 from tsukimi.errors import AuthError, ClosedError, OutOfBounds, PeerError, ProtocolError
 from tsukimi.transfer import wire
 from tsukimi.transfer.batch import OpCode
 from tsukimi.transfer.segment import Endpoint
-from tsukimi.transfer.transports import Slice
-
-if TYPE_CHECKING:
-    from tsukimi.transfer.transports.tcp import PeerPool
+from tsukimi.transfer.transports.base import Slice
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +71,29 @@ def connect(
     return sock
 
 
+@dataclass(frozen=True, slots=True)
+class PeerLink:
+    """What every connection to one peer shares: the peer's name, the settings, the clock
+    that deadlines are read on, and the cluster secret."""
+
+    name: str
+    config: TransferConfig
+    clock: Clock
+    secret: bytes | None = None
+
+
+OnBroken = Callable[[Slice, int, str, bool], None]
+"""Called with (slice, connection index, reason, timed_out) for each slice whose connection broke."""
+
+
 class Connection:
-    def __init__(self, pool: PeerPool, index: int) -> None:
-        self.pool = pool
+    """One connection of a peer's pool (see the module); its threads start at once."""
+
+    def __init__(self, link: PeerLink, index: int, endpoint: Endpoint, on_broken: OnBroken) -> None:
+        self.link = link
         self.index = index
-        self.endpoint = pool.endpoints[index % len(pool.endpoints)]
+        self.endpoint = endpoint
+        self._on_broken = on_broken
         self.queue: queue.SimpleQueue[Slice | None] = queue.SimpleQueue()
         self.sock: socket.socket | None = None
         self.gen = 0
@@ -86,11 +103,11 @@ class Connection:
         self.ready = threading.Condition(self.lock)
         self.inflight: collections.deque[tuple[int, Slice, int, socket.socket]] = collections.deque()
         self.tail_deadline = math.inf  # earliest deadline among `inflight` (not the slice being received)
-        self.slots = threading.BoundedSemaphore(pool.config.pipeline_depth)
+        self.slots = threading.BoundedSemaphore(link.config.pipeline_depth)
         self.seq = itertools.count(1)
         self._head = bytearray(wire.RESPONSE.size)
         self._head_view = memoryview(self._head)
-        name = f"tsukimi-tcp-{pool.name}-{index}"
+        name = f"tsukimi-tcp-{link.name}-{index}"
         self.threads = [
             threading.Thread(target=self._send_loop, name=name + "-tx", daemon=True),
             threading.Thread(target=self._receive_loop, name=name + "-rx", daemon=True),
@@ -101,7 +118,7 @@ class Connection:
     # -- sender ------------------------------------------------------------------------
 
     def _send_loop(self) -> None:
-        depth = self.pool.config.pipeline_depth
+        depth = self.link.config.pipeline_depth
         stop = False
         while not stop and (first := self.queue.get()) is not None:
             pieces: list[Slice] = []
@@ -130,7 +147,7 @@ class Connection:
         if piece.record.doomed:
             piece.record.slice_failed("")  # a sibling slice failed; only account for this one
             return False
-        if self.pool.clock.now() >= piece.record.deadline:
+        if self.link.clock.now() >= piece.record.deadline:
             piece.record.slice_failed("request timed out before it was sent", timed_out=True)
             return False
         return True
@@ -138,7 +155,7 @@ class Connection:
     def _take_slot(self, piece: Slice) -> bool:
         while not self.slots.acquire(timeout=TICK_S):
             if self.stopping:
-                piece.record.slice_failed(f"connection pool to {self.pool.name} closed", ClosedError.code)
+                piece.record.slice_failed(f"connection pool to {self.link.name} closed", ClosedError.code)
                 return False
             if not self._still_wanted(piece):
                 return False
@@ -193,16 +210,16 @@ class Connection:
             except (OSError, ValueError) as exc:  # ValueError: e.g. UnicodeError from a bad host name
                 for piece in pieces:
                     self.slots.release()
-                    self.pool.retry(piece, self.index, f"cannot connect to {self.endpoint}: {exc}", False)
+                    self._on_broken(piece, self.index, f"cannot connect to {self.endpoint}: {exc}", False)
                 return True
         if parts is None or sock is None:  # stopping: nothing was appended
             for piece in pieces:
                 self.slots.release()
-                piece.record.slice_failed(f"connection pool to {self.pool.name} closed", ClosedError.code)
+                piece.record.slice_failed(f"connection pool to {self.link.name} closed", ClosedError.code)
             return True
         deadline = min(piece.record.deadline for piece in pieces)
         try:
-            wire.send_all(sock, parts, lambda: self.stopping or self.pool.clock.now() >= deadline)
+            wire.send_all(sock, parts, lambda: self.stopping or self.link.clock.now() >= deadline)
         except OSError as exc:
             self._broken(gen, exc)
         return True
@@ -222,13 +239,13 @@ class Connection:
         return parts
 
     def _connect(self, deadline: float) -> None:
-        """Connect, giving up at `deadline` (the pool clock's) or on stop(). Raises OSError, AuthError."""
-        clock = self.pool.clock
+        """Connect, giving up at `deadline` (the link's clock) or on stop(). Raises OSError, AuthError."""
+        clock = self.link.clock
 
         def stop() -> bool:
             return self.stopping or clock.now() >= deadline
 
-        sock = connect(self.endpoint, self.pool.config.connect_timeout_s, self.pool.secret, stop)
+        sock = connect(self.endpoint, self.link.config.connect_timeout_s, self.link.secret, stop)
         with self.lock:
             if self.sock is None and not self.stopping:
                 self.sock = sock
@@ -254,7 +271,7 @@ class Connection:
                 self.slots.release()
 
     def _receive(self, sock: socket.socket, piece: Slice, seq: int) -> None:
-        clock, deadline = self.pool.clock, piece.record.deadline
+        clock, deadline = self.link.clock, piece.record.deadline
 
         def expired(_: int) -> bool:
             # NOTE: the earliest deadline in flight, not just the head's: a stalled peer must
@@ -295,12 +312,12 @@ class Connection:
                 self.tail_deadline = math.inf
                 sock, self.sock = self.sock, None
         if sock is not None:
-            logger.debug("connection %d to %s broke: %s", self.index, self.pool.name, exc)
+            logger.debug("connection %d to %s broke: %s", self.index, self.link.name, exc)
             _close(sock)
         timed_out = isinstance(exc, TimeoutError)
         for piece in pieces:
             self.slots.release()
-            self.pool.retry(piece, self.index, f"{type(exc).__name__}: {exc}", timed_out)
+            self._on_broken(piece, self.index, f"{type(exc).__name__}: {exc}", timed_out)
 
     def stop(self) -> None:
         """Stop accepting work and wake both threads (mutates; returns at once)."""
@@ -331,7 +348,7 @@ class Connection:
             except queue.Empty:
                 return
             if late is not None:
-                late.record.slice_failed(f"connection pool to {self.pool.name} closed", ClosedError.code)
+                late.record.slice_failed(f"connection pool to {self.link.name} closed", ClosedError.code)
 
 
 def _close(sock: socket.socket) -> None:

@@ -1,0 +1,104 @@
+"""What a transport is, and the registry through which transports join the engine.
+
+A transport is small on purpose: `can_serve` says whether it can reach a given buffer of a
+given peer, `submit` starts slices and returns (or finishes them inline when that is cheaper),
+and every slice ends by calling `record.slice_done` or `record.slice_failed` exactly once,
+before its deadline plus the transport's I/O timeout.
+
+Transports register themselves (`register_transport`) with a factory and a rank; the engine
+builds every registered transport and, for `transport="auto"`, gives a request to the first
+one, by rank, that can serve it. A new transport joins by registering; nothing else changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from tsukimi.clock import Clock
+from tsukimi.config import TransferConfig
+from tsukimi.errors import ConfigError
+from tsukimi.transfer.batch import OpCode, RequestRecord
+from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
+
+
+@dataclass(slots=True)
+class Slice:
+    """One contiguous piece of a request: `local` is exactly its bytes on this side."""
+
+    record: RequestRecord
+    op: OpCode
+    local: memoryview
+    remote_offset: int
+    buffer: BufferDescriptor
+    attempts: int = 0
+
+
+class Transport(Protocol):
+    name: str
+    slice_bytes: int  # requests are cut into slices of at most this many bytes
+
+    def can_serve(self, peer: SegmentDescriptor, buffer: BufferDescriptor) -> bool:
+        """Whether this transport can reach `buffer` of `peer` from this process."""
+        ...
+
+    def submit(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
+        """Start the slices. Raises ClosedError only when none of them was started (the
+        caller then ends them); after that, every slice ends through its record."""
+        ...
+
+    def close(self) -> None:
+        """Stop workers; pending slices fail with a ClosedError reason."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TransportContext:
+    """What the engine hands every transport factory.
+
+    host_id: this host's identity (same-host transports compare it with the peer's).
+    secret: the cluster secret every connection must prove (None: none).
+    on_stale: tell the engine that a peer's cached descriptor is stale (re-fetch it).
+    """
+
+    config: TransferConfig
+    clock: Clock
+    host_id: str
+    secret: bytes | None
+    on_stale: Callable[[str], None]
+
+
+TransportFactory = Callable[[TransportContext], Transport]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    name: str
+    rank: int
+    factory: TransportFactory
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register_transport(name: str, factory: TransportFactory, rank: int) -> None:
+    """Make transport `name` available to every engine created from now on; `auto` tries
+    transports by ascending `rank` (mutates the registry; re-registering a name replaces it).
+
+    Raises:
+        ConfigError: `name` is empty or "auto".
+    """
+    if not name or name == "auto":
+        raise ConfigError(f"a transport needs a name other than 'auto', got {name!r}")
+    _REGISTRY[name] = _Entry(name, rank, factory)
+
+
+def transport_names() -> tuple[str, ...]:
+    """The registered transports, in the order `auto` tries them."""
+    return tuple(entry.name for entry in sorted(_REGISTRY.values(), key=lambda e: e.rank))
+
+
+def build_transports(context: TransportContext) -> list[Transport]:
+    """One instance of every registered transport, in the order `auto` tries them."""
+    return [entry.factory(context) for entry in sorted(_REGISTRY.values(), key=lambda e: e.rank)]
