@@ -27,7 +27,7 @@ from tsukimi.errors import (
     RpcTimeout,
     TsukimiError,
 )
-from tsukimi.rpc import Codec, ErrorReply, RpcClient, RpcServer
+from tsukimi.rpc import NO_RETRY, UNSENT_RETRY, Codec, ErrorReply, RpcClient, RpcServer
 from tsukimi.rpc import server as rpc_server
 from tsukimi.rpc.frame import HEADER, FrameReader, format_endpoint, parse_endpoint
 
@@ -518,13 +518,14 @@ def test_endpoints_parse_and_format() -> None:
             assert cli.call(EchoRequest("any interface")) == EchoResponse("any interface")
 
 
-def test_an_unreachable_server_is_retried_until_the_deadline_unless_retry_unsent_is_off() -> None:
+def test_an_unreachable_server_is_retried_until_the_deadline_unless_told_not_to() -> None:
     with socket.socket() as sock:  # a port with nothing listening
         sock.bind(("127.0.0.1", 0))
         endpoint = format_endpoint("127.0.0.1", sock.getsockname()[1])
     clock = WallClock()
     for retry_unsent, least_s in ((True, 0.3), (False, 0.0)):
-        with RpcClient(CODEC, endpoint, timeout_s=0.3, retry_unsent=retry_unsent) as client:
+        policy = UNSENT_RETRY if retry_unsent else NO_RETRY
+        with RpcClient(CODEC, endpoint, timeout_s=0.3, retry=policy) as client:
             started = clock.now()
             with pytest.raises(RpcTimeout, match="unreachable"):
                 client.call(EchoRequest("x"))

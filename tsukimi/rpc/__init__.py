@@ -13,8 +13,17 @@ again on the caller as the same `TsukimiError` class. Given the cluster secret
 
 from __future__ import annotations
 
-from tsukimi.rpc.client import RpcClient
+from tsukimi.rpc.client import NO_RETRY, UNSENT_RETRY, RpcClient
 from tsukimi.rpc.codec import DEFAULT_MAX_FRAME_BYTES, Codec, ErrorReply
 from tsukimi.rpc.server import Handler, RpcServer
 
-__all__ = ["DEFAULT_MAX_FRAME_BYTES", "Codec", "ErrorReply", "Handler", "RpcClient", "RpcServer"]
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES",
+    "NO_RETRY",
+    "UNSENT_RETRY",
+    "Codec",
+    "ErrorReply",
+    "Handler",
+    "RpcClient",
+    "RpcServer",
+]

@@ -10,10 +10,10 @@ fails after sending (timeout, bad reply, broken connection) closes the connectio
 late reply has nowhere to arrive. A reply with another id is a `ProtocolError`.
 
 Delivery is at most once: while the request surely has not reached the server (nothing
-listening, the connection found dead before sending, a send that failed), the call retries
-every `_RETRY_S` until its deadline, then raises `RpcTimeout`; once the whole request is
-sent, a dropped connection raises `BrokenConnectionError` at once, never a resend, since
-the server may have acted on it.
+listening, the connection found dead before sending, a send that failed), the call tries
+again under its `Retry` policy (by default every 20 ms until its deadline), then raises
+`RpcTimeout`; once the whole request is sent, a dropped connection raises
+`BrokenConnectionError` at once, never a resend, since the server may have acted on it.
 
 Each new connection first runs the cluster-secret handshake (tsukimi/auth.py), bounded by
 the call's deadline. An `AuthError` (a secret missing on one side, or a wrong one) raises at
@@ -47,6 +47,7 @@ from tsukimi.errors import (
     RpcTimeout,
     error_from_code,
 )
+from tsukimi.retry import Retry
 from tsukimi.rpc.codec import Codec, ErrorReply
 from tsukimi.rpc.frame import FrameReader, parse_endpoint, send_frame
 
@@ -55,13 +56,17 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T", bound=msgspec.Struct)
 
 _TICK_S = 0.02  # blocked socket calls wake up this often: bounds how late a deadline is noticed
-_RETRY_S = 0.02  # backoff between attempts to reach the server
 _CLOSE_WAIT_S = 2.0
 DEFAULT_SPIN_S = 250e-6  # a master answers a small call in ~20-100 us
 
 
 class _NotSent(Exception):
     """The request surely did not reach the server; the call may try again. Wraps the OSError."""
+
+
+UNSENT_RETRY = Retry(attempts=None, backoff_s=0.02, max_backoff_s=0.02, on=(_NotSent,))
+"""The default: a request that surely was not sent is tried again every 20 ms until the call's deadline."""
+NO_RETRY = Retry(attempts=1)
 
 
 class RpcClient:
@@ -76,9 +81,10 @@ class RpcClient:
             at the price of this much CPU per call at most; 0 never polls.
         secret: the cluster secret, proven to (and by) the server on every connection;
             None talks only to servers without one.
-        retry_unsent: False fails a call at once (RpcTimeout) when the server is unreachable,
-            instead of retrying until the deadline: for a caller that can go elsewhere
-            (the store's MasterLink, which then looks for the new leader).
+        retry: when a request that surely was not sent is tried again (bounded by the call's
+            deadline). `NO_RETRY` fails a call at once (RpcTimeout) when the server is
+            unreachable: for a caller that can go elsewhere (the store's MasterLink, which
+            then looks for the new leader).
 
     Raises:
         ConfigError: `timeout_s` is not positive and finite, `spin_s` is negative or not
@@ -93,7 +99,7 @@ class RpcClient:
         spin_s: float = DEFAULT_SPIN_S,
         *,
         secret: bytes | None = None,
-        retry_unsent: bool = True,
+        retry: Retry = UNSENT_RETRY,
     ) -> None:
         _check_timeout(timeout_s)
         if not (spin_s >= 0 and math.isfinite(spin_s)):
@@ -111,7 +117,7 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._sock: socket.socket | None = None  # set as soon as connecting starts, for close()
         self._conn: _Connection | None = None  # once connected
-        self._retry_unsent = retry_unsent
+        self._retry = retry
 
     @property
     def endpoint(self) -> str:
@@ -209,6 +215,7 @@ class RpcClient:
         def expired(_: object = None) -> bool:
             return closing.is_set() or clock.now() >= deadline
 
+        attempts = self._retry.start(clock, deadline)
         while True:
             self._check_open()
             try:
@@ -216,8 +223,7 @@ class RpcClient:
                 break
             except _NotSent as exc:
                 self._drop()
-                wait = min(_RETRY_S, deadline - clock.now())
-                if wait <= 0 or not self._retry_unsent or closing.wait(wait):
+                if not attempts.wait(exc, closing):
                     self._check_open()
                     raise RpcTimeout(f"{self._what(request)}: unreachable for {timeout:.3f} s") from exc.__cause__
                 logger.debug("rpc client %s: retrying: %s", self._what(request), exc.__cause__)

@@ -31,20 +31,21 @@ from tsukimi.errors import (
     ProtocolError,
     RpcTimeout,
 )
-from tsukimi.rpc import Codec, RpcClient
+from tsukimi.retry import Attempts, Retry
+from tsukimi.rpc import NO_RETRY, UNSENT_RETRY, Codec, RpcClient
 from tsukimi.store.ha.etcd_kv import EtcdKV
 from tsukimi.store.protocol import LeaderInfo, leader_key
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=msgspec.Struct)
-_RETRY_S = 0.05
 # NOTE: one attempt on one master waits at most this long, so a paused leader (SIGSTOP, a
 # partition) costs a client this much before it looks for a new one; a slower answer is
 # simply asked again (every operation is idempotent under retry).
 ATTEMPT_S = 1.0
 # NOTE: ClosedError: another thread of this client found the leader gone and closed its connection
 RETRIABLE = (NotLeader, RpcTimeout, BrokenConnectionError, ClosedError)
+_BACKOFF_S = 0.05
 
 
 class MasterLink:
@@ -59,6 +60,8 @@ class MasterLink:
         self._closed = threading.Event()
         self._rpc: RpcClient | None = None
         self._kv: EtcdKV | None = None
+        # NOTE: MetadataError, ProtocolError: etcd failed, or held a malformed leader record
+        self._retry = Retry(None, config.failover_timeout_s, _BACKOFF_S, on=(*RETRIABLE, MetadataError, ProtocolError))
         if config.master.startswith("etcd://"):
             self._kv = EtcdKV(config.master, timeout_s=min(2.0, config.rpc_timeout_s))
             self._key = leader_key(config.ha_cluster)
@@ -75,23 +78,20 @@ class MasterLink:
         if self._kv is None:
             assert self._rpc is not None
             return self._rpc.call(request)
-        deadline = self._clock.now() + self.config.failover_timeout_s
+        attempts = self._retry.start(self._clock)
         while True:
-            rpc = self._leader(deadline)
+            rpc = self._leader(attempts)
             try:
-                return rpc.call(
-                    request,
-                    timeout_s=max(0.05, min(self.config.rpc_timeout_s, attempt_s, deadline - self._clock.now())),
-                )
+                timeout_s = min(self.config.rpc_timeout_s, attempt_s, attempts.remaining_s())
+                return rpc.call(request, timeout_s=max(0.05, timeout_s))
             except RETRIABLE as exc:
                 self._forget(rpc)
-                if self._clock.now() >= deadline or self._closed.is_set():
+                if not attempts.wait(exc, self._closed):
                     raise MasterUnavailable(
                         f"{type(request).__name__}: no master leader answered within "
                         f"{self.config.failover_timeout_s} s: {exc}"
                     ) from exc
                 logger.info("master %s failed (%s); finding the leader again", rpc.endpoint, exc)
-                self._closed.wait(_RETRY_S)
 
     def call_as(self, request: msgspec.Struct, response_type: type[T], attempt_s: float = ATTEMPT_S) -> T:
         """`call`, then check the response type. Raises ProtocolError on another type."""
@@ -111,13 +111,13 @@ class MasterLink:
         if self._kv is not None:
             self._kv.close()
 
-    def _client(self, endpoint: str, retry_unsent: bool = True) -> RpcClient:
+    def _client(self, endpoint: str, leader: bool = False) -> RpcClient:
+        """An RPC client; a leader's fails at once when unreachable (the link looks again)."""
         spin_s = self.config.rpc_spin_us * 1e-6
-        return RpcClient(
-            self._codec, endpoint, self.config.rpc_timeout_s, spin_s, secret=self._secret, retry_unsent=retry_unsent
-        )
+        retry = NO_RETRY if leader else UNSENT_RETRY
+        return RpcClient(self._codec, endpoint, self.config.rpc_timeout_s, spin_s, secret=self._secret, retry=retry)
 
-    def _leader(self, deadline: float) -> RpcClient:
+    def _leader(self, attempts: Attempts) -> RpcClient:
         """The RPC client of the current leader, looked up in etcd if not known."""
         assert self._kv is not None
         while True:
@@ -126,20 +126,21 @@ class MasterLink:
                     return self._rpc
             if self._closed.is_set():
                 raise MasterUnavailable("the store client is closed")
-            problem = "no leader is elected"
             try:
                 found = self._kv.get(self._key)
-                if found is not None:
-                    info = LeaderInfo.decode(found[0])
-                    with self._lock:
-                        if self._rpc is None:
-                            self._rpc = self._client(info.rpc, retry_unsent=False)
-                        return self._rpc
-            except (MetadataError, ProtocolError) as exc:
-                problem = str(exc)
-            if self._clock.now() >= deadline:
-                raise MasterUnavailable(f"no master leader within {self.config.failover_timeout_s} s: {problem}")
-            self._closed.wait(_RETRY_S)
+                if found is None:
+                    raise NotLeader("no leader is elected")
+                info = LeaderInfo.decode(found[0])
+            except (MetadataError, NotLeader, ProtocolError) as exc:
+                if not attempts.wait(exc if not isinstance(exc, ProtocolError) else None, self._closed):
+                    raise MasterUnavailable(
+                        f"no master leader within {self.config.failover_timeout_s} s: {exc}"
+                    ) from exc
+                continue
+            with self._lock:
+                if self._rpc is None:
+                    self._rpc = self._client(info.rpc, leader=True)
+                return self._rpc
 
     def _forget(self, rpc: RpcClient) -> None:
         with self._lock:

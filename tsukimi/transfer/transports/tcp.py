@@ -4,8 +4,8 @@ Each peer gets a `PeerPool` of `num_connections` connections (tcp_connection.py)
 first use and spread over the peer's endpoints, like Mooncake's multi-NIC striping. Slices
 are dealt in groups of about `slice_bytes`, so large transfers stripe over every connection
 while a burst of small requests stays on one. A slice whose connection broke is retried on
-the next connection, up to `max_retries`, unless its deadline passed; a failed cluster-secret
-handshake is not retried (tcp_connection.py). The server side is
+the next connection, up to `max_retries` times (a `Retry` policy), unless its deadline passed;
+a failed cluster-secret handshake is not retried (tcp_connection.py). The server side is
 `tsukimi.transfer.server`; the frames are in `wire.py`.
 """
 
@@ -18,6 +18,7 @@ import threading
 from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
 from tsukimi.errors import ClosedError, PeerError, ProtocolError
+from tsukimi.retry import Retry
 from tsukimi.transfer import wire
 from tsukimi.transfer.segment import BufferDescriptor, Endpoint, SegmentDescriptor
 from tsukimi.transfer.transports.base import Slice, TransportContext, register_transport
@@ -62,6 +63,7 @@ class PeerPool:
         self.config = config
         self.clock = clock
         self.closed = False
+        self._retry = Retry(attempts=config.max_retries + 1)  # NOTE: no backoff: another connection
         link = PeerLink(desc.name, config, clock, secret)
         self.connections = [
             Connection(link, i, self.endpoints[i % len(self.endpoints)], self.retry)
@@ -100,7 +102,7 @@ class PeerPool:
             piece.record.slice_failed(f"request timed out ({reason})", timed_out=True)
         elif piece.record.doomed:
             piece.record.slice_failed("")
-        elif piece.attempts > self.config.max_retries:
+        elif not self._retry.allows(piece.attempts):
             piece.record.slice_failed(
                 f"transfer to {self.name} failed after {piece.attempts} attempts: {reason}", PeerError.code
             )
