@@ -136,7 +136,7 @@ def test_holder_sigkilled_during_replicated_workload(group: ProcessGroup, tmp_pa
     states = key_states(out)
     with cluster.client() as reader:
         keys = sorted(states)
-        got = reader.batch_get(keys)
+        got = [r.value() for r in reader.batch_get(keys)]
     for key, data in zip(keys, got, strict=True):
         version = None if data is None else next(
             (v for v in {states[key].version, *states[key].maybe} if v is not None

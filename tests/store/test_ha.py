@@ -151,7 +151,7 @@ def test_snapshots_and_the_log_rebuild_every_object_on_the_next_leader(etcd: Etc
         with StoreClient(client_config(etcd, segment_bytes=8 << 20)) as client:
             for i in range(120):  # about 5 records each: several snapshots
                 client.put(f"k{i}", bytes([i]) * 500, replicas=1, pin="soft" if i % 2 else "")
-            client.upsert("k0", b"new" * 10)
+            client.put("k0", b"new" * 10, upsert=True)
             client.remove("k1")
             first.close()  # hands over at once
             assert client.get("k0") == b"new" * 10 and client.get("k1") is None

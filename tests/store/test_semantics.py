@@ -44,10 +44,10 @@ def test_byte_exact_round_trips_and_misses(client) -> None:  # type: ignore[no-u
         assert client.get(f"rt{i}") == data
         buf = bytearray(size + 10)
         assert client.get_into(f"rt{i}", buf) == size and bytes(buf[:size]) == data
-    assert client.get("missing") is None and client.get_into("missing", bytearray(4)) == 0
+    assert client.get("missing") is None and client.get_into("missing", bytearray(4)) is None
     registered = client.engine.allocate(4096)  # zero-copy on registered memory, passed as is
     registered.view[:] = bytes(range(256)) * 16
-    client.put_from("registered", registered)
+    client.put("registered", registered)
     registered.view[:] = bytes(4096)
     assert client.get_into("registered", registered) == 4096 and bytes(registered.view) == bytes(range(256)) * 16
     assert client.batch_exists(["rt0", "missing"]) == [True, False]
@@ -61,7 +61,7 @@ def test_reput_fails_upsert_replaces(client) -> None:  # type: ignore[no-untyped
     client.put("k", b"one")
     with pytest.raises(ObjectExists):
         client.put("k", b"two")
-    client.upsert("k", b"three!")
+    client.put("k", b"three!", upsert=True)
     assert client.get("k") == b"three!"
     results = client.batch_put([("new", b"n"), ("k", b"dup")])
     assert results[0] is None and isinstance(results[1], ObjectExists)
@@ -150,4 +150,4 @@ def test_ssd_tier_offload_hit_promote_restart(deployment: Deployment, tmp_path: 
 
 def test_batch_get_into_needs_a_buffer_per_key(client) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(InvalidArgument, match="2 keys but 1 buffers"):
-        client.batch_get_into(["a", "b"], [bytearray(10)])
+        client.batch_get(["a", "b"], [bytearray(10)])

@@ -113,7 +113,7 @@ class Workload:
     def _put(self, key: str) -> dict[str, object]:
         version, self.next_version = self.next_version, self.next_version + 1
         self.pending_version = version
-        self.client.upsert(key, value_of(key, version, self.args.value_bytes), replicas=self.args.replicas)
+        self.client.put(key, value_of(key, version, self.args.value_bytes), self.args.replicas, upsert=True)
         self.possible[key] = {version}
         return {"version": version, "ok": True}
 

@@ -1,4 +1,5 @@
-"""The batch API's contract: capacity, validation before anything starts, free, close."""
+"""Mooncake's batch-id API (tsukimi/compat/batches.py) and the engine's submit contract:
+capacity, validation before anything starts, free, close."""
 
 from __future__ import annotations
 
@@ -8,32 +9,35 @@ import pytest
 
 from tests.transfer.conftest import MIB, EnginePair, initiator_config
 from tsukimi.bench.workers import JsonWorker
+from tsukimi.compat.batches import BatchTable
 from tsukimi.errors import ClosedError, ConfigError, InvalidBufferError, MetadataError, OutOfBounds, TransferError
 from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
 from tsukimi.transfer.metadata.memory import MemoryMetadata
 
 
 def test_capacity_and_validation_come_before_any_transfer(pair: EnginePair) -> None:
-    engine = pair.initiator
-    seg = engine.open_segment("target")
-    batch = engine.allocate_batch(2)
+    table = BatchTable(pair.initiator)
+    seg = pair.initiator.open_segment("target")
+    batch = table.allocate(2)
     ok = TransferRequest(OpCode.WRITE, seg, pair.buf.base, b"one")
     with pytest.raises(OutOfBounds, match="at most 2"):
-        engine.submit(batch, [ok, ok, ok])
+        table.submit(batch, [ok, ok, ok])
     with pytest.raises(InvalidBufferError, match="writable"):
-        engine.submit(batch, [ok, TransferRequest(OpCode.READ, seg, pair.buf.base, b"read-only dst")])
+        table.submit(batch, [ok, TransferRequest(OpCode.READ, seg, pair.buf.base, b"read-only dst")])
     with pytest.raises(InvalidBufferError, match="does not fit"):
-        engine.submit(batch, [TransferRequest(OpCode.WRITE, seg, pair.buf.base, b"abc", length=10)])
-    assert engine.status(batch).requests == []  # nothing was started by the refused submits
+        table.submit(batch, [TransferRequest(OpCode.WRITE, seg, pair.buf.base, b"abc", length=10)])
+    assert table.status(batch).requests == []  # nothing was started by the refused submits
     assert bytes(pair.buf.view[:3]) == b"\x00\x00\x00"
-    engine.submit(batch, [ok])
-    engine.submit(batch, [TransferRequest(OpCode.WRITE, seg, pair.buf.base + 3, b"two")])
-    status = engine.wait(batch)
+    table.submit(batch, [ok])
+    table.submit(batch, [TransferRequest(OpCode.WRITE, seg, pair.buf.base + 3, b"two")])
+    status = table.wait(batch)
     assert status.done and [r.state for r in status.requests] == [RequestState.COMPLETED] * 2
     assert bytes(pair.buf.view[:6]) == b"onetwo"
-    engine.free_batch(batch)
+    with pytest.raises(OutOfBounds, match="at most 2"):  # the capacity counts every submit
+        table.submit(batch, [ok])
+    table.free(batch)
     with pytest.raises(ConfigError, match="no batch"):
-        engine.status(batch)
+        table.status(batch)
 
 
 def test_local_offset_and_length_select_part_of_the_buffer(pair: EnginePair) -> None:
@@ -47,23 +51,24 @@ def test_free_batch_refuses_pending_requests(target_process: JsonWorker) -> None
     with TransferEngine(config=initiator_config("tcp-1")) as engine:
         seg = engine.open_segment(target_process.ready["name"])
         target_process.send_signal(signal.SIGSTOP)  # the peer cannot answer: the request stays pending
+        table = BatchTable(engine)
         try:
-            batch = engine.allocate_batch(1)
-            engine.submit(batch, [TransferRequest(OpCode.READ, seg, target_process.ready["base"], bytearray(MIB))])
-            assert engine.status(batch).requests[0].state is RequestState.PENDING
+            batch = table.allocate(1)
+            table.submit(batch, [TransferRequest(OpCode.READ, seg, target_process.ready["base"], bytearray(MIB))])
+            assert table.status(batch).requests[0].state is RequestState.PENDING
             with pytest.raises(TransferError, match="pending"):
-                engine.free_batch(batch)
+                table.free(batch)
         finally:
             target_process.send_signal(signal.SIGCONT)
-        assert engine.wait(batch).requests[0].state is RequestState.COMPLETED
-        engine.free_batch(batch)
+        assert table.wait(batch).requests[0].state is RequestState.COMPLETED
+        table.free(batch)
 
 
 def test_closed_engine_refuses_work(pair: EnginePair) -> None:
     engine = pair.initiator
     engine.close()
     with pytest.raises(ClosedError):
-        engine.allocate_batch()
+        engine.submit([])
     with pytest.raises(ClosedError):
         engine.open_segment("target")
     engine.close()  # idempotent
@@ -72,7 +77,7 @@ def test_closed_engine_refuses_work(pair: EnginePair) -> None:
 def test_bad_arguments(pair: EnginePair) -> None:
     engine = pair.initiator
     with pytest.raises(ConfigError):
-        engine.allocate_batch(0)
+        BatchTable(engine).allocate(0)
     with pytest.raises(ConfigError, match="transport"):
         engine.open_segment("target", transport="rdma")
     with pytest.raises(OutOfBounds, match="64-bit address space"):

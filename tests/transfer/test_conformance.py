@@ -18,7 +18,7 @@ import pytest
 from tests.transfer.conftest import KIB, MIB, TARGET_BYTES, EnginePair, initiator_config
 from tsukimi.bench.workers import JsonWorker
 from tsukimi.errors import OutOfBounds, SegmentNotFound
-from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
+from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest, first_error
 
 
 def _remote(pair: EnginePair) -> np.ndarray:
@@ -52,14 +52,12 @@ def test_hundred_async_requests_in_one_batch(pair: EnginePair) -> None:
 
     assert asyncio.run(go()) == [RequestState.COMPLETED] * 100
     backs = [np.zeros(16 * KIB, np.uint8) for _ in range(100)]
-    batch = pair.initiator.allocate_batch(100)
-    pair.initiator.submit(
-        batch, [TransferRequest(OpCode.READ, seg, pair.buf.base + i * 16 * KIB, b) for i, b in enumerate(backs)]
+    batch = pair.initiator.submit(
+        [TransferRequest(OpCode.READ, seg, pair.buf.base + i * 16 * KIB, b) for i, b in enumerate(backs)]
     )
-    status = asyncio.run(pair.initiator.wait_async(batch))
-    pair.initiator.free_batch(batch)
-    assert status.done and all(r.state is RequestState.COMPLETED for r in status.requests)
-    assert all(r.transferred_bytes == 16 * KIB for r in status.requests)
+    statuses = asyncio.run(batch.wait_async())
+    assert batch.done and all(r.state is RequestState.COMPLETED for r in statuses)
+    assert all(r.transferred_bytes == 16 * KIB for r in statuses)
     assert all(np.array_equal(a, b) for a, b in zip(blocks, backs, strict=False))
 
 
@@ -92,10 +90,20 @@ def test_a_released_buffer_is_not_written(pair: EnginePair) -> None:
     pair.target.unregister(extra.base)
     status = pair.initiator.transfer([TransferRequest(OpCode.WRITE, seg, extra.base, b"after")])[0]
     assert status.state is RequestState.FAILED
-    # shm sees the file unlinked; tcp's server no longer finds the buffer
-    assert status.error_code == ("peer" if pair.case == "shm" else "out_of_bounds")
+    # shm sees the file unlinked; tcp's server no longer finds the buffer: both say out of bounds
+    assert status.error_code == "out_of_bounds" and isinstance(status.error(), OutOfBounds)
     assert ("released" if pair.case == "shm" else "not inside a registered buffer") in status.reason
     pair.initiator.write(seg, pair.buf.base, b"still serving")
+
+
+def test_regression_a_peers_out_of_bounds_arrives_as_out_of_bounds(pair: EnginePair) -> None:
+    """The peer (not this side's descriptor check) refuses the range: the caller gets OutOfBounds."""
+    extra = pair.target.allocate(MIB)
+    seg = pair.initiator.open_segment("target")
+    pair.initiator.write(seg, extra.base, b"cached")  # the initiator now believes the range exists
+    pair.target.unregister(extra.base)
+    with pytest.raises(OutOfBounds):
+        pair.initiator.read(seg, extra.base, bytearray(6))
 
 
 def test_unknown_segment_is_a_clear_error(pair: EnginePair) -> None:
@@ -116,9 +124,11 @@ def test_concurrent_batches_from_several_threads(pair: EnginePair) -> None:
             for _ in range(20):
                 blocks = [rng.integers(0, 256, region // 4, dtype=np.uint8) for _ in range(4)]
                 base = pair.buf.base + index * region
-                pair.initiator.batch_write(seg, [(base + i * (region // 4), b) for i, b in enumerate(blocks)])
+                writes = [TransferRequest(OpCode.WRITE, seg, base + i * (region // 4), b) for i, b in enumerate(blocks)]
+                assert first_error(pair.initiator.transfer(writes)) is None
                 backs = [np.zeros(region // 4, np.uint8) for _ in range(4)]
-                pair.initiator.batch_read(seg, [(base + i * (region // 4), b) for i, b in enumerate(backs)])
+                reads = [TransferRequest(OpCode.READ, seg, base + i * (region // 4), b) for i, b in enumerate(backs)]
+                assert first_error(pair.initiator.transfer(reads)) is None
                 assert all(np.array_equal(a, b) for a, b in zip(blocks, backs, strict=False))
         except BaseException as exc:  # collected and re-raised in the test thread
             errors.append(exc)

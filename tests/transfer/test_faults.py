@@ -57,29 +57,26 @@ def test_a_broken_connection_is_retried_on_another_one() -> None:
 def test_regression_a_short_request_behind_a_stalled_one_times_out_on_time(silent_peer: FakePeer) -> None:
     """Only the head of the line used to be checked: the short request ended with the long one."""
     with engine_for(silent_peer, num_connections=1) as engine:
-        long_batch, short_batch = engine.allocate_batch(), engine.allocate_batch()
-        engine.submit(long_batch, [TransferRequest(OpCode.READ, "fake", BASE, bytearray(10))], timeout_s=30.0)
+        long_batch = engine.submit([TransferRequest(OpCode.READ, "fake", BASE, bytearray(10))], timeout_s=30.0)
         time.sleep(0.2)  # the long request is on the wire, its answer awaited
         start = time.monotonic()
-        engine.submit(short_batch, [TransferRequest(OpCode.READ, "fake", BASE, bytearray(10))], timeout_s=0.5)
-        status = engine.wait(short_batch)
-        assert status.requests[0].state is RequestState.TIMED_OUT
+        short_batch = engine.submit([TransferRequest(OpCode.READ, "fake", BASE, bytearray(10))], timeout_s=0.5)
+        assert short_batch.wait()[0].state is RequestState.TIMED_OUT
         assert time.monotonic() - start < 0.5 + 1.0
-        assert engine.status(long_batch).requests[0].state is RequestState.PENDING  # retried, still in time
+        assert long_batch.statuses()[0].state is RequestState.PENDING  # retried, still in time
 
 
 def test_regression_a_read_keeps_its_torch_destination_alive(silent_peer: FakePeer) -> None:
     """The tensor could be freed while its READ was in flight, and the data landed in reused memory."""
     with engine_for(silent_peer, num_connections=1) as engine:
-        batch = engine.allocate_batch()
         tensor = torch.zeros(4096, dtype=torch.uint8)
         alive = weakref.ref(tensor)
-        engine.submit(batch, [TransferRequest(OpCode.READ, "fake", BASE, tensor)])
+        batch = engine.submit([TransferRequest(OpCode.READ, "fake", BASE, tensor)])
         del tensor
         gc.collect()
         assert alive() is not None
         silent_peer.answer.set()
-        assert engine.wait(batch).requests[0].state is RequestState.COMPLETED
+        assert batch.wait()[0].state is RequestState.COMPLETED
         gc.collect()
         assert alive() is None  # released once the request ended, not before
 
@@ -90,8 +87,8 @@ def test_regression_slices_dispatched_after_the_pool_stopped_still_end(silent_pe
     desc = silent_peer.descriptor()
     pool = transport._pool(desc)
     transport.close()
-    batch = Batch(1, 1)
-    record = batch.add_many([None], WallClock().now() + 30)[0]
+    batch = Batch([None], WallClock().now() + 30, WallClock())
+    record = batch.records[0]
     record.slices_left = 2
     buffer = BufferDescriptor(BASE, 1 << 20)
     pool.dispatch([Slice(record, OpCode.WRITE, memoryview(b"x" * 10), BASE, buffer) for _ in range(2)])

@@ -68,11 +68,7 @@ def measure(engine: TransferEngine, cmd: dict[str, Any], local: np.ndarray) -> f
             measuring, moved, start = True, 0, now
         if measuring and now - start >= cmd["duration_s"]:
             return moved / (now - start) / 1e9
-        batch_id = engine.allocate_batch(batch)
-        engine.submit(batch_id, requests)
-        status = engine.wait(batch_id)
-        engine.free_batch(batch_id)
-        bad = [r for r in status.requests if r.state.value != "completed"]
+        bad = [r for r in engine.transfer(requests) if r.state.value != "completed"]
         if bad:
             raise RuntimeError(f"transfer failed: {bad[0]}")
         moved += block * batch

@@ -46,10 +46,10 @@ class TsukimiStoreAdapter:
         self.dst = np.zeros(buffer_bytes, np.uint8)
 
     def put_from(self, key: str, offset: int, size: int, replicas: int) -> None:
-        self.client.put_from(key, self.src[offset : offset + size], replicas=replicas)
+        self.client.put(key, self.src[offset : offset + size], replicas=replicas)
 
     def batch_put_from(self, keys: list[str], offsets: list[int], size: int, replicas: int) -> None:
-        errors = self.client.batch_put_from(
+        errors = self.client.batch_put(
             [(k, self.src[o : o + size]) for k, o in zip(keys, offsets, strict=True)], replicas
         )
         failed = [e for e in errors if e is not None]
@@ -57,10 +57,11 @@ class TsukimiStoreAdapter:
             raise failed[0]
 
     def get_into(self, key: str, offset: int, size: int) -> int:
-        return self.client.get_into(key, self.dst[offset : offset + size])
+        return self.client.get_into(key, self.dst[offset : offset + size]) or 0
 
     def batch_get_into(self, keys: list[str], offsets: list[int], size: int) -> list[int]:
-        return self.client.batch_get_into(keys, [self.dst[o : o + size] for o in offsets])
+        results = self.client.batch_get(keys, [self.dst[o : o + size] for o in offsets])
+        return [r.size if r.error is None else -1 for r in results]
 
     def exists(self, key: str) -> bool:
         return self.client.exists(key)

@@ -30,7 +30,7 @@ from tsukimi.errors import (
 )
 from tsukimi.store import protocol as p
 from tsukimi.store.client import StoreClient
-from tsukimi.transfer import RegisteredBuffer
+from tsukimi.transfer import OpCode, RegisteredBuffer, TransferRequest, first_error
 from tsukimi.transfer import TransferEngine as _Engine
 from tsukimi.transfer.segment import byte_view
 
@@ -153,16 +153,7 @@ class MooncakeDistributedStore:
         try:
             rc = (config or ReplicateConfig())._to_tsukimi()
             pin = "hard" if rc.hard_pin else "soft" if rc.soft_pin else ""
-            if upsert:
-                errors: list[TsukimiError | None] = []
-                for key, data in items:
-                    try:
-                        client.upsert(key, data, rc.replicas, pin, rc.preferred_segments)
-                        errors.append(None)
-                    except TsukimiError as exc:
-                        errors.append(exc)
-            else:
-                errors = client.batch_put(items, rc.replicas, pin, rc.preferred_segments)
+            errors = client.batch_put(items, rc.replicas, pin, rc.preferred_segments, upsert=upsert)
         except TsukimiError as exc:
             logger.error("put failed: %s", exc)
             return [code_of(exc)] * len(items)
@@ -180,7 +171,7 @@ class MooncakeDistributedStore:
         if client is None:
             return [b""] * len(keys)
         try:
-            return [value or b"" for value in client.batch_get(keys)]
+            return [bytes(r.data) if r.data is not None else b"" for r in client.batch_get(keys)]
         except TsukimiError as exc:
             logger.error("get failed: %s", exc)
             return [b""] * len(keys)
@@ -193,15 +184,13 @@ class MooncakeDistributedStore:
         client = self._ready()
         if client is None or not len(keys) == len(buffer_ptrs) == len(sizes):
             return [RPC_FAIL if client is None else INVALID_PARAMS] * len(keys)
-        results = []
-        for key, ptr, n in zip(keys, buffer_ptrs, sizes, strict=True):
-            try:
-                got = client.get_into(key, byte_view((ptr, n))[0])
-            except TsukimiError as exc:
-                results.append(code_of(exc))
-                continue
-            results.append(got if got > 0 else OBJECT_NOT_FOUND)
-        return results
+        try:
+            buffers = [byte_view((ptr, n))[0] for ptr, n in zip(buffer_ptrs, sizes, strict=True)]
+            results = client.batch_get(keys, buffers)
+        except TsukimiError as exc:
+            logger.error("get failed: %s", exc)
+            return [code_of(exc)] * len(keys)
+        return [code_of(r.error) if r.error else r.size if r.found else OBJECT_NOT_FOUND for r in results]
 
     def get_size(self, key: str) -> int:
         client = self._ready()
@@ -356,9 +345,15 @@ class TransferEngine:
 
     def _batch(self, target: str, buffers: list[int], peer_addrs: list[int], lengths: list[int], write: bool) -> int:
         engine = self._require()
-        items = [(peer, (local, n)) for local, peer, n in zip(buffers, peer_addrs, lengths, strict=True)]
+        op = OpCode.WRITE if write else OpCode.READ
+        requests = [
+            TransferRequest(op, target, peer, (local, n))
+            for local, peer, n in zip(buffers, peer_addrs, lengths, strict=True)
+        ]
         try:
-            (engine.batch_write if write else engine.batch_read)(target, items)
+            error = first_error(engine.transfer(requests))
+            if error is not None:
+                raise error
         except TsukimiError as exc:
             logger.error("transfer to %s failed: %s", target, exc)
             return -1

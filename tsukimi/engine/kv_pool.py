@@ -35,7 +35,6 @@ from tsukimi.engine.kv_cache import KVLayout, PagedKVCache
 from tsukimi.errors import KVFormatError as KVFormatError
 from tsukimi.errors import ObjectExists, TsukimiError
 from tsukimi.store.client import StoreClient
-from tsukimi.store.protocol import MAX_BATCH
 
 logger = logging.getLogger(__name__)
 
@@ -89,18 +88,16 @@ class StoreKVConnector:
         pairs = [(h, b, layer) for h, b in zip(hashes, blocks, strict=False) for layer in range(layers)]
         keys = [self.format.key(h, layer) for h, _, layer in pairs]
         slots = [cache.slot(b, layer) for _, b, layer in pairs]
-        got: list[int] = []
         try:
-            for start in range(0, len(keys), MAX_BATCH):
-                got += self.client.batch_get_into(keys[start : start + MAX_BATCH], slots[start : start + MAX_BATCH])
+            got = self.client.batch_get(keys, slots)
         except TsukimiError as exc:  # the pool is an optimisation: compute instead
             logger.warning("KV pool unavailable for a load (%s): computing instead", exc)
             return 0
         loaded = 0
         for n, block_hash in enumerate(hashes[: len(blocks)]):
             span = range(n * layers, (n + 1) * layers)
-            if any(got[i] != size for i in span):  # missing (0), unreadable (-1): compute from here
-                if any(got[i] not in (0, -1, size) for i in span):
+            if not all(got[i].size == size for i in span):  # missing or unreadable: compute from here
+                if any(got[i].found and got[i].size != size for i in span):
                     self._refuse(KVFormatError(f"KV block {block_hash:016x}: an object of the wrong size"))
                 break
             try:

@@ -1,12 +1,17 @@
 """`StoreClient`: put and get objects in the KV cache pool.
 
 The master only hands out addresses; this client moves the bytes itself with its Transfer
-Engine (shm to holders on this host, tcp to others). A put is put_start (replicas placed) ->
-WRITE every replica -> put_end, or put_revoke if any write failed. A get asks for the complete
-replicas (a read lease) and READs them in order, failing over to the next replica inside the
-same call. The client may contribute a segment of its own memory, heartbeats the master, and
-remounts its segments when the master restarted. Batch calls cost one master round trip and
-one Transfer Engine batch per phase.
+Engine (tsukimi/store/replica_io.py). A put is put_start (replicas placed) -> WRITE every
+replica -> put_end, or put_revoke if any write failed. A get asks for the complete replicas
+(a read lease) and READs them in order, failing over to the next replica inside the same
+call. The client may contribute a segment of its own memory, heartbeats the master, and
+remounts its segments when the master restarted.
+
+The API is a batch core with thin single-key helpers: `batch_put` / `put`, `batch_get` /
+`get` / `get_into`, `batch_exists` / `exists`, `size_of`, `remove`, `remove_all`. A batch
+costs one master round trip and one Transfer Engine batch per phase, whatever its size (it
+is cut into `MAX_BATCH` operations per round trip). A get's result is a `GetResult`; a miss
+is never an error. `AsyncStoreClient` wraps a client for asyncio.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import secrets
 import threading
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import crc32c
 import msgspec
@@ -25,38 +30,27 @@ import msgspec
 from tsukimi.clock import WallClock
 from tsukimi.config import Config
 from tsukimi.errors import (
-    ChecksumMismatch,
     InvalidArgument,
     InvalidBufferError,
     ObjectExists,
     ObjectNotFound,
     TransferError,
     TsukimiError,
-    error_from_code,
 )
 from tsukimi.store import protocol as p
 from tsukimi.store.disk import DiskTier
 from tsukimi.store.master_link import MasterLink
-from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
+from tsukimi.store.replica_io import GetResult, PutItem, read_replicas, write_replicas
+from tsukimi.transfer import TransferEngine
 from tsukimi.transfer.segment import byte_view
 
 logger = logging.getLogger(__name__)
 
-LEASE_SHARE = 0.8  # reads must end within this share of the read lease
-MIN_READ_S = 0.05
 # NOTE: names this process to the master: a holder restarted under the same TE segment name
 # mounts with a new incarnation, and the master drops the old one's replicas at once.
 INCARNATION = uuid.uuid4().hex
 
 PinName = str  # "", "soft" or "hard"
-
-
-@dataclass(frozen=True, slots=True)
-class _Put:
-    key: str
-    data: memoryview
-    config: p.ReplicaConfig
-    upsert: bool
 
 
 def replica_config(replicas: int = 1, pin: PinName = "", preferred: Sequence[str] = ()) -> p.ReplicaConfig:
@@ -108,30 +102,33 @@ class StoreClient:
 
     # -- writes ------------------------------------------------------------------------
 
-    def put(self, key: str, data: object, replicas: int = 1, pin: PinName = "", preferred: Sequence[str] = ()) -> None:
-        """Store `data` (any buffer) under a new key. Raises ObjectExists, OutOfSpace,
-        TransferError, InvalidArgument, RpcTimeout."""
-        self._raise(self.batch_put([(key, data)], replicas, pin, preferred)[0])
+    def put(
+        self, key: str, data: object, replicas: int = 1, pin: PinName = "", preferred: Sequence[str] = (),
+        *, upsert: bool = False,
+    ) -> None:  # fmt: skip
+        """Store `data` (any buffer; written from it, zero-copy) under `key`; with `upsert`,
+        replacing any object of that key.
 
-    put_from = put  # the Transfer Engine writes straight from the caller's buffer: zero-copy either way
-
-    def upsert(
-        self, key: str, data: object, replicas: int = 1, pin: PinName = "", preferred: Sequence[str] = ()
-    ) -> None:
-        """Store `data`, replacing any existing object of that key."""
-        config = replica_config(replicas, pin, preferred)
-        self._raise(self._put_many([_Put(key, _view(data), config, upsert=True)])[0])
+        Raises:
+            ObjectExists (not upsert), OutOfSpace, TransferError (a replica write failed; the
+            put was revoked), InvalidArgument, RpcTimeout / MasterUnavailable.
+        """
+        self._raise(self.batch_put([(key, data)], replicas, pin, preferred, upsert=upsert)[0])
 
     def batch_put(
-        self, items: Sequence[tuple[str, object]], replicas: int = 1, pin: PinName = "", preferred: Sequence[str] = ()
-    ) -> list[TsukimiError | None]:
-        """Put several objects; the result holds each key's error, or None where it succeeded."""
+        self, items: Sequence[tuple[str, object]], replicas: int = 1, pin: PinName = "",
+        preferred: Sequence[str] = (), *, upsert: bool = False,
+    ) -> list[TsukimiError | None]:  # fmt: skip
+        """Put several objects; each key's error, or None where it succeeded. Raises only
+        for the whole call (InvalidArgument, RpcTimeout / MasterUnavailable)."""
         config = replica_config(replicas, pin, preferred)
-        return self._put_many([_Put(key, _view(data), config, upsert=False) for key, data in items])
+        puts = [PutItem(key, _view(data), config, upsert) for key, data in items]
+        errors: list[TsukimiError | None] = []
+        for start in range(0, len(puts), p.MAX_BATCH):
+            errors += self._put_chunk(puts[start : start + p.MAX_BATCH])
+        return errors
 
-    batch_put_from = batch_put
-
-    def _put_many(self, puts: list[_Put]) -> list[TsukimiError | None]:
+    def _put_chunk(self, puts: list[PutItem]) -> list[TsukimiError | None]:
         checksum = self.config.client.checksum
         started = self._call_batch([
             p.PutStart(self.client_id, u.key, len(u.data), u.config, u.upsert, _new_put_id(),
@@ -139,42 +136,27 @@ class StoreClient:
             for u in puts
         ])  # fmt: skip
         errors: list[TsukimiError | None] = [_error(r) for r in started]
-        live = [i for i, r in enumerate(started) if isinstance(r, p.PutStartResult)]
         written = False
         try:
-            self._write_replicas(puts, started, live, errors)
+            write_replicas(self.engine, puts, started, errors)
             written = True
         finally:  # NOTE: even when the writes raised, never leave a started put pending
             if not written:
-                for i in live:
-                    errors[i] = errors[i] or TransferError(f"writing {puts[i].key!r} was interrupted")
-            self._end_puts(puts, started, live, errors)
+                for i, result in enumerate(started):
+                    if isinstance(result, p.PutStartResult):
+                        errors[i] = errors[i] or TransferError(f"writing {puts[i].key!r} was interrupted")
+            self._end_puts(puts, started, errors)
         if self._disk is not None:
             for put, error in zip(puts, errors, strict=True):
                 if error is None:
                     self._disk.put(put.key, put.data)
         return errors
 
-    def _write_replicas(
-        self, puts: list[_Put], started: list[msgspec.Struct], live: list[int], errors: list[TsukimiError | None]
-    ) -> None:
-        requests: list[TransferRequest] = []
-        owners: list[int] = []
-        for i in live:
-            result = started[i]
-            assert isinstance(result, p.PutStartResult)
-            for loc in result.replicas:
-                requests.append(TransferRequest(OpCode.WRITE, loc.te_segment, loc.address, puts[i].data))
-                owners.append(i)
-        statuses = self.engine.transfer(requests) if requests else []
-        for i, status in zip(owners, statuses, strict=True):
-            if status.state is not RequestState.COMPLETED and errors[i] is None:
-                errors[i] = TransferError(f"writing a replica of {puts[i].key!r} failed: {status.reason}")
-
     def _end_puts(
-        self, puts: list[_Put], started: list[msgspec.Struct], live: list[int], errors: list[TsukimiError | None]
+        self, puts: list[PutItem], started: list[p.BatchResultItem], errors: list[TsukimiError | None]
     ) -> None:
         """PutEnd where every replica was written, PutRevoke elsewhere (mutates `errors`)."""
+        live = [i for i, r in enumerate(started) if isinstance(r, p.PutStartResult)]
         ends: list[p.PutEnd | p.PutRevoke] = []
         for i in live:
             result = started[i]
@@ -192,107 +174,56 @@ class StoreClient:
 
     # -- reads -------------------------------------------------------------------------
 
-    def get(self, key: str) -> bytes | None:
-        """The object's bytes, or None on a miss. Raises TransferError when no replica is readable."""
-        result = self._get_many([key], None)[0]
-        if isinstance(result, TsukimiError):
-            raise result
-        return bytes(result) if result is not None else None
+    def get(self, key: str) -> bytearray | None:
+        """The object's bytes (a new bytearray: read in place, never copied again), or None
+        on a miss. Raises TransferError / ChecksumMismatch when no replica was readable."""
+        data = self.batch_get([key])[0].value()
+        assert data is None or isinstance(data, bytearray)
+        return data
 
-    def get_into(self, key: str, buffer: object) -> int:
-        """Read the object into `buffer` (any writable buffer); returns its size, 0 on a miss.
+    def get_into(self, key: str, buffer: object) -> int | None:
+        """Read the object into `buffer` (any writable buffer); its size, or None on a miss.
         Raises InvalidBufferError if it does not fit, TransferError if no replica is readable."""
-        result = self._get_many([key], [_view(buffer, writable=True)])[0]
-        if isinstance(result, TsukimiError):
-            raise result
-        return len(result) if result is not None else 0
+        data = self.batch_get([key], [buffer])[0].value()
+        return None if data is None else len(data)
 
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Each object's bytes, None on a miss or (logged) when no replica was readable."""
-        return [bytes(r) if isinstance(r, bytearray | memoryview) else None for r in self._get_many(list(keys), None)]
-
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[object]) -> list[int]:
-        """Sizes read into each buffer; 0 on a miss, -1 where no replica was readable (logged)."""
-        if len(keys) != len(buffers):
-            raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
-        views = [_view(b, writable=True) for b in buffers]
-        results = self._get_many(list(keys), views)
-        return [-1 if isinstance(r, TsukimiError) else (len(r) if r is not None else 0) for r in results]
-
-    def _get_many(self, keys: list[str], into: list[memoryview] | None) -> list[memoryview | TsukimiError | None]:
-        found = self._call_batch([p.GetReplicas(k) for k in keys])
-        results: list[memoryview | TsukimiError | None] = [None] * len(keys)
-        targets: dict[int, _Target] = {}
-        lease_s = min((r.lease_s for r in found if isinstance(r, p.GetReplicasResult) and r.replicas), default=0.0)
-        for i, result in enumerate(found):
-            if isinstance(result, p.Failure):
-                results[i] = error_from_code(result.code, result.message)
-            elif isinstance(result, p.GetReplicasResult) and result.replicas:
-                dest = into[i] if into is not None else memoryview(bytearray(result.size))
-                if len(dest) < result.size:
-                    results[i] = InvalidBufferError(f"{keys[i]!r} is {result.size} bytes; the buffer holds {len(dest)}")
-                    continue
-                checksum = result.checksum if self.config.client.checksum else None
-                targets[i] = _Target(dest[: result.size], list(result.replicas), checksum)
-        # NOTE: replicas stay in place only while the lease lasts; a read that could finish
-        # later might read blocks already given to another object, so it must end before.
-        self._read_replicas(keys, targets, results, self._clock.now() + LEASE_SHARE * lease_s)
+    def batch_get(self, keys: Sequence[str], into: Sequence[object] | None = None) -> list[GetResult]:
+        """Each key's `GetResult`, read into `into[i]` when given (zero-copy into your
+        memory), else into a new bytearray. Raises only for the whole call (InvalidArgument:
+        a buffer count that does not match; RpcTimeout / MasterUnavailable)."""
+        if into is not None and len(into) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(into)} buffers")
+        views = None if into is None else [_view(b, writable=True) for b in into]
+        results: list[GetResult] = []
+        for start in range(0, len(keys), p.MAX_BATCH):
+            chunk = list(keys[start : start + p.MAX_BATCH])
+            found = self._call_batch([p.GetReplicas(k) for k in chunk])
+            dests = None if views is None else views[start : start + p.MAX_BATCH]
+            checksum = self.config.client.checksum
+            results += read_replicas(self.engine, self._clock, chunk, found, dests, checksum)
         if self._disk is not None:
-            self._from_disk(keys, into, results)
+            self._from_disk(keys, views, results)
         return results
 
-    def _read_replicas(
-        self,
-        keys: list[str],
-        targets: dict[int, _Target],
-        results: list[memoryview | TsukimiError | None],
-        lease_end: float,
-    ) -> None:
-        """READ each target from its first replica; the failed ones (and, with checksums,
-        the ones whose bytes do not match) from the next, and so on, all before `lease_end`."""
-        attempt = 0
-        while targets:
-            order = list(targets)
-            requests = [TransferRequest(OpCode.READ, targets[i].replicas[attempt].te_segment,
-                                        targets[i].replicas[attempt].address, targets[i].dest)
-                        for i in order]  # fmt: skip
-            statuses = self.engine.transfer(requests, timeout_s=max(MIN_READ_S, lease_end - self._clock.now()))
-            attempt += 1
-            for i, status in zip(order, statuses, strict=True):
-                target = targets[i]
-                reason, error = status.reason, TransferError
-                if status.state is RequestState.COMPLETED:
-                    if target.checksum is None or crc32c.crc32c(target.dest) == target.checksum:
-                        results[i] = target.dest
-                        del targets[i]
-                        continue
-                    reason, error = f"crc32c mismatch in {target.replicas[attempt - 1].te_segment}", ChecksumMismatch
-                    logger.warning("get %r: %s", keys[i], reason)
-                if attempt >= len(target.replicas):
-                    results[i] = error(f"no replica of {keys[i]!r} was readable: {reason}")
-                    logger.warning("get %r failed on every replica: %s", keys[i], reason)
-                    del targets[i]
-
-    def _from_disk(
-        self, keys: list[str], into: list[memoryview] | None, results: list[memoryview | TsukimiError | None]
-    ) -> None:
+    def _from_disk(self, keys: Sequence[str], into: list[memoryview] | None, results: list[GetResult]) -> None:
         assert self._disk is not None
         for i, key in enumerate(keys):
-            if results[i] is not None:
+            if results[i].found or results[i].error is not None:
                 continue
-            data = self._disk.get(key)
-            if data is None:
+            size = self._disk.size_of(key)
+            if size is None:
                 continue
-            if into is not None:
-                if len(into[i]) < len(data):
-                    results[i] = InvalidBufferError(f"{key!r} is {len(data)} bytes; the buffer holds {len(into[i])}")
-                    continue
-                into[i][: len(data)] = data
-                results[i] = into[i][: len(data)]
-            else:
-                results[i] = memoryview(bytearray(data))
+            dest: bytearray | memoryview = into[i] if into is not None else bytearray(size)
+            try:
+                got = self._disk.get_into(key, dest)
+            except InvalidBufferError as exc:
+                results[i] = GetResult(error=exc)
+                continue
+            if got is None:
+                continue
+            results[i] = GetResult(dest if len(dest) == got else memoryview(dest)[:got])
             # NOTE: not an upsert: a newer version put meanwhile by anyone must win
-            promoted = self._put_many([_Put(key, memoryview(data), p.ReplicaConfig(), upsert=False)])[0]
+            promoted = self._put_chunk([PutItem(key, memoryview(dest)[:got], p.ReplicaConfig(), upsert=False)])[0]
             if promoted is not None and not isinstance(promoted, ObjectExists):
                 logger.info("could not promote %r from the SSD tier: %s", key, promoted)
 
@@ -303,11 +234,12 @@ class StoreClient:
         return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key exists. Raises the first key's error (e.g. InvalidArgument)."""
         results = self._call_batch([p.Exists(k) for k in keys])
         out = []
         for key, result in zip(keys, results, strict=True):
             if isinstance(result, p.Failure):
-                raise error_from_code(result.code, result.message)
+                raise p.error_of(result)
             assert isinstance(result, p.ExistsResult)
             out.append(result.exists or (self._disk is not None and self._disk.contains(key)))
         return out
@@ -339,29 +271,13 @@ class StoreClient:
         assert isinstance(result, p.RemoveAllResult)
         return result.removed
 
-    # -- asyncio -----------------------------------------------------------------------
-
-    async def put_async(self, key: str, data: object, replicas: int = 1, pin: PinName = "") -> None:
-        await asyncio.to_thread(self.put, key, data, replicas, pin)
-
-    async def get_async(self, key: str) -> bytes | None:
-        return await asyncio.to_thread(self.get, key)
-
-    async def get_into_async(self, key: str, buffer: object) -> int:
-        return await asyncio.to_thread(self.get_into, key, buffer)
-
-    async def exists_async(self, key: str) -> bool:
-        return await asyncio.to_thread(self.exists, key)
-
-    async def remove_async(self, key: str, force: bool = False) -> bool:
-        return await asyncio.to_thread(self.remove, key, force)
-
     # -- plumbing ----------------------------------------------------------------------
 
     def _call(self, request: msgspec.Struct) -> msgspec.Struct:
         return self._rpc.call(request)
 
-    def _call_batch(self, ops: Sequence[msgspec.Struct]) -> list[msgspec.Struct]:
+    def _call_batch(self, ops: Sequence[msgspec.Struct]) -> list[p.BatchResultItem]:
+        """One master round trip for `ops` (at most MAX_BATCH; callers cut larger batches)."""
         if not ops:
             return []
         result = self._rpc.call_as(p.Batch(list(ops)), p.BatchResult)  # type: ignore[arg-type]
@@ -414,15 +330,6 @@ class StoreClient:
         self.close()
 
 
-@dataclass(frozen=True, slots=True)
-class _Target:
-    """A get in progress: where the bytes go, the replicas to try in order, the crc32c."""
-
-    dest: memoryview
-    replicas: list[p.ReplicaLocation]
-    checksum: int | None
-
-
 def _new_put_id() -> int:
     """A random non-zero put id: a PutStart retried after a lost reply is recognised as the same put."""
     return secrets.randbits(62) | 1
@@ -434,5 +341,34 @@ def _view(data: object, writable: bool = False) -> memoryview:
     return byte_view(data, writable=writable, with_address=False)[0]
 
 
-def _error(result: msgspec.Struct) -> TsukimiError | None:
-    return error_from_code(result.code, result.message) if isinstance(result, p.Failure) else None
+def _error(result: p.BatchResultItem) -> TsukimiError | None:
+    return p.error_of(result) if isinstance(result, p.Failure) else None
+
+
+class AsyncStoreClient:
+    """A `StoreClient` for asyncio: the same calls, awaitable; each runs on a worker thread,
+    so none blocks the event loop. Closing it closes the client."""
+
+    def __init__(self, client: StoreClient) -> None:
+        self.sync = client
+
+    async def put(self, key: str, data: object, replicas: int = 1, pin: PinName = "", *, upsert: bool = False) -> None:
+        await asyncio.to_thread(self.sync.put, key, data, replicas, pin, upsert=upsert)
+
+    async def batch_put(self, items: Sequence[tuple[str, object]], replicas: int = 1) -> list[TsukimiError | None]:
+        return await asyncio.to_thread(self.sync.batch_put, items, replicas)
+
+    async def get(self, key: str) -> bytearray | None:
+        return await asyncio.to_thread(self.sync.get, key)
+
+    async def batch_get(self, keys: Sequence[str], into: Sequence[object] | None = None) -> list[GetResult]:
+        return await asyncio.to_thread(self.sync.batch_get, keys, into)
+
+    async def exists(self, key: str) -> bool:
+        return await asyncio.to_thread(self.sync.exists, key)
+
+    async def remove(self, key: str, force: bool = False) -> bool:
+        return await asyncio.to_thread(self.sync.remove, key, force)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.sync.close)

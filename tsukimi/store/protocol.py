@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import msgspec
 
-from tsukimi.errors import InvalidArgument, ProtocolError
+from tsukimi.errors import InvalidArgument, ProtocolError, TsukimiError, error_from_code
 from tsukimi.rpc.codec import Codec
 
 MAX_KEY_BYTES = 4096
@@ -183,6 +183,11 @@ class Failure(msgspec.Struct, frozen=True, tag=True):
 
 BatchResultItem = Ok | PutStartResult | GetReplicasResult | ExistsResult | Failure
 """The result of one operation of a `Batch`, in its place."""
+
+
+def error_of(failure: Failure) -> TsukimiError:
+    """The error a `Failure` stands for, as the class raised on the master (pure)."""
+    return error_from_code(failure.code, failure.message)
 
 
 class BatchResult(msgspec.Struct, frozen=True, tag=True):

@@ -5,12 +5,20 @@ server per process; slices striped over pooled connections). Segment descriptors
 published to a metadata backend (memory, http, etcd) or exchanged by handshake (p2p).
 """
 
-from tsukimi.transfer.batch import OpCode, RequestState, RequestStatus, SegmentHandle, TransferRequest
-from tsukimi.transfer.engine import BatchStatus, TransferEngine
+from tsukimi.transfer.batch import (
+    Batch,
+    OpCode,
+    RequestState,
+    RequestStatus,
+    SegmentHandle,
+    TransferRequest,
+    first_error,
+)
+from tsukimi.transfer.engine import TransferEngine
 from tsukimi.transfer.segment import RegisteredBuffer, SegmentDescriptor
 
 __all__ = [
-    "BatchStatus",
+    "Batch",
     "OpCode",
     "RegisteredBuffer",
     "RequestState",
@@ -19,4 +27,5 @@ __all__ = [
     "SegmentHandle",
     "TransferEngine",
     "TransferRequest",
+    "first_error",
 ]

@@ -2,20 +2,25 @@
 
 A request is split into slices (one per transport operation); it completes when all its
 slices did, fails with the first failing slice's reason, and times out at its deadline.
-A batch completes when all its requests reached a final state; it then resolves a
-`concurrent.futures.Future` so threads can wait and asyncio callers can await.
+A batch (the requests of one submit) completes when all its requests reached a final state;
+it then resolves a `concurrent.futures.Future` so threads can wait and asyncio callers can
+await.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import enum
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tsukimi.errors import OutOfBounds, RpcTimeout, TransferError, TsukimiError, error_from_code
+from tsukimi.clock import Clock
+from tsukimi.errors import RpcTimeout, TransferError, TsukimiError, error_from_code
 
-BatchId = int
+WAIT_GRACE_S = 2.0  # past the deadline: socket ticks, retries and thread scheduling
 
 
 class OpCode(enum.Enum):
@@ -140,34 +145,18 @@ class RequestRecord:
 
 
 class Batch:
-    """Requests submitted together; `capacity` bounds how many (as in Mooncake)."""
+    """Requests submitted together (`TransferEngine.submit`): one record per request, and a
+    future that resolves once every one of them reached a final state."""
 
-    def __init__(self, batch_id: BatchId, capacity: int) -> None:
-        self.batch_id = batch_id
-        self.capacity = capacity
+    def __init__(self, keepalives: list[object], deadline: float, clock: Clock) -> None:
         self.lock = threading.Lock()
-        self.records: list[RequestRecord] = []
-        self.unfinished = 0
-        self.latest_deadline = 0.0
+        self.deadline = deadline
+        self._clock = clock
         self.future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self.future.set_result(None)  # an empty batch is complete
-
-    def add_many(self, keepalives: list[object], deadline: float) -> list[RequestRecord]:
-        """Add one record per request, all or none (mutates).
-
-        Raises:
-            OutOfBounds: the batch would hold more than `capacity` requests.
-        """
-        records = [RequestRecord(self, deadline, keep) for keep in keepalives]
-        with self.lock:
-            if len(self.records) + len(records) > self.capacity:
-                raise OutOfBounds(f"batch {self.batch_id} holds at most {self.capacity} requests")
-            if records and self.unfinished == 0:
-                self.future = concurrent.futures.Future()
-            self.records += records
-            self.unfinished += len(records)
-            self.latest_deadline = max(self.latest_deadline, deadline)
-        return records
+        self.records = [RequestRecord(self, deadline, keep) for keep in keepalives]
+        self.unfinished = len(self.records)
+        if not self.records:
+            self.future.set_result(None)  # an empty batch is complete
 
     def request_finished(self) -> None:
         # Called with self.lock held.
@@ -176,9 +165,32 @@ class Batch:
             self.future.set_result(None)
 
     def statuses(self) -> list[RequestStatus]:
+        """Each request's state now (does not wait)."""
         with self.lock:
             return [r.status() for r in self.records]
 
     @property
     def done(self) -> bool:
         return self.future.done()
+
+    def wait(self, timeout_s: float | None = None) -> list[RequestStatus]:
+        """Block until every request ended, or `timeout_s` passed (default: the deadline plus
+        a grace period, by when all have ended); their statuses."""
+        if timeout_s is None:
+            timeout_s = max(0.0, self.deadline - self._clock.now()) + WAIT_GRACE_S
+        with contextlib.suppress(TimeoutError):
+            self.future.result(timeout=timeout_s)
+        return self.statuses()
+
+    async def wait_async(self) -> list[RequestStatus]:
+        """Await the end of every request (each is bounded by its deadline); their statuses."""
+        await asyncio.wrap_future(self.future)
+        return self.statuses()
+
+
+def first_error(statuses: Sequence[RequestStatus]) -> TsukimiError | None:
+    """The error of the first request that did not complete, if any."""
+    for status in statuses:
+        if status.state is not RequestState.COMPLETED:
+            return status.error() or TransferError("request still pending")
+    return None

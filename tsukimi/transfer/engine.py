@@ -3,12 +3,16 @@
     engine = TransferEngine(config=cfg)            # binds its segment server, publishes
     base = engine.register(array)                  # or engine.allocate(n) for shared memory
     peer = engine.open_segment("other")            # descriptor from metadata or handshake
-    engine.write(peer, remote_offset, data)        # sync; batches and asyncio below
+    engine.write(peer, remote_offset, data)        # one request; raises its error
+    statuses = engine.transfer([TransferRequest(...), ...])   # a batch: submit + wait
+    batch = engine.submit([...]); batch.wait() / await batch.wait_async()
+    statuses = await engine.transfer_async([...])
 
-Batches follow Mooncake: allocate_batch -> submit -> status/wait -> free_batch. Each request
-is checked against the peer's descriptor (re-fetched once when the range is unknown), given
-a transport (shm for shared-memory buffers of a same-host peer, else tcp, unless forced),
-cut into slices and handed to that transport's threads; submit never waits on the network.
+`submit` is the core: every request is checked against the peer's descriptor (re-fetched
+once when the range is unknown), given a transport (the first registered one, by rank, that
+can serve it, unless one is forced), cut into slices and handed to that transport; submit
+never waits on the network. Mooncake's batch-id API (allocate_batch_id / submit / status /
+free) lives in tsukimi/compat/batches.py over this one.
 With a cluster secret (`config.security`), every TCP connection to or from a peer and every
 request to an HTTP metadata server is authenticated with it (tsukimi/auth.py).
 """
@@ -16,26 +20,23 @@ request to an HTTP metadata server is authenticated with it (tsukimi/auth.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import Config
 from tsukimi.errors import ClosedError, ConfigError, InvalidBufferError, OutOfBounds, TransferError, TsukimiError
 from tsukimi.transfer.batch import (
     Batch,
-    BatchId,
     OpCode,
     RequestRecord,
-    RequestState,
     RequestStatus,
     SegmentHandle,
     TransferRequest,
+    first_error,
 )
 from tsukimi.transfer.directory import SegmentDirectory, parse_host_port
 from tsukimi.transfer.metadata import MetadataBackend, connect_metadata
@@ -55,14 +56,7 @@ from tsukimi.transfer.transports import Slice, Transport, TransportContext, buil
 
 logger = logging.getLogger(__name__)
 
-WAIT_GRACE_S = 2.0  # past the latest deadline: socket ticks, retries and thread scheduling
-
-
-@dataclass(frozen=True, slots=True)
-class BatchStatus:
-    batch_id: BatchId
-    done: bool
-    requests: list[RequestStatus]
+_Plan = tuple[SegmentHandle, OpCode, memoryview, int]  # a validated request: where, what, which bytes, offset
 
 
 class TransferEngine:
@@ -105,7 +99,6 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._batches: dict[BatchId, Batch] = {}
         self._closed = False
         try:
             self._publish()
@@ -173,34 +166,34 @@ class TransferEngine:
         self._directory.get(name)
         return SegmentHandle(next(self._ids), name, chosen)
 
-    def allocate_batch(self, capacity: int = 4096) -> BatchId:
-        """A new, empty batch that will hold up to `capacity` requests."""
-        self._check_open()
-        if capacity <= 0:
-            raise ConfigError(f"batch capacity must be positive, got {capacity}")
-        batch = Batch(next(self._ids), capacity)
-        with self._lock:
-            self._batches[batch.batch_id] = batch
-        return batch.batch_id
+    def submit(self, requests: Sequence[TransferRequest], timeout_s: float | None = None) -> Batch:
+        """Start `requests` as one batch; returns it without waiting for the network
+        (`batch.wait()`, `await batch.wait_async()`, `batch.statuses()`).
 
-    def submit(self, batch_id: BatchId, requests: Sequence[TransferRequest], timeout_s: float | None = None) -> None:
-        """Start `requests` in the batch; returns without waiting for the network.
-
-        Every request is validated first, so a caller error (bad buffer, full batch) raises
+        Every request is validated first, so a caller error (bad buffer, bad range) raises
         before anything starts. Requests to a segment that cannot be found or reached, or out
         of its range, do not raise: they end FAILED with that reason.
+
+        Raises:
+            InvalidBufferError / OutOfBounds / ConfigError: a request is malformed.
+            ClosedError: the engine is closed.
         """
-        batch = self._batch(batch_id)
+        self._check_open()
         deadline = self._clock.now() + (timeout_s if timeout_s is not None else self.config.timeout_s)
         plans = [self._plan(req) for req in requests]
-        records = batch.add_many([req.local for req in requests], deadline)  # all or none
+        batch = Batch([req.local for req in requests], deadline, self._clock)
+        self._dispatch(batch.records, plans)
+        return batch
+
+    def _dispatch(self, records: list[RequestRecord], plans: list[_Plan]) -> None:
+        """Route every request and hand each transport its slices, one hand-off per peer."""
         refreshed: set[str] = set()
         routes: dict[tuple[str, str], tuple[Transport, SegmentDescriptor, list[Slice]]] = {}
         routed = 0
         try:
-            for record, (handle, op, local, offset) in zip(records, plans, strict=True):
+            for record, plan in zip(records, plans, strict=True):
                 try:
-                    route = self._route(record, handle, op, local, offset, refreshed)
+                    route = self._route(record, plan, refreshed)
                 except TsukimiError as exc:  # e.g. the metadata service failed on a re-fetch
                     record.fail_now(exc)
                     route = None
@@ -215,7 +208,7 @@ class TransferEngine:
                 for piece in pieces:
                     piece.record.slice_failed("submit was interrupted")
             raise
-        for transport, desc, pieces in routes.values():  # one hand-off per transport and peer
+        for transport, desc, pieces in routes.values():
             try:
                 transport.submit(desc, pieces)
             except TsukimiError as exc:  # closed concurrently
@@ -223,16 +216,11 @@ class TransferEngine:
                     piece.record.slice_failed(str(exc), exc.code)
 
     def _route(
-        self,
-        record: RequestRecord,
-        handle: SegmentHandle,
-        op: OpCode,
-        local: memoryview,
-        offset: int,
-        refreshed: set[str],
+        self, record: RequestRecord, plan: _Plan, refreshed: set[str]
     ) -> tuple[Transport, SegmentDescriptor, list[Slice]] | None:
         """Pick the transport and cut the slices of one validated request; None when it
         already ended FAILED (mutates `refreshed`)."""
+        handle, op, local, offset = plan
         desc = self._directory.get(handle.name)
         buffer = desc.find(offset, len(local))
         if buffer is None and handle.name not in refreshed:  # maybe registered after we cached
@@ -251,78 +239,29 @@ class TransferEngine:
         record.slices_left = len(pieces)
         return transport, desc, pieces
 
-    def status(self, batch_id: BatchId) -> BatchStatus:
-        """Per-request states of the batch (does not wait)."""
-        batch = self._batch(batch_id)
-        return BatchStatus(batch_id, batch.done, batch.statuses())
-
-    def wait(self, batch_id: BatchId, timeout_s: float | None = None) -> BatchStatus:
-        """Block until every request of the batch ended, or `timeout_s` passed (default:
-        the batch's latest request deadline plus a grace period, by when all have ended)."""
-        batch = self._batch(batch_id)
-        if timeout_s is None:
-            timeout_s = max(0.0, batch.latest_deadline - self._clock.now()) + WAIT_GRACE_S
-        with contextlib.suppress(TimeoutError):
-            batch.future.result(timeout=timeout_s)
-        return self.status(batch_id)
-
-    async def wait_async(self, batch_id: BatchId) -> BatchStatus:
-        """Await the end of every request of the batch (each is bounded by its deadline)."""
-        await asyncio.wrap_future(self._batch(batch_id).future)
-        return self.status(batch_id)
-
     # -- one-call helpers ----------------------------------------------------------------
 
     def transfer(self, requests: Sequence[TransferRequest], timeout_s: float | None = None) -> list[RequestStatus]:
-        """Submit `requests` as one batch, wait for all, return their final statuses."""
-        batch_id = self.allocate_batch(max(1, len(requests)))
-        try:
-            self.submit(batch_id, requests, timeout_s)
-            return self.wait(batch_id).requests
-        finally:
-            self._release(batch_id)
+        """Submit `requests` as one batch, wait for all, return their final statuses.
+        Raises what `submit` raises (caller errors); transfer failures are in the statuses."""
+        return self.submit(requests, timeout_s).wait()
 
     async def transfer_async(
         self, requests: Sequence[TransferRequest], timeout_s: float | None = None
     ) -> list[RequestStatus]:
-        """Like `transfer`, awaitable from asyncio; nothing blocks the event loop (submit runs
-        on a worker thread, since a first contact with a peer may wait on the network)."""
-        batch_id = self.allocate_batch(max(1, len(requests)))
-        try:
-            await asyncio.to_thread(self.submit, batch_id, requests, timeout_s)
-            return (await self.wait_async(batch_id)).requests
-        finally:
-            self._release(batch_id)
+        """`transfer`, awaitable from asyncio; nothing blocks the event loop (submit runs on a
+        worker thread, since a first contact with a peer may wait on the network)."""
+        batch = await asyncio.to_thread(self.submit, requests, timeout_s)
+        return await batch.wait_async()
 
     def read(self, segment: SegmentHandle | str, remote_offset: int, into: object) -> None:
-        """Fill `into` from the peer's segment at `remote_offset`; raises on failure."""
-        self.batch_read(segment, [(remote_offset, into)])
+        """Fill `into` from the peer's segment at `remote_offset`. Raises the request's error
+        (OutOfBounds, PeerError, RpcTimeout, ... as the transport reported it)."""
+        self._raise_first(self.transfer([TransferRequest(OpCode.READ, segment, remote_offset, into)]))
 
     def write(self, segment: SegmentHandle | str, remote_offset: int, data: object) -> None:
-        """Write `data` into the peer's segment at `remote_offset`; raises on failure."""
-        self.batch_write(segment, [(remote_offset, data)])
-
-    def batch_read(self, segment: SegmentHandle | str, items: Sequence[tuple[int, object]]) -> None:
-        """Read each (remote_offset, local buffer) pair in one batch; raises the first failure."""
-        self._raise_first(self.transfer([TransferRequest(OpCode.READ, segment, off, buf) for off, buf in items]))
-
-    def batch_write(self, segment: SegmentHandle | str, items: Sequence[tuple[int, object]]) -> None:
-        """Write each (remote_offset, local buffer) pair in one batch; raises the first failure."""
-        self._raise_first(self.transfer([TransferRequest(OpCode.WRITE, segment, off, buf) for off, buf in items]))
-
-    async def read_async(self, segment: SegmentHandle | str, remote_offset: int, into: object) -> None:
-        self._raise_first(await self.transfer_async([TransferRequest(OpCode.READ, segment, remote_offset, into)]))
-
-    async def write_async(self, segment: SegmentHandle | str, remote_offset: int, data: object) -> None:
-        self._raise_first(await self.transfer_async([TransferRequest(OpCode.WRITE, segment, remote_offset, data)]))
-
-    def free_batch(self, batch_id: BatchId) -> None:
-        """Forget a finished batch. Raises TransferError while requests are pending."""
-        batch = self._batch(batch_id)
-        if not batch.done:
-            raise TransferError(f"batch {batch_id} still has pending requests")
-        with self._lock:
-            self._batches.pop(batch_id, None)
+        """Write `data` into the peer's segment at `remote_offset`. Raises the request's error."""
+        self._raise_first(self.transfer([TransferRequest(OpCode.WRITE, segment, remote_offset, data)]))
 
     def close(self) -> None:
         """Withdraw the segment, stop serving, fail what is pending, free shared memory."""
@@ -349,7 +288,7 @@ class TransferEngine:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _plan(self, req: TransferRequest) -> tuple[SegmentHandle, OpCode, memoryview, int]:
+    def _plan(self, req: TransferRequest) -> _Plan:
         if not isinstance(req.op, OpCode):
             raise ConfigError(f"op must be an OpCode, got {req.op!r}")
         view = byte_view(req.local, writable=req.op is OpCode.READ, with_address=False)[0]
@@ -376,24 +315,11 @@ class TransferEngine:
                 return transport
         return None
 
-    def _release(self, batch_id: BatchId) -> None:
-        # NOTE: dropped even if still pending (the wait timed out): its requests end by their
-        # deadline on the transport threads, which hold their own references.
-        with self._lock:
-            self._batches.pop(batch_id, None)
-
     @staticmethod
     def _raise_first(statuses: Sequence[RequestStatus]) -> None:
         error = first_error(statuses)
         if error is not None:
             raise error
-
-    def _batch(self, batch_id: BatchId) -> Batch:
-        self._check_open()
-        batch = self._batches.get(batch_id)
-        if batch is None:
-            raise ConfigError(f"no batch {batch_id} (never allocated, or already freed)")
-        return batch
 
     def _check_open(self) -> None:
         if self._closed:
@@ -409,11 +335,3 @@ class TransferEngine:
 
     def _on_handshake(self, raw: bytes) -> None:
         self._directory.learn_hint(decode_descriptor(raw))
-
-
-def first_error(statuses: Sequence[RequestStatus]) -> TsukimiError | None:
-    """The error of the first request that did not complete, if any."""
-    for status in statuses:
-        if status.state is not RequestState.COMPLETED:
-            return status.error() or TransferError("request still pending")
-    return None

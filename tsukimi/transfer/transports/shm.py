@@ -20,7 +20,7 @@ import numpy as np
 
 from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
-from tsukimi.errors import ClosedError, PeerError
+from tsukimi.errors import ClosedError, OutOfBounds, PeerError
 from tsukimi.transfer.batch import OpCode
 from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
 from tsukimi.transfer.shared_memory import SharedMapping, map_shared, valid_shm_name
@@ -161,6 +161,8 @@ class ShmTransport:
             return
         try:
             self._copy(peer, piece)
+        except OutOfBounds as exc:  # the owner released the buffer: its range is gone, as tcp says too
+            piece.record.slice_failed(f"shm transfer to {peer.name} failed: {exc}", exc.code)
         except (OSError, ValueError, PeerError) as exc:
             piece.record.slice_failed(f"shm transfer to {peer.name} failed: {exc}", PeerError.code)
         else:
@@ -173,7 +175,7 @@ class ShmTransport:
         if mapping.unlinked():  # released; its address may already hold a new buffer
             peer.drop(piece.buffer.shm_name)
             self._on_stale(peer.name)
-            raise PeerError("the owner released this buffer (descriptor dropped: the next request re-fetches it)")
+            raise OutOfBounds("the owner released this buffer (descriptor dropped: the next request re-fetches it)")
         start = piece.remote_offset - piece.buffer.base + piece.buffer.shm_offset
         remote = np.frombuffer(mapping.view, np.uint8, len(piece.local), start)
         local = np.frombuffer(piece.local, np.uint8)

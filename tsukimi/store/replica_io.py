@@ -1,0 +1,166 @@
+"""The bytes of store objects on their way to and from replicas, through the Transfer Engine.
+
+The master hands out replica addresses; this module moves the bytes. `write_replicas` WRITEs
+every replica of every started put in one TE batch; `read_replicas` READs each object from
+its first replica, the failed ones from their next, and so on, all before the read lease
+ends (a read that could finish later might read blocks already given to another object).
+
+A replica that could not be moved is a `TransferError` for the store's caller (the put was
+revoked, or the get failed on every replica: retriable, nothing half-done), whatever the
+Transfer Engine reported; the engine's own error (`OutOfBounds` from a holder whose range
+moved, `RpcTimeout`, `PeerError`, ...) is chained as its `__cause__`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import crc32c
+
+from tsukimi.clock import Clock
+from tsukimi.errors import ChecksumMismatch, InvalidBufferError, TransferError, TsukimiError
+from tsukimi.store import protocol as p
+from tsukimi.transfer import OpCode, RequestState, RequestStatus, TransferEngine, TransferRequest
+
+logger = logging.getLogger(__name__)
+
+LEASE_SHARE = 0.8  # reads must end within this share of the read lease
+MIN_READ_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    """One key of a get. `data` holds the bytes read: a view of the caller's buffer when one
+    was given, else a new bytearray; None on a miss or a failure. `error` says why a read
+    failed (a miss is not an error)."""
+
+    data: bytearray | memoryview | None = None
+    error: TsukimiError | None = None
+
+    @property
+    def found(self) -> bool:
+        return self.data is not None
+
+    @property
+    def size(self) -> int:
+        """Bytes read (0 on a miss or a failure)."""
+        return 0 if self.data is None else len(self.data)
+
+    def value(self) -> bytearray | memoryview | None:
+        """The bytes, or None on a miss. Raises the error of a failed read."""
+        if self.error is not None:
+            raise self.error
+        return self.data
+
+
+@dataclass(frozen=True, slots=True)
+class PutItem:
+    """One object to put: its key, bytes and how to store it."""
+
+    key: str
+    data: memoryview
+    config: p.ReplicaConfig
+    upsert: bool
+
+
+@dataclass(slots=True)
+class _Target:
+    """A get in progress: where the bytes go, the replicas to try in order, the crc32c."""
+
+    key: str
+    dest: bytearray | memoryview
+    replicas: list[p.ReplicaLocation]
+    checksum: int | None
+
+
+def transfer_error(status: RequestStatus, what: str) -> TransferError:
+    """A TransferError for a failed request, naming `what`, with the engine's error as cause."""
+    error = TransferError(f"{what}: {status.reason}")
+    error.__cause__ = status.error()
+    return error
+
+
+def write_replicas(
+    engine: TransferEngine,
+    puts: Sequence[PutItem],
+    started: Sequence[p.BatchResultItem],
+    errors: list[TsukimiError | None],
+) -> None:
+    """WRITE every replica of every started put, in one batch; a put whose write failed gets
+    its error in `errors` (mutates it)."""
+    requests: list[TransferRequest] = []
+    owners: list[int] = []
+    for i, result in enumerate(started):
+        if isinstance(result, p.PutStartResult):
+            for loc in result.replicas:
+                requests.append(TransferRequest(OpCode.WRITE, loc.te_segment, loc.address, puts[i].data))
+                owners.append(i)
+    statuses = engine.transfer(requests) if requests else []
+    for i, status in zip(owners, statuses, strict=True):
+        if status.state is not RequestState.COMPLETED and errors[i] is None:
+            errors[i] = transfer_error(status, f"writing a replica of {puts[i].key!r}")
+
+
+def read_replicas(
+    engine: TransferEngine,
+    clock: Clock,
+    keys: Sequence[str],
+    found: Sequence[p.BatchResultItem],
+    into: Sequence[memoryview] | None,
+    checksum: bool,
+) -> list[GetResult]:
+    """READ each found object into its buffer (or a new bytearray), failing over replica by
+    replica; misses stay `GetResult()`, master errors become failed results."""
+    results = [GetResult()] * len(keys)
+    targets: dict[int, _Target] = {}
+    for i, result in enumerate(found):
+        if isinstance(result, p.Failure):
+            results[i] = GetResult(error=p.error_of(result))
+        elif isinstance(result, p.GetReplicasResult) and result.replicas:
+            dest: bytearray | memoryview = into[i] if into is not None else bytearray(result.size)
+            if len(dest) < result.size:
+                error = InvalidBufferError(f"{keys[i]!r} is {result.size} bytes; the buffer holds {len(dest)}")
+                results[i] = GetResult(error=error)
+                continue
+            if len(dest) > result.size:
+                dest = memoryview(dest)[: result.size]
+            targets[i] = _Target(keys[i], dest, list(result.replicas), result.checksum if checksum else None)
+    lease_s = min((r.lease_s for r in found if isinstance(r, p.GetReplicasResult) and r.replicas), default=0.0)
+    _read_rounds(engine, clock, targets, results, clock.now() + LEASE_SHARE * lease_s)
+    return results
+
+
+def _read_rounds(
+    engine: TransferEngine, clock: Clock, targets: dict[int, _Target], results: list[GetResult], lease_end: float
+) -> None:
+    """One READ round per replica rank: the targets still unread try their next replica."""
+    attempt = 0
+    while targets:
+        order = list(targets)
+        requests = [
+            TransferRequest(OpCode.READ, targets[i].replicas[attempt].te_segment,
+                            targets[i].replicas[attempt].address, targets[i].dest)
+            for i in order
+        ]  # fmt: skip
+        statuses = engine.transfer(requests, timeout_s=max(MIN_READ_S, lease_end - clock.now()))
+        attempt += 1
+        for i, status in zip(order, statuses, strict=True):
+            target = targets[i]
+            if status.state is RequestState.COMPLETED:
+                if target.checksum is None or crc32c.crc32c(target.dest) == target.checksum:
+                    results[i] = GetResult(target.dest)
+                    del targets[i]
+                    continue
+                reason = f"crc32c mismatch in {target.replicas[attempt - 1].te_segment}"
+                logger.warning("get %r: %s", target.key, reason)
+                failed: RequestStatus | None = None
+            else:
+                reason, failed = status.reason, status
+            if attempt >= len(target.replicas):
+                what = f"no replica of {target.key!r} was readable"
+                error = transfer_error(failed, what) if failed else ChecksumMismatch(f"{what}: {reason}")
+                logger.warning("get %r failed on every replica: %s", target.key, reason)
+                results[i] = GetResult(error=error)
+                del targets[i]
