@@ -106,6 +106,12 @@ class ObjectNotFound(TsukimiError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class DuplicateRequest(InvalidArgument):
+    """A request with this id is already running here (HTTP 409): the caller reused an id."""
+
+    code = "duplicate_request"
+
+
 class ObjectExists(TsukimiError):
     """An object of that key exists or is being written; use upsert to replace it."""
 

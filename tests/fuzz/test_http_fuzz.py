@@ -209,7 +209,7 @@ def test_regression_worker_seed_out_of_range_is_400_and_others_run_on(serving: S
     """A seed past 64 bits made torch raise on the engine thread, which failed every running
     request with a 500 and rebuilt the engine."""
     response = serving.worker_http.post("/generate", json={"request_id": "s", "prompt_ids": [5], "seed": seed})
-    assert response.status_code == 400 and "seed" in response.json()["error"]
+    assert response.status_code == 400 and "seed" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("field", ["temperature", "top_p"])
@@ -219,7 +219,7 @@ def test_regression_worker_tiny_temperature_or_top_p_is_400(serving: Serving, fi
     the engine thread, which failed every running request (the router answered 502)."""
     body = {"request_id": "t", "prompt_ids": [5], field: value}
     response = serving.worker_http.post("/generate", json=body)
-    assert response.status_code == 400 and field in response.json()["error"]
+    assert response.status_code == 400 and field in response.json()["error"]["message"]
     response = serving.router_http.post("/v1/completions", json={"prompt": "0", field: value})
     assert response.status_code == 400, response.text
 

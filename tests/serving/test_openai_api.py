@@ -17,7 +17,8 @@ from tsukimi import httpd
 from tsukimi.config import ConductorConfig
 from tsukimi.engine.tokenizer import ByteTokenizer
 from tsukimi.serving.openai_api import StopText, create_app
-from tsukimi.serving.router import Router, WorkerSpec
+from tsukimi.serving.router import Router
+from tsukimi.serving.worker_client import WorkerSpec
 
 TOKENIZER = ByteTokenizer()
 MODEL = "tiny"
@@ -205,7 +206,6 @@ def test_stop_text_holds_back_a_possible_stop_prefix() -> None:
         ({"prompt": "a", "temperature": 3}, "temperature"),
         ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
         ({"prompt": ""}, "at least one token"),
-        ({"prompt": [1, 99999]}, "token ids"),
         ({"max_tokens": 3}, "missing required field `prompt`"),
         ({"prompt": "a", "stop": 3}, "stop"),
     ],
@@ -257,15 +257,32 @@ def test_worker_failures_are_502_and_503(serve: Serve) -> None:
     assert client.get("/health").json()["status"] == "degraded"
 
 
-def test_moved_errors_are_still_importable_from_their_old_modules() -> None:
-    from tsukimi import errors
-    from tsukimi.engine import kv_pool
-    from tsukimi.serving import openai_api, router
+def test_regression_a_duplicate_request_id_is_409_not_502() -> None:
+    """A request id already running at the worker (the engine's one check) used to be turned
+    into a generic worker error on its way back and reach the API client as 502. Also: token
+    ids outside the vocabulary are checked once, by the worker, and answered 400."""
+    from tsukimi.engine.tokenizer import load_tokenizer
+    from tsukimi.engine.weights import load_model
+    from tsukimi.serving.worker import Worker, WorkerConfig
 
-    assert (router.Rejected, router.WorkerError, router.WorkerUnavailable) == (
-        errors.Rejected, errors.WorkerError, errors.WorkerUnavailable,
-    )  # fmt: skip
-    assert (kv_pool.KVFormatError, openai_api.ModelNotFound) == (errors.KVFormatError, errors.ModelNotFound)
+    with Worker(WorkerConfig(name="colo", model="tiny", num_blocks=512), load_model("tiny")).start() as worker:
+        router = Router([WorkerSpec("colo", "colocated", worker.base_url)], FAST)
+        handle: httpd.AppHandle = httpd.start_in_thread(create_app(router, load_tokenizer("tiny"), MODEL))
+        try:
+            with httpx.Client(base_url=handle.base_url, timeout=30.0) as client:
+                long = {"prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+                with client.stream("POST", "/v1/completions", json=long, headers={"X-Request-Id": "dup"}) as first:
+                    assert first.status_code == 200
+                    lines = first.iter_lines()  # NOTE: kept: a dropped iterator closes the connection
+                    assert next(lines).startswith("data: ")  # the request runs at the worker now
+                    second = client.post("/v1/completions", json={"prompt": "a"}, headers={"X-Request-Id": "dup"})
+                    error = error_of(second, 409)
+                    assert (error["type"], error["code"]) == ("invalid_request_error", "duplicate_request")
+                    assert "cmpl-dup" in str(error["message"]) and "colo" not in str(error["message"])
+                error = error_of(client.post("/v1/completions", json={"prompt": [1, 99999]}), 400)
+                assert error["code"] == "invalid_argument" and "token ids must be in 0..31999" in str(error["message"])
+        finally:
+            handle.stop(2.0)
 
 
 def test_metrics(serve: Serve) -> None:

@@ -18,27 +18,36 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import TypeVar
 
+import msgspec
 import pytest
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from tsukimi import httpd
 from tsukimi.config import ConductorConfig
-from tsukimi.errors import ConfigError, InvalidArgument
-from tsukimi.scheduler.block_hash import hash_blocks
-from tsukimi.serving.router import (
-    GenerateRequest,
+from tsukimi.errors import (
+    ConfigError,
+    DuplicateRequest,
+    InvalidArgument,
     Rejected,
-    Router,
-    RouterConfig,
-    TokenEvent,
+    TsukimiError,
     WorkerError,
-    WorkerSpec,
     WorkerUnavailable,
 )
+from tsukimi.scheduler.block_hash import hash_blocks
+from tsukimi.serving.protocol import ErrorReply, GenerateRequest, error_reply
+from tsukimi.serving.router import Router, RouterConfig, TokenEvent
 from tsukimi.serving.router_commands import add_parser, load_router_config, parse_workers
+from tsukimi.serving.worker_client import WorkerSpec
 
 T = TypeVar("T")
+SCRIPTED: dict[int, Callable[[str], TsukimiError]] = {
+    400: InvalidArgument,
+    409: DuplicateRequest,
+    500: TsukimiError,
+    502: WorkerError,
+    503: WorkerUnavailable,
+}
 BLOCK_TOKENS = 4
 FAST = RouterConfig(poll_interval_s=0.05, connect_timeout_s=1.0, read_timeout_s=5.0, startup_timeout_s=3.0)
 
@@ -47,9 +56,10 @@ class FakeWorker:
     """The worker API, deterministic: each token is the one before plus 1 (or the ids of
     `reply`, when given), `cached_tokens` = `cached`; a prefill worker makes one token.
 
-    Knobs: `load` for /load, `status` to refuse /generate, `hang` to never answer,
-    `gate` to pause after the first token, `delay_s` between tokens, `abort` to end with
-    finish_reason "abort". Records request bodies in `calls`; `disconnected` is set when a
+    Knobs: `load` for /load, `status` to refuse /generate with the protocol's error of that
+    status (`raw` to refuse with a plain-text body instead, as a proxy would), `hang` to never
+    answer, `gate` to pause after the first token, `delay_s` between tokens, `abort` to end
+    with an engine failure. Records request bodies in `calls`; `disconnected` is set when a
     client left before the stream's end.
     """
 
@@ -65,6 +75,7 @@ class FakeWorker:
         self.load.update(knobs.pop("load", {}))  # type: ignore[call-overload]
         self.reply: list[int] | None = knobs.pop("reply", None)  # type: ignore[assignment]
         self.status: int | None = knobs.pop("status", None)  # type: ignore[assignment]
+        self.raw = bool(knobs.pop("raw", False))
         self.hang = bool(knobs.pop("hang", False))
         self.abort = bool(knobs.pop("abort", False))
         self.delay_s = float(knobs.pop("delay_s", 0.0))  # type: ignore[arg-type]
@@ -108,8 +119,12 @@ class FakeWorker:
         async def generate(request: Request) -> Response:
             body = json.loads(await request.body())
             self.calls.append(body)
+            if self.status is not None and self.raw:
+                return Response(f"scripted {self.status}", status_code=self.status, media_type="text/plain")
             if self.status is not None:
-                return JSONResponse({"error": f"scripted {self.status}"}, status_code=self.status)
+                status, reply = error_reply(SCRIPTED[self.status](f"scripted {self.status}"))
+                assert status == self.status
+                return Response(reply, status_code=status, media_type="application/json")
             while self.hang and not self.released.is_set():
                 await asyncio.sleep(0.01)
             return StreamingResponse(self._lines(body), media_type="application/x-ndjson")
@@ -128,9 +143,11 @@ class FakeWorker:
                     await asyncio.sleep(self.delay_s)
                 stop = token in stops  # type: ignore[operator]
                 last = stop or i == len(tokens) - 1
-                reason = ("abort" if self.abort else "stop" if stop else "length") if last else None
-                line = {"token_ids": [] if stop else [token], "finish_reason": reason,
-                        "cached_tokens": self.cached, "pool_tokens": self.cached // 2}  # fmt: skip
+                reason = ("stop" if stop else "length") if last and not self.abort else None
+                line: dict[str, object] = {"token_ids": [] if stop else [token], "finish_reason": reason,
+                                           "cached_tokens": self.cached, "pool_tokens": self.cached // 2}  # fmt: skip
+                if last and self.abort:
+                    line["error"] = msgspec.structs.asdict(ErrorReply("worker_error", "the engine failed: scripted"))
                 yield json.dumps(line).encode() + b"\n"
                 if last:
                     break
@@ -246,7 +263,7 @@ def test_colocated_least_load_follows_polled_loads(workers: list[FakeWorker]) ->
             events = await collect(router, request([10, 20, 30], 4, f"r{i}"))
             assert tokens(events) == [31, 32, 33, 34]
             assert events[-1].finish_reason == "length" and all(e.finish_reason is None for e in events[:-1])
-            assert {e.worker for e in events} == {"b"} and {e.stage for e in events} == {"colocated"}
+            assert {e.worker for e in events} == {"b"}
 
     run_with(router, body)
     assert (len(workers[0].calls), len(workers[1].calls)) == (0, 3)
@@ -303,7 +320,7 @@ def test_pd_flow_prefill_then_decode(workers: list[FakeWorker]) -> None:
     events = run_with(router, body)
     prefill, decode = workers
     assert tokens(events) == [110, 111, 112, 113, 114]
-    assert [(e.stage, e.worker) for e in events] == [("prefill", "p0")] + [("decode", "d0")] * 4
+    assert [e.worker for e in events] == ["p0"] + ["d0"] * 4
     assert events[0].finish_reason is None and events[-1].finish_reason == "length"
     assert (events[0].cached_tokens, events[0].pool_tokens) == (4, 2)
     [p_call], [d_call] = prefill.calls, decode.calls
@@ -362,8 +379,8 @@ def test_pd_closing_early_aborts_decode_and_frees_the_conductor(workers: list[Fa
 
     async def body(router: Router) -> None:
         events = router.generate(request(PROMPT, 50, "early"))
-        assert (await anext(events)).stage == "prefill"
-        assert (await anext(events)).stage == "decode"
+        assert (await anext(events)).worker == "p0"
+        assert (await anext(events)).worker == "d0"
         await events.aclose()
         assert [w.in_flight for w in router.workers()] == [0, 0]
         # the next request still runs to the end
@@ -411,14 +428,40 @@ def test_worker_that_dies_after_start_is_retried_elsewhere(workers: list[FakeWor
 
 
 @pytest.mark.parametrize(
-    ("status", "error"), [(500, WorkerError), (400, InvalidArgument), (503, WorkerUnavailable), (409, WorkerError)]
+    ("status", "error"),
+    [
+        (502, WorkerError),
+        (400, InvalidArgument),
+        (503, WorkerUnavailable),
+        (409, DuplicateRequest),
+        (500, WorkerError),  # the worker sent its root TsukimiError: the worker failed
+    ],
 )
-def test_worker_error_statuses(workers: list[FakeWorker], status: int, error: type[Exception]) -> None:
+def test_a_workers_error_arrives_as_its_own_class(
+    workers: list[FakeWorker], status: int, error: type[Exception]
+) -> None:
+    """Errors cross as (code, message): the class raised is the worker's, not one guessed from
+    the status (a 409 used to arrive as a generic WorkerError, and reach API clients as 502)."""
     workers.append(FakeWorker("a", status=status))
     router = Router([workers[0].spec], FAST)
 
     async def body(router: Router) -> None:
-        with pytest.raises(error, match=f"HTTP {status}: scripted {status}"):
+        with pytest.raises(error, match=f"scripted {status}$") as info:
+            await collect(router, request([1], 2))
+        assert type(info.value) is error
+
+    run_with(router, body)
+
+
+@pytest.mark.parametrize(("status", "error"), [(502, WorkerError), (500, WorkerError), (503, WorkerUnavailable)])
+def test_a_non_protocol_answer_is_judged_by_its_status(
+    workers: list[FakeWorker], status: int, error: type[Exception]
+) -> None:
+    workers.append(FakeWorker("a", status=status, raw=True))  # a proxy's or a crashed server's page
+    router = Router([workers[0].spec], FAST)
+
+    async def body(router: Router) -> None:
+        with pytest.raises(error, match=f"worker a answered HTTP {status}: scripted {status}"):
             await collect(router, request([1], 2))
 
     run_with(router, body)
@@ -443,7 +486,7 @@ def test_aborted_stream_is_a_worker_error(workers: list[FakeWorker]) -> None:
     router = Router([workers[0].spec], FAST)
 
     async def body(router: Router) -> None:
-        with pytest.raises(WorkerError, match="aborted"):
+        with pytest.raises(WorkerError, match="worker a: the engine failed: scripted"):
             await collect(router, request([1], 3))
 
     run_with(router, body)

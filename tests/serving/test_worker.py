@@ -99,7 +99,8 @@ def test_generate_streams_the_engines_greedy_tokens(colocated: Worker, tiny: Loa
 def test_bad_input_is_400(colocated: Worker, payload: bytes) -> None:
     response = httpx.post(colocated.base_url + "/generate", content=payload, timeout=5)
     assert response.status_code == 400
-    assert response.json()["error"]
+    error = response.json()["error"]
+    assert error["code"] == "invalid_argument" and error["message"]
 
 
 def long_request(request_id: str) -> dict[str, object]:
@@ -116,7 +117,8 @@ def test_duplicate_running_id_is_409(colocated: Worker) -> None:
         lines = first.iter_lines()  # NOTE: keep it: a discarded line iterator closes the connection
         next(lines)
         second = httpx.post(colocated.base_url + "/generate", json=body("dup", [1, 2, 3]), timeout=5)
-        assert second.status_code == 409 and "dup" in second.json()["error"]
+        assert second.status_code == 409
+        assert second.json()["error"] == {"code": "duplicate_request", "message": "request 'dup' is already running"}
     wait_idle(colocated.base_url)
     assert tokens(generate(colocated.base_url, body("dup", [1, 2, 3], max_tokens=1))) != []  # the id is free again
 
@@ -177,8 +179,8 @@ def test_engine_failure_fails_its_requests_and_the_worker_goes_on(tiny: LoadedMo
     broken = LoadedModel(tiny.config, FailingModel(tiny.model), tiny.source)  # type: ignore[arg-type]
     with Worker(WorkerConfig(name="broken", model="tiny", num_blocks=64), broken).start() as worker:
         lines = generate(worker.base_url, body("poisoned", [1, POISON, 3]))
-        assert lines[-1]["finish_reason"] == "abort"
-        assert "RuntimeError: boom" in lines[-1]["error"]  # type: ignore[operator]
+        assert lines[-1]["finish_reason"] is None
+        assert lines[-1]["error"] == {"code": "worker_error", "message": "the engine failed: RuntimeError: boom"}
         assert tokens(generate(worker.base_url, body("fine", PROMPT, max_tokens=4, ignore_eos=True))) == reference(
             tiny, PROMPT, 4
         )

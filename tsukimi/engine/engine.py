@@ -24,7 +24,7 @@ import torch
 
 from tsukimi.engine.kv_cache import BatchAttention, KVLayout, PagedKVCache, SequenceKV
 from tsukimi.engine.sampling import SamplingParams, sample, stop_reason
-from tsukimi.errors import InvalidArgument, OutOfSpace
+from tsukimi.errors import DuplicateRequest, InvalidArgument, OutOfSpace
 from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class LLMEngine:
         if not prompt:
             raise InvalidArgument("the prompt must hold at least one token")
         if request_id in self._ids:
-            raise InvalidArgument(f"request {request_id!r} is already running")
+            raise DuplicateRequest(f"request {request_id!r} is already running")
         bt = self.cache.layout.block_tokens
         if -(-(len(prompt) + params.max_tokens) // bt) > self.cache.pool.num_blocks:
             raise InvalidArgument(f"prompt + max_tokens ({len(prompt)} + {params.max_tokens}) exceed the KV cache")

@@ -2,11 +2,12 @@
 `LLMEngine`, and the channel between it and the HTTP side's asyncio event loop.
 
     event loop                                   engine thread (the only one touching the engine)
-    submit(AddCommand)   -> inbox -------------> engine.add_request -> Verdict (200/400/409)
+    submit(AddCommand)   -> inbox -------------> engine.add_request -> Verdict (accepted, or
+                                                  the error that refused it)
     RequestStream.queue  <- call_soon_threadsafe  engine.step() outputs (StepOutput), or a
-                                                  Verdict(500/503) that ends the request
+                                                  Verdict with the error that ends the request
     submit(AbortCommand) -> inbox -------------> engine.abort
-    EngineThread.load    <- LoadSnapshot, published after every iteration
+    EngineThread.load    <- Load, published after every iteration
 
 A failing step fails every request in the engine with its error and replaces the engine (its
 state may be inconsistent); the thread keeps serving. Closing fails every unfinished request.
@@ -27,28 +28,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from tsukimi.engine.engine import LLMEngine, StepOutput
 from tsukimi.engine.sampling import SamplingParams
-from tsukimi.errors import ClosedError, InvalidArgument
+from tsukimi.errors import ClosedError, InvalidArgument, TsukimiError, WorkerError, WorkerUnavailable
+from tsukimi.serving.protocol import Load
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class LoadSnapshot:
-    """What GET /load answers. waiting: accepted requests without a token yet (queued or
-    prefilling); running: requests producing tokens."""
-
-    waiting: int
-    running: int
-    free_blocks: int
-    total_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
 class Verdict:
-    """A request's first event: accepted (200) or why not; later, a failure that ends it."""
+    """A request's first event: accepted (`error` None) or the error that refused it
+    (InvalidArgument, DuplicateRequest, WorkerUnavailable); later, the error that ends it."""
 
-    status: int
-    message: str = ""
+    error: TsukimiError | None = None
 
 
 EngineEvent = StepOutput | Verdict
@@ -127,7 +118,7 @@ class EngineThread:
         self._inbox: deque[AddCommand | AbortCommand] = deque()
         self._active: dict[str, RequestStream] = {}
         self._stopping = False
-        self.load = LoadSnapshot(0, 0, self._engine.cache.pool.num_free, self._engine.cache.pool.num_blocks)
+        self.load = Load(0, 0, self._engine.cache.pool.num_free, self._engine.cache.pool.num_blocks)
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
     def start(self) -> None:
@@ -159,7 +150,7 @@ class EngineThread:
             if self._engine.has_work():
                 self._guarded(self._step)
             self._publish()
-        self._fail_all("the worker is shutting down")
+        self._fail_all(WorkerUnavailable("the worker is shutting down"))
 
     def _next_commands(self) -> list[AddCommand | AbortCommand] | None:
         """Sleep until there is something to do; the commands queued, or None when stopping."""
@@ -172,7 +163,7 @@ class EngineThread:
             return commands
         for command in commands:
             if isinstance(command, AddCommand):
-                command.stream.send(Verdict(503, "the worker is shutting down"))
+                command.stream.send(Verdict(WorkerUnavailable("the worker is shutting down")))
         return None
 
     def _guarded(self, action: Callable[..., None], *args: AddCommand | AbortCommand) -> None:
@@ -180,7 +171,7 @@ class EngineThread:
             action(*args)
         except Exception as exc:  # NOTE: fail the requests with the cause instead of dying silently
             logger.exception("the engine failed; failing %d requests", len(self._active))
-            self._fail_all(f"the engine failed: {type(exc).__name__}: {exc}")
+            self._fail_all(WorkerError(f"the engine failed: {type(exc).__name__}: {exc}"))
             self._engine = self._make_engine()  # NOTE: the old one's state may be inconsistent
 
     def _apply(self, command: AddCommand | AbortCommand) -> None:
@@ -192,17 +183,16 @@ class EngineThread:
                 self._metrics.requests.labels("abort").inc()
                 self._engine.abort(rid)
             return
-        if rid in self._active:
-            stream.send(Verdict(409, f"request {rid!r} is already running"))
-            return
-        self._active[rid] = stream  # NOTE: first, so that an engine failure fails this request too
-        try:
+        try:  # NOTE: the engine owns request ids: it refuses one already running (DuplicateRequest)
             self._engine.add_request(rid, command.prompt, command.params)
         except InvalidArgument as exc:
-            del self._active[rid]
-            stream.send(Verdict(400, str(exc)))
+            stream.send(Verdict(exc))
             return
-        stream.send(Verdict(200))
+        except Exception as exc:  # the engine failed: this request ends here, _guarded fails the rest
+            stream.send(Verdict(WorkerError(f"the engine failed: {type(exc).__name__}: {exc}")))
+            raise
+        self._active[rid] = stream
+        stream.send(Verdict())
         logger.debug("accepted %s (%d prompt tokens)", rid, len(command.prompt))
 
     def _step(self) -> None:
@@ -216,18 +206,18 @@ class EngineThread:
                 del self._active[out.request_id]
             stream.send(out)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, error: TsukimiError) -> None:
         for rid, stream in self._active.items():
             with contextlib.suppress(Exception):  # NOTE: best effort on an engine that just failed
                 self._engine.abort(rid)
             self._metrics.requests.labels("abort").inc()
-            stream.send(Verdict(500, message))
+            stream.send(Verdict(error))
         self._active.clear()
 
     def _publish(self) -> None:
         waiting = sum(not s.started for s in self._active.values())
         pool = self._engine.cache.pool
-        self.load = LoadSnapshot(waiting, len(self._active) - waiting, pool.num_free, pool.num_blocks)
+        self.load = Load(waiting, len(self._active) - waiting, pool.num_free, pool.num_blocks)
         self._metrics.waiting.set(waiting)
         self._metrics.running.set(len(self._active) - waiting)
         self._metrics.free_blocks.set(pool.num_free)

@@ -9,7 +9,9 @@ reason as the error code) or a dead worker (502/503) is a status code even for s
 events become text through `StopText`: detokenized incrementally (never half a UTF-8
 character) and cut at the first stop string, after which the worker stream is closed (the
 worker aborts the request). An error after a stream has started arrives as a `data: {"error"}`
-event before `data: [DONE]`.
+event before `data: [DONE]`. An error's HTTP status comes from the serving protocol's one
+table (`protocol.http_status`), its OpenAI `code` is the error's own (the Conductor's reason
+for a 429). A request id in `X-Request-Id` is used, as vLLM does (one already running: 409).
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tsukimi.engine.tokenizer import StreamDecoder, Tokenizer
-from tsukimi.errors import InvalidArgument, PeerError, Rejected, RpcTimeout, TsukimiError, WorkerUnavailable
-from tsukimi.errors import ModelNotFound as ModelNotFound
-from tsukimi.serving.router import Router
-from tsukimi.serving.worker_client import GenerateRequest, TokenEvent, WorkerStatus
+from tsukimi.errors import InvalidArgument, ModelNotFound, Rejected, TsukimiError, WorkerUnavailable
+from tsukimi.serving.protocol import GenerateRequest, http_status
+from tsukimi.serving.router import Router, TokenEvent
+from tsukimi.serving.worker_client import WorkerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -210,15 +212,16 @@ class OpenAIServer:
             "model": self.model_name, "workers": [dataclasses.asdict(w) for w in workers],
         }  # fmt: skip
 
-    async def complete(self, raw: bytes, chat: bool) -> Response:
-        """Answers one (chat) completion request; never raises a TsukimiError (error bodies)."""
+    async def complete(self, raw: bytes, chat: bool, request_id: str | None = None) -> Response:
+        """Answers one (chat) completion request; never raises a TsukimiError (error bodies).
+        `request_id`: the client's (X-Request-Id, as vLLM takes it), else a random one."""
         endpoint = "chat" if chat else "completions"
         try:
             await self.router.start()
         except TsukimiError as exc:  # NOTE: the deployment's fault (e.g. a role mismatch), not the client's
             return self._error(endpoint, WorkerUnavailable(f"the router cannot start: {exc}"))
         try:
-            job = self._parse(raw, chat)
+            job = self._parse(raw, chat, request_id)
             self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
             events = self.router.generate(job.request)
             first = await anext(events)  # NOTE: before answering, so that failures are status codes
@@ -238,7 +241,7 @@ class OpenAIServer:
         kind = "chat.completion" if chat else "text_completion"
         return _json({**self._head(job, kind), "choices": [choice], "usage": usage.body()})
 
-    def _parse(self, raw: bytes, chat: bool) -> _Job:
+    def _parse(self, raw: bytes, chat: bool, request_id: str | None = None) -> _Job:
         """Checks the body and tokenizes the prompt (pure).
 
         Raises:
@@ -265,10 +268,8 @@ class OpenAIServer:
         top_p = 1.0 if req.top_p is None else req.top_p
         if not 0 <= temperature <= 2 or not 0 < top_p <= 1:
             raise InvalidArgument(f"temperature must be in [0, 2] and top_p in (0, 1], got {temperature}, {top_p}")
-        if req.seed is not None and not 0 <= req.seed < 2**63:
-            raise InvalidArgument(f"seed must be in 0..2**63-1, got {req.seed}")
         stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
         request = GenerateRequest(
             rid, tuple(prompt), max_tokens, temperature, top_p, req.seed, tuple(req.stop_token_ids or ()),
             req.ignore_eos,
@@ -279,12 +280,8 @@ class OpenAIServer:
         )
 
     def _prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        vocab = self.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise InvalidArgument(f"prompt token ids must be in 0..{vocab - 1}")
-        return prompt
+        # NOTE: token ids are checked once, by the worker that owns the model's vocabulary
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
         if not messages:
@@ -304,11 +301,8 @@ class OpenAIServer:
         """(text, None) pieces, then (text, finish reason); records the token metrics and `usage`."""
         m = self.metrics
         m.ttft.observe(max(0.0, first.time_s - job.arrival_s))
-        usage.cached_tokens, usage.pool_tokens = first.cached_tokens, first.pool_tokens
-        m.cached_tokens.inc(first.cached_tokens)
-        m.pool_tokens.inc(first.pool_tokens)
+        self._reuse(usage, first)
         text, event, previous = StopText(self.tokenizer, job.stops), first, first.time_s
-        stage = first.stage
         while True:
             usage.completion_tokens += len(event.token_ids)
             m.completion_tokens.inc(len(event.token_ids))
@@ -321,14 +315,17 @@ class OpenAIServer:
             if delta:
                 yield delta, None
             event = await anext(events)
-            if event.stage == "decode" and event.stage != stage:  # the decode worker's own pool loads
-                usage.pool_tokens += event.pool_tokens
-                m.pool_tokens.inc(event.pool_tokens)
-            stage = event.stage
+            self._reuse(usage, event)
             count = max(1, len(event.token_ids))
             for _ in range(count):
                 m.tbt.observe(max(0.0, event.time_s - previous) / count)
             previous = event.time_s
+
+    def _reuse(self, usage: _Usage, event: TokenEvent) -> None:
+        """Take the request's reuse counts so far (the router's) into `usage` and the metrics."""
+        self.metrics.cached_tokens.inc(max(0, event.cached_tokens - usage.cached_tokens))
+        self.metrics.pool_tokens.inc(max(0, event.pool_tokens - usage.pool_tokens))
+        usage.cached_tokens, usage.pool_tokens = event.cached_tokens, event.pool_tokens
 
     async def _sse(
         self, job: _Job, endpoint: str, events: AsyncGenerator[TokenEvent, None], first: TokenEvent
@@ -401,11 +398,11 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await server.complete(await request.body(), chat=False)
+        return await server.complete(await request.body(), False, request.headers.get("x-request-id"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await server.complete(await request.body(), chat=True)
+        return await server.complete(await request.body(), True, request.headers.get("x-request-id"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -431,26 +428,15 @@ def _json(body: dict[str, object], status: int = 200) -> Response:
 
 
 def _error_body(exc: TsukimiError) -> tuple[int, dict[str, object]]:
-    """The HTTP status and OpenAI error body for `exc` (pure)."""
-    status, kind, code = _classify(exc)
+    """The HTTP status (the serving protocol's one table) and OpenAI error body for `exc`.
+    The code is the error's own (the Conductor's reason for a rejection). Pure."""
+    status = http_status(exc)
+    kind = "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
+    code = exc.reason if isinstance(exc, Rejected) else exc.code
     return status, {"error": {"message": str(exc), "type": kind, "param": None, "code": code}}
 
 
-def _classify(exc: TsukimiError) -> tuple[int, str, str | None]:
-    if isinstance(exc, ModelNotFound):
-        return 404, "invalid_request_error", "model_not_found"
-    if isinstance(exc, Rejected):
-        return 429, "rate_limit_error", exc.reason
-    if isinstance(exc, WorkerUnavailable):
-        return 503, "server_error", "worker_unavailable"
-    if isinstance(exc, (PeerError, RpcTimeout)):
-        return 502, "server_error", "worker_error"
-    if isinstance(exc, ValueError):  # InvalidArgument, ConfigError
-        return 400, "invalid_request_error", None
-    return 500, "server_error", None
-
-
 def _outcome(status: int) -> str:
-    return {400: "bad_request", 404: "bad_request", 429: "rejected", 502: "worker_error", 503: "unavailable"}.get(
-        status, "error"
-    )
+    outcomes = {400: "bad_request", 404: "bad_request", 409: "bad_request", 429: "rejected", 502: "worker_error",
+                503: "unavailable"}  # fmt: skip
+    return outcomes.get(status, "error")

@@ -8,12 +8,15 @@ the workers' view (health, load) and, in PD mode, the Conductor and its prefix i
                            max_tokens - 1; loads the prompt's KV from the pool) -> tokens
                         -> decode_finished
 
-`generate` yields `TokenEvent`s as the worker streams them. Every worker call goes through one
-`WorkerClient` (tsukimi/serving/worker_client.py), with connect and read timeouts: a worker
-that cannot be reached raises `WorkerUnavailable` (HTTP 503), one that fails, stalls or answers
-garbage `WorkerError` (502), so a request never hangs on a dead worker. Loads come from
-`GET /load`, polled every `poll_interval_s`, and from a local count of this router's requests
-in flight.
+`generate` yields `TokenEvent`s as the workers stream them; the stages stay inside the
+router (its callers see one stream of tokens and the request's reuse counts). Every worker call
+goes through one `WorkerClient` (tsukimi/serving/worker_client.py), with connect and read
+timeouts: a worker that cannot be reached raises `WorkerUnavailable` (HTTP 503), one that
+fails, stalls or answers garbage `WorkerError` (502), so a request never hangs on a dead
+worker; an error a worker reports is raised as its own class. A request that found its
+worker unreachable before any token is placed again (the `Retry` policy `PLACEMENT`). Loads
+come from `GET /load`, polled every `poll_interval_s`, and from a local count of this
+router's requests in flight.
 
 NOTE: the prefix index learns of blocks only when a prefill finishes here (the prompt's full
 blocks at the prefill worker and at the pool); workers do not report evictions back, so the
@@ -34,47 +37,41 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
 
+import msgspec
+
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import ConductorConfig
-from tsukimi.errors import ConfigError, Rejected, WorkerError, WorkerUnavailable
+from tsukimi.errors import ConfigError, Rejected, WorkerUnavailable
+from tsukimi.retry import Retry
 from tsukimi.scheduler.baselines import make_router
-from tsukimi.scheduler.block_hash import hash_blocks
+from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import CostModel, LinearCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
-from tsukimi.serving.worker_client import (
-    POOL,
-    ROLES,
-    FinishReason,
-    GenerateRequest,
-    Role,
-    TokenEvent,
-    WorkerClient,
-    WorkerHandle,
-    WorkerSpec,
-    WorkerStatus,
-)
-
-__all__ = [  # NOTE: the worker-facing types and the errors live elsewhere; re-exported for callers
-    "DEFAULT_DECODE_CAPACITY_TOKENS",
-    "POOL",
-    "ROLES",
-    "FinishReason",
-    "GenerateRequest",
-    "Rejected",
-    "Role",
-    "Router",
-    "RouterConfig",
-    "TokenEvent",
-    "WorkerError",
-    "WorkerSpec",
-    "WorkerStatus",
-    "WorkerUnavailable",
-]
+from tsukimi.serving.protocol import ROLES, FinishReason, GenerateRequest
+from tsukimi.serving.worker_client import POOL, WorkerClient, WorkerHandle, WorkerSpec, WorkerStatus
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DECODE_CAPACITY_TOKENS = 65536
+# NOTE: a request whose worker could not be reached before any token goes to another one, at
+# once; the set of workers still up bounds the tries (the Conductor or the pick runs out).
+PLACEMENT = Retry(attempts=None, on=(WorkerUnavailable,))
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """Tokens of one request as the workers streamed them. `finish_reason` is set on the last
+    event only; `cached_tokens` / `pool_tokens` count the request's prompt tokens whose KV was
+    reused so far (of those, loaded from the KV pool), over every worker that served it;
+    `time_s` is the router's clock when the event arrived; `worker` produced the tokens."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    cached_tokens: int
+    pool_tokens: int
+    time_s: float
+    worker: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,31 +195,30 @@ class Router:
         to abort. Starts the router if needed.
 
         Raises (from the iterator):
-            Rejected: the Conductor turned it away (PD). InvalidArgument: a worker refused the
-            input (400). WorkerUnavailable / WorkerError: see the module.
+            Rejected: the Conductor turned it away (PD). The error a worker reported, as its
+            class (InvalidArgument, DuplicateRequest, ...). WorkerUnavailable / WorkerError:
+            see the module.
         """
         return self._generate_pd(request) if self.mode == "pd" else self._generate_colocated(request)
 
     async def _generate_colocated(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         await self.start()
+        attempts = PLACEMENT.start(self.clock)
         tried: dict[str, WorkerUnavailable] = {}
         while True:
             worker = self._pick_colocated(tried)
-            worker.in_flight += 1
             started = False
             try:
-                async with contextlib.aclosing(self._stream(worker, request.body(), "colocated")) as stream:
-                    async for event in stream:
+                async with contextlib.aclosing(self._events(worker, request)) as events:
+                    async for event in events:
                         started = True
                         yield event
                 return
             except WorkerUnavailable as exc:
-                if started:
-                    raise
                 # NOTE: nothing was generated there, so another worker may take it.
+                if started or not await attempts.wait_async(exc):
+                    raise
                 worker.healthy, tried[worker.spec.name] = False, exc
-            finally:
-                worker.in_flight -= 1
 
     def _pick_colocated(self, tried: dict[str, WorkerUnavailable]) -> WorkerHandle:
         candidates = [w for w in self._workers.values() if w.healthy and w.spec.name not in tried]
@@ -238,9 +234,39 @@ class Router:
         assert conductor is not None
         rid, prompt = next(self._ids), request.prompt_ids
         blocks = hash_blocks(prompt, self.block_tokens)
-        while True:  # NOTE: a prefill worker found down before any token: place the request again
+        prefill, first = await self._place_and_prefill(conductor, rid, request, blocks)
+        self.index.stored(location(prefill, "dram"), blocks)
+        self.index.stored(location(POOL, "dram"), blocks)
+        if first.finish_reason == "stop" or len(first.token_ids) >= request.max_tokens:
+            conductor.finished_at_prefill(rid, self.clock.now())
+            yield dataclasses.replace(first, finish_reason=first.finish_reason or "length")
+            return
+        decode, generated = self._admit_decode(conductor, rid), len(first.token_ids)
+        follow = msgspec.structs.replace(
+            request, prompt_ids=(*prompt, *first.token_ids), max_tokens=request.max_tokens - generated
+        )
+        try:
+            yield dataclasses.replace(first, finish_reason=None)
+            async with contextlib.aclosing(self._events(decode, follow)) as events:
+                async for event in events:
+                    generated += len(event.token_ids)
+                    # NOTE: the decode worker loads the prompt's KV from the pool too: its pool
+                    # tokens add to the prefill's; the cached ones are the prefill's
+                    yield dataclasses.replace(
+                        event, cached_tokens=first.cached_tokens, pool_tokens=first.pool_tokens + event.pool_tokens
+                    )
+        finally:
+            conductor.decode_finished(rid, self.clock.now(), generated)
+
+    async def _place_and_prefill(
+        self, conductor: Conductor, rid: int, request: GenerateRequest, blocks: list[BlockHash]
+    ) -> tuple[str, TokenEvent]:
+        """Schedules the request and runs its prefill, placing it again while the chosen prefill
+        worker turns out unreachable; the prefill worker's name and its one event."""
+        attempts = PLACEMENT.start(self.clock)
+        while True:
             down = {name for name, w in self._workers.items() if not w.healthy}
-            decision = conductor.schedule(ScheduleRequest(rid, len(prompt), blocks), self.clock.now(), down)
+            decision = conductor.schedule(ScheduleRequest(rid, len(request.prompt_ids), blocks), self.clock.now(), down)
             if not decision.accepted:
                 if decision.reason == "no_instance":
                     raise WorkerUnavailable("no prefill or decode worker is reachable: all are marked down")
@@ -248,54 +274,49 @@ class Router:
             assert decision.prefill is not None
             prefill = self._workers[decision.prefill]
             try:
-                first = await self._prefill(prefill, request)
-                break
-            except WorkerUnavailable:
+                return prefill.spec.name, await self._prefill(prefill, request)
+            except WorkerUnavailable as exc:
                 conductor.finished_at_prefill(rid, self.clock.now())
                 prefill.healthy = False
+                if not await attempts.wait_async(exc):
+                    raise
             except BaseException:
                 conductor.finished_at_prefill(rid, self.clock.now())
                 raise
-        self.index.stored(location(prefill.spec.name, "dram"), blocks)
-        self.index.stored(location(POOL, "dram"), blocks)
-        if first.finish_reason == "stop" or len(first.token_ids) >= request.max_tokens:
-            conductor.finished_at_prefill(rid, self.clock.now())
-            yield dataclasses.replace(first, finish_reason=first.finish_reason or "length")
-            return
+
+    def _admit_decode(self, conductor: Conductor, rid: int) -> WorkerHandle:
+        """The decode worker the Conductor admits the request to. Raises Rejected or WorkerUnavailable."""
         down = {name for name, w in self._workers.items() if not w.healthy}
         name = conductor.admit_decode(rid, self.clock.now(), down)
         if name is None:
             if all(w.spec.name in down for w in self._workers.values() if w.spec.role == "decode"):
                 raise WorkerUnavailable("no decode worker is reachable: all are marked down")
             raise Rejected("rejected_at_decode")  # the Conductor's counter name
-        decode, generated = self._workers[name], len(first.token_ids)
-        body = request.body([*prompt, *first.token_ids], request.max_tokens - generated)
-        decode.in_flight += 1
-        try:
-            yield dataclasses.replace(first, finish_reason=None)
-            async with contextlib.aclosing(self._stream(decode, body, "decode")) as stream:
-                async for event in stream:
-                    generated += len(event.token_ids)
-                    yield event
-        finally:
-            decode.in_flight -= 1
-            conductor.decode_finished(rid, self.clock.now(), generated)
+        return self._workers[name]
 
     async def _prefill(self, worker: WorkerHandle, request: GenerateRequest) -> TokenEvent:
-        """Runs the prefill stage (max_tokens=1) to its end; one event with all its tokens."""
-        worker.in_flight += 1
-        try:  # NOTE: the stream runs to its end (or raises), so nothing is left to close
-            events = [event async for event in self._stream(worker, request.body(max_tokens=1), "prefill")]
-        finally:
-            worker.in_flight -= 1
+        """Runs the prefill stage (one token) to its end; one event with all its tokens."""
+        # NOTE: the stream runs to its end (or raises), so nothing is left to close
+        events = [event async for event in self._events(worker, msgspec.structs.replace(request, max_tokens=1))]
         last = events[-1]
         tokens = tuple(t for e in events for t in e.token_ids)
         cached, pool = max(e.cached_tokens for e in events), max(e.pool_tokens for e in events)
         return dataclasses.replace(last, token_ids=tokens, cached_tokens=cached, pool_tokens=pool)
 
-    def _stream(self, worker: WorkerHandle, body: dict[str, object], stage: Role) -> AsyncGenerator[TokenEvent, None]:
+    async def _events(self, worker: WorkerHandle, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+        """One worker's stream as TokenEvents, counted in the worker's `in_flight`."""
         assert self._client is not None
-        return self._client.stream(worker, body, stage)
+        worker.in_flight += 1
+        try:
+            async with contextlib.aclosing(self._client.stream(worker, request)) as chunks:
+                async for chunk in chunks:
+                    now = self.clock.now()
+                    ids = tuple(chunk.token_ids)
+                    yield TokenEvent(
+                        ids, chunk.finish_reason, chunk.cached_tokens, chunk.pool_tokens, now, worker.spec.name
+                    )
+        finally:
+            worker.in_flight -= 1
 
     def _build_conductor(self) -> Conductor:
         """Checks that the PD workers agree on block_tokens, then builds the Conductor over them."""

@@ -18,7 +18,8 @@ from rich.console import Console
 
 from tsukimi.config import ConductorConfig, Config, build_dataclass, read_settings
 from tsukimi.errors import ConfigError
-from tsukimi.serving.router import RouterConfig, WorkerSpec
+from tsukimi.serving.router import RouterConfig
+from tsukimi.serving.worker_client import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -2,37 +2,37 @@
 API that the router calls (`tsukimi worker`).
 
     uvicorn's event loop                      engine thread (tsukimi/serving/engine_thread.py)
-    POST /generate -> AddCommand ---> inbox --> engine.add_request -> Verdict (200/400/409)
+    POST /generate -> AddCommand ---> inbox --> engine.add_request -> Verdict (accepted / error)
     NDJSON lines   <- asyncio.Queue <---------- engine.step() outputs (call_soon_threadsafe)
     client gone    -> AbortCommand -> inbox --> engine.abort
-    GET /load      <- LoadSnapshot, published by the engine thread after every iteration
+    GET /load      <- Load, published by the engine thread after every iteration
 
 Roles: "colocated" generates with the local prefix cache only; "prefill" generates exactly one
 token, and its engine loads the prompt's full blocks from the KV pool and publishes the ones it
 computes; "decode" generates in full and loads the prompt's blocks from the pool (the router
 sends the original prompt plus the first token from prefill).
 
-`POST /generate` streams NDJSON lines `{"token_ids", "finish_reason", "cached_tokens",
-"pool_tokens"}`; the last has a finish_reason ("stop", "length" or "abort"). A request that
-fails inside the worker (engine error, shutdown) ends with finish_reason "abort" and an
-"error" message. Bad input is 400 `{"error": ...}`, a request id already running 409.
+The API's types are in tsukimi/serving/protocol.py: `POST /generate` takes a GenerateRequest
+and streams TokenChunk lines, the last with a finish_reason ("stop" or "length"); a request
+that fails inside the worker after it was accepted (engine error, shutdown) ends with a line
+whose `error` is (code, message). A refused request is answered with an ErrorReply and the
+status of its error class: bad input 400, a request id already running 409 (the engine's
+check), a worker shutting down 503.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import msgspec
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
@@ -43,35 +43,12 @@ from tsukimi.engine.kv_pool import KVFormat, StoreKVConnector
 from tsukimi.engine.model import DTYPES, DTypeName
 from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import LoadedModel, load_model
-from tsukimi.errors import ClosedError, ConfigError, InvalidArgument
-from tsukimi.serving.engine_thread import (
-    AbortCommand,
-    AddCommand,
-    EngineThread,
-    LoadSnapshot,
-    RequestStream,
-    Verdict,
-    WorkerMetrics,
-)
+from tsukimi.errors import ClosedError, ConfigError, InvalidArgument, TsukimiError, WorkerUnavailable
+from tsukimi.serving.engine_thread import AbortCommand, AddCommand, EngineThread, RequestStream, Verdict, WorkerMetrics
+from tsukimi.serving.protocol import ROLES, ErrorReply, GenerateRequest, Health, Role, TokenChunk, error_reply
 from tsukimi.store.client import StoreClient
 
-__all__ = [  # NOTE: the engine thread's types live in engine_thread.py; re-exported for callers
-    "ROLES",
-    "EngineThread",
-    "GenerateChunk",
-    "GenerateRequest",
-    "LoadSnapshot",
-    "Role",
-    "Worker",
-    "WorkerConfig",
-    "WorkerMetrics",
-    "run_worker",
-]
-
 logger = logging.getLogger(__name__)
-
-Role = Literal["colocated", "prefill", "decode"]
-ROLES: tuple[str, ...] = get_args(Role)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,29 +86,6 @@ class WorkerConfig:
             raise ConfigError(f"a {self.role} worker needs the store master as tcp://HOST:PORT, got {self.master!r}")
 
 
-class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """The body of POST /generate."""
-
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-
-
-class GenerateChunk(msgspec.Struct, omit_defaults=True):
-    """One NDJSON line of the /generate stream."""
-
-    token_ids: list[int]
-    finish_reason: str | None
-    cached_tokens: int
-    pool_tokens: int
-    error: str | None = None
-
-
 class _TokenStream(StreamingResponse):
     """One request's NDJSON stream; `on_close` runs however it ends (done, client gone, shutdown)."""
 
@@ -152,15 +106,15 @@ async def _lines(stream: RequestStream) -> AsyncIterator[bytes]:
         events = [await stream.queue.get()]
         while not stream.queue.empty():
             events.append(stream.queue.get_nowait())
-        chunk = GenerateChunk([], None, 0, 0)
+        chunk = TokenChunk([])
         for event in events:
             if isinstance(event, StepOutput):
                 chunk.token_ids += event.token_ids
-                chunk.finish_reason, chunk.cached_tokens = event.finish_reason, event.cached_tokens
-                chunk.pool_tokens = event.pool_tokens
-            else:
-                chunk.finish_reason, chunk.error = "abort", event.message
-        stream.finished = chunk.finish_reason is not None
+                chunk.finish_reason = event.finish_reason  # type: ignore[assignment]  # stop / length
+                chunk.cached_tokens, chunk.pool_tokens = event.cached_tokens, event.pool_tokens
+            elif event.error is not None:
+                chunk.error = ErrorReply(event.error.code, str(event.error))
+        stream.finished = chunk.finish_reason is not None or chunk.error is not None
         yield msgspec.json.encode(chunk) + b"\n"
 
 
@@ -175,7 +129,6 @@ class Worker:
         self._connector: StoreKVConnector | None = None
         self._engine: EngineThread | None = None
         self._http: httpd.AppHandle | None = None
-        self._streams: dict[str, RequestStream] = {}  # requests with an open response (event loop only)
 
     @property
     def base_url(self) -> str:
@@ -235,10 +188,8 @@ class Worker:
         InvalidArgument for bad values or token ids outside the vocabulary."""
         assert self._loaded is not None
         mc = self._loaded.config
-        if not body.request_id:
-            raise InvalidArgument("request_id must not be empty")
         if not all(0 <= t < mc.vocab_size for t in body.prompt_ids):
-            raise InvalidArgument(f"prompt_ids must be token ids in 0..{mc.vocab_size - 1}")
+            raise InvalidArgument(f"prompt token ids must be in 0..{mc.vocab_size - 1}")
         max_tokens = 1 if self.config.role == "prefill" else body.max_tokens
         params = SamplingParams(max_tokens, body.temperature, body.top_p, tuple(body.stop_token_ids),
                                 body.ignore_eos, body.seed)  # fmt: skip
@@ -249,17 +200,16 @@ class Worker:
     def _app(self, engine: EngineThread) -> FastAPI:
         app = FastAPI(title=f"tsukimi worker {self.config.name}")
         assert self._loaded is not None
-        health = {"status": "ok", "name": self.config.name, "role": self.config.role,
-                  "model": self._loaded.config.identity, "model_name": self._loaded.config.name,
-                  "block_tokens": self.config.block_tokens}  # fmt: skip
+        health = msgspec.json.encode(Health("ok", self.config.name, self.config.role, self._loaded.config.identity,
+                                            self._loaded.config.name, self.config.block_tokens))  # fmt: skip
 
         @app.get("/health")
-        def get_health() -> dict[str, object]:
-            return health
+        def get_health() -> Response:
+            return Response(health, media_type="application/json")
 
         @app.get("/load")
-        def get_load() -> dict[str, int]:
-            return dataclasses.asdict(engine.load)
+        def get_load() -> Response:
+            return Response(msgspec.json.encode(engine.load), media_type="application/json")
 
         @app.get("/metrics")
         def get_metrics() -> Response:
@@ -277,36 +227,36 @@ class Worker:
             params = self.sampling_params(body)
         # NOTE: ValidationError is a DecodeError; msgspec raises UnicodeDecodeError itself for a
         # string that is not UTF-8 (found by tests/fuzz: a 500)
-        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError, InvalidArgument) as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
-        rid = body.request_id
-        if rid in self._streams:
-            return JSONResponse({"error": f"request {rid!r} is already running"}, status_code=409)
-        stream = RequestStream(rid, asyncio.get_running_loop(), asyncio.Queue(), len(body.prompt_ids))
-        self._streams[rid] = stream
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+            return _error(InvalidArgument(f"invalid request body: {exc}"))
+        except InvalidArgument as exc:
+            return _error(exc)
+        stream = RequestStream(body.request_id, asyncio.get_running_loop(), asyncio.Queue(), len(body.prompt_ids))
         try:
-            engine.submit(AddCommand(tuple(body.prompt_ids), params, stream))
+            engine.submit(AddCommand(body.prompt_ids, params, stream))
             verdict = await stream.queue.get()
         except ClosedError as exc:
-            self._streams.pop(rid, None)
-            return JSONResponse({"error": str(exc)}, status_code=503)
+            return _error(WorkerUnavailable(str(exc)))
         except BaseException:  # cancelled while waiting: the request must not run on
             self._close_stream(engine, stream)
             raise
         assert isinstance(verdict, Verdict)
-        if verdict.status != 200:
-            self._streams.pop(rid, None)
-            return JSONResponse({"error": verdict.message}, status_code=verdict.status)
-        logger.debug("streaming %s", rid)
+        if verdict.error is not None:
+            return _error(verdict.error)
+        logger.debug("streaming %s", body.request_id)
         return _TokenStream(_lines(stream), lambda: self._close_stream(engine, stream))
 
-    def _close_stream(self, engine: EngineThread, stream: RequestStream) -> None:
-        if self._streams.get(stream.request_id) is stream:
-            del self._streams[stream.request_id]
+    @staticmethod
+    def _close_stream(engine: EngineThread, stream: RequestStream) -> None:
         if not stream.finished:
             logger.debug("aborting %s: its client went away", stream.request_id)
             with contextlib.suppress(ClosedError):
                 engine.submit(AbortCommand(stream))
+
+
+def _error(error: TsukimiError) -> Response:
+    status, body = error_reply(error)
+    return Response(body, status_code=status, media_type="application/json")
 
 
 def run_worker(config: WorkerConfig, on_ready: Callable[[Worker], None] | None = None) -> None:

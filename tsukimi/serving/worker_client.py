@@ -1,17 +1,17 @@
-"""The router's side of the workers' internal HTTP API (tsukimi/serving/worker.py): what a
-worker is (`WorkerSpec`) and how the router sees it (`WorkerHandle`), what it is asked
-(`GenerateRequest`) and what it streams back (`TokenEvent`), and `WorkerClient`, which makes
-every call to the workers over one `httpx.AsyncClient`:
+"""The router's side of the workers' internal HTTP API (tsukimi/serving/protocol.py): what a
+worker is (`WorkerSpec`) and how the router sees it (`WorkerHandle`), and `WorkerClient`,
+which makes every call to the workers over one `httpx.AsyncClient`:
 
-    stream    POST /generate -> NDJSON lines -> TokenEvent, ...  (the last has a finish_reason)
+    stream    POST /generate (GenerateRequest) -> TokenChunk, ...  (the last has a finish_reason)
     refresh   GET /health (role, block_tokens; when discovering) + GET /load -> handle up or down
-    discover  refresh every worker until all answer or startup_timeout_s passes
+    discover  refresh every worker until all answer or startup_timeout_s passes (a Retry)
     poll      refresh every worker every poll_interval_s, for ever
 
-Every call has connect and read timeouts: a worker that cannot be reached raises
-`WorkerUnavailable` (HTTP 503) and is marked down, one that fails, stalls or answers garbage
-`WorkerError` (502), so a request never hangs on a dead worker. A worker marked down is marked
-up again as soon as it answers a poll.
+An error a worker reports arrives as (code, message) and is raised here as the same class
+(`protocol.raise_error`). Every call has connect and read timeouts: a worker that cannot be
+reached raises `WorkerUnavailable` (HTTP 503) and is marked down, one that fails, stalls or
+answers garbage `WorkerError` (502), so a request never hangs on a dead worker. A worker
+marked down is marked up again as soon as it answers a poll.
 
 Runs on one asyncio event loop (the handles are plain mutable records).
 """
@@ -19,25 +19,23 @@ Runs on one asyncio event loop (the handles are plain mutable records).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import httpx
 import msgspec
 
 from tsukimi.clock import Clock
-from tsukimi.errors import ConfigError, InvalidArgument, TsukimiError, WorkerError, WorkerUnavailable
+from tsukimi.errors import ConfigError, WorkerError, WorkerUnavailable
+from tsukimi.retry import Retry
+from tsukimi.serving.protocol import ROLES, GenerateRequest, Health, Load, Role, TokenChunk, from_reply, raise_error
 
 logger = logging.getLogger(__name__)
 
-Role = Literal["colocated", "prefill", "decode"]
-ROLES: tuple[str, ...] = get_args(Role)
-FinishReason = Literal["stop", "length"]
 POOL = "pool"  # the KV pool's instance name in the router's prefix index: no worker may take it
+_DISCOVER_BACKOFF_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,50 +56,6 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class GenerateRequest:
-    """One generation, as the workers' POST /generate takes it."""
-
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise InvalidArgument("the prompt must hold at least one token")
-        if self.max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
-
-    def body(self, prompt_ids: Sequence[int] | None = None, max_tokens: int | None = None) -> dict[str, object]:
-        """The JSON body, optionally with another prompt or max_tokens (the PD stages). Pure."""
-        return {
-            "request_id": self.request_id, "prompt_ids": list(self.prompt_ids if prompt_ids is None else prompt_ids),
-            "max_tokens": self.max_tokens if max_tokens is None else max_tokens, "temperature": self.temperature,
-            "top_p": self.top_p, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
-            "ignore_eos": self.ignore_eos,
-        }  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """Tokens one worker streamed. `finish_reason` is set on the last event only;
-    cached/pool tokens are the producing worker's (prompt tokens reused, of those from the
-    pool); `time_s` is the router's clock when the event arrived."""
-
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None
-    cached_tokens: int
-    pool_tokens: int
-    time_s: float
-    worker: str
-    stage: Role
-
-
-@dataclass(frozen=True, slots=True)
 class WorkerStatus:
     """A snapshot of one worker for /health and /metrics."""
 
@@ -113,26 +67,6 @@ class WorkerStatus:
     in_flight: int
 
 
-class _Line(msgspec.Struct, frozen=True):
-    token_ids: list[int]
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-    cached_tokens: int = 0
-    pool_tokens: int = 0
-    error: str | None = None
-
-
-class _Load(msgspec.Struct, frozen=True):
-    waiting: int
-    running: int
-    free_blocks: int = 0
-    total_blocks: int = 0
-
-
-class _Health(msgspec.Struct, frozen=True):
-    role: str
-    block_tokens: int = 0
-
-
 @dataclass(slots=True)
 class WorkerHandle:
     """The router's view of one worker: health, load and block_tokens as last seen, and the
@@ -140,7 +74,7 @@ class WorkerHandle:
 
     spec: WorkerSpec
     healthy: bool = True
-    load: _Load = dataclasses.field(default_factory=lambda: _Load(0, 0))
+    load: Load = dataclasses.field(default_factory=lambda: Load(0, 0))
     block_tokens: int = 0
     in_flight: int = 0
 
@@ -154,7 +88,7 @@ class WorkerClient:
     """Every HTTP call to the workers, over one connection pool (see the module).
 
     Args:
-        clock: stamps `TokenEvent.time_s` and bounds discovery.
+        clock: bounds discovery.
         connect_timeout_s / read_timeout_s: per call; /health and /load also wait at most
             twice `poll_interval_s`.
         poll_interval_s: how often `poll_forever` refreshes the workers.
@@ -171,33 +105,29 @@ class WorkerClient:
         """Closes the connections (idempotent)."""
         await self._http.aclose()
 
-    async def stream(
-        self, worker: WorkerHandle, body: dict[str, object], stage: Role
-    ) -> AsyncGenerator[TokenEvent, None]:
+    async def stream(self, worker: WorkerHandle, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """POST /generate and parse its NDJSON lines until one has a finish reason.
 
-        Raises (from the iterator):
-            InvalidArgument: the worker refused the input (400). WorkerUnavailable: it cannot
-            be reached (and is marked down) or answered 503. WorkerError: anything else.
+        Raises (from the iterator): the error the worker reported, as its class (e.g.
+            InvalidArgument 400, DuplicateRequest 409); WorkerUnavailable: it cannot be
+            reached (and is marked down) or answered 503; WorkerError: anything else.
         """
         name, url = worker.spec.name, f"{worker.spec.url}/generate"
         try:
-            async with self._http.stream("POST", url, json=body) as response:
+            async with self._http.stream("POST", url, content=msgspec.json.encode(request)) as response:
                 if response.status_code != 200:
-                    raise _status_error(name, response.status_code, await response.aread())
+                    raise raise_error(response.status_code, await response.aread(), name)
                 async for text in response.aiter_lines():
                     if not text.strip():
                         continue
                     try:
-                        line = msgspec.json.decode(text, type=_Line)
+                        chunk = msgspec.json.decode(text, type=TokenChunk)
                     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
                         raise WorkerError(f"worker {name} sent a malformed line: {exc}") from exc
-                    if line.finish_reason == "abort":
-                        raise WorkerError(f"worker {name} aborted the request: {line.error or 'no reason given'}")
-                    now = self._clock.now()
-                    ids = tuple(line.token_ids)
-                    yield TokenEvent(ids, line.finish_reason, line.cached_tokens, line.pool_tokens, now, name, stage)
-                    if line.finish_reason is not None:
+                    if chunk.error is not None:
+                        raise from_reply(chunk.error, name)
+                    yield chunk
+                    if chunk.finish_reason is not None:
                         return
                 raise WorkerError(f"worker {name} ended the stream before the request finished")
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -211,14 +141,13 @@ class WorkerClient:
     async def discover(self, workers: Sequence[WorkerHandle], timeout_s: float) -> None:
         """Refreshes with /health until every worker answered or `timeout_s` passed; those still
         silent stay marked down (mutates). Raises ConfigError on a role mismatch."""
-        deadline = self._clock.now() + timeout_s
+        attempts = Retry(attempts=None, deadline_s=timeout_s, backoff_s=_DISCOVER_BACKOFF_S).start(self._clock)
         pending = list(workers)
         while True:
             answered = await asyncio.gather(*(self.refresh(w, health=True) for w in pending))
             pending = [w for w, ok in zip(pending, answered, strict=True) if not ok]
-            if not pending or self._clock.now() >= deadline:
+            if not pending or not await attempts.wait_async():
                 break
-            await asyncio.sleep(0.05)  # NOTE: an async wait; the Clock protocol only blocks
         if pending:
             names = ", ".join(w.spec.name for w in pending)
             logger.warning("workers %s did not answer within %s s; marked down", names, timeout_s)
@@ -227,8 +156,8 @@ class WorkerClient:
         """GET /load (after /health, whose role must match, when `health`); marks the worker up
         or down (mutates). Returns whether it answered. Raises ConfigError on a role mismatch."""
         try:
-            info = msgspec.json.decode(await self._get(worker, "/health"), type=_Health) if health else None
-            load = msgspec.json.decode(await self._get(worker, "/load"), type=_Load)
+            info = msgspec.json.decode(await self._get(worker, "/health"), type=Health) if health else None
+            load = msgspec.json.decode(await self._get(worker, "/load"), type=Load)
         except (httpx.HTTPError, msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
             if worker.healthy:
                 logger.warning("worker %s is down: %r", worker.spec.name, exc)
@@ -252,11 +181,3 @@ class WorkerClient:
         response = await self._http.get(f"{worker.spec.url}{path}", timeout=self._probe_timeout_s)
         response.raise_for_status()
         return response.content
-
-
-def _status_error(name: str, status: int, body: bytes) -> TsukimiError:
-    message = body[:200].decode(errors="replace")
-    with contextlib.suppress(msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-        message = str(msgspec.json.decode(body, type=dict[str, object]).get("error", message))
-    kind = {400: InvalidArgument, 503: WorkerUnavailable}.get(status, WorkerError)  # 400: the input's fault
-    return kind(f"worker {name} answered HTTP {status}: {message}")

@@ -1,0 +1,166 @@
+"""The workers' internal HTTP API, both sides of it: what the router sends, what a worker
+streams back, its load and health, and how an error crosses.
+
+    POST /generate   GenerateRequest (JSON) -> 200 NDJSON TokenChunk lines, the last with a
+                     finish_reason, or an error line; or an ErrorReply with its HTTP status
+    GET  /load       Load          GET /health   Health
+
+An error crosses as (code, message) from tsukimi/errors.py, in an `ErrorReply` body (or a
+last `TokenChunk.error` once streaming started), with the HTTP status `http_status` gives its
+class, and is raised again as the same class on the router (`raise_error`). `http_status`
+is the one error -> status table: the worker answers with it and the OpenAI API too.
+
+The worker (tsukimi/serving/worker.py) and the router's client (worker_client.py) both import
+these types; neither defines its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Literal, get_args
+
+import msgspec
+
+from tsukimi.errors import (
+    ClosedError,
+    DuplicateRequest,
+    InvalidArgument,
+    ModelNotFound,
+    PeerError,
+    Rejected,
+    RpcTimeout,
+    TsukimiError,
+    WorkerError,
+    WorkerUnavailable,
+    error_from_code,
+)
+
+__all__ = [
+    "ROLES",
+    "ErrorReply",
+    "FinishReason",
+    "GenerateRequest",
+    "Health",
+    "Load",
+    "Role",
+    "TokenChunk",
+    "error_reply",
+    "http_status",
+    "raise_error",
+]
+
+Role = Literal["colocated", "prefill", "decode"]
+ROLES: tuple[str, ...] = get_args(Role)
+FinishReason = Literal["stop", "length"]
+
+# NOTE: the first class that matches wins: subclasses before their bases.
+_STATUS: tuple[tuple[type[Exception], int], ...] = (
+    (ModelNotFound, 404),
+    (DuplicateRequest, 409),
+    (Rejected, 429),
+    (WorkerUnavailable, 503),
+    (ClosedError, 503),
+    (ValueError, 400),  # InvalidArgument, ConfigError: the input's fault
+    (PeerError, 502),  # WorkerError and every other failure of an upstream peer
+    (RpcTimeout, 502),
+)
+
+
+def http_status(error: TsukimiError) -> int:
+    """The HTTP status that answers `error` (500 for anything unexpected). Pure."""
+    return next((status for cls, status in _STATUS if isinstance(error, cls)), 500)
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One generation, as the router asks a worker (the body of POST /generate). The worker's
+    role decides how much it generates: a prefill worker makes the first token only. Sampling
+    is greedy unless a temperature is given (the router always sends the client's)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # NOTE: msgspec reports a ValueError raised here as a ValidationError while decoding
+        if not self.request_id:
+            raise InvalidArgument("request_id must not be empty")
+        if not self.prompt_ids:
+            raise InvalidArgument("the prompt must hold at least one token")
+        if self.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+class ErrorReply(msgspec.Struct, frozen=True):
+    """An error on the wire: a `TsukimiError` code and its message."""
+
+    code: str
+    message: str
+
+
+class TokenChunk(msgspec.Struct):
+    """One NDJSON line of a /generate stream: tokens (several when they were ready together),
+    the finish reason on the last line, the prompt tokens whose KV was reused (of those, from
+    the pool), or `error` when the request failed inside the worker after it was accepted."""
+
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    cached_tokens: int = 0
+    pool_tokens: int = 0
+    error: ErrorReply | None = None
+
+
+class Load(msgspec.Struct, frozen=True):
+    """GET /load. waiting: accepted, no token yet; running: producing tokens."""
+
+    waiting: int
+    running: int
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+
+class Health(msgspec.Struct, frozen=True):
+    """GET /health."""
+
+    status: str
+    name: str
+    role: Role
+    model: str = ""
+    model_name: str = ""
+    block_tokens: int = 0
+
+
+def error_reply(error: TsukimiError) -> tuple[int, bytes]:
+    """The HTTP status and JSON body that carry `error` to the other side (pure)."""
+    return http_status(error), msgspec.json.encode({"error": ErrorReply(error.code, str(error))})
+
+
+class _ErrorBody(msgspec.Struct, frozen=True):
+    error: ErrorReply
+
+
+def raise_error(status: int, body: bytes, worker: str) -> TsukimiError:
+    """The error a worker's non-200 answer stands for: the class it named, or (a body that
+    is not an ErrorReply: a proxy, a crash) one chosen by the status. Pure."""
+    with contextlib.suppress(msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        reply = msgspec.json.decode(body, type=_ErrorBody).error
+        return from_reply(reply, worker)
+    text = body[:200].decode(errors="replace")
+    if status == 503:
+        return WorkerUnavailable(f"worker {worker} answered HTTP 503: {text}")
+    return WorkerError(f"worker {worker} answered HTTP {status}: {text}")
+
+
+def from_reply(reply: ErrorReply, worker: str) -> TsukimiError:
+    """The error `reply` names, as its class; a failure of the worker itself names the worker
+    (and one of no more specific kind is a WorkerError: the worker failed)."""
+    error = error_from_code(reply.code, reply.message)
+    if isinstance(error, (PeerError, RpcTimeout)):
+        return type(error)(f"worker {worker}: {reply.message}")
+    if http_status(error) >= 500:
+        return WorkerError(f"worker {worker}: {reply.message}")
+    return error
