@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -37,6 +36,7 @@ from tsukimi.serving.router import (
     WorkerUnavailable,
 )
 from tsukimi.serving.router_commands import add_parser, load_router_config, parse_workers
+from tsukimi.testing.processes import free_port
 
 T = TypeVar("T")
 BLOCK_TOKENS = 4
@@ -159,9 +159,7 @@ def close_all(closers: Sequence[Callable[[], None]]) -> None:
 
 def dead_url() -> str:
     """A loopback URL on which nothing listens."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def request(prompt: Sequence[int], max_tokens: int, rid: str = "r", **extra: object) -> GenerateRequest:

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field, replace
 
 import httpx
 
-from tsukimi.bench.store_cluster import TsukimiCluster, free_port, wait_until
 from tsukimi.config import ClientConfig, Config, MasterConfig
 from tsukimi.store.client import StoreClient
 from tsukimi.store.master.server import MasterServer
+from tsukimi.testing.cluster import TsukimiCluster
+from tsukimi.testing.processes import free_port, wait_until
 
 HOLDER_BYTES = 4 << 20
 MASTER = MasterConfig(

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from tests.store.deployment import HOLDER_BYTES, Deployment, start
-from tsukimi.bench.store_cluster import wait_until
 from tsukimi.errors import InvalidArgument, InvalidBufferError, LeaseHeld, ObjectExists, ObjectNotFound
 from tsukimi.rpc import RpcClient
 from tsukimi.store import protocol as p
 from tsukimi.store.master.server import CODEC
+from tsukimi.testing.processes import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 MIB = 1 << 20

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tsukimi.bench.workers import JsonWorker
 from tsukimi.config import Config, MetadataConfig, SecurityConfig, TransferConfig
+from tsukimi.testing.processes import JsonWorker
 from tsukimi.transfer import RegisteredBuffer, TransferEngine
 
 KIB, MIB = 1 << 10, 1 << 20

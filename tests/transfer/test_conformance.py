@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from tests.transfer.conftest import KIB, MIB, TARGET_BYTES, EnginePair, initiator_config
-from tsukimi.bench.workers import JsonWorker
 from tsukimi.errors import OutOfBounds, SegmentNotFound
+from tsukimi.testing.processes import JsonWorker
 from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
 
 

@@ -1,6 +1,9 @@
-"""tsukimi's testing kit, shipped in the package (as trio ships `trio.testing`).
+"""tsukimi's testing kit, shipped in the package (as trio ships `trio.testing`) so the tests,
+the benchmarks and anyone embedding tsukimi share one set of helpers.
 
 Modules (import what you need from each; nothing is re-exported here, so that
 `python -m tsukimi.testing.layers` stays light):
+    processes         free loopback ports, polling, stopping children, the JSON-lines child handle
+    cluster           a store (master + holders) in real processes on loopback
     layers            the import-structure check (`python -m tsukimi.testing.layers`)
 """

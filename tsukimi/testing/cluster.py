@@ -1,61 +1,20 @@
 """A tsukimi store deployment in real processes on loopback: `tsukimi master` and holders
-(`tsukimi holder`), for benchmarks (and anything else that wants one)."""
+(`tsukimi holder`), each a `python -m tsukimi.cli` child; for tests, benchmarks and anything
+else that wants a store it can SIGKILL parts of."""
 
 from __future__ import annotations
 
 import os
 import select
-import socket
 import subprocess
 import sys
-from collections.abc import Callable
 
 import httpx
 
-from tsukimi.clock import WallClock
 from tsukimi.errors import PeerError
+from tsukimi.testing.processes import free_port, stop_processes, wait_until
 
 _STARTUP_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = _STARTUP_S, interval_s: float = 0.02) -> None:
-    """Poll `condition` (an HTTP error counts as not yet) until it holds.
-
-    Raises:
-        PeerError: it did not hold within `timeout_s`.
-    """
-    clock = WallClock()
-    deadline = clock.now() + timeout_s
-    while True:
-        try:
-            if condition():
-                return
-        except httpx.HTTPError:
-            pass
-        if clock.now() > deadline:
-            raise PeerError(f"condition not reached within {timeout_s} s")
-        clock.sleep(interval_s)
-
-
-def stop_processes(procs: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
-    """SIGTERM them all, wait up to `timeout_s` each, SIGKILL the ones still running."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 class TsukimiCluster:
