@@ -1,9 +1,12 @@
 """tsukimi's testing kit, shipped in the package (as trio ships `trio.testing`) so the tests,
-the benchmarks and anyone embedding tsukimi share one set of helpers.
+the benchmarks and anyone embedding tsukimi share one set of helpers and conformance suites.
 
 Modules (import what you need from each; nothing is re-exported here, so that
 `python -m tsukimi.testing.layers` stays light):
     processes         free loopback ports, polling, stopping children, the JSON-lines child handle
     cluster           a store (master + holders) in real processes on loopback
+    assertions        `raises`, and running a list of named checks
+    engine_pairs      pairs of Transfer Engines per transport setting
+    transport_checks  the Transfer Engine conformance suite: `check_transport(make_pair)`
     layers            the import-structure check (`python -m tsukimi.testing.layers`)
 """
