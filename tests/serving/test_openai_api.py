@@ -293,7 +293,7 @@ def test_real_workers_pd_matches_colocated() -> None:
     gives the colocated worker's text, and the prompt's blocks are then reused."""
     from tsukimi.engine.weights import load_model
     from tsukimi.serving.worker import Worker, WorkerConfig
-    from tsukimi.testing.cluster import TsukimiCluster
+    from tsukimi.testing.deployments import TsukimiCluster
 
     tiny = load_model("tiny")
     prompt = "The quick brown fox jumps over the lazy dog. " * 2  # 90 tokens: 5 full blocks of 16

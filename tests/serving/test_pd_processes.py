@@ -16,7 +16,7 @@ import torch
 
 from tsukimi.engine.model import generate_greedy_reference
 from tsukimi.engine.weights import random_tiny
-from tsukimi.testing.cluster import TsukimiCluster
+from tsukimi.testing.deployments import TsukimiCluster
 from tsukimi.testing.processes import free_port, stop_processes, wait_until
 
 SHARED = list(range(300, 340))  # 40 tokens: 2 full 16-token blocks

@@ -18,7 +18,7 @@ from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import LoadedModel, load_model
 from tsukimi.errors import ConfigError
 from tsukimi.serving.worker import Worker, WorkerConfig
-from tsukimi.testing.cluster import TsukimiCluster
+from tsukimi.testing.deployments import TsukimiCluster
 from tsukimi.testing.processes import wait_until
 
 BLOCK_TOKENS = 16

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from tsukimi.bench.transfer import git_rev
 from tsukimi.errors import ConfigError
-from tsukimi.testing.cluster import TsukimiCluster
+from tsukimi.testing.deployments import TsukimiCluster
 from tsukimi.testing.processes import JsonWorker
 
 logger = logging.getLogger(__name__)

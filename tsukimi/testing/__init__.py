@@ -4,8 +4,8 @@ the benchmarks and anyone embedding tsukimi share one set of helpers and conform
 Modules (import what you need from each; nothing is re-exported here, so that
 `python -m tsukimi.testing.layers` stays light):
     processes         free loopback ports, polling, stopping children, the JSON-lines child handle
-    cluster           a store (master + holders) in real processes on loopback
-    deployments       the store's deployment shapes: in-process, and real processes
+    deployments       the store deployed: TsukimiCluster (master + holders as real processes),
+                      and the shapes the store suite runs on (in-process, real processes)
     assertions        `raises`, and running a list of named checks
     engine_pairs      pairs of Transfer Engines per transport setting
     transport_checks  the Transfer Engine conformance suite: `check_transport(make_pair)`
