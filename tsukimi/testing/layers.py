@@ -212,10 +212,10 @@ def shortest_cycle(start: str, members: set[str], successors: dict[str, set[str]
 
 def _cycle_problems(graph: ImportGraph) -> list[Problem]:
     successors = graph.successors()
-    first_line = {}
+    first_line: dict[tuple[str, str], str] = {}  # (importer, imported) -> its first import's place
     for edge in reversed(graph.edges):
         first_line[edge.importer, edge.imported] = f"{edge.path}:{edge.line}"
-    problems = []
+    problems: list[Problem] = []
     for component in strongly_connected(successors):
         if len(component) < 2:
             continue
