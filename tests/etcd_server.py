@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -25,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from tsukimi.testing.processes import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +81,6 @@ class EtcdProcess:
         self.kill()
 
 
-def free_port() -> int:
-    """A port that was free a moment ago (bind port 0, close). Racy: callers retry on clash."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
 def _etcd_binary() -> str:
     path = shutil.which("etcd")
     if path is None:
@@ -95,9 +89,9 @@ def _etcd_binary() -> str:
 
 
 def _spawn(binary: str, tmp_path: Path, attempt: int) -> EtcdProcess:
-    client_port, peer_port = free_port(), free_port()
+    client_port, peer_port = free_port(HOST), free_port(HOST)
     while peer_port == client_port:
-        peer_port = free_port()
+        peer_port = free_port(HOST)
     data_dir = tmp_path / f"etcd-data-{attempt}"
     log_path = tmp_path / f"etcd-{attempt}.log"
     client, peer = f"http://{HOST}:{client_port}", f"http://{HOST}:{peer_port}"

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.store import deployment
 from tsukimi.engine.engine import LLMEngine, StepOutput
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.kv_pool import KVFormat, StoreKVConnector
@@ -18,6 +17,7 @@ from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import LoadedModel, random_tiny
 from tsukimi.scheduler.block_hash import hash_blocks
 from tsukimi.store.client import StoreClient
+from tsukimi.testing.deployments import Deployment, start_deployment
 
 BLOCK = 8
 PROMPTS = [[1, *range(100, 140)], [1, *range(100, 132), 7, 7, 7], [1, 2, 3]]  # the 2nd shares 4 blocks
@@ -31,8 +31,8 @@ def tiny() -> Iterator[LoadedModel]:
 
 
 @pytest.fixture
-def store() -> Iterator[deployment.Deployment]:
-    dep = deployment.start("inprocess")
+def store() -> Iterator[Deployment]:
+    dep = start_deployment("inprocess")
     yield dep
     dep.close()
 
@@ -52,7 +52,7 @@ def _run(engine: LLMEngine, name: str, prompt: list[int], max_tokens: int) -> li
     return outputs
 
 
-def test_prefill_to_pool_to_decode_equals_colocated(tiny: LoadedModel, store: deployment.Deployment) -> None:
+def test_prefill_to_pool_to_decode_equals_colocated(tiny: LoadedModel, store: Deployment) -> None:
     prefill, prefill_pool = _engine(tiny, store.client())
     decode, decode_pool = _engine(tiny, store.client())
     assert prefill_pool is not None and decode_pool is not None
@@ -70,7 +70,7 @@ def test_prefill_to_pool_to_decode_equals_colocated(tiny: LoadedModel, store: de
     assert decode_pool.loaded_blocks == 5
 
 
-def test_a_lost_block_is_recomputed_never_misread(tiny: LoadedModel, store: deployment.Deployment) -> None:
+def test_a_lost_block_is_recomputed_never_misread(tiny: LoadedModel, store: Deployment) -> None:
     prefill, _ = _engine(tiny, store.client())
     decode, pool = _engine(tiny, store.client())
     assert pool is not None
@@ -84,7 +84,7 @@ def test_a_lost_block_is_recomputed_never_misread(tiny: LoadedModel, store: depl
     assert [t for o in rest for t in o.token_ids] == expected[1:]
 
 
-def test_blocks_of_another_format_are_refused(tiny: LoadedModel, store: deployment.Deployment) -> None:
+def test_blocks_of_another_format_are_refused(tiny: LoadedModel, store: Deployment) -> None:
     decode, pool = _engine(tiny, store.client())
     assert pool is not None
     prompt = PROMPTS[0]

@@ -30,6 +30,7 @@ from tsukimi.errors import (
 from tsukimi.rpc import NO_RETRY, UNSENT_RETRY, Codec, ErrorReply, RpcClient, RpcServer
 from tsukimi.rpc import server as rpc_server
 from tsukimi.rpc.frame import HEADER, FrameReader, format_endpoint, parse_endpoint
+from tsukimi.testing.processes import free_port
 
 CLOCK = WallClock()
 
@@ -185,10 +186,7 @@ def test_timeout_then_next_call_gets_its_own_answer(client: RpcClient) -> None:
 
 
 def test_nothing_listening_times_out() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with RpcClient(CODEC, f"tcp://127.0.0.1:{port}", timeout_s=0.3) as cli:
+    with RpcClient(CODEC, f"tcp://127.0.0.1:{free_port()}", timeout_s=0.3) as cli:
         start = CLOCK.now()
         with pytest.raises(RpcTimeout):
             cli.call(EchoRequest("anyone?"))
@@ -519,9 +517,7 @@ def test_endpoints_parse_and_format() -> None:
 
 
 def test_an_unreachable_server_is_retried_until_the_deadline_unless_told_not_to() -> None:
-    with socket.socket() as sock:  # a port with nothing listening
-        sock.bind(("127.0.0.1", 0))
-        endpoint = format_endpoint("127.0.0.1", sock.getsockname()[1])
+    endpoint = format_endpoint("127.0.0.1", free_port())  # a port with nothing listening
     clock = WallClock()
     for retry_unsent, least_s in ((True, 0.3), (False, 0.0)):
         policy = UNSENT_RETRY if retry_unsent else NO_RETRY

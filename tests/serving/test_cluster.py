@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tsukimi.bench.store_cluster import free_port, wait_until
 from tsukimi.errors import ConfigError
 from tsukimi.serving.cluster import ClusterConfig, load_cluster_config, plan
+from tsukimi.testing.processes import free_port, wait_until
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -14,9 +14,10 @@ import httpx
 import pytest
 import torch
 
-from tsukimi.bench.store_cluster import TsukimiCluster, free_port, stop_processes, wait_until
 from tsukimi.engine.model import generate_greedy_reference
 from tsukimi.engine.weights import random_tiny
+from tsukimi.testing.deployments import TsukimiCluster
+from tsukimi.testing.processes import free_port, stop_processes, wait_until
 
 SHARED = list(range(300, 340))  # 40 tokens: 2 full 16-token blocks
 PROMPTS = [[1, *SHARED, 5, 6, 7], [1, *SHARED, 8, 9], [1, 2, 3], [1, *SHARED, *range(500, 540)]]

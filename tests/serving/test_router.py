@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -39,6 +38,7 @@ from tsukimi.serving.protocol import ErrorReply, GenerateRequest, error_reply
 from tsukimi.serving.router import Router, RouterConfig, TokenEvent
 from tsukimi.serving.router_commands import add_parser, load_router_config, parse_workers
 from tsukimi.serving.worker_client import WorkerSpec
+from tsukimi.testing.processes import free_port
 
 T = TypeVar("T")
 SCRIPTED: dict[int, Callable[[str], TsukimiError]] = {
@@ -176,9 +176,7 @@ def close_all(closers: Sequence[Callable[[], None]]) -> None:
 
 def dead_url() -> str:
     """A loopback URL on which nothing listens."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def request(prompt: Sequence[int], max_tokens: int, rid: str = "r", **extra: object) -> GenerateRequest:

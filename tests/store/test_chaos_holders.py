@@ -17,10 +17,10 @@ import pytest
 
 from tests.store.procs import Master, Proc, ProcessGroup, Record, key_states, process_group, read_records, wait_for
 from tests.store.workload import value_of
-from tsukimi.bench.store_cluster import free_port
 from tsukimi.config import Config, load_config
 from tsukimi.errors import ChecksumMismatch, TransferError, TsukimiError
 from tsukimi.store.client import StoreClient
+from tsukimi.testing.processes import free_port
 from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
 
 pytestmark = pytest.mark.timeout(120)

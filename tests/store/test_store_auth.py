@@ -10,12 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.etcd_server import free_port
 from tsukimi import auth
 from tsukimi.config import ClientConfig, Config, MasterConfig, SecurityConfig
 from tsukimi.errors import AuthError
 from tsukimi.store.client import StoreClient
 from tsukimi.store.master.server import MasterServer
+from tsukimi.testing.processes import free_port
 
 SECRET = b"0123456789abcdef-cluster-secret"
 

@@ -10,15 +10,15 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.store.deployment import MASTER, Deployment, start
 from tsukimi.errors import TransferError
+from tsukimi.testing.deployments import MASTER, Deployment, start_deployment
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
 def deployment() -> Iterator[Deployment]:
-    dep = start("multiprocess")
+    dep = start_deployment("multiprocess")
     yield dep
     dep.close()
 

@@ -7,10 +7,10 @@ import signal
 
 import pytest
 
-from tests.transfer.conftest import MIB, EnginePair, initiator_config
-from tsukimi.bench.workers import JsonWorker
 from tsukimi.compat.batches import BatchTable
 from tsukimi.errors import ClosedError, ConfigError, InvalidBufferError, MetadataError, OutOfBounds, TransferError
+from tsukimi.testing.engine_pairs import MIB, EnginePair, initiator_config
+from tsukimi.testing.processes import JsonWorker
 from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
 from tsukimi.transfer.metadata.memory import MemoryMetadata
 

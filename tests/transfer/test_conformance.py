@@ -1,145 +1,32 @@
-"""One conformance suite, run against every transport: shm, tcp with 1 and with 4 connections.
+"""One conformance suite, run against every transport: shm, tcp with 1 and with 4 connections,
+tcp with a cluster secret.
 
-Each test states a property every transport must have; the `pair` fixture supplies the
-transport (see conftest.TRANSPORT_CASES).
+The suite itself is tsukimi.testing.transport_checks (each check its own test here, per
+transport setting of tsukimi.testing.engine_pairs.TRANSPORT_CASES). The two properties below
+it need the peer in another process, to SIGKILL or SIGSTOP it, so they stay tests.
 """
 
 from __future__ import annotations
 
-import asyncio
-import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from tests.transfer.conftest import KIB, MIB, TARGET_BYTES, EnginePair, initiator_config
-from tsukimi.bench.workers import JsonWorker
-from tsukimi.errors import OutOfBounds, SegmentNotFound
-from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest, first_error
+from tsukimi.testing.assertions import check_name
+from tsukimi.testing.engine_pairs import MIB, TRANSPORT_CASES, PairMaker, initiator_config, pair_maker
+from tsukimi.testing.processes import JsonWorker
+from tsukimi.testing.transport_checks import TRANSPORT_CHECKS
+from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
 
 
-def _remote(pair: EnginePair) -> np.ndarray:
-    return np.frombuffer(pair.buf.view, np.uint8)
-
-
-def test_random_round_trips_are_byte_exact(pair: EnginePair) -> None:
-    rng = random.Random(1234)
-    seg = pair.initiator.open_segment("target")
-    remote = _remote(pair)
-    for _ in range(1000):
-        length = rng.choice([1, 7, 4096, rng.randrange(1, 300 * KIB)])  # 300 KiB spans several slices
-        offset = rng.randrange(0, TARGET_BYTES - length + 1)
-        data = np.frombuffer(rng.randbytes(length), np.uint8)
-        pair.initiator.write(seg, pair.buf.base + offset, data)
-        assert np.array_equal(remote[offset : offset + length], data)  # landed in the owner's memory
-        back = np.zeros(length, np.uint8)
-        pair.initiator.read(seg, pair.buf.base + offset, back)
-        assert np.array_equal(back, data)
-
-
-def test_hundred_async_requests_in_one_batch(pair: EnginePair) -> None:
-    rng = np.random.default_rng(7)
-    blocks = [rng.integers(0, 256, 16 * KIB, dtype=np.uint8) for _ in range(100)]
-    seg = pair.initiator.open_segment("target")
-
-    async def go() -> list[RequestState]:
-        writes = [TransferRequest(OpCode.WRITE, seg, pair.buf.base + i * 16 * KIB, b) for i, b in enumerate(blocks)]
-        statuses = await pair.initiator.transfer_async(writes)
-        return [s.state for s in statuses]
-
-    assert asyncio.run(go()) == [RequestState.COMPLETED] * 100
-    backs = [np.zeros(16 * KIB, np.uint8) for _ in range(100)]
-    batch = pair.initiator.submit(
-        [TransferRequest(OpCode.READ, seg, pair.buf.base + i * 16 * KIB, b) for i, b in enumerate(backs)]
-    )
-    statuses = asyncio.run(batch.wait_async())
-    assert batch.done and all(r.state is RequestState.COMPLETED for r in statuses)
-    assert all(r.transferred_bytes == 16 * KIB for r in statuses)
-    assert all(np.array_equal(a, b) for a, b in zip(blocks, backs, strict=False))
-
-
-def test_out_of_bounds_fails_and_the_peer_keeps_serving(pair: EnginePair) -> None:
-    seg = pair.initiator.open_segment("target")
-    end = pair.buf.base + TARGET_BYTES
-    statuses = pair.initiator.transfer(
-        [
-            TransferRequest(OpCode.WRITE, seg, end - 10, b"x" * 20),  # straddles the end
-            TransferRequest(OpCode.READ, seg, end + MIB, bytearray(10)),  # beyond every buffer
-            TransferRequest(OpCode.WRITE, seg, pair.buf.base, b"fine"),
-        ]
-    )
-    assert [s.state for s in statuses] == [RequestState.FAILED, RequestState.FAILED, RequestState.COMPLETED]
-    assert all(s.error_code == "out_of_bounds" and "outside" in s.reason for s in statuses[:2])
-    assert isinstance(statuses[0].error(), OutOfBounds)
-    assert bytes(_remote(pair)[end - pair.buf.base - 10 :]) == bytes(10)  # nothing was touched
-    with pytest.raises(OutOfBounds):
-        pair.initiator.read(seg, end, bytearray(1))
-    back = bytearray(4)
-    pair.initiator.read(seg, pair.buf.base, back)
-    assert back == b"fine"
-
-
-def test_a_released_buffer_is_not_written(pair: EnginePair) -> None:
-    """The initiator's cached descriptor still lists the buffer; the owner must refuse."""
-    extra = pair.target.allocate(MIB)
-    seg = pair.initiator.open_segment("target")
-    pair.initiator.write(seg, extra.base, b"before")
-    pair.target.unregister(extra.base)
-    status = pair.initiator.transfer([TransferRequest(OpCode.WRITE, seg, extra.base, b"after")])[0]
-    assert status.state is RequestState.FAILED
-    # shm sees the file unlinked; tcp's server no longer finds the buffer: both say out of bounds
-    assert status.error_code == "out_of_bounds" and isinstance(status.error(), OutOfBounds)
-    assert ("released" if pair.case == "shm" else "not inside a registered buffer") in status.reason
-    pair.initiator.write(seg, pair.buf.base, b"still serving")
-
-
-def test_regression_a_peers_out_of_bounds_arrives_as_out_of_bounds(pair: EnginePair) -> None:
-    """The peer (not this side's descriptor check) refuses the range: the caller gets OutOfBounds."""
-    extra = pair.target.allocate(MIB)
-    seg = pair.initiator.open_segment("target")
-    pair.initiator.write(seg, extra.base, b"cached")  # the initiator now believes the range exists
-    pair.target.unregister(extra.base)
-    with pytest.raises(OutOfBounds):
-        pair.initiator.read(seg, extra.base, bytearray(6))
-
-
-def test_unknown_segment_is_a_clear_error(pair: EnginePair) -> None:
-    with pytest.raises(SegmentNotFound, match="no-such-segment"):
-        pair.initiator.open_segment("no-such-segment")
-    with pytest.raises(SegmentNotFound):
-        pair.initiator.write("no-such-segment", 0, b"x")
-
-
-def test_concurrent_batches_from_several_threads(pair: EnginePair) -> None:
-    seg = pair.initiator.open_segment("target")
-    errors: list[BaseException] = []
-    region = TARGET_BYTES // 8
-
-    def worker(index: int) -> None:
-        rng = np.random.default_rng(index)
-        try:
-            for _ in range(20):
-                blocks = [rng.integers(0, 256, region // 4, dtype=np.uint8) for _ in range(4)]
-                base = pair.buf.base + index * region
-                writes = [TransferRequest(OpCode.WRITE, seg, base + i * (region // 4), b) for i, b in enumerate(blocks)]
-                assert first_error(pair.initiator.transfer(writes)) is None
-                backs = [np.zeros(region // 4, np.uint8) for _ in range(4)]
-                reads = [TransferRequest(OpCode.READ, seg, base + i * (region // 4), b) for i, b in enumerate(backs)]
-                assert first_error(pair.initiator.transfer(reads)) is None
-                assert all(np.array_equal(a, b) for a, b in zip(blocks, backs, strict=False))
-        except BaseException as exc:  # collected and re-raised in the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors[0]
-    assert not any(t.is_alive() for t in threads)
+@pytest.mark.parametrize("check", TRANSPORT_CHECKS, ids=check_name)
+@pytest.mark.parametrize("case", list(TRANSPORT_CASES))
+def test_transport(case: str, check: Callable[[PairMaker], None]) -> None:
+    check(pair_maker(case))
 
 
 @pytest.mark.parametrize("case", ["shm", "tcp-1", "tcp-4"])

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.transfer.conftest import EnginePair, initiator_config, secret_file
 from tsukimi import auth
 from tsukimi.config import Config, MetadataConfig, SecurityConfig
 from tsukimi.errors import AuthError, ConfigError
+from tsukimi.testing.engine_pairs import EnginePair, initiator_config, secret_file
 from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
 
 SECRET = b"transfer-engine-secret-0123456789"

@@ -14,9 +14,10 @@ import httpx
 import pytest
 from etcd3gw.exceptions import ConnectionFailedError
 
-from tests.etcd_server import EtcdProcess, free_port, run_etcd
+from tests.etcd_server import EtcdProcess, run_etcd
 from tsukimi.config import MetadataConfig
 from tsukimi.errors import ClosedError, ConfigError, MetadataError
+from tsukimi.testing.processes import free_port
 from tsukimi.transfer.metadata import (
     MAX_KEY_BYTES,
     MAX_VALUE_BYTES,

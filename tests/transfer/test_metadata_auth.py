@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.transfer.conftest import secret_file
 from tsukimi import auth
 from tsukimi.config import Config, MetadataConfig
 from tsukimi.errors import AuthError
+from tsukimi.testing.engine_pairs import secret_file
 from tsukimi.transfer import TransferEngine
 from tsukimi.transfer.metadata.http import HttpMetadata, ServerHandle, start_in_thread
 from tsukimi.transfer.metadata.memory import MemoryMetadata

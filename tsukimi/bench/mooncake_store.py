@@ -16,10 +16,10 @@ The hostname becomes the segment name on the master, so two processes sharing on
 collide; with P2P handshake the port in it is a name only (the engine listens on a port of
 its own choosing), so a free port is picked just to make the name unique.
 
-Holders speak the `workers.JsonWorker` protocol on a private duplicate of stdout: fd 1 is
-pointed at stderr first so nothing the C++ library prints can corrupt it. The master logs to
-stderr (`--logtostderr`, so glog writes no files into /tmp); each process's stderr goes to a
-temporary file whose tail is quoted when startup fails.
+Holders speak the JSON-lines protocol of `tsukimi.testing.processes.JsonWorker` on a private
+duplicate of stdout: fd 1 is pointed at stderr first so nothing the C++ library prints can
+corrupt it. The master logs to stderr (`--logtostderr`, so glog writes no files into /tmp);
+each process's stderr goes to a temporary file whose tail is quoted when startup fails.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ import numpy as np
 import numpy.typing as npt
 
 from tsukimi.bench.mooncake_te import MOONCAKE_ENV
-from tsukimi.bench.workers import JsonWorker, WorkerError, child_reply
 from tsukimi.clock import WallClock
 from tsukimi.errors import ClosedError, ConfigError, OutOfBounds
+from tsukimi.testing.processes import JsonWorker, WorkerError, child_reply, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ _HOLDER_STARTUP_TIMEOUT_S = 30.0
 _TERM_TIMEOUT_S = 5.0
 _KILL_TIMEOUT_S = 5.0
 _POLL_S = 0.05
-_HOLDER_CLOSE_TIMEOUT_S = 1.5  # below workers.JsonWorker's 2 s exit grace
+_HOLDER_CLOSE_TIMEOUT_S = 1.5  # below JsonWorker's 2 s exit grace
 _STDERR_TAIL_BYTES = 2000
 
 
@@ -77,14 +77,8 @@ def mooncake_store_available() -> bool:
     return found and master_binary().is_file()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((_HOST, 0))
-        return int(sock.getsockname()[1])
-
-
 def _unique_hostname() -> str:
-    return f"{_HOST}:{_free_port()}"
+    return f"{_HOST}:{free_port(_HOST)}"
 
 
 class _ReplicateConfig(Protocol):
@@ -154,7 +148,7 @@ class MooncakeCluster:
         if not master_binary().is_file():
             raise ConfigError(f"mooncake_master not found at {master_binary()}")
         self.holder_bytes = holder_bytes
-        self.master_addr = f"{_HOST}:{_free_port()}"
+        self.master_addr = f"{_HOST}:{free_port(_HOST)}"
         self._clock = WallClock()
         self._master_stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
         self._master: subprocess.Popen[bytes] | None = None

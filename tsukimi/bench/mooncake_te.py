@@ -32,9 +32,9 @@ import random
 import sys
 from typing import Any, Literal, Protocol, cast
 
-from tsukimi.bench.workers import JsonWorker
 from tsukimi.clock import WallClock
 from tsukimi.errors import ClosedError, ConfigError
+from tsukimi.testing.processes import JsonWorker
 
 logger = logging.getLogger(__name__)
 

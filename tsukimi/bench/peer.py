@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from tsukimi.bench.workers import child_reply as _reply
 from tsukimi.config import Config, MetadataConfig, TransferConfig
+from tsukimi.testing.processes import child_reply as _reply
 from tsukimi.transfer import OpCode, TransferEngine, TransferRequest
 
 BASELINE_BLOCK = 4 << 20

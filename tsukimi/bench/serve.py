@@ -31,6 +31,7 @@ import numpy as np
 
 from tsukimi.errors import PeerError
 from tsukimi.sim.trace import TraceRequest
+from tsukimi.testing.processes import free_port
 
 _TIMEOUT = httpx.Timeout(120.0, connect=5.0)
 
@@ -213,7 +214,7 @@ class LocalCluster:
         log = (Path(workdir) / "up.log").open("wb")
         settings = [f"workers.prefix_caching={'true' if prefix_caching else 'false'}", "workers.num_blocks=4096",
                     f"workers.segment_bytes={512 << 20}", f'log_dir="{workdir}/logs"']  # fmt: skip
-        cmd = [sys.executable, "-m", "tsukimi.cli", "up", "--model", model, "--mode", mode, "--port", str(_free_port()),
+        cmd = [sys.executable, "-m", "tsukimi.cli", "up", "--model", model, "--mode", mode, "--port", str(free_port()),
                "--state-file", str(self._state), *(f"--set={s}" for s in settings)]  # fmt: skip
         self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         log.close()
@@ -290,11 +291,3 @@ def _plain(cfg: ServeBenchConfig) -> dict[str, object]:
     from dataclasses import asdict
 
     return asdict(cfg)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

@@ -18,10 +18,10 @@ from typing import Protocol
 
 from rich.table import Table
 
-from tsukimi.bench.store_cluster import TsukimiCluster
 from tsukimi.bench.transfer import git_rev
-from tsukimi.bench.workers import JsonWorker
 from tsukimi.errors import ConfigError
+from tsukimi.testing.deployments import TsukimiCluster
+from tsukimi.testing.processes import JsonWorker
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tsukimi.bench.workers import child_reply
 from tsukimi.clock import WallClock
 from tsukimi.config import ClientConfig, Config, TransferConfig
 from tsukimi.store.client import StoreClient
+from tsukimi.testing.processes import child_reply
 
 
 class StoreAdapter(Protocol):

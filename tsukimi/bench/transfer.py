@@ -22,8 +22,8 @@ import numpy as np
 from rich.table import Table
 
 from tsukimi.bench.mooncake_te import MooncakePair, mooncake_available
-from tsukimi.bench.workers import JsonWorker
 from tsukimi.errors import ConfigError
+from tsukimi.testing.processes import JsonWorker
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
 
 from tsukimi.errors import ClosedError, ConfigError, MetadataError
-from tsukimi.transfer.metadata import check_key, check_value
+from tsukimi.transfer.metadata.base import check_key, check_value
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tsukimi import auth, httpd
 from tsukimi.errors import AuthError, ClosedError, ConfigError, MetadataError, PeerError
-from tsukimi.transfer.metadata import MAX_VALUE_BYTES, MetadataBackend, check_key, check_value
+from tsukimi.transfer.metadata.base import MAX_VALUE_BYTES, MetadataBackend, check_key, check_value
 from tsukimi.transfer.metadata.memory import MemoryMetadata
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import logging
 import threading
 
 from tsukimi.errors import ClosedError
-from tsukimi.transfer.metadata import check_key, check_value
+from tsukimi.transfer.metadata.base import check_key, check_value
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,11 @@
-"""Benchmark worker processes: start a `python -m ...` child, talk line-delimited JSON to it.
+"""Local processes and what driving them needs: a free loopback port, polling until a
+condition holds, stopping children, and `JsonWorker`, the parent's handle on a `python -m ...`
+child that speaks line-delimited JSON (with `child_reply`, the child's half).
 
-The parent writes one JSON command per line on the child's stdin and reads one JSON reply
-per line; a reply is `{"ok": true, ...}` or `{"ok": false, "error": "..."}`. Every read has
-a deadline; stderr goes to a temporary file whose tail is quoted in errors; `stop()` closes
-stdin (the child's signal to exit), then kills, each wait bounded.
+The JSON-lines protocol: the parent writes one JSON command per line on the child's stdin and
+reads one JSON reply per line; a reply is `{"ok": true, ...}` or `{"ok": false, "error": "..."}`.
+Every read has a deadline; stderr goes to a temporary file whose tail is quoted in errors;
+`stop()` closes stdin (the child's signal to exit), then kills, each wait bounded.
 """
 
 from __future__ import annotations
@@ -13,29 +15,81 @@ import json
 import logging
 import os
 import selectors
+import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, cast
 
+import httpx
+
 from tsukimi.clock import WallClock
+from tsukimi.errors import PeerError
 
 logger = logging.getLogger(__name__)
 
-Reply = dict[str, Any]
+Reply = dict[str, Any]  # one JSON reply line
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 _EXIT_TIMEOUT_S = 2.0
 _KILL_TIMEOUT_S = 5.0
 _STDERR_TAIL_BYTES = 2000
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago (bind port 0, close).
+
+    NOTE: racy by nature (another process may take it before the caller binds); callers that
+    can, bind port 0 themselves, and the others retry on a clash.
+    """
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, interval_s: float = 0.02) -> None:
+    """Poll `condition` every `interval_s` until it holds; an `httpx.HTTPError` it raises counts
+    as "not yet" (a server still starting).
+
+    Raises:
+        PeerError: it did not hold within `timeout_s`.
+    """
+    clock = WallClock()
+    deadline = clock.now() + timeout_s
+    while True:
+        try:
+            if condition():
+                return
+        except httpx.HTTPError:
+            pass
+        if clock.now() > deadline:
+            raise PeerError(f"condition not reached within {timeout_s} s")
+        clock.sleep(interval_s)
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
+    """SIGTERM them all, wait up to `timeout_s` each, SIGKILL the ones still running; closes
+    their stdout pipes."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
 class WorkerError(RuntimeError):
-    """A benchmark worker failed, hung or exited; the message quotes its stderr tail."""
+    """A worker process failed, hung or exited; the message quotes its stderr tail."""
 
 
 class JsonWorker:
-    """Parent-side handle on one worker process.
+    """Parent-side handle on one `python -m ...` child speaking JSON lines.
 
     Args:
         label: a name for messages.

@@ -1,0 +1,224 @@
+"""The store, deployed for tests and benchmarks.
+
+`TsukimiCluster`: `tsukimi master` and holders (`tsukimi holder`) in real processes on
+loopback, each a `python -m tsukimi.cli` child, for anything that wants a store it can SIGKILL
+parts of (`tsukimi bench store` too).
+
+`Deployment`: the shapes the store semantics suite (`store_checks`) runs on, "inprocess" (a
+MasterServer and two holder StoreClients in this process) and "multiprocess" (a
+TsukimiCluster). Both give a master with short timeouts (MASTER), two holders of HOLDER_BYTES
+each, and a factory of clients; `lend` shares one running deployment among checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
+
+import httpx
+
+from tsukimi.config import ClientConfig, Config, MasterConfig
+from tsukimi.errors import ConfigError, PeerError
+from tsukimi.store.client import StoreClient
+from tsukimi.store.master.server import MasterServer
+from tsukimi.testing.processes import free_port, stop_processes, wait_until
+
+_STARTUP_S = 30.0
+DEPLOYMENT_KINDS = ("inprocess", "multiprocess")
+HOLDER_BYTES = 4 << 20
+MASTER = MasterConfig(
+    rpc_port=0, http_port=0, lease_ttl_s=1.0, client_ttl_s=2.0, heartbeat_interval_s=0.5, put_timeout_s=1.0,
+    write_grace_s=0.5, tick_interval_s=0.05,
+)  # fmt: skip
+CLIENT_SETTINGS = ("client.heartbeat_interval_s=0.5",)
+MASTER_SETTINGS = ["lease_ttl_s=1.0", "client_ttl_s=2.0", "heartbeat_interval_s=0.5", "put_timeout_s=1.0",
+                   "write_grace_s=0.5", "tick_interval_s=0.05"]  # fmt: skip
+
+
+class TsukimiCluster:
+    """A master and `num_holders` holders of `holder_bytes` each. `master_addr` is the RPC
+    endpoint; `settings` are extra `--set` overrides for every process (e.g. force tcp)."""
+
+    def __init__(self, holder_bytes: int, num_holders: int = 2, settings: tuple[str, ...] = ()) -> None:
+        self.rpc_port, self.http_port = free_port(), free_port()
+        self.master_addr = f"tcp://127.0.0.1:{self.rpc_port}"
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
+        self.settings = settings
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.holder_names: list[str] = []
+        try:
+            self._start_master()
+            for _ in range(num_holders):
+                holder = self._spawn("holder", "--master", self.master_addr, "--segment-bytes", str(holder_bytes))
+                self.holder_names.append(self._announced_name(holder))
+            wait_until(lambda: len(httpx.get(self.http_url + "/segments", timeout=1).json()) == num_holders)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_master(self) -> None:
+        self.master = self._spawn(
+            "master", f"--set=master.rpc_port={self.rpc_port}", f"--set=master.http_port={self.http_port}"
+        )
+        wait_until(lambda: httpx.get(self.http_url + "/health", timeout=1).status_code == 200)
+
+    def restart_master(self) -> None:
+        """SIGTERM the master and start a new one on the same ports (its state is lost)."""
+        self.master.terminate()
+        self.master.wait(timeout=10)
+        self.procs.remove(self.master)
+        self._start_master()
+
+    def kill_holder(self, index: int) -> None:
+        """SIGKILL holder `index` (0-based, in start order)."""
+        holder = [p for p in self.procs if p is not self.master][index]
+        holder.kill()
+        holder.wait(timeout=5)
+
+    def _spawn(self, command: str, *args: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+        cmd = [sys.executable, "-m", "tsukimi.cli", command, *args, *(f"--set={s}" for s in self.settings)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        self.procs.append(proc)
+        return proc
+
+    def _announced_name(self, proc: subprocess.Popen[bytes]) -> str:
+        """A holder prints "holder NAME: ..." once its segment is mounted."""
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], _STARTUP_S)
+        line = proc.stdout.readline().decode() if ready else ""
+        if not line.startswith("holder "):
+            raise PeerError(f"holder did not start (said {line!r})")
+        return line.split()[1].rstrip(":")
+
+    def wait_drained(self, timeout_s: float = 10.0) -> None:
+        """Wait until no segment holds any block (removed objects' leases have ended)."""
+        segments = self.http_url + "/segments"
+        wait_until(lambda: not any(int(s["used"]) for s in httpx.get(segments, timeout=5).json()), timeout_s)
+
+    def close(self) -> None:
+        """Stop the holders (they unmount while the master still answers), then the master;
+        SIGTERM, then SIGKILL; idempotent."""
+        holders = [p for p in self.procs if p is not getattr(self, "master", None)]
+        for group in (holders, [p for p in self.procs if p not in holders]):
+            stop_processes(group)
+        self.procs.clear()
+
+    def __enter__(self) -> TsukimiCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class Deployment:
+    """A running store: its master's RPC `endpoint` and `http_url`, its holders' Transfer
+    Engine segment names, and the clients made through `client()` (closed with it)."""
+
+    kind: str
+    endpoint: str = ""
+    http_url: str = ""
+    master: MasterServer | None = None  # in-process
+    cluster: TsukimiCluster | None = None  # real processes
+    holders: list[StoreClient] = field(default_factory=list)  # in-process
+    clients: list[StoreClient] = field(default_factory=list)
+    rpc_port: int = 0
+    http_port: int = 0
+    holder_names: list[str] = field(default_factory=list)  # each holder's Transfer Engine segment
+
+    def client(self, segment_bytes: int = 0, **client_cfg: object) -> StoreClient:
+        """A new client of this store (mounting `segment_bytes`; `client_cfg`: more
+        ClientConfig fields), closed when the deployment is."""
+        cfg = ClientConfig(master=self.endpoint, segment_bytes=segment_bytes, heartbeat_interval_s=0.5, **client_cfg)  # type: ignore[arg-type]
+        client = StoreClient(replace(Config(), client=cfg))
+        self.clients.append(client)
+        return client
+
+    def segments(self) -> list[dict[str, object]]:
+        """The master's `/segments` listing (name, size, used...)."""
+        return httpx.get(self.http_url + "/segments", timeout=5).json()  # type: ignore[no-any-return]
+
+    def kill_holder(self, index: int) -> None:
+        """SIGKILL a holder process (multi-process deployments only)."""
+        assert self.cluster is not None, "faults need real processes"
+        self.cluster.kill_holder(index)
+
+    def restart_master(self) -> None:
+        """Stop the master and start a new one on the same ports (its state is lost)."""
+        if self.cluster is not None:
+            self.cluster.restart_master()
+        else:
+            assert self.master is not None
+            self.master.close()
+            self.master = MasterServer(replace(MASTER, rpc_port=self.rpc_port, http_port=self.http_port))
+
+    def close(self) -> None:
+        """Close every client and holder, then the master (or the processes)."""
+        for client in self.clients + self.holders:
+            client.close()
+        if self.cluster is not None:
+            self.cluster.close()
+        if self.master is not None:
+            self.master.close()
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+DeploymentMaker = Callable[[], AbstractContextManager[Deployment]]
+"""What a store check is given: each call gives a running deployment for one `with` block."""
+
+
+def start_deployment(kind: str) -> Deployment:
+    """Start a deployment of shape `kind` (one of DEPLOYMENT_KINDS); close() it when done.
+
+    Raises:
+        ConfigError: an unknown kind. PeerError: it did not come up in time.
+    """
+    if kind not in DEPLOYMENT_KINDS:
+        raise ConfigError(f"deployment kind must be one of {', '.join(DEPLOYMENT_KINDS)}, got {kind!r}")
+    if kind == "multiprocess":
+        settings = tuple(f"master.{s}" for s in MASTER_SETTINGS) + CLIENT_SETTINGS
+        cluster = TsukimiCluster(HOLDER_BYTES, settings=settings)
+        return Deployment(
+            kind, cluster.master_addr, cluster.http_url, cluster=cluster, holder_names=cluster.holder_names
+        )
+    dep = Deployment(kind, rpc_port=free_port(), http_port=free_port())
+    dep.endpoint = f"tcp://127.0.0.1:{dep.rpc_port}"
+    dep.http_url = f"http://127.0.0.1:{dep.http_port}"
+    try:
+        dep.master = MasterServer(replace(MASTER, rpc_port=dep.rpc_port, http_port=dep.http_port))
+        dep.holders = [dep.client(HOLDER_BYTES) for _ in range(2)]
+        dep.holder_names = [h.engine.name for h in dep.holders]
+        dep.clients.clear()
+        wait_until(lambda: len(dep.segments()) == 2)
+    except BaseException:
+        dep.close()
+        raise
+    return dep
+
+
+def deployment_maker(kind: str) -> DeploymentMaker:
+    """A DeploymentMaker that starts a fresh deployment of `kind` for every check."""
+    return lambda: start_deployment(kind)
+
+
+def lend(dep: Deployment) -> DeploymentMaker:
+    """A DeploymentMaker that lends the running `dep` (it stays open after each check): one
+    deployment for a whole suite, since a multi-process one takes seconds to start."""
+
+    @contextlib.contextmanager
+    def borrowed() -> Iterator[Deployment]:
+        yield dep
+
+    return borrowed

@@ -1,0 +1,206 @@
+"""The store semantics suite: what every deployment shape of the store must do, as checks
+that run against any factory of deployments (`deployments`).
+
+Each check takes a DeploymentMaker and uses one deployment from it; a check that puts objects
+through its own client removes them all (force) when it ends, so checks can share one
+deployment in order. STORE_CHECKS lists them; `check_store(make_deployment)` runs them all:
+
+    from tsukimi.testing.deployments import lend, start_deployment
+    from tsukimi.testing.store_checks import check_store
+    with start_deployment("multiprocess") as dep:
+        check_store(lend(dep))
+
+The deployment's master must have the timeouts of deployments.MASTER (leases of 1 s, puts
+reclaimed after 1 s) and two holders of HOLDER_BYTES each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from tsukimi.clock import WallClock
+from tsukimi.config import ClientConfig, Config
+from tsukimi.errors import InvalidArgument, InvalidBufferError, LeaseHeld, ObjectExists, ObjectNotFound
+from tsukimi.rpc import RpcClient
+from tsukimi.store import protocol as p
+from tsukimi.store.client import StoreClient
+from tsukimi.store.protocol import CODEC
+from tsukimi.testing.assertions import raises, run_checks
+from tsukimi.testing.deployments import HOLDER_BYTES, Deployment, DeploymentMaker
+from tsukimi.testing.processes import wait_until
+from tsukimi.transfer import TransferEngine
+
+MIB = 1 << 20
+
+
+@contextlib.contextmanager
+def _client(dep: Deployment) -> Iterator[StoreClient]:
+    """A fresh client of `dep`; everything in the store is removed (force) after."""
+    client = dep.client()
+    try:
+        yield client
+    finally:
+        client.remove_all(force=True)
+
+
+def byte_exact_round_trips_and_misses(make_deployment: DeploymentMaker) -> None:
+    """put/get/get_into round-trip 1 B to 3 MiB byte-exact with 2 replicas; misses are None
+    and 0; registered memory goes zero-copy both ways; a too small buffer and an empty key
+    are refused."""
+    rng = np.random.default_rng(1)
+    with make_deployment() as dep, _client(dep) as client:
+        for i, size in enumerate([1, 4096, 65536 + 7, 3 * MIB]):
+            data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+            client.put(f"rt{i}", data, replicas=2)
+            assert client.get(f"rt{i}") == bytearray(data), f"get of {size} B"
+            buf = bytearray(size + 10)
+            assert client.get_into(f"rt{i}", buf) == size and bytes(buf[:size]) == data, f"get_into of {size} B"
+        assert client.get("missing") is None and client.get_into("missing", bytearray(4)) is None
+        registered = client.engine.allocate(4096)  # zero-copy on registered memory, passed as is
+        registered.view[:] = bytes(range(256)) * 16
+        client.put("registered", registered)
+        registered.view[:] = bytes(4096)
+        assert client.get_into("registered", registered) == 4096 and bytes(registered.view) == bytes(range(256)) * 16
+        assert client.batch_exists(["rt0", "missing"]) == [True, False]
+        with raises(InvalidBufferError):
+            client.get_into("rt3", bytearray(10))
+        with raises(InvalidArgument):
+            client.put("", b"x")
+
+
+def reput_fails_upsert_replaces(make_deployment: DeploymentMaker) -> None:
+    """A second put of a key raises ObjectExists (in a batch: that key's result); upsert replaces."""
+    with make_deployment() as dep, _client(dep) as client:
+        client.put("k", b"one")
+        with raises(ObjectExists):
+            client.put("k", b"two")
+        client.put("k", b"three!", upsert=True)
+        assert client.get("k") == bytearray(b"three!")
+        results = client.batch_put([("new", b"n"), ("k", b"dup")])
+        assert results[0] is None and isinstance(results[1], ObjectExists), results
+
+
+def remove_under_lease(make_deployment: DeploymentMaker) -> None:
+    """A get leases the object for 1 s: remove raises LeaseHeld until then, force removes at
+    once; removing what is gone returns False."""
+    with make_deployment() as dep, _client(dep) as client:
+        client.put("leased", b"x")
+        client.get("leased")  # lease for 1 s
+        with raises(LeaseHeld):
+            client.remove("leased")
+        WallClock().sleep(1.1)
+        assert client.remove("leased") is True
+        client.put("forced", b"x")
+        client.get("forced")
+        assert client.remove("forced", force=True) is True
+        assert client.remove("forced") is False
+
+
+def replicas_on_distinct_segments(make_deployment: DeploymentMaker) -> None:
+    """2 replicas land on 2 distinct holders' segments (the master's /query_key says so, and
+    404 for an unknown key)."""
+    with make_deployment() as dep, _client(dep) as client:
+        client.put("two", b"x" * 1000, replicas=2)
+        info = httpx.get(dep.http_url + "/query_key", params={"key": "two"}, timeout=5).json()
+        assert len({r["te_segment"] for r in info["replicas"]}) == 2 and info["complete"], info
+        assert httpx.get(dep.http_url + "/query_key", params={"key": "nope"}, timeout=5).status_code == 404
+
+
+def filling_ten_times_the_capacity_never_fails(make_deployment: DeploymentMaker) -> None:
+    """Putting 10 times the holders' capacity evicts, never fails; the newest object survives."""
+    value = bytes(256 << 10)
+    with make_deployment() as dep, _client(dep) as client:
+        total = 0
+        i = 0
+        while total < 10 * 2 * HOLDER_BYTES:
+            client.put(f"fill{i}", value)
+            total += len(value)
+            i += 1
+        assert client.get(f"fill{i - 1}") == bytearray(value)  # the newest survives
+
+
+def _used(dep: Deployment) -> int:
+    return sum(int(str(s["used"])) for s in dep.segments())
+
+
+def abandoned_puts_are_reclaimed(make_deployment: DeploymentMaker) -> None:
+    """A writer that starts a put and dies: its space is freed after put_timeout_s (1 s) and
+    its late PutEnd is refused as reclaimed."""
+    with make_deployment() as dep:
+        # blocks of objects removed while leased are freed when their lease ends: wait for quiet
+        wait_until(lambda: _used(dep) == 0)
+        with RpcClient(CODEC, dep.endpoint) as rpc:
+            rpc.call(p.PutStart("a-writer-that-dies", "abandoned", MIB, p.ReplicaConfig(replicas=2)))
+            assert _used(dep) >= 2 * MIB
+            wait_until(lambda: _used(dep) == 0)  # put_timeout_s = 1.0
+            with raises(ObjectNotFound, match="reclaimed"):
+                rpc.call(p.PutEnd("a-writer-that-dies", "abandoned"))
+
+
+def regression_closing_a_client_on_a_shared_engine_returns_its_segment(make_deployment: DeploymentMaker) -> None:
+    """The segment buffer of a client built on a caller's engine was never unregistered."""
+    with make_deployment() as dep, TransferEngine() as engine:
+        cfg = replace(Config(), client=ClientConfig(master=dep.endpoint, segment_bytes=MIB))
+        StoreClient(cfg, engine=engine).close()
+        assert engine.describe().buffers == []
+
+
+def ssd_tier_offload_hit_promote_restart(make_deployment: DeploymentMaker) -> None:
+    """An object pushed out of memory is served from the writer's SSD tier and promoted back;
+    a restarted client finds its SSD objects again; remove_all removes the SSD copies too."""
+    with make_deployment() as dep, tempfile.TemporaryDirectory(prefix="tsukimi-ssd-") as directory:
+        ssd = Path(directory) / "ssd"
+        writer = dep.client(ssd_dir=str(ssd), ssd_bytes=64 * MIB)
+        writer.put("cold", b"c" * 1000)
+        for i in range(40):  # push "cold" out of memory
+            writer.put(f"hot{i}", bytes(256 << 10))
+        assert dep.client().get("cold") is None  # gone from the memory pool
+        assert writer.get("cold") == bytearray(b"c" * 1000)  # served from the SSD tier, and promoted
+        assert dep.client().get("cold") == bytearray(b"c" * 1000)  # back in memory for everyone
+        writer.remove("cold", force=True)
+        writer.put("kept", b"k" * 500)
+        writer.close()
+        again = dep.client(ssd_dir=str(ssd), ssd_bytes=64 * MIB)  # a restarted client
+        for i in range(40):  # push "kept" out of memory: only the restarted client's SSD has it
+            again.put(f"hot-again{i}", bytes(256 << 10))
+        assert dep.client().get("kept") is None
+        assert again.get("kept") == bytearray(b"k" * 500)  # found again on the SSD after the restart
+        assert again.remove_all(force=True) >= 1
+        assert again.get("kept") is None  # regression: remove_all used to leave the SSD copy behind
+
+
+def batch_get_into_needs_a_buffer_per_key(make_deployment: DeploymentMaker) -> None:
+    """batch_get with fewer buffers than keys is refused, naming both counts."""
+    with make_deployment() as dep, _client(dep) as client, raises(InvalidArgument, match="2 keys but 1 buffers"):
+        client.batch_get(["a", "b"], [bytearray(10)])
+
+
+STORE_CHECKS: tuple[Callable[[DeploymentMaker], None], ...] = (
+    byte_exact_round_trips_and_misses,
+    reput_fails_upsert_replaces,
+    remove_under_lease,
+    replicas_on_distinct_segments,
+    filling_ten_times_the_capacity_never_fails,
+    abandoned_puts_are_reclaimed,
+    regression_closing_a_client_on_a_shared_engine_returns_its_segment,
+    ssd_tier_offload_hit_promote_restart,
+    batch_get_into_needs_a_buffer_per_key,
+)
+
+
+def check_store(make_deployment: DeploymentMaker) -> None:
+    """Run every check of STORE_CHECKS against `make_deployment`, in order (pass
+    `deployments.lend(dep)` to run them all on one deployment).
+
+    Raises:
+        AssertionError (or the store's own error) from the first check that fails, with a
+        note naming it.
+    """
+    run_checks("store", STORE_CHECKS, make_deployment)
