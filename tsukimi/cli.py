@@ -65,8 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="two processes move data both ways over each transport")
     demo.add_argument("--seconds", type=float, default=1.0, help="measuring time per cell")
+    _add_bench_parsers(sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True))
+    prof = sub.add_parser("profile", help="time this engine's prefill and decode steps; fit the cost model")
+    prof.add_argument("--model", default="tiny", help="tiny, tiny:SEED, smollm2, a .gguf file or an HF directory")
+    prof.add_argument("--block-tokens", type=int, default=16)
+    prof.add_argument("--threads", type=int, default=1)
+    prof.add_argument("--repeats", type=int, default=3)
+    prof.add_argument("--json", action="store_true")
+    sim_commands.add_parser(sub)
+    worker_commands.add_parser(sub)
+    router_commands.add_parser(sub)
+    return parser
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+
+def _add_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tsukimi bench transfer | store | scheduler | serve` (mutates `bench`)."""
     tr = bench.add_parser("transfer", help="Transfer Engine throughput between two processes")
     tr.add_argument("--transport", type=_names, default=("tcp", "shm"), help="tcp,shm")
     tr.add_argument("--op", type=_names, default=("write", "read"), help="write,read")
@@ -93,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--quick", action="store_true", help="a small grid for CI")
     st.add_argument("--json", action="store_true")
     st.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
+    _add_model_bench_parsers(bench)
+
+
+def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tsukimi bench scheduler | serve` (mutates `bench`)."""
     sc = bench.add_parser("scheduler", help="Conductor decision latency and whole-trace simulation time")
     sc.add_argument("--trace", default=sim_commands.DEFAULT_TRACE)
     sc.add_argument("--prefill", type=int, default=32)
@@ -117,16 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--no-compare", action="store_true", help="one run with reuse only")
     sv.add_argument("--json", action="store_true")
     sv.add_argument("--markdown", action="store_true")
-    prof = sub.add_parser("profile", help="time this engine's prefill and decode steps; fit the cost model")
-    prof.add_argument("--model", default="tiny", help="tiny, tiny:SEED, smollm2, a .gguf file or an HF directory")
-    prof.add_argument("--block-tokens", type=int, default=16)
-    prof.add_argument("--threads", type=int, default=1)
-    prof.add_argument("--repeats", type=int, default=3)
-    prof.add_argument("--json", action="store_true")
-    sim_commands.add_parser(sub)
-    worker_commands.add_parser(sub)
-    router_commands.add_parser(sub)
-    return parser
 
 
 def _bench_store(args: argparse.Namespace, console: Console) -> None:

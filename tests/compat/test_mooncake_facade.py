@@ -106,7 +106,7 @@ def test_transfer_engine_facade_p2p() -> None:
 
 def test_the_same_script_passes_on_the_real_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keeps the facade honest: the script's expectations are Mooncake's own behaviour."""
-    from tsukimi.bench.mooncake_store import MooncakeCluster, mooncake_store_available
+    from tsukimi.bench.mooncake_cluster import MooncakeCluster, mooncake_store_available
     from tsukimi.bench.mooncake_te import MOONCAKE_ENV
 
     if not mooncake_store_available():

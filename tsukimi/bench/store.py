@@ -94,7 +94,7 @@ class _System:
             args = ["tsukimi.bench.store_peer", "tsukimi", self.cluster.master_addr, buffer, transport]
             env: dict[str, str] = {}
         else:
-            from tsukimi.bench.mooncake_store import MooncakeCluster
+            from tsukimi.bench.mooncake_cluster import MooncakeCluster
             from tsukimi.bench.mooncake_te import MOONCAKE_ENV
 
             self.cluster = MooncakeCluster(cfg.holder_bytes)
@@ -137,7 +137,7 @@ def run(cfg: StoreBenchConfig, progress: object = None) -> dict[str, object]:
     say = progress if callable(progress) else (lambda _: None)
     names = ["tsukimi"]
     if cfg.compare_mooncake:
-        from tsukimi.bench.mooncake_store import mooncake_store_available
+        from tsukimi.bench.mooncake_cluster import mooncake_store_available
 
         if mooncake_store_available():
             names.append("mooncake")

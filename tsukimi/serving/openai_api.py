@@ -31,7 +31,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from tsukimi.engine.tokenizer import StreamDecoder, Tokenizer
 from tsukimi.errors import InvalidArgument, ModelNotFound, Rejected, TsukimiError, WorkerUnavailable
-from tsukimi.serving.protocol import GenerateRequest, http_status
+from tsukimi.serving.openai_protocol import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    ContentPart,
+    Usage,
+    delta_choice,
+    error_body,
+    json_response,
+    outcome_of,
+    sse_event,
+)
+from tsukimi.serving.protocol import GenerateRequest
 from tsukimi.serving.router import Router, TokenEvent
 from tsukimi.serving.worker_client import WorkerStatus
 
@@ -40,45 +52,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 256
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-class StreamOptions(msgspec.Struct, frozen=True):
-    include_usage: bool = False
-
-
-class _Params(msgspec.Struct, frozen=True, kw_only=True):
-    """The fields both endpoints take; unknown fields are ignored, as OpenAI's servers do."""
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # vLLM's extensions
-    stop_token_ids: list[int] | None = None
-
-
-class CompletionRequest(_Params, frozen=True, kw_only=True):
-    prompt: str | list[int]
-
-
-class ContentPart(msgspec.Struct, frozen=True):
-    type: str
-    text: str = ""
-
-
-class ChatMessage(msgspec.Struct, frozen=True):
-    role: str
-    content: str | list[ContentPart] | None = None
-
-
-class ChatRequest(_Params, frozen=True, kw_only=True):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
 
 
 class ApiMetrics:
@@ -167,23 +140,6 @@ class _Job:
     arrival_s: float
 
 
-@dataclass(slots=True)
-class _Usage:
-    prompt_tokens: int
-    cached_tokens: int = 0
-    pool_tokens: int = 0
-    completion_tokens: int = 0
-
-    def body(self) -> dict[str, object]:
-        # NOTE: pool_tokens (not OpenAI's): prompt tokens whose KV a worker (prefill, then
-        # decode) loaded from the KV pool instead of computing
-        return {
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens, "pool_tokens": self.pool_tokens},
-        }  # fmt: skip
-
-
 class OpenAIServer:
     """The endpoints' logic over `router`; `create_app` wires it into FastAPI.
 
@@ -228,7 +184,7 @@ class OpenAIServer:
             if job.stream:
                 return StreamingResponse(self._sse(job, endpoint, events, first), media_type="text/event-stream")
             async with aclosing(events):
-                usage, parts, finish = _Usage(len(job.request.prompt_ids)), [], "length"
+                usage, parts, finish = Usage(len(job.request.prompt_ids)), [], "length"
                 async for delta, reason in self._texts(job, events, first, usage):
                     parts.append(delta)
                     finish = reason or finish
@@ -239,7 +195,7 @@ class OpenAIServer:
         choice: dict[str, object] = {"index": 0, "logprobs": None, "finish_reason": finish}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         kind = "chat.completion" if chat else "text_completion"
-        return _json({**self._head(job, kind), "choices": [choice], "usage": usage.body()})
+        return json_response({**self._head(job, kind), "choices": [choice], "usage": usage.body()})
 
     def _parse(self, raw: bytes, chat: bool, request_id: str | None = None) -> _Job:
         """Checks the body and tokenizes the prompt (pure).
@@ -296,7 +252,7 @@ class OpenAIServer:
         return self.tokenizer.encode(text, add_bos=False)  # NOTE: templates write their own BOS
 
     async def _texts(
-        self, job: _Job, events: AsyncIterator[TokenEvent], first: TokenEvent, usage: _Usage
+        self, job: _Job, events: AsyncIterator[TokenEvent], first: TokenEvent, usage: Usage
     ) -> AsyncIterator[tuple[str, str | None]]:
         """(text, None) pieces, then (text, finish reason); records the token metrics and `usage`."""
         m = self.metrics
@@ -321,7 +277,7 @@ class OpenAIServer:
                 m.tbt.observe(max(0.0, event.time_s - previous) / count)
             previous = event.time_s
 
-    def _reuse(self, usage: _Usage, event: TokenEvent) -> None:
+    def _reuse(self, usage: Usage, event: TokenEvent) -> None:
         """Take the request's reuse counts so far (the router's) into `usage` and the metrics."""
         self.metrics.cached_tokens.inc(max(0, event.cached_tokens - usage.cached_tokens))
         self.metrics.pool_tokens.inc(max(0, event.pool_tokens - usage.pool_tokens))
@@ -330,30 +286,30 @@ class OpenAIServer:
     async def _sse(
         self, job: _Job, endpoint: str, events: AsyncGenerator[TokenEvent, None], first: TokenEvent
     ) -> AsyncIterator[bytes]:
-        usage, outcome = _Usage(len(job.request.prompt_ids)), "cancelled"
+        usage, outcome = Usage(len(job.request.prompt_ids)), "cancelled"
         kind = "chat.completion.chunk" if job.chat else "text_completion"
         head = self._head(job, kind)
         try:
             async with aclosing(events):
                 if job.chat:
-                    yield _event({**head, "choices": [_delta_choice({"role": "assistant", "content": ""}, None)]})
+                    yield sse_event({**head, "choices": [delta_choice({"role": "assistant", "content": ""}, None)]})
                 async for delta, finish in self._texts(job, events, first, usage):
                     if not job.chat:
-                        yield _event({**head, "choices": [{"index": 0, "text": delta, "logprobs": None,
+                        yield sse_event({**head, "choices": [{"index": 0, "text": delta, "logprobs": None,
                                                            "finish_reason": finish}]})  # fmt: skip
                         continue
                     if delta:
-                        yield _event({**head, "choices": [_delta_choice({"content": delta}, None)]})
+                        yield sse_event({**head, "choices": [delta_choice({"content": delta}, None)]})
                     if finish is not None:
-                        yield _event({**head, "choices": [_delta_choice({}, finish)]})
+                        yield sse_event({**head, "choices": [delta_choice({}, finish)]})
             if job.include_usage:
-                yield _event({**head, "choices": [], "usage": usage.body()})
+                yield sse_event({**head, "choices": [], "usage": usage.body()})
             outcome = "ok"
         except TsukimiError as exc:
-            status, body = _error_body(exc)
-            outcome = _outcome(status)
+            status, body = error_body(exc)
+            outcome = outcome_of(status)
             logger.debug("stream %s failed after it started: %s", job.response_id, exc)
-            yield _event(body)
+            yield sse_event(body)
         finally:
             self.metrics.requests.labels(endpoint, outcome).inc()
         yield b"data: [DONE]\n\n"
@@ -362,12 +318,12 @@ class OpenAIServer:
         return {"id": job.response_id, "object": kind, "created": job.created, "model": self.model_name}
 
     def _error(self, endpoint: str, exc: TsukimiError) -> Response:
-        status, body = _error_body(exc)
+        status, body = error_body(exc)
         if isinstance(exc, Rejected):
             self.metrics.rejections.labels(exc.reason).inc()
-        self.metrics.requests.labels(endpoint, _outcome(status)).inc()
+        self.metrics.requests.labels(endpoint, outcome_of(status)).inc()
         logger.debug("%s request failed with %d: %s", endpoint, status, exc)
-        return _json(body, status)
+        return json_response(body, status)
 
 
 def create_app(
@@ -394,7 +350,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json(server.models())
+        return json_response(server.models())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -406,37 +362,10 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        return _json(server.health())
+        return json_response(server.health())
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(server.metrics.render(router.workers()), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def _delta_choice(delta: dict[str, str], finish: str | None) -> dict[str, object]:
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-
-
-def _event(body: dict[str, object]) -> bytes:
-    return b"data: " + msgspec.json.encode(body) + b"\n\n"
-
-
-def _json(body: dict[str, object], status: int = 200) -> Response:
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
-
-
-def _error_body(exc: TsukimiError) -> tuple[int, dict[str, object]]:
-    """The HTTP status (the serving protocol's one table) and OpenAI error body for `exc`.
-    The code is the error's own (the Conductor's reason for a rejection). Pure."""
-    status = http_status(exc)
-    kind = "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
-    code = exc.reason if isinstance(exc, Rejected) else exc.code
-    return status, {"error": {"message": str(exc), "type": kind, "param": None, "code": code}}
-
-
-def _outcome(status: int) -> str:
-    outcomes = {400: "bad_request", 404: "bad_request", 409: "bad_request", 429: "rejected", 502: "worker_error",
-                503: "unavailable"}  # fmt: skip
-    return outcomes.get(status, "error")

@@ -1,0 +1,97 @@
+"""The OpenAI API's wire shapes: the request bodies of /v1/completions and
+/v1/chat/completions (msgspec; unknown fields ignored, as OpenAI's servers do), the usage
+block, error bodies and the server-sent-event framing. No logic beyond building them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+from fastapi import Response
+
+from tsukimi.errors import Rejected, TsukimiError
+from tsukimi.serving.protocol import http_status
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class Params(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields both endpoints take; unknown fields are ignored, as OpenAI's servers do."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extensions
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(Params, frozen=True, kw_only=True):
+    prompt: str | list[int]
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    type: str
+    text: str = ""
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(Params, frozen=True, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int = 0
+    pool_tokens: int = 0
+    completion_tokens: int = 0
+
+    def body(self) -> dict[str, object]:
+        # NOTE: pool_tokens (not OpenAI's): prompt tokens whose KV a worker (prefill, then
+        # decode) loaded from the KV pool instead of computing
+        return {
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens, "pool_tokens": self.pool_tokens},
+        }  # fmt: skip
+
+
+def delta_choice(delta: dict[str, str], finish: str | None) -> dict[str, object]:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+def sse_event(body: dict[str, object]) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+def json_response(body: dict[str, object], status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def error_body(exc: TsukimiError) -> tuple[int, dict[str, object]]:
+    """The HTTP status (the serving protocol's one table) and OpenAI error body for `exc`.
+    The code is the error's own (the Conductor's reason for a rejection). Pure."""
+    status = http_status(exc)
+    kind = "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
+    code = exc.reason if isinstance(exc, Rejected) else exc.code
+    return status, {"error": {"message": str(exc), "type": kind, "param": None, "code": code}}
+
+
+def outcome_of(status: int) -> str:
+    outcomes = {400: "bad_request", 404: "bad_request", 409: "bad_request", 429: "rejected", 502: "worker_error",
+                503: "unavailable"}  # fmt: skip
+    return outcomes.get(status, "error")
