@@ -17,7 +17,7 @@ from typing import Literal, get_args, get_origin
 from tsukimi.errors import ConfigError
 from tsukimi.eviction import POLICY_NAMES, PolicyName
 
-TransportName = Literal["auto", "shm", "tcp"]
+TransportName = Literal["auto", "shm", "cma", "tcp"]
 TRANSPORT_NAMES: tuple[str, ...] = get_args(TransportName)
 MIB = 1 << 20
 

@@ -29,7 +29,7 @@ def test_transport(case: str, check: Callable[[PairMaker], None]) -> None:
     check(pair_maker(case))
 
 
-@pytest.mark.parametrize("case", ["shm", "tcp-1", "tcp-4"])
+@pytest.mark.parametrize("case", ["shm", "cma", "tcp-1", "tcp-4"])
 def test_peer_killed_mid_transfer_fails_within_the_timeout(case: str, target_process: JsonWorker) -> None:
     timeout_s = 2.0
     with TransferEngine(config=initiator_config(case, timeout_s=timeout_s, slice_bytes=MIB)) as engine:

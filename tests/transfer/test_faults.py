@@ -92,7 +92,8 @@ def test_regression_slices_dispatched_after_the_pool_stopped_still_end(silent_pe
     record.slices_left = 2
     buffer = BufferDescriptor(BASE, 1 << 20)
     pool.dispatch([Slice(record, OpCode.WRITE, memoryview(b"x" * 10), BASE, buffer) for _ in range(2)])
-    batch.future.result(timeout=2)
+    batch.wait(timeout_s=2)
+    assert batch.done
     assert record.status().state is RequestState.FAILED and record.status().error_code == "closed"
 
 

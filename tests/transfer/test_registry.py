@@ -52,7 +52,7 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> list[RecordingTransport]:
 
 
 def test_a_registered_transport_is_built_ranked_and_forced(recording: list[RecordingTransport]) -> None:
-    assert base.transport_names() == ("recording", "shm", "tcp")
+    assert base.transport_names() == ("recording", "shm", "cma", "tcp")
     cfg = Config(metadata=MetadataConfig(url=f"memory://{uuid.uuid4().hex}"))
     with TransferEngine("chosen-target", cfg) as chosen, TransferEngine("other-target", cfg) as other, \
             TransferEngine("initiator", cfg) as initiator:  # fmt: skip
@@ -75,5 +75,5 @@ def test_unknown_and_reserved_names_are_refused(recording: list[RecordingTranspo
     with pytest.raises(ConfigError, match="other than 'auto'"):
         base.register_transport("auto", RecordingTransport, rank=0)
     cfg = Config(metadata=MetadataConfig(url=f"memory://{uuid.uuid4().hex}"))
-    with TransferEngine("a", cfg) as engine, pytest.raises(ConfigError, match="recording, shm, tcp"):
+    with TransferEngine("a", cfg) as engine, pytest.raises(ConfigError, match="recording, shm, cma, tcp"):
         engine.open_segment("a", transport="rdma")

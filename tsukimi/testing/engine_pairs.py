@@ -29,6 +29,7 @@ TARGET_BYTES = 4 * MIB
 # The conformance suite runs once per transport setting: (name, TransferConfig overrides).
 TRANSPORT_CASES: dict[str, dict[str, object]] = {
     "shm": {"transport": "shm"},
+    "cma": {"transport": "cma"},
     "tcp-1": {"transport": "tcp", "num_connections": 1},
     "tcp-4": {"transport": "tcp", "num_connections": 4},
     "tcp-secret": {"transport": "tcp", "num_connections": 2},  # both engines share a cluster secret

@@ -8,8 +8,8 @@ lists them in order; `check_transport(make_pair)` runs them all:
     from tsukimi.testing.transport_checks import check_transport
     check_transport(pair_maker("tcp-4"))
 
-The pair's initiator should force its transport ("shm" or "tcp", not "auto"): where the two
-word a failure differently (a released buffer), the check expects the forced one's words.
+The pair's initiator should force its transport ("shm", "cma" or "tcp", not "auto"): where
+they word a failure differently (a released buffer), the check expects the forced one's words.
 Properties that need the peer in another process (SIGKILL, SIGSTOP) stay in
 tests/transfer/test_conformance.py.
 """
@@ -102,18 +102,19 @@ def out_of_bounds_fails_and_the_peer_keeps_serving(make_pair: PairMaker) -> None
 
 def a_released_buffer_is_not_written(make_pair: PairMaker) -> None:
     """The initiator's cached descriptor still lists a buffer the owner released; the owner
-    must refuse the write as out of bounds (shm sees the file unlinked; tcp's server no longer
-    finds the buffer), and keep serving its other buffers."""
+    must refuse the write as out of bounds (shm sees the file unlinked; cma the owner's
+    registration version move; tcp's server no longer finds the buffer), and keep serving its
+    other buffers."""
     with make_pair() as pair:
         extra = pair.target.allocate(MIB)
         seg = pair.initiator.open_segment("target")
         pair.initiator.write(seg, extra.base, b"before")
         pair.target.unregister(extra.base)
         status = pair.initiator.transfer([TransferRequest(OpCode.WRITE, seg, extra.base, b"after")])[0]
-        shm = pair.initiator.config.transport == "shm"
+        tcp = pair.initiator.config.transport == "tcp"
         assert status.state is RequestState.FAILED, status
         assert status.error_code == "out_of_bounds" and isinstance(status.error(), OutOfBounds), status
-        assert ("released" if shm else "not inside a registered buffer") in status.reason, status
+        assert ("not inside a registered buffer" if tcp else "released") in status.reason, status
         pair.initiator.write(seg, pair.buf.base, b"still serving")
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import enum
 import threading
 from collections.abc import Sequence
@@ -145,24 +144,31 @@ class RequestRecord:
 
 
 class Batch:
-    """Requests submitted together (`TransferEngine.submit`): one record per request, and a
-    future that resolves once every one of them reached a final state."""
+    """Requests submitted together (`TransferEngine.submit`): one record per request; `wait`
+    and `wait_async` return once every one of them reached a final state.
+
+    NOTE: a batch that a transport finished inline (the common small one) never builds a
+    waiter: the event and the future are made only for a caller that has to wait."""
+
+    __slots__ = ("_clock", "_event", "_future", "deadline", "lock", "records", "unfinished")
 
     def __init__(self, keepalives: list[object], deadline: float, clock: Clock) -> None:
         self.lock = threading.Lock()
         self.deadline = deadline
         self._clock = clock
-        self.future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._event: threading.Event | None = None
+        self._future: concurrent.futures.Future[None] | None = None
         self.records = [RequestRecord(self, deadline, keep) for keep in keepalives]
         self.unfinished = len(self.records)
-        if not self.records:
-            self.future.set_result(None)  # an empty batch is complete
 
     def request_finished(self) -> None:
         # Called with self.lock held.
         self.unfinished -= 1
         if self.unfinished == 0:
-            self.future.set_result(None)
+            if self._event is not None:
+                self._event.set()
+            if self._future is not None:
+                self._future.set_result(None)
 
     def statuses(self) -> list[RequestStatus]:
         """Each request's state now (does not wait)."""
@@ -171,20 +177,30 @@ class Batch:
 
     @property
     def done(self) -> bool:
-        return self.future.done()
+        return self.unfinished == 0
 
     def wait(self, timeout_s: float | None = None) -> list[RequestStatus]:
         """Block until every request ended, or `timeout_s` passed (default: the deadline plus
         a grace period, by when all have ended); their statuses."""
-        if timeout_s is None:
-            timeout_s = max(0.0, self.deadline - self._clock.now()) + WAIT_GRACE_S
-        with contextlib.suppress(TimeoutError):
-            self.future.result(timeout=timeout_s)
+        if self.unfinished:
+            with self.lock:
+                if self.unfinished and self._event is None:
+                    self._event = threading.Event()
+                event = self._event
+            if event is not None:
+                if timeout_s is None:
+                    timeout_s = max(0.0, self.deadline - self._clock.now()) + WAIT_GRACE_S
+                event.wait(timeout_s)
         return self.statuses()
 
     async def wait_async(self) -> list[RequestStatus]:
         """Await the end of every request (each is bounded by its deadline); their statuses."""
-        await asyncio.wrap_future(self.future)
+        with self.lock:
+            if self.unfinished and self._future is None:
+                self._future = concurrent.futures.Future()
+            future = self._future if self.unfinished else None
+        if future is not None:
+            await asyncio.wrap_future(future)
         return self.statuses()
 
 

@@ -49,6 +49,7 @@ from tsukimi.transfer.segment import (
     decode_descriptor,
     encode_descriptor,
     host_id,
+    process_start_time,
 )
 from tsukimi.transfer.server import SegmentServer
 from tsukimi.transfer.shared_memory import SharedMemoryAllocator
@@ -56,6 +57,7 @@ from tsukimi.transfer.transports import Slice, Transport, TransportContext, buil
 
 logger = logging.getLogger(__name__)
 
+MAX_CHOICES = 4096  # remembered transport choices (see _choose)
 _Plan = tuple[SegmentHandle, OpCode, memoryview, int]  # a validated request: where, what, which bytes, offset
 
 
@@ -83,6 +85,7 @@ class TransferEngine:
         secret = cfg.security.secret()  # NOTE: read once: a changed file needs a restart
         backend = metadata if metadata is not None else connect_metadata(cfg.metadata, secret)
         self._host_id = host_id()
+        self._pid_start = process_start_time(os.getpid())
         self._segment = LocalSegment(name or "")
         self._server = SegmentServer(
             self._segment, self.config, self._describe_bytes, self._on_handshake, self._clock, secret=secret
@@ -94,8 +97,11 @@ class TransferEngine:
         self.name = self._segment.name = name or f"{endpoint.host}:{endpoint.port}"
         self._directory = SegmentDirectory(backend, self._describe_bytes, cfg.metadata.timeout_s, secret)
         self._shm = SharedMemoryAllocator(self.config.shm_dir)
-        context = TransportContext(self.config, self._clock, self._host_id, secret, self._directory.invalidate)
+        context = TransportContext(
+            self.config, self._clock, self._host_id, secret, self._directory.invalidate, self._directory.fetch
+        )
         self._transports = build_transports(context)  # in the order "auto" tries them
+        self._choices: dict[tuple[str, int, int], tuple[SegmentDescriptor, Transport]] = {}
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -145,6 +151,8 @@ class TransferEngine:
             name=self.name,
             host_id=self._host_id,
             pid=os.getpid(),
+            pid_start=self._pid_start,
+            version_address=self._segment.version_address,
             version=self._segment.version,
             endpoints=[self._server.endpoint],
             buffers=[buf.describe() for buf in self._segment.buffers()],
@@ -239,6 +247,19 @@ class TransferEngine:
         record.slices_left = len(pieces)
         return transport, desc, pieces
 
+    def transport_for(self, segment: SegmentHandle | str, remote_offset: int, length: int = 1) -> str:
+        """The name of the transport that would carry a request to `segment` at
+        `remote_offset` now ("" when none can). Does not move bytes.
+
+        Raises:
+            SegmentNotFound / MetadataError: the segment cannot be found.
+        """
+        handle = segment if isinstance(segment, SegmentHandle) else SegmentHandle(0, segment, self.config.transport)
+        desc = self._directory.get(handle.name)
+        buffer = desc.find(remote_offset, length)
+        transport = self._choose(handle, desc, buffer) if buffer is not None else None
+        return transport.name if transport is not None else ""
+
     # -- one-call helpers ----------------------------------------------------------------
 
     def transfer(self, requests: Sequence[TransferRequest], timeout_s: float | None = None) -> list[RequestStatus]:
@@ -309,9 +330,18 @@ class TransferEngine:
         return handle, req.op, view[req.local_offset : req.local_offset + length], req.remote_offset
 
     def _choose(self, handle: SegmentHandle, desc: SegmentDescriptor, buffer: BufferDescriptor) -> Transport | None:
-        """The first transport (in rank order) that can serve the buffer, or the one forced."""
+        """The first transport (in rank order) that can serve the buffer, or the one forced.
+        A choice is remembered for this very descriptor object (a peer that changes publishes
+        a new one); a refusal is not, so a peer that becomes reachable is found."""
+        key = (handle.transport, id(desc), buffer.base)
+        known = self._choices.get(key)
+        if known is not None and known[0] is desc:
+            return known[1]
         for transport in self._transports:
             if handle.transport in ("auto", transport.name) and transport.can_serve(desc, buffer):
+                if len(self._choices) >= MAX_CHOICES:
+                    self._choices.clear()
+                self._choices[key] = (desc, transport)
                 return transport
         return None
 

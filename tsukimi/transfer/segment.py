@@ -52,6 +52,8 @@ class SegmentDescriptor(msgspec.Struct, frozen=True):
     version: int
     endpoints: list[Endpoint]
     buffers: list[BufferDescriptor]
+    pid_start: int = 0  # the owner's start time (clock ticks after boot): pid + boot + this = one process
+    version_address: int = 0  # where the owner keeps `version` live (a uint64 same-host peers may read)
 
     def find(self, offset: int, length: int) -> BufferDescriptor | None:
         """The buffer that wholly contains [offset, offset + length), if any (O(log n):
@@ -118,6 +120,25 @@ def host_id() -> str:
     except OSError:
         boot = "unknown"
     return f"{socket.gethostname()}/{boot}"
+
+
+def process_start_time(pid: int) -> int:
+    """When process `pid` started, in clock ticks after boot (0 when unknown): with the boot id
+    of `host_id`, a pid and its start time name one process, whatever pid reuse does.
+
+    Raises:
+        ProcessLookupError: no such process.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        raise ProcessLookupError(f"no process {pid}") from None
+    except OSError:
+        return 0
+    # NOTE: field 2 (the command) may hold spaces and parentheses: split after the last ")"
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return int(fields[19]) if len(fields) > 19 else 0
 
 
 def byte_view(obj: object, writable: bool = True, with_address: bool = True) -> tuple[memoryview, int]:
@@ -207,6 +228,10 @@ class LocalSegment:
         self.name = name
         self.pid = os.getpid()
         self.version = 0
+        # NOTE: the version, also in memory that same-host peers read directly (the cma
+        # transport): they see a registration change before they touch a released range
+        self._version_word = ctypes.c_uint64(0)
+        self.version_address = ctypes.addressof(self._version_word)
         self._lock = threading.Lock()
         # NOTE: one tuple swapped atomically, so lock-free readers see a consistent pair.
         self._snapshot: tuple[list[int], list[RegisteredBuffer]] = ([], [])
@@ -222,7 +247,7 @@ class LocalSegment:
             if prev_end > base or base + buf.length > next_base:
                 raise InvalidBufferError(f"buffer at {base:#x}+{buf.length} overlaps a registered one")
             self._snapshot = ([*bases[:i], base, *bases[i:]], [*buffers[:i], buf, *buffers[i:]])
-            self.version += 1
+            self._bump()
         return buf
 
     def remove(self, base: int) -> RegisteredBuffer:
@@ -234,8 +259,13 @@ class LocalSegment:
                 raise OutOfBounds(f"no buffer registered at {base:#x}")
             buf = buffers[i]
             self._snapshot = (bases[:i] + bases[i + 1 :], buffers[:i] + buffers[i + 1 :])
-            self.version += 1
+            self._bump()
         return buf
+
+    def _bump(self) -> None:
+        """A registration changed (caller holds the lock)."""
+        self.version += 1
+        self._version_word.value = self.version
 
     def resolve(self, offset: int, length: int) -> memoryview:
         """The registered bytes [offset, offset + length); never mutates.

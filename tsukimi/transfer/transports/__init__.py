@@ -1,7 +1,8 @@
 """Transports move slices of requests to and from a peer's segment (see base.py): `shm`
-(same host, shared memory) and `tcp` (any host). Importing this package registers them."""
+(same host, shared memory), `cma` (same host, any memory: process_vm_readv/writev) and `tcp`
+(any host), tried by `auto` in that order. Importing this package registers them."""
 
-from tsukimi.transfer.transports import shm, tcp
+from tsukimi.transfer.transports import cma, shm, tcp
 from tsukimi.transfer.transports.base import (
     Slice,
     Transport,
@@ -16,6 +17,7 @@ __all__ = [
     "Transport",
     "TransportContext",
     "build_transports",
+    "cma",
     "register_transport",
     "shm",
     "tcp",

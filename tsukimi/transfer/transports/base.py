@@ -60,6 +60,8 @@ class TransportContext:
     host_id: this host's identity (same-host transports compare it with the peer's).
     secret: the cluster secret every connection must prove (None: none).
     on_stale: tell the engine that a peer's cached descriptor is stale (re-fetch it).
+    fetch: fetch a peer's current descriptor now, by name (updates the engine's cache; may
+        wait on the metadata service; raises its errors).
     """
 
     config: TransferConfig
@@ -67,6 +69,7 @@ class TransportContext:
     host_id: str
     secret: bytes | None
     on_stale: Callable[[str], None]
+    fetch: Callable[[str], SegmentDescriptor]
 
 
 TransportFactory = Callable[[TransportContext], Transport]

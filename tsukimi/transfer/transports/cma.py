@@ -1,0 +1,301 @@
+"""Cross-memory attach (CMA) transport: same-host peers, any registered memory, one copy.
+
+A segment's address space is its owner's virtual addresses, so a peer on this host can copy
+straight between its own buffer and the owner's with `process_vm_readv` / `process_vm_writev`:
+one system call moves a whole batch (the iovec lists of every slice), in one copy, whatever
+the memory is (numpy arrays, torch tensors, an inference engine's KV cache, shared memory).
+The owner's process does no work. A small batch is copied by the submitting thread; a large
+one is cut into groups that worker threads copy in parallel (the call releases the GIL).
+
+Permission: the kernel lets a process do this only where it may ptrace the owner (same uid,
+and Yama's ptrace_scope 0, or CAP_SYS_PTRACE); containers with seccomp or Yama often refuse.
+The first contact with a peer probes with a 1-byte read; a refusal is logged once and the
+transport declines every peer from then on, so `auto` falls through to tcp.
+
+Liveness: the peer is opened through a pidfd, and the process's start time is checked
+against the one in its descriptor, so a recycled pid is never mistaken for the owner; the
+pidfd is polled before and after every copy (a copy that raced the owner's death fails).
+
+Released ranges: nothing on the owner's side checks a CMA copy, so before each batch the
+transport reads the owner's registration version (a uint64 whose address the descriptor
+publishes). When it differs from the descriptor's, the descriptor is fetched again and a
+slice whose range is no longer registered fails as out of bounds instead of landing in
+memory the owner gave back. (As on every transport, an owner must not free memory that
+transfers already in flight may still touch.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import queue
+import select
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from tsukimi.clock import Clock
+from tsukimi.config import TransferConfig
+from tsukimi.errors import ClosedError, OutOfBounds, PeerError, TsukimiError
+from tsukimi.transfer.batch import OpCode
+from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor, process_start_time
+from tsukimi.transfer.transports.base import Slice, TransportContext, register_transport
+
+logger = logging.getLogger(__name__)
+
+INLINE_BYTES = 1 << 20  # a submit of at most this many bytes is copied by the submitting thread
+GROUP_BYTES = 4 << 20  # larger submits: groups of about this size, one call each, on the workers
+SLICE_BYTES = 64 << 20
+IOV_MAX = 1024  # the kernel's limit of iovecs per call (UIO_MAXIOV)
+MAX_RETIRED = 64  # pidfds of restarted peers kept open for threads that may still use them
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_CALLS = {}
+for _op, _name in ((OpCode.READ, "process_vm_readv"), (OpCode.WRITE, "process_vm_writev")):
+    _call = getattr(_libc, _name)
+    _call.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                      ctypes.c_ulong]  # fmt: skip
+    _call.restype = ctypes.c_ssize_t
+    _CALLS[_op] = _call
+
+
+def _address(view: memoryview) -> int:
+    if view.readonly:  # NOTE: ctypes maps only writable buffers; numpy reads any (slower)
+        return int(np.frombuffer(view, np.uint8).ctypes.data)
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class _CmaPeer:
+    """One peer process: its pid and a pidfd that pins its identity."""
+
+    def __init__(self, desc: SegmentDescriptor) -> None:
+        self.name, self.pid = desc.name, desc.pid
+        self.probed = False  # a probe read succeeded: the kernel lets us attach to it
+        self.pidfd = os.pidfd_open(desc.pid)
+        if desc.pid_start and process_start_time(desc.pid) != desc.pid_start:
+            os.close(self.pidfd)
+            raise ProcessLookupError(f"pid {desc.pid} is no longer the process that published {desc.name}")
+
+    def alive(self) -> bool:
+        readable, _, _ = select.select([self.pidfd], [], [], 0)
+        return not readable
+
+    def close(self) -> None:
+        os.close(self.pidfd)
+
+
+class CmaTransport:
+    """Moves slices with process_vm_readv / process_vm_writev (see the module)."""
+
+    name = "cma"
+    slice_bytes = SLICE_BYTES
+
+    def __init__(
+        self, config: TransferConfig, local_host_id: str, clock: Clock, fetch: Callable[[str], SegmentDescriptor]
+    ) -> None:
+        self._host_id, self._clock, self._fetch = local_host_id, clock, fetch
+        self._lock = threading.Lock()
+        self._peers: dict[str, _CmaPeer] = {}
+        self._retired: list[_CmaPeer] = []  # replaced peers, closed later (see _peer)
+        self._refused: str = ""  # why the kernel refused CMA (then every peer is declined)
+        self._queue: queue.SimpleQueue[tuple[_CmaPeer, list[Slice]] | None] = queue.SimpleQueue()
+        self._closed = False
+        self._workers = [threading.Thread(target=self._work, name=f"tsukimi-cma-{i}", daemon=True)
+                         for i in range(config.num_shm_workers)]  # fmt: skip
+        for worker in self._workers:
+            worker.start()
+
+    def can_serve(self, peer: SegmentDescriptor, buffer: BufferDescriptor) -> bool:
+        if self._refused or peer.host_id != self._host_id:
+            return False
+        try:
+            state = self._peer(peer)
+        except OSError:  # another pid namespace, the process is gone, or its pid was reused
+            return False
+        return state.probed or self._probe(state, buffer)
+
+    def submit(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
+        state = self._peer(peer)
+        slices = self._registered(state, peer, slices)
+        total = sum(len(piece.local) for piece in slices)
+        if total <= INLINE_BYTES:  # NOTE: the common small batch: no hand-off at all
+            self._run(state, slices)
+            return
+        group: list[Slice] = []
+        group_bytes = 0
+        with self._lock:
+            for piece in slices:
+                group.append(piece)
+                group_bytes += len(piece.local)
+                if group_bytes >= GROUP_BYTES or len(group) == IOV_MAX:
+                    self._enqueue(state, group)
+                    group, group_bytes = [], 0
+            if group:
+                self._enqueue(state, group)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for _ in self._workers:
+                self._queue.put(None)
+        for worker in self._workers:
+            worker.join(timeout=5)
+        with self._lock:
+            peers, self._peers = [*self._peers.values(), *self._retired], {}
+            self._retired = []
+        for state in peers:
+            state.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _enqueue(self, state: _CmaPeer, group: list[Slice]) -> None:
+        """Hand a group to the workers (caller holds the lock)."""
+        if self._closed:
+            for piece in group:
+                piece.record.slice_failed("cma transport is closed", ClosedError.code)
+        else:
+            self._queue.put((state, group))
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._run(*item)
+
+    def _peer(self, desc: SegmentDescriptor) -> _CmaPeer:
+        if self._closed:
+            raise ClosedError("cma transport is closed")
+        state = self._peers.get(desc.name)
+        if state is not None and state.pid == desc.pid:
+            return state
+        with self._lock:  # NOTE: opened once: racing first contacts share one pidfd
+            state = self._peers.get(desc.name)
+            if state is not None and state.pid == desc.pid:
+                return state
+            fresh = self._peers[desc.name] = _CmaPeer(desc)
+            if state is not None:  # the peer restarted: other threads may still hold the old one
+                self._retired.append(state)
+                while len(self._retired) > MAX_RETIRED:
+                    self._retired.pop(0).close()
+        return fresh
+
+    def _registered(self, state: _CmaPeer, peer: SegmentDescriptor, slices: list[Slice]) -> list[Slice]:
+        """The slices whose ranges the owner still registers (see the module); the others end
+        now (out of bounds, or a peer error while its registrations keep changing)."""
+        version = self._version(state, peer)
+        if version is None or version == peer.version:
+            return slices
+        try:
+            fresh = self._fetch(peer.name)
+        except TsukimiError as exc:
+            self._fail(slices, PeerError(f"{peer.name} changed its registrations and cannot be asked: {exc}"))
+            return []
+        if fresh.version != self._version(state, fresh):
+            self._fail(slices, PeerError(f"{peer.name} is changing its registrations; try again"))
+            return []
+        live = []
+        for piece in slices:
+            if fresh.find(piece.remote_offset, len(piece.local)) is None:
+                where = f"[{piece.remote_offset:#x}, +{len(piece.local)})"
+                self._fail([piece], OutOfBounds(f"{where} of {peer.name} was released (no longer registered)"))
+            else:
+                live.append(piece)
+        return live
+
+    @staticmethod
+    def _version(state: _CmaPeer, peer: SegmentDescriptor) -> int | None:
+        """The owner's registration version now (None when it publishes none or is gone)."""
+        if not peer.version_address:
+            return None
+        word = ctypes.c_uint64()
+        local, remote = _IoVec(ctypes.addressof(word), 8), _IoVec(peer.version_address, 8)
+        if _CALLS[OpCode.READ](state.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != 8:
+            return None  # NOTE: the copy itself then reports the dead peer
+        return word.value
+
+    def _probe(self, state: _CmaPeer, buffer: BufferDescriptor) -> bool:
+        """Read one byte of `buffer`: False (and CMA declined from now on) when the kernel
+        refuses; a vanished range or peer is left to the request itself."""
+        byte = ctypes.c_ubyte()
+        local, remote = _IoVec(ctypes.addressof(byte), 1), _IoVec(buffer.base, 1)
+        if _CALLS[OpCode.READ](state.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) == 1:
+            state.probed = True
+            return True
+        err = ctypes.get_errno()
+        if err == errno.EPERM:
+            self._refused = f"process_vm_readv: {os.strerror(err)} (ptrace not permitted: Yama, seccomp or uid)"
+            logger.warning("cma: the kernel refuses cross-memory attach (%s); using shm/tcp instead", self._refused)
+            return False
+        return err != errno.ENOSYS
+
+    def _run(self, peer: _CmaPeer, slices: list[Slice]) -> None:
+        """Copy the live slices of one peer with as few calls as possible; end each slice."""
+        now = self._clock.now()
+        live: list[Slice] = []
+        for piece in slices:
+            if piece.record.doomed:
+                piece.record.slice_failed("")  # a sibling slice failed; only account for this one
+            elif now >= piece.record.deadline:
+                piece.record.slice_failed("deadline passed before the copy started", timed_out=True)
+            else:
+                live.append(piece)
+        for start in range(0, len(live), IOV_MAX):
+            self._copy(peer, live[start : start + IOV_MAX])
+
+    def _copy(self, peer: _CmaPeer, pieces: list[Slice]) -> None:
+        """One call per op for `pieces`; a short or failed call is redone slice by slice to
+        find the ones that fail."""
+        if not peer.alive():
+            self._fail(pieces, PeerError(f"owner process {peer.pid} of {peer.name} has exited"))
+            return
+        for op in (OpCode.READ, OpCode.WRITE):
+            group = [piece for piece in pieces if piece.op is op]
+            if not group:
+                continue
+            if self._call(peer, op, group) == sum(len(p.local) for p in group) and peer.alive():
+                for piece in group:
+                    piece.record.slice_done(len(piece.local))
+            else:
+                for piece in group:
+                    self._one(peer, piece)
+
+    def _one(self, peer: _CmaPeer, piece: Slice) -> None:
+        moved = self._call(peer, piece.op, [piece])
+        err = ctypes.get_errno() if moved < 0 else 0
+        if moved == len(piece.local) and peer.alive():
+            piece.record.slice_done(moved)
+        elif err == errno.EFAULT or 0 <= moved < len(piece.local):
+            where = f"[{piece.remote_offset:#x}, +{len(piece.local)})"
+            self._fail([piece], OutOfBounds(f"{where} is not mapped in {peer.name}: released"))
+        elif err == errno.ESRCH or not peer.alive():
+            self._fail([piece], PeerError(f"owner process {peer.pid} of {peer.name} has exited"))
+        else:
+            self._fail([piece], PeerError(f"cma transfer to {peer.name} failed: {os.strerror(err)}"))
+
+    @staticmethod
+    def _call(peer: _CmaPeer, op: OpCode, pieces: list[Slice]) -> int:
+        count = len(pieces)
+        local, remote = (_IoVec * count)(), (_IoVec * count)()
+        for i, piece in enumerate(pieces):
+            size = len(piece.local)
+            local[i].iov_base, local[i].iov_len = _address(piece.local), size
+            remote[i].iov_base, remote[i].iov_len = piece.remote_offset, size
+        return int(_CALLS[op](peer.pid, local, count, remote, count, 0))
+
+    @staticmethod
+    def _fail(pieces: list[Slice], error: TsukimiError) -> None:
+        for piece in pieces:
+            piece.record.slice_failed(str(error), error.code)
+
+
+def _create(context: TransportContext) -> CmaTransport:
+    return CmaTransport(context.config, context.host_id, context.clock, context.fetch)
+
+
+register_transport("cma", _create, rank=20)
