@@ -229,7 +229,7 @@ def _bench_transfer(args: argparse.Namespace, console: Console) -> None:
 
 def _run_until_signalled(args: argparse.Namespace, console: Console) -> None:
     """`tsukimi master` / `tsukimi holder`: serve until SIGINT or SIGTERM, then clean up."""
-    from tsukimi.config import load_config
+    from tsukimi.config import Config, load
 
     overrides = list(args.set)
     if args.command == "holder":
@@ -237,7 +237,7 @@ def _run_until_signalled(args: argparse.Namespace, console: Console) -> None:
             overrides.append(f'client.master="{args.master}"')
         if args.segment_bytes:
             overrides.append(f"client.segment_bytes={args.segment_bytes[0]}")
-    config = load_config(args.config, overrides)
+    config = load(Config, args.config, overrides)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -263,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=bool(getattr(args, "json", False) or getattr(args, "markdown", False)))
     try:
         if args.command == "metadata-server":
-            from tsukimi.config import load_config
+            from tsukimi.config import Config, load
             from tsukimi.transfer.metadata import http
 
-            http.serve(args.host, args.port, secret=load_config(args.config, args.set).security.secret())
+            http.serve(args.host, args.port, secret=load(Config, args.config, args.set).security.secret())
         elif args.command in ("master", "holder"):
             _run_until_signalled(args, console)
         elif args.command == "demo":

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import ast
+import sys
 from pathlib import Path
 
 import pytest
 
-from tsukimi.config import Config, MetadataConfig, TransferConfig, load_config
+import tsukimi.config
+from tsukimi.config import Config, MetadataConfig, TransferConfig, load
 from tsukimi.errors import ConfigError
 
 
 def test_defaults_bind_loopback() -> None:
-    cfg = load_config()
+    cfg = load(Config)
     assert cfg == Config()
     assert cfg.transfer.bind_host == "127.0.0.1" and cfg.metadata.url == "p2p"
 
@@ -19,7 +22,7 @@ def test_defaults_bind_loopback() -> None:
 def test_toml_then_overrides(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[transfer]\nnum_connections = 2\ntimeout_s = 3\n[metadata]\nurl = "etcd://127.0.0.1:2379"\n')
-    cfg = load_config(path, ["transfer.num_connections=8", "transfer.transport=tcp"])
+    cfg = load(Config, path, ["transfer.num_connections=8", "transfer.transport=tcp"])
     assert cfg.transfer.num_connections == 8 and cfg.transfer.transport == "tcp"
     assert cfg.transfer.timeout_s == 3.0 and isinstance(cfg.transfer.timeout_s, float)
     assert cfg.metadata == MetadataConfig(url="etcd://127.0.0.1:2379")
@@ -42,18 +45,31 @@ def test_toml_then_overrides(tmp_path: Path) -> None:
 )
 def test_mistakes_are_config_errors_naming_the_fix(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+        load(Config, None, overrides)
 
 
 def test_unreadable_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
-        load_config(tmp_path / "missing.toml")
+        load(Config, tmp_path / "missing.toml")
     bad = tmp_path / "bad.toml"
     bad.write_text("[transfer\n")
     with pytest.raises(ConfigError, match="cannot read"):
-        load_config(bad)
+        load(Config, bad)
 
 
 def test_config_error_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         TransferConfig(timeout_s=-1)
+
+
+def test_config_imports_nothing_above_it() -> None:
+    """config is the bottom layer: the standard library, tsukimi.errors and tsukimi.eviction only."""
+    allowed = {"tsukimi.errors", "tsukimi.eviction", "tsukimi.config"}
+    for path in Path(tsukimi.config.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                top = name.split(".")[0]
+                ok = top in sys.stdlib_module_names or any(name.startswith(a) for a in allowed)
+                assert ok, f"{path.name} imports {name}"
