@@ -1,4 +1,5 @@
-"""Config loading: defaults, TOML, overrides, and the errors for each kind of mistake."""
+"""Config loading: defaults, TOML, overrides, and the errors for each kind of mistake, over
+every schema the one loader reads (`Config`, `RouterFileConfig`, `ClusterConfig`, `SimConfig`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ from pathlib import Path
 import pytest
 
 import tsukimi.config
-from tsukimi.config import Config, MetadataConfig, TransferConfig, load
+from tsukimi.config import (
+    ClusterConfig,
+    Config,
+    MetadataConfig,
+    RouterFileConfig,
+    SimConfig,
+    TransferConfig,
+    WorkerConfig,
+    load,
+)
 from tsukimi.errors import ConfigError
 
 
@@ -17,6 +27,7 @@ def test_defaults_bind_loopback() -> None:
     cfg = load(Config)
     assert cfg == Config()
     assert cfg.transfer.bind_host == "127.0.0.1" and cfg.metadata.url == "p2p"
+    assert WorkerConfig().host == ClusterConfig().host == "127.0.0.1"
 
 
 def test_toml_then_overrides(tmp_path: Path) -> None:
@@ -54,12 +65,47 @@ def test_unreadable_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[transfer\n")
     with pytest.raises(ConfigError, match="cannot read"):
-        load(Config, bad)
+        load(ClusterConfig, bad)
 
 
 def test_config_error_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         TransferConfig(timeout_s=-1)
+
+
+# -- the router's file ------------------------------------------------------------------------
+
+
+def test_router_file_overrides_both_tables(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text('[router]\npolicy = "round_robin"\n[conductor]\nttft_slo_s = 2\n')
+    settings = load(RouterFileConfig, path, ["router.decode_step_s=0.05", "conductor.rejection=early"])
+    assert (settings.router.policy, settings.router.decode_step_s) == ("round_robin", 0.05)
+    assert (settings.conductor.ttft_slo_s, settings.conductor.rejection) == (2.0, "early")
+    assert load(RouterFileConfig) == RouterFileConfig()
+
+
+def test_router_file_bad_key_names_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['nope'\] in router; valid: \[.*'poll_interval_s'"):
+        load(RouterFileConfig, None, ["router.nope=1"])
+    with pytest.raises(
+        ConfigError, match=r"unknown key\(s\) \['transfer'\] in config; valid: \['conductor', 'router'\]"
+    ):
+        load(RouterFileConfig, None, ["transfer.port=1"])
+    with pytest.raises(ConfigError, match=r"section\.key=value"):
+        load(RouterFileConfig, None, ["mode=pd"])
+    with pytest.raises(ConfigError, match=r"router\.mode must be one of"):
+        load(RouterFileConfig, None, ["router.mode=mixed"])
+
+
+# -- any dataclass -----------------------------------------------------------------------------
+
+
+def test_sim_config_loads_top_level_keys_and_optional_values() -> None:
+    sim = load(SimConfig, None, ["shape=colocated", "cache_blocks=100", "speed=2"])
+    assert (sim.shape, sim.cache_blocks, sim.speed) == ("colocated", 100, 2.0)
+    with pytest.raises(ConfigError, match="cache_blocks must be int"):
+        load(SimConfig, None, ["cache_blocks=lots"])
 
 
 def test_config_imports_nothing_above_it() -> None:

@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from tsukimi.bench.store_cluster import free_port, wait_until
+from tsukimi.config import ClusterConfig, load
 from tsukimi.errors import ConfigError
-from tsukimi.serving.cluster import ClusterConfig, load_cluster_config, plan
+from tsukimi.serving.cluster import plan
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -27,7 +28,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_config_from_toml_and_overrides(tmp_path: Path) -> None:
     path = write(tmp_path, 'model = "tiny"\n[workers]\ndecode = 2\nnum_blocks = 64\n[router]\nport = 9000\n')
-    config = load_cluster_config(path, ["workers.prefill=3", "mode=pd", "stop_timeout_s=2"])
+    config = load(ClusterConfig, path, ["workers.prefill=3", "mode=pd", "stop_timeout_s=2"])
     assert (config.model, config.mode, config.stop_timeout_s) == ("tiny", "pd", 2.0)
     assert (config.workers.prefill, config.workers.decode, config.workers.num_blocks) == (3, 2, 64)
     assert config.router.port == 9000 and config.master.rpc_port == 0
@@ -49,7 +50,7 @@ def test_config_from_toml_and_overrides(tmp_path: Path) -> None:
 )
 def test_config_errors_name_the_key(tmp_path: Path, text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        load_cluster_config(write(tmp_path, text))
+        load(ClusterConfig, write(tmp_path, text))
 
 
 def test_plan_pd_starts_master_then_workers_then_router() -> None:
@@ -71,7 +72,7 @@ def test_plan_pd_starts_master_then_workers_then_router() -> None:
 
 
 def test_plan_colocated_has_no_master() -> None:
-    config = load_cluster_config(None, ["mode=colocated", "workers.colocated=2", "workers.base_port=9100"])
+    config = load(ClusterConfig, None, ["mode=colocated", "workers.colocated=2", "workers.base_port=9100"])
     groups = plan(config, lambda: 1)
     assert [[s.name for s in g] for g in groups] == [["colocated-0", "colocated-1"], ["router"]]
     assert [s.url for s in groups[0]] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]

@@ -292,8 +292,9 @@ def test_real_workers_pd_matches_colocated() -> None:
     """The real engine behind the API: greedy PD (prefill worker -> KV pool -> decode worker)
     gives the colocated worker's text, and the prompt's blocks are then reused."""
     from tsukimi.bench.store_cluster import TsukimiCluster
+    from tsukimi.config import WorkerConfig
     from tsukimi.engine.weights import load_model
-    from tsukimi.serving.worker import Worker, WorkerConfig
+    from tsukimi.serving.worker import Worker
 
     tiny = load_model("tiny")
     prompt = "The quick brown fox jumps over the lazy dog. " * 2  # 90 tokens: 5 full blocks of 16

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from tsukimi.bench.store_cluster import TsukimiCluster, wait_until
+from tsukimi.config import WorkerConfig
 from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import LoadedModel, load_model
 from tsukimi.errors import ConfigError
-from tsukimi.serving.worker import Worker, WorkerConfig
+from tsukimi.serving.worker import Worker
 
 BLOCK_TOKENS = 16
 PROMPT = list(range(1000, 1040))  # 40 tokens: two full blocks and a partial one

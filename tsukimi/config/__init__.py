@@ -4,7 +4,8 @@ per subsystem, and one loader for every settings file.
     loader.py      load(schema, path, overrides): defaults -> TOML file -> `section.key=value`
     transfer.py    TransferConfig, MetadataConfig, SecurityConfig
     store.py       MasterConfig, ClientConfig
-    scheduling.py  ConductorConfig
+    scheduling.py  ConductorConfig, SimConfig
+    serving.py     WorkerConfig, RouterConfig (+ RouterFileConfig), ClusterConfig (+ its tables)
 
 `Config` composes the tables the store and transfer commands read (`tsukimi master`,
 `holder`, `metadata-server`). Unknown sections and keys are errors, and each dataclass
@@ -17,7 +18,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tsukimi.config.loader import build_dataclass, load, read_settings
-from tsukimi.config.scheduling import REJECTION_NAMES, ConductorConfig, RejectionName
+from tsukimi.config.scheduling import REJECTION_NAMES, ConductorConfig, RejectionName, SimConfig
+from tsukimi.config.serving import (
+    DTYPE_NAMES,
+    ROLES,
+    ClusterConfig,
+    ClusterMasterConfig,
+    ClusterMode,
+    ClusterRouterConfig,
+    ClusterWorkersConfig,
+    DTypeName,
+    Role,
+    RouterConfig,
+    RouterFileConfig,
+    WorkerConfig,
+)
 from tsukimi.config.store import PLACEMENT_NAMES, ClientConfig, MasterConfig, PlacementName
 from tsukimi.config.transfer import (
     MIB,
@@ -31,22 +46,35 @@ from tsukimi.config.transfer import (
 )
 
 __all__ = [
+    "DTYPE_NAMES",
     "MIB",
     "MIN_SECRET_BYTES",
     "PLACEMENT_NAMES",
     "REJECTION_NAMES",
+    "ROLES",
     "SECRET_ENV",
     "TRANSPORT_NAMES",
     "ClientConfig",
+    "ClusterConfig",
+    "ClusterMasterConfig",
+    "ClusterMode",
+    "ClusterRouterConfig",
+    "ClusterWorkersConfig",
     "ConductorConfig",
     "Config",
+    "DTypeName",
     "MasterConfig",
     "MetadataConfig",
     "PlacementName",
     "RejectionName",
+    "Role",
+    "RouterConfig",
+    "RouterFileConfig",
     "SecurityConfig",
+    "SimConfig",
     "TransferConfig",
     "TransportName",
+    "WorkerConfig",
     "build_dataclass",
     "load",
     "read_settings",

@@ -1,5 +1,5 @@
 """The one settings loader: defaults, then a TOML file, then `section.key=value` overrides,
-built into any frozen config dataclass (`load(Config, ...)`).
+built into any frozen config dataclass (`load(Config, ...)`, `load(ClusterConfig, ...)`).
 
 Unknown sections and keys are errors naming the valid ones; values are type-checked against
 the dataclass's annotations (ints widen to floats, `Literal`s name their choices), then each
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -118,6 +119,10 @@ def _coerce(kind: object, value: object, where: str) -> object:
     if get_origin(kind) is Literal:
         require(value in get_args(kind), f"{where} must be one of {get_args(kind)}, got {value!r}")
         return value
+    if get_origin(kind) in (types.UnionType, typing.Union) and type(None) in get_args(kind):
+        # NOTE: TOML has no null, so an optional field read from a file always has a value
+        (inner,) = (arg for arg in get_args(kind) if arg is not type(None))
+        return _coerce(inner, value, where)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind in (int, float, str, bool):

@@ -1,5 +1,6 @@
 """How requests are scheduled: the Conductor (`ConductorConfig`, the `[conductor]` table of
-`Config` and of the router's file)."""
+`Config` and of the router's file) and the cluster the simulator replays traces through
+(`SimConfig`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from tsukimi.config.loader import require
+from tsukimi.errors import ConfigError
 
 RejectionName = Literal["none", "baseline", "early", "predicted"]
 REJECTION_NAMES: tuple[str, ...] = get_args(RejectionName)
@@ -54,3 +56,34 @@ class ConductorConfig:
         require(self.reuse in ("global", "local"), f"conductor.reuse must be global or local, got {self.reuse!r}")
         require(self.balancing_threshold >= 1, "conductor.balancing_threshold must be >= 1")
         require(self.prefill_chunk_tokens > 0, "conductor.prefill_chunk_tokens must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """The simulated cluster (tsukimi/sim/simulator.py).
+
+    speed: the trace is replayed this many times faster than recorded.
+    cache_blocks: each instance's DRAM cache, in blocks (None: unbounded).
+    colocated_chunk_tokens: the colocated baseline's chunked-prefill budget per step.
+    """
+
+    shape: Literal["pd", "colocated"] = "pd"
+    num_prefill: int = 8
+    num_decode: int = 8
+    num_colocated: int = 16
+    router: Literal["round_robin", "least_load"] = "least_load"
+    speed: float = 1.0
+    policy: str = "lru"
+    cache_blocks: int | None = 6000
+    colocated_chunk_tokens: int = 2048
+    sample_every_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.shape not in ("pd", "colocated") or self.router not in ("round_robin", "least_load"):
+            raise ConfigError("shape must be pd or colocated; router round_robin or least_load")
+        if min(self.num_prefill, self.num_decode, self.num_colocated) < 1 or self.speed <= 0:
+            raise ConfigError("instance counts must be >= 1 and speed > 0")
+        if self.cache_blocks is not None and self.cache_blocks < 1:
+            raise ConfigError("cache_blocks must be >= 1 (or None for unbounded)")
+        if self.colocated_chunk_tokens < 1 or self.sample_every_s <= 0:
+            raise ConfigError("colocated_chunk_tokens must be >= 1 and sample_every_s > 0")

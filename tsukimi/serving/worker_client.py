@@ -24,18 +24,17 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import httpx
 import msgspec
 
 from tsukimi.clock import Clock
+from tsukimi.config import ROLES, Role
 from tsukimi.errors import ConfigError, InvalidArgument, TsukimiError, WorkerError, WorkerUnavailable
 
 logger = logging.getLogger(__name__)
 
-Role = Literal["colocated", "prefill", "decode"]
-ROLES: tuple[str, ...] = get_args(Role)
 FinishReason = Literal["stop", "length"]
 POOL = "pool"  # the KV pool's instance name in the router's prefix index: no worker may take it
 

@@ -13,10 +13,11 @@ import logging
 
 from rich.console import Console
 
+from tsukimi.config import DTYPE_NAMES, ROLES, ClusterConfig, WorkerConfig, load
+
 logger = logging.getLogger(__name__)
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-ROLE_CHOICES = ("colocated", "prefill", "decode")  # tsukimi.serving.worker.ROLES, without importing torch
 
 
 def _size(text: str) -> int:
@@ -33,9 +34,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     """Register `tsukimi worker` and `tsukimi up` on the CLI's subparsers (mutates `sub`)."""
     worker = sub.add_parser("worker", help="run one inference worker (the router's internal HTTP API)")
     worker.add_argument("--name", default="worker-0", help="the worker's name (in /health and the router)")
-    worker.add_argument("--role", choices=ROLE_CHOICES, default="colocated")
+    worker.add_argument("--role", choices=ROLES, default="colocated")
     worker.add_argument("--model", default="smollm2", help="tiny, tiny:SEED, smollm2, PATH.gguf or a HF directory")
-    worker.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    worker.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     worker.add_argument("--host", default="127.0.0.1")
     worker.add_argument("--port", type=int, default=0, help="0 = an ephemeral port (printed once serving)")
     worker.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block")
@@ -65,19 +66,19 @@ def run(args: argparse.Namespace, console: Console) -> None:
     if args.command == "worker":
         _worker(args, console)
     elif args.command == "up":
-        from tsukimi.serving.cluster import load_cluster_config, run_cluster
+        from tsukimi.serving.cluster import run_cluster
 
         overrides = list(args.set)
         overrides += [f'model="{args.model}"'] if args.model else []
         overrides += [f'mode="{args.mode}"'] if args.mode else []
         overrides += [f"router.port={args.port}"] if args.port is not None else []
-        run_cluster(load_cluster_config(args.config, overrides), console, args.state_file)
+        run_cluster(load(ClusterConfig, args.config, overrides), console, args.state_file)
     else:
         raise ValueError(f"not a serving command: {args.command!r}")
 
 
 def _worker(args: argparse.Namespace, console: Console) -> None:
-    from tsukimi.serving.worker import Worker, WorkerConfig, run_worker
+    from tsukimi.serving.worker import Worker, run_worker
 
     config = WorkerConfig(
         name=args.name, role=args.role, model=args.model, host=args.host, port=args.port,
