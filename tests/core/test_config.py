@@ -11,6 +11,7 @@ import pytest
 
 import tsukimi.config
 from tsukimi.config import (
+    SHARED_WORKER_KEYS,
     ClusterConfig,
     Config,
     MetadataConfig,
@@ -96,6 +97,39 @@ def test_router_file_bad_key_names_the_valid_ones() -> None:
         load(RouterFileConfig, None, ["mode=pd"])
     with pytest.raises(ConfigError, match=r"router\.mode must be one of"):
         load(RouterFileConfig, None, ["router.mode=mixed"])
+
+
+# -- the cluster's file -------------------------------------------------------------------------
+
+
+def test_cluster_workers_table_sets_the_shared_worker_config(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text('[workers]\ndecode = 2\nnum_blocks = 64\ndtype = "bfloat16"\n')
+    config = load(ClusterConfig, path, ["model=tiny", "workers.prefix_caching=false", "workers.segment_bytes=1024"])
+    assert (config.model, config.workers.decode, config.workers.prefill) == ("tiny", 2, 1)
+    shared = WorkerConfig(num_blocks=64, dtype="bfloat16", prefix_caching=False, segment_bytes=1024)
+    assert config.workers.worker == shared
+    assert load(ClusterConfig) == ClusterConfig() and ClusterConfig().workers.worker == WorkerConfig()
+
+
+def test_cluster_workers_bad_key_names_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['prefil'\] in workers; valid: \[") as info:
+        load(ClusterConfig, None, ["workers.prefil=1"])
+    valid = {"prefill", "decode", "colocated", "base_port", *SHARED_WORKER_KEYS}
+    assert str(info.value).endswith(str(sorted(valid)))
+    # NOTE: the cluster sets each worker's name, role, port and master; the shared config is flat
+    for key in ("name", "port", "master", "worker.num_blocks"):
+        with pytest.raises(ConfigError, match="unknown key"):
+            load(ClusterConfig, None, [f"workers.{key}=1"])
+
+
+def test_cluster_workers_values_are_checked_where_they_are_written() -> None:
+    with pytest.raises(ConfigError, match=r"workers\.num_blocks must be int"):
+        load(ClusterConfig, None, ["workers.num_blocks='8'"])
+    with pytest.raises(ConfigError, match=r"workers\.dtype must be one of \('float32', 'bfloat16'\)"):
+        load(ClusterConfig, None, ["workers.dtype=float16"])
+    with pytest.raises(ConfigError, match="num_blocks must be >= 1"):
+        load(ClusterConfig, None, ["workers.num_blocks=0"])
 
 
 # -- any dataclass -----------------------------------------------------------------------------

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tsukimi.config.loader import build_dataclass, load, read_settings
+from tsukimi.config.loader import INLINE_KEYS, build_dataclass, load, read_settings
 from tsukimi.config.scheduling import REJECTION_NAMES, ConductorConfig, RejectionName, SimConfig
 from tsukimi.config.serving import (
     DTYPE_NAMES,
     ROLES,
+    SHARED_WORKER_KEYS,
     ClusterConfig,
     ClusterMasterConfig,
     ClusterMode,
@@ -47,12 +48,14 @@ from tsukimi.config.transfer import (
 
 __all__ = [
     "DTYPE_NAMES",
+    "INLINE_KEYS",
     "MIB",
     "MIN_SECRET_BYTES",
     "PLACEMENT_NAMES",
     "REJECTION_NAMES",
     "ROLES",
     "SECRET_ENV",
+    "SHARED_WORKER_KEYS",
     "TRANSPORT_NAMES",
     "ClientConfig",
     "ClusterConfig",

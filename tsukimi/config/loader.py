@@ -3,7 +3,9 @@ built into any frozen config dataclass (`load(Config, ...)`, `load(ClusterConfig
 
 Unknown sections and keys are errors naming the valid ones; values are type-checked against
 the dataclass's annotations (ints widen to floats, `Literal`s name their choices), then each
-dataclass validates itself in `__post_init__`.
+dataclass validates itself in `__post_init__`. A field whose metadata holds `INLINE_KEYS`
+is a nested dataclass read from the enclosing table: `[workers] num_blocks = 64` sets
+`workers.worker.num_blocks` (only the keys listed there may be given).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Literal, get_args, get_origin
 
 from tsukimi.errors import ConfigError
 
-__all__ = ["build_dataclass", "load", "read_settings", "require"]
+__all__ = ["INLINE_KEYS", "build_dataclass", "load", "read_settings", "require"]
 
+INLINE_KEYS = "tsukimi.config.inline_keys"
 T = typing.TypeVar("T")
 
 
@@ -102,16 +105,26 @@ def build_dataclass(cls: type[T], data: Mapping[str, typing.Any], where: str) ->
     """
     require(isinstance(data, dict), f"{where or 'config'} must be a table")
     hints = typing.get_type_hints(cls)
-    valid = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    inline = {f.name: tuple(f.metadata[INLINE_KEYS]) for f in fields if INLINE_KEYS in f.metadata}
+    routed = {key: name for name, keys in inline.items() for key in keys}
+    valid = {f.name for f in fields if f.name not in inline} | set(routed)
     unknown = sorted(set(data) - valid)
     require(not unknown, f"unknown key(s) {unknown} in {where or 'config'}; valid: {sorted(valid)}")
     kwargs: dict[str, object] = {}
+    nested: dict[str, dict[str, object]] = {}
     for name, value in data.items():
+        if name in routed:
+            nested.setdefault(routed[name], {})[name] = value
+            continue
         kind, dotted = hints[name], f"{where}.{name}" if where else name
         if dataclasses.is_dataclass(kind):
             kwargs[name] = build_dataclass(typing.cast(type, kind), value, dotted)
         else:
             kwargs[name] = _coerce(kind, value, dotted)
+    for name, values in nested.items():
+        # NOTE: the inlined keys sit in this table, so their messages name it (workers.num_blocks)
+        kwargs[name] = build_dataclass(typing.cast(type, hints[name]), values, where)
     return cls(**kwargs)
 
 

@@ -2,6 +2,10 @@
 `RouterFileConfig` is the file `tsukimi router --config` reads) and a whole local cluster
 (`ClusterConfig`, the file `tsukimi up --config` reads), with the worker roles and dtypes
 they name.
+
+`[workers]` of a cluster file lists the counts per role and, flat beside them, the settings
+every worker shares: they build `ClusterWorkersConfig.worker`, a `WorkerConfig` that
+`tsukimi up` copies per worker with that worker's name, role, port and master.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from tsukimi.config.loader import require
+from tsukimi.config.loader import INLINE_KEYS, require
 from tsukimi.config.scheduling import ConductorConfig
 from tsukimi.errors import ConfigError
 
@@ -19,6 +23,10 @@ ROLES: tuple[str, ...] = get_args(Role)
 DTypeName = Literal["float32", "bfloat16"]
 DTYPE_NAMES: tuple[str, ...] = get_args(DTypeName)
 ClusterMode = Literal["pd", "colocated"]
+# NOTE: what `[workers]` may set of each worker's `WorkerConfig`; the cluster sets the rest
+SHARED_WORKER_KEYS = (
+    "block_tokens", "num_blocks", "max_batched_tokens", "segment_bytes", "threads", "dtype", "prefix_caching",
+)  # fmt: skip
 
 
 def _check_port(port: int, where: str) -> None:
@@ -121,26 +129,22 @@ class ClusterMasterConfig:
 @dataclass(frozen=True, slots=True)
 class ClusterWorkersConfig:
     """How many workers of each role (mode "pd" starts prefill + decode, "colocated" the
-    colocated ones) and the settings they share; base_port 0 = free ports, else consecutive
-    ports from there. segment_bytes: memory each PD worker contributes to the KV pool."""
+    colocated ones); base_port 0 = free ports, else consecutive ports from there.
+
+    worker: the settings every worker shares, written flat in `[workers]` (SHARED_WORKER_KEYS:
+        `num_blocks = 64`, not a table); its name, role, model, host, port and master are set
+        per worker by `tsukimi up`. segment_bytes: memory each PD worker gives the KV pool.
+    """
 
     prefill: int = 1
     decode: int = 1
     colocated: int = 1
     base_port: int = 0
-    block_tokens: int = 16
-    num_blocks: int = 512
-    max_batched_tokens: int = 512
-    segment_bytes: int = 256 << 20
-    threads: int = 1
-    dtype: DTypeName = "float32"
-    prefix_caching: bool = True  # False: no KV reuse at all (local cache or pool): a baseline
+    worker: WorkerConfig = field(default_factory=WorkerConfig, metadata={INLINE_KEYS: SHARED_WORKER_KEYS})
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "decode", "colocated", "segment_bytes"):
+        for name in ("prefill", "decode", "colocated"):
             require(getattr(self, name) >= 0, f"workers.{name} must be >= 0")
-        for name in ("block_tokens", "num_blocks", "max_batched_tokens", "threads"):
-            require(getattr(self, name) >= 1, f"workers.{name} must be >= 1")
         _check_port(self.base_port, "workers.base_port")
 
 

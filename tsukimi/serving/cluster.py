@@ -11,7 +11,8 @@ dies, and when startup fails or times out, every process started gets SIGTERM in
 order (router, workers, master), then SIGKILL after `stop_timeout_s`.
 
 The configuration is a TOML file of `ClusterConfig` (tsukimi/config/serving.py); unknown keys
-are errors, absent ones take the defaults below (ports 0: free ones)::
+are errors, absent ones take the defaults below (ports 0: free ones). Each worker gets the
+settings `[workers]` gives them all (a `WorkerConfig`) with its own name, role, port and master::
 
     model = "smollm2"   # or "tiny", a .gguf path, a Hugging Face directory
     mode = "pd"         # prefill + decode workers over the KV pool, or "colocated"
@@ -29,6 +30,7 @@ are errors, absent ones take the defaults below (ports 0: free ones)::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -48,8 +50,9 @@ from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElaps
 from rich.table import Table
 
 from tsukimi.clock import WallClock
-from tsukimi.config import ClusterConfig
+from tsukimi.config import ClusterConfig, Role
 from tsukimi.errors import PeerError
+from tsukimi.serving.worker_commands import worker_args
 
 logger = logging.getLogger(__name__)
 
@@ -81,28 +84,26 @@ def plan(config: ClusterConfig, port: Callable[[], int] | None = None) -> list[l
     pick = port or (lambda: _free_port(h))
     url_host = f"[{h}]" if ":" in h else h
     groups: list[list[ProcessSpec]] = []
-    shared: tuple[str, ...] = (
-        "--model", config.model, "--dtype", w.dtype, "--host", h, "--threads", str(w.threads),
-        "--block-tokens", str(w.block_tokens), "--num-blocks", str(w.num_blocks),
-        "--max-batched-tokens", str(w.max_batched_tokens),
-        *(() if w.prefix_caching else ("--no-prefix-caching",)),
-    )  # fmt: skip
+    master = ""
     if config.mode == "pd":
         rpc, http = config.master.rpc_port or pick(), config.master.http_port or pick()
         sets = (f'master.host="{h}"', f"master.rpc_port={rpc}", f"master.http_port={http}")
         groups.append(
             [ProcessSpec("master", "master", ("master", *(f"--set={s}" for s in sets)), f"http://{url_host}:{http}")]
         )
-        shared += ("--master", f"tcp://{url_host}:{rpc}", "--segment-bytes", str(w.segment_bytes))
-        roles = ["prefill"] * w.prefill + ["decode"] * w.decode
+        master = f"tcp://{url_host}:{rpc}"
+        counts: list[tuple[Role, int]] = [("prefill", w.prefill), ("decode", w.decode)]
     else:
-        roles = ["colocated"] * w.colocated
+        counts = [("colocated", w.colocated)]
+    roles = [role for role, count in counts for _ in range(count)]
     workers = []
     for i, role in enumerate(roles):
         name = f"{role}-{roles[:i].count(role)}"
         worker_port = w.base_port + i if w.base_port else pick()
-        args = ("worker", "--name", name, "--role", role, "--port", str(worker_port), *shared)
-        workers.append(ProcessSpec(name, role, args, f"http://{url_host}:{worker_port}"))
+        worker = dataclasses.replace(
+            w.worker, name=name, role=role, model=config.model, host=h, port=worker_port, master=master
+        )
+        workers.append(ProcessSpec(name, role, worker_args(worker), f"http://{url_host}:{worker_port}"))
     groups.append(workers)
     listed = ",".join(f"{s.name}={s.role}@{s.url}" for s in workers)
     router_port = config.router.port or pick()
