@@ -12,7 +12,7 @@ import threading
 from rich.console import Console
 
 from tsukimi.errors import TsukimiError
-from tsukimi.serving import router_commands, worker_commands
+from tsukimi.serving import cluster, router_commands, worker_commands
 from tsukimi.sim import commands as sim_commands
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--json", action="store_true")
     sim_commands.add_parser(sub)
     worker_commands.add_parser(sub)
+    cluster.add_parser(sub)
     router_commands.add_parser(sub)
     return parser
 
@@ -237,7 +238,7 @@ def _bench_transfer(args: argparse.Namespace, console: Console) -> None:
 
 def _run_until_signalled(args: argparse.Namespace, console: Console) -> None:
     """`tsukimi master` / `tsukimi holder`: serve until SIGINT or SIGTERM, then clean up."""
-    from tsukimi.config import load_config
+    from tsukimi.config import Config, load
 
     overrides = list(args.set)
     if args.command == "holder":
@@ -245,7 +246,7 @@ def _run_until_signalled(args: argparse.Namespace, console: Console) -> None:
             overrides.append(f'client.master="{args.master}"')
         if args.segment_bytes:
             overrides.append(f"client.segment_bytes={args.segment_bytes[0]}")
-    config = load_config(args.config, overrides)
+    config = load(Config, args.config, overrides)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -271,10 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=bool(getattr(args, "json", False) or getattr(args, "markdown", False)))
     try:
         if args.command == "metadata-server":
-            from tsukimi.config import load_config
+            from tsukimi.config import Config, load
             from tsukimi.transfer.metadata import http
 
-            http.serve(args.host, args.port, secret=load_config(args.config, args.set).security.secret())
+            http.serve(args.host, args.port, secret=load(Config, args.config, args.set).security.secret())
         elif args.command in ("master", "holder"):
             _run_until_signalled(args, console)
         elif args.command == "demo":
@@ -291,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
             _bench_scheduler(args)
         elif args.command == "profile":
             _profile(args, console)
-        elif args.command in ("worker", "up"):
+        elif args.command == "worker":
             worker_commands.run(args, console)
+        elif args.command == "up":
+            cluster.run(args, console)
         elif args.command == "router":
             router_commands.run(args, console)
         elif args.command == "sim":

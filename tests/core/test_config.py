@@ -1,25 +1,40 @@
-"""Config loading: defaults, TOML, overrides, and the errors for each kind of mistake."""
+"""Config loading: defaults, TOML, overrides, and the errors for each kind of mistake, over
+every schema the one loader reads (`Config`, `RouterFileConfig`, `ClusterConfig`, `SimConfig`)."""
 
 from __future__ import annotations
 
+import ast
+import sys
 from pathlib import Path
 
 import pytest
 
-from tsukimi.config import Config, MetadataConfig, TransferConfig, load_config
+import tsukimi.config
+from tsukimi.config import (
+    SHARED_WORKER_KEYS,
+    ClusterConfig,
+    Config,
+    MetadataConfig,
+    RouterFileConfig,
+    SimConfig,
+    TransferConfig,
+    WorkerConfig,
+    load,
+)
 from tsukimi.errors import ConfigError
 
 
 def test_defaults_bind_loopback() -> None:
-    cfg = load_config()
+    cfg = load(Config)
     assert cfg == Config()
     assert cfg.transfer.bind_host == "127.0.0.1" and cfg.metadata.url == "p2p"
+    assert WorkerConfig().host == ClusterConfig().host == "127.0.0.1"
 
 
 def test_toml_then_overrides(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[transfer]\nnum_connections = 2\ntimeout_s = 3\n[metadata]\nurl = "etcd://127.0.0.1:2379"\n')
-    cfg = load_config(path, ["transfer.num_connections=8", "transfer.transport=tcp"])
+    cfg = load(Config, path, ["transfer.num_connections=8", "transfer.transport=tcp"])
     assert cfg.transfer.num_connections == 8 and cfg.transfer.transport == "tcp"
     assert cfg.transfer.timeout_s == 3.0 and isinstance(cfg.transfer.timeout_s, float)
     assert cfg.metadata == MetadataConfig(url="etcd://127.0.0.1:2379")
@@ -30,7 +45,7 @@ def test_toml_then_overrides(tmp_path: Path) -> None:
     [
         (["transfer.bogus=1"], r"unknown key\(s\) \['bogus'\] in transfer"),
         (["nosection.x=1"], r"unknown key\(s\) \['nosection'\]"),
-        (["transfer.transport=rdma"], "must be one of"),
+        (["transfer.transport=no-such thing"], "must be auto or a transport's name"),
         (["transfer.num_connections=0"], "num_connections must be in 1..64"),
         (["transfer.num_connections=two"], "must be int"),
         (["transfer.num_connections=true"], "must be int"),
@@ -42,18 +57,99 @@ def test_toml_then_overrides(tmp_path: Path) -> None:
 )
 def test_mistakes_are_config_errors_naming_the_fix(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+        load(Config, None, overrides)
 
 
 def test_unreadable_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
-        load_config(tmp_path / "missing.toml")
+        load(Config, tmp_path / "missing.toml")
     bad = tmp_path / "bad.toml"
     bad.write_text("[transfer\n")
     with pytest.raises(ConfigError, match="cannot read"):
-        load_config(bad)
+        load(ClusterConfig, bad)
 
 
 def test_config_error_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         TransferConfig(timeout_s=-1)
+
+
+# -- the router's file ------------------------------------------------------------------------
+
+
+def test_router_file_overrides_both_tables(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text('[router]\npolicy = "round_robin"\n[conductor]\nttft_slo_s = 2\n')
+    settings = load(RouterFileConfig, path, ["router.decode_step_s=0.05", "conductor.rejection=early"])
+    assert (settings.router.policy, settings.router.decode_step_s) == ("round_robin", 0.05)
+    assert (settings.conductor.ttft_slo_s, settings.conductor.rejection) == (2.0, "early")
+    assert load(RouterFileConfig) == RouterFileConfig()
+
+
+def test_router_file_bad_key_names_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['nope'\] in router; valid: \[.*'poll_interval_s'"):
+        load(RouterFileConfig, None, ["router.nope=1"])
+    with pytest.raises(
+        ConfigError, match=r"unknown key\(s\) \['transfer'\] in config; valid: \['conductor', 'router'\]"
+    ):
+        load(RouterFileConfig, None, ["transfer.port=1"])
+    with pytest.raises(ConfigError, match=r"section\.key=value"):
+        load(RouterFileConfig, None, ["mode=pd"])
+    with pytest.raises(ConfigError, match=r"router\.mode must be one of"):
+        load(RouterFileConfig, None, ["router.mode=mixed"])
+
+
+# -- the cluster's file -------------------------------------------------------------------------
+
+
+def test_cluster_workers_table_sets_the_shared_worker_config(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text('[workers]\ndecode = 2\nnum_blocks = 64\ndtype = "bfloat16"\n')
+    config = load(ClusterConfig, path, ["model=tiny", "workers.prefix_caching=false", "workers.segment_bytes=1024"])
+    assert (config.model, config.workers.decode, config.workers.prefill) == ("tiny", 2, 1)
+    shared = WorkerConfig(num_blocks=64, dtype="bfloat16", prefix_caching=False, segment_bytes=1024)
+    assert config.workers.worker == shared
+    assert load(ClusterConfig) == ClusterConfig() and ClusterConfig().workers.worker == WorkerConfig()
+
+
+def test_cluster_workers_bad_key_names_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['prefil'\] in workers; valid: \[") as info:
+        load(ClusterConfig, None, ["workers.prefil=1"])
+    valid = {"prefill", "decode", "colocated", "base_port", *SHARED_WORKER_KEYS}
+    assert str(info.value).endswith(str(sorted(valid)))
+    # NOTE: the cluster sets each worker's name, role, port and master; the shared config is flat
+    for key in ("name", "port", "master", "worker.num_blocks"):
+        with pytest.raises(ConfigError, match="unknown key"):
+            load(ClusterConfig, None, [f"workers.{key}=1"])
+
+
+def test_cluster_workers_values_are_checked_where_they_are_written() -> None:
+    with pytest.raises(ConfigError, match=r"workers\.num_blocks must be int"):
+        load(ClusterConfig, None, ["workers.num_blocks='8'"])
+    with pytest.raises(ConfigError, match=r"workers\.dtype must be one of \('float32', 'bfloat16'\)"):
+        load(ClusterConfig, None, ["workers.dtype=float16"])
+    with pytest.raises(ConfigError, match="num_blocks must be >= 1"):
+        load(ClusterConfig, None, ["workers.num_blocks=0"])
+
+
+# -- any dataclass -----------------------------------------------------------------------------
+
+
+def test_sim_config_loads_top_level_keys_and_optional_values() -> None:
+    sim = load(SimConfig, None, ["shape=colocated", "cache_blocks=100", "speed=2"])
+    assert (sim.shape, sim.cache_blocks, sim.speed) == ("colocated", 100, 2.0)
+    with pytest.raises(ConfigError, match="cache_blocks must be int"):
+        load(SimConfig, None, ["cache_blocks=lots"])
+
+
+def test_config_imports_nothing_above_it() -> None:
+    """config is the bottom layer: the standard library, tsukimi.errors and tsukimi.eviction only."""
+    allowed = {"tsukimi.errors", "tsukimi.eviction", "tsukimi.config"}
+    for path in Path(tsukimi.config.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                top = name.split(".")[0]
+                ok = top in sys.stdlib_module_names or any(name.startswith(a) for a in allowed)
+                assert ok, f"{path.name} imports {name}"

@@ -28,12 +28,12 @@ from tests.fuzz.conftest import fuzz_input, fuzz_settings
 from tests.fuzz.raw_clients import http_status
 from tests.fuzz.strategies import EDGE_INTS, HUGE_INTS, NOT_UTF8, mutated, values
 from tsukimi import httpd
-from tsukimi.config import MasterConfig
+from tsukimi.config import MasterConfig, RouterConfig, WorkerConfig
 from tsukimi.engine.tokenizer import ByteTokenizer
 from tsukimi.engine.weights import load_model
 from tsukimi.serving.openai_api import create_app
-from tsukimi.serving.router import Router, RouterConfig, WorkerSpec
-from tsukimi.serving.worker import Worker, WorkerConfig
+from tsukimi.serving.router import Router, WorkerSpec
+from tsukimi.serving.worker import Worker
 from tsukimi.store.master.server import MasterServer
 from tsukimi.transfer.metadata import http as metadata_http
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -14,8 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tsukimi.config import ClusterConfig, WorkerConfig, load
 from tsukimi.errors import ConfigError
-from tsukimi.serving.cluster import ClusterConfig, load_cluster_config, plan
+from tsukimi.serving.cluster import plan
+from tsukimi.serving.worker_commands import add_parser, worker_args, worker_config
 from tsukimi.testing.processes import free_port, wait_until
 
 
@@ -27,9 +31,9 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_config_from_toml_and_overrides(tmp_path: Path) -> None:
     path = write(tmp_path, 'model = "tiny"\n[workers]\ndecode = 2\nnum_blocks = 64\n[router]\nport = 9000\n')
-    config = load_cluster_config(path, ["workers.prefill=3", "mode=pd", "stop_timeout_s=2"])
+    config = load(ClusterConfig, path, ["workers.prefill=3", "mode=pd", "stop_timeout_s=2"])
     assert (config.model, config.mode, config.stop_timeout_s) == ("tiny", "pd", 2.0)
-    assert (config.workers.prefill, config.workers.decode, config.workers.num_blocks) == (3, 2, 64)
+    assert (config.workers.prefill, config.workers.decode, config.workers.worker.num_blocks) == (3, 2, 64)
     assert config.router.port == 9000 and config.master.rpc_port == 0
 
 
@@ -49,7 +53,7 @@ def test_config_from_toml_and_overrides(tmp_path: Path) -> None:
 )
 def test_config_errors_name_the_key(tmp_path: Path, text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        load_cluster_config(write(tmp_path, text))
+        load(ClusterConfig, write(tmp_path, text))
 
 
 def test_plan_pd_starts_master_then_workers_then_router() -> None:
@@ -71,11 +75,41 @@ def test_plan_pd_starts_master_then_workers_then_router() -> None:
 
 
 def test_plan_colocated_has_no_master() -> None:
-    config = load_cluster_config(None, ["mode=colocated", "workers.colocated=2", "workers.base_port=9100"])
+    config = load(ClusterConfig, None, ["mode=colocated", "workers.colocated=2", "workers.base_port=9100"])
     groups = plan(config, lambda: 1)
     assert [[s.name for s in g] for g in groups] == [["colocated-0", "colocated-1"], ["router"]]
     assert [s.url for s in groups[0]] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
     assert "--master" not in groups[0][0].args
+
+
+def parse_worker(args: tuple[str, ...]) -> WorkerConfig:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    return worker_config(parser.parse_args(list(args)))
+
+
+def test_worker_args_are_the_inverse_of_the_worker_command() -> None:
+    config = WorkerConfig(
+        name="d1", role="decode", model="tiny", host="::1", port=9002, block_tokens=8, num_blocks=64,
+        max_batched_tokens=128, master="tcp://[::1]:1", segment_bytes=1 << 20, threads=2, dtype="bfloat16",
+        prefix_caching=False,
+    )  # fmt: skip
+    assert parse_worker(worker_args(config)) == config
+    assert parse_worker(("worker",)) == WorkerConfig() == parse_worker(worker_args(WorkerConfig()))
+
+
+def test_plan_gives_every_worker_the_shared_settings() -> None:
+    overrides = ["model=tiny", "workers.num_blocks=64", "workers.prefix_caching=false", "workers.decode=2"]
+    config = load(ClusterConfig, None, overrides)
+    ports = itertools.count(7001)
+    _, workers, _ = plan(config, lambda: next(ports))
+    shared = dataclasses.replace(config.workers.worker, model="tiny", master="tcp://127.0.0.1:7001")
+    assert [parse_worker(s.args) for s in workers] == [
+        dataclasses.replace(shared, name="prefill-0", role="prefill", port=7003),
+        dataclasses.replace(shared, name="decode-0", role="decode", port=7004),
+        dataclasses.replace(shared, name="decode-1", role="decode", port=7005),
+    ]
+    assert "--no-prefix-caching" in workers[0].args
 
 
 def up(tmp_path: Path, text: str) -> subprocess.Popen[bytes]:

@@ -308,8 +308,9 @@ def test_metrics(serve: Serve) -> None:
 def test_real_workers_pd_matches_colocated() -> None:
     """The real engine behind the API: greedy PD (prefill worker -> KV pool -> decode worker)
     gives the colocated worker's text, and the prompt's blocks are then reused."""
+    from tsukimi.config import WorkerConfig
     from tsukimi.engine.weights import load_model
-    from tsukimi.serving.worker import Worker, WorkerConfig
+    from tsukimi.serving.worker import Worker
     from tsukimi.testing.deployments import TsukimiCluster
 
     tiny = load_model("tiny")

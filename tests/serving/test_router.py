@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from tsukimi import httpd
-from tsukimi.config import ConductorConfig
+from tsukimi.config import ConductorConfig, RouterConfig, RouterFileConfig, load
 from tsukimi.errors import (
     ConfigError,
     DuplicateRequest,
@@ -35,8 +35,8 @@ from tsukimi.errors import (
 )
 from tsukimi.scheduler.block_hash import hash_blocks
 from tsukimi.serving.protocol import ErrorReply, GenerateRequest, error_reply
-from tsukimi.serving.router import Router, RouterConfig, TokenEvent
-from tsukimi.serving.router_commands import add_parser, load_router_config, parse_workers
+from tsukimi.serving.router import Router, TokenEvent, cost_model
+from tsukimi.serving.router_commands import add_parser, parse_workers
 from tsukimi.serving.worker_client import WorkerSpec
 from tsukimi.testing.processes import free_port
 
@@ -223,19 +223,20 @@ def test_parse_workers_and_modes() -> None:
         Router([])
 
 
-def test_load_router_config_reads_tables_and_overrides(tmp_path: object) -> None:
+def test_router_file_reads_tables_and_overrides(tmp_path: object) -> None:
     from pathlib import Path
 
     path = Path(str(tmp_path)) / "router.toml"
     path.write_text('[router]\nmode = "pd"\ndecode_step_s = 0.05\n[conductor]\nttft_slo_s = 2\n')
-    router, conductor = load_router_config(path, ["router.poll_interval_s=0.25", "conductor.rejection=early"])
+    settings = load(RouterFileConfig, path, ["router.poll_interval_s=0.25", "conductor.rejection=early"])
+    router, conductor = settings.router, settings.conductor
     assert (router.mode, router.decode_step_s, router.poll_interval_s) == ("pd", 0.05, 0.25)
     assert (conductor.ttft_slo_s, conductor.rejection) == (2.0, "early")
-    assert router.cost_model().decode_step_s(1, 0) == pytest.approx(0.05)
+    assert cost_model(router).decode_step_s(1, 0) == pytest.approx(0.05)
     with pytest.raises(ConfigError, match="unknown key"):
-        load_router_config(None, ["router.nope=1"])
+        load(RouterFileConfig, None, ["router.nope=1"])
     with pytest.raises(ConfigError, match="must be > 0"):
-        load_router_config(None, ["router.read_timeout_s=0"])
+        load(RouterFileConfig, None, ["router.read_timeout_s=0"])
 
 
 def test_router_command_arguments() -> None:
@@ -245,8 +246,8 @@ def test_router_command_arguments() -> None:
                               "--set", "router.policy=round_robin", "--set", "conductor.ttft_slo_s=5"])  # fmt: skip
     assert (args.command, args.host, args.port, args.model, args.mode, args.config) == (
         "router", "127.0.0.1", 8000, "tiny", "colocated", None)  # fmt: skip
-    router, conductor = load_router_config(args.config, args.set)
-    assert (router.policy, conductor.ttft_slo_s) == ("round_robin", 5.0)
+    settings = load(RouterFileConfig, args.config, args.set)
+    assert (settings.router.policy, settings.conductor.ttft_slo_s) == ("round_robin", 5.0)
 
 
 # -- colocated ------------------------------------------------------------------------------

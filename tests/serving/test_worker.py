@@ -12,12 +12,13 @@ import httpx
 import pytest
 import torch
 
+from tsukimi.config import WorkerConfig
 from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import LoadedModel, load_model
 from tsukimi.errors import ConfigError
-from tsukimi.serving.worker import Worker, WorkerConfig
+from tsukimi.serving.worker import Worker
 from tsukimi.testing.deployments import TsukimiCluster
 from tsukimi.testing.processes import wait_until
 

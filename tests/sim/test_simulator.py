@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tsukimi.config import ConductorConfig
+from tsukimi.config import ConductorConfig, SimConfig
 from tsukimi.scheduler.cost_model import LinearCostModel
 from tsukimi.sim.report import Slo, decode_load, percentile, summarize
-from tsukimi.sim.simulator import SimConfig, simulate
+from tsukimi.sim.simulator import simulate
 from tsukimi.sim.trace import TraceRequest
 
 # prefill 1 ms per token; decode step 10 ms + 1 us per context token; KV: 1 byte per token

@@ -17,7 +17,7 @@ import pytest
 
 from tests.store.procs import Master, Proc, ProcessGroup, Record, key_states, process_group, read_records, wait_for
 from tests.store.workload import value_of
-from tsukimi.config import Config, load_config
+from tsukimi.config import Config, load
 from tsukimi.errors import ChecksumMismatch, TransferError, TsukimiError
 from tsukimi.store.client import StoreClient
 from tsukimi.testing.processes import free_port
@@ -54,7 +54,7 @@ class Cluster:
 
     def client(self, *extra: str) -> StoreClient:
         """A store client in the test process, configured like the processes."""
-        config = load_config(None, [*self.settings, *extra])
+        config = load(Config, None, [*self.settings, *extra])
         return StoreClient(replace(config, client=replace(config.client, master=self.master.rpc_url)))
 
     def segments_of(self, te_segment: str) -> list[Record]:

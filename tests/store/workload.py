@@ -38,7 +38,7 @@ from typing import TextIO
 
 import msgspec
 
-from tsukimi.config import Config, load_config
+from tsukimi.config import Config, load
 from tsukimi.errors import (
     BrokenConnectionError,
     InvalidArgument,
@@ -151,7 +151,7 @@ class Workload:
 
 
 def _config(master: str, settings: list[str]) -> Config:
-    config = load_config(None, settings)
+    config = load(Config, None, settings)
     return replace(config, client=replace(config.client, master=master))
 
 

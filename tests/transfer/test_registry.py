@@ -3,11 +3,12 @@ one is built by every engine, tried by rank under "auto", and can be forced by n
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import pytest
 
-from tsukimi.config import Config, MetadataConfig
+from tsukimi.config import Config, MetadataConfig, TransferConfig
 from tsukimi.errors import ConfigError
 from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
 from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
@@ -77,3 +78,5 @@ def test_unknown_and_reserved_names_are_refused(recording: list[RecordingTranspo
     cfg = Config(metadata=MetadataConfig(url=f"memory://{uuid.uuid4().hex}"))
     with TransferEngine("a", cfg) as engine, pytest.raises(ConfigError, match="recording, shm, cma, tcp"):
         engine.open_segment("a", transport="rdma")
+    with pytest.raises(ConfigError, match="transfer.transport must be one of auto, recording, shm, cma, tcp"):
+        TransferEngine("b", dataclasses.replace(cfg, transfer=TransferConfig(transport="rdma")))

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tsukimi.config import ConductorConfig
+from tsukimi.config import ConductorConfig, SimConfig
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import RooflineCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
-from tsukimi.sim.simulator import SimConfig, simulate
+from tsukimi.sim.simulator import simulate
 from tsukimi.sim.trace import TraceRequest, load_trace
 
 

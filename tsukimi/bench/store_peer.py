@@ -40,7 +40,7 @@ class StoreAdapter(Protocol):
 
 class TsukimiStoreAdapter:
     def __init__(self, master_addr: str, buffer_bytes: int, transport: str = "auto") -> None:
-        cfg = replace(Config(), transfer=TransferConfig(transport=transport), client=ClientConfig(master=master_addr))  # type: ignore[arg-type]
+        cfg = replace(Config(), transfer=TransferConfig(transport=transport), client=ClientConfig(master=master_addr))
         self.client = StoreClient(cfg)
         self.src = np.zeros(buffer_bytes, np.uint8)
         self.dst = np.zeros(buffer_bytes, np.uint8)

@@ -108,7 +108,7 @@ class MooncakeDistributedStore:
             url = "p2p" if metadata_server.upper() in ("P2PHANDSHAKE", "") else metadata_server
             transport = "tcp" if protocol == "tcp-only" else "auto"
             config = Config(
-                transfer=TransferConfig(transport=transport),  # type: ignore[arg-type]
+                transfer=TransferConfig(transport=transport),
                 metadata=MetadataConfig(url=url),
                 client=ClientConfig(master=f"tcp://{master_server_addr}", segment_bytes=global_segment_size),
             )

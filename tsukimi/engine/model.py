@@ -22,18 +22,18 @@ import json
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tsukimi.config import DTYPE_NAMES, DTypeName
 from tsukimi.errors import ConfigError, InvalidArgument
 
 logger = logging.getLogger(__name__)
 
-DTypeName = Literal["float32", "bfloat16"]
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass(frozen=True, slots=True)

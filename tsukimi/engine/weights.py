@@ -32,7 +32,8 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
-from tsukimi.engine.model import DTYPES, DTypeName, LlamaModel, ModelConfig
+from tsukimi.config import DTypeName
+from tsukimi.engine.model import DTYPES, LlamaModel, ModelConfig
 from tsukimi.errors import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -10,8 +10,9 @@ LOG_DIR/NAME.log, and are stopped by the supervisor: on Ctrl-C or SIGTERM, when 
 dies, and when startup fails or times out, every process started gets SIGTERM in reverse
 order (router, workers, master), then SIGKILL after `stop_timeout_s`.
 
-The configuration is a TOML file of `ClusterConfig`; unknown keys are errors, absent ones
-take the defaults below (ports 0: free ones)::
+The configuration is a TOML file of `ClusterConfig` (tsukimi/config/serving.py); unknown keys
+are errors, absent ones take the defaults below (ports 0: free ones). Each worker gets the
+settings `[workers]` gives them all (a `WorkerConfig`) with its own name, role, port and master::
 
     model = "smollm2"   # or "tiny", a .gguf path, a Hugging Face directory
     mode = "pd"         # prefill + decode workers over the KV pool, or "colocated"
@@ -29,6 +30,8 @@ take the defaults below (ports 0: free ones)::
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -38,10 +41,9 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import httpx
 from rich.console import Console
@@ -49,104 +51,11 @@ from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElaps
 from rich.table import Table
 
 from tsukimi.clock import WallClock
-from tsukimi.config import build_dataclass, read_settings
-from tsukimi.errors import ConfigError, PeerError
+from tsukimi.config import ClusterConfig, Role, load
+from tsukimi.errors import PeerError
+from tsukimi.serving.worker_commands import worker_args
 
 logger = logging.getLogger(__name__)
-
-ClusterMode = Literal["pd", "colocated"]
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def _check_port(port: int, where: str) -> None:
-    _require(0 <= port <= 65535, f"{where} must be in 0..65535 (0 = a free port), got {port}")
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterMasterConfig:
-    """The store master's ports (0 = a free port)."""
-
-    rpc_port: int = 0
-    http_port: int = 0
-
-    def __post_init__(self) -> None:
-        _check_port(self.rpc_port, "master.rpc_port")
-        _check_port(self.http_port, "master.http_port")
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterWorkersConfig:
-    """How many workers of each role (mode "pd" starts prefill + decode, "colocated" the
-    colocated ones) and the settings they share; base_port 0 = free ports, else consecutive
-    ports from there. segment_bytes: memory each PD worker contributes to the KV pool."""
-
-    prefill: int = 1
-    decode: int = 1
-    colocated: int = 1
-    base_port: int = 0
-    block_tokens: int = 16
-    num_blocks: int = 512
-    max_batched_tokens: int = 512
-    segment_bytes: int = 256 << 20
-    threads: int = 1
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    prefix_caching: bool = True  # False: no KV reuse at all (local cache or pool): a baseline
-
-    def __post_init__(self) -> None:
-        for name in ("prefill", "decode", "colocated", "segment_bytes"):
-            _require(getattr(self, name) >= 0, f"workers.{name} must be >= 0")
-        for name in ("block_tokens", "num_blocks", "max_batched_tokens", "threads"):
-            _require(getattr(self, name) >= 1, f"workers.{name} must be >= 1")
-        _check_port(self.base_port, "workers.base_port")
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterRouterConfig:
-    """Where the OpenAI API listens; served_model_name "" = the model spec."""
-
-    port: int = 8000
-    served_model_name: str = ""
-
-    def __post_init__(self) -> None:
-        _check_port(self.port, "router.port")
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterConfig:
-    """`tsukimi up`. log_dir "" = a new temporary directory."""
-
-    model: str = "smollm2"
-    mode: ClusterMode = "pd"
-    host: str = "127.0.0.1"
-    log_dir: str = ""
-    startup_timeout_s: float = 300.0
-    stop_timeout_s: float = 10.0
-    master: ClusterMasterConfig = field(default_factory=ClusterMasterConfig)
-    workers: ClusterWorkersConfig = field(default_factory=ClusterWorkersConfig)
-    router: ClusterRouterConfig = field(default_factory=ClusterRouterConfig)
-
-    def __post_init__(self) -> None:
-        _require(self.mode in ("pd", "colocated"), f"mode must be pd or colocated, got {self.mode!r}")
-        _require(self.startup_timeout_s > 0 and self.stop_timeout_s > 0, "the timeouts must be > 0")
-        w = self.workers
-        if self.mode == "pd":
-            _require(w.prefill >= 1 and w.decode >= 1, "mode pd needs workers.prefill >= 1 and workers.decode >= 1")
-        else:
-            _require(w.colocated >= 1, "mode colocated needs workers.colocated >= 1")
-
-
-def load_cluster_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> ClusterConfig:
-    """Defaults, then the TOML file, then `key=value` / `section.key=value` overrides.
-
-    Raises:
-        ConfigError: an unreadable file, an unknown key or section, a bad value.
-    """
-    data = read_settings(path, overrides, top_level_keys=True)
-    return build_dataclass(ClusterConfig, data, "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,28 +85,26 @@ def plan(config: ClusterConfig, port: Callable[[], int] | None = None) -> list[l
     pick = port or (lambda: _free_port(h))
     url_host = f"[{h}]" if ":" in h else h
     groups: list[list[ProcessSpec]] = []
-    shared: tuple[str, ...] = (
-        "--model", config.model, "--dtype", w.dtype, "--host", h, "--threads", str(w.threads),
-        "--block-tokens", str(w.block_tokens), "--num-blocks", str(w.num_blocks),
-        "--max-batched-tokens", str(w.max_batched_tokens),
-        *(() if w.prefix_caching else ("--no-prefix-caching",)),
-    )  # fmt: skip
+    master = ""
     if config.mode == "pd":
         rpc, http = config.master.rpc_port or pick(), config.master.http_port or pick()
         sets = (f'master.host="{h}"', f"master.rpc_port={rpc}", f"master.http_port={http}")
         groups.append(
             [ProcessSpec("master", "master", ("master", *(f"--set={s}" for s in sets)), f"http://{url_host}:{http}")]
         )
-        shared += ("--master", f"tcp://{url_host}:{rpc}", "--segment-bytes", str(w.segment_bytes))
-        roles = ["prefill"] * w.prefill + ["decode"] * w.decode
+        master = f"tcp://{url_host}:{rpc}"
+        counts: list[tuple[Role, int]] = [("prefill", w.prefill), ("decode", w.decode)]
     else:
-        roles = ["colocated"] * w.colocated
+        counts = [("colocated", w.colocated)]
+    roles = [role for role, count in counts for _ in range(count)]
     workers = []
     for i, role in enumerate(roles):
         name = f"{role}-{roles[:i].count(role)}"
         worker_port = w.base_port + i if w.base_port else pick()
-        args = ("worker", "--name", name, "--role", role, "--port", str(worker_port), *shared)
-        workers.append(ProcessSpec(name, role, args, f"http://{url_host}:{worker_port}"))
+        worker = dataclasses.replace(
+            w.worker, name=name, role=role, model=config.model, host=h, port=worker_port, master=master
+        )
+        workers.append(ProcessSpec(name, role, worker_args(worker), f"http://{url_host}:{worker_port}"))
     groups.append(workers)
     listed = ",".join(f"{s.name}={s.role}@{s.url}" for s in workers)
     router_port = config.router.port or pick()
@@ -415,3 +322,27 @@ def _summary(supervisor: Supervisor) -> Table:
     for child in supervisor.children:
         table.add_row(child.spec.name, child.spec.role, str(child.proc.pid), child.spec.url)
     return table
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `tsukimi up` on the CLI's subparsers (mutates `sub`)."""
+    up = sub.add_parser("up", help="start a local cluster (store master, workers, router) and supervise it")
+    up.add_argument("--config", help="a TOML file of ClusterConfig (see tsukimi/serving/cluster.py)")
+    up.add_argument("--set", action="append", default=[], metavar="[SECTION.]KEY=VALUE", help="override a setting")
+    up.add_argument("--model", help="the model spec for every worker and the router (default: smollm2)")
+    up.add_argument("--mode", choices=("pd", "colocated"), help="prefill + decode workers, or colocated ones")
+    up.add_argument("--port", type=int, help="the OpenAI API's port (default 8000)")
+    up.add_argument("--state-file", help="once up, write the processes' names, pids and URLs here (JSON)")
+
+
+def run(args: argparse.Namespace, console: Console) -> None:
+    """Run `tsukimi up` in the foreground until SIGINT or SIGTERM.
+
+    Raises:
+        ConfigError: bad settings. PeerError: a process died or did not start in time.
+    """
+    overrides = list(args.set)
+    overrides += [f'model="{args.model}"'] if args.model else []
+    overrides += [f'mode="{args.mode}"'] if args.mode else []
+    overrides += [f"router.port={args.port}"] if args.port is not None else []
+    run_cluster(load(ClusterConfig, args.config, overrides), console, args.state_file)

@@ -17,10 +17,11 @@ these types; neither defines its own.
 from __future__ import annotations
 
 import contextlib
-from typing import Literal, get_args
+from typing import Literal
 
 import msgspec
 
+from tsukimi.config import ROLES, Role
 from tsukimi.errors import (
     ClosedError,
     DuplicateRequest,
@@ -49,8 +50,6 @@ __all__ = [
     "raise_error",
 ]
 
-Role = Literal["colocated", "prefill", "decode"]
-ROLES: tuple[str, ...] = get_args(Role)
 FinishReason = Literal["stop", "length"]
 
 # NOTE: the first class that matches wins: subclasses before their bases.

@@ -40,7 +40,7 @@ from typing import Literal, cast
 import msgspec
 
 from tsukimi.clock import Clock, WallClock
-from tsukimi.config import ConductorConfig
+from tsukimi.config import ROLES, ConductorConfig, RouterConfig
 from tsukimi.errors import ConfigError, Rejected, WorkerUnavailable
 from tsukimi.retry import Retry
 from tsukimi.scheduler.baselines import make_router
@@ -48,7 +48,7 @@ from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import CostModel, LinearCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
-from tsukimi.serving.protocol import ROLES, FinishReason, GenerateRequest
+from tsukimi.serving.protocol import FinishReason, GenerateRequest
 from tsukimi.serving.worker_client import POOL, WorkerClient, WorkerHandle, WorkerSpec, WorkerStatus
 
 logger = logging.getLogger(__name__)
@@ -74,53 +74,16 @@ class TokenEvent:
     worker: str
 
 
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    """The router (`[router]` in the TOML file).
-
-    mode: "auto" (colocated when every worker is colocated, pd when they are prefill and
-        decode workers), "colocated" or "pd". policy: the colocated baseline router.
-    block_tokens / decode_capacity_tokens: 0 = ask the workers (/health, /load).
-    prefill_*_s / decode_*_s / kv_bytes_per_token: the `LinearCostModel` the Conductor
-        estimates with; the defaults suit the small CPU model (0.5 ms per prompt token, 20 ms
-        per decode step).
-    """
-
-    mode: Literal["auto", "colocated", "pd"] = "auto"
-    policy: Literal["least_load", "round_robin"] = "least_load"
-    poll_interval_s: float = 0.5
-    connect_timeout_s: float = 2.0
-    read_timeout_s: float = 60.0
-    startup_timeout_s: float = 10.0
-    block_tokens: int = 0
-    decode_capacity_tokens: int = 0
-    prefill_base_s: float = 0.005
-    prefill_token_s: float = 0.0005
-    prefill_pair_s: float = 0.0
-    decode_step_s: float = 0.02
-    decode_request_s: float = 0.0
-    decode_context_token_s: float = 0.0
-    kv_bytes_per_token: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("auto", "colocated", "pd") or self.policy not in ("least_load", "round_robin"):
-            raise ConfigError(f"router.mode must be auto, colocated or pd and router.policy least_load or round_robin, "
-                              f"got {self.mode!r} and {self.policy!r}")  # fmt: skip
-        for f in dataclasses.fields(self):
-            value, positive = getattr(self, f.name), f.name.endswith(("timeout_s", "interval_s", "per_token"))
-            if isinstance(value, (int, float)) and (value <= 0 if positive else value < 0):
-                raise ConfigError(f"router.{f.name} must be {'> 0' if positive else '>= 0'}, got {value}")
-
-    def cost_model(self) -> CostModel:
-        """The Conductor's cost model built from the coefficients (pure)."""
-        model = LinearCostModel(
-            (self.prefill_base_s, self.prefill_token_s, self.prefill_pair_s),
-            (self.decode_step_s, self.decode_request_s, self.decode_context_token_s),
-            self.kv_bytes_per_token,
-        )
-        # NOTE: CostModel declares kv_bytes_per_token as a plain (settable) attribute, which a
-        # frozen dataclass's field does not satisfy for mypy; the Conductor only reads it.
-        return cast(CostModel, model)
+def cost_model(config: RouterConfig) -> CostModel:
+    """The Conductor's cost model built from the router's coefficients (pure)."""
+    model = LinearCostModel(
+        (config.prefill_base_s, config.prefill_token_s, config.prefill_pair_s),
+        (config.decode_step_s, config.decode_request_s, config.decode_context_token_s),
+        config.kv_bytes_per_token,
+    )
+    # NOTE: CostModel declares kv_bytes_per_token as a plain (settable) attribute, which a
+    # frozen dataclass's field does not satisfy for mypy; the Conductor only reads it.
+    return cast(CostModel, model)
 
 
 class Router:
@@ -332,7 +295,7 @@ class Router:
             capacity = min((b for b in known if b > 0), default=0) * self.block_tokens or DEFAULT_DECODE_CAPACITY_TOKENS
         conductor = dataclasses.replace(self._conductor_config, block_tokens=self.block_tokens)
         names = {role: [w.spec.name for w in self._workers.values() if w.spec.role == role] for role in ROLES}
-        return Conductor(conductor, self.config.cost_model(), self.index, names["prefill"], names["decode"], capacity)
+        return Conductor(conductor, cost_model(self.config), self.index, names["prefill"], names["decode"], capacity)
 
 
 def _resolve_mode(mode: str, workers: Sequence[WorkerSpec]) -> Literal["colocated", "pd"]:

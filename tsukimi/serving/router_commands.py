@@ -2,23 +2,20 @@
 
     tsukimi router --model tiny --workers p0=prefill@http://127.0.0.1:9001,d0=decode@http://127.0.0.1:9002
 
-`--config` reads a TOML file whose `[router]` table is `RouterConfig` and whose other tables
-are the package `Config` (only `[conductor]` matters here); `--set section.key=value`
-overrides either. The router loads only the model's tokenizer, never its weights.
+`--config` reads a TOML file of `RouterFileConfig`: a `[router]` table (`RouterConfig`) and a
+`[conductor]` table (`ConductorConfig`); `--set section.key=value` overrides either. The
+router loads only the model's tokenizer, never its weights.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Iterable
-from pathlib import Path
 
 from rich.console import Console
 
-from tsukimi.config import ConductorConfig, Config, build_dataclass, read_settings
+from tsukimi.config import RouterFileConfig, load
 from tsukimi.errors import ConfigError
-from tsukimi.serving.router import RouterConfig
 from tsukimi.serving.worker_client import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -50,9 +47,9 @@ def run(args: argparse.Namespace, console: Console) -> None:
 
     workers = parse_workers(args.workers)
     overrides = [*args.set, *([f"router.mode={args.mode}"] if args.mode else [])]
-    router_config, conductor_config = load_router_config(args.config, overrides)
+    settings = load(RouterFileConfig, args.config, overrides)
     tokenizer = load_tokenizer(args.model)
-    router = Router(workers, router_config, conductor_config)
+    router = Router(workers, settings.router, settings.conductor)
     name = args.served_model_name or args.model
     app = create_app(router, tokenizer, name)
     roles = ", ".join(f"{w.name} ({w.role})" for w in workers)
@@ -78,17 +75,3 @@ def parse_workers(text: str) -> list[WorkerSpec]:
     if len({s.name for s in specs}) != len(specs):
         raise ConfigError(f"duplicate worker names in {text!r}")
     return specs
-
-
-def load_router_config(
-    path: str | Path | None = None, overrides: Iterable[str] = ()
-) -> tuple[RouterConfig, ConductorConfig]:
-    """The router's and the Conductor's settings: defaults, then the TOML file, then
-    `section.key=value` overrides (pure apart from reading the file).
-
-    Raises:
-        ConfigError: an unreadable file, an unknown section or key, a bad value.
-    """
-    data = read_settings(path, overrides)
-    router = build_dataclass(RouterConfig, data.pop("router", {}), "router")
-    return router, build_dataclass(Config, data, "").conductor

@@ -28,7 +28,6 @@ import logging
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import msgspec
 from fastapi import FastAPI, Request, Response
@@ -37,53 +36,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
 from tsukimi import httpd
+from tsukimi.config import WorkerConfig
 from tsukimi.engine.engine import LLMEngine, StepOutput
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.kv_pool import KVFormat, StoreKVConnector
-from tsukimi.engine.model import DTYPES, DTypeName
 from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import LoadedModel, load_model
-from tsukimi.errors import ClosedError, ConfigError, InvalidArgument, TsukimiError, WorkerUnavailable
+from tsukimi.errors import ClosedError, InvalidArgument, TsukimiError, WorkerUnavailable
 from tsukimi.serving.engine_thread import AbortCommand, AddCommand, EngineThread, RequestStream, Verdict, WorkerMetrics
-from tsukimi.serving.protocol import ROLES, ErrorReply, GenerateRequest, Health, Role, TokenChunk, error_reply
+from tsukimi.serving.protocol import ErrorReply, GenerateRequest, Health, TokenChunk, error_reply
 from tsukimi.store.client import StoreClient
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    """One worker. port 0 = ephemeral. master (tcp://HOST:PORT) and segment_bytes (memory this
-    worker contributes to the KV pool) matter for the prefill and decode roles only. threads:
-    torch's intra-op threads (process-wide)."""
-
-    name: str = "worker-0"
-    role: Role = "colocated"
-    model: str = "smollm2"
-    host: str = "127.0.0.1"
-    port: int = 0
-    block_tokens: int = 16
-    num_blocks: int = 512
-    max_batched_tokens: int = 512
-    master: str = ""
-    segment_bytes: int = 256 << 20
-    threads: int = 1
-    dtype: DTypeName = "float32"
-    prefix_caching: bool = True  # False: compute every prompt in full (the no-reuse baseline)
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ConfigError(f"worker role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"worker dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"worker port must be in 0..65535, got {self.port}")
-        for name, low in (("block_tokens", 1), ("num_blocks", 1), ("max_batched_tokens", 1), ("threads", 1),
-                          ("segment_bytes", 0)):  # fmt: skip
-            if getattr(self, name) < low:
-                raise ConfigError(f"worker {name} must be >= {low}, got {getattr(self, name)}")
-        if self.role != "colocated" and not self.master.startswith("tcp://"):
-            raise ConfigError(f"a {self.role} worker needs the store master as tcp://HOST:PORT, got {self.master!r}")
 
 
 class _TokenStream(StreamingResponse):

@@ -3,7 +3,9 @@
     tsukimi worker --role prefill --model smollm2 --port 9001 --master tcp://127.0.0.1:50051
     tsukimi up [--config cluster.toml] [--model tiny] [--mode colocated] [--set workers.decode=2]
 
-Importing this module is cheap: torch and the engine load only when a worker runs.
+`worker_config` (flags -> `WorkerConfig`) and `worker_args` (`WorkerConfig` -> flags) are the
+one mapping between the two; `tsukimi up` starts its workers with `worker_args`. Importing this
+module is cheap: torch and the engine load only when a worker runs.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import logging
 
 from rich.console import Console
 
+from tsukimi.config import DTYPE_NAMES, ROLES, WorkerConfig
+
 logger = logging.getLogger(__name__)
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-ROLE_CHOICES = ("colocated", "prefill", "decode")  # tsukimi.serving.worker.ROLES, without importing torch
 
 
 def _size(text: str) -> int:
@@ -30,61 +33,70 @@ def _size(text: str) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register `tsukimi worker` and `tsukimi up` on the CLI's subparsers (mutates `sub`)."""
+    """Register `tsukimi worker` on the CLI's subparsers (mutates `sub`)."""
     worker = sub.add_parser("worker", help="run one inference worker (the router's internal HTTP API)")
-    worker.add_argument("--name", default="worker-0", help="the worker's name (in /health and the router)")
-    worker.add_argument("--role", choices=ROLE_CHOICES, default="colocated")
-    worker.add_argument("--model", default="smollm2", help="tiny, tiny:SEED, smollm2, PATH.gguf or a HF directory")
-    worker.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    worker.add_argument("--host", default="127.0.0.1")
-    worker.add_argument("--port", type=int, default=0, help="0 = an ephemeral port (printed once serving)")
-    worker.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block")
-    worker.add_argument("--num-blocks", type=int, default=512, help="KV cache size in blocks")
-    worker.add_argument("--max-batched-tokens", type=int, default=512, help="tokens per forward at most")
-    worker.add_argument("--master", default="", help="the store master, tcp://HOST:PORT (prefill and decode roles)")
-    worker.add_argument("--segment-bytes", type=_size, default=256 << 20, help="memory given to the KV pool, e.g. 1G")
-    worker.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    d = WorkerConfig()
+    worker.add_argument("--name", default=d.name, help="the worker's name (in /health and the router)")
+    worker.add_argument("--role", choices=ROLES, default=d.role)
+    worker.add_argument("--model", default=d.model, help="tiny, tiny:SEED, smollm2, PATH.gguf or a HF directory")
+    worker.add_argument("--dtype", choices=DTYPE_NAMES, default=d.dtype)
+    worker.add_argument("--host", default=d.host)
+    worker.add_argument("--port", type=int, default=d.port, help="0 = an ephemeral port (printed once serving)")
+    worker.add_argument("--block-tokens", type=int, default=d.block_tokens, help="tokens per KV block")
+    worker.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV cache size in blocks")
+    worker.add_argument(
+        "--max-batched-tokens", type=int, default=d.max_batched_tokens, help="tokens per forward at most"
+    )
+    worker.add_argument(
+        "--master", default=d.master, help="the store master, tcp://HOST:PORT (prefill and decode roles)"
+    )
+    worker.add_argument(
+        "--segment-bytes", type=_size, default=d.segment_bytes, help="memory given to the KV pool, e.g. 1G"
+    )
+    worker.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads")
     worker.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
-
-    up = sub.add_parser("up", help="start a local cluster (store master, workers, router) and supervise it")
-    up.add_argument("--config", help="a TOML file of ClusterConfig (see tsukimi/serving/cluster.py)")
-    up.add_argument("--set", action="append", default=[], metavar="[SECTION.]KEY=VALUE", help="override a setting")
-    up.add_argument("--model", help="the model spec for every worker and the router (default: smollm2)")
-    up.add_argument("--mode", choices=("pd", "colocated"), help="prefill + decode workers, or colocated ones")
-    up.add_argument("--port", type=int, help="the OpenAI API's port (default 8000)")
-    up.add_argument("--state-file", help="once up, write the processes' names, pids and URLs here (JSON)")
 
 
 def run(args: argparse.Namespace, console: Console) -> None:
-    """Run `tsukimi worker` or `tsukimi up` in the foreground until SIGINT or SIGTERM.
+    """Run `tsukimi worker` in the foreground until SIGINT or SIGTERM.
 
     Raises:
-        ConfigError: bad settings or model spec.
-        PeerError: (up) a process died or did not start in time; (worker) the store failed.
+        ConfigError: bad settings or model spec. PeerError: the store failed.
     """
-    if args.command == "worker":
-        _worker(args, console)
-    elif args.command == "up":
-        from tsukimi.serving.cluster import load_cluster_config, run_cluster
-
-        overrides = list(args.set)
-        overrides += [f'model="{args.model}"'] if args.model else []
-        overrides += [f'mode="{args.mode}"'] if args.mode else []
-        overrides += [f"router.port={args.port}"] if args.port is not None else []
-        run_cluster(load_cluster_config(args.config, overrides), console, args.state_file)
-    else:
-        raise ValueError(f"not a serving command: {args.command!r}")
+    _worker(args, console)
 
 
-def _worker(args: argparse.Namespace, console: Console) -> None:
-    from tsukimi.serving.worker import Worker, WorkerConfig, run_worker
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """The `WorkerConfig` that parsed `tsukimi worker` flags describe (pure).
 
-    config = WorkerConfig(
+    Raises:
+        ConfigError: an invalid combination (e.g. a prefill worker without --master).
+    """
+    return WorkerConfig(
         name=args.name, role=args.role, model=args.model, host=args.host, port=args.port,
         block_tokens=args.block_tokens, num_blocks=args.num_blocks, max_batched_tokens=args.max_batched_tokens,
         master=args.master, segment_bytes=args.segment_bytes, threads=args.threads, dtype=args.dtype,
         prefix_caching=not args.no_prefix_caching,
     )  # fmt: skip
+
+
+def worker_args(config: WorkerConfig) -> tuple[str, ...]:
+    """The `tsukimi worker ...` arguments that start a worker of `config` (pure; the inverse of
+    `worker_config`): name, role and port first, --master only when set."""
+    return (
+        "worker", "--name", config.name, "--role", config.role, "--port", str(config.port),
+        "--model", config.model, "--dtype", config.dtype, "--host", config.host, "--threads", str(config.threads),
+        "--block-tokens", str(config.block_tokens), "--num-blocks", str(config.num_blocks),
+        "--max-batched-tokens", str(config.max_batched_tokens), "--segment-bytes", str(config.segment_bytes),
+        *(("--master", config.master) if config.master else ()),
+        *(() if config.prefix_caching else ("--no-prefix-caching",)),
+    )  # fmt: skip
+
+
+def _worker(args: argparse.Namespace, console: Console) -> None:
+    from tsukimi.serving.worker import Worker, run_worker
+
+    config = worker_config(args)
 
     def ready(worker: Worker) -> None:
         console.print(f"worker {config.name} ({config.role}, {config.model}) on {worker.base_url}", highlight=False)

@@ -10,12 +10,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tsukimi.config import REJECTION_NAMES, ConductorConfig
+from tsukimi.config import REJECTION_NAMES, ConductorConfig, SimConfig
 from tsukimi.errors import ConfigError
 from tsukimi.eviction import POLICY_NAMES
 from tsukimi.sim.cache_replay import parse_capacities, run_cache_command
 from tsukimi.sim.report import Slo, decode_load, summarize, table
-from tsukimi.sim.simulator import SimConfig, simulate
+from tsukimi.sim.simulator import simulate
 from tsukimi.sim.trace import load_trace
 
 DEFAULT_TRACE = "data/traces/conversation_sample.jsonl"

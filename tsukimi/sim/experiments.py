@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tsukimi.config import ConductorConfig
+from tsukimi.config import ConductorConfig, SimConfig
 from tsukimi.errors import InvalidArgument
 from tsukimi.sim import plots
 from tsukimi.sim.cache_replay import sweep_cache
 from tsukimi.sim.report import Slo, decode_load, summarize
-from tsukimi.sim.simulator import SimConfig, simulate
+from tsukimi.sim.simulator import simulate
 from tsukimi.sim.trace import TraceRequest
 
 Progress = Callable[[str], None]

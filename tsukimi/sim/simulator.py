@@ -20,10 +20,8 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
-from tsukimi.config import ConductorConfig
-from tsukimi.errors import ConfigError
+from tsukimi.config import ConductorConfig, SimConfig
 from tsukimi.eviction import make_policy
 from tsukimi.scheduler.baselines import make_router
 from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest
@@ -31,37 +29,6 @@ from tsukimi.scheduler.cost_model import CostModel, RooflineCostModel, chunked_p
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
 from tsukimi.sim.instances import BlockCache, ColocatedInstance, DecodeInstance, Job
 from tsukimi.sim.trace import TraceRequest
-
-
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    """The simulated cluster.
-
-    speed: the trace is replayed this many times faster than recorded.
-    cache_blocks: each instance's DRAM cache, in blocks (None: unbounded).
-    colocated_chunk_tokens: the colocated baseline's chunked-prefill budget per step.
-    """
-
-    shape: Literal["pd", "colocated"] = "pd"
-    num_prefill: int = 8
-    num_decode: int = 8
-    num_colocated: int = 16
-    router: Literal["round_robin", "least_load"] = "least_load"
-    speed: float = 1.0
-    policy: str = "lru"
-    cache_blocks: int | None = 6000
-    colocated_chunk_tokens: int = 2048
-    sample_every_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.shape not in ("pd", "colocated") or self.router not in ("round_robin", "least_load"):
-            raise ConfigError("shape must be pd or colocated; router round_robin or least_load")
-        if min(self.num_prefill, self.num_decode, self.num_colocated) < 1 or self.speed <= 0:
-            raise ConfigError("instance counts must be >= 1 and speed > 0")
-        if self.cache_blocks is not None and self.cache_blocks < 1:
-            raise ConfigError("cache_blocks must be >= 1 (or None for unbounded)")
-        if self.colocated_chunk_tokens < 1 or self.sample_every_s <= 0:
-            raise ConfigError("colocated_chunk_tokens must be >= 1 and sample_every_s > 0")
 
 
 @dataclass(slots=True)

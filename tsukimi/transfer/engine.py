@@ -101,6 +101,12 @@ class TransferEngine:
             self.config, self._clock, self._host_id, secret, self._directory.invalidate, self._directory.fetch
         )
         self._transports = build_transports(context)  # in the order "auto" tries them
+        names = ("auto", *(t.name for t in self._transports))
+        if self.config.transport not in names:
+            for transport in self._transports:
+                transport.close()
+            self._server.close()
+            raise ConfigError(f"transfer.transport must be one of {', '.join(names)}, got {self.config.transport!r}")
         self._choices: dict[tuple[str, int, int], tuple[SegmentDescriptor, Transport]] = {}
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()

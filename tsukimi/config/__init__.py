@@ -1,0 +1,92 @@
+"""Configuration, the package's bottom layer with clock.py and errors.py: one frozen dataclass
+per subsystem, and one loader for every settings file.
+
+    loader.py      load(schema, path, overrides): defaults -> TOML file -> `section.key=value`
+    transfer.py    TransferConfig, MetadataConfig, SecurityConfig
+    store.py       MasterConfig, ClientConfig
+    scheduling.py  ConductorConfig, SimConfig
+    serving.py     WorkerConfig, RouterConfig (+ RouterFileConfig), ClusterConfig (+ its tables)
+
+`Config` composes the tables the store and transfer commands read (`tsukimi master`,
+`holder`, `metadata-server`). Unknown sections and keys are errors, and each dataclass
+validates itself in `__post_init__`, raising `ConfigError` that names the valid choices.
+Nothing here imports torch or any layer above (engine, scheduler, serving, sim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tsukimi.config.loader import INLINE_KEYS, build_dataclass, load, read_settings
+from tsukimi.config.scheduling import REJECTION_NAMES, ConductorConfig, RejectionName, SimConfig
+from tsukimi.config.serving import (
+    DTYPE_NAMES,
+    ROLES,
+    SHARED_WORKER_KEYS,
+    ClusterConfig,
+    ClusterMasterConfig,
+    ClusterMode,
+    ClusterRouterConfig,
+    ClusterWorkersConfig,
+    DTypeName,
+    Role,
+    RouterConfig,
+    RouterFileConfig,
+    WorkerConfig,
+)
+from tsukimi.config.store import PLACEMENT_NAMES, ClientConfig, MasterConfig, PlacementName
+from tsukimi.config.transfer import (
+    MIB,
+    MIN_SECRET_BYTES,
+    SECRET_ENV,
+    MetadataConfig,
+    SecurityConfig,
+    TransferConfig,
+)
+
+__all__ = [
+    "DTYPE_NAMES",
+    "INLINE_KEYS",
+    "MIB",
+    "MIN_SECRET_BYTES",
+    "PLACEMENT_NAMES",
+    "REJECTION_NAMES",
+    "ROLES",
+    "SECRET_ENV",
+    "SHARED_WORKER_KEYS",
+    "ClientConfig",
+    "ClusterConfig",
+    "ClusterMasterConfig",
+    "ClusterMode",
+    "ClusterRouterConfig",
+    "ClusterWorkersConfig",
+    "ConductorConfig",
+    "Config",
+    "DTypeName",
+    "MasterConfig",
+    "MetadataConfig",
+    "PlacementName",
+    "RejectionName",
+    "Role",
+    "RouterConfig",
+    "RouterFileConfig",
+    "SecurityConfig",
+    "SimConfig",
+    "TransferConfig",
+    "WorkerConfig",
+    "build_dataclass",
+    "load",
+    "read_settings",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Every store and transfer subsystem's configuration (`load(Config, path, overrides)`)."""
+
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    metadata: MetadataConfig = field(default_factory=MetadataConfig)
+    master: MasterConfig = field(default_factory=MasterConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    conductor: ConductorConfig = field(default_factory=ConductorConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)

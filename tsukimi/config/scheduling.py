@@ -1,0 +1,89 @@
+"""How requests are scheduled: the Conductor (`ConductorConfig`, the `[conductor]` table of
+`Config` and of the router's file) and the cluster the simulator replays traces through
+(`SimConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from tsukimi.config.loader import require
+from tsukimi.errors import ConfigError
+
+RejectionName = Literal["none", "baseline", "early", "predicted"]
+REJECTION_NAMES: tuple[str, ...] = get_args(RejectionName)
+
+
+@dataclass(frozen=True, slots=True)
+class ConductorConfig:
+    """The Conductor (tsukimi/scheduler/conductor.py).
+
+    block_tokens: tokens per KV block (the traces' 512).
+    ttft_slo_s / tbt_slo_s: the service-level objectives a placement must meet.
+    rejection: "none" admits everything; "baseline" checks TTFT at arrival and the decode
+        load only when prefill is done (a request rejected then wasted its prefill); "early"
+        also checks the current decode load at arrival; "predicted" checks the decode load
+        predicted for when the request would reach decode.
+    reuse: "global": a prefill instance may fetch a longer prefix from any other cache (the
+        pool); "local": only its own cache counts (the per-instance baseline).
+    balancing_threshold: a prefill instance fetches a longer prefix from elsewhere only when
+        it is at least this many times its local match (else it recomputes the difference);
+        a fetched prefix stays in its cache (hot-spot replication).
+    prefill_chunk_tokens: prefill instances compute at most this many tokens per iteration.
+    kv_bandwidth_bytes_s: KV transfer bandwidth between instances and the pool.
+    decode_estimate_s: a request's decode stage length assumed before any has finished (then
+        the distribution of the observed ones is used).
+    """
+
+    block_tokens: int = 512
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    rejection: RejectionName = "predicted"
+    reuse: Literal["global", "local"] = "global"
+    balancing_threshold: float = 1.0
+    prefill_chunk_tokens: int = 8192
+    kv_bandwidth_bytes_s: float = 100e9
+    decode_estimate_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        require(
+            self.rejection in REJECTION_NAMES,
+            f"conductor.rejection must be one of {', '.join(REJECTION_NAMES)}, got {self.rejection!r}",
+        )
+        require(self.block_tokens > 0, "conductor.block_tokens must be > 0")
+        for name in ("ttft_slo_s", "tbt_slo_s", "kv_bandwidth_bytes_s", "decode_estimate_s"):
+            require(getattr(self, name) > 0, f"conductor.{name} must be > 0")
+        require(self.reuse in ("global", "local"), f"conductor.reuse must be global or local, got {self.reuse!r}")
+        require(self.balancing_threshold >= 1, "conductor.balancing_threshold must be >= 1")
+        require(self.prefill_chunk_tokens > 0, "conductor.prefill_chunk_tokens must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """The simulated cluster (tsukimi/sim/simulator.py).
+
+    speed: the trace is replayed this many times faster than recorded.
+    cache_blocks: each instance's DRAM cache, in blocks (None: unbounded).
+    colocated_chunk_tokens: the colocated baseline's chunked-prefill budget per step.
+    """
+
+    shape: Literal["pd", "colocated"] = "pd"
+    num_prefill: int = 8
+    num_decode: int = 8
+    num_colocated: int = 16
+    router: Literal["round_robin", "least_load"] = "least_load"
+    speed: float = 1.0
+    policy: str = "lru"
+    cache_blocks: int | None = 6000
+    colocated_chunk_tokens: int = 2048
+    sample_every_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.shape not in ("pd", "colocated") or self.router not in ("round_robin", "least_load"):
+            raise ConfigError("shape must be pd or colocated; router round_robin or least_load")
+        if min(self.num_prefill, self.num_decode, self.num_colocated) < 1 or self.speed <= 0:
+            raise ConfigError("instance counts must be >= 1 and speed > 0")
+        if self.cache_blocks is not None and self.cache_blocks < 1:
+            raise ConfigError("cache_blocks must be >= 1 (or None for unbounded)")
+        if self.colocated_chunk_tokens < 1 or self.sample_every_s <= 0:
+            raise ConfigError("colocated_chunk_tokens must be >= 1 and sample_every_s > 0")

@@ -1,0 +1,183 @@
+"""Serving: one inference worker (`WorkerConfig`, `tsukimi worker`), the router (`RouterConfig`;
+`RouterFileConfig` is the file `tsukimi router --config` reads) and a whole local cluster
+(`ClusterConfig`, the file `tsukimi up --config` reads), with the worker roles and dtypes
+they name.
+
+`[workers]` of a cluster file lists the counts per role and, flat beside them, the settings
+every worker shares: they build `ClusterWorkersConfig.worker`, a `WorkerConfig` that
+`tsukimi up` copies per worker with that worker's name, role, port and master.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from tsukimi.config.loader import INLINE_KEYS, require
+from tsukimi.config.scheduling import ConductorConfig
+from tsukimi.errors import ConfigError
+
+Role = Literal["colocated", "prefill", "decode"]
+ROLES: tuple[str, ...] = get_args(Role)
+DTypeName = Literal["float32", "bfloat16"]
+DTYPE_NAMES: tuple[str, ...] = get_args(DTypeName)
+ClusterMode = Literal["pd", "colocated"]
+# NOTE: what `[workers]` may set of each worker's `WorkerConfig`; the cluster sets the rest
+SHARED_WORKER_KEYS = (
+    "block_tokens", "num_blocks", "max_batched_tokens", "segment_bytes", "threads", "dtype", "prefix_caching",
+)  # fmt: skip
+
+
+def _check_port(port: int, where: str) -> None:
+    require(0 <= port <= 65535, f"{where} must be in 0..65535 (0 = a free port), got {port}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One worker. port 0 = ephemeral. master (tcp://HOST:PORT) and segment_bytes (memory this
+    worker contributes to the KV pool) matter for the prefill and decode roles only. threads:
+    torch's intra-op threads (process-wide)."""
+
+    name: str = "worker-0"
+    role: Role = "colocated"
+    model: str = "smollm2"
+    host: str = "127.0.0.1"
+    port: int = 0
+    block_tokens: int = 16
+    num_blocks: int = 512
+    max_batched_tokens: int = 512
+    master: str = ""
+    segment_bytes: int = 256 << 20
+    threads: int = 1
+    dtype: DTypeName = "float32"
+    prefix_caching: bool = True  # False: compute every prompt in full (the no-reuse baseline)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"worker role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"worker dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"worker port must be in 0..65535, got {self.port}")
+        for name, low in (("block_tokens", 1), ("num_blocks", 1), ("max_batched_tokens", 1), ("threads", 1),
+                          ("segment_bytes", 0)):  # fmt: skip
+            if getattr(self, name) < low:
+                raise ConfigError(f"worker {name} must be >= {low}, got {getattr(self, name)}")
+        if self.role != "colocated" and not self.master.startswith("tcp://"):
+            raise ConfigError(f"a {self.role} worker needs the store master as tcp://HOST:PORT, got {self.master!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """The router (`[router]` in the TOML file).
+
+    mode: "auto" (colocated when every worker is colocated, pd when they are prefill and
+        decode workers), "colocated" or "pd". policy: the colocated baseline router.
+    block_tokens / decode_capacity_tokens: 0 = ask the workers (/health, /load).
+    prefill_*_s / decode_*_s / kv_bytes_per_token: the `LinearCostModel` the Conductor
+        estimates with (tsukimi/serving/router.py builds it); the defaults suit the small CPU
+        model (0.5 ms per prompt token, 20 ms per decode step).
+    """
+
+    mode: Literal["auto", "colocated", "pd"] = "auto"
+    policy: Literal["least_load", "round_robin"] = "least_load"
+    poll_interval_s: float = 0.5
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 60.0
+    startup_timeout_s: float = 10.0
+    block_tokens: int = 0
+    decode_capacity_tokens: int = 0
+    prefill_base_s: float = 0.005
+    prefill_token_s: float = 0.0005
+    prefill_pair_s: float = 0.0
+    decode_step_s: float = 0.02
+    decode_request_s: float = 0.0
+    decode_context_token_s: float = 0.0
+    kv_bytes_per_token: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "colocated", "pd") or self.policy not in ("least_load", "round_robin"):
+            raise ConfigError(f"router.mode must be auto, colocated or pd and router.policy least_load or round_robin, "
+                              f"got {self.mode!r} and {self.policy!r}")  # fmt: skip
+        for f in dataclasses.fields(self):
+            value, positive = getattr(self, f.name), f.name.endswith(("timeout_s", "interval_s", "per_token"))
+            if isinstance(value, (int, float)) and (value <= 0 if positive else value < 0):
+                raise ConfigError(f"router.{f.name} must be {'> 0' if positive else '>= 0'}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterFileConfig:
+    """What `tsukimi router --config` reads: `[router]` and the Conductor's `[conductor]`."""
+
+    router: RouterConfig = field(default_factory=RouterConfig)
+    conductor: ConductorConfig = field(default_factory=ConductorConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterMasterConfig:
+    """The store master's ports (0 = a free port)."""
+
+    rpc_port: int = 0
+    http_port: int = 0
+
+    def __post_init__(self) -> None:
+        _check_port(self.rpc_port, "master.rpc_port")
+        _check_port(self.http_port, "master.http_port")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterWorkersConfig:
+    """How many workers of each role (mode "pd" starts prefill + decode, "colocated" the
+    colocated ones); base_port 0 = free ports, else consecutive ports from there.
+
+    worker: the settings every worker shares, written flat in `[workers]` (SHARED_WORKER_KEYS:
+        `num_blocks = 64`, not a table); its name, role, model, host, port and master are set
+        per worker by `tsukimi up`. segment_bytes: memory each PD worker gives the KV pool.
+    """
+
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 1
+    base_port: int = 0
+    worker: WorkerConfig = field(default_factory=WorkerConfig, metadata={INLINE_KEYS: SHARED_WORKER_KEYS})
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode", "colocated"):
+            require(getattr(self, name) >= 0, f"workers.{name} must be >= 0")
+        _check_port(self.base_port, "workers.base_port")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterRouterConfig:
+    """Where the OpenAI API listens; served_model_name "" = the model spec."""
+
+    port: int = 8000
+    served_model_name: str = ""
+
+    def __post_init__(self) -> None:
+        _check_port(self.port, "router.port")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """`tsukimi up` (tsukimi/serving/cluster.py). log_dir "" = a new temporary directory."""
+
+    model: str = "smollm2"
+    mode: ClusterMode = "pd"
+    host: str = "127.0.0.1"
+    log_dir: str = ""
+    startup_timeout_s: float = 300.0
+    stop_timeout_s: float = 10.0
+    master: ClusterMasterConfig = field(default_factory=ClusterMasterConfig)
+    workers: ClusterWorkersConfig = field(default_factory=ClusterWorkersConfig)
+    router: ClusterRouterConfig = field(default_factory=ClusterRouterConfig)
+
+    def __post_init__(self) -> None:
+        require(self.mode in ("pd", "colocated"), f"mode must be pd or colocated, got {self.mode!r}")
+        require(self.startup_timeout_s > 0 and self.stop_timeout_s > 0, "the timeouts must be > 0")
+        w = self.workers
+        if self.mode == "pd":
+            require(w.prefill >= 1 and w.decode >= 1, "mode pd needs workers.prefill >= 1 and workers.decode >= 1")
+        else:
+            require(w.colocated >= 1, "mode colocated needs workers.colocated >= 1")
