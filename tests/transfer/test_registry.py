@@ -78,5 +78,5 @@ def test_unknown_and_reserved_names_are_refused(recording: list[RecordingTranspo
     cfg = Config(metadata=MetadataConfig(url=f"memory://{uuid.uuid4().hex}"))
     with TransferEngine("a", cfg) as engine, pytest.raises(ConfigError, match="recording, shm, cma, tcp"):
         engine.open_segment("a", transport="rdma")
-    with pytest.raises(ConfigError, match="transfer.transport must be one of auto, recording, shm, cma, tcp"):
+    with pytest.raises(ConfigError, match=r"transfer\.transport must be one of auto, recording, shm, cma, tcp"):
         TransferEngine("b", dataclasses.replace(cfg, transfer=TransferConfig(transport="rdma")))
