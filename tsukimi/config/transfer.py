@@ -28,6 +28,9 @@ class TransferConfig:
     num_connections: parallel TCP connections per peer that large transfers are striped over.
     slice_bytes: requests larger than this are split into slices of this size.
     timeout_s: default deadline of a request, from submission to completion.
+    nixl: turn on the optional NIXL transport (RDMA NICs through UCX; `make nixl` installs
+        it; docs/rdma.md). nixl_staging_bytes: its registered bounce buffer for local memory
+        that is not registered with the engine.
     """
 
     transport: str = "auto"
@@ -43,6 +46,8 @@ class TransferConfig:
     num_shm_workers: int = 2
     max_server_connections: int = 256
     shm_dir: str = "/dev/shm"
+    nixl: bool = False
+    nixl_staging_bytes: int = 16 * MIB
 
     def __post_init__(self) -> None:
         require(
@@ -58,6 +63,7 @@ class TransferConfig:
         require(self.max_slice_bytes <= 1 << 30, "transfer.max_slice_bytes must be <= 1 GiB")
         require(1 <= self.pipeline_depth <= 64, "transfer.pipeline_depth must be in 1..64")
         require(self.timeout_s > 0, "transfer.timeout_s must be > 0")
+        require(self.nixl_staging_bytes >= 1 * MIB, "transfer.nixl_staging_bytes must be >= 1 MiB")
         require(self.connect_timeout_s > 0, "transfer.connect_timeout_s must be > 0")
         require(0 <= self.max_retries <= 16, "transfer.max_retries must be in 0..16")
         require(1 <= self.num_shm_workers <= 64, "transfer.num_shm_workers must be in 1..64")

@@ -30,6 +30,7 @@ TARGET_BYTES = 4 * MIB
 TRANSPORT_CASES: dict[str, dict[str, object]] = {
     "shm": {"transport": "shm"},
     "cma": {"transport": "cma"},
+    "nixl": {"transport": "nixl", "nixl": True},  # needs `make nixl`; both engines run an agent
     "tcp-1": {"transport": "tcp", "num_connections": 1},
     "tcp-4": {"transport": "tcp", "num_connections": 4},
     "tcp-secret": {"transport": "tcp", "num_connections": 2},  # both engines share a cluster secret
@@ -95,8 +96,9 @@ def engine_pair(case: str) -> Iterator[EnginePair]:
         if case in SECRET_CASES:
             directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tsukimi-pair-")))
             security = secret_file(directory, b"conformance-secret-" + uuid.uuid4().hex.encode())
+        target_transfer = TransferConfig(nixl=bool(TRANSPORT_CASES[case].get("nixl")))
         target = stack.enter_context(
-            TransferEngine("target", Config(metadata=MetadataConfig(url=url), security=security))
+            TransferEngine("target", Config(target_transfer, MetadataConfig(url=url), security=security))
         )
         initiator = stack.enter_context(TransferEngine("initiator", initiator_config(case, url, security)))
         yield EnginePair(case, target, initiator, target.allocate(TARGET_BYTES))

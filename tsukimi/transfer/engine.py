@@ -53,7 +53,7 @@ from tsukimi.transfer.segment import (
 )
 from tsukimi.transfer.server import SegmentServer
 from tsukimi.transfer.shared_memory import SharedMemoryAllocator
-from tsukimi.transfer.transports import Slice, Transport, TransportContext, build_transports
+from tsukimi.transfer.transports import SegmentAware, Slice, Transport, TransportContext, build_transports
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +98,15 @@ class TransferEngine:
         self._directory = SegmentDirectory(backend, self._describe_bytes, cfg.metadata.timeout_s, secret)
         self._shm = SharedMemoryAllocator(self.config.shm_dir)
         context = TransportContext(
-            self.config, self._clock, self._host_id, secret, self._directory.invalidate, self._directory.fetch
-        )
-        self._transports = build_transports(context)  # in the order "auto" tries them
+            self.config, self._clock, self._host_id, secret, self._directory.invalidate, self._directory.fetch,
+            self._segment.version_address,
+        )  # fmt: skip
+        try:
+            self._transports = build_transports(context)  # in the order "auto" tries them
+        except BaseException:
+            self._server.close()
+            raise
+        self._aware = [t for t in self._transports if isinstance(t, SegmentAware)]
         names = ("auto", *(t.name for t in self._transports))
         if self.config.transport not in names:
             for transport in self._transports:
@@ -128,13 +134,15 @@ class TransferEngine:
         Raises InvalidBufferError (read-only, non-contiguous, overlapping). Mutates; publishes.
         """
         view, address = byte_view(buffer, writable=True)
-        buf = self._segment.add(view, address, buffer)
+        buf = self._added(self._segment.add(view, address, buffer))
         self._publish()
         return buf.base
 
     def unregister(self, base: int) -> None:
         """Withdraw the buffer registered at `base`. Raises OutOfBounds if there is none."""
         buf = self._segment.remove(base)
+        for aware in self._aware:
+            aware.on_unregister(buf)
         if buf.shm_name:
             self._shm.release(buf.shm_name)
         self._publish()
@@ -147,8 +155,26 @@ class TransferEngine:
         """
         mapping = self._shm.create(nbytes)
         address = byte_view(mapping.view)[1]
-        buf = self._segment.add(mapping.view, address, mapping, shm_name=mapping.name)
+        try:
+            buf = self._added(self._segment.add(mapping.view, address, mapping, shm_name=mapping.name))
+        except BaseException:
+            self._shm.release(mapping.name)
+            raise
         self._publish()
+        return buf
+
+    def _added(self, buf: RegisteredBuffer) -> RegisteredBuffer:
+        """Tell the transports that follow registrations; undone if one refuses."""
+        told: list[SegmentAware] = []
+        try:
+            for aware in self._aware:
+                aware.on_register(buf)
+                told.append(aware)
+        except BaseException:
+            for undo in told:
+                undo.on_unregister(buf)
+            self._segment.remove(buf.base)
+            raise
         return buf
 
     def describe(self) -> SegmentDescriptor:
@@ -162,6 +188,7 @@ class TransferEngine:
             version=self._segment.version,
             endpoints=[self._server.endpoint],
             buffers=[buf.describe() for buf in self._segment.buffers()],
+            transport_info={t.name: t.local_info() for t in self._aware},
         )
 
     # -- peers and batches -------------------------------------------------------------

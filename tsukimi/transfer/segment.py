@@ -54,6 +54,7 @@ class SegmentDescriptor(msgspec.Struct, frozen=True):
     buffers: list[BufferDescriptor]
     pid_start: int = 0  # the owner's start time (clock ticks after boot): pid + boot + this = one process
     version_address: int = 0  # where the owner keeps `version` live (a uint64 same-host peers may read)
+    transport_info: dict[str, bytes] = {}  # what a transport publishes for peers (e.g. NIXL's agent metadata)
 
     def find(self, offset: int, length: int) -> BufferDescriptor | None:
         """The buffer that wholly contains [offset, offset + length), if any (O(log n):

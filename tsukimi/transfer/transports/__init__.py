@@ -4,6 +4,7 @@
 
 from tsukimi.transfer.transports import cma, shm, tcp
 from tsukimi.transfer.transports.base import (
+    SegmentAware,
     Slice,
     Transport,
     TransportContext,
@@ -13,6 +14,7 @@ from tsukimi.transfer.transports.base import (
 )
 
 __all__ = [
+    "SegmentAware",
     "Slice",
     "Transport",
     "TransportContext",

@@ -6,21 +6,28 @@ and every slice ends by calling `record.slice_done` or `record.slice_failed` exa
 before its deadline plus the transport's I/O timeout.
 
 Transports register themselves (`register_transport`) with a factory and a rank; the engine
-builds every registered transport and, for `transport="auto"`, gives a request to the first
-one, by rank, that can serve it. A new transport joins by registering; nothing else changes.
+builds every registered transport that its settings enable and, for `transport="auto"`, gives
+a request to the first one, by rank, that can serve it. A new transport joins by registering;
+nothing else changes. An optional transport (one whose library is not installed by default,
+like NIXL) is named in OPTIONAL and imported only when a configuration enables it.
+
+A transport that must know the local memory (to register it with its library, as NIXL
+does) or publish something for peers (its own connection metadata) also implements
+`SegmentAware`.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
 from tsukimi.errors import ConfigError
 from tsukimi.transfer.batch import OpCode, RequestRecord
-from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
+from tsukimi.transfer.segment import BufferDescriptor, RegisteredBuffer, SegmentDescriptor
 
 
 @dataclass(slots=True)
@@ -53,6 +60,24 @@ class Transport(Protocol):
         ...
 
 
+@runtime_checkable
+class SegmentAware(Protocol):
+    """A transport that follows the local segment's registrations and publishes metadata."""
+
+    def on_register(self, buffer: RegisteredBuffer) -> None:
+        """`buffer` was just registered locally (before peers are told). Raises TsukimiError
+        when the transport cannot take it (the registration is then undone)."""
+        ...
+
+    def on_unregister(self, buffer: RegisteredBuffer) -> None:
+        """`buffer` was just withdrawn locally."""
+        ...
+
+    def local_info(self) -> bytes:
+        """What peers need from this side, published in the descriptor's transport_info."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class TransportContext:
     """What the engine hands every transport factory.
@@ -62,6 +87,7 @@ class TransportContext:
     on_stale: tell the engine that a peer's cached descriptor is stale (re-fetch it).
     fetch: fetch a peer's current descriptor now, by name (updates the engine's cache; may
         wait on the metadata service; raises its errors).
+    version_address: where this process keeps its registration version (a uint64).
     """
 
     config: TransferConfig
@@ -70,6 +96,7 @@ class TransportContext:
     secret: bytes | None
     on_stale: Callable[[str], None]
     fetch: Callable[[str], SegmentDescriptor]
+    version_address: int = 0
 
 
 TransportFactory = Callable[[TransportContext], Transport]
@@ -80,21 +107,30 @@ class _Entry:
     name: str
     rank: int
     factory: TransportFactory
+    enabled: Callable[[TransferConfig], bool]
 
 
 _REGISTRY: dict[str, _Entry] = {}
+# NOTE: transports whose library is not installed by default: imported (and so registered)
+# only when a configuration turns them on.
+OPTIONAL: dict[str, tuple[str, Callable[[TransferConfig], bool], str]] = {
+    "nixl": ("tsukimi.transfer.transports.nixl", lambda config: config.nixl, "make nixl"),
+}
 
 
-def register_transport(name: str, factory: TransportFactory, rank: int) -> None:
-    """Make transport `name` available to every engine created from now on; `auto` tries
-    transports by ascending `rank` (mutates the registry; re-registering a name replaces it).
+def register_transport(
+    name: str, factory: TransportFactory, rank: int, enabled: Callable[[TransferConfig], bool] = lambda _: True
+) -> None:
+    """Make transport `name` available to every engine created from now on whose settings it
+    is `enabled` by; `auto` tries transports by ascending `rank` (mutates the registry;
+    re-registering a name replaces it).
 
     Raises:
         ConfigError: `name` is empty or "auto".
     """
     if not name or name == "auto":
         raise ConfigError(f"a transport needs a name other than 'auto', got {name!r}")
-    _REGISTRY[name] = _Entry(name, rank, factory)
+    _REGISTRY[name] = _Entry(name, rank, factory, enabled)
 
 
 def transport_names() -> tuple[str, ...]:
@@ -103,5 +139,19 @@ def transport_names() -> tuple[str, ...]:
 
 
 def build_transports(context: TransportContext) -> list[Transport]:
-    """One instance of every registered transport, in the order `auto` tries them."""
-    return [entry.factory(context) for entry in sorted(_REGISTRY.values(), key=lambda e: e.rank)]
+    """One instance of every registered transport `context.config` enables, in the order
+    `auto` tries them (importing the optional ones it turns on).
+
+    Raises:
+        ConfigError: an optional transport is turned on but its library is not installed.
+    """
+    for name, (module, enabled, install) in OPTIONAL.items():
+        if enabled(context.config) and name not in _REGISTRY:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                raise ConfigError(
+                    f"transfer.{name} is on but {name} cannot be loaded ({exc}): run `{install}`"
+                ) from exc
+    entries = sorted(_REGISTRY.values(), key=lambda e: e.rank)
+    return [entry.factory(context) for entry in entries if entry.enabled(context.config)]
