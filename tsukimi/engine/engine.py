@@ -38,12 +38,12 @@ class Model(Protocol):
 class KVConnector(Protocol):
     """Moves KV blocks between this engine's cache and the KV pool (tsukimi/engine/kv_pool.py)."""
 
-    def load(self, hashes: Sequence[int], blocks: Sequence[int], cache: PagedKVCache) -> int:
+    def load(self, hashes: Sequence[BlockHash], blocks: Sequence[int], cache: PagedKVCache) -> int:
         """Fill `blocks` with the pool's copies of the blocks `hashes` (in order); returns how
         many of the first ones it could load."""
         ...
 
-    def save_layer(self, layer: int, hashes: Sequence[int], blocks: Sequence[int], cache: PagedKVCache) -> None:
+    def save_layer(self, layer: int, hashes: Sequence[BlockHash], blocks: Sequence[int], cache: PagedKVCache) -> None:
         """Offer `layer` of these freshly computed full blocks to the pool (may return before it
         is written: the forward goes on with the next layer)."""
         ...
@@ -70,7 +70,7 @@ class _Request:
     generator: torch.Generator
     seq: SequenceKV = field(default_factory=SequenceKV)
     output: list[int] = field(default_factory=list)
-    hashes: list[int] = field(default_factory=list)  # of the full blocks whose KV is in the cache
+    hashes: list[BlockHash] = field(default_factory=list)  # of the full blocks whose KV is in the cache
     admitted: bool = False
     cached_tokens: int = 0
     pool_tokens: int = 0
@@ -235,7 +235,7 @@ class LLMEngine:
     def _admit(self, request: _Request) -> None:
         """Reuse the longest cached prefix: local blocks first, then the pool's."""
         bt = self.cache.layout.block_tokens
-        hashes: list[int] = list(hash_blocks(request.prompt, bt)) if self.prefix_caching else []
+        hashes = hash_blocks(request.prompt, bt) if self.prefix_caching else []
         if hashes and len(hashes) * bt >= len(request.prompt):  # NOTE: the last prompt token must be computed
             hashes = hashes[:-1]
         local = self.cache.pool.lookup(hashes)
@@ -255,7 +255,7 @@ class LLMEngine:
         request.admitted = True
 
     def _publishable(
-        self, scheduled: list[tuple[_Request, int]], filled: list[list[tuple[int, int]]]
+        self, scheduled: list[tuple[_Request, int]], filled: list[list[tuple[BlockHash, int]]]
     ) -> Callable[[int], None] | None:
         """The per-layer hook that publishes the prompt blocks this step fills (None: none)."""
         connector, bt = self.connector, self.cache.layout.block_tokens
@@ -272,7 +272,7 @@ class LLMEngine:
             return None
         return lambda layer: connector.save_layer(layer, hashes, blocks, self.cache)
 
-    def _filling(self, request: _Request, count: int) -> list[tuple[int, int]]:
+    def _filling(self, request: _Request, count: int) -> list[tuple[BlockHash, int]]:
         """(hash, block) of the blocks that this step's `count` tokens of `request` fill."""
         if not self.prefix_caching:
             return []
@@ -280,11 +280,11 @@ class LLMEngine:
         known, full = len(request.hashes), (request.seq.num_tokens + count) // bt
         if full <= known:
             return []
-        parent = BlockHash(request.hashes[-1]) if request.hashes else None
+        parent = request.hashes[-1] if request.hashes else None
         new = hash_blocks(request.tokens[known * bt : full * bt], bt, parent=parent)
         return list(zip(new, request.seq.block_table[known:full], strict=True))
 
-    def _cache_filled(self, request: _Request, filled: list[tuple[int, int]]) -> None:
+    def _cache_filled(self, request: _Request, filled: list[tuple[BlockHash, int]]) -> None:
         for block_hash, block in filled:
             self.cache.pool.cache(block, block_hash)
         request.hashes += [block_hash for block_hash, _ in filled]
