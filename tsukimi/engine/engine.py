@@ -32,7 +32,7 @@ from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.scheduler import Scheduler
 from tsukimi.errors import InvalidArgument
 
-__all__ = ["KVConnector", "LLMEngine", "Model", "StepOutput"]  # NOTE: the last three live in the modules above
+__all__ = ["KVConnector", "LLMEngine", "Model", "StepOutput"]  # NOTE: re-exported from their new homes for importers
 
 logger = logging.getLogger(__name__)
 
