@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tsukimi.engine.kv_cache import BlockPool, KVLayout, PagedKVCache, SequenceKV
+from tsukimi.scheduler.block_hash import BlockHash
 
 NUM_BLOCKS = 6
 
@@ -39,7 +40,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         block = data.draw(st.sampled_from(self.held))
         if block_hash not in self.cached and block not in self.cached.values():
             self.cached[block_hash] = block
-        self.pool.cache(block, block_hash)
+        self.pool.cache(block, BlockHash(block_hash))
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
@@ -55,7 +56,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             if block_hash not in self.cached:
                 break
             expected.append(self.cached[block_hash])
-        assert self.pool.lookup(hashes) == expected
+        assert self.pool.lookup([BlockHash(h) for h in hashes]) == expected
         self.held += expected
 
     @invariant()

@@ -53,7 +53,7 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> list[RecordingTransport]:
 
 
 def test_a_registered_transport_is_built_ranked_and_forced(recording: list[RecordingTransport]) -> None:
-    assert base.transport_names() == ("recording", "shm", "cma", "tcp")
+    assert [n for n in base.transport_names() if n != "nixl"] == ["recording", "shm", "cma", "tcp"]  # nixl: optional
     cfg = Config(metadata=MetadataConfig(url=f"memory://{uuid.uuid4().hex}"))
     with TransferEngine("chosen-target", cfg) as chosen, TransferEngine("other-target", cfg) as other, \
             TransferEngine("initiator", cfg) as initiator:  # fmt: skip

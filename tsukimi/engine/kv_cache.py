@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from tsukimi.errors import ConfigError
 from tsukimi.eviction import LruPolicy
+from tsukimi.scheduler.block_hash import BlockHash
 
 SLOT_TRAILER_BYTES = 64
 
@@ -62,8 +63,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives the lowest id first
         self._refs = [0] * num_blocks
-        self._by_hash: dict[int, int] = {}
-        self._hash_of: dict[int, int] = {}
+        self._by_hash: dict[BlockHash, int] = {}  # chained hash -> the block caching it
+        self._hash_of: dict[int, BlockHash] = {}  # block -> its hash (cached blocks only)
         self._idle: LruPolicy[int] = LruPolicy()  # cached blocks nobody references
 
     @property
@@ -84,7 +85,7 @@ class BlockPool:
         self._refs[block] = 1
         return block
 
-    def lookup(self, hashes: Sequence[int]) -> list[int]:
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
         """The cached blocks of the longest prefix of `hashes`, each with one more reference."""
         found: list[int] = []
         for block_hash in hashes:
@@ -97,7 +98,7 @@ class BlockPool:
             found.append(block)
         return found
 
-    def cache(self, block: int, block_hash: int) -> None:
+    def cache(self, block: int, block_hash: BlockHash) -> None:
         """`block` now holds the full block whose chained hash is `block_hash` (mutates; a hash
         already cached elsewhere keeps its first block)."""
         if block_hash not in self._by_hash and block not in self._hash_of:

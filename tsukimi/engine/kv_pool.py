@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from tsukimi.engine.kv_cache import KVLayout, PagedKVCache
 from tsukimi.errors import KVFormatError as KVFormatError
 from tsukimi.errors import ObjectExists, TsukimiError
+from tsukimi.scheduler.block_hash import BlockHash
 from tsukimi.store.client import StoreClient
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class KVFormat:
     def prefix(self) -> str:
         return f"kv/{self.digest.hex()}"
 
-    def key(self, block_hash: int, layer: int) -> str:
+    def key(self, block_hash: BlockHash, layer: int) -> str:
         return f"{self.prefix}/{block_hash:016x}/{layer}"
 
 
@@ -81,7 +82,7 @@ class StoreKVConnector:
         with contextlib.suppress(ObjectExists):  # NOTE: for readers of the pool: what the digest stands for
             client.put(f"{fmt.prefix}/format", described, pin="soft")
 
-    def load(self, hashes: Sequence[int], blocks: Sequence[int], cache: PagedKVCache) -> int:
+    def load(self, hashes: Sequence[BlockHash], blocks: Sequence[int], cache: PagedKVCache) -> int:
         if not hashes:
             return 0
         layers, size = self.format.num_layers, cache.layout.slot_bytes
@@ -115,7 +116,7 @@ class StoreKVConnector:
         self.refused_blocks += 1
         logger.error("refusing a KV block from the pool: %s", error)
 
-    def save_layer(self, layer: int, hashes: Sequence[int], blocks: Sequence[int], cache: PagedKVCache) -> None:
+    def save_layer(self, layer: int, hashes: Sequence[BlockHash], blocks: Sequence[int], cache: PagedKVCache) -> None:
         """Publish `layer` of these freshly computed blocks, in the background (see `flush`)."""
         items = []
         for block_hash, block in zip(hashes, blocks, strict=True):
@@ -148,7 +149,7 @@ class StoreKVConnector:
             elif not isinstance(error, ObjectExists):  # another instance published it first: fine
                 logger.warning("could not publish KV object %s: %s", key, error)
 
-    def _check(self, slot: memoryview, block_hash: int, layer: int, payload: int) -> None:
+    def _check(self, slot: memoryview, block_hash: BlockHash, layer: int, payload: int) -> None:
         magic, version, digest, found_hash, found_payload, found_layer = _TRAILER.unpack_from(slot, payload)
         if magic != _MAGIC or version != _VERSION or digest != self.format.digest:
             raise KVFormatError(f"KV block {block_hash:016x} was written in another format: refusing it")
