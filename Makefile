@@ -5,17 +5,18 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+NIXL_STAMP := $(VENV)/.nixl
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lint bench bench-store mooncake system-deps clean
+.PHONY: demo test lint bench bench-store mooncake nixl system-deps clean
 
 # The whole local cluster: store master, a prefill and a decode worker (SmolLM2-135M-Instruct),
 # the OpenAI API on 127.0.0.1:8000; Ctrl-C stops every process. (`tsukimi demo`: the TE demo.)
 demo: $(STAMP)
 	$(BIN)/tsukimi up
 
-test: $(STAMP) system-deps lint
+test: $(STAMP) $(NIXL_STAMP) system-deps lint
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
@@ -31,6 +32,14 @@ bench: mooncake
 bench-store: mooncake
 	$(BIN)/tsukimi bench store --compare-mooncake
 	$(BIN)/tsukimi bench store --compare-mooncake --force-tcp
+
+# The optional nixl transport (transfer.nixl = true; docs/rdma.md): NIXL and its bundled UCX,
+# without the CUDA torch the plain `nixl` package would pull (about 235 MB).
+nixl: $(NIXL_STAMP)
+
+$(NIXL_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps 'nixl==1.5.1' 'nixl-cu12==1.5.1'
+	touch $(NIXL_STAMP)
 
 mooncake: $(STAMP)
 	@dpkg -s libibverbs1 >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libibverbs1)

@@ -30,9 +30,6 @@ import ctypes
 import errno
 import logging
 import os
-import queue
-import select
-import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -41,8 +38,9 @@ from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
 from tsukimi.errors import ClosedError, OutOfBounds, PeerError, TsukimiError
 from tsukimi.transfer.batch import OpCode
-from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor, process_start_time
+from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
 from tsukimi.transfer.transports.base import Slice, TransportContext, register_transport
+from tsukimi.transfer.transports.same_host import CopyWorkers, PeerProcess, PeerTable, live_slices
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +48,6 @@ INLINE_BYTES = 1 << 20  # a submit of at most this many bytes is copied by the s
 GROUP_BYTES = 4 << 20  # larger submits: groups of about this size, one call each, on the workers
 SLICE_BYTES = 64 << 20
 IOV_MAX = 1024  # the kernel's limit of iovecs per call (UIO_MAXIOV)
-MAX_RETIRED = 64  # pidfds of restarted peers kept open for threads that may still use them
 
 
 class _IoVec(ctypes.Structure):
@@ -73,23 +70,12 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-class _CmaPeer:
-    """One peer process: its pid and a pidfd that pins its identity."""
+class _CmaPeer(PeerProcess):
+    """A peer process, and whether a probe showed that the kernel lets us attach to it."""
 
     def __init__(self, desc: SegmentDescriptor) -> None:
-        self.name, self.pid = desc.name, desc.pid
-        self.probed = False  # a probe read succeeded: the kernel lets us attach to it
-        self.pidfd = os.pidfd_open(desc.pid)
-        if desc.pid_start and process_start_time(desc.pid) != desc.pid_start:
-            os.close(self.pidfd)
-            raise ProcessLookupError(f"pid {desc.pid} is no longer the process that published {desc.name}")
-
-    def alive(self) -> bool:
-        readable, _, _ = select.select([self.pidfd], [], [], 0)
-        return not readable
-
-    def close(self) -> None:
-        os.close(self.pidfd)
+        super().__init__(desc)
+        self.probed = False
 
 
 class CmaTransport:
@@ -102,28 +88,24 @@ class CmaTransport:
         self, config: TransferConfig, local_host_id: str, clock: Clock, fetch: Callable[[str], SegmentDescriptor]
     ) -> None:
         self._host_id, self._clock, self._fetch = local_host_id, clock, fetch
-        self._lock = threading.Lock()
-        self._peers: dict[str, _CmaPeer] = {}
-        self._retired: list[_CmaPeer] = []  # replaced peers, closed later (see _peer)
         self._refused: str = ""  # why the kernel refused CMA (then every peer is declined)
-        self._queue: queue.SimpleQueue[tuple[_CmaPeer, list[Slice]] | None] = queue.SimpleQueue()
-        self._closed = False
-        self._workers = [threading.Thread(target=self._work, name=f"tsukimi-cma-{i}", daemon=True)
-                         for i in range(config.num_shm_workers)]  # fmt: skip
-        for worker in self._workers:
-            worker.start()
+        self._peers: PeerTable[_CmaPeer] = PeerTable("cma", _CmaPeer)
+        self._workers: CopyWorkers[tuple[_CmaPeer, list[Slice]]] = CopyWorkers(
+            config.num_shm_workers, "tsukimi-cma", lambda item: self._run(*item),
+            lambda item: self._fail(item[1], ClosedError("cma transport is closed")),
+        )  # fmt: skip
 
     def can_serve(self, peer: SegmentDescriptor, buffer: BufferDescriptor) -> bool:
         if self._refused or peer.host_id != self._host_id:
             return False
         try:
-            state = self._peer(peer)
+            state = self._peers.get(peer)
         except OSError:  # another pid namespace, the process is gone, or its pid was reused
             return False
         return state.probed or self._probe(state, buffer)
 
     def submit(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
-        state = self._peer(peer)
+        state = self._peers.get(peer)
         slices = self._registered(state, peer, slices)
         total = sum(len(piece.local) for piece in slices)
         if total <= INLINE_BYTES:  # NOTE: the common small batch: no hand-off at all
@@ -131,59 +113,20 @@ class CmaTransport:
             return
         group: list[Slice] = []
         group_bytes = 0
-        with self._lock:
-            for piece in slices:
-                group.append(piece)
-                group_bytes += len(piece.local)
-                if group_bytes >= GROUP_BYTES or len(group) == IOV_MAX:
-                    self._enqueue(state, group)
-                    group, group_bytes = [], 0
-            if group:
-                self._enqueue(state, group)
+        for piece in slices:
+            group.append(piece)
+            group_bytes += len(piece.local)
+            if group_bytes >= GROUP_BYTES or len(group) == IOV_MAX:
+                self._workers.put((state, group))
+                group, group_bytes = [], 0
+        if group:
+            self._workers.put((state, group))
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            for _ in self._workers:
-                self._queue.put(None)
-        for worker in self._workers:
-            worker.join(timeout=5)
-        with self._lock:
-            peers, self._peers = [*self._peers.values(), *self._retired], {}
-            self._retired = []
-        for state in peers:
-            state.close()
+        self._workers.close()
+        self._peers.close()
 
     # -- internals ---------------------------------------------------------------------
-
-    def _enqueue(self, state: _CmaPeer, group: list[Slice]) -> None:
-        """Hand a group to the workers (caller holds the lock)."""
-        if self._closed:
-            for piece in group:
-                piece.record.slice_failed("cma transport is closed", ClosedError.code)
-        else:
-            self._queue.put((state, group))
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            self._run(*item)
-
-    def _peer(self, desc: SegmentDescriptor) -> _CmaPeer:
-        if self._closed:
-            raise ClosedError("cma transport is closed")
-        state = self._peers.get(desc.name)
-        if state is not None and state.pid == desc.pid:
-            return state
-        with self._lock:  # NOTE: opened once: racing first contacts share one pidfd
-            state = self._peers.get(desc.name)
-            if state is not None and state.pid == desc.pid:
-                return state
-            fresh = self._peers[desc.name] = _CmaPeer(desc)
-            if state is not None:  # the peer restarted: other threads may still hold the old one
-                self._retired.append(state)
-                while len(self._retired) > MAX_RETIRED:
-                    self._retired.pop(0).close()
-        return fresh
 
     def _registered(self, state: _CmaPeer, peer: SegmentDescriptor, slices: list[Slice]) -> list[Slice]:
         """The slices whose ranges the owner still registers (see the module); the others end
@@ -236,15 +179,7 @@ class CmaTransport:
 
     def _run(self, peer: _CmaPeer, slices: list[Slice]) -> None:
         """Copy the live slices of one peer with as few calls as possible; end each slice."""
-        now = self._clock.now()
-        live: list[Slice] = []
-        for piece in slices:
-            if piece.record.doomed:
-                piece.record.slice_failed("")  # a sibling slice failed; only account for this one
-            elif now >= piece.record.deadline:
-                piece.record.slice_failed("deadline passed before the copy started", timed_out=True)
-            else:
-                live.append(piece)
+        live = live_slices(slices, self._clock)
         for start in range(0, len(live), IOV_MAX):
             self._copy(peer, live[start : start + IOV_MAX])
 

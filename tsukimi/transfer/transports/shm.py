@@ -10,9 +10,6 @@ reported as failures rather than silently landing in orphaned memory.
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import select
 import threading
 from collections.abc import Callable
 
@@ -25,6 +22,7 @@ from tsukimi.transfer.batch import OpCode
 from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
 from tsukimi.transfer.shared_memory import SharedMapping, map_shared, valid_shm_name
 from tsukimi.transfer.transports.base import Slice, TransportContext, register_transport
+from tsukimi.transfer.transports.same_host import CopyWorkers, PeerProcess, PeerTable, live_slices
 
 logger = logging.getLogger(__name__)
 
@@ -32,19 +30,14 @@ INLINE_BYTES = 1 << 20  # a submit of at most this many bytes is copied by the s
 SLICE_BYTES = 16 << 20
 
 
-class _ShmPeer:
+class _ShmPeer(PeerProcess):
     """One peer process: its pidfd and the files of it mapped so far."""
 
     def __init__(self, desc: SegmentDescriptor, shm_dir: str) -> None:
-        self.name, self.pid = desc.name, desc.pid
-        self.pidfd = os.pidfd_open(desc.pid)
+        super().__init__(desc)
         self.shm_dir = shm_dir
         self.lock = threading.Lock()
         self.mappings: dict[str, SharedMapping] = {}
-
-    def alive(self) -> bool:
-        readable, _, _ = select.select([self.pidfd], [], [], 0)
-        return not readable
 
     def mapping(self, shm_name: str) -> SharedMapping:
         found = self.mappings.get(shm_name)
@@ -67,97 +60,54 @@ class _ShmPeer:
             for mapping in self.mappings.values():
                 mapping.close()
             self.mappings.clear()
-            os.close(self.pidfd)
+        super().close()
 
 
 class ShmTransport:
+    """Copies slices between this process and a same-host peer's shared memory."""
+
     name = "shm"
     slice_bytes = SLICE_BYTES
 
     def __init__(
         self, config: TransferConfig, local_host_id: str, clock: Clock, on_stale: Callable[[str], None]
     ) -> None:
-        self._config = config
         self._clock = clock
         self._on_stale = on_stale  # told the name of a peer whose cached descriptor is stale
         self._host_id = local_host_id
-        self._lock = threading.Lock()
-        self._peers: dict[str, _ShmPeer] = {}
-        self._queue: queue.SimpleQueue[tuple[_ShmPeer, Slice] | None] = queue.SimpleQueue()
-        self._closed = False
-        self._workers = [
-            threading.Thread(target=self._work, name=f"tsukimi-shm-{i}", daemon=True)
-            for i in range(config.num_shm_workers)
-        ]
-        for worker in self._workers:
-            worker.start()
+        self._peers: PeerTable[_ShmPeer] = PeerTable("shm", lambda desc: _ShmPeer(desc, config.shm_dir))
+        self._workers: CopyWorkers[tuple[_ShmPeer, Slice]] = CopyWorkers(
+            config.num_shm_workers, "tsukimi-shm", lambda item: self._run(*item),
+            lambda item: item[1].record.slice_failed("shm transport is closed", ClosedError.code),
+        )  # fmt: skip
 
     def can_serve(self, peer: SegmentDescriptor, buffer: BufferDescriptor) -> bool:
         if not buffer.shm_name or peer.host_id != self._host_id or not valid_shm_name(buffer.shm_name):
             return False
         try:
-            self._peer(peer)
-        except OSError:  # another pid namespace, or the process is gone
+            self._peers.get(peer)
+        except OSError:  # another pid namespace, the process is gone, or its pid was reused
             return False
         return True
 
     def submit(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
-        state = self._peer(peer)
+        state = self._peers.get(peer)
         # NOTE: a small submit is copied by the caller: a hand-off to a worker costs more than
         # the copy. Larger ones go to the workers, which copy in parallel (numpy drops the GIL).
         if sum(len(piece.local) for piece in slices) <= INLINE_BYTES:
             for piece in slices:
                 self._run(state, piece)
             return
-        with self._lock:  # never behind the workers' stop signals
-            for piece in slices:
-                if self._closed:
-                    piece.record.slice_failed("shm transport is closed", ClosedError.code)
-                else:
-                    self._queue.put((state, piece))
-
-    def _drop_peer(self, peer_name: str) -> None:
-        with self._lock:
-            state = self._peers.pop(peer_name, None)
-        if state is not None:
-            state.close()
+        for piece in slices:
+            self._workers.put((state, piece))
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            for _ in self._workers:
-                self._queue.put(None)
-        for worker in self._workers:
-            worker.join(timeout=5)
-        for name in list(self._peers):
-            self._drop_peer(name)
-
-    def _peer(self, desc: SegmentDescriptor) -> _ShmPeer:
-        if self._closed:
-            raise ClosedError("shm transport is closed")
-        state = self._peers.get(desc.name)
-        if state is not None and state.pid == desc.pid:
-            return state
-        with self._lock:
-            state = self._peers.get(desc.name)
-            if state is None or state.pid != desc.pid:
-                stale, state = state, _ShmPeer(desc, self._config.shm_dir)
-                self._peers[desc.name] = state
-                if stale is not None:
-                    stale.close()
-        return state
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            self._run(*item)
+        self._workers.close()
+        self._peers.close()
 
     def _run(self, peer: _ShmPeer, piece: Slice) -> None:
         """Copy one slice and end it (done, failed or timed out)."""
-        if piece.record.doomed:
-            piece.record.slice_failed("")  # a sibling slice failed; only account for this one
-            return
-        if self._clock.now() >= piece.record.deadline:
-            piece.record.slice_failed("deadline passed before the copy started", timed_out=True)
+        if not live_slices([piece], self._clock):
             return
         try:
             self._copy(peer, piece)

@@ -1,0 +1,136 @@
+"""What the same-host transports (shm, cma) share: a peer process pinned by a pidfd, the table
+of peers they copy to, the copy workers that take large submits, and the slice filter that
+runs before every copy.
+
+A peer is named by (host, pid, start time): the descriptor carries the owner's start time, so
+a pid the kernel recycled after the owner died is never taken for it. The pidfd then tells,
+before and after each copy, whether that very process is still alive.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import select
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from tsukimi.clock import Clock
+from tsukimi.errors import ClosedError
+from tsukimi.transfer.segment import SegmentDescriptor, process_start_time
+from tsukimi.transfer.transports.base import Slice
+
+MAX_RETIRED = 64  # pidfds of restarted peers kept open for threads that may still use them
+
+
+class PeerProcess:
+    """One same-host peer process: its pid and a pidfd that pins its identity.
+
+    Raises (constructor): ProcessLookupError (gone, or its pid now names another process),
+    OSError (another pid namespace)."""
+
+    def __init__(self, desc: SegmentDescriptor) -> None:
+        self.name, self.pid = desc.name, desc.pid
+        self.pidfd = os.pidfd_open(desc.pid)
+        if desc.pid_start and process_start_time(desc.pid) != desc.pid_start:
+            os.close(self.pidfd)
+            raise ProcessLookupError(f"pid {desc.pid} is no longer the process that published {desc.name}")
+
+    def alive(self) -> bool:
+        readable, _, _ = select.select([self.pidfd], [], [], 0)
+        return not readable
+
+    def close(self) -> None:
+        os.close(self.pidfd)
+
+
+P = TypeVar("P", bound=PeerProcess)
+T = TypeVar("T")
+
+
+class PeerTable(Generic[P]):
+    """Peers by segment name, each opened once (racing first contacts share one); a peer that
+    restarted (another pid) is replaced, and the old one closed only on `close`, since other
+    threads may still be copying with it. Thread-safe."""
+
+    def __init__(self, what: str, make: Callable[[SegmentDescriptor], P]) -> None:
+        self._what, self._make = what, make
+        self._lock = threading.Lock()
+        self._peers: dict[str, P] = {}
+        self._retired: list[P] = []
+        self._closed = False
+
+    def get(self, desc: SegmentDescriptor) -> P:
+        """The peer behind `desc`. Raises ClosedError, or what the peer's constructor raises."""
+        if self._closed:
+            raise ClosedError(f"{self._what} transport is closed")
+        state = self._peers.get(desc.name)
+        if state is not None and state.pid == desc.pid:
+            return state
+        with self._lock:
+            state = self._peers.get(desc.name)
+            if state is not None and state.pid == desc.pid:
+                return state
+            fresh = self._peers[desc.name] = self._make(desc)
+            if state is not None:
+                self._retired.append(state)
+                while len(self._retired) > MAX_RETIRED:
+                    self._retired.pop(0).close()
+        return fresh
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            peers = [*self._peers.values(), *self._retired]
+            self._peers, self._retired = {}, []
+        for state in peers:
+            state.close()
+
+
+class CopyWorkers(Generic[T]):
+    """Threads that run `run(item)` for items put in order; `close` stops them after what
+    is queued, and fails every item put afterwards through `refuse`."""
+
+    def __init__(self, count: int, name: str, run: Callable[[T], None], refuse: Callable[[T], None]) -> None:
+        self._run, self._refuse = run, refuse
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[T | None] = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    def put(self, item: T) -> None:
+        with self._lock:  # NOTE: never behind the stop signals
+            if self._closed:
+                self._refuse(item)
+            else:
+                self._queue.put(item)
+
+    def close(self, join_s: float = 5.0) -> None:
+        with self._lock:
+            self._closed = True
+            for _ in self._threads:
+                self._queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout=join_s)
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._run(item)
+
+
+def live_slices(slices: list[Slice], clock: Clock) -> list[Slice]:
+    """The slices worth copying now; the others end here (a sibling already failed the
+    request, or the deadline passed before the copy started)."""
+    now = clock.now()
+    live = []
+    for piece in slices:
+        if piece.record.doomed:
+            piece.record.slice_failed("")  # a sibling slice failed; only account for this one
+        elif now >= piece.record.deadline:
+            piece.record.slice_failed("deadline passed before the copy started", timed_out=True)
+        else:
+            live.append(piece)
+    return live
