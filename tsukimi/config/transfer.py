@@ -28,6 +28,9 @@ class TransferConfig:
     num_connections: parallel TCP connections per peer that large transfers are striped over.
     slice_bytes: requests larger than this are split into slices of this size.
     timeout_s: default deadline of a request, from submission to completion.
+    bind_host: the address the segment server listens on; several, comma-separated, for
+        several NICs ("10.0.0.5,10.0.1.5"): the engine serves on each and publishes them all,
+        and tcp peers stripe over them and retry a broken path on another.
     nixl: turn on the optional NIXL transport (RDMA NICs through UCX; `make nixl` installs
         it; docs/rdma.md). nixl_staging_bytes: its registered bounce buffer for local memory
         that is not registered with the engine.
@@ -49,12 +52,21 @@ class TransferConfig:
     nixl: bool = False
     nixl_staging_bytes: int = 16 * MIB
 
+    @property
+    def bind_hosts(self) -> tuple[str, ...]:
+        """The addresses in `bind_host` (one server each)."""
+        return tuple(host.strip() for host in self.bind_host.split(","))
+
     def __post_init__(self) -> None:
         require(
             self.transport.isidentifier(),
             f"transfer.transport must be auto or a transport's name, got {self.transport!r}",
         )
         require(0 <= self.port <= 65535, f"transfer.port must be in 0..65535, got {self.port}")
+        require(
+            all(self.bind_hosts) and len(set(self.bind_hosts)) == len(self.bind_hosts),
+            f"transfer.bind_host must be addresses separated by commas, none twice, got {self.bind_host!r}",
+        )
         require(1 <= self.num_connections <= 64, "transfer.num_connections must be in 1..64")
         require(
             4096 <= self.slice_bytes <= self.max_slice_bytes,

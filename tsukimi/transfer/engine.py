@@ -87,12 +87,19 @@ class TransferEngine:
         self._host_id = host_id()
         self._pid_start = process_start_time(os.getpid())
         self._segment = LocalSegment(name or "")
-        self._server = SegmentServer(
-            self._segment, self.config, self._describe_bytes, self._on_handshake, self._clock, secret=secret
-        )
-        endpoint = self._server.endpoint
+        self._servers: list[SegmentServer] = []
+        try:  # NOTE: one server per address (one per NIC): peers stripe over them (transports/tcp.py)
+            for host in self.config.bind_hosts:
+                self._servers.append(SegmentServer(
+                    self._segment, self.config, self._describe_bytes, self._on_handshake, self._clock,
+                    secret=secret, host=host,
+                ))  # fmt: skip
+        except BaseException:
+            self._close_servers()
+            raise
+        endpoint = self._servers[0].endpoint
         if backend is None and name is not None and parse_host_port(name) != endpoint:
-            self._server.close()
+            self._close_servers()
             raise ConfigError(f"in p2p mode the segment name is its server's address; drop name={name!r}")
         self.name = self._segment.name = name or f"{endpoint.host}:{endpoint.port}"
         self._directory = SegmentDirectory(backend, self._describe_bytes, cfg.metadata.timeout_s, secret)
@@ -104,14 +111,14 @@ class TransferEngine:
         try:
             self._transports = build_transports(context)  # in the order "auto" tries them
         except BaseException:
-            self._server.close()
+            self._close_servers()
             raise
         self._aware = [t for t in self._transports if isinstance(t, SegmentAware)]
         names = ("auto", *(t.name for t in self._transports))
         if self.config.transport not in names:
             for transport in self._transports:
                 transport.close()
-            self._server.close()
+            self._close_servers()
             raise ConfigError(f"transfer.transport must be one of {', '.join(names)}, got {self.config.transport!r}")
         self._choices: dict[tuple[str, int, int], tuple[SegmentDescriptor, Transport]] = {}
         self._lock = threading.Lock()
@@ -186,7 +193,7 @@ class TransferEngine:
             pid_start=self._pid_start,
             version_address=self._segment.version_address,
             version=self._segment.version,
-            endpoints=[self._server.endpoint],
+            endpoints=[server.endpoint for server in self._servers],
             buffers=[buf.describe() for buf in self._segment.buffers()],
             transport_info={t.name: t.local_info() for t in self._aware},
         )
@@ -327,7 +334,7 @@ class TransferEngine:
             self._directory.withdraw(self.name)
         except TsukimiError as exc:
             logger.warning("could not withdraw segment %s: %s", self.name, exc)
-        self._server.close()
+        self._close_servers()
         for transport in self._transports:
             transport.close()
         self._shm.close()
@@ -383,6 +390,10 @@ class TransferEngine:
         error = first_error(statuses)
         if error is not None:
             raise error
+
+    def _close_servers(self) -> None:
+        for server in self._servers:
+            server.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -33,8 +33,9 @@ _ACK_FLUSH_BYTES = 256 << 10  # how often blocked socket calls wake up to check 
 
 
 class SegmentServer(netserver.ConnectionServer):
-    """Serves `segment` on `config.bind_host:config.port` (0 = ephemeral); with `secret`, only
-    to peers that prove they know it."""
+    """Serves `segment` on `host:config.port` (0 = ephemeral; `host` is one of the
+    comma-separated `config.bind_host`: an engine runs one server per address, one per NIC);
+    with `secret`, only to peers that prove they know it."""
 
     def __init__(
         self,
@@ -45,16 +46,16 @@ class SegmentServer(netserver.ConnectionServer):
         clock: Clock | None = None,
         *,
         secret: bytes | None = None,
+        host: str = "",
     ) -> None:
-        super().__init__(
-            config.bind_host, config.port, "segment-server", config.max_server_connections, _TICK_S, secret
-        )
+        host = host or config.bind_hosts[0]
+        super().__init__(host, config.port, "segment-server", config.max_server_connections, _TICK_S, secret)
         self._segment = segment
         self._config = config
         self._clock = clock or WallClock()
         self._describe = describe
         self._on_handshake = on_handshake
-        self.endpoint = Endpoint(config.bind_host, self.port)
+        self.endpoint = Endpoint(host, self.port)
         self.start()
 
     def serve(self, conn: socket.socket, addr: object) -> None:

@@ -1,7 +1,9 @@
 """TCP transport, client side: slices striped over a pool of connections per peer.
 
 Each peer gets a `PeerPool` of `num_connections` connections (tcp_connection.py), opened on
-first use and spread over the peer's endpoints, like Mooncake's multi-NIC striping. Slices
+first use and spread over the peer's endpoints (one per NIC), like Mooncake's multi-NIC
+striping. A path (endpoint) whose connection broke is avoided for SUSPECT_S: new slices go to
+the other paths, and a slice that failed on it is retried on another. Slices
 are dealt in groups of about `slice_bytes`, so large transfers stripe over every connection
 while a burst of small requests stays on one. A slice whose connection broke is retried on
 the next connection, up to `max_retries` times (a `Retry` policy), unless its deadline passed;
@@ -25,6 +27,8 @@ from tsukimi.transfer.transports.base import Slice, TransportContext, register_t
 from tsukimi.transfer.transports.tcp_connection import COALESCE_BYTES, Connection, PeerLink, connect
 
 logger = logging.getLogger(__name__)
+
+SUSPECT_S = 1.0  # a path whose connection broke is avoided this long
 
 
 def handshake(endpoint: Endpoint, payload: bytes, timeout_s: float, secret: bytes | None = None) -> bytes:
@@ -70,13 +74,25 @@ class PeerPool:
             for i in range(config.num_connections)
         ]
         self._next = itertools.count()
+        self._suspect_until = [0.0] * len(self.endpoints)  # per endpoint: avoided until then
+
+    def _pick(self, after: int | None = None) -> Connection:
+        """The next connection (after connection `after`, for a retry) on a path not suspect;
+        any when every path is."""
+        n = len(self.connections)
+        start = (after + 1) if after is not None else next(self._next)
+        now = self.clock.now()
+        for k in range(n):
+            conn = self.connections[(start + k) % n]
+            if self._suspect_until[conn.index % len(self.endpoints)] <= now:
+                return conn
+        return self.connections[start % n]
 
     def dispatch(self, pieces: list[Slice]) -> None:
         """Deal slices to connections in groups of about `slice_bytes`: large transfers are
         striped, while a burst of small requests stays on one connection (fewer wake-ups) and,
         when that connection is idle, is written by the calling thread itself."""
-        n = len(self.connections)
-        conn = self.connections[next(self._next) % n]
+        conn = self._pick()
         small = len(pieces) <= self.config.pipeline_depth and sum(len(p.local) for p in pieces) <= COALESCE_BYTES
         if small and conn.try_send_inline(pieces):
             return
@@ -84,7 +100,7 @@ class PeerPool:
         group_bytes = 0
         for piece in pieces:
             if group_bytes >= self.config.slice_bytes:
-                conn, group_bytes = self.connections[next(self._next) % n], 0
+                conn, group_bytes = self._pick(), 0
                 touched.add(conn)
             conn.queue.put(piece)
             group_bytes += len(piece.local)
@@ -96,6 +112,8 @@ class PeerPool:
         """Give a slice whose connection failed another connection, or end it. (`timed_out`
         says the connection broke on a deadline; the slice's own deadline decides.)"""
         piece.attempts += 1
+        if len(self.endpoints) > 1 and not timed_out:
+            self._suspect_until[failed_on % len(self.endpoints)] = self.clock.now() + SUSPECT_S
         if self.closed:
             piece.record.slice_failed(f"connection pool to {self.name} closed ({reason})", ClosedError.code)
         elif self.clock.now() >= piece.record.deadline:
@@ -108,7 +126,7 @@ class PeerPool:
             )
         else:
             logger.debug("retrying a slice to %s on another connection: %s", self.name, reason)
-            conn = self.connections[(failed_on + 1) % len(self.connections)]
+            conn = self._pick(after=failed_on)
             conn.queue.put(piece)
             if self.closed:
                 conn.fail_queued()
