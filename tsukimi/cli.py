@@ -82,7 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`tsukimi bench transfer | store | scheduler | serve` (mutates `bench`)."""
     tr = bench.add_parser("transfer", help="Transfer Engine throughput between two processes")
-    tr.add_argument("--transport", type=_names, default=("tcp", "shm"), help="tcp,shm")
+    tr.add_argument(
+        "--transport",
+        type=_names,
+        default=("auto", "shm", "cma", "cma+prepared", "tcp"),
+        help="auto,shm,cma,cma+prepared,tcp[,nixl]",
+    )
     tr.add_argument("--op", type=_names, default=("write", "read"), help="write,read")
     tr.add_argument("--block-sizes", type=_sizes, default=(64 * KIB, KIB * KIB, 4 * KIB * KIB, 16 * KIB * KIB))
     tr.add_argument("--batch", type=int, default=4, help="requests per batch")
@@ -91,6 +96,7 @@ def _add_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser
     tr.add_argument("--warmup", type=float, default=0.5)
     tr.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians")
     tr.add_argument("--compare-mooncake", action="store_true", help="also run the real Mooncake TE (tcp)")
+    tr.add_argument("--compare-nixl", action="store_true", help="also run NIXL itself (make nixl)")
     tr.add_argument("--quick", action="store_true", help="a small grid for CI smoke runs")
     tr.add_argument("--json", action="store_true", help="print one JSON object")
     tr.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
@@ -225,6 +231,7 @@ def _bench_transfer(args: argparse.Namespace, console: Console) -> None:
         warmup_s=0.1 if args.quick else args.warmup,
         repeats=1 if args.quick else args.repeats,
         compare_mooncake=args.compare_mooncake,
+        compare_nixl=args.compare_nixl,
     )
     with console.status("benchmarking") as status:
         result = transfer.run(cfg, progress=lambda text: status.update(text))

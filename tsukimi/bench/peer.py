@@ -1,8 +1,9 @@
 """Worker processes of `tsukimi bench transfer`, driven by line-delimited JSON on stdin/stdout.
 
 Roles (`python -m tsukimi.bench.peer ROLE`):
-  target SIZE [METADATA_URL]     a Transfer Engine owning a shared-memory buffer; prints
-                                {"name", "base"}; answers "digest" commands.
+  target SIZE [METADATA_URL]     a Transfer Engine owning a shared-memory buffer and a plain
+                                numpy one; prints {"name", "base", "anon_base", "pid"};
+                                answers "digest" commands.
   initiator SIZE [METADATA_URL]  Transfer Engines (one per connection count and slice size)
                                 that run `measure` and `verify` commands.
   sink        a raw-socket baseline: accepts one connection and recv_into()s a 4 MiB buffer.
@@ -37,7 +38,8 @@ def _commands() -> Any:
 
 
 def _config(metadata_url: str, **transfer: int) -> Config:
-    return Config(transfer=TransferConfig(**transfer), metadata=MetadataConfig(url=metadata_url))  # type: ignore[arg-type]
+    nixl = os.environ.get("TSUKIMI_BENCH_NIXL") == "1"  # NOTE: the driver turns the nixl transport on
+    return Config(transfer=TransferConfig(nixl=nixl, **transfer), metadata=MetadataConfig(url=metadata_url))  # type: ignore[arg-type]
 
 
 def run_target(size: int, metadata_url: str) -> None:
@@ -46,7 +48,11 @@ def run_target(size: int, metadata_url: str) -> None:
         buf = engine.allocate(size)
         memory = np.frombuffer(buf.view, np.uint8)
         memory[:] = 7
-        _reply({"name": engine.name, "base": buf.base})
+        # NOTE: plain process memory too (what an inference engine's KV cache is): the cma
+        # cells use it, as NIXL's target does; shared memory goes faster over shm
+        anon = np.full(size, 7, np.uint8)
+        anon_base = engine.register(anon)
+        _reply({"name": engine.name, "base": buf.base, "anon_base": anon_base, "pid": os.getpid()})
         for cmd in _commands():  # "digest": what landed in our memory, for the demo's check
             chunk = memory[cmd["offset"] : cmd["offset"] + cmd["nbytes"]]
             _reply({"sha256": hashlib.sha256(chunk.data).hexdigest()})
@@ -54,12 +60,14 @@ def run_target(size: int, metadata_url: str) -> None:
 
 def measure(engine: TransferEngine, cmd: dict[str, Any], local: np.ndarray) -> float:
     """Run whole batches for cmd["duration_s"] after cmd["warmup_s"]; GB/s (1e9 B/s)."""
-    handle = engine.open_segment(cmd["name"], transport=cmd["transport"])
+    transport, _, mode = cmd["transport"].partition("+")  # "cma+prepared": prepared once, run each batch
+    handle = engine.open_segment(cmd["name"], transport=transport)
     op = OpCode(cmd["op"])
     block, batch = cmd["block_bytes"], cmd["batch"]
     requests = [
         TransferRequest(op, handle, cmd["base"] + i * block, local[i * block : (i + 1) * block]) for i in range(batch)
     ]
+    run = engine.prepare(requests).run if mode == "prepared" else lambda: engine.transfer(requests)
     moved, start, warm_until = 0, time.perf_counter(), time.perf_counter() + cmd["warmup_s"]
     measuring = False
     while True:
@@ -68,9 +76,30 @@ def measure(engine: TransferEngine, cmd: dict[str, Any], local: np.ndarray) -> f
             measuring, moved, start = True, 0, now
         if measuring and now - start >= cmd["duration_s"]:
             return moved / (now - start) / 1e9
-        bad = [r for r in engine.transfer(requests) if r.state.value != "completed"]
+        bad = [r for r in run() if r.state.value != "completed"]
         if bad:
             raise RuntimeError(f"transfer failed: {bad[0]}")
+        moved += block * batch
+
+
+def measure_raw_cma(cmd: dict[str, Any], local: np.ndarray) -> float:
+    """The kernel's floor for the cma transport: one process_vm_readv/writev per batch with
+    the whole iovec lists, from this process straight into the target's buffer; GB/s."""
+    from tsukimi.transfer.transports.cma import raw_call
+
+    block, batch = cmd["block_bytes"], cmd["batch"]
+    pairs = [(int(local.ctypes.data) + i * block, cmd["base"] + i * block, block) for i in range(batch)]
+    call = raw_call(OpCode(cmd["op"]), cmd["pid"], pairs)
+    moved, start, warm_until = 0, time.perf_counter(), time.perf_counter() + cmd["warmup_s"]
+    measuring = False
+    while True:
+        now = time.perf_counter()
+        if not measuring and now >= warm_until:
+            measuring, moved, start = True, 0, now
+        if measuring and now - start >= cmd["duration_s"]:
+            return moved / (now - start) / 1e9
+        if call() != block * batch:
+            raise RuntimeError("process_vm_readv/writev moved less than asked")
         moved += block * batch
 
 
@@ -98,6 +127,8 @@ def run_initiator(size: int, metadata_url: str) -> None:
             try:
                 if cmd.get("cmd") == "verify":
                     _reply(verify(engines[key], cmd))
+                elif cmd.get("transport") == "cma-raw":
+                    _reply({"gbps": measure_raw_cma(cmd, local)})
                 else:
                     _reply({"gbps": measure(engines[key], cmd, local)})
             except Exception as exc:  # report to the driver, which raises it there

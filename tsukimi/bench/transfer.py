@@ -3,9 +3,13 @@
 For each cell (transport, op, block size, batch, connections) the initiator process runs
 whole batches against the target process for a duration after a warm-up. In the same run it
 measures the raw limits (a plain socket stream of 4 MiB sendall / recv_into between two
-processes; numpy memcpy) and, with --compare-mooncake, the real Mooncake TE (TCP, P2P
-handshake) on the same cells, alternating with tsukimi. Each figure is the median of
---repeats rounds. Throughput is in GB/s (1e9 bytes per second).
+processes; numpy memcpy) and its peers on the same cells, alternating with tsukimi:
+`cma-raw` (one process_vm_readv/writev per batch from Python, the kernel's floor for
+same-host copies), with --compare-nixl NIXL itself (UCX, one prepared handle re-posted every
+batch, no progress thread: bench/nixl_peer.py), with --compare-mooncake the real Mooncake TE
+(TCP, P2P handshake). `cma+prepared` rows run `TransferEngine.prepare`d requests (validated
+and routed once, like NIXL's re-posted handle). Each figure is the median of --repeats
+rounds, in GB/s (1e9 B/s).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 from rich.table import Table
 
 from tsukimi.bench.mooncake_te import MooncakePair, mooncake_available
+from tsukimi.bench.nixl_peer import nixl_available
 from tsukimi.errors import ConfigError
 from tsukimi.testing.processes import JsonWorker
 
@@ -29,11 +34,15 @@ logger = logging.getLogger(__name__)
 
 KIB, MIB = 1 << 10, 1 << 20
 _CALL_MARGIN_S = 60.0
+TRANSPORTS = ("auto", "shm", "cma", "cma+prepared", "tcp", "nixl")
+# NOTE: these cells target the peer's plain process memory (as NIXL's cells do); the others
+# its shared memory (which auto then moves over shm)
+ANON_CELLS = ("cma", "cma+prepared", "cma-raw", "nixl")
 
 
 @dataclass(frozen=True, slots=True)
 class TransferBenchConfig:
-    transports: tuple[str, ...] = ("tcp", "shm")
+    transports: tuple[str, ...] = ("auto", "shm", "cma", "cma+prepared", "tcp")
     ops: tuple[str, ...] = ("write", "read")
     block_bytes: tuple[int, ...] = (64 * KIB, MIB, 4 * MIB, 16 * MIB)
     batch: int = 4
@@ -42,11 +51,12 @@ class TransferBenchConfig:
     warmup_s: float = 0.5
     repeats: int = 3
     compare_mooncake: bool = False
+    compare_nixl: bool = False
 
     def __post_init__(self) -> None:
         for t in self.transports:
-            if t not in ("tcp", "shm"):
-                raise ConfigError(f"transport must be tcp or shm, got {t!r}")
+            if t not in TRANSPORTS:
+                raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {t!r}")
         for op in self.ops:
             if op not in ("read", "write"):
                 raise ConfigError(f"op must be read or write, got {op!r}")
@@ -75,6 +85,7 @@ class Cell:
 class TransferBenchResult:
     config: TransferBenchConfig
     results: list[dict[str, object]] = field(default_factory=list)
+    peers: list[dict[str, object]] = field(default_factory=list)  # cma-raw, nixl: same fields
     mooncake: list[dict[str, object]] | None = None
     socket_gbps: float = 0.0
     memcpy_gbps: float = 0.0
@@ -88,6 +99,12 @@ def cells(cfg: TransferBenchConfig) -> list[Cell]:
             for block in cfg.block_bytes:
                 out.extend(Cell(transport, op, block, cfg.batch, c) for c in conns)
     return out
+
+
+def peer_cells(cfg: TransferBenchConfig, with_nixl: bool) -> list[Cell]:
+    """The peers' cells: raw CMA always, NIXL when compared (same ops, blocks, batch)."""
+    names = ("cma-raw", "nixl") if with_nixl else ("cma-raw",)
+    return [Cell(name, op, block, cfg.batch, 1) for name in names for op in cfg.ops for block in cfg.block_bytes]
 
 
 def memcpy_gbps(nbytes: int = 256 * MIB, seconds: float = 1.0) -> float:
@@ -120,11 +137,12 @@ def socket_gbps(seconds: float) -> float:
 class TsukimiPair:
     """A target and an initiator process running tsukimi Transfer Engines."""
 
-    def __init__(self, buffer_bytes: int, metadata_url: str = "p2p") -> None:
+    def __init__(self, buffer_bytes: int, metadata_url: str = "p2p", nixl: bool = False) -> None:
         args = [str(buffer_bytes), metadata_url]
-        self.target = JsonWorker("tsukimi target", ["tsukimi.bench.peer", "target", *args])
+        env = {"TSUKIMI_BENCH_NIXL": "1" if nixl else "0"}
+        self.target = JsonWorker("tsukimi target", ["tsukimi.bench.peer", "target", *args], env=env)
         try:
-            self.initiator = JsonWorker("tsukimi initiator", ["tsukimi.bench.peer", "initiator", *args])
+            self.initiator = JsonWorker("tsukimi initiator", ["tsukimi.bench.peer", "initiator", *args], env=env)
         except BaseException:
             self.target.stop()
             raise
@@ -133,7 +151,8 @@ class TsukimiPair:
         reply = self.initiator.call(
             duration_s + warmup_s + _CALL_MARGIN_S,
             name=self.target.ready["name"],
-            base=self.target.ready["base"],
+            base=self.target.ready["anon_base" if cell.transport in ANON_CELLS else "base"],
+            pid=self.target.ready["pid"],
             transport=cell.transport,
             op=cell.op,
             block_bytes=cell.block_bytes,
@@ -149,39 +168,69 @@ class TsukimiPair:
         self.target.stop()
 
 
+class NixlPair:
+    """NIXL itself in two processes (bench/nixl_peer.py)."""
+
+    def __init__(self, buffer_bytes: int) -> None:
+        self.target = JsonWorker("nixl target", ["tsukimi.bench.nixl_peer", "target", str(buffer_bytes)])
+        try:
+            self.initiator = JsonWorker("nixl initiator", ["tsukimi.bench.nixl_peer", "initiator", str(buffer_bytes)])
+        except BaseException:
+            self.target.stop()
+            raise
+
+    def measure(self, cell: Cell, duration_s: float, warmup_s: float) -> float:
+        reply = self.initiator.call(
+            duration_s + warmup_s + _CALL_MARGIN_S, metadata=self.target.ready["metadata"],
+            base=self.target.ready["base"], op=cell.op, block_bytes=cell.block_bytes, batch=cell.batch,
+            duration_s=duration_s, warmup_s=warmup_s,
+        )  # fmt: skip
+        return float(reply["gbps"])
+
+    def close(self) -> None:
+        self.initiator.stop()
+        self.target.stop()
+
+
 def run(cfg: TransferBenchConfig, progress: Callable[[str], None] = lambda _: None) -> TransferBenchResult:
-    """Measure every cell `cfg.repeats` times (tsukimi and Mooncake alternating); medians."""
+    """Measure every cell `cfg.repeats` times (tsukimi and its peers alternating); medians."""
     result = TransferBenchResult(cfg)
     progress("baselines: memcpy")
     result.memcpy_gbps = memcpy_gbps()
-    grid = cells(cfg)
-    ours: dict[Cell, list[float]] = {c: [] for c in grid}
+    use_nixl = cfg.compare_nixl and nixl_available()
+    use_mooncake = cfg.compare_mooncake and mooncake_available()
+    for flag, used, what in ((cfg.compare_nixl, use_nixl, "nixl"), (cfg.compare_mooncake, use_mooncake, "mooncake")):
+        if flag and not used:
+            logger.warning("--compare-%s: %s is not importable; skipped", what, what)
+    grid, peers = cells(cfg), peer_cells(cfg, use_nixl)
+    figures: dict[Cell, list[float]] = {c: [] for c in [*grid, *peers]}
+    mooncake_cells = [c for c in grid if c.transport == "tcp" and c.connections == cfg.connections[0]]
     theirs: dict[Cell, list[float]] = {}
     sockets: list[float] = []
-    mooncake_cells = [c for c in grid if c.transport == "tcp" and c.connections == cfg.connections[0]]
-    use_mooncake = cfg.compare_mooncake and mooncake_available()
-    if cfg.compare_mooncake and not use_mooncake:
-        logger.warning("--compare-mooncake: mooncake-transfer-engine-non-cuda is not importable; skipped")
-    pair = TsukimiPair(cfg.buffer_bytes)
+    pair = TsukimiPair(cfg.buffer_bytes, nixl="nixl" in cfg.transports)
+    nixl = NixlPair(cfg.buffer_bytes) if use_nixl else None
     mooncake = MooncakePair(cfg.buffer_bytes) if use_mooncake else None
     try:
         for round_no in range(cfg.repeats):
             progress(f"round {round_no + 1}/{cfg.repeats}: socket baseline")
             sockets.append(socket_gbps(cfg.duration_s))
-            for cell in grid:
-                progress(f"round {round_no + 1}/{cfg.repeats}: tsukimi {_label(cell)}")
-                ours[cell].append(pair.measure(cell, cfg.duration_s, cfg.warmup_s))
+            for cell in [*grid, *peers]:
+                progress(f"round {round_no + 1}/{cfg.repeats}: {_label(cell)}")
+                measurer = nixl if cell.transport == "nixl" and cell in peers else pair
+                assert measurer is not None
+                figures[cell].append(measurer.measure(cell, cfg.duration_s, cfg.warmup_s))
                 if mooncake is not None and cell in mooncake_cells:
                     progress(f"round {round_no + 1}/{cfg.repeats}: mooncake {_label(cell)}")
                     op: Literal["read", "write"] = "read" if cell.op == "read" else "write"
                     gbps = mooncake.measure(op, cell.block_bytes, cell.batch, cfg.duration_s, cfg.warmup_s)
                     theirs.setdefault(cell, []).append(gbps)
     finally:
-        pair.close()
-        if mooncake is not None:
-            mooncake.close()
+        for closer in (pair, nixl, mooncake):
+            if closer is not None:
+                closer.close()
     result.socket_gbps = statistics.median(sockets)
-    result.results = [_row(c, statistics.median(v)) for c, v in ours.items()]
+    result.results = [_row(c, statistics.median(figures[c])) for c in grid]
+    result.peers = [_row(c, statistics.median(figures[c])) for c in peers]
     if use_mooncake:
         result.mooncake = [_row(c, statistics.median(v), "mooncake-tcp") for c, v in theirs.items()]
     return result
@@ -198,7 +247,7 @@ def _row(cell: Cell, gbps: float, transport: str | None = None) -> dict[str, obj
 
 def _label(cell: Cell) -> str:
     conns = f" x{cell.connections}" if cell.transport == "tcp" else ""
-    return f"{cell.transport}{conns} {cell.op} {cell.block_bytes // KIB} KiB batch {cell.batch}"
+    return f"{cell.transport}{conns} {cell.op} {_size(cell.block_bytes)} batch {cell.batch}"
 
 
 def git_rev() -> str:
@@ -210,16 +259,23 @@ def git_rev() -> str:
 
 
 def ratios(result: TransferBenchResult) -> list[dict[str, object]]:
-    """Each tsukimi figure against its baseline: socket (tcp), memcpy (shm), Mooncake (tcp)."""
-    theirs = {(r["op"], r["block_bytes"], r["batch"]): r["gbps"] for r in result.mooncake or []}
+    """Each tsukimi figure against its baseline (socket for tcp, memcpy for the same-host
+    transports) and, in the same cell, against its peers: NIXL (same-host rows), raw CMA
+    (cma and auto rows), Mooncake (tcp rows)."""
+    peers = {(r["transport"], r["op"], r["block_bytes"], r["batch"]): float(str(r["gbps"])) for r in result.peers}
+    for r in result.mooncake or []:
+        peers[("mooncake", r["op"], r["block_bytes"], r["batch"])] = float(str(r["gbps"]))
     out = []
     for row in result.results:
-        gbps = float(str(row["gbps"]))
+        gbps, cell = float(str(row["gbps"])), (row["op"], row["block_bytes"], row["batch"])
         base = result.socket_gbps if row["transport"] == "tcp" else result.memcpy_gbps
         entry: dict[str, object] = {**row, "vs_baseline": round(gbps / base, 3) if base else None}
-        mc = theirs.get((row["op"], row["block_bytes"], row["batch"]))
-        if row["transport"] == "tcp" and mc:
-            entry["vs_mooncake"] = round(gbps / float(str(mc)), 3)
+        same_host = row["transport"] != "tcp"
+        for key, peer, applies in (("vs_nixl", "nixl", same_host), ("vs_cma_raw", "cma-raw", same_host),
+                                   ("vs_mooncake", "mooncake", not same_host)):  # fmt: skip
+            theirs = peers.get((peer, *cell))
+            if applies and theirs:
+                entry[key] = round(gbps / theirs, 3)
         out.append(entry)
     return out
 
@@ -227,6 +283,7 @@ def ratios(result: TransferBenchResult) -> list[dict[str, object]]:
 def to_json(result: TransferBenchResult) -> dict[str, object]:
     return {
         "results": result.results,
+        "peers": result.peers,
         "baselines": {"socket_gbps": round(result.socket_gbps, 4), "memcpy_gbps": round(result.memcpy_gbps, 4)},
         "mooncake": result.mooncake,
         "ratios": ratios(result),
@@ -235,63 +292,66 @@ def to_json(result: TransferBenchResult) -> dict[str, object]:
     }
 
 
+def _size(block: int) -> str:
+    return f"{block // MIB} MiB" if block >= MIB else f"{block // KIB} KiB"
+
+
+def _x(row: dict[str, object], key: str) -> str:
+    value = row.get(key)
+    return f"{float(str(value)):.2f}" if value is not None else "-"
+
+
+COLUMNS = ("transport", "op", "block", "batch", "conns", "GB/s", "x baseline", "x NIXL", "x cma-raw", "x Mooncake")
+
+
+def _cells(row: dict[str, object]) -> list[str]:
+    baseline = "socket" if row["transport"] == "tcp" else "memcpy"
+    return [
+        str(row["transport"]), str(row["op"]), _size(int(str(row["block_bytes"]))), str(row["batch"]),
+        str(row["connections"]), f"{float(str(row['gbps'])):.2f}", f"{_x(row, 'vs_baseline')} ({baseline})",
+        _x(row, "vs_nixl"), _x(row, "vs_cma_raw"), _x(row, "vs_mooncake"),
+    ]  # fmt: skip
+
+
 def render_table(result: TransferBenchResult) -> Table:
     table = Table(title="tsukimi bench transfer (GB/s = 1e9 bytes/s, medians)")
-    for name in ("transport", "op", "block", "batch", "conns", "GB/s", "x baseline", "x mooncake"):
+    for name in COLUMNS:
         table.add_column(name, justify="right" if name not in ("transport", "op") else "left")
     for row in ratios(result):
-        block = int(str(row["block_bytes"]))
-        table.add_row(
-            str(row["transport"]),
-            str(row["op"]),
-            f"{block // MIB} MiB" if block >= MIB else f"{block // KIB} KiB",
-            str(row["batch"]),
-            str(row["connections"]),
-            f"{float(str(row['gbps'])):.2f}",
-            f"{row['vs_baseline']:.2f}" if row["vs_baseline"] is not None else "-",
-            f"{row['vs_mooncake']:.2f}" if "vs_mooncake" in row else "-",
-        )
+        table.add_row(*_cells(row))
+    peers = [*result.peers, *(result.mooncake or [])]
     table.caption = (
-        f"baselines: socket stream {result.socket_gbps:.2f} GB/s (tcp rows), "
-        f"memcpy {result.memcpy_gbps:.2f} GB/s (shm rows)"
-        + (
-            "; mooncake: "
-            + ", ".join(f"{r['op']} {int(str(r['block_bytes'])) // KIB} KiB {r['gbps']}" for r in result.mooncake)
-            if result.mooncake
-            else ""
-        )
-    )
+        f"baselines: socket stream {result.socket_gbps:.2f} GB/s (tcp rows), memcpy {result.memcpy_gbps:.2f} GB/s; "
+        + "peers: " + ", ".join(f"{r['transport']} {r['op']} {_size(int(str(r['block_bytes'])))} {r['gbps']}"
+                                for r in peers)
+    )  # fmt: skip
     return table
 
 
 def render_markdown(report: dict[str, object]) -> str:
-    """The `to_json` report as a Markdown table (what docs/benchmarks.md shows)."""
+    """The `to_json` report as Markdown tables (what docs/benchmarks.md shows)."""
     baselines = report["baselines"]
     assert isinstance(baselines, dict)
     lines = [
         f"Baselines: raw socket stream {baselines['socket_gbps']:.2f} GB/s, "
         f"memcpy {baselines['memcpy_gbps']:.2f} GB/s. git {report['git_rev']}.",
         "",
-        "| transport | op | block | batch | conns | GB/s | x baseline | x Mooncake (same run) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
     ]
     rows = report["ratios"]
     assert isinstance(rows, list)
-    for row in rows:
-        block = int(row["block_bytes"])
-        size = f"{block // MIB} MiB" if block >= MIB else f"{block // KIB} KiB"
-        baseline = "socket" if row["transport"] == "tcp" else "memcpy"
-        vs_mc = f"{row['vs_mooncake']:.2f}" if "vs_mooncake" in row else "-"
-        lines.append(
-            f"| {row['transport']} | {row['op']} | {size} | {row['batch']} | {row['connections']} | "
-            f"{row['gbps']:.2f} | {row['vs_baseline']:.2f} ({baseline}) | {vs_mc} |"
-        )
-    mooncake = report.get("mooncake")
-    if isinstance(mooncake, list) and mooncake:
-        lines += ["", "Mooncake TE (TCP, P2P handshake), same cells, same run:", ""]
-        lines += ["| op | block | batch | GB/s |", "|---|---|---|---|"]
-        for row in mooncake:
-            block = int(row["block_bytes"])
-            size = f"{block // MIB} MiB" if block >= MIB else f"{block // KIB} KiB"
-            lines.append(f"| {row['op']} | {size} | {row['batch']} | {row['gbps']:.2f} |")
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    peers = [*(report.get("peers") or []), *(report.get("mooncake") or [])]  # type: ignore[misc]
+    if peers:
+        lines += [
+            "",
+            "Peers, same cells, same run:",
+            "",
+            "| peer | op | block | batch | GB/s |",
+            "|---|---|---|---|---|",
+        ]
+        for row in peers:
+            size = _size(int(row["block_bytes"]))
+            lines.append(f"| {row['transport']} | {row['op']} | {size} | {row['batch']} | {row['gbps']:.2f} |")
     return "\n".join(lines)

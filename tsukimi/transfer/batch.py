@@ -108,6 +108,16 @@ class RequestRecord:
             self.done_bytes += nbytes
             self._slice_ended()
 
+    @staticmethod
+    def slices_done(pieces: list[tuple[RequestRecord, int]]) -> None:
+        """`slice_done` for several slices of one batch, under one acquisition of its lock."""
+        if not pieces:
+            return
+        with pieces[0][0].batch.lock:
+            for record, nbytes in pieces:
+                record.done_bytes += nbytes
+                record._slice_ended()
+
     def slice_failed(self, reason: str, code: str = "", timed_out: bool = False) -> None:
         """End one slice as failed; the first failure's reason and code are kept."""
         with self.batch.lock:

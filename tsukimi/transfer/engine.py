@@ -28,11 +28,10 @@ from collections.abc import Sequence
 
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import Config
-from tsukimi.errors import ClosedError, ConfigError, InvalidBufferError, OutOfBounds, TransferError, TsukimiError
+from tsukimi.errors import ClosedError, ConfigError, TsukimiError
 from tsukimi.transfer.batch import (
     Batch,
     OpCode,
-    RequestRecord,
     RequestStatus,
     SegmentHandle,
     TransferRequest,
@@ -40,8 +39,9 @@ from tsukimi.transfer.batch import (
 )
 from tsukimi.transfer.directory import SegmentDirectory, parse_host_port
 from tsukimi.transfer.metadata import MetadataBackend, connect_metadata
+from tsukimi.transfer.prepared import PreparedTransfer
+from tsukimi.transfer.routing import Routes
 from tsukimi.transfer.segment import (
-    BufferDescriptor,
     LocalSegment,
     RegisteredBuffer,
     SegmentDescriptor,
@@ -53,12 +53,9 @@ from tsukimi.transfer.segment import (
 )
 from tsukimi.transfer.server import SegmentServer
 from tsukimi.transfer.shared_memory import SharedMemoryAllocator
-from tsukimi.transfer.transports import SegmentAware, Slice, Transport, TransportContext, build_transports
+from tsukimi.transfer.transports import Preparable, SegmentAware, TransportContext, build_transports
 
 logger = logging.getLogger(__name__)
-
-MAX_CHOICES = 4096  # remembered transport choices (see _choose)
-_Plan = tuple[SegmentHandle, OpCode, memoryview, int]  # a validated request: where, what, which bytes, offset
 
 
 class TransferEngine:
@@ -120,7 +117,7 @@ class TransferEngine:
                 transport.close()
             self._close_servers()
             raise ConfigError(f"transfer.transport must be one of {', '.join(names)}, got {self.config.transport!r}")
-        self._choices: dict[tuple[str, int, int], tuple[SegmentDescriptor, Transport]] = {}
+        self._routes = Routes(self.config, self._directory, self._transports)
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -228,64 +225,27 @@ class TransferEngine:
         """
         self._check_open()
         deadline = self._clock.now() + (timeout_s if timeout_s is not None else self.config.timeout_s)
-        plans = [self._plan(req) for req in requests]
+        plans = [self._routes.plan(req) for req in requests]
         batch = Batch([req.local for req in requests], deadline, self._clock)
-        self._dispatch(batch.records, plans)
+        self._routes.dispatch(batch.records, plans)
         return batch
 
-    def _dispatch(self, records: list[RequestRecord], plans: list[_Plan]) -> None:
-        """Route every request and hand each transport its slices, one hand-off per peer."""
-        refreshed: set[str] = set()
-        routes: dict[tuple[str, str], tuple[Transport, SegmentDescriptor, list[Slice]]] = {}
-        routed = 0
-        try:
-            for record, plan in zip(records, plans, strict=True):
-                try:
-                    route = self._route(record, plan, refreshed)
-                except TsukimiError as exc:  # e.g. the metadata service failed on a re-fetch
-                    record.fail_now(exc)
-                    route = None
-                routed += 1
-                if route is not None:
-                    transport, desc, pieces = route
-                    routes.setdefault((transport.name, desc.name), (transport, desc, []))[2].extend(pieces)
-        except BaseException:  # a bug or an interrupt: never leave a record pending for ever
-            for record in records[routed:]:
-                record.fail_now(TransferError("submit was interrupted before this request was routed"))
-            for _, _, pieces in routes.values():
-                for piece in pieces:
-                    piece.record.slice_failed("submit was interrupted")
-            raise
-        for transport, desc, pieces in routes.values():
-            try:
-                transport.submit(desc, pieces)
-            except TsukimiError as exc:  # closed concurrently
-                for piece in pieces:
-                    piece.record.slice_failed(str(exc), exc.code)
+    def prepare(self, requests: Sequence[TransferRequest], timeout_s: float | None = None) -> PreparedTransfer:
+        """Validate and route `requests` once, to run them many times (`run()` = `transfer`,
+        faster where a transport can prepare them: tsukimi/transfer/prepared.py).
 
-    def _route(
-        self, record: RequestRecord, plan: _Plan, refreshed: set[str]
-    ) -> tuple[Transport, SegmentDescriptor, list[Slice]] | None:
-        """Pick the transport and cut the slices of one validated request; None when it
-        already ended FAILED (mutates `refreshed`)."""
-        handle, op, local, offset = plan
-        desc = self._directory.get(handle.name)
-        buffer = desc.find(offset, len(local))
-        if buffer is None and handle.name not in refreshed:  # maybe registered after we cached
-            refreshed.add(handle.name)
-            desc = self._directory.fetch(handle.name)
-            buffer = desc.find(offset, len(local))
-        if buffer is None:
-            record.fail_now(OutOfBounds(f"[{offset:#x}, +{len(local)}) is outside every buffer of {handle.name}"))
-            return None
-        transport = self._choose(handle, desc, buffer)
-        if transport is None:
-            record.fail_now(TransferError(f"transport {handle.transport} cannot reach that buffer of {handle.name}"))
-            return None
-        step = transport.slice_bytes
-        pieces = [Slice(record, op, local[i : i + step], offset + i, buffer) for i in range(0, len(local), step)]
-        record.slices_left = len(pieces)
-        return transport, desc, pieces
+        Raises:
+            what `submit` raises for a malformed request; SegmentNotFound / MetadataError.
+        """
+        self._check_open()
+        plans = [self._routes.plan(req) for req in requests]
+        routes = [self._routes.locate(handle, offset, len(local)) for handle, _, local, offset in plans]
+        distinct = {(id(r[0]), id(r[1])) if r is not None else None for r in routes}
+        fast = None
+        if len(distinct) == 1 and (route := routes[0]) is not None and isinstance(route[0], Preparable):
+            fast = route[0].prepare(route[1], [(op, local, offset) for _, op, local, offset in plans])
+        sizes = [len(local) for _, _, local, _ in plans]
+        return PreparedTransfer(requests, sizes, timeout_s, self.transfer, fast)
 
     def transport_for(self, segment: SegmentHandle | str, remote_offset: int, length: int = 1) -> str:
         """The name of the transport that would carry a request to `segment` at
@@ -295,10 +255,8 @@ class TransferEngine:
             SegmentNotFound / MetadataError: the segment cannot be found.
         """
         handle = segment if isinstance(segment, SegmentHandle) else SegmentHandle(0, segment, self.config.transport)
-        desc = self._directory.get(handle.name)
-        buffer = desc.find(remote_offset, length)
-        transport = self._choose(handle, desc, buffer) if buffer is not None else None
-        return transport.name if transport is not None else ""
+        found = self._routes.locate(handle, remote_offset, length)
+        return found[0].name if found is not None else ""
 
     # -- one-call helpers ----------------------------------------------------------------
 
@@ -348,42 +306,6 @@ class TransferEngine:
         self.close()
 
     # -- internals ---------------------------------------------------------------------
-
-    def _plan(self, req: TransferRequest) -> _Plan:
-        if not isinstance(req.op, OpCode):
-            raise ConfigError(f"op must be an OpCode, got {req.op!r}")
-        view = byte_view(req.local, writable=req.op is OpCode.READ, with_address=False)[0]
-        length = len(view) - req.local_offset if req.length is None else req.length
-        if req.local_offset < 0 or length <= 0 or req.local_offset + length > len(view):
-            raise InvalidBufferError(
-                f"local range [{req.local_offset}, +{length}) does not fit a buffer of {len(view)} bytes"
-            )
-        if req.remote_offset < 0 or req.remote_offset + length >= 1 << 64:
-            raise OutOfBounds(f"remote range [{req.remote_offset}, +{length}) is outside the 64-bit address space")
-        # NOTE: a segment named by string is resolved when its request is routed: an
-        # unreachable peer fails its own requests (SegmentNotFound), not the whole batch.
-        handle = (
-            req.segment
-            if isinstance(req.segment, SegmentHandle)
-            else SegmentHandle(0, req.segment, self.config.transport)
-        )
-        return handle, req.op, view[req.local_offset : req.local_offset + length], req.remote_offset
-
-    def _choose(self, handle: SegmentHandle, desc: SegmentDescriptor, buffer: BufferDescriptor) -> Transport | None:
-        """The first transport (in rank order) that can serve the buffer, or the one forced.
-        A choice is remembered for this very descriptor object (a peer that changes publishes
-        a new one); a refusal is not, so a peer that becomes reachable is found."""
-        key = (handle.transport, id(desc), buffer.base)
-        known = self._choices.get(key)
-        if known is not None and known[0] is desc:
-            return known[1]
-        for transport in self._transports:
-            if handle.transport in ("auto", transport.name) and transport.can_serve(desc, buffer):
-                if len(self._choices) >= MAX_CHOICES:
-                    self._choices.clear()
-                self._choices[key] = (desc, transport)
-                return transport
-        return None
 
     @staticmethod
     def _raise_first(statuses: Sequence[RequestStatus]) -> None:

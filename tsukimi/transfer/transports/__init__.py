@@ -4,6 +4,8 @@
 
 from tsukimi.transfer.transports import cma, shm, tcp
 from tsukimi.transfer.transports.base import (
+    Preparable,
+    PreparedItem,
     SegmentAware,
     Slice,
     Transport,
@@ -14,6 +16,8 @@ from tsukimi.transfer.transports.base import (
 )
 
 __all__ = [
+    "Preparable",
+    "PreparedItem",
     "SegmentAware",
     "Slice",
     "Transport",

@@ -60,6 +60,20 @@ class Transport(Protocol):
         ...
 
 
+PreparedItem = tuple[OpCode, memoryview, int]  # what, the local bytes, the remote offset
+
+
+@runtime_checkable
+class Preparable(Protocol):
+    """A transport with a fast path for requests run many times (tsukimi/transfer/prepared.py)."""
+
+    def prepare(self, peer: SegmentDescriptor, items: list[PreparedItem]) -> Callable[[], bool] | None:
+        """A call that moves every item at once and says whether all of them completed
+        (False: the engine redoes them the ordinary way, to learn which failed and why);
+        None when this transport cannot prepare them. The caller keeps the buffers alive."""
+        ...
+
+
 @runtime_checkable
 class SegmentAware(Protocol):
     """A transport that follows the local segment's registrations and publishes metadata."""

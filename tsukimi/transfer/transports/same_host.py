@@ -38,6 +38,8 @@ class PeerProcess:
             raise ProcessLookupError(f"pid {desc.pid} is no longer the process that published {desc.name}")
 
     def alive(self) -> bool:
+        """Whether the process still runs (its pidfd turns readable when it exits).
+        NOTE: select, not a kept poll object: that one refuses concurrent callers."""
         readable, _, _ = select.select([self.pidfd], [], [], 0)
         return not readable
 
