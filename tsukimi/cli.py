@@ -11,6 +11,7 @@ import threading
 
 from rich.console import Console
 
+from tsukimi.compat import commands as compat_commands
 from tsukimi.errors import TsukimiError
 from tsukimi.serving import cluster, router_commands, worker_commands
 from tsukimi.sim import commands as sim_commands
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim_commands.add_parser(sub)
     worker_commands.add_parser(sub)
     cluster.add_parser(sub)
+    compat_commands.add_parser(sub)
     router_commands.add_parser(sub)
     return parser
 
@@ -307,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             router_commands.run(args, console)
         elif args.command == "sim":
             sim_commands.run(args, console)
+        elif args.command == "compat":
+            return compat_commands.run(args, console)
     except TsukimiError as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2

@@ -1,70 +1,23 @@
-"""The `mooncake` Python package's store and transfer-engine API, on tsukimi.
+"""`mooncake.store` on tsukimi: `MooncakeDistributedStore` and its configuration types.
 
-Code written for Mooncake's Python store runs against tsukimi by changing the import:
-
-    from tsukimi.compat.mooncake import MooncakeDistributedStore, ReplicateConfig
-
-Method names, positional signatures and return conventions follow `mooncake.store` and
-`mooncake.engine` (0.3.x): 0 or a size on success, negative codes on failure, `b""` for a
-missing key in `get`. Errors are logged, not raised, as Mooncake does.
+Method names, positional signatures and return conventions follow Mooncake's (0.3.x): 0 or a
+size on success, negative codes on failure (codes.py), `b""` for a missing key in `get`.
+Errors are logged, not raised, as Mooncake does. The storage is tsukimi's `StoreClient`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
 
+from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, RPC_FAIL, code_of
 from tsukimi.config import ClientConfig, Config, MetadataConfig, TransferConfig
-from tsukimi.errors import (
-    ConfigError,
-    InvalidArgument,
-    InvalidBufferError,
-    LeaseHeld,
-    ObjectExists,
-    ObjectNotFound,
-    OutOfBounds,
-    OutOfSpace,
-    TransferError,
-    TsukimiError,
-)
+from tsukimi.errors import ObjectExists, TsukimiError
 from tsukimi.store import protocol as p
 from tsukimi.store.client import StoreClient
-from tsukimi.transfer import OpCode, RegisteredBuffer, TransferRequest, first_error
-from tsukimi.transfer import TransferEngine as _Engine
 from tsukimi.transfer.segment import byte_view
 
 logger = logging.getLogger(__name__)
-
-OK = 0
-NO_SPACE = -200
-INVALID_PARAMS = -600
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-OBJECT_HAS_LEASE = -706
-TRANSFER_FAIL = -800
-RPC_FAIL = -900
-_CODES: list[tuple[type[TsukimiError], int]] = [
-    (OutOfSpace, NO_SPACE),
-    (InvalidArgument, INVALID_PARAMS),
-    (ConfigError, INVALID_PARAMS),
-    (InvalidBufferError, INVALID_PARAMS),
-    (OutOfBounds, INVALID_PARAMS),
-    (ObjectNotFound, OBJECT_NOT_FOUND),
-    (ObjectExists, OBJECT_ALREADY_EXISTS),
-    (LeaseHeld, OBJECT_HAS_LEASE),
-    (TransferError, TRANSFER_FAIL),
-]
-
-
-def code_of(error: TsukimiError | None) -> int:
-    """Mooncake's error code for a tsukimi error (RPC_FAIL for network and master failures)."""
-    if error is None:
-        return OK
-    for cls, code in _CODES:
-        if isinstance(error, cls):
-            return code
-    return RPC_FAIL
 
 
 class ReplicateConfig:
@@ -273,100 +226,3 @@ class MooncakeDistributedStore:
         if self._client is None:
             logger.error("MooncakeDistributedStore: call setup() first")
         return self._client
-
-
-class TransferEngine:
-    """`mooncake.engine.TransferEngine` on tsukimi's Transfer Engine (p2p handshake or a
-    metadata server; segment names are host:port, as Mooncake's P2P mode)."""
-
-    def __init__(self) -> None:
-        self._engine: _Engine | None = None
-        self._managed: dict[int, RegisteredBuffer] = {}
-
-    def initialize(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int:
-        url = "p2p" if metadata_server.upper() in ("P2PHANDSHAKE", "") else metadata_server
-        try:
-            host = local_hostname.rsplit(":", 1)[0] if local_hostname else "127.0.0.1"
-            config = replace(Config(), transfer=TransferConfig(bind_host=host), metadata=MetadataConfig(url=url))
-            self._engine = _Engine(None if url == "p2p" else local_hostname, config)
-        except (TsukimiError, OSError) as exc:
-            logger.error("initialize failed: %s", exc)
-            return -1
-        return OK
-
-    def get_rpc_port(self) -> int:
-        return self._require().describe().endpoints[0].port
-
-    def get_local_hostname(self) -> str:
-        return self._require().name
-
-    def register_memory(self, buffer_addr: int, capacity: int) -> int:
-        try:
-            self._require().register((buffer_addr, capacity))
-        except TsukimiError as exc:
-            logger.error("register_memory failed: %s", exc)
-            return -1
-        return OK
-
-    def unregister_memory(self, buffer_addr: int) -> int:
-        try:
-            self._require().unregister(buffer_addr)
-        except TsukimiError:
-            return -1
-        return OK
-
-    def allocate_managed_buffer(self, length: int) -> int:
-        """A registered buffer owned by the engine; returns its address (0 on failure)."""
-        buf = self._require().allocate(length)
-        self._managed[buf.base] = buf
-        return buf.base
-
-    def free_managed_buffer(self, buffer_addr: int, length: int) -> int:
-        if self._managed.pop(buffer_addr, None) is None:
-            return -1
-        self._require().unregister(buffer_addr)
-        return OK
-
-    def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int) -> int:
-        return self.batch_transfer_sync_write(target_hostname, [buffer], [peer_buffer_address], [length])
-
-    def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int) -> int:
-        return self.batch_transfer_sync_read(target_hostname, [buffer], [peer_buffer_address], [length])
-
-    def batch_transfer_sync_write(
-        self, target: str, buffers: list[int], peer_addrs: list[int], lengths: list[int]
-    ) -> int:
-        return self._batch(target, buffers, peer_addrs, lengths, write=True)
-
-    def batch_transfer_sync_read(
-        self, target: str, buffers: list[int], peer_addrs: list[int], lengths: list[int]
-    ) -> int:
-        return self._batch(target, buffers, peer_addrs, lengths, write=False)
-
-    def _batch(self, target: str, buffers: list[int], peer_addrs: list[int], lengths: list[int], write: bool) -> int:
-        engine = self._require()
-        op = OpCode.WRITE if write else OpCode.READ
-        requests = [
-            TransferRequest(op, target, peer, (local, n))
-            for local, peer, n in zip(buffers, peer_addrs, lengths, strict=True)
-        ]
-        try:
-            error = first_error(engine.transfer(requests))
-            if error is not None:
-                raise error
-        except TsukimiError as exc:
-            logger.error("transfer to %s failed: %s", target, exc)
-            return -1
-        return OK
-
-    def close(self) -> int:
-        """Not in Mooncake's API (its engine lives as long as the process); frees ours."""
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
-        return OK
-
-    def _require(self) -> _Engine:
-        if self._engine is None:
-            raise ConfigError("TransferEngine: call initialize() first")
-        return self._engine

@@ -1,0 +1,18 @@
+"""Mooncake's Python API (`mooncake.store`, `mooncake.engine`, ...) on tsukimi.
+
+Code written for Mooncake runs unchanged under `tsukimi compat exec -- CMD` (which makes
+`import mooncake.*` resolve to these modules), or by changing its imports:
+
+    from tsukimi.compat.mooncake import MooncakeDistributedStore, ReplicateConfig, TransferEngine
+
+| `mooncake.` module        | here                      |
+|---------------------------|---------------------------|
+| `store`                   | store.py                  |
+| `engine`                  | engine.py                 |
+"""
+
+from tsukimi.compat.mooncake.codes import code_of
+from tsukimi.compat.mooncake.engine import TransferEngine
+from tsukimi.compat.mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "TransferEngine", "code_of"]
