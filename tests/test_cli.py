@@ -57,7 +57,7 @@ def test_bench_transfer_json_has_the_documented_shape() -> None:
 
 def test_bench_rejects_bad_arguments_clearly() -> None:
     out = _tsukimi("bench", "transfer", "--transport", "rdma", "--quick")
-    assert out.returncode == 2 and "transport must be tcp or shm" in out.stdout + out.stderr
+    assert out.returncode == 2 and "transport must be one of auto, shm, cma" in out.stdout + out.stderr
     out = _tsukimi("bench", "transfer", "--block-sizes", "lots")
     assert out.returncode == 2 and "not a size" in out.stderr
 
