@@ -11,6 +11,7 @@ import logging
 from collections.abc import Sequence
 
 from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, RPC_FAIL, code_of
+from tsukimi.compat.mooncake.tensors import TensorMethods
 from tsukimi.config import ClientConfig, Config, MetadataConfig, TransferConfig
 from tsukimi.errors import ObjectExists, TsukimiError
 from tsukimi.store import protocol as p
@@ -36,7 +37,7 @@ class ReplicateConfig:
                                tuple(preferred + list(self.preferred_segments)))  # fmt: skip
 
 
-class MooncakeDistributedStore:
+class MooncakeDistributedStore(TensorMethods):
     """`mooncake.store.MooncakeDistributedStore` on a `StoreClient`."""
 
     def __init__(self) -> None:
