@@ -24,10 +24,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# The full transfer benchmark, side by side with the real Mooncake TE (writes nothing; copy
+# The full transfer benchmark, side by side with the real Mooncake TE and NIXL (writes nothing; copy
 # the table into docs/benchmarks.md by hand, with the command).
-bench: mooncake
-	$(BIN)/tsukimi bench transfer --compare-mooncake
+bench: mooncake nixl
+	$(BIN)/tsukimi bench transfer --compare-mooncake --compare-nixl
 
 bench-store: mooncake
 	$(BIN)/tsukimi bench store --compare-mooncake

@@ -44,7 +44,7 @@ from tsukimi.transfer.transports.same_host import CopyWorkers, PeerProcess, Peer
 
 logger = logging.getLogger(__name__)
 
-INLINE_BYTES = 1 << 20  # a submit of at most this many bytes is copied by the submitting thread
+INLINE_BYTES = 4 << 20  # a submit of at most this many bytes is copied by the submitting thread (one call)
 GROUP_BYTES = 4 << 20  # larger submits: groups of about this size, one call each, on the workers
 SLICE_BYTES = 64 << 20
 IOV_MAX = 1024  # the kernel's limit of iovecs per call (UIO_MAXIOV)
