@@ -160,6 +160,8 @@ def test_one_tp_axis_stores_the_writers_own_shard(client: StoreClient) -> None:
     got = tp.get_with_parallelism(client, [key], [tp.ReadTarget("shard", layout)])[0].value()
     assert got is not None and torch.equal(got, shard)
     assert same(t.get_tensor(client, t.tp_key(key, 1)), shard)
+    four_way = tp.get_with_parallelism(client, [key], [_shard(_axis("tp", 1, 4, 1))])[0]
+    assert isinstance(four_way.error, KVFormatError)  # stored for 2 ranks: never handed out as 1 of 4
 
 
 def test_multi_axis_layouts_cut_the_whole_tensor(client: StoreClient) -> None:

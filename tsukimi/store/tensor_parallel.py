@@ -148,6 +148,17 @@ class ReadTarget:
         if self.mode == "shard" and self.parallelism is None:
             raise InvalidArgument("a shard read needs the parallelism of the shard")
 
+    def first_key(self, key: str) -> str:
+        """The key read first: the layout's own key for a shard, else the plain key."""
+        return self.parallelism.key(key) if self.mode == "shard" and self.parallelism else key
+
+    @property
+    def tp_size(self) -> int:
+        """The TP size a one-tp-axis shard read expects the object it reads to be cut for
+        (0: nothing to check). NOTE: a shard of another size is refused, never returned."""
+        tp = self.parallelism.single_tp if self.mode == "shard" and self.parallelism else None
+        return tp.size if tp else 0
+
 
 AS_STORED = ReadTarget()
 
@@ -216,11 +227,8 @@ def get_with_parallelism(
     A key nothing can be read for is a miss. Raises InvalidArgument (lengths differ)."""
     if len(keys) != len(targets):
         raise InvalidArgument(f"{len(keys)} keys but {len(targets)} read targets")
-    direct = [
-        k if t.parallelism is None or t.mode != "shard" else t.parallelism.key(k)
-        for k, t in zip(keys, targets, strict=True)
-    ]
-    results = batch_get_tensors(client, direct, into)
+    found = client.batch_get([t.first_key(k) for k, t in zip(keys, targets, strict=True)], into)
+    results = [decode_result(r.data, r.error, t.tp_size) for r, t in zip(found, targets, strict=True)]
     todo = [i for i, r in enumerate(results) if not r.found and r.error is None and targets[i].mode != "as_stored"]
     if todo:
         rebuilt = _rebuild(client, [keys[i] for i in todo], [targets[i] for i in todo])
