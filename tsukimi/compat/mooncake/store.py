@@ -11,6 +11,7 @@ import logging
 from collections.abc import Sequence
 
 from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, RPC_FAIL, code_of
+from tsukimi.compat.mooncake.tensor_types import ParallelAxis, ReadTarget, TensorParallelism  # noqa: F401 (re-exported)
 from tsukimi.compat.mooncake.tensors import TensorMethods
 from tsukimi.config import ClientConfig, Config, MetadataConfig, TransferConfig
 from tsukimi.errors import ObjectExists, TsukimiError

@@ -1,0 +1,92 @@
+"""The plumbing every tensor method of the Mooncake facade shares: reaching the client,
+`ReplicateConfig` to `PutOptions`, Mooncake's return conventions (0 or a negative code per
+key for puts, a tensor or None per key for gets) and logging what failed."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OK, RPC_FAIL, code_of
+from tsukimi.errors import InvalidArgument, KVFormatError, ObjectExists, TsukimiError
+from tsukimi.store import protocol as p
+from tsukimi.store.client import StoreClient
+from tsukimi.store.tensors import PutError, PutOptions, TensorResult
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaSettings(Protocol):
+    """What the facade's `ReplicateConfig` offers this module."""
+
+    def _to_tsukimi(self) -> p.ReplicaConfig: ...
+
+
+def put_options(config: ReplicaSettings | None, upsert: bool) -> PutOptions:
+    """The tsukimi put options for a Mooncake `ReplicateConfig` (None: one replica)."""
+    if config is None:
+        return PutOptions(upsert=upsert)
+    rc = config._to_tsukimi()
+    pin = "hard" if rc.hard_pin else "soft" if rc.soft_pin else ""
+    return PutOptions(rc.replicas, pin, tuple(rc.preferred_segments), upsert)
+
+
+def address_buffers(ptrs: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """(address, length) buffers. Raises InvalidArgument if the lists differ in length."""
+    if len(ptrs) != len(sizes):
+        raise InvalidArgument(f"{len(ptrs)} buffer pointers but {len(sizes)} sizes")
+    return list(zip(ptrs, sizes, strict=True))
+
+
+def tensor_code(error: TsukimiError) -> int:
+    """Mooncake's code for a tensor call's error: a buffer or object that holds no tensor
+    (KVFormatError) is the caller's invalid argument (-600)."""
+    return INVALID_PARAMS if isinstance(error, KVFormatError) else code_of(error)
+
+
+class TensorCalls:
+    """Base of the tensor mixins: `_ready()` is `MooncakeDistributedStore`'s."""
+
+    def _ready(self) -> StoreClient | None:
+        raise NotImplementedError  # NOTE: provided by the class this is mixed into
+
+    def _put_codes(self, what: str, count: int, run: Callable[[StoreClient], list[PutError]]) -> list[int]:
+        """Mooncake codes for `count` keys put by `run`: 0 per stored (or already present)
+        key, else the error's code; the same code for every key when the call failed."""
+        client = self._ready()
+        if client is None:
+            return [RPC_FAIL] * count
+        try:
+            errors = run(client)
+        except TsukimiError as exc:
+            logger.error("%s failed: %s", what, exc)
+            return [tensor_code(exc)] * count
+        codes = []
+        for error in errors:
+            # NOTE: Mooncake answers a put of an existing key with success and keeps the old value
+            if error is None or isinstance(error, ObjectExists):
+                codes.append(OK)
+                continue
+            logger.error("%s failed: %s", what, error)
+            codes.append(tensor_code(error))
+        return codes
+
+    def _get_tensors(
+        self, what: str, count: int, run: Callable[[StoreClient], list[TensorResult]]
+    ) -> list[torch.Tensor | None]:
+        """The tensors `run` read for `count` keys, None for a miss or a failure (logged)."""
+        client = self._ready()
+        if client is None:
+            return [None] * count
+        try:
+            results = run(client)
+        except TsukimiError as exc:
+            logger.error("%s failed: %s", what, exc)
+            return [None] * count
+        for result in results:
+            if result.error is not None:
+                logger.error("%s failed: %s", what, result.error)
+        return [r.tensor for r in results]
