@@ -32,6 +32,7 @@ from tsukimi.errors import (
 from tsukimi.testing.engine_pairs import secret_file
 from tsukimi.testing.processes import JsonWorker, wait_until
 from tsukimi.transfer import Notification, TransferEngine, wire
+from tsukimi.transfer.control import MAX_IDLE_PER_ENDPOINT
 from tsukimi.transfer.notifications import MAX_QUEUED_BYTES, NotificationInbox
 from tsukimi.transfer.segment import LocalSegment
 from tsukimi.transfer.server import SegmentServer, ServerHooks
@@ -215,6 +216,28 @@ def test_control_connections_are_reused(engines: tuple[TransferEngine, TransferE
         initiator.notify("target", Notification("n"))
     assert len(target._servers[0]._conns) == 1  # one connection carried all ten requests
     assert len(target.notifications()) == 5
+
+
+def test_concurrent_notifications_arrive_in_each_senders_order(
+    engines: tuple[TransferEngine, TransferEngine],
+) -> None:
+    target, initiator = engines
+
+    def send(thread: int) -> None:
+        for i in range(20):
+            initiator.notify("target", Notification(f"t{thread}", i.to_bytes(1, "little")))
+
+    threads = [threading.Thread(target=send, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    taken = target.notifications()
+    assert len(taken) == 160
+    for t in range(8):
+        assert [n.message[0] for n in taken if n.name == f"t{t}"] == list(range(20))
+    # at most MAX_IDLE_PER_ENDPOINT connections stay open once the burst is over
+    wait_until(lambda: len(target._servers[0]._conns) <= MAX_IDLE_PER_ENDPOINT, timeout_s=10.0)
 
 
 def test_a_probe_finds_a_restarted_peer(url: str) -> None:
