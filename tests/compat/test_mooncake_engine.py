@@ -39,6 +39,7 @@ def pair() -> Iterator[tuple[mc.TransferEngine, mc.TransferEngine, str]]:
 def test_module_names() -> None:
     assert (mc.TransferOpcode.Read, mc.TransferOpcode.Write) == (0, 1)
     assert (mc.Read, mc.Write) == (mc.TransferOpcode.Read, mc.TransferOpcode.Write)
+    assert not (mc.SUPPORT_CUDA or mc.SUPPORT_EFA or mc.SUPPORT_INTRA_NVLINK)
     empty, note = mc.TransferNotify(), mc.TransferNotify("req", b"\xffdone")
     assert (empty.name, empty.msg) == ("", "")
     assert note.name == "req" and note.msg.encode("utf-8", "surrogateescape") == b"\xffdone"

@@ -39,12 +39,26 @@ from tsukimi.errors import TsukimiError
 from tsukimi.transfer import Notification, RegisteredBuffer, first_error
 from tsukimi.transfer import TransferEngine as _Engine
 
-__all__ = ["Read", "TransferEngine", "TransferNotify", "TransferOpcode", "Write"]
+__all__ = [
+    "SUPPORT_CUDA",
+    "SUPPORT_EFA",
+    "SUPPORT_HIP",
+    "SUPPORT_INTRA_NVLINK",
+    "SUPPORT_MNNVL",
+    "SUPPORT_MUSA",
+    "Read",
+    "TransferEngine",
+    "TransferNotify",
+    "TransferOpcode",
+    "Write",
+]
 
 logger = logging.getLogger(__name__)
 
 Read = TransferOpcode.Read
 Write = TransferOpcode.Write
+# NOTE: what Mooncake's wheel was built with; tsukimi moves host memory only
+SUPPORT_CUDA = SUPPORT_EFA = SUPPORT_HIP = SUPPORT_INTRA_NVLINK = SUPPORT_MNNVL = SUPPORT_MUSA = False
 
 
 class TransferNotify:
