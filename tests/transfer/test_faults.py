@@ -31,7 +31,7 @@ from tsukimi.transfer.segment import (
     decode_descriptor,
     encode_descriptor,
 )
-from tsukimi.transfer.server import SegmentServer
+from tsukimi.transfer.server import SegmentServer, ServerHooks
 from tsukimi.transfer.transports.base import Slice
 from tsukimi.transfer.transports.tcp import TcpTransport
 
@@ -172,7 +172,7 @@ class _FlakyListener:
 
 
 def test_regression_an_accept_error_does_not_stop_the_server() -> None:
-    server = SegmentServer(LocalSegment("s"), TransferConfig(), lambda: b"{}", lambda _: None)
+    server = SegmentServer(LocalSegment("s"), TransferConfig(), ServerHooks(lambda: b"{}", lambda _: None))
     flaky = _FlakyListener(server._listener)
     server._listener = flaky  # type: ignore[assignment]
     try:

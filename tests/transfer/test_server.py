@@ -15,7 +15,7 @@ from tsukimi.config import TransferConfig
 from tsukimi.errors import ProtocolError
 from tsukimi.transfer import wire
 from tsukimi.transfer.segment import LocalSegment, decode_descriptor
-from tsukimi.transfer.server import SegmentServer
+from tsukimi.transfer.server import SegmentServer, ServerHooks
 
 BASE, SIZE = 0x10000, 1 << 16
 
@@ -33,8 +33,7 @@ def served() -> Iterator[tuple[SegmentServer, bytearray]]:
     server = SegmentServer(
         segment,
         TransferConfig(slice_bytes=1 << 20, max_slice_bytes=1 << 20, timeout_s=2.0),
-        lambda: b"{}",
-        lambda _: None,
+        ServerHooks(lambda: b"{}", lambda _: None),
     )
     yield server, memory
     server.close()
@@ -107,7 +106,7 @@ def _strict_handshake(raw: bytes) -> None:
 
 
 def test_a_bad_handshake_descriptor_is_answered_not_fatal() -> None:
-    strict = SegmentServer(LocalSegment("strict"), TransferConfig(), lambda: b"{}", _strict_handshake)
+    strict = SegmentServer(LocalSegment("strict"), TransferConfig(), ServerHooks(lambda: b"{}", _strict_handshake))
     try:
         with _connect(strict) as sock:
             head, reason = _ask(sock, wire.Op.HANDSHAKE, 1, 0, 9, b"not json!")
@@ -128,7 +127,9 @@ def test_a_stalled_partial_frame_is_dropped(served: tuple[SegmentServer, bytearr
 
 def test_connection_limit() -> None:
     segment = LocalSegment("tiny")
-    server = SegmentServer(segment, TransferConfig(max_server_connections=1), lambda: b"{}", lambda _: None)
+    server = SegmentServer(
+        segment, TransferConfig(max_server_connections=1), ServerHooks(lambda: b"{}", lambda _: None)
+    )
     try:
         with _connect(server) as first:
             _ask(first, wire.Op.HANDSHAKE, 1, 0, 0)

@@ -27,7 +27,7 @@ import numpy.typing as npt
 from tsukimi.errors import OutOfBounds, SegmentNotFound
 from tsukimi.testing.assertions import raises, run_checks
 from tsukimi.testing.engine_pairs import KIB, MIB, TARGET_BYTES, EnginePair, PairMaker
-from tsukimi.transfer import OpCode, RequestState, TransferRequest, first_error
+from tsukimi.transfer import Notification, OpCode, RequestState, TransferRequest, first_error
 
 
 def _remote(pair: EnginePair) -> npt.NDArray[np.uint8]:
@@ -172,6 +172,24 @@ def concurrent_batches_from_several_threads(make_pair: PairMaker) -> None:
         assert not any(t.is_alive() for t in threads), "a thread hung"
 
 
+def a_notification_follows_its_transfer(make_pair: PairMaker) -> None:
+    """Three rounds of a write then a notification: when the target takes each notification
+    (name and message exact, in order), the data it announces is already in its memory; a
+    probe of the target answers."""
+    with make_pair() as pair:
+        seg = pair.initiator.open_segment("target")
+        remote = _remote(pair)
+        for i in range(3):
+            data = np.full(300 * KIB, i + 1, np.uint8)
+            pair.initiator.write(seg, pair.buf.base, data)
+            pair.initiator.notify(seg, Notification(f"round-{i}", bytes([i]) * 10))
+            got = pair.target.notifications(timeout_s=5.0)
+            assert got == [Notification(f"round-{i}", bytes([i]) * 10)], got
+            assert np.array_equal(remote[: len(data)], data), f"round {i}: notified before the data landed"
+        assert pair.initiator.probe(seg) >= 0.0
+        assert pair.initiator.notifications() == []  # nothing was sent the other way
+
+
 TRANSPORT_CHECKS: tuple[Callable[[PairMaker], None], ...] = (
     random_round_trips_are_byte_exact,
     hundred_async_requests_in_one_batch,
@@ -180,6 +198,7 @@ TRANSPORT_CHECKS: tuple[Callable[[PairMaker], None], ...] = (
     regression_a_peers_out_of_bounds_arrives_as_out_of_bounds,
     unknown_segment_is_a_clear_error,
     concurrent_batches_from_several_threads,
+    a_notification_follows_its_transfer,
 )
 
 

@@ -3,6 +3,7 @@
 Transports: shm (same host, direct copy from mapped shared memory) and tcp (a segment
 server per process; slices striped over pooled connections). Segment descriptors are
 published to a metadata backend (memory, http, etcd) or exchanged by handshake (p2p).
+Peers can also deliver small notifications to each other and probe each other's liveness.
 """
 
 from tsukimi.transfer.batch import (
@@ -15,10 +16,12 @@ from tsukimi.transfer.batch import (
     first_error,
 )
 from tsukimi.transfer.engine import TransferEngine
+from tsukimi.transfer.notifications import Notification
 from tsukimi.transfer.segment import RegisteredBuffer, SegmentDescriptor
 
 __all__ = [
     "Batch",
+    "Notification",
     "OpCode",
     "RegisteredBuffer",
     "RequestState",

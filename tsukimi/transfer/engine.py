@@ -7,12 +7,16 @@
     statuses = engine.transfer([TransferRequest(...), ...])   # a batch: submit + wait
     batch = engine.submit([...]); batch.wait() / await batch.wait_async()
     statuses = await engine.transfer_async([...])
+    engine.notify(peer, Notification("req-7", b"kv ready"))   # after the transfer: data first
+    engine.notifications()                         # (on the peer) what peers delivered here
+    engine.probe(peer)                             # seconds a PING took; raises if it is down
 
 `submit` is the core: every request is checked against the peer's descriptor (re-fetched
 once when the range is unknown), given a transport (the first registered one, by rank, that
 can serve it, unless one is forced), cut into slices and handed to that transport; submit
 never waits on the network. Mooncake's batch-id API (allocate_batch_id / submit / status /
-free) lives in tsukimi/compat/batches.py over this one.
+free) lives in tsukimi/compat/batches.py over this one. Notifications and probes are control
+requests to the peer's segment server (control.py), whatever transport carries the data.
 With a cluster secret (`config.security`), every TCP connection to or from a peer and every
 request to an HTTP metadata server is authenticated with it (tsukimi/auth.py).
 """
@@ -37,8 +41,10 @@ from tsukimi.transfer.batch import (
     TransferRequest,
     first_error,
 )
+from tsukimi.transfer.control import ControlChannel
 from tsukimi.transfer.directory import SegmentDirectory, parse_host_port
 from tsukimi.transfer.metadata import MetadataBackend, connect_metadata
+from tsukimi.transfer.notifications import Notification, NotificationInbox
 from tsukimi.transfer.prepared import PreparedTransfer
 from tsukimi.transfer.routing import Routes
 from tsukimi.transfer.segment import (
@@ -51,7 +57,7 @@ from tsukimi.transfer.segment import (
     host_id,
     process_start_time,
 )
-from tsukimi.transfer.server import SegmentServer
+from tsukimi.transfer.server import SegmentServer, ServerHooks
 from tsukimi.transfer.shared_memory import SharedMemoryAllocator
 from tsukimi.transfer.transports import Preparable, SegmentAware, TransportContext, build_transports
 
@@ -84,39 +90,26 @@ class TransferEngine:
         self._host_id = host_id()
         self._pid_start = process_start_time(os.getpid())
         self._segment = LocalSegment(name or "")
-        self._servers: list[SegmentServer] = []
-        try:  # NOTE: one server per address (one per NIC): peers stripe over them (transports/tcp.py)
-            for host in self.config.bind_hosts:
-                self._servers.append(SegmentServer(
-                    self._segment, self.config, self._describe_bytes, self._on_handshake, self._clock,
-                    secret=secret, host=host,
-                ))  # fmt: skip
-        except BaseException:
-            self._close_servers()
-            raise
+        self._inbox = NotificationInbox()
+        self._servers = self._start_servers(secret)
         endpoint = self._servers[0].endpoint
         if backend is None and name is not None and parse_host_port(name) != endpoint:
             self._close_servers()
             raise ConfigError(f"in p2p mode the segment name is its server's address; drop name={name!r}")
         self.name = self._segment.name = name or f"{endpoint.host}:{endpoint.port}"
         self._directory = SegmentDirectory(backend, self._describe_bytes, cfg.metadata.timeout_s, secret)
+        self._control = ControlChannel(self._directory, self._clock, self.config.connect_timeout_s, secret)
         self._shm = SharedMemoryAllocator(self.config.shm_dir)
         context = TransportContext(
             self.config, self._clock, self._host_id, secret, self._directory.invalidate, self._directory.fetch,
             self._segment.version_address,
         )  # fmt: skip
         try:
-            self._transports = build_transports(context)  # in the order "auto" tries them
+            self._transports = build_transports(context)  # in the order "auto" tries them; checks the name
         except BaseException:
             self._close_servers()
             raise
         self._aware = [t for t in self._transports if isinstance(t, SegmentAware)]
-        names = ("auto", *(t.name for t in self._transports))
-        if self.config.transport not in names:
-            for transport in self._transports:
-                transport.close()
-            self._close_servers()
-            raise ConfigError(f"transfer.transport must be one of {', '.join(names)}, got {self.config.transport!r}")
         self._routes = Routes(self.config, self._directory, self._transports)
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
@@ -195,7 +188,25 @@ class TransferEngine:
             transport_info={t.name: t.local_info() for t in self._aware},
         )
 
+    def local_view(self, address: int, length: int) -> memoryview:
+        """The bytes [address, address + length) of this engine's registered memory, to read or
+        fill in place (never mutates the registry). Raises OutOfBounds when the range is not
+        inside one registered buffer."""
+        return self._segment.resolve(address, length)
+
     # -- peers and batches -------------------------------------------------------------
+
+    def lookup(self, name: str, *, fresh: bool = False) -> SegmentDescriptor:
+        """The descriptor of segment `name` (this engine's own included): its buffers and
+        endpoints. `fresh` fetches it again instead of using the cached one (updates the cache).
+
+        Raises:
+            SegmentNotFound / MetadataError / AuthError / ProtocolError: as `open_segment`.
+        """
+        self._check_open()
+        if name == self.name:
+            return self.describe()
+        return self._directory.fetch(name) if fresh else self._directory.get(name)
 
     def open_segment(self, name: str, transport: str = "") -> SegmentHandle:
         """Find a peer's segment; `transport` ("auto", "shm", "tcp") overrides the config.
@@ -282,6 +293,35 @@ class TransferEngine:
         """Write `data` into the peer's segment at `remote_offset`. Raises the request's error."""
         self._raise_first(self.transfer([TransferRequest(OpCode.WRITE, segment, remote_offset, data)]))
 
+    # -- notifications and liveness ------------------------------------------------------
+
+    def notify(self, segment: SegmentHandle | str, notification: Notification, timeout_s: float | None = None) -> None:
+        """Deliver `notification` into the peer's inbox (its `notifications()`), at most once,
+        within `timeout_s` (default: config.timeout_s). Sent after `transfer()` returned, it
+        arrives after that transfer's data is in place.
+
+        Raises:
+            InvalidArgument: over wire.MAX_NOTIFY_BYTES. SegmentNotFound / MetadataError.
+            BrokenConnectionError: the peer cannot be reached. PeerError: its inbox is full.
+            RpcTimeout: no answer in time. AuthError. ClosedError: this engine is closed.
+        """
+        self._check_open()
+        name = segment.name if isinstance(segment, SegmentHandle) else segment
+        self._control.notify(name, notification, self.config.timeout_s if timeout_s is None else timeout_s)
+
+    def notifications(self, max_count: int | None = None, timeout_s: float = 0.0) -> list[Notification]:
+        """Take the notifications peers delivered here, oldest first (mutates: each is
+        returned once); waits up to `timeout_s` for one when none is queued."""
+        return self._inbox.take(max_count, timeout_s)
+
+    def probe(self, segment: SegmentHandle | str, timeout_s: float | None = None) -> float:
+        """The seconds the peer's segment server took to answer a PING (is it alive and
+        serving?), within `timeout_s` (default: config.connect_timeout_s).
+        Raises what `notify` raises, but InvalidArgument and the inbox's PeerError."""
+        self._check_open()
+        name = segment.name if isinstance(segment, SegmentHandle) else segment
+        return self._control.probe(name, self.config.connect_timeout_s if timeout_s is None else timeout_s)
+
     def close(self) -> None:
         """Withdraw the segment, stop serving, fail what is pending, free shared memory."""
         with self._lock:
@@ -293,6 +333,7 @@ class TransferEngine:
         except TsukimiError as exc:
             logger.warning("could not withdraw segment %s: %s", self.name, exc)
         self._close_servers()
+        self._control.close()
         for transport in self._transports:
             transport.close()
         self._shm.close()
@@ -312,6 +353,19 @@ class TransferEngine:
         error = first_error(statuses)
         if error is not None:
             raise error
+
+    def _start_servers(self, secret: bytes | None) -> list[SegmentServer]:
+        """One segment server per address (one per NIC): peers stripe over them (transports/tcp.py)."""
+        hooks = ServerHooks(self._describe_bytes, self._on_handshake, self._inbox.put)
+        servers: list[SegmentServer] = []
+        try:
+            for host in self.config.bind_hosts:
+                servers.append(SegmentServer(self._segment, self.config, hooks, self._clock, secret=secret, host=host))
+        except BaseException:
+            for server in servers:
+                server.close()
+            raise
+        return servers
 
     def _close_servers(self) -> None:
         for server in self._servers:

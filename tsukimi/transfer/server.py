@@ -7,6 +7,10 @@ answer (a write's payload is drained so the stream stays in sync) and the connec
 serving; a malformed frame closes only that connection. With the cluster secret, a peer is
 served only after the handshake (tsukimi/auth.py, run by netserver.ConnectionServer): one that
 fails it never reaches `serve`, so it can neither read nor write a byte.
+
+Besides READ and WRITE, a peer may send HANDSHAKE (descriptors both ways), NOTIFY (a
+notification for this engine's inbox: answered BUSY when the inbox is full) and PING (answered
+at once: the liveness probe). The engine's side of those is `ServerHooks`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 
@@ -22,6 +27,7 @@ from tsukimi.clock import Clock, WallClock
 from tsukimi.config import TransferConfig
 from tsukimi.errors import OutOfBounds, ProtocolError
 from tsukimi.transfer import wire
+from tsukimi.transfer.notifications import Notification
 from tsukimi.transfer.segment import Endpoint, LocalSegment
 
 logger = logging.getLogger(__name__)
@@ -30,6 +36,24 @@ _DRAIN_BYTES = 256 << 10
 _DATA_OPS = (wire.Op.READ, wire.Op.WRITE)
 _TICK_S = 0.5
 _ACK_FLUSH_BYTES = 256 << 10  # how often blocked socket calls wake up to check deadlines and close()
+
+
+def _refuse_notifications(_: Notification) -> bool:
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class ServerHooks:
+    """What the server asks of its engine.
+
+    describe: this engine's descriptor, encoded (the HANDSHAKE answer).
+    on_handshake: a peer's descriptor, encoded (raises msgspec errors when malformed).
+    on_notify: a peer's notification; False when there is no room for it (answered BUSY).
+    """
+
+    describe: Callable[[], bytes]
+    on_handshake: Callable[[bytes], None]
+    on_notify: Callable[[Notification], bool] = _refuse_notifications
 
 
 class SegmentServer(netserver.ConnectionServer):
@@ -41,8 +65,7 @@ class SegmentServer(netserver.ConnectionServer):
         self,
         segment: LocalSegment,
         config: TransferConfig,
-        describe: Callable[[], bytes],
-        on_handshake: Callable[[bytes], None],
+        hooks: ServerHooks,
         clock: Clock | None = None,
         *,
         secret: bytes | None = None,
@@ -53,8 +76,7 @@ class SegmentServer(netserver.ConnectionServer):
         self._segment = segment
         self._config = config
         self._clock = clock or WallClock()
-        self._describe = describe
-        self._on_handshake = on_handshake
+        self._hooks = hooks
         self.endpoint = Endpoint(host, self.port)
         self.start()
 
@@ -95,9 +117,9 @@ class SegmentServer(netserver.ConnectionServer):
                     else:
                         acks += (ok(wire.MAGIC, 0, 0, seq, length), view)
                         self._flush(conn, acks, expired)
-                else:  # handshakes, and malformed frames (decode_request raises ProtocolError)
+                else:  # control requests, and malformed frames (decode_request raises ProtocolError)
                     self._flush(conn, acks, expired)
-                    self._handshake(conn, wire.decode_request(head, max_slice), expired)
+                    self._control(conn, wire.decode_request(head, max_slice), expired)
         except ProtocolError as exc:
             logger.warning("closing connection from %s: %s", addr, exc)
         except OSError as exc:
@@ -148,18 +170,31 @@ class SegmentServer(netserver.ConnectionServer):
                 left -= chunk
         self._reply(conn, wire.ResponseHeader(wire.Status.OUT_OF_BOUNDS, req.seq, 0), str(exc).encode(), expired)
 
-    def _handshake(self, conn: socket.socket, req: wire.RequestHeader, expired: Callable[[int], bool]) -> None:
-        assert req.op is wire.Op.HANDSHAKE  # decode_request let only valid frames through
+    def _control(self, conn: socket.socket, req: wire.RequestHeader, expired: Callable[[int], bool]) -> None:
+        """Answer a HANDSHAKE, NOTIFY or PING (decode_request let only valid frames through)."""
+        assert req.op not in _DATA_OPS
         body = bytearray(req.length)
         wire.recv_exact(conn, memoryview(body), expired, strict=True)
+        status, answer = wire.Status.OK, b""
+        if req.op is wire.Op.HANDSHAKE:
+            status, answer = self._handshake(bytes(body))
+        elif req.op is wire.Op.NOTIFY:
+            try:
+                name, message = wire.decode_notification(body)
+            except ProtocolError as exc:
+                status, answer = wire.Status.BAD_REQUEST, f"bad notification: {exc}".encode()
+            else:
+                if not self._hooks.on_notify(Notification(name, message)):
+                    status, answer = wire.Status.BUSY, b"the notification queue is full"
+        self._reply(conn, wire.ResponseHeader(status, req.seq, 0), answer, expired)
+
+    def _handshake(self, body: bytes) -> tuple[wire.Status, bytes]:
         if body:
             try:
-                self._on_handshake(bytes(body))
+                self._hooks.on_handshake(body)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                reason = f"bad descriptor: {exc}".encode()
-                self._reply(conn, wire.ResponseHeader(wire.Status.BAD_REQUEST, req.seq, 0), reason, expired)
-                return
-        self._reply(conn, wire.ResponseHeader(wire.Status.OK, req.seq, 0), self._describe(), expired)
+                return wire.Status.BAD_REQUEST, f"bad descriptor: {exc}".encode()
+        return wire.Status.OK, self._hooks.describe()
 
     @staticmethod
     def _reply(

@@ -1,18 +1,23 @@
 """The TCP transport's frame format, shared by the client (transports/tcp.py) and the
 segment server (server.py). Fixed-size little-endian headers; payloads follow raw.
 
-Request (24 bytes), then `length` payload bytes for WRITE and HANDSHAKE::
+Request (24 bytes), then `length` payload bytes for WRITE, HANDSHAKE and NOTIFY::
 
     0      2    3      4        8                16               24
     | magic| op | flags| seq    | offset (u64)   | length (u64)   |
 
 Response (16 bytes), then `length` payload bytes: the data of a READ, the descriptor of a
-HANDSHAKE, or a UTF-8 reason when status != OK::
+HANDSHAKE, nothing for NOTIFY and PING, or a UTF-8 reason when status != OK::
 
     0      2        3      4        8                16
     | magic| status | flags| seq    | length (u64)   |
 
-Every length is bounded before anything is allocated or read (`FrameLimits`).
+A NOTIFY payload is one notification (at most MAX_NOTIFY_BYTES in all)::
+
+    0             2                      2 + n
+    | n (u16)     | name (n bytes UTF-8) | message (the rest) |
+
+Every length is bounded before anything is allocated or read (`decode_request`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import enum
 import struct
 from dataclasses import dataclass
 
-from tsukimi.errors import ProtocolError
+from tsukimi.errors import InvalidArgument, ProtocolError
 from tsukimi.netio import recv_exact, send_all, set_io_timeout
 
 __all__ = ["recv_exact", "send_all", "set_io_timeout"]  # re-exported: the data path uses them via wire
@@ -31,6 +36,8 @@ REQUEST = struct.Struct("<HBBIQQ")
 RESPONSE = struct.Struct("<HBBIQ")
 MAX_REASON_BYTES = 4096
 MAX_DESCRIPTOR_BYTES = 1 << 20
+MAX_NOTIFY_BYTES = 64 << 10
+NOTIFY_NAME = struct.Struct("<H")
 
 
 class Op(enum.IntEnum):
@@ -39,6 +46,8 @@ class Op(enum.IntEnum):
     READ = 1
     WRITE = 2
     HANDSHAKE = 3  # payload: the caller's descriptor (may be empty); reply: the server's
+    NOTIFY = 4  # payload: a notification (see the module); reply: empty (BUSY: the queue is full)
+    PING = 5  # no payload; reply: empty (the peer is alive and serving)
 
 
 class Status(enum.IntEnum):
@@ -48,6 +57,7 @@ class Status(enum.IntEnum):
     OUT_OF_BOUNDS = 1
     BAD_REQUEST = 2
     SERVER_ERROR = 3
+    BUSY = 4  # the server cannot take this now (its notification queue is full): try later
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +81,9 @@ class ResponseHeader:
         return RESPONSE.pack(MAGIC, self.status, 0, self.seq, self.length)
 
 
+_LIMITS = {Op.HANDSHAKE: MAX_DESCRIPTOR_BYTES, Op.NOTIFY: MAX_NOTIFY_BYTES, Op.PING: 0}
+
+
 def decode_request(frame: bytes | bytearray | memoryview, max_slice_bytes: int) -> RequestHeader:
     """Parse and bound-check a request header.
 
@@ -84,7 +97,7 @@ def decode_request(frame: bytes | bytearray | memoryview, max_slice_bytes: int) 
         kind = Op(op)
     except ValueError:
         raise ProtocolError(f"unknown op {op}") from None
-    limit = MAX_DESCRIPTOR_BYTES if kind is Op.HANDSHAKE else max_slice_bytes
+    limit = _LIMITS.get(kind, max_slice_bytes)
     if length > limit:
         raise ProtocolError(f"{kind.name} length {length} exceeds the limit {limit}")
     if offset + length >= 1 << 64:
@@ -105,3 +118,35 @@ def decode_response(frame: bytes | bytearray | memoryview) -> ResponseHeader:
         return ResponseHeader(Status(status), seq, length)
     except ValueError:
         raise ProtocolError(f"unknown status {status}") from None
+
+
+def encode_notification(name: str, message: bytes) -> bytes:
+    """A NOTIFY payload (pure).
+
+    Raises:
+        InvalidArgument: the name is over 65535 bytes or the whole over MAX_NOTIFY_BYTES.
+    """
+    raw = name.encode()
+    size = NOTIFY_NAME.size + len(raw) + len(message)
+    if len(raw) > 0xFFFF or size > MAX_NOTIFY_BYTES:
+        raise InvalidArgument(f"a notification holds at most {MAX_NOTIFY_BYTES} bytes in all, got {size}")
+    return NOTIFY_NAME.pack(len(raw)) + raw + message
+
+
+def decode_notification(payload: bytes | bytearray | memoryview) -> tuple[str, bytes]:
+    """(name, message) of a NOTIFY payload (pure).
+
+    Raises:
+        ProtocolError: shorter than its name length says, or a name that is not UTF-8.
+    """
+    if len(payload) < NOTIFY_NAME.size:
+        raise ProtocolError(f"a notification of {len(payload)} bytes has no name length")
+    (size,) = NOTIFY_NAME.unpack_from(payload)
+    end = NOTIFY_NAME.size + size
+    if end > len(payload):
+        raise ProtocolError(f"a notification's name of {size} bytes overruns its {len(payload)} bytes")
+    try:
+        name = bytes(payload[NOTIFY_NAME.size : end]).decode()
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"a notification's name is not UTF-8: {exc}") from None
+    return name, bytes(payload[end:])

@@ -157,7 +157,8 @@ def build_transports(context: TransportContext) -> list[Transport]:
     `auto` tries them (importing the optional ones it turns on).
 
     Raises:
-        ConfigError: an optional transport is turned on but its library is not installed.
+        ConfigError: an optional transport is turned on but its library is not installed, or
+            `config.transport` is neither "auto" nor one of them.
     """
     for name, (module, enabled, install) in OPTIONAL.items():
         if enabled(context.config) and name not in _REGISTRY:
@@ -168,4 +169,10 @@ def build_transports(context: TransportContext) -> list[Transport]:
                     f"transfer.{name} is on but {name} cannot be loaded ({exc}): run `{install}`"
                 ) from exc
     entries = sorted(_REGISTRY.values(), key=lambda e: e.rank)
-    return [entry.factory(context) for entry in entries if entry.enabled(context.config)]
+    transports = [entry.factory(context) for entry in entries if entry.enabled(context.config)]
+    names = ("auto", *(t.name for t in transports))
+    if context.config.transport not in names:
+        for transport in transports:
+            transport.close()
+        raise ConfigError(f"transfer.transport must be one of {', '.join(names)}, got {context.config.transport!r}")
+    return transports
