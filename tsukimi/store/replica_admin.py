@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tsukimi.clock import Clock
-from tsukimi.errors import InvalidArgument, RpcTimeout
+from tsukimi.errors import InvalidArgument, RpcTimeout, TaskNotFound
 from tsukimi.store import protocol as p
 from tsukimi.store.master_link import MasterLink
 
@@ -82,6 +82,8 @@ class ReplicaAdmin:
 
     def task(self, task_id: int) -> p.TaskInfo:
         """A task's state. Raises TaskNotFound (unknown, or forgotten after many others)."""
+        if not isinstance(task_id, int) or not 0 < task_id < 1 << 63:
+            raise TaskNotFound(f"no task {task_id!r}: task ids are in 1..2**63-1")
         return self._rpc.call_as(p.QueryTask(task_id), p.TaskInfo)
 
     def wait_task(self, task_id: int, timeout_s: float = 30.0) -> p.TaskInfo:
