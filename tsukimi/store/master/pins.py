@@ -13,14 +13,20 @@ a restored record's pin runs until it is replaced (conservative: `soft_pin_until
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 
-if TYPE_CHECKING:
-    from tsukimi.store.master.state import ObjectRecord
+from tsukimi.store.protocol import ReplicaConfig
 
 FOREVER = math.inf
+
+
+class ObjectRecord(Protocol):
+    """What a pin needs of the master's object record (state.py's `ObjectRecord`)."""
+
+    config: ReplicaConfig
+    soft_pin_until: float
 
 
 def soft_pinned(record: ObjectRecord, now: float) -> bool:
