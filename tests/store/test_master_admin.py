@@ -236,3 +236,17 @@ def test_task_requests_that_cannot_be_carried_out_are_refused() -> None:
     with pytest.raises(OutOfSpace):
         admin.create_copy(state, "big", [other])  # 2 KiB do not fit beside filler and k's copy
     state.check_invariants()
+
+
+def test_a_create_retried_with_its_task_id_is_the_same_task() -> None:
+    """A client retrying CreateCopyTask after a lost reply (an HA failover) must not get
+    TaskInFlight for its own task, nor start a second one."""
+    state, _ = make_state(num_segments=2)
+    put(state, "k", preferred_segments=("te0",))
+    assert admin.create_copy(state, "k", ["te1"], task_id=77) == 77
+    assert admin.create_copy(state, "k", ["te1"], task_id=77) == 77 and len(state.tasks.in_flight()) == 1
+    with pytest.raises(InvalidArgument, match="taken"):
+        admin.create_move(state, "k", "te0", "te1", task_id=77)
+    with pytest.raises(InvalidArgument):
+        admin.create_copy(state, "k", ["te1"], task_id=-1)
+    state.check_invariants()

@@ -171,10 +171,12 @@ class DescribeKeys(msgspec.Struct, frozen=True, tag=True):
 
 
 class CreateCopyTask(msgspec.Struct, frozen=True, tag=True):
-    """Copy a complete object onto each of `targets` (TE segment names) that lacks a replica."""
+    """Copy a complete object onto each of `targets` (TE segment names) that lacks a replica.
+    `task_id`: as PutStart's put_id (0: the master draws one; a retry returns the same task)."""
 
     key: str
     targets: list[str]
+    task_id: int = 0
 
 
 class CreateMoveTask(msgspec.Struct, frozen=True, tag=True):
@@ -183,6 +185,7 @@ class CreateMoveTask(msgspec.Struct, frozen=True, tag=True):
     key: str
     source: str
     target: str
+    task_id: int = 0
 
 
 class QueryTask(msgspec.Struct, frozen=True, tag=True):

@@ -14,6 +14,7 @@ and tracked by the master (tsukimi/store/master/tasks.py); these calls only star
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 
 from tsukimi.clock import Clock
@@ -22,6 +23,11 @@ from tsukimi.store import protocol as p
 from tsukimi.store.master_link import MasterLink
 
 TASK_POLL_S = 0.05
+
+
+def _new_task_id() -> int:
+    """A random task id: a create retried after a lost reply (HA failover) is the same task."""
+    return secrets.randbits(62) | 1
 
 
 class ReplicaAdmin:
@@ -72,13 +78,15 @@ class ReplicaAdmin:
             TaskInFlight: `key` has a copy or move task in flight.
             OutOfSpace: a target has no room (tasks do not evict).
         """
-        return self._rpc.call_as(p.CreateCopyTask(key, list(targets)), p.TaskCreated).task_id
+        request = p.CreateCopyTask(key, list(targets), _new_task_id())
+        return self._rpc.call_as(request, p.TaskCreated).task_id
 
     def move(self, key: str, source: str, target: str) -> int:
         """Start moving the replica of `key` that TE segment `source` holds to `target`;
         returns the task's id. Raises as `copy`, and InvalidArgument when `source` holds no
         replica or `target` holds one already."""
-        return self._rpc.call_as(p.CreateMoveTask(key, source, target), p.TaskCreated).task_id
+        request = p.CreateMoveTask(key, source, target, _new_task_id())
+        return self._rpc.call_as(request, p.TaskCreated).task_id
 
     def task(self, task_id: int) -> p.TaskInfo:
         """A task's state. Raises TaskNotFound (unknown, or forgotten after many others)."""

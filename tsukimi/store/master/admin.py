@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectNotFound, OutOfSpace
+from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectNotFound, OutOfSpace, TaskNotFound
 from tsukimi.store.master.segments import Placement
 from tsukimi.store.master.state import MasterState, ObjectRecord
 from tsukimi.store.master.tasks import Task
@@ -86,9 +86,10 @@ def describe_keys(state: MasterState, keys: Sequence[str]) -> list[ObjectInfo | 
 # -- copy and move tasks ---------------------------------------------------------------
 
 
-def create_copy(state: MasterState, key: str, targets: Sequence[str]) -> int:
+def create_copy(state: MasterState, key: str, targets: Sequence[str], task_id: int = 0) -> int:
     """Start copying `key` onto each holder in `targets` (TE segment names) that lacks a
     replica; a task that has nothing to copy has succeeded at once. Mutates; returns its id.
+    A non-zero `task_id` is the caller's: a retry of the same request returns that task.
 
     Raises:
         InvalidArgument: a bad key, no target, a target twice or not mounted.
@@ -97,15 +98,17 @@ def create_copy(state: MasterState, key: str, targets: Sequence[str]) -> int:
     check_key(key)
     if not 0 < len(targets) <= MAX_REPLICAS or len(set(targets)) != len(targets):
         raise InvalidArgument(f"a copy takes 1..{MAX_REPLICAS} distinct target segments, got {list(targets)}")
+    if _is_retry(state, task_id, "copy", key):
+        return task_id
     record = _complete(state, key)
     _check_mounted(state, targets)
     holders = _holders(state, record)
-    return _start(state, "copy", record, "", [t for t in targets if t not in holders])
+    return _start(state, "copy", record, "", [t for t in targets if t not in holders], task_id)
 
 
-def create_move(state: MasterState, key: str, source: str, target: str) -> int:
+def create_move(state: MasterState, key: str, source: str, target: str, task_id: int = 0) -> int:
     """Start moving the replica of `key` held by `source` to `target` (TE segment names).
-    Mutates; returns the task's id.
+    Mutates; returns the task's id (`task_id` as `create_copy`'s).
 
     Raises:
         InvalidArgument: a bad key; source and target the same, `source` holding no
@@ -115,12 +118,14 @@ def create_move(state: MasterState, key: str, source: str, target: str) -> int:
     check_key(key)
     if source == target:
         raise InvalidArgument(f"a move needs two different segments, got {source!r} twice")
+    if _is_retry(state, task_id, "move", key):
+        return task_id
     record = _complete(state, key)
     holders = _holders(state, record)
     if source not in holders or target in holders:
         raise InvalidArgument(f"{key!r} is held by {sorted(holders)}: cannot move it from {source!r} to {target!r}")
     _check_mounted(state, [target])
-    return _start(state, "move", record, source, [target])
+    return _start(state, "move", record, source, [target], task_id)
 
 
 def take_tasks(state: MasterState, client_id: str) -> list[TaskAssignment]:
@@ -173,15 +178,17 @@ def query_task(state: MasterState, task_id: int) -> TaskInfo:
 # -- internals -------------------------------------------------------------------------
 
 
-def _start(state: MasterState, kind: TaskKind, record: ObjectRecord, source: str, targets: list[str]) -> int:
+def _start(
+    state: MasterState, kind: TaskKind, record: ObjectRecord, source: str, targets: list[str], task_id: int
+) -> int:
     """Place a block on each target holder and track the task; lease the object to it."""
     state.tasks.check_room(record.key)
     placed = _place(state, targets, record.size)
     now = state.clock.now()
     executor = state.registry.segments[placed[0].segment_id].client_id if placed else ""
     deadline = now + state.config.put_timeout_s
-    task = Task(state.tasks.next_id(), kind, record.key, record.put_id, source, placed, executor, deadline,
-                record.lease_until, now, now)  # fmt: skip
+    task = Task(task_id or state.tasks.next_id(), kind, record.key, record.put_id, source, placed, executor,
+                deadline, record.lease_until, now, now)  # fmt: skip
     if not placed:
         task.status, task.message = "succeeded", "every target holds a replica already"
     else:
@@ -209,6 +216,22 @@ def _place(state: MasterState, targets: list[str], size: int) -> list[Placement]
         if registry.changed_blocks is not None:
             registry.changed_blocks.add((found[0].segment_id, found[1]))
     return placed
+
+
+def _is_retry(state: MasterState, task_id: int, kind: TaskKind, key: str) -> bool:
+    """Whether a create naming `task_id` repeats one that was applied (pure). Raises
+    InvalidArgument: an id out of range, or one of another task."""
+    if not isinstance(task_id, int) or not 0 <= task_id < 1 << 63:
+        raise InvalidArgument(f"task_id must be in 0..2**63-1, got {task_id!r}")
+    if not task_id:
+        return False
+    try:
+        task = state.tasks.get(task_id)
+    except TaskNotFound:
+        return False
+    if (task.kind, task.key) != (kind, key):
+        raise InvalidArgument(f"task id {task_id} is taken by another task")
+    return True
 
 
 def _fail(state: MasterState, task: Task, message: str) -> None:

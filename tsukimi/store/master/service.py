@@ -139,11 +139,11 @@ class MasterService:
 
     def _create_copy(self, op: msgspec.Struct) -> p.TaskCreated:
         assert isinstance(op, p.CreateCopyTask)
-        return p.TaskCreated(admin.create_copy(self.state, op.key, op.targets))
+        return p.TaskCreated(admin.create_copy(self.state, op.key, op.targets, op.task_id))
 
     def _create_move(self, op: msgspec.Struct) -> p.TaskCreated:
         assert isinstance(op, p.CreateMoveTask)
-        return p.TaskCreated(admin.create_move(self.state, op.key, op.source, op.target))
+        return p.TaskCreated(admin.create_move(self.state, op.key, op.source, op.target, op.task_id))
 
     def _query_task(self, op: msgspec.Struct) -> p.TaskInfo:
         assert isinstance(op, p.QueryTask)
