@@ -125,7 +125,7 @@ class MooncakeDistributedStore(TensorMethods, ReplicaMethods, RangeMethods, Dumm
         self._finalizer = weakref.finalize(self, client.close)
 
     def init_all(self, protocol: str, device_name: str, mount_segment_size: int = 16 << 20) -> int:
-        return self.setup("localhost", "P2PHANDSHAKE", mount_segment_size, 0, protocol, device_name)
+        return self.setup("localhost", "P2PHANDSHAKE", mount_segment_size, _SIZE, protocol, device_name)
 
     # -- puts --------------------------------------------------------------------------
 
