@@ -130,6 +130,19 @@ class LeaseHeld(TsukimiError):
     code = "lease_held"
 
 
+class TaskNotFound(ObjectNotFound):
+    """No copy or move task of that id is known to the master (never created, forgotten, or
+    created under an earlier master)."""
+
+    code = "task_not_found"
+
+
+class TaskInFlight(TsukimiError):
+    """The object already has a copy or move task in flight: wait for it to end."""
+
+    code = "task_in_flight"
+
+
 class KVFormatError(TsukimiError):
     """A KV block in the pool was written in another format (model, dtype, layout)."""
 

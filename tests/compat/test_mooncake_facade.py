@@ -73,7 +73,10 @@ def test_a_mooncake_store_script_runs_unchanged(master: MasterServer) -> None:
 
 def test_lease_and_error_codes(master: MasterServer) -> None:
     store = compat.MooncakeDistributedStore()
-    assert store.setup("localhost", "P2PHANDSHAKE", 1 << 20, 0, "tcp", "", master.endpoint.removeprefix("tcp://")) == 0
+    assert (
+        store.setup("localhost", "P2PHANDSHAKE", 1 << 20, 4 << 20, "tcp", "", master.endpoint.removeprefix("tcp://"))
+        == 0
+    )
     assert store.health_check() == 0
     assert store.put("k", b"v") == 0 and store.get("k") == b"v"  # the get leases it
     assert store.remove("k") == -706

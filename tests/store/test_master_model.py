@@ -1,5 +1,7 @@
-"""Hypothesis stateful test of the master state machine: random operations, invariants
-after every step, and a model of which objects may exist."""
+"""Hypothesis stateful test of the master state machine: random operations (puts, gets,
+removes, segments coming and going, time; clearing replicas, removing by pattern, copy and
+move tasks from creation to their executors' reports), invariants after every step, and a
+model of which objects may exist."""
 
 from __future__ import annotations
 
@@ -7,16 +9,20 @@ import contextlib
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tsukimi.clock import VirtualClock
 from tsukimi.config import MasterConfig
-from tsukimi.errors import LeaseHeld, ObjectExists, ObjectNotFound, OutOfSpace
+from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectExists, ObjectNotFound, OutOfSpace, TaskInFlight
+from tsukimi.store.master import admin
 from tsukimi.store.master.state import MasterState
 from tsukimi.store.protocol import MountSegment, ReplicaConfig
 
 KEYS = st.sampled_from([f"k{i}" for i in range(8)])
 SEGMENTS = st.integers(0, 3)
+HOLDERS = st.sampled_from(["te0", "te1"])
+SOFT_TTLS = st.sampled_from([None, 0.0, 1.0, 100.0])
+PINS = st.sampled_from(["", "soft", "hard", "keep"])
 
 
 class MasterModel(RuleBasedStateMachine):
@@ -28,7 +34,14 @@ class MasterModel(RuleBasedStateMachine):
         self.complete: set[str] = set()  # keys put_end'ed and not removed by us
         self.hard: set[str] = set()
         self.pending: dict[str, str] = {}  # key -> writer
+        self.tasks: set[int] = set()  # task ids created and not yet finished by the model
         self.segments_lost = False  # a step that unmounted or dropped segments may lose objects
+
+    @initialize()
+    def two_holders(self) -> None:
+        """Start with a segment in each holder, so that puts (and tasks) get going at once."""
+        self.mount(0, 16)
+        self.mount(1, 16)
 
     @rule(i=SEGMENTS, kib=st.sampled_from([4, 8, 16]))
     def mount(self, i: int, kib: int) -> None:
@@ -37,10 +50,14 @@ class MasterModel(RuleBasedStateMachine):
             op = MountSegment(f"client{i % 2}", f"seg{i}", f"te{i % 2}", (i + 1) << 32, kib * 1024)
             self.state.registry.mount(op, self.clock.now())
 
-    @rule(key=KEYS, kib=st.integers(1, 3), replicas=st.integers(1, 3), pin=st.sampled_from(["", "soft", "hard"]),
-          upsert=st.booleans(), writer=SEGMENTS)  # fmt: skip
-    def put_start(self, key: str, kib: int, replicas: int, pin: str, upsert: bool, writer: int) -> None:
-        config = ReplicaConfig(replicas=replicas, soft_pin=pin == "soft", hard_pin=pin == "hard")
+    @rule(key=KEYS, kib=st.integers(1, 3), replicas=st.integers(1, 3), pin=PINS, upsert=st.booleans(), writer=SEGMENTS,
+          ttl=SOFT_TTLS)  # fmt: skip
+    def put_start(
+        self, key: str, kib: int, replicas: int, pin: str, upsert: bool, writer: int, ttl: float | None
+    ) -> None:
+        soft = pin == "soft"
+        config = ReplicaConfig(replicas=replicas, soft_pin=soft, hard_pin=pin == "hard",
+                               soft_pin_ttl_s=ttl if soft else None, keep_soft_pin=pin == "keep")  # fmt: skip
         try:
             locations = self.state.put_start(f"client{writer % 2}", key, kib * 1024, config, upsert)
         except (ObjectExists, OutOfSpace):
@@ -48,8 +65,11 @@ class MasterModel(RuleBasedStateMachine):
         assert 1 <= len(locations) <= replicas and len({loc.te_segment for loc in locations}) == len(locations)
         self.pending[key] = f"client{writer % 2}"
 
-    @rule(key=KEYS)
-    def put_end(self, key: str) -> None:
+    @rule(data=st.data())
+    def put_end(self, data: st.DataObject) -> None:
+        if not self.pending:
+            return
+        key = data.draw(st.sampled_from(sorted(self.pending)))  # NOTE: ends a put in progress, not a no-op
         writer = self.pending.pop(key, None)
         if writer is None:
             return
@@ -95,6 +115,55 @@ class MasterModel(RuleBasedStateMachine):
             assert not self.state.objects
         self.complete &= set(self.state.objects)
         self.hard &= set(self.state.objects)
+
+    @rule(key=KEYS, holder=st.sampled_from(["", "te0", "te1"]))
+    def clear_replicas(self, key: str, holder: str) -> None:
+        record = self.state.objects.get(key)
+        leased = record is not None and record.lease_until > self.clock.now()
+        cleared = admin.clear_replicas(self.state, [key], holder)
+        assert not (leased and cleared), "a leased object was cleared"
+        if key not in self.state.objects:
+            self.complete.discard(key)
+            self.hard.discard(key)
+
+    @rule(prefix=st.sampled_from(["k", "k1", "^k[0-3]$", "x"]), force=st.booleans())
+    def remove_matching(self, prefix: str, force: bool) -> None:
+        before = set(self.state.objects)
+        removed = admin.remove_matching(self.state, prefix, force)
+        assert removed == len(before - set(self.state.objects))
+        self.complete &= set(self.state.objects)
+        self.hard &= set(self.state.objects)
+
+    @rule(data=st.data(), dest=HOLDERS, source=st.sampled_from(["", "te0", "te1"]))
+    def create_task(self, data: st.DataObject, dest: str, source: str) -> None:
+        key = data.draw(st.sampled_from(sorted(self.state.objects) or ["k0"]))  # NOTE: mostly an object there is
+        try:
+            if source:
+                task_id = admin.create_move(self.state, key, source, dest)
+            else:
+                task_id = admin.create_copy(self.state, key, [dest])
+        except (InvalidArgument, ObjectNotFound, OutOfSpace, TaskInFlight):
+            return
+        self.tasks.add(task_id)
+
+    @rule(client=st.sampled_from(["client0", "client1"]))
+    def take_tasks(self, client: str) -> None:
+        for assignment in admin.take_tasks(self.state, client):
+            assert assignment.task_id in self.tasks and assignment.sources and assignment.targets
+
+    @rule(data=st.data(), ok=st.booleans())
+    def finish_task(self, data: st.DataObject, ok: bool) -> None:
+        processing = sorted(t for t in self.tasks if self.state.tasks.get(t).status == "processing")
+        if not processing:
+            return
+        task_id = data.draw(st.sampled_from(processing))
+        task = self.state.tasks.get(task_id)
+        holders_before = len(self.state.objects[task.key].replicas) if task.key in self.state.objects else 0
+        admin.finish_task(self.state, task.executor, task_id, "" if ok else "failed by the model")
+        self.tasks.discard(task_id)
+        if task.status == "succeeded":
+            record = self.state.objects[task.key]
+            assert len(record.replicas) == holders_before + (len(task.targets) if task.kind == "copy" else 0)
 
     @rule(i=SEGMENTS)
     def unmount(self, i: int) -> None:

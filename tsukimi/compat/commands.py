@@ -1,6 +1,7 @@
 """`tsukimi compat ...`: run code and deployments written for Mooncake on tsukimi.
 
     tsukimi compat mooncake-master [mooncake_master's own flags]   master + HTTP metadata server
+    tsukimi compat mooncake-client [mooncake_client's own flags]   the standalone client dummies use
     tsukimi compat exec -- CMD [ARGS]                                CMD sees `mooncake.*` as tsukimi
 
 `exec` runs CMD with a generated path entry first on PYTHONPATH (tsukimi/compat/mooncake/
@@ -36,6 +37,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     # NOTE: prefix "+": mooncake_master's --flags are not ours to parse; they all go to `flags`
     master = compat.add_parser("mooncake-master", help="a master taking mooncake_master's flags", prefix_chars="+")
     master.add_argument("flags", nargs=argparse.REMAINDER, help="mooncake_master's flags (--rpc_port=... ...)")
+    client = compat.add_parser(
+        "mooncake-client", help="a store client holding memory for Mooncake's dummy clients", prefix_chars="+"
+    )
+    client.add_argument("flags", nargs=argparse.REMAINDER, help="mooncake_client's flags (--port=... ...)")
     run = compat.add_parser("exec", help="run a command in which `import mooncake` is tsukimi")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS]")
 
@@ -46,6 +51,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
         from tsukimi.compat.mooncake.master_service import serve
 
         serve(args.flags, console)
+        return 0
+    if args.compat == "mooncake-client":
+        from tsukimi.compat.mooncake import client_service
+
+        client_service.serve(args.flags, console)
         return 0
     if args.compat == "exec":
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd

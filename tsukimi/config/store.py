@@ -31,6 +31,7 @@ class MasterConfig:
         `ha_snapshot_records` records (docs/reliability.md). "" runs a lone master, state
         in memory only. ha_cluster names the cluster's keys in etcd.
     placement: how replicas pick segments (preferred segments always come first).
+    soft_pin_ttl_s: how long a soft pin lasts when a put does not say (Mooncake's default).
     eviction: the order objects are evicted in ("lru", "lfu"; see tsukimi/eviction.py).
     rpc_spin_us / rpc_spinners: after answering, a connection's thread polls for that
         client's next call this long before it sleeps, skipping a ~50-80 us wake-up on a VM;
@@ -60,6 +61,7 @@ class MasterConfig:
     ha_lease_ttl_s: int = 2
     ha_snapshot_records: int = 20000
     ha_commit_timeout_s: float = 5.0
+    soft_pin_ttl_s: float = 1800.0
 
     def __post_init__(self) -> None:
         require(0 <= self.rpc_spin_us <= 1e6, "master.rpc_spin_us must be in [0, 1e6]")
@@ -88,6 +90,7 @@ class MasterConfig:
         for name in ("client_ttl_s", "heartbeat_interval_s", "lease_ttl_s", "put_timeout_s", "tick_interval_s"):
             require(getattr(self, name) > 0, f"master.{name} must be > 0")
         require(self.write_grace_s >= 0, "master.write_grace_s must be >= 0")
+        require(self.soft_pin_ttl_s >= 0, "master.soft_pin_ttl_s must be >= 0")
         require(self.heartbeat_interval_s < self.client_ttl_s, "master.heartbeat_interval_s must be < client_ttl_s")
         require(0 < self.high_watermark <= 1, "master.high_watermark must be in (0, 1]")
         require(0 < self.evict_ratio <= 1, "master.evict_ratio must be in (0, 1]")

@@ -21,7 +21,7 @@ import logging
 import secrets
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import crc32c
@@ -40,7 +40,10 @@ from tsukimi.errors import (
 from tsukimi.store import protocol as p
 from tsukimi.store.disk import DiskTier
 from tsukimi.store.master_link import MasterLink
+from tsukimi.store.ranges import RangeReads
+from tsukimi.store.replica_admin import ReplicaAdmin
 from tsukimi.store.replica_io import GetResult, PutItem, read_replicas, write_replicas
+from tsukimi.store.task_runner import TaskRunner
 from tsukimi.transfer import TransferEngine
 from tsukimi.transfer.segment import byte_view
 
@@ -60,8 +63,8 @@ def replica_config(replicas: int = 1, pin: PinName = "", preferred: Sequence[str
     return p.ReplicaConfig(replicas, pin == "soft", pin == "hard", tuple(preferred))
 
 
-class StoreClient:
-    """A connection to the store. Thread-safe; `close()` when done."""
+class StoreClient(ReplicaAdmin, RangeReads):
+    """A connection to the store. Thread-safe; `close()` when done. Mixins: ranges.py, replica_admin.py."""
 
     def __init__(self, config: Config | None = None, engine: TransferEngine | None = None) -> None:
         self.config = config or Config()
@@ -89,6 +92,7 @@ class StoreClient:
         except BaseException:
             self._close_transport()
             raise
+        self._tasks = TaskRunner(self.engine, self._rpc, self.client_id, self.config.transfer.timeout_s)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="tsukimi-store-heartbeat", daemon=True)
         self._heartbeat.start()
 
@@ -104,24 +108,37 @@ class StoreClient:
 
     def put(
         self, key: str, data: object, replicas: int = 1, pin: PinName = "", preferred: Sequence[str] = (),
-        *, upsert: bool = False,
+        *, upsert: bool = False, config: p.ReplicaConfig | None = None,
     ) -> None:  # fmt: skip
         """Store `data` (any buffer; written from it, zero-copy) under `key`; with `upsert`,
-        replacing any object of that key.
+        replacing any object of that key. `config`, when given, replaces `replicas`, `pin`
+        and `preferred` (soft pin TTLs, keeping a soft pin across an upsert).
 
         Raises:
             ObjectExists (not upsert), OutOfSpace, TransferError (a replica write failed; the
             put was revoked), InvalidArgument, RpcTimeout / MasterUnavailable.
         """
-        self._raise(self.batch_put([(key, data)], replicas, pin, preferred, upsert=upsert)[0])
+        self._raise(self.batch_put([(key, data)], replicas, pin, preferred, upsert=upsert, config=config)[0])
+
+    def put_parts(
+        self, key: str, parts: Sequence[object], replicas: int = 1, pin: PinName = "",
+        *, upsert: bool = False, config: p.ReplicaConfig | None = None,
+    ) -> None:  # fmt: skip
+        """`put` of the concatenation of `parts` (buffers), gathered into one staging copy.
+        Raises as `put`; InvalidBufferError for a part that is no buffer, or no bytes at all."""
+        try:
+            data = bytearray().join(parts)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise InvalidBufferError(f"put_parts of {key!r}: {exc}") from None
+        self.put(key, data, replicas, pin, upsert=upsert, config=config)
 
     def batch_put(
         self, items: Sequence[tuple[str, object]], replicas: int = 1, pin: PinName = "",
-        preferred: Sequence[str] = (), *, upsert: bool = False,
+        preferred: Sequence[str] = (), *, upsert: bool = False, config: p.ReplicaConfig | None = None,
     ) -> list[TsukimiError | None]:  # fmt: skip
         """Put several objects; each key's error, or None where it succeeded. Raises only
         for the whole call (InvalidArgument, RpcTimeout / MasterUnavailable)."""
-        config = replica_config(replicas, pin, preferred)
+        config = config or replica_config(replicas, pin, preferred)
         puts = [PutItem(key, _view(data), config, upsert) for key, data in items]
         errors: list[TsukimiError | None] = []
         for start in range(0, len(puts), p.MAX_BATCH):
@@ -187,10 +204,14 @@ class StoreClient:
         data = self.batch_get([key], [buffer])[0].value()
         return None if data is None else len(data)
 
-    def batch_get(self, keys: Sequence[str], into: Sequence[object] | None = None) -> list[GetResult]:
+    def batch_get(
+        self, keys: Sequence[str], into: Sequence[object] | None = None,
+        *, allocate: Callable[[int], bytearray] = bytearray,
+    ) -> list[GetResult]:  # fmt: skip
         """Each key's `GetResult`, read into `into[i]` when given (zero-copy into your
-        memory), else into a new bytearray. Raises only for the whole call (InvalidArgument:
-        a buffer count that does not match; RpcTimeout / MasterUnavailable)."""
+        memory), else into a new `allocate(size)` (a bytearray or a subclass of it). Raises
+        only for the whole call (InvalidArgument: a buffer count that does not match;
+        RpcTimeout / MasterUnavailable)."""
         if into is not None and len(into) != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(into)} buffers")
         views = None if into is None else [_view(b, writable=True) for b in into]
@@ -200,12 +221,13 @@ class StoreClient:
             found = self._call_batch([p.GetReplicas(k) for k in chunk])
             dests = None if views is None else views[start : start + p.MAX_BATCH]
             checksum = self.config.client.checksum
-            results += read_replicas(self.engine, self._clock, chunk, found, dests, checksum)
+            results += read_replicas(self.engine, self._clock, chunk, found, dests, checksum, allocate)
         if self._disk is not None:
-            self._from_disk(keys, views, results)
+            self._from_disk(keys, views, results, allocate)
         return results
 
-    def _from_disk(self, keys: Sequence[str], into: list[memoryview] | None, results: list[GetResult]) -> None:
+    def _from_disk(self, keys: Sequence[str], into: list[memoryview] | None, results: list[GetResult],
+                   allocate: Callable[[int], bytearray]) -> None:  # fmt: skip
         assert self._disk is not None
         for i, key in enumerate(keys):
             if results[i].found or results[i].error is not None:
@@ -213,7 +235,7 @@ class StoreClient:
             size = self._disk.size_of(key)
             if size is None:
                 continue
-            dest: bytearray | memoryview = into[i] if into is not None else bytearray(size)
+            dest: bytearray | memoryview = into[i] if into is not None else allocate(size)
             try:
                 got = self._disk.get_into(key, dest)
             except InvalidBufferError as exc:
@@ -287,6 +309,8 @@ class StoreClient:
         while not self._stop.wait(self.config.client.heartbeat_interval_s):
             try:
                 beat = self._rpc.call_as(p.Heartbeat(self.client_id), p.HeartbeatResult, self._heartbeat_s())
+                if beat.tasks:
+                    self._tasks.submit(beat.tasks)
                 if not beat.known and self._mounts:  # the master restarted: mount again
                     logger.warning("the master does not know this client; remounting %d segments", len(self._mounts))
                     for mount in self._mounts:
@@ -316,6 +340,7 @@ class StoreClient:
             return
         self._stop.set()
         self._heartbeat.join(timeout=self.config.client.heartbeat_interval_s + self.config.client.rpc_timeout_s)
+        self._tasks.close()
         for mount in self._mounts:
             try:
                 self._call(p.UnmountSegment(self.client_id, mount.segment_id))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import msgspec
 
@@ -35,16 +36,26 @@ def check_key(key: str) -> None:
 
 
 class ReplicaConfig(msgspec.Struct, frozen=True):
-    """How an object is stored: replica count, pins, preferred holders (TE segment names)."""
+    """How an object is stored: replica count, pins, preferred holders (TE segment names).
+
+    A soft pin lasts `soft_pin_ttl_s` (None: the master's `soft_pin_ttl_s`); then the object
+    is evicted like any other. `keep_soft_pin`: the new version of an upsert takes the old
+    version's soft pin as it is (none for a new key); it excludes `soft_pin` and a TTL."""
 
     replicas: int = 1
     soft_pin: bool = False
     hard_pin: bool = False
     preferred_segments: tuple[str, ...] = ()
+    soft_pin_ttl_s: float | None = None
+    keep_soft_pin: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= MAX_REPLICAS:
             raise InvalidArgument(f"replicas must be in 1..{MAX_REPLICAS}, got {self.replicas}")
+        if self.soft_pin_ttl_s is not None and not (self.soft_pin and 0 <= self.soft_pin_ttl_s < 1e9):
+            raise InvalidArgument(f"soft_pin_ttl_s {self.soft_pin_ttl_s} needs soft_pin and a value in [0, 1e9)")
+        if self.keep_soft_pin and self.soft_pin:
+            raise InvalidArgument("keep_soft_pin takes the old version's soft pin: it excludes soft_pin")
 
 
 class ReplicaLocation(msgspec.Struct, frozen=True):
@@ -140,6 +151,55 @@ class ListSegments(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
+class ClearReplicas(msgspec.Struct, frozen=True, tag=True):
+    """Drop the replicas of complete, unleased objects: all of them (`te_segment` ""), or
+    those held in `te_segment`; an object left with none is gone. Leased keys are skipped."""
+
+    keys: list[str]
+    te_segment: str = ""
+
+
+class RemoveMatching(msgspec.Struct, frozen=True, tag=True):
+    """Remove every complete object whose key `re.search`es `pattern` (leased ones only with force)."""
+
+    pattern: str
+    force: bool = False
+
+
+class DescribeKeys(msgspec.Struct, frozen=True, tag=True):
+    keys: list[str]  # QueryKey for several keys at once (grants no lease)
+
+
+class CreateCopyTask(msgspec.Struct, frozen=True, tag=True):
+    """Copy a complete object onto each of `targets` (TE segment names) that lacks a replica.
+    `task_id`: as PutStart's put_id (0: the master draws one; a retry returns the same task)."""
+
+    key: str
+    targets: list[str]
+    task_id: int = 0
+
+
+class CreateMoveTask(msgspec.Struct, frozen=True, tag=True):
+    """Move an object's replica from the holder `source` to `target` (TE segment names)."""
+
+    key: str
+    source: str
+    target: str
+    task_id: int = 0
+
+
+class QueryTask(msgspec.Struct, frozen=True, tag=True):
+    task_id: int
+
+
+class FinishTask(msgspec.Struct, frozen=True, tag=True):
+    """A task's executor reports it done: `error` "" (the targets hold the bytes) or why not."""
+
+    client_id: str
+    task_id: int
+    error: str = ""
+
+
 # -- results ------------------------------------------------------------------------------
 
 
@@ -147,8 +207,20 @@ class Ok(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
+class TaskAssignment(msgspec.Struct, frozen=True):
+    """A copy or move task handed to its executor: READ the object (`size` bytes) from one of
+    `sources`, WRITE it to every one of `targets`, then send `FinishTask`."""
+
+    task_id: int
+    key: str
+    size: int
+    sources: list[ReplicaLocation]
+    targets: list[ReplicaLocation]
+
+
 class HeartbeatResult(msgspec.Struct, frozen=True, tag=True):
     known: bool  # False: the master does not know this client (it restarted): remount
+    tasks: list[TaskAssignment] = []  # copy / move tasks this client is to carry out now
 
 
 class PutStartResult(msgspec.Struct, frozen=True, tag=True):
@@ -217,6 +289,36 @@ class SegmentsResult(msgspec.Struct, frozen=True, tag=True):
     segments: list[SegmentInfo]
 
 
+class KeysResult(msgspec.Struct, frozen=True, tag=True):
+    keys: list[str]
+
+
+class DescribeResult(msgspec.Struct, frozen=True, tag=True):
+    infos: list[ObjectInfo | None]  # per key, in order; None: no such object
+
+
+class TaskCreated(msgspec.Struct, frozen=True, tag=True):
+    task_id: int
+
+
+TaskKind = Literal["copy", "move"]
+TaskStatus = Literal["pending", "processing", "succeeded", "failed"]
+
+
+class TaskInfo(msgspec.Struct, frozen=True, tag=True):
+    """A task as the master sees it; `age_s` / `updated_s`: seconds since it was created /
+    last changed state (the master's clock is monotonic: callers add their own wall time)."""
+
+    task_id: int
+    kind: TaskKind
+    key: str
+    status: TaskStatus
+    executor: str
+    message: str
+    age_s: float
+    updated_s: float
+
+
 Request = (
     Heartbeat
     | MountSegment
@@ -231,6 +333,13 @@ Request = (
     | Batch
     | QueryKey
     | ListSegments
+    | ClearReplicas
+    | RemoveMatching
+    | DescribeKeys
+    | CreateCopyTask
+    | CreateMoveTask
+    | QueryTask
+    | FinishTask
 )
 Response = (
     Ok
@@ -243,14 +352,19 @@ Response = (
     | ObjectInfo
     | SegmentsResult
     | Failure
+    | KeysResult
+    | DescribeResult
+    | TaskCreated
+    | TaskInfo
 )
 REQUEST_TYPES: tuple[type[msgspec.Struct], ...] = (
     Heartbeat, MountSegment, UnmountSegment, PutStart, PutEnd, PutRevoke, GetReplicas, Exists, Remove,
-    RemoveAll, Batch, QueryKey, ListSegments,
+    RemoveAll, Batch, QueryKey, ListSegments, ClearReplicas, RemoveMatching, DescribeKeys, CreateCopyTask,
+    CreateMoveTask, QueryTask, FinishTask,
 )  # fmt: skip
 RESPONSE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Ok, HeartbeatResult, PutStartResult, GetReplicasResult, ExistsResult, RemoveAllResult, BatchResult,
-    ObjectInfo, SegmentsResult, Failure,
+    ObjectInfo, SegmentsResult, Failure, KeysResult, DescribeResult, TaskCreated, TaskInfo,
 )  # fmt: skip
 CODEC = Codec(REQUEST_TYPES, RESPONSE_TYPES)
 """The master's RPC codec: the server and every client use this one."""

@@ -14,7 +14,7 @@ moved, `RpcTimeout`, `PeerError`, ...) is chained as its `__cause__`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -110,16 +110,17 @@ def read_replicas(
     found: Sequence[p.BatchResultItem],
     into: Sequence[memoryview] | None,
     checksum: bool,
+    allocate: Callable[[int], bytearray] = bytearray,
 ) -> list[GetResult]:
-    """READ each found object into its buffer (or a new bytearray), failing over replica by
-    replica; misses stay `GetResult()`, master errors become failed results."""
+    """READ each found object into its buffer (or a new `allocate(size)`), failing over
+    replica by replica; misses stay `GetResult()`, master errors become failed results."""
     results = [GetResult()] * len(keys)
     targets: dict[int, _Target] = {}
     for i, result in enumerate(found):
         if isinstance(result, p.Failure):
             results[i] = GetResult(error=p.error_of(result))
         elif isinstance(result, p.GetReplicasResult) and result.replicas:
-            dest: bytearray | memoryview = into[i] if into is not None else bytearray(result.size)
+            dest: bytearray | memoryview = into[i] if into is not None else allocate(result.size)
             if len(dest) < result.size:
                 error = InvalidBufferError(f"{keys[i]!r} is {result.size} bytes; the buffer holds {len(dest)}")
                 results[i] = GetResult(error=error)

@@ -35,6 +35,7 @@ from tsukimi.store.protocol import CODEC
 from tsukimi.testing.assertions import raises, run_checks
 from tsukimi.testing.deployments import HOLDER_BYTES, Deployment, DeploymentMaker
 from tsukimi.testing.processes import wait_until
+from tsukimi.testing.store_admin_checks import ADMIN_CHECKS
 from tsukimi.transfer import TransferEngine
 
 MIB = 1 << 20
@@ -192,6 +193,7 @@ STORE_CHECKS: tuple[Callable[[DeploymentMaker], None], ...] = (
     regression_closing_a_client_on_a_shared_engine_returns_its_segment,
     ssd_tier_offload_hit_promote_restart,
     batch_get_into_needs_a_buffer_per_key,
+    *ADMIN_CHECKS,  # store_admin_checks.py: tasks, ranges, clearing, patterns
 )
 
 

@@ -12,6 +12,8 @@ from tsukimi.errors import (
     ObjectNotFound,
     OutOfBounds,
     OutOfSpace,
+    TaskInFlight,
+    TaskNotFound,
     TransferError,
     TsukimiError,
 )
@@ -22,9 +24,13 @@ INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
+OBJECT_HAS_REPLICATION_TASK = -708
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
+TASK_NOT_FOUND = -1400
 _CODES: list[tuple[type[TsukimiError], int]] = [
+    (TaskNotFound, TASK_NOT_FOUND),  # NOTE: before ObjectNotFound, its base class
+    (TaskInFlight, OBJECT_HAS_REPLICATION_TASK),
     (OutOfSpace, NO_SPACE),
     (InvalidArgument, INVALID_PARAMS),
     (ConfigError, INVALID_PARAMS),

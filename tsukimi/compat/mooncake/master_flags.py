@@ -101,6 +101,7 @@ MAPPED: dict[str, tuple[Callable[[str], object], Apply]] = {
     "offload_on_evict": (_bool, _offload("offload_on_evict", _bool)),
     "promotion_on_hit": (_bool, _offload("promotion_on_hit", _bool)),
     "root_fs_dir": (str, _offload("root_fs_dir", str)),
+    "default_kv_soft_pin_ttl": (duration_s, _master("soft_pin_ttl_s", duration_s)),
 }
 BOOLEANS = frozenset(
     [
@@ -136,7 +137,6 @@ IGNORED = frozenset(
         "config_path",
         "cxl_path",
         "cxl_size",
-        "default_kv_soft_pin_ttl",
         "dynamic_replication_admission_qps_threshold",
         "dynamic_replication_heat_window_seconds",
         "dynamic_replication_max_memory_replicas",
@@ -241,17 +241,22 @@ def parse(argv: Sequence[str]) -> MasterFlags:
 
 
 def _next(args: list[str]) -> tuple[str, str, list[str]]:
-    """One flag off the front of `args`: (name, value, the rest)."""
+    return next_flag(args, BOOLEANS, "mooncake_master")
+
+
+def next_flag(args: list[str], booleans: frozenset[str], program: str) -> tuple[str, str, list[str]]:
+    """One gflags flag off the front of `args`: (name, value, the rest); `booleans` are the
+    flags that may go without a value. Raises ConfigError naming `program`."""
     head, rest = args[0], args[1:]
     if not head.startswith("-"):
-        raise ConfigError(f"mooncake_master takes flags only, got {head!r}")
+        raise ConfigError(f"{program} takes flags only, got {head!r}")
     body = head.lstrip("-")
     name, eq, value = body.partition("=")
-    boolean = name in BOOLEANS or (name.startswith("no") and name[2:] in BOOLEANS)
+    boolean = name in booleans or (name.startswith("no") and name[2:] in booleans)
     if eq:
         return name, value, rest
     if boolean:
-        return (name[2:], "false", rest) if name not in BOOLEANS else (name, "true", rest)
+        return (name[2:], "false", rest) if name not in booleans else (name, "true", rest)
     if not rest:
-        raise ConfigError(f"mooncake_master flag --{name} needs a value")
+        raise ConfigError(f"{program} flag --{name} needs a value")
     return name, rest[0], rest[1:]

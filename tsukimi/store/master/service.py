@@ -14,6 +14,7 @@ import msgspec
 
 from tsukimi.errors import InvalidArgument, TsukimiError
 from tsukimi.store import protocol as p
+from tsukimi.store.master import admin
 from tsukimi.store.master.state import MasterState
 
 
@@ -34,6 +35,13 @@ class MasterService:
             p.Batch: self._batch,
             p.QueryKey: self._query_key,
             p.ListSegments: self._segments,
+            p.ClearReplicas: self._clear_replicas,
+            p.RemoveMatching: self._remove_matching,
+            p.DescribeKeys: self._describe_keys,
+            p.CreateCopyTask: self._create_copy,
+            p.CreateMoveTask: self._create_move,
+            p.QueryTask: self._query_task,
+            p.FinishTask: self._finish_task,
         }
 
     def handle(self, request: msgspec.Struct) -> msgspec.Struct:
@@ -45,7 +53,8 @@ class MasterService:
 
     def _heartbeat(self, op: msgspec.Struct) -> p.HeartbeatResult:
         assert isinstance(op, p.Heartbeat)
-        return p.HeartbeatResult(self.state.registry.heartbeat(op.client_id, self.state.clock.now()))
+        known = self.state.registry.heartbeat(op.client_id, self.state.clock.now())
+        return p.HeartbeatResult(known, admin.take_tasks(self.state, op.client_id) if known else [])
 
     def _mount(self, op: msgspec.Struct) -> p.Ok:
         assert isinstance(op, p.MountSegment)
@@ -113,3 +122,34 @@ class MasterService:
 
     def _segments(self, op: msgspec.Struct) -> p.SegmentsResult:
         return p.SegmentsResult(self.state.registry.infos(self.state.clock.now()))
+
+    # -- admin.py: many keys, replica sets, copy / move tasks ----------------------------
+
+    def _clear_replicas(self, op: msgspec.Struct) -> p.KeysResult:
+        assert isinstance(op, p.ClearReplicas)
+        return p.KeysResult(admin.clear_replicas(self.state, op.keys, op.te_segment))
+
+    def _remove_matching(self, op: msgspec.Struct) -> p.RemoveAllResult:
+        assert isinstance(op, p.RemoveMatching)
+        return p.RemoveAllResult(admin.remove_matching(self.state, op.pattern, op.force))
+
+    def _describe_keys(self, op: msgspec.Struct) -> p.DescribeResult:
+        assert isinstance(op, p.DescribeKeys)
+        return p.DescribeResult(admin.describe_keys(self.state, op.keys))
+
+    def _create_copy(self, op: msgspec.Struct) -> p.TaskCreated:
+        assert isinstance(op, p.CreateCopyTask)
+        return p.TaskCreated(admin.create_copy(self.state, op.key, op.targets, op.task_id))
+
+    def _create_move(self, op: msgspec.Struct) -> p.TaskCreated:
+        assert isinstance(op, p.CreateMoveTask)
+        return p.TaskCreated(admin.create_move(self.state, op.key, op.source, op.target, op.task_id))
+
+    def _query_task(self, op: msgspec.Struct) -> p.TaskInfo:
+        assert isinstance(op, p.QueryTask)
+        return admin.query_task(self.state, op.task_id)
+
+    def _finish_task(self, op: msgspec.Struct) -> p.Ok:
+        assert isinstance(op, p.FinishTask)
+        admin.finish_task(self.state, op.client_id, op.task_id, op.error)
+        return p.Ok()

@@ -21,7 +21,9 @@ from tsukimi.clock import Clock
 from tsukimi.config import MasterConfig
 from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectExists, ObjectNotFound, OutOfSpace, Recovering
 from tsukimi.eviction import EvictionPolicy, make_policy
+from tsukimi.store.master import pins
 from tsukimi.store.master.segments import Placement, SegmentRegistry
+from tsukimi.store.master.tasks import TaskTable
 from tsukimi.store.protocol import MAX_OBJECT_BYTES, MountSegment, ObjectInfo, ReplicaConfig, ReplicaLocation, check_key
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class ObjectRecord:
     lease_until: float = 0.0
     put_id: int = 0
     checksum: int | None = None
+    soft_pin_until: float = pins.FOREVER  # see pins.py
 
 
 class MasterState:
@@ -91,6 +94,7 @@ class MasterState:
         self.policy: EvictionPolicy[str] = policy or make_policy(config.eviction)
         self.counters: Counter[str] = Counter()
         self.recovering_until = 0.0  # a new HA leader: holders restored from the log may not have heartbeated yet
+        self.tasks = TaskTable((epoch << 32) + 1)  # copy / move tasks (tasks.py, admin.py)
 
     def take_changes(self) -> Changes:
         """The rows changed since the last call, and start tracking if not yet (mutates)."""
@@ -172,6 +176,7 @@ class MasterState:
         record = self._pending_of(client_id, key, put_id)
         del self.pending[key]
         old = self.objects.pop(key, None)
+        pins.settle(record, old, self.clock.now(), self.config.soft_pin_ttl_s)
         if old is not None:
             self._retire(old, self.clock.now())
         self.objects[key] = record
@@ -286,6 +291,7 @@ class MasterState:
         self.retired = [(at, p) for at, p in self.retired if at > now]
         for placement in due:
             self.registry.free(placement)
+        self._quarantine(self.tasks.fail_expired(now), now)
         for client_id in self.registry.expired_clients(now):
             logger.warning("client %s missed its heartbeats: dropping it", client_id)
             self._drop_client(client_id)
@@ -302,7 +308,7 @@ class MasterState:
         for soft_pass in (False, True):
             for key in self.policy.victims():
                 record = self.objects[key]
-                if record.config.hard_pin or record.config.soft_pin != soft_pass or record.lease_until > now:
+                if record.config.hard_pin or pins.soft_pinned(record, now) != soft_pass or record.lease_until > now:
                     continue
                 del self.objects[key]
                 self.policy.remove(key)
@@ -345,6 +351,7 @@ class MasterState:
 
     def _drop_replicas_in(self, segment_ids: set[str]) -> None:
         self.retired = [(at, p) for at, p in self.retired if p.segment_id not in segment_ids]
+        self._quarantine(self.tasks.fail_in(segment_ids, self.clock.now()), self.clock.now())
         for key, record in list(self.pending.items()):
             if any(p.segment_id in segment_ids for p in record.replicas):  # the writer's put_end will fail
                 del self.pending[key]
@@ -377,6 +384,8 @@ class MasterState:
             assert len({p.segment_id for p in record.replicas}) == len(record.replicas)
             owners.update((p.segment_id, p.offset) for p in record.replicas)
         owners.update((p.segment_id, p.offset) for _, p in self.retired)
+        owners.update((p.segment_id, p.offset) for p in self.tasks.placements())
+        self.tasks.check_invariants()
         assert all(n == 1 for n in owners.values()), "a block is owned twice"
         per_segment = Counter(sid for sid, _ in owners)
         for sid, seg in self.registry.segments.items():

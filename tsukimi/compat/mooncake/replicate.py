@@ -1,0 +1,158 @@
+"""`mooncake.store.ReplicateConfig` and `SoftPinAction`: how a put stores its object, with
+Mooncake's attribute names and type checks, turned into tsukimi's `ReplicaConfig`.
+
+| Mooncake                         | tsukimi ReplicaConfig                                    |
+|----------------------------------|----------------------------------------------------------|
+| replica_num                      | replicas                                                 |
+| soft_pin_action ENABLE           | soft_pin (for soft_pin_ttl_ms, or the master's TTL)      |
+| soft_pin_action PRESERVE         | keep_soft_pin: an upsert keeps the old version's pin     |
+| soft_pin_action DISABLE          | no soft pin                                              |
+| with_hard_pin                    | hard_pin                                                 |
+| preferred_segment(s)             | preferred_segments (TE segment names, `get_hostname()`)  |
+| prefer_alloc_in_same_node        | this client's own segment first                          |
+
+Mooncake refuses a TTL without ENABLE (INVALID_PARAMS), and so does tsukimi. NoF and DFS
+replicas, replica groups and data types do not exist here: a put that asks for them fails
+with INVALID_PARAMS rather than silently storing something else.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from tsukimi.errors import InvalidArgument
+from tsukimi.store import protocol as p
+
+_U64 = 1 << 64
+
+
+class SoftPinAction(enum.IntEnum):
+    """What a put does to the object's soft pin (Mooncake's values)."""
+
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
+
+
+class ReplicateConfig:
+    """Mooncake's put options; attributes are type-checked on assignment (TypeError), as
+    Mooncake's bindings do, and unknown attributes are refused (AttributeError)."""
+
+    __slots__ = ("_preferred_segment", "_preferred_segments", "_replica_num", "_soft_pin_action", "_soft_pin_ttl_ms",
+                 "_with_hard_pin", "data_type", "dfs_replica_num", "group_ids", "nof_replica_num",
+                 "prefer_alloc_in_same_node", "preferred_nof_segments")  # fmt: skip
+
+    def __init__(self) -> None:
+        self._replica_num = 1
+        self._soft_pin_action = SoftPinAction.PRESERVE
+        self._soft_pin_ttl_ms: int | None = None
+        self._with_hard_pin = False
+        self._preferred_segment = ""
+        self._preferred_segments: list[str] = []
+        self.nof_replica_num = 0
+        self.dfs_replica_num = 0
+        self.prefer_alloc_in_same_node = False
+        self.preferred_nof_segments: list[str] = []
+        self.group_ids: object = None
+        self.data_type: object = None
+
+    @property
+    def replica_num(self) -> int:
+        return self._replica_num
+
+    @replica_num.setter
+    def replica_num(self, value: int) -> None:
+        self._replica_num = _uint("replica_num", value)
+
+    @property
+    def soft_pin_action(self) -> SoftPinAction:
+        return self._soft_pin_action
+
+    @soft_pin_action.setter
+    def soft_pin_action(self, value: SoftPinAction) -> None:
+        if not isinstance(value, SoftPinAction):
+            raise TypeError(f"soft_pin_action must be a SoftPinAction, got {value!r}")
+        self._soft_pin_action = value
+
+    @property
+    def soft_pin_ttl_ms(self) -> int | None:
+        return self._soft_pin_ttl_ms
+
+    @soft_pin_ttl_ms.setter
+    def soft_pin_ttl_ms(self, value: int | None) -> None:
+        self._soft_pin_ttl_ms = None if value is None else _uint("soft_pin_ttl_ms", value)
+
+    @property
+    def with_hard_pin(self) -> bool:
+        return self._with_hard_pin
+
+    @with_hard_pin.setter
+    def with_hard_pin(self, value: bool) -> None:
+        if not isinstance(value, bool | int):
+            raise TypeError(f"with_hard_pin must be a bool, got {value!r}")
+        self._with_hard_pin = bool(value)
+
+    @property
+    def with_soft_pin(self) -> bool:
+        """Mooncake before SoftPinAction: True is ENABLE, False PRESERVE."""
+        return self._soft_pin_action is SoftPinAction.ENABLE
+
+    @with_soft_pin.setter
+    def with_soft_pin(self, value: bool) -> None:
+        self._soft_pin_action = SoftPinAction.ENABLE if value else SoftPinAction.PRESERVE
+
+    @property
+    def preferred_segment(self) -> str:
+        return self._preferred_segment
+
+    @preferred_segment.setter
+    def preferred_segment(self, value: str) -> None:
+        if not isinstance(value, str):
+            raise TypeError(f"preferred_segment must be a str, got {value!r}")
+        self._preferred_segment = value
+
+    @property
+    def preferred_segments(self) -> list[str]:
+        return list(self._preferred_segments)
+
+    @preferred_segments.setter
+    def preferred_segments(self, value: list[str]) -> None:
+        if isinstance(value, str | bytes) or not all(isinstance(v, str) for v in value):
+            raise TypeError(f"preferred_segments must be a list of str, got {value!r}")
+        self._preferred_segments = list(value)
+
+    def __str__(self) -> str:
+        ttl = "default" if self._soft_pin_ttl_ms is None else str(self._soft_pin_ttl_ms)
+        return (
+            f"ReplicateConfig: {{ replica_num: {self._replica_num}, soft_pin_action: {self._soft_pin_action.name}, "
+            f"soft_pin_ttl_ms: {ttl}, with_hard_pin: {int(self._with_hard_pin)}, "
+            f"preferred_segments: [{', '.join(self._preferred_segments)}], "
+            f"preferred_segment: {self._preferred_segment}, "
+            f"prefer_alloc_in_same_node: {int(self.prefer_alloc_in_same_node)} }}"
+        )
+
+    def to_tsukimi(self, own_segment: str = "") -> p.ReplicaConfig:
+        """tsukimi's config; `own_segment` (this client's TE segment) serves
+        prefer_alloc_in_same_node. Raises InvalidArgument (what tsukimi cannot store)."""
+        if self.nof_replica_num or self.dfs_replica_num or self.preferred_nof_segments or self.group_ids:
+            raise InvalidArgument("NoF / DFS replicas and replica groups are not supported by tsukimi")
+        preferred = [self._preferred_segment] if self._preferred_segment else []
+        preferred += [s for s in self._preferred_segments if s not in preferred]
+        if self.prefer_alloc_in_same_node and own_segment:
+            preferred.insert(0, own_segment)
+        ttl_ms = self._soft_pin_ttl_ms
+        return p.ReplicaConfig(
+            self._replica_num,
+            soft_pin=self._soft_pin_action is SoftPinAction.ENABLE,
+            hard_pin=self._with_hard_pin,
+            preferred_segments=tuple(dict.fromkeys(preferred)),
+            soft_pin_ttl_s=None if ttl_ms is None else ttl_ms / 1000,
+            keep_soft_pin=self._soft_pin_action is SoftPinAction.PRESERVE,
+        )
+
+
+def _uint(name: str, value: int) -> int:
+    """Mooncake's unsigned integer attributes: TypeError for anything else."""
+    if not isinstance(value, int) or not 0 <= value < _U64:
+        raise TypeError(f"{name} must be an integer in [0, 2**64), got {value!r}")
+    return int(value)
