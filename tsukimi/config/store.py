@@ -11,6 +11,8 @@ from tsukimi.eviction import POLICY_NAMES, PolicyName
 
 PlacementName = Literal["random", "most_free", "local_first"]
 PLACEMENT_NAMES: tuple[str, ...] = get_args(PlacementName)
+OffloadName = Literal["off", "on_evict", "on_put"]
+OFFLOAD_NAMES: tuple[str, ...] = get_args(OffloadName)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,20 @@ class MasterConfig:
         only while that client's previous call came within the window, and in at most
         `rpc_spinners` threads at once: polling costs at most that many CPUs while clients
         are busy and nothing while they are idle. 0 turns it off.
+    offload: the disk tier (holders with `client.ssd_dir`; docs/ARCHITECTURE.md, "The
+        store"): "on_evict" copies objects to their holder's disk when memory runs short
+        (above `offload_watermark`, ahead of eviction) and eviction then frees the memory of
+        copied objects instead of dropping them; "on_put" copies every object when its put
+        ends; "off" never uses disks.
+    promotion_on_hit: a get of an object that is only on disk copies it back to memory
+        (once it had `promotion_admission_threshold` such gets) when there is room (free
+        memory, or memory held by objects that are on disk too).
+    disk_high_watermark: above this usage of a disk, evict its least recently used copies
+        (an object whose only copy it was is gone) down to `disk_high_watermark - evict_ratio`.
+    disk_task_timeout_s: a holder must finish a disk task within this (else it is cancelled).
+    disk_inflight_bytes: at most this many bytes of offloads in flight per disk.
+    disk_root: handed to clients that were asked to use a disk but given no directory
+        (Mooncake's `root_fs_dir`); each keeps its own directory under it.
     """
 
     host: str = "127.0.0.1"
@@ -60,9 +76,18 @@ class MasterConfig:
     ha_lease_ttl_s: int = 2
     ha_snapshot_records: int = 20000
     ha_commit_timeout_s: float = 5.0
+    offload: OffloadName = "on_evict"
+    offload_watermark: float = 0.70
+    promotion_on_hit: bool = True
+    promotion_admission_threshold: int = 1
+    disk_high_watermark: float = 0.95
+    disk_task_timeout_s: float = 10.0
+    disk_inflight_bytes: int = 256 << 20
+    disk_root: str = ""
 
     def __post_init__(self) -> None:
         require(0 <= self.rpc_spin_us <= 1e6, "master.rpc_spin_us must be in [0, 1e6]")
+        self._check_disk_tier()
         require(
             not self.ha_etcd or self.ha_etcd.startswith("etcd://"),
             f"master.ha_etcd must be empty or etcd://HOST:PORT[,HOST:PORT], got {self.ha_etcd!r}",
@@ -91,6 +116,17 @@ class MasterConfig:
         require(self.heartbeat_interval_s < self.client_ttl_s, "master.heartbeat_interval_s must be < client_ttl_s")
         require(0 < self.high_watermark <= 1, "master.high_watermark must be in (0, 1]")
         require(0 < self.evict_ratio <= 1, "master.evict_ratio must be in (0, 1]")
+
+    def _check_disk_tier(self) -> None:
+        require(
+            self.offload in OFFLOAD_NAMES,
+            f"master.offload must be one of {', '.join(OFFLOAD_NAMES)}, got {self.offload!r}",
+        )
+        require(0 < self.offload_watermark <= 1, "master.offload_watermark must be in (0, 1]")
+        require(0 < self.disk_high_watermark <= 1, "master.disk_high_watermark must be in (0, 1]")
+        require(self.promotion_admission_threshold >= 1, "master.promotion_admission_threshold must be >= 1")
+        require(self.disk_task_timeout_s > 0, "master.disk_task_timeout_s must be > 0")
+        require(self.disk_inflight_bytes > 0, "master.disk_inflight_bytes must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ the RPC client), never the master's server or its HA controller.
 
 Addresses: a replica lives in a client's mounted segment; `ReplicaLocation.address` is the
 address in the holder's Transfer Engine segment (`te_segment`), ready for a TE READ/WRITE.
+A copy on a holder's disk is a `DiskLocation` (the disk tier's types: disk_protocol.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import msgspec
 
 from tsukimi.errors import InvalidArgument, ProtocolError, TsukimiError, error_from_code
 from tsukimi.rpc.codec import Codec
+from tsukimi.store import disk_protocol as disk
+from tsukimi.store.disk_protocol import DiskLocation
 
 MAX_KEY_BYTES = 4096
 MAX_REPLICAS = 8
@@ -164,6 +167,11 @@ class GetReplicasResult(msgspec.Struct, frozen=True, tag=True):
     size: int = 0
     lease_s: float = 0.0
     checksum: int | None = None
+    disk: list[DiskLocation] = []  # copies on holders' disks, tried after `replicas`
+
+    @property
+    def found(self) -> bool:
+        return bool(self.replicas or self.disk)
 
 
 class ExistsResult(msgspec.Struct, frozen=True, tag=True):
@@ -202,6 +210,7 @@ class ObjectInfo(msgspec.Struct, frozen=True, tag=True):
     soft_pin: bool
     hard_pin: bool
     lease_remaining_s: float
+    disk_replicas: list[DiskLocation] = []
 
 
 class SegmentInfo(msgspec.Struct, frozen=True):
@@ -231,6 +240,11 @@ Request = (
     | Batch
     | QueryKey
     | ListSegments
+    | disk.MountDisk
+    | disk.UnmountDisk
+    | disk.RegisterDiskFiles
+    | disk.DiskSync
+    | disk.MasterInfo
 )
 Response = (
     Ok
@@ -242,15 +256,18 @@ Response = (
     | BatchResult
     | ObjectInfo
     | SegmentsResult
+    | disk.DiskSyncResult
+    | disk.DiskFilesResult
+    | disk.MasterInfoResult
     | Failure
 )
 REQUEST_TYPES: tuple[type[msgspec.Struct], ...] = (
     Heartbeat, MountSegment, UnmountSegment, PutStart, PutEnd, PutRevoke, GetReplicas, Exists, Remove,
-    RemoveAll, Batch, QueryKey, ListSegments,
+    RemoveAll, Batch, QueryKey, ListSegments, *disk.DISK_REQUESTS,
 )  # fmt: skip
 RESPONSE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Ok, HeartbeatResult, PutStartResult, GetReplicasResult, ExistsResult, RemoveAllResult, BatchResult,
-    ObjectInfo, SegmentsResult, Failure,
+    ObjectInfo, SegmentsResult, *disk.DISK_RESULTS, Failure,
 )  # fmt: skip
 CODEC = Codec(REQUEST_TYPES, RESPONSE_TYPES)
 """The master's RPC codec: the server and every client use this one."""

@@ -15,50 +15,20 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tsukimi.clock import Clock
 from tsukimi.config import MasterConfig
 from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectExists, ObjectNotFound, OutOfSpace, Recovering
 from tsukimi.eviction import EvictionPolicy, make_policy
+from tsukimi.store.master.changes import Changes, TrackedDict
 from tsukimi.store.master.segments import Placement, SegmentRegistry
+from tsukimi.store.master.tiers import Tiering
 from tsukimi.store.protocol import MAX_OBJECT_BYTES, MountSegment, ObjectInfo, ReplicaConfig, ReplicaLocation, check_key
 
+__all__ = ["Changes", "MasterState", "ObjectRecord"]
+
 logger = logging.getLogger(__name__)
-
-
-class _TrackedDict(dict[str, "ObjectRecord"]):
-    """A dict that remembers which keys were set or deleted (when `changed` is a set)."""
-
-    changed: set[str] | None = None
-
-    def __setitem__(self, key: str, value: ObjectRecord) -> None:
-        if self.changed is not None:
-            self.changed.add(key)
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key: str) -> None:
-        if self.changed is not None:
-            self.changed.add(key)
-        super().__delitem__(key)
-
-    def pop(self, key: str, default: ObjectRecord | None = None) -> ObjectRecord | None:  # type: ignore[override]
-        if self.changed is not None:
-            self.changed.add(key)
-        return super().pop(key, default)
-
-
-@dataclass(frozen=True, slots=True)
-class Changes:
-    """What one or more operations changed: the rows the HA master logs (pure data)."""
-
-    segments: set[str]
-    blocks: set[tuple[str, int]]
-    objects: set[str]
-    pending: set[str]
-
-    def __bool__(self) -> bool:
-        return bool(self.segments or self.blocks or self.objects or self.pending)
 
 
 @dataclass(slots=True)
@@ -72,6 +42,8 @@ class ObjectRecord:
     lease_until: float = 0.0
     put_id: int = 0
     checksum: int | None = None
+    disks: list[str] = field(default_factory=list)  # disks holding a copy of this version
+    disk_hits: int = 0  # gets while only on disk (promotion admission)
 
 
 class MasterState:
@@ -85,18 +57,19 @@ class MasterState:
         self._put_ids = itertools.count((epoch << 32) + 1)
         self.clock = clock
         self.registry = SegmentRegistry(config)
-        self.objects: dict[str, ObjectRecord] = _TrackedDict()  # complete, visible
-        self.pending: dict[str, ObjectRecord] = _TrackedDict()  # put started, not ended
+        self.objects: dict[str, ObjectRecord] = TrackedDict()  # complete, visible
+        self.pending: dict[str, ObjectRecord] = TrackedDict()  # put started, not ended
         self.retired: list[tuple[float, Placement]] = []  # (free at, block) of replaced/removed leased objects
         self.policy: EvictionPolicy[str] = policy or make_policy(config.eviction)
         self.counters: Counter[str] = Counter()
         self.recovering_until = 0.0  # a new HA leader: holders restored from the log may not have heartbeated yet
+        self.tiers = Tiering(self)  # holders' disks (tiers.py)
 
     def take_changes(self) -> Changes:
         """The rows changed since the last call, and start tracking if not yet (mutates)."""
         registry = self.registry
         objects, pending = self.objects, self.pending
-        assert isinstance(objects, _TrackedDict) and isinstance(pending, _TrackedDict)
+        assert isinstance(objects, TrackedDict) and isinstance(pending, TrackedDict)
         changes = Changes(
             registry.changed_segments or set(), registry.changed_blocks or set(),
             objects.changed or set(), pending.changed or set(),
@@ -176,13 +149,14 @@ class MasterState:
             self._retire(old, self.clock.now())
         self.objects[key] = record
         self.policy.insert(key)
+        self.tiers.written(record, self.clock.now())
         self.counters["puts_completed"] += 1
 
     def put_revoke(self, client_id: str, key: str, put_id: int = 0) -> None:
         """Abandon a pending put and free its replicas. Mutates. Raises ObjectNotFound."""
         record = self._pending_of(client_id, key, put_id)
         del self.pending[key]
-        self._quarantine(record.replicas, self.clock.now())
+        self.quarantine(record.replicas, self.clock.now())
         self.counters["puts_revoked"] += 1
 
     def _pending_of(self, client_id: str, key: str, put_id: int) -> ObjectRecord:
@@ -195,7 +169,9 @@ class MasterState:
 
     def get_replicas(self, key: str) -> tuple[list[ReplicaLocation], int]:
         """Complete replicas (empty on a miss), those on healthy holders first, and the size;
-        grants a read lease and marks the object recently used. Mutates."""
+        grants a read lease and marks the object recently used. An object only on disk has
+        no replica but its size (`tiers.locations` lists its copies); the get may promote it.
+        Mutates."""
         check_key(key)
         record = self.objects.get(key)
         if record is None:
@@ -204,6 +180,7 @@ class MasterState:
         now = self.clock.now()
         record.lease_until = max(record.lease_until, now + self.config.lease_ttl_s)
         self.policy.touch(key)
+        self.tiers.on_hit(record, now)
         self.counters["hits"] += 1
         # NOTE: replicas on holders that missed heartbeats (stopped, cut off) go last, so a
         # reader does not spend its lease on them while a healthy replica exists.
@@ -254,6 +231,7 @@ class MasterState:
             record.config.soft_pin,
             record.config.hard_pin,
             max(0.0, record.lease_until - self.clock.now()),
+            self.tiers.locations(record, self.clock.now()),
         )
 
     # -- segments and time -----------------------------------------------------------
@@ -279,7 +257,7 @@ class MasterState:
         now = self.clock.now()
         for record in [r for r in self.pending.values() if r.put_deadline <= now]:
             del self.pending[record.key]
-            self._quarantine(record.replicas, now)
+            self.quarantine(record.replicas, now)
             self.counters["puts_reclaimed"] += 1
             logger.info("reclaimed the abandoned put of %r", record.key)
         due = [p for at, p in self.retired if at <= now]
@@ -289,6 +267,7 @@ class MasterState:
         for client_id in self.registry.expired_clients(now):
             logger.warning("client %s missed its heartbeats: dropping it", client_id)
             self._drop_client(client_id)
+        self.tiers.tick(now)
         capacity = self.registry.capacity
         if capacity and self.registry.used > self.config.high_watermark * capacity:
             self._evict(int(self.config.evict_ratio * capacity), now)
@@ -297,30 +276,36 @@ class MasterState:
 
     def _evict(self, target_bytes: int, now: float) -> int:
         """Evict unleased, unpinned objects in the policy's order (LRU by default), soft-pinned last,
-        until `target_bytes` are freed. Returns the bytes freed."""
-        freed = 0
+        until `target_bytes` are freed or on their way to disk (an object on a holder's disk
+        only loses its memory: see tiers.on_evict). Returns the bytes freed now."""
+        freed = progress = 0
         for soft_pass in (False, True):
             for key in self.policy.victims():
                 record = self.objects[key]
                 if record.config.hard_pin or record.config.soft_pin != soft_pass or record.lease_until > now:
                     continue
-                del self.objects[key]
-                self.policy.remove(key)
-                self._free(record)
-                freed += record.size * len(record.replicas)
-                self.counters["evictions"] += 1
-                self.counters["evicted_bytes"] += record.size
-                if freed >= target_bytes:
+                kept = self.tiers.on_evict(record, now)
+                if kept is None:
+                    del self.objects[key]
+                    self.policy.remove(key)
+                    self._free(record)
+                    kept = record.size * len(record.replicas)
+                    self.counters["evictions"] += 1
+                    self.counters["evicted_bytes"] += record.size
+                freed += kept
+                progress += kept or record.size * len(record.replicas)
+                if progress >= target_bytes:
                     return freed
         return freed
 
     def _retire(self, record: ObjectRecord, now: float) -> None:
+        self.tiers.drop_copies(record, now)
         if record.lease_until > now:
             self.retired.extend((record.lease_until, p) for p in record.replicas)
         else:
             self._free(record)
 
-    def _quarantine(self, blocks: list[Placement], now: float) -> None:
+    def quarantine(self, blocks: list[Placement], now: float) -> None:
         """Blocks of a failed put: its writer may still have bytes in flight to them, which
         must not land in the next object placed there, so they wait `write_grace_s`."""
         if self.config.write_grace_s > 0:
@@ -335,20 +320,22 @@ class MasterState:
 
     def _drop_client(self, client_id: str) -> None:
         """Forget a dead client: its segments with the replicas in them, and its puts in
-        progress (their blocks are quarantined for write_grace_s). Mutates."""
+        progress (their blocks are quarantined for write_grace_s), its disk's copies. Mutates."""
+        self.tiers.drop_client(client_id, self.clock.now())
         segments = self.registry.drop_client(client_id)
         self._drop_replicas_in({s.segment_id for s in segments})
         for record in [r for r in self.pending.values() if r.writer == client_id]:
             del self.pending[record.key]
-            self._quarantine(record.replicas, self.clock.now())
+            self.quarantine(record.replicas, self.clock.now())
             self.counters["puts_reclaimed"] += 1
 
     def _drop_replicas_in(self, segment_ids: set[str]) -> None:
         self.retired = [(at, p) for at, p in self.retired if p.segment_id not in segment_ids]
+        self.tiers.segments_dropped(segment_ids)
         for key, record in list(self.pending.items()):
             if any(p.segment_id in segment_ids for p in record.replicas):  # the writer's put_end will fail
                 del self.pending[key]
-                self._quarantine([p for p in record.replicas if p.segment_id not in segment_ids], self.clock.now())
+                self.quarantine([p for p in record.replicas if p.segment_id not in segment_ids], self.clock.now())
         for key, record in list(self.objects.items()):
             kept = [p for p in record.replicas if p.segment_id not in segment_ids]
             if len(kept) == len(record.replicas):
@@ -356,8 +343,9 @@ class MasterState:
             record.replicas = kept
             self.objects[key] = record  # NOTE: marks the row changed for the HA log
             if not record.replicas:
-                del self.objects[key]
                 self.policy.remove(key)
+            if not record.replicas and not record.disks:
+                del self.objects[key]
                 self.counters["objects_lost"] += 1
 
     def _locations(self, placed: list[Placement], size: int) -> list[ReplicaLocation]:
@@ -373,14 +361,16 @@ class MasterState:
         complete objects."""
         owners: Counter[tuple[str, int]] = Counter()
         for record in [*self.objects.values(), *self.pending.values()]:
-            assert record.replicas, f"{record.key} has no replica"
+            assert record.replicas or record.key in self.objects, f"{record.key} has no replica"
             assert len({p.segment_id for p in record.replicas}) == len(record.replicas)
             owners.update((p.segment_id, p.offset) for p in record.replicas)
         owners.update((p.segment_id, p.offset) for _, p in self.retired)
+        self.tiers.check_invariants(owners)
         assert all(n == 1 for n in owners.values()), "a block is owned twice"
         per_segment = Counter(sid for sid, _ in owners)
         for sid, seg in self.registry.segments.items():
             seg.allocator.check_invariants()
             assert seg.allocator.num_allocations == per_segment[sid], f"{sid}: leaked or foreign blocks"
         assert set(per_segment) <= set(self.registry.segments), "a replica in an unmounted segment"
-        assert len(self.policy) == len(self.objects) and all(key in self.policy for key in self.objects)
+        in_memory = [key for key, record in self.objects.items() if record.replicas]
+        assert len(self.policy) == len(in_memory) and all(key in self.policy for key in in_memory)
