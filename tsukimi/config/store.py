@@ -138,8 +138,11 @@ class ClientConfig:
     are retried for up to `failover_timeout_s`. checksum: store a crc32c with every object
     put and verify it on every get (a replica that fails is skipped). segment_bytes: memory
     this client contributes to the
-    pool (0: a pure client). ssd_dir / ssd_bytes: the optional SSD tier (write-through; gets
-    that miss in memory are served from it and promoted back). rpc_spin_us: how long a call
+    pool (0: a pure client). ssd_dir / ssd_bytes: this holder's disk directory for the
+    master-tracked disk tier (needs segment_bytes > 0: objects move between this holder's
+    memory and its disk; any client reads them); `disk_poll_s`: how often the holder asks the
+    master for disk work when it has none; `ssd_verify`: check every file's crc32c when the
+    directory is registered at start (else only its header and size). rpc_spin_us: how long a call
     to the master polls for its reply before sleeping (saves a ~50 us wake-up per call on a
     VM; costs at most this much CPU per call; 0 never polls).
     """
@@ -151,6 +154,8 @@ class ClientConfig:
     heartbeat_interval_s: float = 1.0
     ssd_dir: str = ""
     ssd_bytes: int = 0
+    disk_poll_s: float = 0.05
+    ssd_verify: bool = True
     ha_cluster: str = "tsukimi"
     failover_timeout_s: float = 10.0
     checksum: bool = False
@@ -165,3 +170,8 @@ class ClientConfig:
         require(self.rpc_timeout_s > 0 and self.heartbeat_interval_s > 0, "client timeouts must be > 0")
         require(0 <= self.rpc_spin_us <= 1e6, "client.rpc_spin_us must be in [0, 1e6]")
         require(not self.ssd_dir or self.ssd_bytes > 0, "client.ssd_bytes must be > 0 when ssd_dir is set")
+        require(
+            not self.ssd_dir or self.segment_bytes > 0,
+            "client.ssd_dir needs client.segment_bytes > 0 (a disk holds what its holder's memory held)",
+        )
+        require(0 < self.disk_poll_s <= 10, "client.disk_poll_s must be in (0, 10]")

@@ -5,7 +5,9 @@ Engine (tsukimi/store/replica_io.py). A put is put_start (replicas placed) -> WR
 replica -> put_end, or put_revoke if any write failed. A get asks for the complete replicas
 (a read lease) and READs them in order, failing over to the next replica inside the same
 call. The client may contribute a segment of its own memory, heartbeats the master, and
-remounts its segments when the master restarted.
+remounts its segments when the master restarted. A holder given a disk directory
+(`client.ssd_dir`) also serves the master-tracked disk tier (disk_holder.py); a get of an
+object with no readable memory replica reads a disk copy from its holder (disk_server.py).
 
 The API is a batch core with thin single-key helpers: `batch_put` / `put`, `batch_get` /
 `get` / `get_into`, `batch_exists` / `exists`, `size_of`, `remove`, `remove_all`. A batch
@@ -32,17 +34,18 @@ from tsukimi.config import Config
 from tsukimi.errors import (
     InvalidArgument,
     InvalidBufferError,
-    ObjectExists,
     ObjectNotFound,
     TransferError,
     TsukimiError,
 )
 from tsukimi.store import protocol as p
-from tsukimi.store.disk import DiskTier
+from tsukimi.store.disk import DiskStore
+from tsukimi.store.disk_holder import DiskHolder
+from tsukimi.store.disk_server import DiskReader
 from tsukimi.store.master_link import MasterLink
-from tsukimi.store.replica_io import GetResult, PutItem, read_replicas, write_replicas
+from tsukimi.store.replica_io import GetResult, PutItem, read_disk_copies, read_replicas, write_replicas
 from tsukimi.transfer import TransferEngine
-from tsukimi.transfer.segment import byte_view
+from tsukimi.transfer.segment import RegisteredBuffer, byte_view
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +76,13 @@ class StoreClient:
         self._rpc = MasterLink(cfg, p.CODEC, self.config.security.secret())
         self._mounts: list[p.MountSegment] = []
         self._segment_base = 0
-        self._disk = DiskTier(cfg.ssd_dir, cfg.ssd_bytes) if cfg.ssd_dir else None
+        self._segment: RegisteredBuffer | None = None
+        self.disk: DiskHolder | None = None
+        self._disk_reader = DiskReader(cfg.rpc_timeout_s, self.config.security.secret())
         self._stop = threading.Event()
         try:
             if cfg.segment_bytes:
-                buf = self.engine.allocate(cfg.segment_bytes)
+                buf = self._segment = self.engine.allocate(cfg.segment_bytes)
                 self._segment_base = buf.base
                 mount = p.MountSegment(
                     self.client_id, f"{self.engine.name}/{buf.base:x}", self.engine.name, buf.base, buf.length,
@@ -86,11 +91,35 @@ class StoreClient:
                 self._call(mount)
                 self._mounts.append(mount)
             self._call(p.Heartbeat(self.client_id))
+            if cfg.ssd_dir:
+                self.disk = self._start_disk(DiskStore(cfg.ssd_dir, cfg.ssd_bytes, cfg.ssd_verify))
         except BaseException:
             self._close_transport()
             raise
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="tsukimi-store-heartbeat", daemon=True)
         self._heartbeat.start()
+
+    def _start_disk(self, store: DiskStore) -> DiskHolder:
+        """Serve `store` as this holder's disk (closes it on failure)."""
+        try:
+            host = self.config.transfer.bind_hosts[0]
+            return DiskHolder(self.client_id, store, self._rpc, self.engine, self._local_view, host=host,
+                              poll_s=self.config.client.disk_poll_s, secret=self.config.security.secret())  # fmt: skip
+        except BaseException:
+            store.close()
+            raise
+
+    def _local_view(self, address: int, size: int) -> memoryview | None:
+        """This holder's segment memory at [address, address + size), or None (pure)."""
+        buf = self._segment
+        if buf is None or not buf.base <= address <= address + size <= buf.base + buf.length:
+            return None
+        return memoryview(buf.view)[address - buf.base : address - buf.base + size]
+
+    @property
+    def disk_reads(self) -> int:
+        """Objects this client read from a holder's disk (Mooncake's offload RPC read count)."""
+        return self._disk_reader.num_reads
 
     @classmethod
     def connect(
@@ -146,10 +175,6 @@ class StoreClient:
                     if isinstance(result, p.PutStartResult):
                         errors[i] = errors[i] or TransferError(f"writing {puts[i].key!r} was interrupted")
             self._end_puts(puts, started, errors)
-        if self._disk is not None:
-            for put, error in zip(puts, errors, strict=True):
-                if error is None:
-                    self._disk.put(put.key, put.data)
         return errors
 
     def _end_puts(
@@ -200,48 +225,25 @@ class StoreClient:
             found = self._call_batch([p.GetReplicas(k) for k in chunk])
             dests = None if views is None else views[start : start + p.MAX_BATCH]
             checksum = self.config.client.checksum
-            results += read_replicas(self.engine, self._clock, chunk, found, dests, checksum)
-        if self._disk is not None:
-            self._from_disk(keys, views, results)
+            got = read_replicas(self.engine, self._clock, chunk, found, dests, checksum)
+            results += read_disk_copies(self._disk_reader, chunk, found, dests, got, checksum)
         return results
-
-    def _from_disk(self, keys: Sequence[str], into: list[memoryview] | None, results: list[GetResult]) -> None:
-        assert self._disk is not None
-        for i, key in enumerate(keys):
-            if results[i].found or results[i].error is not None:
-                continue
-            size = self._disk.size_of(key)
-            if size is None:
-                continue
-            dest: bytearray | memoryview = into[i] if into is not None else bytearray(size)
-            try:
-                got = self._disk.get_into(key, dest)
-            except InvalidBufferError as exc:
-                results[i] = GetResult(error=exc)
-                continue
-            if got is None:
-                continue
-            results[i] = GetResult(dest if len(dest) == got else memoryview(dest)[:got])
-            # NOTE: not an upsert: a newer version put meanwhile by anyone must win
-            promoted = self._put_chunk([PutItem(key, memoryview(dest)[:got], p.ReplicaConfig(), upsert=False)])[0]
-            if promoted is not None and not isinstance(promoted, ObjectExists):
-                logger.info("could not promote %r from the SSD tier: %s", key, promoted)
 
     # -- metadata ----------------------------------------------------------------------
 
     def exists(self, key: str) -> bool:
-        """Whether a complete object exists (grants no lease). Also true if only on the SSD tier."""
+        """Whether a complete object exists, in memory or on a holder's disk (grants no lease)."""
         return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key exists. Raises the first key's error (e.g. InvalidArgument)."""
         results = self._call_batch([p.Exists(k) for k in keys])
         out = []
-        for key, result in zip(keys, results, strict=True):
+        for result in results:
             if isinstance(result, p.Failure):
                 raise p.error_of(result)
             assert isinstance(result, p.ExistsResult)
-            out.append(result.exists or (self._disk is not None and self._disk.contains(key)))
+            out.append(result.exists)
         return out
 
     def size_of(self, key: str) -> int | None:
@@ -253,9 +255,8 @@ class StoreClient:
         return info.size if info.complete else None
 
     def remove(self, key: str, force: bool = False) -> bool:
-        """Remove an object; False if there was none. Raises LeaseHeld while readers hold it."""
-        if self._disk is not None:
-            self._disk.remove(key)
+        """Remove an object (its disk copies too); False if there was none. Raises LeaseHeld
+        while readers hold it."""
         try:
             self._call(p.Remove(key, force))
         except ObjectNotFound:
@@ -263,10 +264,7 @@ class StoreClient:
         return True
 
     def remove_all(self, force: bool = False) -> int:
-        """Remove every object from the pool (and this client's SSD tier); returns how many."""
-        if self._disk is not None:
-            for key in list(self._disk.keys()):
-                self._disk.remove(key)
+        """Remove every object from the pool (disk copies too); returns how many."""
         result = self._call(p.RemoveAll(force))
         assert isinstance(result, p.RemoveAllResult)
         return result.removed
@@ -304,6 +302,7 @@ class StoreClient:
             raise error
 
     def _close_transport(self) -> None:
+        self._disk_reader.close()
         self._rpc.close()
         if self._owns_engine:
             self.engine.close()
@@ -316,6 +315,8 @@ class StoreClient:
             return
         self._stop.set()
         self._heartbeat.join(timeout=self.config.client.heartbeat_interval_s + self.config.client.rpc_timeout_s)
+        if self.disk is not None:
+            self.disk.close()
         for mount in self._mounts:
             try:
                 self._call(p.UnmountSegment(self.client_id, mount.segment_id))

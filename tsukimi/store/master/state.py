@@ -276,15 +276,16 @@ class MasterState:
 
     def _evict(self, target_bytes: int, now: float) -> int:
         """Evict unleased, unpinned objects in the policy's order (LRU by default), soft-pinned last,
-        until `target_bytes` are freed or on their way to disk (an object on a holder's disk
-        only loses its memory: see tiers.on_evict). Returns the bytes freed now."""
-        freed = progress = 0
+        until `target_bytes` are freed. An object on a holder's disk only loses its memory; one
+        a holder's disk can take is offloaded instead (kept until its copy is made), up to
+        `target_bytes` of such offloads (tiers.on_evict). Returns the bytes freed now."""
+        freed = offloading = 0
         for soft_pass in (False, True):
             for key in self.policy.victims():
                 record = self.objects[key]
                 if record.config.hard_pin or record.config.soft_pin != soft_pass or record.lease_until > now:
                     continue
-                kept = self.tiers.on_evict(record, now)
+                kept = self.tiers.on_evict(record, now, may_offload=offloading < target_bytes)
                 if kept is None:
                     del self.objects[key]
                     self.policy.remove(key)
@@ -292,9 +293,10 @@ class MasterState:
                     kept = record.size * len(record.replicas)
                     self.counters["evictions"] += 1
                     self.counters["evicted_bytes"] += record.size
+                elif not kept:
+                    offloading += record.size * len(record.replicas)
                 freed += kept
-                progress += kept or record.size * len(record.replicas)
-                if progress >= target_bytes:
+                if freed >= target_bytes:
                     return freed
         return freed
 

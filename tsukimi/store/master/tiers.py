@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from tsukimi.store import disk_protocol as dp
 from tsukimi.store.master.disks import Disk, DiskRegistry, Task
+from tsukimi.store.master.segments import Placement
 from tsukimi.store.protocol import ReplicaConfig
 
 if TYPE_CHECKING:
@@ -48,9 +49,10 @@ class Tiering:
 
     # -- hooks of the state machine -----------------------------------------------------
 
-    def on_evict(self, record: ObjectRecord, now: float) -> int | None:
+    def on_evict(self, record: ObjectRecord, now: float, may_offload: bool) -> int | None:
         """Eviction chose `record` (unleased, not hard-pinned): None to drop it; else the bytes
-        freed now (its memory, as it is on disk), or 0: kept until its offload is done."""
+        freed now (its memory, as it is on disk), or 0: kept, as a holder's disk can take it
+        (its offload is queued, unless `may_offload` is False)."""
         if record.disks:
             return self.release_memory(record)
         if self.config.offload == "off":
@@ -59,6 +61,8 @@ class Tiering:
         if task_id is not None:
             self.registry.tasks[task_id].evict_after = True
             return 0
+        if not may_offload:
+            return None if self._disk_for(record, now) is None else 0
         return None if self._offload(record, now, evict_after=True) is False else 0
 
     def release_memory(self, record: ObjectRecord) -> int:
@@ -150,23 +154,28 @@ class Tiering:
         """Queue an offload of `record` to the disk of a holder of one of its replicas, if one
         has room (mutates). True: queued; None: not now (that disk has enough in flight);
         False: no disk can take it."""
-        if record.key in self.active or record.config.hard_pin:
+        found = None if record.key in self.active or record.config.hard_pin else self._disk_for(record, now)
+        if found is None:
             return False
+        disk, placement = found
+        if disk.inflight + record.size > max(self.config.disk_inflight_bytes, record.size):
+            return None
+        if not self._reserve(disk, record.size, now):
+            return False
+        disk.inflight += record.size
+        task = Task(0, "offload", disk.disk_id, record.key, record.put_id, record.size, placement, evict_after)
+        self.active[record.key] = self.registry.queue(disk, task).task_id
+        return True
+
+    def _disk_for(self, record: ObjectRecord, now: float) -> tuple[Disk, Placement] | None:
+        """The disk of a healthy holder of one of `record`'s replicas, with that replica."""
         registry = self.state.registry
         for placement in record.replicas:
             client_id = registry.segments[placement.segment_id].client_id
             disk = self.registry.of_client(client_id)
-            if disk is None or not registry.healthy(client_id, now):
-                continue
-            if disk.inflight + record.size > max(self.config.disk_inflight_bytes, record.size):
-                return None
-            if not self._reserve(disk, record.size, now):
-                continue
-            disk.inflight += record.size
-            task = Task(0, "offload", disk.disk_id, record.key, record.put_id, record.size, placement, evict_after)
-            self.active[record.key] = self.registry.queue(disk, task).task_id
-            return True
-        return False
+            if disk is not None and disk.capacity >= record.size and registry.healthy(client_id, now):
+                return disk, placement
+        return None
 
     def _promote(self, record: ObjectRecord, now: float) -> None:
         """Queue a copy of disk-only `record` back into memory, if there is room (mutates)."""
