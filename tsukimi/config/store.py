@@ -142,7 +142,8 @@ class ClientConfig:
     master-tracked disk tier (needs segment_bytes > 0: objects move between this holder's
     memory and its disk; any client reads them); `disk_poll_s`: how often the holder asks the
     master for disk work when it has none; `ssd_verify`: check every file's crc32c when the
-    directory is registered at start (else only its header and size). rpc_spin_us: how long a call
+    directory is registered at start (else only its header and size). put_wait_s: how long a put
+    refused with OffloadPending (memory is being copied to disk to make room) keeps trying. rpc_spin_us: how long a call
     to the master polls for its reply before sleeping (saves a ~50 us wake-up per call on a
     VM; costs at most this much CPU per call; 0 never polls).
     """
@@ -156,6 +157,7 @@ class ClientConfig:
     ssd_bytes: int = 0
     disk_poll_s: float = 0.05
     ssd_verify: bool = True
+    put_wait_s: float = 2.0
     ha_cluster: str = "tsukimi"
     failover_timeout_s: float = 10.0
     checksum: bool = False
@@ -175,3 +177,4 @@ class ClientConfig:
             "client.ssd_dir needs client.segment_bytes > 0 (a disk holds what its holder's memory held)",
         )
         require(0 < self.disk_poll_s <= 10, "client.disk_poll_s must be in (0, 10]")
+        require(self.put_wait_s >= 0, "client.put_wait_s must be >= 0")

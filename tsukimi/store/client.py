@@ -35,6 +35,7 @@ from tsukimi.errors import (
     InvalidArgument,
     InvalidBufferError,
     ObjectNotFound,
+    OffloadPending,
     TransferError,
     TsukimiError,
 )
@@ -154,8 +155,22 @@ class StoreClient:
         puts = [PutItem(key, _view(data), config, upsert) for key, data in items]
         errors: list[TsukimiError | None] = []
         for start in range(0, len(puts), p.MAX_BATCH):
-            errors += self._put_chunk(puts[start : start + p.MAX_BATCH])
+            errors += self._put_waiting(puts[start : start + p.MAX_BATCH])
         return errors
+
+    def _put_waiting(self, puts: list[PutItem]) -> list[TsukimiError | None]:
+        """`_put_chunk`, putting again for up to `client.put_wait_s` the objects refused while
+        memory was being copied to disk to make room (OffloadPending)."""
+        errors = self._put_chunk(puts)
+        deadline, delay_s = self._clock.now() + self.config.client.put_wait_s, 0.002
+        while True:
+            waiting = [i for i, error in enumerate(errors) if isinstance(error, OffloadPending)]
+            if not waiting or self._clock.now() + delay_s > deadline:
+                return errors
+            self._clock.sleep(delay_s)
+            delay_s = min(2 * delay_s, 0.05)
+            for i, error in zip(waiting, self._put_chunk([puts[i] for i in waiting]), strict=True):
+                errors[i] = error
 
     def _put_chunk(self, puts: list[PutItem]) -> list[TsukimiError | None]:
         checksum = self.config.client.checksum
@@ -245,6 +260,11 @@ class StoreClient:
             assert isinstance(result, p.ExistsResult)
             out.append(result.exists)
         return out
+
+    def describe(self, key: str) -> p.ObjectInfo:
+        """What the master knows of `key`: its replicas and disk copies (grants no lease).
+        Raises ObjectNotFound."""
+        return self._rpc.call_as(p.QueryKey(key), p.ObjectInfo)
 
     def size_of(self, key: str) -> int | None:
         """The size of a complete object, or None (grants no lease)."""

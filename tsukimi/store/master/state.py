@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 
 from tsukimi.clock import Clock
 from tsukimi.config import MasterConfig
-from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectExists, ObjectNotFound, OutOfSpace, Recovering
+from tsukimi.errors import (
+    InvalidArgument,
+    LeaseHeld,
+    ObjectExists,
+    ObjectNotFound,
+    OffloadPending,
+    OutOfSpace,
+    Recovering,
+)  # fmt: skip
 from tsukimi.eviction import EvictionPolicy, make_policy
 from tsukimi.store.master.changes import Changes, TrackedDict
 from tsukimi.store.master.segments import Placement, SegmentRegistry
@@ -130,6 +138,8 @@ class MasterState:
             if self._evict(need, now) == 0:
                 break
         placed = self.registry.place(size, config, client_id, now)  # best effort: fewer replicas
+        if not placed and self.tiers.offloading():
+            raise OffloadPending(f"no room for {size} bytes yet: objects are being copied to disk to free memory")
         if not placed:
             raise OutOfSpace(f"no room for {size} bytes: every segment is full of leased, pinned or pending objects")
         return placed

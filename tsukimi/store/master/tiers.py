@@ -126,6 +126,10 @@ class Tiering:
         if record.disk_hits >= self.config.promotion_admission_threshold:
             self._promote(record, now)
 
+    def offloading(self) -> bool:
+        """Whether any offload is queued or in flight (pure)."""
+        return any(disk.inflight for disk in self.registry.disks.values())
+
     def locations(self, record: ObjectRecord, now: float) -> list[dp.DiskLocation]:
         """Where `record`'s copies are, those of healthy holders first (pure)."""
         disks = [self.registry.disks[d] for d in record.disks]
