@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from tsukimi.compat.mooncake import offload
 from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, RPC_FAIL, code_of
 from tsukimi.compat.mooncake.tensors import TensorMethods
 from tsukimi.config import ClientConfig, Config, MetadataConfig, TransferConfig
@@ -53,20 +54,23 @@ class MooncakeDistributedStore(TensorMethods):
         rdma_devices: str = "",
         master_server_addr: str = "127.0.0.1:50051",
         engine: object = None,
+        enable_ssd_offload: bool = False,
+        ssd_offload_path: str = "",
         **_ignored: object,
     ) -> int:
         """Connect to the master at host:port and mount `global_segment_size` bytes.
         `local_buffer_size` needs no pre-allocation here (any buffer can be read into);
-        "tcp" lets same-host peers use shared memory, as tsukimi's transport choice is per peer."""
+        "tcp" lets same-host peers use shared memory, as tsukimi's transport choice is per peer.
+        A master that offloads gives the client a disk too (offload.py)."""
         try:
             url = "p2p" if metadata_server.upper() in ("P2PHANDSHAKE", "") else metadata_server
             transport = "tcp" if protocol == "tcp-only" else "auto"
-            config = Config(
-                transfer=TransferConfig(transport=transport),
-                metadata=MetadataConfig(url=url),
-                client=ClientConfig(master=f"tcp://{master_server_addr}", segment_bytes=global_segment_size),
-            )
-            self._client = StoreClient(config)
+            master = f"tcp://{master_server_addr}"
+            root = offload.disk_root(master, enable_ssd_offload, ssd_offload_path) if global_segment_size else ""
+            ssd_dir, ssd_bytes = offload.free_slot(root) if root else ("", 0)
+            client = ClientConfig(master, global_segment_size, ssd_dir=ssd_dir, ssd_bytes=ssd_bytes)
+            transfer = TransferConfig(transport=transport)
+            self._client = StoreClient(Config(transfer=transfer, metadata=MetadataConfig(url=url), client=client))
         except (TsukimiError, OSError) as exc:
             logger.error("setup failed: %s", exc)
             return code_of(exc) if isinstance(exc, TsukimiError) else INVALID_PARAMS
@@ -195,6 +199,25 @@ class MooncakeDistributedStore(TensorMethods):
             return client.remove_all(force)
         except TsukimiError as exc:
             return code_of(exc)
+
+    def get_replica_desc(self, key: str) -> list[offload.ReplicaDescriptor]:
+        """The key's replicas (memory first, then disk copies); [] when it does not exist."""
+        return self.batch_get_replica_desc([key]).get(key, [])
+
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[offload.ReplicaDescriptor]]:
+        """Each existing key's replicas (a missing key is left out)."""
+        client = self._ready()
+        if client is None:
+            return {}
+        try:
+            return offload.replica_descriptors(client, keys)
+        except TsukimiError as exc:
+            logger.error("batch_get_replica_desc failed: %s", exc)
+            return {}
+
+    def get_offload_rpc_read_count(self) -> int:
+        """How many objects this client read from a holder's disk."""
+        return self._client.disk_reads if self._client is not None else 0
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         """Accepted for compatibility: tsukimi reads into and writes from any buffer."""
