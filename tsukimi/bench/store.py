@@ -209,7 +209,7 @@ def run(cfg: StoreBenchConfig, progress: object = None) -> dict[str, object]:
                         except RuntimeError as exc:
                             if tier == "memory" or system.name == "tsukimi":
                                 raise
-                            errors[system.name] = str(exc)[:500]
+                            errors[system.name] = str(exc).splitlines()[0][:300]
             if tier == "memory":
                 small = {system.name: system.small_ops() for system in systems}
         finally:

@@ -18,7 +18,7 @@ import logging
 from tsukimi.errors import InvalidArgument, ObjectNotFound
 from tsukimi.store import disk_protocol as dp
 from tsukimi.store.master.disks import Disk, Task
-from tsukimi.store.master.state import ObjectRecord
+from tsukimi.store.master.records import ObjectRecord
 from tsukimi.store.master.tiers import Tiering
 from tsukimi.store.protocol import MAX_BATCH, ReplicaConfig, check_key
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 
 from tsukimi.clock import Clock
 from tsukimi.config import MasterConfig
@@ -30,6 +29,7 @@ from tsukimi.errors import (
 )  # fmt: skip
 from tsukimi.eviction import EvictionPolicy, make_policy
 from tsukimi.store.master.changes import Changes, TrackedDict
+from tsukimi.store.master.records import ObjectRecord
 from tsukimi.store.master.segments import Placement, SegmentRegistry
 from tsukimi.store.master.tiers import Tiering
 from tsukimi.store.protocol import MAX_OBJECT_BYTES, MountSegment, ObjectInfo, ReplicaConfig, ReplicaLocation, check_key
@@ -37,21 +37,6 @@ from tsukimi.store.protocol import MAX_OBJECT_BYTES, MountSegment, ObjectInfo, R
 __all__ = ["Changes", "MasterState", "ObjectRecord"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ObjectRecord:
-    key: str
-    size: int
-    config: ReplicaConfig
-    replicas: list[Placement]
-    writer: str
-    put_deadline: float  # pending objects only
-    lease_until: float = 0.0
-    put_id: int = 0
-    checksum: int | None = None
-    disks: list[str] = field(default_factory=list)  # disks holding a copy of this version
-    disk_hits: int = 0  # gets while only on disk (promotion admission)
 
 
 class MasterState:

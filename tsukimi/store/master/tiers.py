@@ -21,17 +21,31 @@ objects ahead of eviction, so eviction rarely waits for a disk.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections import Counter
+from typing import Protocol
 
+from tsukimi.clock import Clock
+from tsukimi.config import MasterConfig
+from tsukimi.eviction import EvictionPolicy
 from tsukimi.store import disk_protocol as dp
 from tsukimi.store.master.disks import Disk, DiskRegistry, Task
-from tsukimi.store.master.segments import Placement
+from tsukimi.store.master.records import ObjectRecord
+from tsukimi.store.master.segments import Placement, SegmentRegistry
 from tsukimi.store.protocol import ReplicaConfig
 
-if TYPE_CHECKING:
-    from collections import Counter
 
-    from tsukimi.store.master.state import MasterState, ObjectRecord
+class TierHost(Protocol):
+    """What the disk tier reads and changes of its state machine (`MasterState`)."""
+
+    config: MasterConfig
+    clock: Clock
+    registry: SegmentRegistry
+    objects: dict[str, ObjectRecord]
+    policy: EvictionPolicy[str]
+    counters: Counter[str]
+
+    def quarantine(self, blocks: list[Placement], now: float) -> None: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +53,7 @@ logger = logging.getLogger(__name__)
 class Tiering:
     """The disk tier of one `MasterState` (which it reads and changes). Not thread-safe."""
 
-    def __init__(self, state: MasterState) -> None:
+    def __init__(self, state: TierHost) -> None:
         self.state = state
         self.config = state.config
         self.registry = DiskRegistry()
