@@ -279,6 +279,16 @@ def test_a_restarted_holder_gets_back_its_current_copies_and_no_stale_one() -> N
     c.state.check_invariants()
 
 
+def test_a_registration_retried_after_a_lost_reply_keeps_the_copy() -> None:
+    c = Cluster(offload_watermark=0.1)
+    put_id = c.put("k")
+    c.advance(0.2)
+    c.work()
+    again = dp.RegisterDiskFiles("c0", "d0", [dp.DiskFile("k", put_id, 4 * KIB, 0)])
+    assert disk_ops.register(c.state.tiers, again, c.now) == [True] and c.where("k") == (1, ["d0"])
+    c.state.check_invariants()
+
+
 def test_a_disk_never_seen_is_adopted_by_a_restarted_master_not_by_an_ha_restored_one() -> None:
     c = Cluster(offload_watermark=0.1)
     put_id = c.put("k")

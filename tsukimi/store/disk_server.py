@@ -39,8 +39,8 @@ class DiskServer:
     def _handle(self, request: msgspec.Struct) -> msgspec.Struct:
         if not isinstance(request, ReadDisk):
             raise InvalidArgument(f"a disk server does not handle {type(request).__name__}")
-        if not 0 < request.length <= MAX_READ_BYTES:
-            raise InvalidArgument(f"a disk read is 1..{MAX_READ_BYTES} bytes, got {request.length}")
+        if not 0 < request.length <= MAX_READ_BYTES or request.offset < 0:
+            raise InvalidArgument(f"a disk read is 1..{MAX_READ_BYTES} bytes at an offset >= 0, got {request}")
         data = bytearray(request.length)
         _, crc = self._store.read_into(request.key, request.put_id, request.offset, memoryview(data))
         self.num_reads += 1

@@ -77,8 +77,10 @@ def _adopt(tiers: Tiering, disk: Disk, file: dp.DiskFile) -> bool:
     record = objects.get(file.key)
     if record is not None:
         same = (record.put_id, record.size) == (file.put_id, file.size)
-        if not same or disk.disk_id in record.disks or record.checksum not in (None, file.checksum):
+        if not same or record.checksum not in (None, file.checksum):
             return False
+        if disk.disk_id in record.disks:
+            return True  # NOTE: a registration retried after a lost reply: the copy is known
     else:
         lost = tiers.registry.lost.get(disk.disk_id)
         adoptable = tiers.adopt_unknown if lost is None else lost.get(file.key) == file.put_id
@@ -150,6 +152,9 @@ def _offloaded(tiers: Tiering, task: Task, record: ObjectRecord | None, result: 
             tiers.delete(disk, task.key, task.put_id, task.size)
         else:
             disk.used -= task.size
+        return
+    if disk.disk_id in record.disks:  # NOTE: the same file, registered meanwhile: already counted
+        disk.used -= task.size
         return
     record.disks.append(disk.disk_id)
     disk.keys.insert(task.key)
