@@ -141,7 +141,8 @@ def measure_disk(store: StoreAdapter, cmd: dict[str, Any]) -> dict[str, float]:
         store.batch_put_from(keys, offsets, size, 1)
     filler, filled, n = min(len(store.src), max(size, 1 << 20)), 0, 0
     deadline = clock.now() + 60.0
-    while not all(store.on_disk_only(k) for k in (groups[0][0], groups[-1][-1])):
+    ends = (groups[0][0], groups[-1][-1])
+    while not all(store.on_disk_only(k) for k in ends) or not all(store.on_disk_only(k) for g in groups for k in g):
         if clock.now() > deadline:
             raise RuntimeError(f"{cmd['prefix']}: the objects never left memory ({filled} bytes of filler)")
         if filled < cmd["fill_bytes"]:
