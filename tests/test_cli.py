@@ -105,17 +105,10 @@ def test_bench_store_quick_json_shape() -> None:
     report = json.loads(out.stdout)
     assert set(report) >= {"results", "small_ops", "git_rev", "config"}
     for row in report["results"]:
-        assert {
-            "system",
-            "mode",
-            "api",
-            "value_bytes",
-            "replicas",
-            "put_gbps",
-            "get_gbps",
-            "put_p50_us",
-            "get_p50_us",
-        } <= set(row)
+        puts = {"put_gbps", "put_p50_us"} if row["tier"] == "memory" else {"stayed_on_disk"}
+        assert {"system", "mode", "api", "value_bytes", "replicas", "tier", "get_gbps", "get_p50_us"} | puts <= set(row)
         assert row["system"] == "tsukimi" and row["mode"] == "shm" and row["get_gbps"] > 0
+    assert sorted(r["tier"] for r in report["results"]) == ["disk", "disk", "memory", "memory"]
+    assert all(r["stayed_on_disk"] == 1.0 for r in report["results"] if r["tier"] == "disk")
     assert {r["value_bytes"] for r in report["results"]} == {65536, 1 << 20}
     assert report["small_ops"]["tsukimi"]["exists_p50_us"] > 0

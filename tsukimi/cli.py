@@ -112,6 +112,8 @@ def _add_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser
     st.add_argument("--repeats", type=int, default=3)
     st.add_argument("--force-tcp", action="store_true", help="every process uses tcp (not shared memory)")
     st.add_argument("--compare-mooncake", action="store_true", help="also run the real Mooncake store")
+    st.add_argument("--tiers", type=_names, default=("memory", "disk"), help="memory,disk: where the objects read live")
+    st.add_argument("--disk-holder-bytes", type=_sizes, default=(64 << 20,), help="memory per holder, disk tier")
     st.add_argument("--quick", action="store_true", help="a small grid for CI")
     st.add_argument("--json", action="store_true")
     st.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
@@ -160,6 +162,8 @@ def _bench_store(args: argparse.Namespace, console: Console) -> None:
         repeats=1 if quick else args.repeats,
         force_tcp=args.force_tcp,
         compare_mooncake=args.compare_mooncake,
+        tiers=args.tiers,
+        disk_holder_bytes=(32 << 20) if quick else args.disk_holder_bytes[0],
     )
     with console.status("benchmarking the store") as status:
         report = store.run(cfg, progress=lambda text: status.update(text))

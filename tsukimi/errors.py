@@ -124,6 +124,12 @@ class OutOfSpace(TsukimiError):
     code = "out_of_space"
 
 
+class OffloadPending(OutOfSpace):
+    """No room yet: what eviction may free is still being copied to disk; retry shortly."""
+
+    code = "offload_pending"
+
+
 class LeaseHeld(TsukimiError):
     """The object is leased to readers; removing it needs force."""
 

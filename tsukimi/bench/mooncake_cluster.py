@@ -131,6 +131,9 @@ class MooncakeCluster:
     Args:
         holder_bytes: memory each holder mounts into the cluster (global_segment_size).
         num_holders: how many holder processes (replica_num can be at most this).
+        offload_dir: SSD offload on eviction into this directory (master flags
+            `--enable_offload --offload_on_evict --root_fs_dir`, holders set up with
+            `enable_ssd_offload`, the environment test_promotion_on_hit.py asks for); "": none.
 
     Raises:
         ConfigError: bad sizes or counts, or the master binary is missing.
@@ -138,12 +141,13 @@ class MooncakeCluster:
             RuntimeError) when a holder did not.
     """
 
-    def __init__(self, holder_bytes: int, num_holders: int = 2) -> None:
+    def __init__(self, holder_bytes: int, num_holders: int = 2, offload_dir: str = "") -> None:
         if holder_bytes <= 0 or num_holders <= 0:
             raise ConfigError(f"need holder_bytes > 0 and num_holders > 0, got {holder_bytes}, {num_holders}")
         if not master_binary().is_file():
             raise ConfigError(f"mooncake_master not found at {master_binary()}")
         self.holder_bytes = holder_bytes
+        self.offload_dir = offload_dir
         self.master_addr = f"{_HOST}:{free_port(_HOST)}"
         self._clock = WallClock()
         self._master_stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
@@ -177,6 +181,8 @@ class MooncakeCluster:
             "--enable_metric_reporting=false",
             "--logtostderr",
         ]
+        if self.offload_dir:
+            args += ["--enable_offload=true", "--offload_on_evict=true", f"--root_fs_dir={self.offload_dir}"]
         logger.debug("starting %s", " ".join(args))
         self._master = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=self._master_stderr, stderr=subprocess.STDOUT
@@ -203,7 +209,9 @@ class MooncakeCluster:
     def _start_holder(self, index: int) -> None:
         hostname = unique_hostname()
         args = ["tsukimi.bench.mooncake_cluster", "holder", self.master_addr, hostname, str(self.holder_bytes)]
-        worker = JsonWorker(f"mooncake holder {index}", args, _HOLDER_STARTUP_TIMEOUT_S, env=MOONCAKE_ENV)
+        env = {**MOONCAKE_ENV, **offload_env(self.offload_dir)} if self.offload_dir else MOONCAKE_ENV
+        worker = JsonWorker(f"mooncake holder {index}", [*args, *(["--offload"] if self.offload_dir else [])],
+                            _HOLDER_STARTUP_TIMEOUT_S, env=env)  # fmt: skip
         self._holders.append(worker)
         logger.info("mooncake holder %d up: pid %d, segment %s", index, worker.pid, hostname)
 
@@ -245,11 +253,18 @@ def protocol_stream() -> IO[str]:
     return stream
 
 
-def _holder(master_addr: str, hostname: str, segment_bytes: int) -> int:
+def offload_env(directory: str) -> dict[str, str]:
+    """The client environment of Mooncake's SSD offload into `directory`."""
+    return {"MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": directory, "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "10",
+            "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES": str(10 << 20)}  # fmt: skip
+
+
+def _holder(master_addr: str, hostname: str, segment_bytes: int, offload: bool) -> int:
     """Holder main: mount `segment_bytes` into the cluster, then wait for stdin to close."""
     proto = protocol_stream()
     store, _ = new_store()
-    rc = store.setup(hostname, METADATA, segment_bytes, LOCAL_BUFFER_BYTES, "tcp", "", master_addr)
+    setup = cast(Callable[..., int], store.setup)
+    rc = setup(hostname, METADATA, segment_bytes, LOCAL_BUFFER_BYTES, "tcp", "", master_addr, None, offload)
     if rc != 0:
         child_reply({"ok": False, "error": f"setup({hostname}) returned {rc}"}, out=proto)
         return 1
@@ -276,9 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     holder.add_argument("master_addr")
     holder.add_argument("hostname")
     holder.add_argument("segment_bytes", type=int)
+    holder.add_argument("--offload", action="store_true", help="setup(..., enable_ssd_offload=True)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    return _holder(args.master_addr, args.hostname, args.segment_bytes)
+    return _holder(args.master_addr, args.hostname, args.segment_bytes, args.offload)
 
 
 if __name__ == "__main__":

@@ -132,6 +132,12 @@ class MooncakeStoreAdapter:
         self._live()
         return len(self._store.get_replica_desc(key))
 
+    def on_disk_only(self, key: str) -> bool:
+        """Whether `key` has replicas and none of them is in memory (offloaded, evicted)."""
+        self._live()
+        descs = self._store.get_replica_desc(key)
+        return bool(descs) and not any(getattr(d, "is_memory_replica")() for d in descs)  # noqa: B009
+
     def remove(self, key: str) -> None:
         """Remove `key` (force=True: ignores leases). Raises RuntimeError, also when it is absent."""
         self._live()

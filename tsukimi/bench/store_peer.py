@@ -3,8 +3,10 @@ timed put/get loops against tsukimi or the real Mooncake store, verifying every 
 
     python -m tsukimi.bench.store_peer SYSTEM MASTER_ADDR BUFFER_BYTES [TRANSPORT]
 
-Commands (line JSON): {"cmd": "measure", ...cell} -> figures; {"cmd": "small_ops"} ->
-exists/remove p50. Both systems are driven through the same adapter shape.
+Commands (line JSON): {"cmd": "measure", ...cell} -> figures; {"cmd": "measure_disk", ...}
+-> get figures of objects that live only on disk (pushed there by filling memory);
+{"cmd": "small_ops"} -> exists/remove p50. Both systems are driven through the same adapter
+shape.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 
 from tsukimi.clock import WallClock
 from tsukimi.config import ClientConfig, Config, TransferConfig
+from tsukimi.errors import OutOfSpace
 from tsukimi.store.client import StoreClient
 from tsukimi.testing.processes import child_reply
 
@@ -33,6 +36,7 @@ class StoreAdapter(Protocol):
     def get_into(self, key: str, offset: int, size: int) -> int: ...
     def batch_get_into(self, keys: list[str], offsets: list[int], size: int) -> list[int]: ...
     def exists(self, key: str) -> bool: ...
+    def on_disk_only(self, key: str) -> bool: ...
     def remove(self, key: str) -> None: ...
     def remove_all(self) -> None: ...
     def close(self) -> None: ...
@@ -65,6 +69,10 @@ class TsukimiStoreAdapter:
 
     def exists(self, key: str) -> bool:
         return self.client.exists(key)
+
+    def on_disk_only(self, key: str) -> bool:
+        info = self.client.describe([key])[0]
+        return info is not None and not info.replicas and bool(info.disk_replicas)
 
     def remove(self, key: str) -> None:
         self.client.remove(key, force=True)
@@ -119,6 +127,51 @@ def measure(store: StoreAdapter, cmd: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def measure_disk(store: StoreAdapter, cmd: dict[str, Any]) -> dict[str, float]:
+    """Put `target_bytes` of objects, push them out of memory onto disk by putting filler
+    (at most `fill_bytes`), then get them for `duration_s`, every byte checked."""
+    clock = WallClock()
+    size, batch = cmd["value_bytes"], cmd["batch"]
+    store.src[: size * batch] = np.random.default_rng(size + batch).integers(0, 256, size * batch, dtype=np.uint8)
+    offsets = [i * size for i in range(batch)]
+    groups = [
+        [f"{cmd['prefix']}-t{g}-{j}" for j in range(batch)] for g in range(max(1, cmd["target_bytes"] // size // batch))
+    ]
+    for keys in groups:
+        store.batch_put_from(keys, offsets, size, 1)
+    filler, filled, n = min(len(store.src), max(size, 1 << 20)), 0, 0
+    deadline = clock.now() + 60.0
+    ends = (groups[0][0], groups[-1][-1])
+    while not all(store.on_disk_only(k) for k in ends) or not all(store.on_disk_only(k) for g in groups for k in g):
+        if clock.now() > deadline:
+            raise RuntimeError(f"{cmd['prefix']}: the objects never left memory ({filled} bytes of filler)")
+        if filled < cmd["fill_bytes"]:
+            try:
+                store.put_from(f"{cmd['prefix']}-fill{n}", 0, filler, 1)
+                filled, n = filled + filler, n + 1
+            except (RuntimeError, OutOfSpace):  # memory full, the system still evicting: wait
+                clock.sleep(0.05)
+        elif clock.now() > deadline:
+            raise RuntimeError(f"{cmd['prefix']}: the objects never left memory ({filled} bytes of filler)")
+        else:
+            clock.sleep(0.05)
+    get_s: list[float] = []
+    start, i = clock.now(), 0
+    while not get_s or clock.now() - start < cmd["duration_s"]:
+        keys = groups[i % len(groups)]
+        store.dst[: size * batch] = 0
+        t0 = clock.now()
+        got = [store.get_into(keys[0], 0, size)] if batch == 1 else store.batch_get_into(keys, offsets, size)
+        get_s.append(clock.now() - t0)
+        if got != [size] * batch or not np.array_equal(store.dst[: size * batch], store.src[: size * batch]):
+            raise RuntimeError(f"get of {keys[0]} from disk returned {got[:3]}... or wrong bytes")
+        i += 1
+    stayed = all(store.on_disk_only(keys[0]) for keys in groups)
+    store.remove_all()
+    return {"get_gbps": size * batch * len(get_s) / sum(get_s) / 1e9, "get_p50_us": _pct(get_s, 50),
+            "get_p99_us": _pct(get_s, 99), "stayed_on_disk": float(stayed)}  # fmt: skip
+
+
 def small_ops(store: StoreAdapter, count: int = 200) -> dict[str, float]:
     clock = WallClock()
     keys = [f"small-{i}" for i in range(count)]
@@ -162,7 +215,8 @@ def main(argv: list[str]) -> None:
         for line in sys.stdin:
             cmd = json.loads(line)
             try:
-                figures = small_ops(store) if cmd["cmd"] == "small_ops" else measure(store, cmd)
+                run = {"small_ops": lambda c: small_ops(store), "measure_disk": lambda c: measure_disk(store, c)}
+                figures = run.get(cmd["cmd"], lambda c: measure(store, c))(cmd)
                 child_reply(figures, protocol_out)
             except Exception as exc:  # reported to the driver, which raises it there
                 child_reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"}, protocol_out)

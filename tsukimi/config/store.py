@@ -11,6 +11,8 @@ from tsukimi.eviction import POLICY_NAMES, PolicyName
 
 PlacementName = Literal["random", "most_free", "local_first"]
 PLACEMENT_NAMES: tuple[str, ...] = get_args(PlacementName)
+OffloadName = Literal["off", "on_evict", "on_put"]
+OFFLOAD_NAMES: tuple[str, ...] = get_args(OffloadName)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,20 @@ class MasterConfig:
         only while that client's previous call came within the window, and in at most
         `rpc_spinners` threads at once: polling costs at most that many CPUs while clients
         are busy and nothing while they are idle. 0 turns it off.
+    offload: the disk tier (holders with `client.ssd_dir`; docs/ARCHITECTURE.md, "The
+        store"): "on_evict" copies objects to their holder's disk when memory runs short
+        (above `offload_watermark`, ahead of eviction) and eviction then frees the memory of
+        copied objects instead of dropping them; "on_put" copies every object when its put
+        ends; "off" never uses disks.
+    promotion_on_hit: a get of an object that is only on disk copies it back to memory
+        (once it had `promotion_admission_threshold` such gets) when there is room (free
+        memory, or memory held by objects that are on disk too).
+    disk_high_watermark: above this usage of a disk, evict its least recently used copies
+        (an object whose only copy it was is gone) down to `disk_high_watermark - evict_ratio`.
+    disk_task_timeout_s: a holder must finish a disk task within this (else it is cancelled).
+    disk_inflight_bytes: at most this many bytes of offloads in flight per disk.
+    disk_root: handed to clients that were asked to use a disk but given no directory
+        (Mooncake's `root_fs_dir`); each keeps its own directory under it.
     """
 
     host: str = "127.0.0.1"
@@ -62,9 +78,18 @@ class MasterConfig:
     ha_snapshot_records: int = 20000
     ha_commit_timeout_s: float = 5.0
     soft_pin_ttl_s: float = 1800.0
+    offload: OffloadName = "on_evict"
+    offload_watermark: float = 0.70
+    promotion_on_hit: bool = True
+    promotion_admission_threshold: int = 1
+    disk_high_watermark: float = 0.95
+    disk_task_timeout_s: float = 10.0
+    disk_inflight_bytes: int = 256 << 20
+    disk_root: str = ""
 
     def __post_init__(self) -> None:
         require(0 <= self.rpc_spin_us <= 1e6, "master.rpc_spin_us must be in [0, 1e6]")
+        self._check_disk_tier()
         require(
             not self.ha_etcd or self.ha_etcd.startswith("etcd://"),
             f"master.ha_etcd must be empty or etcd://HOST:PORT[,HOST:PORT], got {self.ha_etcd!r}",
@@ -95,6 +120,17 @@ class MasterConfig:
         require(0 < self.high_watermark <= 1, "master.high_watermark must be in (0, 1]")
         require(0 < self.evict_ratio <= 1, "master.evict_ratio must be in (0, 1]")
 
+    def _check_disk_tier(self) -> None:
+        require(
+            self.offload in OFFLOAD_NAMES,
+            f"master.offload must be one of {', '.join(OFFLOAD_NAMES)}, got {self.offload!r}",
+        )
+        require(0 < self.offload_watermark <= 1, "master.offload_watermark must be in (0, 1]")
+        require(0 < self.disk_high_watermark <= 1, "master.disk_high_watermark must be in (0, 1]")
+        require(self.promotion_admission_threshold >= 1, "master.promotion_admission_threshold must be >= 1")
+        require(self.disk_task_timeout_s > 0, "master.disk_task_timeout_s must be > 0")
+        require(self.disk_inflight_bytes > 0, "master.disk_inflight_bytes must be > 0")
+
 
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
@@ -105,8 +141,12 @@ class ClientConfig:
     are retried for up to `failover_timeout_s`. checksum: store a crc32c with every object
     put and verify it on every get (a replica that fails is skipped). segment_bytes: memory
     this client contributes to the
-    pool (0: a pure client). ssd_dir / ssd_bytes: the optional SSD tier (write-through; gets
-    that miss in memory are served from it and promoted back). rpc_spin_us: how long a call
+    pool (0: a pure client). ssd_dir / ssd_bytes: this holder's disk directory for the
+    master-tracked disk tier (needs segment_bytes > 0: objects move between this holder's
+    memory and its disk; any client reads them); `disk_poll_s`: how often the holder asks the
+    master for disk work when it has none; `ssd_verify`: check every file's crc32c when the
+    directory is registered at start (else only its header and size). put_wait_s: how long a put
+    refused with OffloadPending (memory is being copied to disk to make room) keeps trying. rpc_spin_us: how long a call
     to the master polls for its reply before sleeping (saves a ~50 us wake-up per call on a
     VM; costs at most this much CPU per call; 0 never polls).
     """
@@ -118,6 +158,9 @@ class ClientConfig:
     heartbeat_interval_s: float = 1.0
     ssd_dir: str = ""
     ssd_bytes: int = 0
+    disk_poll_s: float = 0.05
+    ssd_verify: bool = True
+    put_wait_s: float = 2.0
     ha_cluster: str = "tsukimi"
     failover_timeout_s: float = 10.0
     checksum: bool = False
@@ -132,3 +175,9 @@ class ClientConfig:
         require(self.rpc_timeout_s > 0 and self.heartbeat_interval_s > 0, "client timeouts must be > 0")
         require(0 <= self.rpc_spin_us <= 1e6, "client.rpc_spin_us must be in [0, 1e6]")
         require(not self.ssd_dir or self.ssd_bytes > 0, "client.ssd_bytes must be > 0 when ssd_dir is set")
+        require(
+            not self.ssd_dir or self.segment_bytes > 0,
+            "client.ssd_dir needs client.segment_bytes > 0 (a disk holds what its holder's memory held)",
+        )
+        require(0 < self.disk_poll_s <= 10, "client.disk_poll_s must be in (0, 10]")
+        require(self.put_wait_s >= 0, "client.put_wait_s must be >= 0")

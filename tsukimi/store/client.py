@@ -5,18 +5,19 @@ Engine (tsukimi/store/replica_io.py). A put is put_start (replicas placed) -> WR
 replica -> put_end, or put_revoke if any write failed. A get asks for the complete replicas
 (a read lease) and READs them in order, failing over to the next replica inside the same
 call. The client may contribute a segment of its own memory, heartbeats the master, and
-remounts its segments when the master restarted.
+remounts its segments when the master restarted. A holder given a disk directory
+(`client.ssd_dir`) also serves the master-tracked disk tier (disk_holder.py); a get of an
+object with no readable memory replica reads a disk copy from its holder (disk_server.py).
 
 The API is a batch core with thin single-key helpers: `batch_put` / `put`, `batch_get` /
 `get` / `get_into`, `batch_exists` / `exists`, `size_of`, `remove`, `remove_all`. A batch
 costs one master round trip and one Transfer Engine batch per phase, whatever its size (it
 is cut into `MAX_BATCH` operations per round trip). A get's result is a `GetResult`; a miss
-is never an error. `AsyncStoreClient` wraps a client for asyncio.
+is never an error. `AsyncStoreClient` (async_client.py) wraps a client for asyncio.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import threading
@@ -32,20 +33,22 @@ from tsukimi.config import Config
 from tsukimi.errors import (
     InvalidArgument,
     InvalidBufferError,
-    ObjectExists,
     ObjectNotFound,
+    OffloadPending,
     TransferError,
     TsukimiError,
 )
 from tsukimi.store import protocol as p
-from tsukimi.store.disk import DiskTier
+from tsukimi.store.disk import DiskStore
+from tsukimi.store.disk_holder import DiskHolder
+from tsukimi.store.disk_server import DiskReader
 from tsukimi.store.master_link import MasterLink
 from tsukimi.store.ranges import RangeReads
 from tsukimi.store.replica_admin import ReplicaAdmin
-from tsukimi.store.replica_io import GetResult, PutItem, read_replicas, write_replicas
+from tsukimi.store.replica_io import GetResult, PutItem, read_disk_copies, read_replicas, write_replicas
 from tsukimi.store.task_runner import TaskRunner
 from tsukimi.transfer import TransferEngine
-from tsukimi.transfer.segment import byte_view
+from tsukimi.transfer.segment import RegisteredBuffer, byte_view
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +79,13 @@ class StoreClient(ReplicaAdmin, RangeReads):
         self._rpc = MasterLink(cfg, p.CODEC, self.config.security.secret())
         self._mounts: list[p.MountSegment] = []
         self._segment_base = 0
-        self._disk = DiskTier(cfg.ssd_dir, cfg.ssd_bytes) if cfg.ssd_dir else None
+        self._segment: RegisteredBuffer | None = None
+        self.disk: DiskHolder | None = None
+        self._disk_reader = DiskReader(cfg.rpc_timeout_s, self.config.security.secret())
         self._stop = threading.Event()
         try:
             if cfg.segment_bytes:
-                buf = self.engine.allocate(cfg.segment_bytes)
+                buf = self._segment = self.engine.allocate(cfg.segment_bytes)
                 self._segment_base = buf.base
                 mount = p.MountSegment(
                     self.client_id, f"{self.engine.name}/{buf.base:x}", self.engine.name, buf.base, buf.length,
@@ -89,12 +94,36 @@ class StoreClient(ReplicaAdmin, RangeReads):
                 self._call(mount)
                 self._mounts.append(mount)
             self._call(p.Heartbeat(self.client_id))
+            if cfg.ssd_dir:
+                self.disk = self._start_disk(DiskStore(cfg.ssd_dir, cfg.ssd_bytes, cfg.ssd_verify))
         except BaseException:
             self._close_transport()
             raise
         self._tasks = TaskRunner(self.engine, self._rpc, self.client_id, self.config.transfer.timeout_s)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="tsukimi-store-heartbeat", daemon=True)
         self._heartbeat.start()
+
+    def _start_disk(self, store: DiskStore) -> DiskHolder:
+        """Serve `store` as this holder's disk (closes it on failure)."""
+        try:
+            host = self.config.transfer.bind_hosts[0]
+            return DiskHolder(self.client_id, store, self._rpc, self.engine, self._local_view, host=host,
+                              poll_s=self.config.client.disk_poll_s, secret=self.config.security.secret())  # fmt: skip
+        except BaseException:
+            store.close()
+            raise
+
+    def _local_view(self, address: int, size: int) -> memoryview | None:
+        """This holder's segment memory at [address, address + size), or None (pure)."""
+        buf = self._segment
+        if buf is None or not buf.base <= address <= address + size <= buf.base + buf.length:
+            return None
+        return memoryview(buf.view)[address - buf.base : address - buf.base + size]
+
+    @property
+    def disk_reads(self) -> int:
+        """Objects this client read from a holder's disk (Mooncake's offload RPC read count)."""
+        return self._disk_reader.num_reads
 
     @classmethod
     def connect(
@@ -142,8 +171,22 @@ class StoreClient(ReplicaAdmin, RangeReads):
         puts = [PutItem(key, _view(data), config, upsert) for key, data in items]
         errors: list[TsukimiError | None] = []
         for start in range(0, len(puts), p.MAX_BATCH):
-            errors += self._put_chunk(puts[start : start + p.MAX_BATCH])
+            errors += self._put_waiting(puts[start : start + p.MAX_BATCH])
         return errors
+
+    def _put_waiting(self, puts: list[PutItem]) -> list[TsukimiError | None]:
+        """`_put_chunk`, putting again for up to `client.put_wait_s` the objects refused while
+        memory was being copied to disk to make room (OffloadPending)."""
+        errors = self._put_chunk(puts)
+        deadline, delay_s = self._clock.now() + self.config.client.put_wait_s, 0.002
+        while True:
+            waiting = [i for i, error in enumerate(errors) if isinstance(error, OffloadPending)]
+            if not waiting or self._clock.now() + delay_s > deadline:
+                return errors
+            self._clock.sleep(delay_s)
+            delay_s = min(2 * delay_s, 0.05)
+            for i, error in zip(waiting, self._put_chunk([puts[i] for i in waiting]), strict=True):
+                errors[i] = error
 
     def _put_chunk(self, puts: list[PutItem]) -> list[TsukimiError | None]:
         checksum = self.config.client.checksum
@@ -163,10 +206,6 @@ class StoreClient(ReplicaAdmin, RangeReads):
                     if isinstance(result, p.PutStartResult):
                         errors[i] = errors[i] or TransferError(f"writing {puts[i].key!r} was interrupted")
             self._end_puts(puts, started, errors)
-        if self._disk is not None:
-            for put, error in zip(puts, errors, strict=True):
-                if error is None:
-                    self._disk.put(put.key, put.data)
         return errors
 
     def _end_puts(
@@ -221,49 +260,25 @@ class StoreClient(ReplicaAdmin, RangeReads):
             found = self._call_batch([p.GetReplicas(k) for k in chunk])
             dests = None if views is None else views[start : start + p.MAX_BATCH]
             checksum = self.config.client.checksum
-            results += read_replicas(self.engine, self._clock, chunk, found, dests, checksum, allocate)
-        if self._disk is not None:
-            self._from_disk(keys, views, results, allocate)
+            got = read_replicas(self.engine, self._clock, chunk, found, dests, checksum, allocate)
+            results += read_disk_copies(self._disk_reader, chunk, found, dests, got, checksum, allocate)
         return results
-
-    def _from_disk(self, keys: Sequence[str], into: list[memoryview] | None, results: list[GetResult],
-                   allocate: Callable[[int], bytearray]) -> None:  # fmt: skip
-        assert self._disk is not None
-        for i, key in enumerate(keys):
-            if results[i].found or results[i].error is not None:
-                continue
-            size = self._disk.size_of(key)
-            if size is None:
-                continue
-            dest: bytearray | memoryview = into[i] if into is not None else allocate(size)
-            try:
-                got = self._disk.get_into(key, dest)
-            except InvalidBufferError as exc:
-                results[i] = GetResult(error=exc)
-                continue
-            if got is None:
-                continue
-            results[i] = GetResult(dest if len(dest) == got else memoryview(dest)[:got])
-            # NOTE: not an upsert: a newer version put meanwhile by anyone must win
-            promoted = self._put_chunk([PutItem(key, memoryview(dest)[:got], p.ReplicaConfig(), upsert=False)])[0]
-            if promoted is not None and not isinstance(promoted, ObjectExists):
-                logger.info("could not promote %r from the SSD tier: %s", key, promoted)
 
     # -- metadata ----------------------------------------------------------------------
 
     def exists(self, key: str) -> bool:
-        """Whether a complete object exists (grants no lease). Also true if only on the SSD tier."""
+        """Whether a complete object exists, in memory or on a holder's disk (grants no lease)."""
         return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key exists. Raises the first key's error (e.g. InvalidArgument)."""
         results = self._call_batch([p.Exists(k) for k in keys])
         out = []
-        for key, result in zip(keys, results, strict=True):
+        for result in results:
             if isinstance(result, p.Failure):
                 raise p.error_of(result)
             assert isinstance(result, p.ExistsResult)
-            out.append(result.exists or (self._disk is not None and self._disk.contains(key)))
+            out.append(result.exists)
         return out
 
     def size_of(self, key: str) -> int | None:
@@ -275,9 +290,8 @@ class StoreClient(ReplicaAdmin, RangeReads):
         return info.size if info.complete else None
 
     def remove(self, key: str, force: bool = False) -> bool:
-        """Remove an object; False if there was none. Raises LeaseHeld while readers hold it."""
-        if self._disk is not None:
-            self._disk.remove(key)
+        """Remove an object (its disk copies too); False if there was none. Raises LeaseHeld
+        while readers hold it."""
         try:
             self._call(p.Remove(key, force))
         except ObjectNotFound:
@@ -285,10 +299,7 @@ class StoreClient(ReplicaAdmin, RangeReads):
         return True
 
     def remove_all(self, force: bool = False) -> int:
-        """Remove every object from the pool (and this client's SSD tier); returns how many."""
-        if self._disk is not None:
-            for key in list(self._disk.keys()):
-                self._disk.remove(key)
+        """Remove every object from the pool (disk copies too); returns how many."""
         result = self._call(p.RemoveAll(force))
         assert isinstance(result, p.RemoveAllResult)
         return result.removed
@@ -328,6 +339,7 @@ class StoreClient(ReplicaAdmin, RangeReads):
             raise error
 
     def _close_transport(self) -> None:
+        self._disk_reader.close()
         self._rpc.close()
         if self._owns_engine:
             self.engine.close()
@@ -341,6 +353,8 @@ class StoreClient(ReplicaAdmin, RangeReads):
         self._stop.set()
         self._heartbeat.join(timeout=self.config.client.heartbeat_interval_s + self.config.client.rpc_timeout_s)
         self._tasks.close()
+        if self.disk is not None:
+            self.disk.close()
         for mount in self._mounts:
             try:
                 self._call(p.UnmountSegment(self.client_id, mount.segment_id))
@@ -368,32 +382,3 @@ def _view(data: object, writable: bool = False) -> memoryview:
 
 def _error(result: p.BatchResultItem) -> TsukimiError | None:
     return p.error_of(result) if isinstance(result, p.Failure) else None
-
-
-class AsyncStoreClient:
-    """A `StoreClient` for asyncio: the same calls, awaitable; each runs on a worker thread,
-    so none blocks the event loop. Closing it closes the client."""
-
-    def __init__(self, client: StoreClient) -> None:
-        self.sync = client
-
-    async def put(self, key: str, data: object, replicas: int = 1, pin: PinName = "", *, upsert: bool = False) -> None:
-        await asyncio.to_thread(self.sync.put, key, data, replicas, pin, upsert=upsert)
-
-    async def batch_put(self, items: Sequence[tuple[str, object]], replicas: int = 1) -> list[TsukimiError | None]:
-        return await asyncio.to_thread(self.sync.batch_put, items, replicas)
-
-    async def get(self, key: str) -> bytearray | None:
-        return await asyncio.to_thread(self.sync.get, key)
-
-    async def batch_get(self, keys: Sequence[str], into: Sequence[object] | None = None) -> list[GetResult]:
-        return await asyncio.to_thread(self.sync.batch_get, keys, into)
-
-    async def exists(self, key: str) -> bool:
-        return await asyncio.to_thread(self.sync.exists, key)
-
-    async def remove(self, key: str, force: bool = False) -> bool:
-        return await asyncio.to_thread(self.sync.remove, key, force)
-
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self.sync.close)

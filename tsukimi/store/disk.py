@@ -1,314 +1,251 @@
-"""The SSD tier of a store client: objects evicted from memory kept as files in one directory.
+"""A holder's disk directory: one file per version of an object, for the master-tracked disk
+tier (the master decides what is written, read and deleted: tsukimi/store/master/tiers.py).
 
-One file per object, named by the sha256 hex digest of the key (keys may hold any character,
-'/' included), with capacity bounded by the sum of value sizes (the per-file header and key,
-at most ~4 KiB, are not charged) and an LRU of its own. Empty values are allowed.
+A version is (key, put id): the put id of the put that wrote the object. Files are named by
+the sha256 of the key and the put id, in 256 subdirectories, so two versions of a key never
+share a file and a reader asking for one version can never get another:
+
+    DIR/.lock          flock: one process per directory
+    DIR/disk-id        this directory's id (random, made once): the master knows it by it
+    DIR/ab/<sha256(key)>-<put id hex>.obj
 
 File layout (little-endian):
 
-    0      4       6        10        18      22            22+K        22+K+V
-    | magic | ver  | key_len | val_len | crc32 | key (UTF-8) | value      |
-      TSKD    u16    u32 (K)   u64 (V)   u32     K bytes       V bytes
+    0      4      6         10        18       26       30            30+K      30+K+V
+    | magic | ver | key_len | val_len | put_id | crc32c | key (UTF-8) | value   |
+      TSKD    u16   u32 (K)   u64 (V)   u64      u32      K bytes       V bytes
 
-The LRU order survives a restart in the files' mtimes: every put or get stamps the file
-(`os.utime`, nanoseconds) with the injected clock's reading, forced strictly increasing, so
-a restart sorts the files by mtime and no file is rewritten on a read. Writes go to a
-`*.tmp` file in the same directory, then `os.replace` (atomic); a restart deletes leftover
-temp files and files whose header, name or size do not agree. The value's crc32 is checked
-on every read (not at restart), and a corrupt file is deleted and read as a miss.
-A directory belongs to one `DiskTier` at a time.
+A file is written to a temp file and renamed (atomic), without fsync: this is a cache, and
+`scan` at start drops torn or corrupt files (crc32c checked when `verify`) and leftovers.
+Capacity counts value bytes; a write that does not fit is refused (the master keeps its own
+accounting and evicts, so this is a backstop). Thread-safe.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import struct
 import tempfile
 import threading
-import zlib
-from collections import OrderedDict
+import uuid
 from pathlib import Path
 
-from tsukimi.clock import Clock, WallClock
-from tsukimi.errors import ConfigError, InvalidBufferError
+import crc32c
+
+from tsukimi.errors import ChecksumMismatch, ConfigError, ObjectNotFound, OutOfSpace
+from tsukimi.store.disk_protocol import DiskFile
+from tsukimi.store.protocol import check_key
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"TSKD"
-VERSION = 1
-MAX_KEY_BYTES = 4096
-_HEADER = struct.Struct("<4sHIQI")
+VERSION = 2
+_HEADER = struct.Struct("<4sHIQQI")
 _SUFFIX = ".obj"
 _TMP_SUFFIX = ".tmp"
+_CHUNK = 4 << 20
+
+Version = tuple[str, int]  # (key, put id)
 
 
-def _key_bytes(key: str) -> bytes:
-    if not isinstance(key, str) or not key:
-        raise ConfigError(f"a key must be a non-empty str, got {key!r}")
-    raw = key.encode("utf-8")
-    if len(raw) > MAX_KEY_BYTES:
-        raise ConfigError(f"a key must be at most {MAX_KEY_BYTES} UTF-8 bytes, got {len(raw)}")
-    return raw
+def file_name(key: str, put_id: int) -> str:
+    """`ab/<sha256 hex>-<put id hex>.obj`: the file of one version, relative to the directory."""
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return f"{digest[:2]}/{digest}-{put_id:016x}{_SUFFIX}"
 
 
-def _file_name(raw_key: bytes) -> str:
-    return hashlib.sha256(raw_key).hexdigest() + _SUFFIX
+class DiskStore:
+    """The files of one disk directory, indexed in memory: (key, put id) -> (size, crc32c)."""
 
-
-class DiskTier:
-    """A bounded, LRU-evicted, restart-surviving object store in a local directory.
-
-    Thread-safe: one lock serialises every call, file I/O included.
-    """
-
-    def __init__(
-        self, directory: str | Path, capacity_bytes: int, clock: Clock | None = None, durable: bool = True
-    ) -> None:
-        """Open (creating if needed) `directory` and recover the objects already in it.
-
-        Args:
-            directory: where the files live; owned by this tier alone.
-            capacity_bytes: bound on the sum of value sizes (> 0); if the recovered objects
-                exceed it, the least recently used are evicted.
-            clock: source of the access stamps (default `WallClock`).
-            durable: fsync each file before it replaces the old copy (off for tests/benchmarks).
+    def __init__(self, directory: str | Path, capacity_bytes: int, verify: bool = True) -> None:
+        """Open (creating if needed) `directory`, lock it, and index the files in it (see `scan`).
 
         Raises:
-            ConfigError: capacity_bytes <= 0.
+            ConfigError: capacity_bytes <= 0, or another process has the directory.
         """
         if capacity_bytes <= 0:
-            raise ConfigError(f"capacity_bytes must be > 0, got {capacity_bytes}")
-        self._dir = Path(directory)
-        self._dir.mkdir(parents=True, exist_ok=True)
-        self._capacity = capacity_bytes
-        self._clock: Clock = clock if clock is not None else WallClock()
-        self._durable = durable
+            raise ConfigError(f"the disk capacity must be > 0, got {capacity_bytes}")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.directory / ".lock", "a+b")  # noqa: SIM115 (held until close)
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            self._lock_file.close()
+            raise ConfigError(f"disk directory {self.directory} is in use by another process") from exc
+        self.capacity_bytes = capacity_bytes
+        self.disk_id = self._disk_id()
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> value size, LRU first
+        self._index: dict[Version, tuple[int, int]] = {}
         self._used = 0
-        self._last_stamp_ns = 0
-        with self._lock:
-            self._recover()
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
+        self.scan(verify)
 
     @property
     def used_bytes(self) -> int:
         with self._lock:
             return self._used
 
-    @property
-    def num_objects(self) -> int:
+    def files(self) -> list[DiskFile]:
+        """What the directory holds (pure)."""
         with self._lock:
-            return len(self._index)
+            return [DiskFile(key, put_id, size, crc) for (key, put_id), (size, crc) in self._index.items()]
 
-    def keys(self) -> list[str]:
-        """The stored keys, least recently used first (does not touch the LRU)."""
+    def info(self, key: str, put_id: int) -> tuple[int, int] | None:
+        """(size, crc32c) of a version, or None (pure)."""
         with self._lock:
-            return list(self._index)
+            return self._index.get((key, put_id))
 
-    def contains(self, key: str) -> bool:
-        """Whether `key` is stored (does not touch the LRU)."""
-        _key_bytes(key)
-        with self._lock:
-            return key in self._index
+    def write(self, key: str, put_id: int, data: memoryview) -> int:
+        """Store `data` as version `put_id` of `key` (replacing the same version); its crc32c.
 
-    def size_of(self, key: str) -> int | None:
-        """The value size of `key`, None if absent (does not touch the LRU)."""
-        _key_bytes(key)
-        with self._lock:
-            return self._index.get(key)
-
-    def put(self, key: str, data: bytes | memoryview) -> bool:
-        """Store `data` under `key` as the most recently used object (mutates).
-
-        Replaces any older copy and evicts least recently used objects until it fits.
-        Returns False, storing nothing and dropping any older copy, if `data` alone exceeds
-        the capacity. Raises ConfigError for an invalid key; OSError from the filesystem
-        propagates, leaving the older copy in place.
+        Raises:
+            OutOfSpace: it does not fit in the capacity.
+            OSError: from the filesystem (nothing is stored).
         """
-        raw = _key_bytes(key)
-        view = memoryview(data).cast("B")
-        size = view.nbytes
+        check_key(key)
+        size = data.nbytes
         with self._lock:
-            if size > self._capacity:
-                self._drop(key)
-                return False
-            old = self._index.get(key, 0)
-            while self._used - old + size > self._capacity:
-                victim = next(k for k in self._index if k != key)
-                logger.debug("disk tier evicts %r", victim)
-                self._drop(victim)
-            self._write(raw, view)
-            self._used += size - old
-            self._index[key] = size
-            self._index.move_to_end(key)
-            return True
-
-    def get(self, key: str) -> bytes | None:
-        """The value of `key` (crc-checked), marked most recently used; None on a miss."""
-        return self._value(key, remove=False)
-
-    def get_into(self, key: str, buffer: bytearray | memoryview) -> int | None:
-        """Read the value of `key` into the front of `buffer`, marking it most recently used.
-
-        Returns the value size, or None on a miss (a corrupt file is deleted; its bytes may
-        already be in `buffer`). Raises InvalidBufferError if `buffer` is read-only,
-        non-contiguous or smaller than the value.
-        """
-        raw = _key_bytes(key)
+            old = self._index.pop((key, put_id), None)
+            self._used -= old[0] if old else 0
+            if self._used + size > self.capacity_bytes:
+                raise OutOfSpace(f"disk {self.disk_id}: {size} bytes do not fit ({self._used} of "
+                                 f"{self.capacity_bytes} used)")  # fmt: skip
+            self._used += size  # NOTE: reserved while the file is written
         try:
-            view = memoryview(buffer).cast("B")
-        except TypeError as e:
-            raise InvalidBufferError(f"buffer is not a contiguous byte buffer: {e}") from e
-        if view.readonly:
-            raise InvalidBufferError("buffer is read-only")
+            crc = self._write_file(key, put_id, data)
+        except BaseException:
+            with self._lock:
+                self._used -= size
+            raise
         with self._lock:
-            size = self._index.get(key)
-            if size is None:
-                return None
-            if view.nbytes < size:
-                raise InvalidBufferError(f"buffer of {view.nbytes} bytes is too small for a value of {size}")
-            return size if self._read_touch(key, raw, view[:size]) else None
+            self._index[(key, put_id)] = (size, crc)
+        return crc
 
-    def pop(self, key: str) -> bytes | None:
-        """Get and remove `key` (promotion to memory); None on a miss (mutates)."""
-        return self._value(key, remove=True)
+    def read_into(self, key: str, put_id: int, offset: int, out: memoryview) -> tuple[int, int]:
+        """Fill `out` from byte `offset` of the version's value; its (size, crc32c).
 
-    def _value(self, key: str, remove: bool) -> bytes | None:
-        """`key`'s checked bytes, then touched (or dropped, with `remove` or when unreadable)."""
-        raw = _key_bytes(key)
+        Raises:
+            ObjectNotFound: no such version here (or it is shorter than offset + len(out)).
+        """
+        found = self.info(key, put_id)
+        if found is None or offset < 0 or offset + out.nbytes > found[0]:
+            raise ObjectNotFound(f"disk {self.disk_id} has no version {put_id:x} of {key!r} (at {offset})")
+        start = _HEADER.size + len(key.encode()) + offset
+        try:
+            with open(self.directory / file_name(key, put_id), "rb", buffering=0) as f:
+                f.seek(start)
+                got = 0
+                while got < out.nbytes:
+                    n = f.readinto(out[got:])
+                    if not n:
+                        break
+                    got += n
+        except FileNotFoundError as exc:
+            raise ObjectNotFound(f"version {put_id:x} of {key!r} was deleted from disk {self.disk_id}") from exc
+        if got != out.nbytes:
+            raise ObjectNotFound(f"the file of {key!r} on disk {self.disk_id} is truncated")
+        return found
+
+    def read_checked(self, key: str, put_id: int, out: memoryview) -> None:
+        """Fill `out` (exactly the value's size) with the whole value and check its crc32c.
+
+        Raises:
+            ObjectNotFound: no such version here, or `out` is not its size.
+            ChecksumMismatch: the file is corrupt (it is deleted).
+        """
+        _, crc = self.read_into(key, put_id, 0, out)
+        if self.info(key, put_id) != (out.nbytes, crc):
+            raise ObjectNotFound(f"{key!r} is not {out.nbytes} bytes on disk {self.disk_id}")
+        if crc32c.crc32c(out) != crc:
+            self.delete(key, put_id)
+            raise ChecksumMismatch(f"the file of {key!r} on disk {self.disk_id} is corrupt (deleted)")
+
+    def delete(self, key: str, put_id: int) -> bool:
+        """Delete a version; False if it was not here (mutates)."""
         with self._lock:
-            size = self._index.get(key)
-            if size is None:
-                return None
-            buffer = bytearray(size)
-            if remove:
-                ok = self._read(key, raw, memoryview(buffer))
-                self._drop(key)
-            else:
-                ok = self._read_touch(key, raw, memoryview(buffer))
-            return bytes(buffer) if ok else None
-
-    def remove(self, key: str) -> bool:
-        """Delete `key`; False if it was absent (mutates)."""
-        _key_bytes(key)
-        with self._lock:
-            return self._drop(key)
-
-    def check_invariants(self) -> None:
-        """Assert the index matches the files (names, sizes), accounting and LRU order."""
-        with self._lock:
-            names = {_file_name(k.encode("utf-8")): k for k in self._index}
-            on_disk = {p.name: p.stat() for p in self._dir.iterdir() if p.name.endswith((_SUFFIX, _TMP_SUFFIX))}
-            assert set(on_disk) == set(names), (sorted(on_disk), sorted(names))
-            for name, key in names.items():
-                assert on_disk[name].st_size == _HEADER.size + len(key.encode("utf-8")) + self._index[key], key
-            assert self._used == sum(self._index.values()) <= self._capacity
-            # The LRU order is exactly the indexed keys, and the mtimes a restart sorts by agree with it.
-            stamps = [on_disk[_file_name(k.encode("utf-8"))].st_mtime_ns for k in self._index]
-            assert stamps == sorted(stamps) and all(s <= self._last_stamp_ns for s in stamps)
-
-    # -- internals (called with the lock held) --
-
-    def _drop(self, key: str) -> bool:
-        size = self._index.pop(key, None)
-        if size is None:
-            return False
-        self._used -= size
-        (self._dir / _file_name(key.encode("utf-8"))).unlink(missing_ok=True)
+            found = self._index.pop((key, put_id), None)
+            if found is None:
+                return False
+            self._used -= found[0]
+        (self.directory / file_name(key, put_id)).unlink(missing_ok=True)
         return True
 
-    def _stamp(self, path: Path) -> None:
-        """Record an access in `path`'s mtime, strictly later than every earlier stamp."""
-        stamp = max(int(self._clock.now() * 1e9), self._last_stamp_ns + 1)
-        self._last_stamp_ns = stamp
-        os.utime(path, ns=(stamp, stamp))
+    def scan(self, verify: bool) -> None:
+        """Index the files in the directory, deleting temp files and files whose name, header
+        or size disagree (and, with `verify`, whose crc32c does). Mutates."""
+        index: dict[Version, tuple[int, int]] = {}
+        for path in sorted(self.directory.glob("??/*")):
+            entry = _check(path, verify) if path.name.endswith(_SUFFIX) else None
+            if entry is None:
+                logger.warning("disk %s deletes invalid or leftover file %s", self.disk_id, path.name)
+                path.unlink(missing_ok=True)
+            else:
+                key, put_id, size, crc = entry
+                index[(key, put_id)] = (size, crc)
+        with self._lock:
+            self._index = index
+            self._used = sum(size for size, _ in index.values())
+        logger.info("disk %s at %s holds %d objects, %d bytes", self.disk_id, self.directory, len(index), self._used)
 
-    def _write(self, raw_key: bytes, view: memoryview) -> None:
-        header = _HEADER.pack(MAGIC, VERSION, len(raw_key), view.nbytes, zlib.crc32(view))
-        fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=".", suffix=_TMP_SUFFIX)
+    def close(self) -> None:
+        """Release the directory (idempotent)."""
+        if not self._lock_file.closed:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+            self._lock_file.close()
+
+    def _disk_id(self) -> str:
+        path = self.directory / "disk-id"
+        try:
+            found = path.read_text().strip()
+        except FileNotFoundError:
+            found = ""
+        if not found:
+            found = uuid.uuid4().hex
+            path.write_text(found + "\n")
+        return found
+
+    def _write_file(self, key: str, put_id: int, data: memoryview) -> int:
+        raw = key.encode()
+        crc = crc32c.crc32c(data)
+        target = self.directory / file_name(key, put_id)
+        target.parent.mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".", suffix=_TMP_SUFFIX)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(header)
-                f.write(raw_key)
-                f.write(view)
-                f.flush()
-                self._stamp(Path(tmp))  # NOTE: before fsync and rename, so the stamp is durable too
-                if self._durable:
-                    os.fsync(f.fileno())
-            os.replace(tmp, self._dir / _file_name(raw_key))
+                f.write(_HEADER.pack(MAGIC, VERSION, len(raw), data.nbytes, put_id, crc) + raw)
+                f.write(data)
+            os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-
-    def _read_touch(self, key: str, raw_key: bytes, out: memoryview) -> bool:
-        """`_read`, then mark `key` most recently used, or drop it if unreadable."""
-        if not self._read(key, raw_key, out):
-            self._drop(key)
-            return False
-        self._index.move_to_end(key)
-        self._stamp(self._dir / _file_name(raw_key))
-        return True
-
-    def _read(self, key: str, raw_key: bytes, out: memoryview) -> bool:
-        """Fill `out` (exactly the value's size) from the file of `key`; False (logged) if the
-        file is gone or disagrees with the index or its crc."""
-        path = self._dir / _file_name(raw_key)
-        expected = _HEADER.pack(MAGIC, VERSION, len(raw_key), out.nbytes, 0)[:-4]  # all but the crc
-        try:
-            with open(path, "rb") as f:
-                head = f.read(_HEADER.size + len(raw_key))
-                ok = head.startswith(expected) and head.endswith(raw_key) and len(head) == _HEADER.size + len(raw_key)
-                ok = ok and f.readinto(out) == out.nbytes and not f.read(1)
-        except FileNotFoundError:
-            ok = False
-        if ok and zlib.crc32(out) == _HEADER.unpack_from(head)[4]:
-            return True
-        logger.warning("disk tier drops corrupt or missing file %s (key %r)", path.name, key)
-        return False
-
-    def _recover(self) -> None:
-        """Index the files already in the directory, LRU order from their mtimes."""
-        found: list[tuple[int, str, str, int]] = []  # (mtime_ns, file name, key, size)
-        for path in self._dir.iterdir():
-            if path.name.endswith(_TMP_SUFFIX) and path.is_file():
-                logger.info("disk tier deletes leftover temp file %s", path.name)
-                path.unlink(missing_ok=True)
-            elif path.name.endswith(_SUFFIX) and path.is_file():
-                entry = _parse(path)
-                if entry is None:
-                    logger.warning("disk tier deletes invalid file %s", path.name)
-                    path.unlink(missing_ok=True)
-                else:
-                    found.append((path.stat().st_mtime_ns, path.name, *entry))
-        for stamp, _, key, size in sorted(found):
-            self._index[key] = size
-            self._used += size
-            self._last_stamp_ns = max(self._last_stamp_ns, stamp)
-        while self._used > self._capacity:
-            self._drop(next(iter(self._index)))
-        logger.info("disk tier at %s recovered %d objects", self._dir, len(self._index))
+        return crc
 
 
-def _parse(path: Path) -> tuple[str, int] | None:
-    """(key, value size) from a file's header if its magic, version, name and size agree."""
-    with open(path, "rb") as f:
-        head = f.read(_HEADER.size)
-        if len(head) < _HEADER.size:
-            return None
-        magic, version, key_len, size, _ = _HEADER.unpack(head)
-        if magic != MAGIC or version != VERSION or key_len > MAX_KEY_BYTES:
-            return None
-        raw_key = f.read(key_len)
+def _check(path: Path, verify: bool) -> tuple[str, int, int, int] | None:
+    """(key, put id, size, crc32c) of a file whose header, name and size agree (and crc32c,
+    with `verify`); None otherwise."""
     try:
-        key = raw_key.decode("utf-8")
-    except UnicodeDecodeError:
+        with open(path, "rb") as f:
+            head = f.read(_HEADER.size)
+            if len(head) < _HEADER.size:
+                return None
+            magic, version, key_len, size, put_id, crc = _HEADER.unpack(head)
+            if magic != MAGIC or version != VERSION or key_len > 4096:
+                return None
+            key = f.read(key_len).decode()
+            if file_name(key, put_id) != f"{path.parent.name}/{path.name}":
+                return None
+            if path.stat().st_size != _HEADER.size + key_len + size:
+                return None
+            if verify:
+                value = 0
+                while chunk := f.read(_CHUNK):
+                    value = crc32c.crc32c(chunk, value)
+                if value != crc:
+                    return None
+    except (OSError, UnicodeDecodeError):
         return None
-    if not key or _file_name(raw_key) != path.name or path.stat().st_size != _HEADER.size + key_len + size:
-        return None
-    return key, size
+    return key, put_id, size, crc

@@ -34,7 +34,7 @@ from tsukimi.errors import (
 from tsukimi.retry import Attempts, Retry
 from tsukimi.rpc import NO_RETRY, UNSENT_RETRY, Codec, RpcClient
 from tsukimi.store.ha.etcd_kv import EtcdKV
-from tsukimi.store.protocol import LeaderInfo, leader_key
+from tsukimi.store.leader_record import LeaderInfo, leader_key
 
 logger = logging.getLogger(__name__)
 

@@ -8,18 +8,19 @@ the RPC client), never the master's server or its HA controller.
 
 Addresses: a replica lives in a client's mounted segment; `ReplicaLocation.address` is the
 address in the holder's Transfer Engine segment (`te_segment`), ready for a TE READ/WRITE.
+A copy on a holder's disk is a `DiskLocation` (the disk tier's types: disk_protocol.py).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
 from typing import Literal
 
 import msgspec
 
-from tsukimi.errors import InvalidArgument, ProtocolError, TsukimiError, error_from_code
+from tsukimi.errors import InvalidArgument, TsukimiError, error_from_code
 from tsukimi.rpc.codec import Codec
+from tsukimi.store import disk_protocol as disk
+from tsukimi.store.disk_protocol import DiskLocation
 
 MAX_KEY_BYTES = 4096
 MAX_REPLICAS = 8
@@ -236,6 +237,11 @@ class GetReplicasResult(msgspec.Struct, frozen=True, tag=True):
     size: int = 0
     lease_s: float = 0.0
     checksum: int | None = None
+    disk: list[DiskLocation] = []  # copies on holders' disks, tried after `replicas`
+
+    @property
+    def found(self) -> bool:
+        return bool(self.replicas or self.disk)
 
 
 class ExistsResult(msgspec.Struct, frozen=True, tag=True):
@@ -274,6 +280,7 @@ class ObjectInfo(msgspec.Struct, frozen=True, tag=True):
     soft_pin: bool
     hard_pin: bool
     lease_remaining_s: float
+    disk_replicas: list[DiskLocation] = []
 
 
 class SegmentInfo(msgspec.Struct, frozen=True):
@@ -340,6 +347,11 @@ Request = (
     | CreateMoveTask
     | QueryTask
     | FinishTask
+    | disk.MountDisk
+    | disk.UnmountDisk
+    | disk.RegisterDiskFiles
+    | disk.DiskSync
+    | disk.MasterInfo
 )
 Response = (
     Ok
@@ -351,6 +363,9 @@ Response = (
     | BatchResult
     | ObjectInfo
     | SegmentsResult
+    | disk.DiskSyncResult
+    | disk.DiskFilesResult
+    | disk.MasterInfoResult
     | Failure
     | KeysResult
     | DescribeResult
@@ -360,38 +375,11 @@ Response = (
 REQUEST_TYPES: tuple[type[msgspec.Struct], ...] = (
     Heartbeat, MountSegment, UnmountSegment, PutStart, PutEnd, PutRevoke, GetReplicas, Exists, Remove,
     RemoveAll, Batch, QueryKey, ListSegments, ClearReplicas, RemoveMatching, DescribeKeys, CreateCopyTask,
-    CreateMoveTask, QueryTask, FinishTask,
+    CreateMoveTask, QueryTask, FinishTask, *disk.DISK_REQUESTS,
 )  # fmt: skip
 RESPONSE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Ok, HeartbeatResult, PutStartResult, GetReplicasResult, ExistsResult, RemoveAllResult, BatchResult,
-    ObjectInfo, SegmentsResult, Failure, KeysResult, DescribeResult, TaskCreated, TaskInfo,
+    ObjectInfo, SegmentsResult, Failure, KeysResult, DescribeResult, TaskCreated, TaskInfo, *disk.DISK_RESULTS,
 )  # fmt: skip
 CODEC = Codec(REQUEST_TYPES, RESPONSE_TYPES)
 """The master's RPC codec: the server and every client use this one."""
-
-
-@dataclass(frozen=True, slots=True)
-class LeaderInfo:
-    """What an HA leader publishes under `leader_key` and clients read to find it."""
-
-    rpc: str
-    http: str
-    name: str
-    pid: int = 0
-
-    def encode(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    @classmethod
-    def decode(cls, data: bytes) -> LeaderInfo:
-        """Raises ProtocolError on a malformed value."""
-        try:
-            fields = json.loads(data)
-            return cls(str(fields["rpc"]), str(fields["http"]), str(fields["name"]), int(fields.get("pid", 0)))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ProtocolError(f"malformed leader record in etcd: {exc}") from exc
-
-
-def leader_key(cluster: str) -> bytes:
-    """The etcd key of the HA group `cluster`'s leader record."""
-    return f"/tsukimi/{cluster}/leader".encode()

@@ -4,6 +4,8 @@ The master hands out replica addresses; this module moves the bytes. `write_repl
 every replica of every started put in one TE batch; `read_replicas` READs each object from
 its first replica, the failed ones from their next, and so on, all before the read lease
 ends (a read that could finish later might read blocks already given to another object).
+`read_disk_copies` then reads the objects that have no readable memory replica from a copy
+on a holder's disk (tsukimi/store/disk_server.py).
 
 A replica that could not be moved is a `TransferError` for the store's caller (the put was
 revoked, or the get failed on every replica: retriable, nothing half-done), whatever the
@@ -22,6 +24,7 @@ import crc32c
 from tsukimi.clock import Clock
 from tsukimi.errors import ChecksumMismatch, InvalidBufferError, TransferError, TsukimiError
 from tsukimi.store import protocol as p
+from tsukimi.store.disk_server import DiskReader
 from tsukimi.transfer import OpCode, RequestState, RequestStatus, TransferEngine, TransferRequest
 
 logger = logging.getLogger(__name__)
@@ -165,3 +168,36 @@ def _read_rounds(
                 logger.warning("get %r failed on every replica: %s", target.key, reason)
                 results[i] = GetResult(error=error)
                 del targets[i]
+
+
+def read_disk_copies(
+    reader: DiskReader,
+    keys: Sequence[str],
+    found: Sequence[p.BatchResultItem],
+    into: Sequence[memoryview] | None,
+    results: list[GetResult],
+    checksum: bool,
+    allocate: Callable[[int], bytearray] = bytearray,
+) -> list[GetResult]:
+    """Read from a holder's disk each found object that no memory replica served (it has
+    none, or none was readable); mutates and returns `results`."""
+    for i, result in enumerate(found):
+        got = results[i]
+        if not isinstance(result, p.GetReplicasResult) or not result.disk or got.found:
+            continue
+        if got.error is not None and not isinstance(got.error, TransferError):
+            continue  # e.g. the buffer is too small: no copy fits better
+        dest: bytearray | memoryview = into[i] if into is not None else allocate(result.size)
+        if len(dest) < result.size:
+            error = InvalidBufferError(f"{keys[i]!r} is {result.size} bytes; the buffer holds {len(dest)}")
+            results[i] = GetResult(error=error)
+            continue
+        view = memoryview(dest)[: result.size]
+        failed = reader.read(keys[i], result.disk, view)
+        if failed is None and checksum and result.checksum is not None and crc32c.crc32c(view) != result.checksum:
+            failed = ChecksumMismatch(f"the disk copy of {keys[i]!r} does not match the writer's crc32c")
+        if failed is not None:
+            results[i] = GetResult(error=failed)
+        else:
+            results[i] = GetResult(dest if len(dest) == result.size else view)
+    return results

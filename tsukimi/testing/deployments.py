@@ -43,9 +43,13 @@ MASTER_SETTINGS = ["lease_ttl_s=1.0", "client_ttl_s=2.0", "heartbeat_interval_s=
 
 class TsukimiCluster:
     """A master and `num_holders` holders of `holder_bytes` each. `master_addr` is the RPC
-    endpoint; `settings` are extra `--set` overrides for every process (e.g. force tcp)."""
+    endpoint; `settings` are extra `--set` overrides for every process (e.g. force tcp);
+    `disk_dir`: each holder gets a disk of `disk_bytes` in its own directory under it."""
 
-    def __init__(self, holder_bytes: int, num_holders: int = 2, settings: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, holder_bytes: int, num_holders: int = 2, settings: tuple[str, ...] = (), disk_dir: str = "",
+        disk_bytes: int = 1 << 30,
+    ) -> None:  # fmt: skip
         self.rpc_port, self.http_port = free_port(), free_port()
         self.master_addr = f"tcp://127.0.0.1:{self.rpc_port}"
         self.http_url = f"http://127.0.0.1:{self.http_port}"
@@ -54,8 +58,10 @@ class TsukimiCluster:
         self.holder_names: list[str] = []
         try:
             self._start_master()
-            for _ in range(num_holders):
-                holder = self._spawn("holder", "--master", self.master_addr, "--segment-bytes", str(holder_bytes))
+            for i in range(num_holders):
+                disk = (f"--set=client.ssd_dir={disk_dir}/holder-{i}", f"--set=client.ssd_bytes={disk_bytes}")
+                args = ("--master", self.master_addr, "--segment-bytes", str(holder_bytes))
+                holder = self._spawn("holder", *args, *(disk if disk_dir else ()))
                 self.holder_names.append(self._announced_name(holder))
             wait_until(lambda: len(httpx.get(self.http_url + "/segments", timeout=1).json()) == num_holders)
         except BaseException:

@@ -17,6 +17,7 @@ reclaimed after 1 s) and two holders of HOLDER_BYTES each.
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -153,28 +154,43 @@ def regression_closing_a_client_on_a_shared_engine_returns_its_segment(make_depl
         assert engine.describe().buffers == []
 
 
-def ssd_tier_offload_hit_promote_restart(make_deployment: DeploymentMaker) -> None:
-    """An object pushed out of memory is served from the writer's SSD tier and promoted back;
-    a restarted client finds its SSD objects again; remove_all removes the SSD copies too."""
+def _where(dep: Deployment, key: str) -> tuple[int, int]:
+    """(memory replicas, disk copies) of `key` by the master's /query_key; (0, 0) if absent."""
+    reply = httpx.get(dep.http_url + "/query_key", params={"key": key}, timeout=5)
+    if reply.status_code == 404:
+        return 0, 0
+    info = reply.json()
+    return len(info["replicas"]), len(info["disk_replicas"])
+
+
+def disk_tier_offload_read_promote_invalidate_restart(make_deployment: DeploymentMaker) -> None:
+    """An object pushed out of memory moves to its holder's disk and any client reads it there
+    byte-exact; a hit brings it back to memory; an upsert or a remove is never answered with
+    the disk's old copy; a restarted holder registers its disk again and its copies return."""
+    value, kept = os.urandom(100_000), os.urandom(50_000)
     with make_deployment() as dep, tempfile.TemporaryDirectory(prefix="tsukimi-ssd-") as directory:
-        ssd = Path(directory) / "ssd"
-        writer = dep.client(ssd_dir=str(ssd), ssd_bytes=64 * MIB)
-        writer.put("cold", b"c" * 1000)
-        for i in range(40):  # push "cold" out of memory
-            writer.put(f"hot{i}", bytes(256 << 10))
-        assert dep.client().get("cold") is None  # gone from the memory pool
-        assert writer.get("cold") == bytearray(b"c" * 1000)  # served from the SSD tier, and promoted
-        assert dep.client().get("cold") == bytearray(b"c" * 1000)  # back in memory for everyone
-        writer.remove("cold", force=True)
-        writer.put("kept", b"k" * 500)
-        writer.close()
-        again = dep.client(ssd_dir=str(ssd), ssd_bytes=64 * MIB)  # a restarted client
-        for i in range(40):  # push "kept" out of memory: only the restarted client's SSD has it
-            again.put(f"hot-again{i}", bytes(256 << 10))
-        assert dep.client().get("kept") is None
-        assert again.get("kept") == bytearray(b"k" * 500)  # found again on the SSD after the restart
-        assert again.remove_all(force=True) >= 1
-        assert again.get("kept") is None  # regression: remove_all used to leave the SSD copy behind
+        ssd = str(Path(directory) / "ssd")
+        holder = dep.client(MIB, ssd_dir=ssd, ssd_bytes=64 * MIB)
+        here = (holder.engine.name,)
+        with _client(dep) as client:
+            client.put("cold", value, preferred=here)
+            client.put("kept", kept, preferred=here)
+            for i in range(48):  # 12 MiB: more than the pool
+                client.put(f"hot{i}", bytes(256 << 10), upsert=True)
+            wait_until(lambda: _where(dep, "cold") == (0, 1) and _where(dep, "kept") == (0, 1))
+            assert client.get("cold") == bytearray(value)  # from the holder's disk...
+            wait_until(lambda: _where(dep, "cold") == (1, 1))  # ...and promoted by that hit
+            assert client.get("cold") == bytearray(value) and client.disk_reads == 1
+            client.put("cold", b"new", upsert=True)
+            assert client.get("cold") == bytearray(b"new") and _where(dep, "cold") == (1, 0)
+            holder.close()  # the disk goes with it...
+            assert client.get("kept") is None
+            again = dep.client(MIB, ssd_dir=ssd, ssd_bytes=64 * MIB)  # ...and comes back
+            assert again.disk is not None and _where(dep, "kept") == (0, 1)
+            assert client.get("kept") == bytearray(kept)
+            assert client.remove("kept", force=True) and client.get("kept") is None
+            assert again.disk is not None
+            wait_until(lambda: not any(f.key == "kept" for f in again.disk.store.files()))  # type: ignore[union-attr]
 
 
 def batch_get_into_needs_a_buffer_per_key(make_deployment: DeploymentMaker) -> None:
@@ -191,7 +207,7 @@ STORE_CHECKS: tuple[Callable[[DeploymentMaker], None], ...] = (
     filling_ten_times_the_capacity_never_fails,
     abandoned_puts_are_reclaimed,
     regression_closing_a_client_on_a_shared_engine_returns_its_segment,
-    ssd_tier_offload_hit_promote_restart,
+    disk_tier_offload_read_promote_invalidate_restart,
     batch_get_into_needs_a_buffer_per_key,
     *ADMIN_CHECKS,  # store_admin_checks.py: tasks, ranges, clearing, patterns
 )

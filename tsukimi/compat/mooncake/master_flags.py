@@ -5,6 +5,12 @@ gflags accepts `--name=value`, `-name=value`, `--name value`, and for booleans `
 `--noname`, `--name=true|false|1|0|yes|no`. A flag tsukimi maps changes a setting; a flag of
 Mooncake's that has no meaning here (its RPC thread count, its snapshot backend, ...) is
 accepted and named in one warning; anything else is a ConfigError.
+
+The SSD offload flags map onto the disk tier (`master.offload` and its neighbours) once all
+flags are read: no `--enable_offload`: "off"; with `--offload_on_evict`: "on_evict" (copies
+made when memory runs short); without: "on_put" (Mooncake's copy at PutEnd).
+`--promotion_on_hit` (off by default, as in Mooncake) with `--promotion_admission_threshold`
+(default 2), and `--root_fs_dir`, the directory clients keep their disks under.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ class MasterFlags:
     metadata_host: str = "0.0.0.0"
     metadata_port: int = 8080
     metrics_host: str = "0.0.0.0"
-    offload: dict[str, object] = field(default_factory=dict)  # the SSD tier's flags, as given
+    offload: dict[str, object] = field(default_factory=dict)  # the SSD offload flags, as given
     ignored: list[str] = field(default_factory=list)
 
 
@@ -102,6 +108,7 @@ MAPPED: dict[str, tuple[Callable[[str], object], Apply]] = {
     "promotion_on_hit": (_bool, _offload("promotion_on_hit", _bool)),
     "root_fs_dir": (str, _offload("root_fs_dir", str)),
     "default_kv_soft_pin_ttl": (duration_s, _master("soft_pin_ttl_s", duration_s)),
+    "promotion_admission_threshold": (int, _offload("promotion_admission_threshold", int)),
 }
 BOOLEANS = frozenset(
     [
@@ -186,7 +193,6 @@ IGNORED = frozenset(
         "pod_name",
         "pod_namespace",
         "processing_task_timeout_sec",
-        "promotion_admission_threshold",
         "promotion_max_per_heartbeat",
         "promotion_queue_limit",
         "put_start_discard_timeout_sec",
@@ -237,7 +243,24 @@ def parse(argv: Sequence[str]) -> MasterFlags:
             flags.ignored.append(name)
         else:
             raise ConfigError(f"unknown mooncake_master flag --{name} (tsukimi knows {', '.join(sorted(MAPPED))})")
+    _apply_offload(flags)
     return flags
+
+
+def _apply_offload(flags: MasterFlags) -> None:
+    """The SSD offload flags as the disk tier's settings (see the module). Raises ConfigError."""
+    given = flags.offload
+    mode = "off" if not given.get("enable_offload") else "on_evict" if given.get("offload_on_evict") else "on_put"
+    changes: dict[str, Any] = {
+        "offload": mode,
+        "promotion_on_hit": bool(given.get("promotion_on_hit", False)),
+        "promotion_admission_threshold": given.get("promotion_admission_threshold", 2),
+        "disk_root": str(given.get("root_fs_dir", "")),
+    }
+    try:
+        flags.master = dataclasses.replace(flags.master, **changes)
+    except ConfigError as exc:
+        raise ConfigError(f"mooncake_master offload flags {given}: {exc}") from exc
 
 
 def _next(args: list[str]) -> tuple[str, str, list[str]]:

@@ -28,8 +28,10 @@ def serve(argv: Sequence[str], console: Console) -> None:
     flags = parse(argv)
     if flags.ignored:
         logger.warning("mooncake_master flags with no meaning in tsukimi, ignored: %s", ", ".join(flags.ignored))
-    if flags.offload:
-        logger.warning("offload flags not carried out by this master yet: %s", flags.offload)
+    settings = flags.master
+    if settings.offload != "off":
+        logger.info("SSD offload %s (promotion on hit: %s), client disks under %r", settings.offload,
+                    settings.promotion_on_hit, settings.disk_root or "their own directories")  # fmt: skip
     stop = threading.Event()
     previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)}
     metadata = None

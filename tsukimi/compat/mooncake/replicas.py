@@ -71,25 +71,31 @@ class DiskDescriptor:
 
 @dataclass
 class ReplicaDescriptor:
-    """One replica of an object; tsukimi's are all in memory."""
+    """One replica of an object: in a holder's memory, or a copy on a holder's disk
+    (Mooncake's LOCAL_DISK; tsukimi has no shared-filesystem DISK replicas)."""
 
-    memory: MemoryDescriptor
+    memory: MemoryDescriptor | None = None
     status: ReplicaStatus = ReplicaStatus.COMPLETE
+    disk: DiskDescriptor | None = None
 
     def is_memory_replica(self) -> bool:
-        return True
+        return self.memory is not None
 
     def is_disk_replica(self) -> bool:
         return False
 
     def is_local_disk_replica(self) -> bool:
-        return False
+        return self.disk is not None
 
     def get_memory_descriptor(self) -> MemoryDescriptor:
+        if self.memory is None:
+            raise RuntimeError("Expected MemoryDescriptor: this is a disk replica")
         return self.memory
 
     def get_disk_descriptor(self) -> DiskDescriptor:
-        raise RuntimeError("Expected DiskDescriptor: this is a memory replica")
+        if self.disk is None:
+            raise RuntimeError("Expected DiskDescriptor: this is a memory replica")
+        return self.disk
 
 
 @dataclass
@@ -126,7 +132,9 @@ class ReplicaMethods(StoreBase):
         except TsukimiError as exc:
             logger.error("batch_get_replica_desc failed: %s", exc)
             return {}
-        return {info.key: _descriptors(info) for info in infos if info is not None and info.replicas}
+        return {
+            info.key: _descriptors(info) for info in infos if info is not None and (info.replicas or info.disk_replicas)
+        }
 
     def batch_replica_clear(self, keys: list[str], segment_name: str = "") -> list[str]:
         """Clear the replicas (all, or those in `segment_name`) of the keys whose leases have
@@ -202,9 +210,11 @@ class ReplicaMethods(StoreBase):
 
 def _descriptors(info: p.ObjectInfo) -> list[ReplicaDescriptor]:
     status = ReplicaStatus.COMPLETE if info.complete else ReplicaStatus.PROCESSING
-    return [
+    memory = [
         ReplicaDescriptor(MemoryDescriptor(Descriptor(r.address, r.size, r.te_segment)), status) for r in info.replicas
     ]
+    disk = [ReplicaDescriptor(disk=DiskDescriptor(d.endpoint, d.size)) for d in info.disk_replicas]
+    return memory + disk
 
 
 def _pair(value: int) -> TaskId:

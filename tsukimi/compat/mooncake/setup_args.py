@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tsukimi.compat.mooncake import offload
 from tsukimi.config import ClientConfig, Config, MetadataConfig, TransferConfig
 from tsukimi.errors import ConfigError
 from tsukimi.store.client import StoreClient
@@ -50,13 +51,17 @@ class StoreSetup:
     master: str
     transport: str = "auto"
     nixl: bool = False
+    enable_ssd_offload: bool = False
+    ssd_offload_path: str = ""
 
-    def config(self, port: int) -> Config:
-        """tsukimi's settings for a client whose segment server binds `port`."""
+    def config(self, port: int, ssd_dir: str = "", ssd_bytes: int = 0) -> Config:
+        """tsukimi's settings for a client whose segment server binds `port` (and whose disk,
+        if any, is `ssd_dir`)."""
+        client = ClientConfig(self.master, self.global_segment_size, ssd_dir=ssd_dir, ssd_bytes=ssd_bytes)
         return Config(
             transfer=TransferConfig(transport=self.transport, bind_host=self.host, port=port, nixl=self.nixl),
             metadata=MetadataConfig(url=self.metadata_url),
-            client=ClientConfig(master=self.master, segment_bytes=self.global_segment_size),
+            client=client,
         )
 
 
@@ -64,12 +69,16 @@ def connect(setup: StoreSetup, engine: TransferEngine | None = None) -> StoreCli
     """A store client for `setup`, its segment server bound to setup.port, or to a free port
     of PORT_RANGE (`engine`, when given, is used as it is). Raises what StoreClient raises;
     ConfigError when PORT_TRIES ports of the range were taken."""
+    disk: tuple[str, int] = ("", 0)
+    if setup.global_segment_size:  # NOTE: a master that offloads gives a holder a disk too (offload.py)
+        root = offload.disk_root(setup.master, setup.enable_ssd_offload, setup.ssd_offload_path)
+        disk = offload.free_slot(root) if root else disk
     if engine is not None:
-        return StoreClient(setup.config(0), engine)
+        return StoreClient(setup.config(0, *disk), engine)
     ports = [setup.port] if setup.port else random.sample(range(*PORT_RANGE), PORT_TRIES)
     for port in ports:
         try:
-            return StoreClient(setup.config(port))
+            return StoreClient(setup.config(port, *disk))
         except OSError as exc:
             if setup.port or exc.errno != errno.EADDRINUSE:
                 raise
@@ -124,8 +133,6 @@ def from_args(
                         ("tenant_id", tenant_id)):  # fmt: skip
         if not isinstance(value, str):
             raise ConfigError(f"{name} must be a str, got {value!r}")
-    if enable_ssd_offload:
-        raise ConfigError("per-client SSD offload is not supported: tsukimi's SSD tier follows the master")
     if tenant_id != "default":
         raise ConfigError(f"tenants are not supported (tenant_id {tenant_id!r}; only 'default')")
     if not isinstance(client_http_port, int) or not 0 < client_http_port < 65536:
@@ -137,7 +144,7 @@ def from_args(
     transport, nixl = _protocol(protocol)
     return StoreSetup(host, port, _metadata_url(metadata_server), segment,
                       parse_size("local_buffer_size", local_buffer_size), master_url(master_server_addr),
-                      transport, nixl)  # fmt: skip
+                      transport, nixl, bool(enable_ssd_offload), ssd_offload_path)  # fmt: skip
 
 
 def master_url(address: str) -> str:

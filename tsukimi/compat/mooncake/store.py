@@ -158,12 +158,12 @@ class MooncakeDistributedStore(TensorMethods, ReplicaMethods, RangeMethods, Dumm
     def batch_put_from(
         self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: ReplicateConfig | None = None
     ) -> list[int]:
-        return self._put_from(keys, buffer_ptrs, sizes, config, upsert=False)
+        return self._put_buffers(keys, buffer_ptrs, sizes, config, upsert=False)
 
     def batch_upsert_from(
         self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: ReplicateConfig | None = None
     ) -> list[int]:
-        return self._put_from(keys, buffer_ptrs, sizes, config, upsert=True)
+        return self._put_buffers(keys, buffer_ptrs, sizes, config, upsert=True)
 
     def _batch(self, keys: list[str], values: list[object], config: ReplicateConfig | None, upsert: bool) -> int:
         if len(keys) != len(values):
@@ -172,7 +172,7 @@ class MooncakeDistributedStore(TensorMethods, ReplicaMethods, RangeMethods, Dumm
         codes = self._put(list(zip(keys, values, strict=True)), config, upsert, copy=True)
         return next((c for c in codes if c != OK), OK)
 
-    def _put_from(
+    def _put_buffers(
         self, keys: list[str], ptrs: list[int], sizes: list[int], config: ReplicateConfig | None, upsert: bool
     ) -> list[int]:
         if not len(keys) == len(ptrs) == len(sizes):
@@ -318,6 +318,10 @@ class MooncakeDistributedStore(TensorMethods, ReplicaMethods, RangeMethods, Dumm
             return client.remove_all(force)
         except TsukimiError as exc:
             return code_of(exc)
+
+    def get_offload_rpc_read_count(self) -> int:
+        """How many objects this client read from a holder's disk."""
+        return self._client.disk_reads if self._client is not None else 0
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         """Record a buffer (get_into_ranges writes inside registered buffers only; any other

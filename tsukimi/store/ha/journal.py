@@ -8,7 +8,11 @@ them. Replaying records in order rebuilds the tables exactly; a snapshot is just
 every row at one point. No clock, no placement decision and no eviction is re-run on replay:
 the log records what they decided.
 
-What is not logged, by design: heartbeats, read leases, LRU order, counters. A new leader
+What is not logged, by design: heartbeats, read leases, LRU order, counters, holders' disks
+and their tasks. An object's disk copies are logged (`ObjectUp.disks`) and become *lost*
+copies in a new leader: the holders register their disks with it again (it answers their
+next DiskSync with "unknown disk") and the copies come back; an object that was only on disk
+is absent until then, and a file of a version the log does not have is never adopted. A new leader
 restarts them conservatively (see `restore`): every client is alive as of the takeover, every
 object leased for `lease_ttl_s` (readers that the old leader served may still be reading),
 every allocated block that no object owns retired for max(lease_ttl_s, write_grace_s) (an
@@ -67,6 +71,7 @@ class ObjectUp(msgspec.Struct, frozen=True, tag=True, array_like=True):
     writer: str
     put_id: int
     checksum: int | None
+    disks: list[str] = []
 
 
 class ObjectDown(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -126,7 +131,7 @@ def snapshot_of(state: MasterState) -> list[Record]:
 
 def _object_up(slot: str, r: ObjectRecord) -> ObjectUp:
     placements = [(p.segment_id, p.offset) for p in r.replicas]
-    return ObjectUp(slot, r.key, r.size, r.config, placements, r.writer, r.put_id, r.checksum)
+    return ObjectUp(slot, r.key, r.size, r.config, placements, r.writer, r.put_id, r.checksum, list(r.disks))
 
 
 @dataclass
@@ -164,6 +169,7 @@ def restore(tables: Tables, config: MasterConfig, clock: Clock, epoch: int) -> M
     state = MasterState(config, clock, epoch=epoch)
     now = clock.now()
     state.recovering_until = now + config.client_ttl_s
+    state.tiers.adopt_unknown = False
     registry = state.registry
     by_segment: dict[str, list[tuple[int, int]]] = {}
     for (sid, offset), size in tables.blocks.items():
@@ -181,6 +187,8 @@ def restore(tables: Tables, config: MasterConfig, clock: Clock, epoch: int) -> M
     owned: set[tuple[str, int]] = set()
     for (slot, key), obj in tables.objects.items():
         placements = [Placement(sid, offset) for sid, offset in obj.placements if (sid, offset) in tables.blocks]
+        for disk_id in obj.disks if slot == COMPLETE else ():
+            state.tiers.registry.lost.setdefault(disk_id, {})[key] = obj.put_id
         if not placements:
             continue
         owned.update((p.segment_id, p.offset) for p in placements)

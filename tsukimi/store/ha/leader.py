@@ -38,7 +38,7 @@ from tsukimi.config import MasterConfig
 from tsukimi.errors import MetadataError, NotLeader, ProtocolError
 from tsukimi.store.ha import journal
 from tsukimi.store.ha.etcd_kv import EtcdKV, Op, created_at, delete_op, prefix_end, put_op
-from tsukimi.store.protocol import LeaderInfo, leader_key
+from tsukimi.store.leader_record import LeaderInfo, leader_key
 
 logger = logging.getLogger(__name__)
 

@@ -239,7 +239,7 @@ def _fail(state: MasterState, task: Task, message: str) -> None:
     if record is not None and record.put_id == task.put_id:
         _release_lease(state, task, record)
     state.tasks.end(task, "failed", message, state.clock.now())
-    state._quarantine(task.targets, state.clock.now())  # NOTE: the executor may still be writing them
+    state.quarantine(task.targets, state.clock.now())  # NOTE: the executor may still be writing them
 
 
 def _release_lease(state: MasterState, task: Task, record: ObjectRecord) -> None:

@@ -2,8 +2,10 @@
 
 Three things share one lock, so the state machine sees one operation at a time: the RPC
 server's thread (clients' operations), a ticker thread (`MasterState.tick` every
-`tick_interval_s`), and the HTTP endpoints `/health`, `/metrics` (Prometheus), `/query_key`
-and `/segments`.
+`tick_interval_s`), and the HTTP endpoints `/health`, `/metrics` (Prometheus), `/query_key`,
+`/segments`, and Mooncake's `/metrics/summary`, `/get_all_keys` (paged: `limit`,
+`start_after`; the next page's `start_after` in the `X-Next-Start-After` header) and
+`/batch_query_keys?keys=a,b` (reports.py).
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import msgspec
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -27,13 +30,18 @@ from tsukimi.rpc import RpcServer
 from tsukimi.store import protocol as p
 from tsukimi.store.ha import journal
 from tsukimi.store.ha.leader import HAController
+from tsukimi.store.leader_record import LeaderInfo
+from tsukimi.store.master import reports
 from tsukimi.store.master.service import MasterService
 from tsukimi.store.master.state import MasterState
 
 logger = logging.getLogger(__name__)
 
 COUNTERS = ("hits", "misses", "evictions", "evicted_bytes", "puts_started", "puts_completed", "puts_revoked",
-            "puts_reclaimed", "removes", "objects_lost")  # fmt: skip
+            "puts_reclaimed", "removes", "objects_lost", "offloads", "offloaded_bytes", "offloads_failed",
+            "offloads_discarded", "promotions", "promoted_bytes", "promotions_failed", "promotions_discarded",
+            "promotions_skipped", "memory_freed_to_disk", "disk_evictions", "disk_adopted",
+            "disk_tasks_expired")  # fmt: skip
 
 
 class MasterServer:
@@ -75,7 +83,7 @@ class MasterServer:
         self._ticker.start()
         if config.ha_etcd:
             self.state.take_changes()  # starts tracking the rows to log
-            info = p.LeaderInfo(self.rpc.endpoint, self.http.base_url, f"{config.host}:{self.rpc.port}", os.getpid())
+            info = LeaderInfo(self.rpc.endpoint, self.http.base_url, f"{config.host}:{self.rpc.port}", os.getpid())
             self.ha = HAController(config, info, self._install, self._forget, self._snapshot)
             self.ha.start()
         logger.info("master serving RPC on %s, HTTP on %s", self.rpc.endpoint, self.http.base_url)
@@ -186,7 +194,34 @@ class MasterServer:
                 infos = self.state.registry.infos(self.state.clock.now())
             return [msgspec.to_builtins(info) for info in infos]
 
+        self._mooncake_routes(app, signed)
         return app
+
+    def _mooncake_routes(self, app: FastAPI, signed: Callable[[Request], Awaitable[None]]) -> None:
+        """Mooncake's master endpoints: /metrics/summary, /get_all_keys, /batch_query_keys."""
+
+        @app.get("/metrics/summary")
+        def metrics_summary() -> PlainTextResponse:
+            with self._lock:
+                return PlainTextResponse(reports.summary(self.state, self.role) + "\n")
+
+        @app.get("/get_all_keys", dependencies=[Depends(signed)])
+        def get_all_keys(
+            limit: int = Query(reports.MAX_KEYS_PAGE, ge=1, le=reports.MAX_KEYS_PAGE), start_after: str = ""
+        ) -> PlainTextResponse:
+            with self._lock:
+                keys, after = reports.all_keys(self.state, start_after, limit)
+            headers = {"X-Next-Start-After": after} if after else {}
+            return PlainTextResponse("".join(f"{k}\n" for k in keys), headers=headers)
+
+        @app.get("/batch_query_keys", dependencies=[Depends(signed)])
+        def batch_query_keys(keys: str = "") -> JSONResponse:
+            wanted = [k for k in keys.split(",") if k]
+            if not wanted:
+                return JSONResponse({"success": False, "error": "No keys provided. Use ?keys=key1,key2,..."}, 400)
+            with self._lock:
+                data = reports.batch_query(self.state, wanted)
+            return JSONResponse({"success": True, "data": data})
 
     def close(self) -> None:
         """Stop serving (idempotent). Without HA the state is lost; an HA leader hands over."""
@@ -217,6 +252,8 @@ class _StateCollector:
             counters = dict(state.counters)
             objects, pending = len(state.objects), len(state.pending)
             segments = state.registry.infos(state.clock.now())
+            disks = [(d.disk_id, d.used, d.capacity) for d in state.tiers.registry.disks.values()]
+            rates = reports.tier_rates(state)
         yield GaugeMetricFamily("tsukimi_master_objects", "Complete objects", value=objects)
         yield GaugeMetricFamily("tsukimi_master_pending_puts", "Puts started and not ended", value=pending)
         used = GaugeMetricFamily("tsukimi_master_segment_used_bytes", "Bytes allocated per segment", labels=["segment"])
@@ -232,3 +269,23 @@ class _StateCollector:
             yield CounterMetricFamily(
                 f"tsukimi_master_{name}", f"Master {name.replace('_', ' ')}", value=counters.get(name, 0)
             )
+        yield from _tier_metrics(disks, rates)
+
+
+def _tier_metrics(disks: list[tuple[str, int, int]], rates: reports.TierRates) -> Iterator[Metric]:
+    """Each disk's use, and the holders' copy bandwidth to disk and back."""
+    used = GaugeMetricFamily("tsukimi_master_disk_used_bytes", "Bytes of copies per disk", labels=["disk"])
+    capacity = GaugeMetricFamily("tsukimi_master_disk_capacity_bytes", "Capacity per disk", labels=["disk"])
+    for disk_id, disk_used, disk_capacity in disks:
+        used.add_metric([disk_id], disk_used)
+        capacity.add_metric([disk_id], disk_capacity)
+    yield used
+    yield capacity
+    yield GaugeMetricFamily(
+        "tsukimi_master_offload_bytes_per_second", "Holders' offload bandwidth (bytes per second of copying)",
+        value=rates.offload_bytes_per_s,
+    )  # fmt: skip
+    yield GaugeMetricFamily(
+        "tsukimi_master_promotion_bytes_per_second", "Holders' promotion bandwidth (bytes per second of copying)",
+        value=rates.promotion_bytes_per_s,
+    )  # fmt: skip

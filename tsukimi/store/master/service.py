@@ -13,8 +13,9 @@ from collections.abc import Callable
 import msgspec
 
 from tsukimi.errors import InvalidArgument, TsukimiError
+from tsukimi.store import disk_protocol as dp
 from tsukimi.store import protocol as p
-from tsukimi.store.master import admin
+from tsukimi.store.master import admin, disk_ops
 from tsukimi.store.master.state import MasterState
 
 
@@ -42,6 +43,11 @@ class MasterService:
             p.CreateMoveTask: self._create_move,
             p.QueryTask: self._query_task,
             p.FinishTask: self._finish_task,
+            dp.MountDisk: self._mount_disk,
+            dp.UnmountDisk: self._unmount_disk,
+            dp.RegisterDiskFiles: self._register_disk_files,
+            dp.DiskSync: self._disk_sync,
+            dp.MasterInfo: self._master_info,
         }
 
     def handle(self, request: msgspec.Struct) -> msgspec.Struct:
@@ -84,9 +90,11 @@ class MasterService:
     def _get_replicas(self, op: msgspec.Struct) -> p.GetReplicasResult:
         assert isinstance(op, p.GetReplicas)
         replicas, size = self.state.get_replicas(op.key)
-        if not replicas:
+        record = self.state.objects.get(op.key)
+        if record is None:
             return p.GetReplicasResult([], 0)
-        return p.GetReplicasResult(replicas, size, self.state.config.lease_ttl_s, self.state.objects[op.key].checksum)
+        disk = self.state.tiers.locations(record, self.state.clock.now())
+        return p.GetReplicasResult(replicas, size, self.state.config.lease_ttl_s, record.checksum, disk)
 
     def _exists(self, op: msgspec.Struct) -> p.ExistsResult:
         assert isinstance(op, p.Exists)
@@ -153,3 +161,24 @@ class MasterService:
         assert isinstance(op, p.FinishTask)
         admin.finish_task(self.state, op.client_id, op.task_id, op.error)
         return p.Ok()
+
+    def _mount_disk(self, op: msgspec.Struct) -> p.Ok:
+        assert isinstance(op, dp.MountDisk)
+        disk_ops.mount(self.state.tiers, op, self.state.clock.now())
+        return p.Ok()
+
+    def _unmount_disk(self, op: msgspec.Struct) -> p.Ok:
+        assert isinstance(op, dp.UnmountDisk)
+        disk_ops.unmount(self.state.tiers, op.client_id, op.disk_id, self.state.clock.now())
+        return p.Ok()
+
+    def _register_disk_files(self, op: msgspec.Struct) -> dp.DiskFilesResult:
+        assert isinstance(op, dp.RegisterDiskFiles)
+        return dp.DiskFilesResult(disk_ops.register(self.state.tiers, op, self.state.clock.now()))
+
+    def _disk_sync(self, op: msgspec.Struct) -> dp.DiskSyncResult:
+        assert isinstance(op, dp.DiskSync)
+        return disk_ops.sync(self.state.tiers, op, self.state.clock.now())
+
+    def _master_info(self, op: msgspec.Struct) -> dp.MasterInfoResult:
+        return dp.MasterInfoResult(self.state.config.offload, self.state.config.disk_root)

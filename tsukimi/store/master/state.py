@@ -15,66 +15,30 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from dataclasses import dataclass
 
 from tsukimi.clock import Clock
 from tsukimi.config import MasterConfig
-from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectExists, ObjectNotFound, OutOfSpace, Recovering
+from tsukimi.errors import (
+    InvalidArgument,
+    LeaseHeld,
+    ObjectExists,
+    ObjectNotFound,
+    OffloadPending,
+    OutOfSpace,
+    Recovering,
+)  # fmt: skip
 from tsukimi.eviction import EvictionPolicy, make_policy
 from tsukimi.store.master import pins
+from tsukimi.store.master.changes import Changes, TrackedDict
+from tsukimi.store.master.records import ObjectRecord
 from tsukimi.store.master.segments import Placement, SegmentRegistry
 from tsukimi.store.master.tasks import TaskTable
+from tsukimi.store.master.tiers import Tiering
 from tsukimi.store.protocol import MAX_OBJECT_BYTES, MountSegment, ObjectInfo, ReplicaConfig, ReplicaLocation, check_key
 
+__all__ = ["Changes", "MasterState", "ObjectRecord"]
+
 logger = logging.getLogger(__name__)
-
-
-class _TrackedDict(dict[str, "ObjectRecord"]):
-    """A dict that remembers which keys were set or deleted (when `changed` is a set)."""
-
-    changed: set[str] | None = None
-
-    def __setitem__(self, key: str, value: ObjectRecord) -> None:
-        if self.changed is not None:
-            self.changed.add(key)
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key: str) -> None:
-        if self.changed is not None:
-            self.changed.add(key)
-        super().__delitem__(key)
-
-    def pop(self, key: str, default: ObjectRecord | None = None) -> ObjectRecord | None:  # type: ignore[override]
-        if self.changed is not None:
-            self.changed.add(key)
-        return super().pop(key, default)
-
-
-@dataclass(frozen=True, slots=True)
-class Changes:
-    """What one or more operations changed: the rows the HA master logs (pure data)."""
-
-    segments: set[str]
-    blocks: set[tuple[str, int]]
-    objects: set[str]
-    pending: set[str]
-
-    def __bool__(self) -> bool:
-        return bool(self.segments or self.blocks or self.objects or self.pending)
-
-
-@dataclass(slots=True)
-class ObjectRecord:
-    key: str
-    size: int
-    config: ReplicaConfig
-    replicas: list[Placement]
-    writer: str
-    put_deadline: float  # pending objects only
-    lease_until: float = 0.0
-    put_id: int = 0
-    checksum: int | None = None
-    soft_pin_until: float = pins.FOREVER  # see pins.py
 
 
 class MasterState:
@@ -88,19 +52,20 @@ class MasterState:
         self._put_ids = itertools.count((epoch << 32) + 1)
         self.clock = clock
         self.registry = SegmentRegistry(config)
-        self.objects: dict[str, ObjectRecord] = _TrackedDict()  # complete, visible
-        self.pending: dict[str, ObjectRecord] = _TrackedDict()  # put started, not ended
+        self.objects: dict[str, ObjectRecord] = TrackedDict()  # complete, visible
+        self.pending: dict[str, ObjectRecord] = TrackedDict()  # put started, not ended
         self.retired: list[tuple[float, Placement]] = []  # (free at, block) of replaced/removed leased objects
         self.policy: EvictionPolicy[str] = policy or make_policy(config.eviction)
         self.counters: Counter[str] = Counter()
         self.recovering_until = 0.0  # a new HA leader: holders restored from the log may not have heartbeated yet
         self.tasks = TaskTable((epoch << 32) + 1)  # copy / move tasks (tasks.py, admin.py)
+        self.tiers = Tiering(self)  # holders' disks (tiers.py)
 
     def take_changes(self) -> Changes:
         """The rows changed since the last call, and start tracking if not yet (mutates)."""
         registry = self.registry
         objects, pending = self.objects, self.pending
-        assert isinstance(objects, _TrackedDict) and isinstance(pending, _TrackedDict)
+        assert isinstance(objects, TrackedDict) and isinstance(pending, TrackedDict)
         changes = Changes(
             registry.changed_segments or set(), registry.changed_blocks or set(),
             objects.changed or set(), pending.changed or set(),
@@ -161,6 +126,8 @@ class MasterState:
             if self._evict(need, now) == 0:
                 break
         placed = self.registry.place(size, config, client_id, now)  # best effort: fewer replicas
+        if not placed and self.tiers.offloading():
+            raise OffloadPending(f"no room for {size} bytes yet: objects are being copied to disk to free memory")
         if not placed:
             raise OutOfSpace(f"no room for {size} bytes: every segment is full of leased, pinned or pending objects")
         return placed
@@ -181,13 +148,14 @@ class MasterState:
             self._retire(old, self.clock.now())
         self.objects[key] = record
         self.policy.insert(key)
+        self.tiers.written(record, self.clock.now())
         self.counters["puts_completed"] += 1
 
     def put_revoke(self, client_id: str, key: str, put_id: int = 0) -> None:
         """Abandon a pending put and free its replicas. Mutates. Raises ObjectNotFound."""
         record = self._pending_of(client_id, key, put_id)
         del self.pending[key]
-        self._quarantine(record.replicas, self.clock.now())
+        self.quarantine(record.replicas, self.clock.now())
         self.counters["puts_revoked"] += 1
 
     def _pending_of(self, client_id: str, key: str, put_id: int) -> ObjectRecord:
@@ -200,7 +168,9 @@ class MasterState:
 
     def get_replicas(self, key: str) -> tuple[list[ReplicaLocation], int]:
         """Complete replicas (empty on a miss), those on healthy holders first, and the size;
-        grants a read lease and marks the object recently used. Mutates."""
+        grants a read lease and marks the object recently used. An object only on disk has
+        no replica but its size (`tiers.locations` lists its copies); the get may promote it.
+        Mutates."""
         check_key(key)
         record = self.objects.get(key)
         if record is None:
@@ -209,6 +179,7 @@ class MasterState:
         now = self.clock.now()
         record.lease_until = max(record.lease_until, now + self.config.lease_ttl_s)
         self.policy.touch(key)
+        self.tiers.on_hit(record, now)
         self.counters["hits"] += 1
         # NOTE: replicas on holders that missed heartbeats (stopped, cut off) go last, so a
         # reader does not spend its lease on them while a healthy replica exists.
@@ -259,6 +230,7 @@ class MasterState:
             record.config.soft_pin,
             record.config.hard_pin,
             max(0.0, record.lease_until - self.clock.now()),
+            self.tiers.locations(record, self.clock.now()),
         )
 
     # -- segments and time -----------------------------------------------------------
@@ -284,17 +256,18 @@ class MasterState:
         now = self.clock.now()
         for record in [r for r in self.pending.values() if r.put_deadline <= now]:
             del self.pending[record.key]
-            self._quarantine(record.replicas, now)
+            self.quarantine(record.replicas, now)
             self.counters["puts_reclaimed"] += 1
             logger.info("reclaimed the abandoned put of %r", record.key)
         due = [p for at, p in self.retired if at <= now]
         self.retired = [(at, p) for at, p in self.retired if at > now]
         for placement in due:
             self.registry.free(placement)
-        self._quarantine(self.tasks.fail_expired(now), now)
+        self.quarantine(self.tasks.fail_expired(now), now)
         for client_id in self.registry.expired_clients(now):
             logger.warning("client %s missed its heartbeats: dropping it", client_id)
             self._drop_client(client_id)
+        self.tiers.tick(now)
         capacity = self.registry.capacity
         if capacity and self.registry.used > self.config.high_watermark * capacity:
             self._evict(int(self.config.evict_ratio * capacity), now)
@@ -303,30 +276,38 @@ class MasterState:
 
     def _evict(self, target_bytes: int, now: float) -> int:
         """Evict unleased, unpinned objects in the policy's order (LRU by default), soft-pinned last,
-        until `target_bytes` are freed. Returns the bytes freed."""
-        freed = 0
+        until `target_bytes` are freed. An object on a holder's disk only loses its memory; one
+        a holder's disk can take is offloaded instead (kept until its copy is made), up to
+        `target_bytes` of such offloads (tiers.on_evict). Returns the bytes freed now."""
+        freed = offloading = 0
         for soft_pass in (False, True):
             for key in self.policy.victims():
                 record = self.objects[key]
                 if record.config.hard_pin or pins.soft_pinned(record, now) != soft_pass or record.lease_until > now:
                     continue
-                del self.objects[key]
-                self.policy.remove(key)
-                self._free(record)
-                freed += record.size * len(record.replicas)
-                self.counters["evictions"] += 1
-                self.counters["evicted_bytes"] += record.size
+                kept = self.tiers.on_evict(record, now, may_offload=offloading < target_bytes)
+                if kept is None:
+                    del self.objects[key]
+                    self.policy.remove(key)
+                    self._free(record)
+                    kept = record.size * len(record.replicas)
+                    self.counters["evictions"] += 1
+                    self.counters["evicted_bytes"] += record.size
+                elif not kept:
+                    offloading += record.size * len(record.replicas)
+                freed += kept
                 if freed >= target_bytes:
                     return freed
         return freed
 
     def _retire(self, record: ObjectRecord, now: float) -> None:
+        self.tiers.drop_copies(record, now)
         if record.lease_until > now:
             self.retired.extend((record.lease_until, p) for p in record.replicas)
         else:
             self._free(record)
 
-    def _quarantine(self, blocks: list[Placement], now: float) -> None:
+    def quarantine(self, blocks: list[Placement], now: float) -> None:
         """Blocks of a failed put: its writer may still have bytes in flight to them, which
         must not land in the next object placed there, so they wait `write_grace_s`."""
         if self.config.write_grace_s > 0:
@@ -341,21 +322,23 @@ class MasterState:
 
     def _drop_client(self, client_id: str) -> None:
         """Forget a dead client: its segments with the replicas in them, and its puts in
-        progress (their blocks are quarantined for write_grace_s). Mutates."""
+        progress (their blocks are quarantined for write_grace_s), its disk's copies. Mutates."""
+        self.tiers.drop_client(client_id, self.clock.now())
         segments = self.registry.drop_client(client_id)
         self._drop_replicas_in({s.segment_id for s in segments})
         for record in [r for r in self.pending.values() if r.writer == client_id]:
             del self.pending[record.key]
-            self._quarantine(record.replicas, self.clock.now())
+            self.quarantine(record.replicas, self.clock.now())
             self.counters["puts_reclaimed"] += 1
 
     def _drop_replicas_in(self, segment_ids: set[str]) -> None:
         self.retired = [(at, p) for at, p in self.retired if p.segment_id not in segment_ids]
-        self._quarantine(self.tasks.fail_in(segment_ids, self.clock.now()), self.clock.now())
+        self.quarantine(self.tasks.fail_in(segment_ids, self.clock.now()), self.clock.now())
+        self.tiers.segments_dropped(segment_ids)
         for key, record in list(self.pending.items()):
             if any(p.segment_id in segment_ids for p in record.replicas):  # the writer's put_end will fail
                 del self.pending[key]
-                self._quarantine([p for p in record.replicas if p.segment_id not in segment_ids], self.clock.now())
+                self.quarantine([p for p in record.replicas if p.segment_id not in segment_ids], self.clock.now())
         for key, record in list(self.objects.items()):
             kept = [p for p in record.replicas if p.segment_id not in segment_ids]
             if len(kept) == len(record.replicas):
@@ -363,8 +346,9 @@ class MasterState:
             record.replicas = kept
             self.objects[key] = record  # NOTE: marks the row changed for the HA log
             if not record.replicas:
-                del self.objects[key]
                 self.policy.remove(key)
+            if not record.replicas and not record.disks:
+                del self.objects[key]
                 self.counters["objects_lost"] += 1
 
     def _locations(self, placed: list[Placement], size: int) -> list[ReplicaLocation]:
@@ -380,16 +364,18 @@ class MasterState:
         complete objects."""
         owners: Counter[tuple[str, int]] = Counter()
         for record in [*self.objects.values(), *self.pending.values()]:
-            assert record.replicas, f"{record.key} has no replica"
+            assert record.replicas or record.key in self.objects, f"{record.key} has no replica"
             assert len({p.segment_id for p in record.replicas}) == len(record.replicas)
             owners.update((p.segment_id, p.offset) for p in record.replicas)
         owners.update((p.segment_id, p.offset) for _, p in self.retired)
         owners.update((p.segment_id, p.offset) for p in self.tasks.placements())
         self.tasks.check_invariants()
+        self.tiers.check_invariants(owners)
         assert all(n == 1 for n in owners.values()), "a block is owned twice"
         per_segment = Counter(sid for sid, _ in owners)
         for sid, seg in self.registry.segments.items():
             seg.allocator.check_invariants()
             assert seg.allocator.num_allocations == per_segment[sid], f"{sid}: leaked or foreign blocks"
         assert set(per_segment) <= set(self.registry.segments), "a replica in an unmounted segment"
-        assert len(self.policy) == len(self.objects) and all(key in self.policy for key in self.objects)
+        in_memory = [key for key, record in self.objects.items() if record.replicas]
+        assert len(self.policy) == len(in_memory) and all(key in self.policy for key in in_memory)
