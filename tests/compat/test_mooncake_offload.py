@@ -42,7 +42,7 @@ def master(tmp_path: Path) -> Iterator[MasterServer]:
 def _setup(master: MasterServer, segment_bytes: int, *args: object) -> compat.MooncakeDistributedStore:
     store = compat.MooncakeDistributedStore()
     address = master.endpoint.removeprefix("tcp://")
-    assert store.setup("localhost", "P2PHANDSHAKE", segment_bytes, 0, "tcp", "", address, *args) == 0
+    assert store.setup("localhost", "P2PHANDSHAKE", segment_bytes, 16 * MIB, "tcp", "", address, *args) == 0
     return store
 
 
@@ -58,13 +58,14 @@ def test_clients_take_their_own_disk_under_the_root_and_read_from_it(master: Mas
             assert first.put(key, value, config) == 0
         descs = reader.batch_get_replica_desc([*values, "missing"])
         assert "missing" not in descs
-        types = {key: sorted(d.type for d in descs[key]) for key in values}
-        assert types["k23"] == ["MEMORY"] and types["k0"] == ["LOCAL_DISK"]
+        kinds = {key: [("MEMORY" if d.is_memory_replica() else "LOCAL_DISK") for d in descs[key]] for key in values}
+        assert kinds["k23"] == ["MEMORY"] and kinds["k0"] == ["LOCAL_DISK"]
+        assert descs["k0"][0].get_disk_descriptor().object_size == len(values["k0"])
         assert all(d.is_local_disk_replica() and not d.is_disk_replica() for d in descs["k0"])
         before = reader.get_offload_rpc_read_count()
         assert reader.get("k0") == values["k0"]  # from first's disk: its memory is full
         assert reader.get_offload_rpc_read_count() == before + 1
-        wait_until(lambda: "MEMORY" in str([d.type for d in reader.get_replica_desc("k0")]))  # promoted on the hit
+        wait_until(lambda: any(d.is_memory_replica() for d in reader.get_replica_desc("k0")))  # promoted on the hit
         assert all(reader.get(key) == value for key, value in values.items())
     finally:
         for store in (first, second, reader):

@@ -23,7 +23,6 @@ from tsukimi.compat.mooncake.store import (
     TaskType,
 )
 from tsukimi.config import MasterConfig
-from tsukimi.errors import ConfigError
 from tsukimi.store.master.server import MasterServer
 from tsukimi.testing.processes import free_port, wait_until
 
@@ -226,7 +225,7 @@ def test_a_store_is_released_when_its_object_is_garbage_collected(master: Master
 
 
 def test_setup_args_refuse_what_tsukimi_does_not_do() -> None:
-    with pytest.raises(ConfigError, match="SSD"):
-        setup_args.from_args("localhost", "P2PHANDSHAKE", enable_ssd_offload=True)
+    asked = setup_args.from_args("localhost", "P2PHANDSHAKE", enable_ssd_offload=True, ssd_offload_path="/d")
+    assert asked.enable_ssd_offload and asked.ssd_offload_path == "/d"  # a disk when the master offloads
     assert setup_args.master_url("etcd://a:2379;b:2379") == "etcd://a:2379,b:2379"
     assert setup_args.from_args("h", "10.0.0.1:2379").metadata_url == "etcd://10.0.0.1:2379"

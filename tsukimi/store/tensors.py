@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from tsukimi.errors import InvalidArgument, KVFormatError, TsukimiError
+from tsukimi.store import protocol as p
 from tsukimi.store.client import PinName, StoreClient
 from tsukimi.store.tensor_format import WHOLE, ShardPlacement, as_stored_tensor, deserialize, serialize
 from tsukimi.transfer.segment import byte_view
@@ -38,12 +39,14 @@ PutError = TsukimiError | None
 class PutOptions:
     """How tensors are stored: replica count, pin ("", "soft", "hard"), preferred
     segments, and `upsert` (replace an object of the same key instead of failing with
-    ObjectExists)."""
+    ObjectExists); `config`, when given, replaces the first three (soft pin TTLs and the
+    rest of `ReplicaConfig`)."""
 
     replicas: int = 1
     pin: PinName = ""
     preferred: tuple[str, ...] = ()
     upsert: bool = False
+    config: p.ReplicaConfig | None = None
 
 
 DEFAULT_PUT = PutOptions()
@@ -76,7 +79,11 @@ def put_prepared(client: StoreClient, items: Sequence[Prepared], options: PutOpt
     ready = [item for item in items if not isinstance(item, TsukimiError)]
     if not ready:
         return [item for item in items if isinstance(item, TsukimiError)]
-    stored = iter(client.batch_put(ready, options.replicas, options.pin, options.preferred, upsert=options.upsert))
+    stored = iter(
+        client.batch_put(
+            ready, options.replicas, options.pin, options.preferred, upsert=options.upsert, config=options.config
+        )
+    )
     return [item if isinstance(item, TsukimiError) else next(stored) for item in items]
 
 

@@ -22,16 +22,14 @@ logger = logging.getLogger(__name__)
 class ReplicaSettings(Protocol):
     """What the facade's `ReplicateConfig` offers this module."""
 
-    def _to_tsukimi(self) -> p.ReplicaConfig: ...
+    def to_tsukimi(self, own_segment: str = "") -> p.ReplicaConfig: ...
 
 
 def put_options(config: ReplicaSettings | None, upsert: bool) -> PutOptions:
     """The tsukimi put options for a Mooncake `ReplicateConfig` (None: one replica)."""
     if config is None:
         return PutOptions(upsert=upsert)
-    rc = config._to_tsukimi()
-    pin = "hard" if rc.hard_pin else "soft" if rc.soft_pin else ""
-    return PutOptions(rc.replicas, pin, tuple(rc.preferred_segments), upsert)
+    return PutOptions(upsert=upsert, config=config.to_tsukimi())
 
 
 def address_buffers(ptrs: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int]]:
