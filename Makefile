@@ -9,7 +9,7 @@ NIXL_STAMP := $(VENV)/.nixl
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lint bench bench-store mooncake nixl system-deps clean
+.PHONY: demo test lint bench bench-store mooncake mooncake-tests nixl system-deps clean
 
 # The whole local cluster: store master, a prefill and a decode worker (SmolLM2-135M-Instruct),
 # the OpenAI API on 127.0.0.1:8000; Ctrl-C stops every process. (`tsukimi demo`: the TE demo.)
@@ -18,6 +18,7 @@ demo: $(STAMP)
 
 test: $(STAMP) $(NIXL_STAMP) system-deps lint
 	$(BIN)/python -m pytest -q
+	$(BIN)/python -m tsukimi.testing.mooncake_suite --modes tsukimi
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -40,6 +41,11 @@ nixl: $(NIXL_STAMP)
 $(NIXL_STAMP): $(STAMP)
 	$(BIN)/pip install -q --no-deps 'nixl==1.5.1' 'nixl-cu12==1.5.1'
 	touch $(NIXL_STAMP)
+
+# Mooncake's own Python tests (../shared/mooncake-tests) against the real wheel and tsukimi;
+# `--record` refreshes tests/compat/mooncake_reference.json from the real wheel's passes.
+mooncake-tests: mooncake
+	$(BIN)/python -m tsukimi.testing.mooncake_suite --modes real,tsukimi
 
 mooncake: $(STAMP)
 	@dpkg -s libibverbs1 >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libibverbs1)
