@@ -10,7 +10,8 @@ remounts its segments when the master restarted. A holder given a disk directory
 object with no readable memory replica reads a disk copy from its holder (disk_server.py).
 
 The API is a batch core with thin single-key helpers: `batch_put` / `put`, `batch_get` /
-`get` / `get_into`, `batch_exists` / `exists`, `size_of`, `remove`, `remove_all`. A batch
+`get` / `get_into`, `batch_exists` / `exists`, `size_of`, `remove`, `remove_all`; objects
+made of several buffers: `batch_put_parts` / `put_parts`, `batch_get_parts` (parts.py). A batch
 costs one master round trip and one Transfer Engine batch per phase, whatever its size (it
 is cut into `MAX_BATCH` operations per round trip). A get's result is a `GetResult`; a miss
 is never an error. `AsyncStoreClient` (async_client.py) wraps a client for asyncio.
@@ -25,7 +26,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-import crc32c
 import msgspec
 
 from tsukimi.clock import WallClock
@@ -43,6 +43,7 @@ from tsukimi.store.disk import DiskStore
 from tsukimi.store.disk_holder import DiskHolder
 from tsukimi.store.disk_server import DiskReader
 from tsukimi.store.master_link import MasterLink
+from tsukimi.store.parts import PartsIO
 from tsukimi.store.ranges import RangeReads
 from tsukimi.store.replica_admin import ReplicaAdmin
 from tsukimi.store.replica_io import GetResult, PutItem, read_disk_copies, read_replicas, write_replicas
@@ -66,8 +67,9 @@ def replica_config(replicas: int = 1, pin: PinName = "", preferred: Sequence[str
     return p.ReplicaConfig(replicas, pin == "soft", pin == "hard", tuple(preferred))
 
 
-class StoreClient(ReplicaAdmin, RangeReads):
-    """A connection to the store. Thread-safe; `close()` when done. Mixins: ranges.py, replica_admin.py."""
+class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
+    """A connection to the store. Thread-safe; `close()` when done. Mixins: ranges.py, replica_admin.py,
+    parts.py."""
 
     def __init__(self, config: Config | None = None, engine: TransferEngine | None = None) -> None:
         self.config = config or Config()
@@ -150,16 +152,13 @@ class StoreClient(ReplicaAdmin, RangeReads):
         self._raise(self.batch_put([(key, data)], replicas, pin, preferred, upsert=upsert, config=config)[0])
 
     def put_parts(
-        self, key: str, parts: Sequence[object], replicas: int = 1, pin: PinName = "",
+        self, key: str, parts: Sequence[object], replicas: int = 1, pin: PinName = "", preferred: Sequence[str] = (),
         *, upsert: bool = False, config: p.ReplicaConfig | None = None,
     ) -> None:  # fmt: skip
-        """`put` of the concatenation of `parts` (buffers), gathered into one staging copy.
-        Raises as `put`; InvalidBufferError for a part that is no buffer, or no bytes at all."""
-        try:
-            data = bytearray().join(parts)  # type: ignore[arg-type]
-        except TypeError as exc:
-            raise InvalidBufferError(f"put_parts of {key!r}: {exc}") from None
-        self.put(key, data, replicas, pin, upsert=upsert, config=config)
+        """`put` of the concatenation of `parts` (buffers), each written from its own buffer
+        (parts.py). Raises as `put`; InvalidBufferError for a part that is no buffer, or none."""
+        config = config or replica_config(replicas, pin, preferred)
+        self._raise(self.batch_put_parts([(key, parts)], config, upsert=upsert)[0])
 
     def batch_put(
         self, items: Sequence[tuple[str, object]], replicas: int = 1, pin: PinName = "",
@@ -168,7 +167,9 @@ class StoreClient(ReplicaAdmin, RangeReads):
         """Put several objects; each key's error, or None where it succeeded. Raises only
         for the whole call (InvalidArgument, RpcTimeout / MasterUnavailable)."""
         config = config or replica_config(replicas, pin, preferred)
-        puts = [PutItem(key, _view(data), config, upsert) for key, data in items]
+        return self._put_items([PutItem(key, (_view(data),), config, upsert) for key, data in items])
+
+    def _put_items(self, puts: list[PutItem]) -> list[TsukimiError | None]:
         errors: list[TsukimiError | None] = []
         for start in range(0, len(puts), p.MAX_BATCH):
             errors += self._put_waiting(puts[start : start + p.MAX_BATCH])
@@ -191,8 +192,8 @@ class StoreClient(ReplicaAdmin, RangeReads):
     def _put_chunk(self, puts: list[PutItem]) -> list[TsukimiError | None]:
         checksum = self.config.client.checksum
         started = self._call_batch([
-            p.PutStart(self.client_id, u.key, len(u.data), u.config, u.upsert, _new_put_id(),
-                       crc32c.crc32c(u.data) if checksum else None)
+            p.PutStart(self.client_id, u.key, u.size, u.config, u.upsert, _new_put_id(),
+                       u.crc32c() if checksum else None)
             for u in puts
         ])  # fmt: skip
         errors: list[TsukimiError | None] = [_error(r) for r in started]

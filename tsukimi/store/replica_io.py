@@ -7,6 +7,13 @@ ends (a read that could finish later might read blocks already given to another 
 `read_disk_copies` then reads the objects that have no readable memory replica from a copy
 on a holder's disk (tsukimi/store/disk_server.py).
 
+An object may be moved in parts (`PutItem.parts`, `read_parts`): its bytes are the parts'
+concatenation, and each part is one TE request at its own offset in the replica, straight
+from or into the caller's buffer (no gathering copy):
+
+    replica at A:  |  part 0 (n0 bytes)  |  part 1 (n1 bytes)  | ... |
+                   A                     A + n0                A + n0 + n1
+
 A replica that could not be moved is a `TransferError` for the store's caller (the put was
 revoked, or the get failed on every replica: retriable, nothing half-done), whatever the
 Transfer Engine reported; the engine's own error (`OutOfBounds` from a holder whose range
@@ -59,21 +66,47 @@ class GetResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PartsResult:
+    """One key of a get into parts: `size` bytes read (the object's size) when `found`;
+    `error` says why a read failed (a miss is not an error)."""
+
+    found: bool = False
+    size: int = 0
+    error: TsukimiError | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PutItem:
-    """One object to put: its key, bytes and how to store it."""
+    """One object to put: its key, its bytes (the concatenation of `parts`, at least one)
+    and how to store it."""
 
     key: str
-    data: memoryview
+    parts: tuple[memoryview, ...]
     config: p.ReplicaConfig
     upsert: bool
+
+    @property
+    def size(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def crc32c(self) -> int:
+        return parts_crc32c(self.parts)
+
+
+def parts_crc32c(parts: Sequence[bytearray | memoryview]) -> int:
+    """The crc32c of the parts' concatenation (computed part by part: nothing is joined)."""
+    value = 0
+    for part in parts:
+        value = crc32c.crc32c(part, value)
+    return value
 
 
 @dataclass(slots=True)
 class _Target:
-    """A get in progress: where the bytes go, the replicas to try in order, the crc32c."""
+    """A get in progress: where the bytes go (in order), the replicas to try in order, the crc32c."""
 
     key: str
-    dest: bytearray | memoryview
+    parts: tuple[bytearray | memoryview, ...]
     replicas: list[p.ReplicaLocation]
     checksum: int | None
 
@@ -98,12 +131,23 @@ def write_replicas(
     for i, result in enumerate(started):
         if isinstance(result, p.PutStartResult):
             for loc in result.replicas:
-                requests.append(TransferRequest(OpCode.WRITE, loc.te_segment, loc.address, puts[i].data))
-                owners.append(i)
+                requests += _part_requests(OpCode.WRITE, loc, puts[i].parts)
+                owners += [i] * len(puts[i].parts)
     statuses = engine.transfer(requests) if requests else []
     for i, status in zip(owners, statuses, strict=True):
         if status.state is not RequestState.COMPLETED and errors[i] is None:
             errors[i] = transfer_error(status, f"writing a replica of {puts[i].key!r}")
+
+
+def _part_requests(
+    opcode: OpCode, loc: p.ReplicaLocation, parts: Sequence[bytearray | memoryview]
+) -> list[TransferRequest]:
+    """One request per part, each at its offset in the replica at `loc` (see the module)."""
+    requests, offset = [], 0
+    for part in parts:
+        requests.append(TransferRequest(opcode, loc.te_segment, loc.address + offset, part))
+        offset += len(part)
+    return requests
 
 
 def read_replicas(
@@ -130,44 +174,80 @@ def read_replicas(
                 continue
             if len(dest) > result.size:
                 dest = memoryview(dest)[: result.size]
-            targets[i] = _Target(keys[i], dest, list(result.replicas), result.checksum if checksum else None)
-    lease_s = min((r.lease_s for r in found if isinstance(r, p.GetReplicasResult) and r.replicas), default=0.0)
-    _read_rounds(engine, clock, targets, results, clock.now() + LEASE_SHARE * lease_s)
+            targets[i] = _Target(keys[i], (dest,), list(result.replicas), result.checksum if checksum else None)
+    for i, failure in _read_rounds(engine, clock, targets, _lease_end(clock, found)).items():
+        results[i] = GetResult(error=failure) if failure else GetResult(targets[i].parts[0])
     return results
 
 
+def read_parts(
+    engine: TransferEngine,
+    clock: Clock,
+    keys: Sequence[str],
+    found: Sequence[p.BatchResultItem],
+    into: Sequence[tuple[memoryview, ...]],
+    checksum: bool,
+) -> list[PartsResult]:
+    """READ each found object into its parts, part i at the sum of the sizes before it
+    (failing over replica by replica, like `read_replicas`). Parts whose sizes do not add up
+    to the object's size are refused (InvalidBufferError): they would leave bytes unread or a
+    part unfilled. Misses, and objects with disk copies only, stay `PartsResult()`."""
+    results = [PartsResult()] * len(keys)
+    targets: dict[int, _Target] = {}
+    for i, result in enumerate(found):
+        if isinstance(result, p.Failure):
+            results[i] = PartsResult(error=p.error_of(result))
+        elif isinstance(result, p.GetReplicasResult) and result.replicas:
+            total = sum(len(part) for part in into[i])
+            if total != result.size:
+                what = f"{keys[i]!r} is {result.size} bytes; its {len(into[i])} buffers hold {total}"
+                results[i] = PartsResult(error=InvalidBufferError(what))
+                continue
+            targets[i] = _Target(keys[i], into[i], list(result.replicas), result.checksum if checksum else None)
+    for i, failure in _read_rounds(engine, clock, targets, _lease_end(clock, found)).items():
+        results[i] = PartsResult(error=failure) if failure else PartsResult(True, sum(map(len, targets[i].parts)))
+    return results
+
+
+def _lease_end(clock: Clock, found: Sequence[p.BatchResultItem]) -> float:
+    """When reads must be done: a share of the shortest read lease granted."""
+    lease_s = min((r.lease_s for r in found if isinstance(r, p.GetReplicasResult) and r.replicas), default=0.0)
+    return clock.now() + LEASE_SHARE * lease_s
+
+
 def _read_rounds(
-    engine: TransferEngine, clock: Clock, targets: dict[int, _Target], results: list[GetResult], lease_end: float
-) -> None:
-    """One READ round per replica rank: the targets still unread try their next replica."""
-    attempt = 0
-    while targets:
-        order = list(targets)
-        requests = [
-            TransferRequest(OpCode.READ, targets[i].replicas[attempt].te_segment,
-                            targets[i].replicas[attempt].address, targets[i].dest)
-            for i in order
-        ]  # fmt: skip
-        statuses = engine.transfer(requests, timeout_s=max(MIN_READ_S, lease_end - clock.now()))
+    engine: TransferEngine, clock: Clock, targets: dict[int, _Target], lease_end: float
+) -> dict[int, TsukimiError | None]:
+    """One READ round per replica rank: the targets still unread try their next replica.
+    Each target's outcome: None (read, checksum matched) or why it failed on every replica."""
+    outcomes: dict[int, TsukimiError | None] = {}
+    pending, attempt = dict(targets), 0
+    while pending:
+        order = list(pending)
+        requests: list[TransferRequest] = []
+        for i in order:
+            requests += _part_requests(OpCode.READ, pending[i].replicas[attempt], pending[i].parts)
+        statuses = iter(engine.transfer(requests, timeout_s=max(MIN_READ_S, lease_end - clock.now())))
         attempt += 1
-        for i, status in zip(order, statuses, strict=True):
-            target = targets[i]
-            if status.state is RequestState.COMPLETED:
-                if target.checksum is None or crc32c.crc32c(target.dest) == target.checksum:
-                    results[i] = GetResult(target.dest)
-                    del targets[i]
+        for i in order:
+            target = pending[i]
+            parts_status = [next(statuses) for _ in target.parts]
+            failed = next((s for s in parts_status if s.state is not RequestState.COMPLETED), None)
+            if failed is None:
+                if target.checksum is None or parts_crc32c(target.parts) == target.checksum:
+                    outcomes[i] = None
+                    del pending[i]
                     continue
                 reason = f"crc32c mismatch in {target.replicas[attempt - 1].te_segment}"
                 logger.warning("get %r: %s", target.key, reason)
-                failed: RequestStatus | None = None
             else:
-                reason, failed = status.reason, status
+                reason = failed.reason
             if attempt >= len(target.replicas):
                 what = f"no replica of {target.key!r} was readable"
-                error = transfer_error(failed, what) if failed else ChecksumMismatch(f"{what}: {reason}")
+                outcomes[i] = transfer_error(failed, what) if failed else ChecksumMismatch(f"{what}: {reason}")
                 logger.warning("get %r failed on every replica: %s", target.key, reason)
-                results[i] = GetResult(error=error)
-                del targets[i]
+                del pending[i]
+    return outcomes
 
 
 def read_disk_copies(

@@ -37,6 +37,7 @@ from tsukimi.testing.assertions import raises, run_checks
 from tsukimi.testing.deployments import HOLDER_BYTES, Deployment, DeploymentMaker
 from tsukimi.testing.processes import wait_until
 from tsukimi.testing.store_admin_checks import ADMIN_CHECKS
+from tsukimi.testing.store_parts_checks import PARTS_CHECKS
 from tsukimi.transfer import TransferEngine
 
 MIB = 1 << 20
@@ -210,6 +211,7 @@ STORE_CHECKS: tuple[Callable[[DeploymentMaker], None], ...] = (
     disk_tier_offload_read_promote_invalidate_restart,
     batch_get_into_needs_a_buffer_per_key,
     *ADMIN_CHECKS,  # store_admin_checks.py: tasks, ranges, clearing, patterns
+    *PARTS_CHECKS,  # store_parts_checks.py: objects made of several buffers
 )
 
 

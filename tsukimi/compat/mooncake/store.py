@@ -11,6 +11,7 @@ TypeError, as Mooncake's bindings do. The class is assembled from parts:
 | here                       | setup (positional or dict), puts, upserts, gets, buffers, removes   |
 | replicas.py                | get_replica_desc, batch_replica_clear, remove_by_regex, copy/move   |
 | ranges.py                  | get_into_ranges                                                     |
+| multi_buffers.py           | batch_put_from_multi_buffers, batch_get_into_multi_buffers          |
 | dummy.py                   | setup_dummy's pool: alloc_from_mem_pool                             |
 | tensors.py                 | the tensor family                                                   |
 
@@ -27,6 +28,7 @@ from tsukimi.compat.mooncake import dummy, setup_args
 from tsukimi.compat.mooncake.buffers import BufferHandle, LocalBuffer, RegisteredBuffers
 from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, RPC_FAIL, code_of
 from tsukimi.compat.mooncake.dummy import DummyMethods, MemPool
+from tsukimi.compat.mooncake.multi_buffers import MultiBufferMethods
 from tsukimi.compat.mooncake.ranges import RangeMethods
 from tsukimi.compat.mooncake.replicas import (
     Descriptor,
@@ -57,7 +59,7 @@ __all__ = [
 _SIZE = setup_args.DEFAULT_SIZE
 
 
-class MooncakeDistributedStore(TensorMethods, ReplicaMethods, RangeMethods, DummyMethods):
+class MooncakeDistributedStore(TensorMethods, ReplicaMethods, RangeMethods, MultiBufferMethods, DummyMethods):
     """`mooncake.store.MooncakeDistributedStore` on a `StoreClient`."""
 
     def __init__(self) -> None:
