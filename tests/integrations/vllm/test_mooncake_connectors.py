@@ -1,0 +1,219 @@
+"""vLLM's own Mooncake connectors, unchanged, on tsukimi (issue 14 item 4): vLLM runs under
+`tsukimi compat exec`, so `import mooncake.store` / `mooncake.engine` in vLLM's code give
+tsukimi's facade, over a `tsukimi compat mooncake-master`. The real wheel is not installed in
+`.venv-vllm`: without the hook, vLLM could not import `mooncake` at all.
+
+- MooncakeStoreConnector (kv_both, one in-process `vllm.LLM`): prompts A, B (A's 640-token
+  prefix, another tail), A again; B and the second A load the prefix from the pool
+  (num_cached_tokens [0, 640, 640]); greedy tokens equal vLLM's without a connector.
+- MooncakeConnector (PD): a prefill API server (kv_producer) and a decode API server
+  (kv_consumer); a tiny proxy in this file speaks vLLM's protocol (transfer_id, the
+  prefill's bootstrap server for its engine id); the prefill writes the KV blocks into the
+  decode's cache with tsukimi's Transfer Engine; greedy tokens equal, the decode computes
+  none of the prompt (cached_tokens is the prompt's length).
+
+One vLLM process at a time, except the PD pair. Skipped, saying why, without `.venv-vllm`
+(`make vllm`). The model: $TSUKIMI_VLLM_MODEL, else `make vllm`'s .models/tiny, else a seeded
+random tiny Llama written here (token-id prompts: no tokenizer needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tsukimi.testing.processes import free_port, wait_until
+
+ROOT = Path(__file__).resolve().parents[3]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+TSUKIMI = ROOT / ".venv" / "bin" / "tsukimi"
+DRIVER = Path(__file__).with_name("mooncake_driver.py")
+BLOCK_SIZE = 128
+PREFIX_TOKENS = 640
+MAX_TOKENS = 16
+START_S = 420.0  # vLLM starts in 40-90 s alone; far slower beside other vLLM processes
+
+
+def _missing() -> str:
+    if not VLLM_PYTHON.exists():
+        return f"{VLLM_PYTHON} is missing (make vllm)"
+    probe = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm"], capture_output=True, timeout=120)
+    return "" if probe.returncode == 0 else f"vLLM does not import in .venv-vllm: {probe.stderr[-300:]!r}"
+
+
+SKIP = _missing()
+pytestmark = [pytest.mark.skipif(bool(SKIP), reason=SKIP or "vLLM is here"), pytest.mark.timeout(1200)]
+
+
+def _prompts() -> tuple[list[int], list[int]]:
+    """A and B: a shared 640-token prefix (5 blocks), then 40 tokens of their own."""
+    rng = random.Random(1)
+    prefix = [rng.randrange(100, 30000) for _ in range(PREFIX_TOKENS)]
+    return tuple(prefix + [rng.randrange(100, 30000) for _ in range(40)] for _ in range(2))  # type: ignore[return-value]
+
+
+A, B = _prompts()
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **extra}  # fmt: skip
+
+
+class _Group:
+    """Processes started in sessions of their own, all SIGKILLed at the end."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs, self.procs = logs, list[subprocess.Popen[bytes]]()
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = (self.logs / f"{name}.log").open("wb")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
+        proc = self.start(name, cmd, env)
+        if proc.wait(timeout=START_S + 300) != 0:
+            raise AssertionError(f"{name} exited {proc.returncode}: {self.tail(name)}")
+
+    def tail(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Group]:
+    procs = _Group(tmp_path_factory.mktemp("logs"))
+    yield procs
+    procs.kill()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    given = os.environ.get("TSUKIMI_VLLM_MODEL")
+    if given:
+        return Path(given)
+    if (ROOT / ".models" / "tiny" / ".complete").exists():
+        return ROOT / ".models" / "tiny"
+    from tsukimi.engine.weights import random_tiny, save_hf_dir
+
+    folder = tmp_path_factory.mktemp("tiny")
+    save_hf_dir(random_tiny(0), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def master(group: _Group) -> dict[str, str]:
+    """A tsukimi master with Mooncake's flags, its HTTP metadata server and admin HTTP port."""
+    rpc, meta, http = free_port(), free_port(), free_port()
+    flags = [f"--rpc_port={rpc}", "--rpc_address=127.0.0.1", f"--metrics_port={http}",
+             "--enable_http_metadata_server=true", f"--http_metadata_server_port={meta}",
+             "--http_metadata_server_host=127.0.0.1"]  # fmt: skip
+    group.start("master", [str(TSUKIMI), "compat", "mooncake-master", *flags], dict(os.environ))
+    wait_until(lambda: httpx.get(f"http://127.0.0.1:{http}/health", timeout=1).status_code == 200, 30)
+    return {"rpc": f"127.0.0.1:{rpc}", "metadata": f"http://127.0.0.1:{meta}/metadata",
+            "http": f"http://127.0.0.1:{http}"}  # fmt: skip
+
+
+def _drive(group: _Group, name: str, args: dict[str, object], env: dict[str, str]) -> dict[str, Any]:
+    out = group.logs / f"{name}.json"
+    cmd = [str(TSUKIMI), "compat", "exec", "--", str(VLLM_PYTHON), str(DRIVER), json.dumps({**args, "out": str(out)})]
+    group.run(name, cmd, env)
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+@pytest.fixture(scope="module")
+def baseline(group: _Group, model: Path) -> list[list[int]]:
+    """vLLM's greedy tokens for A and B without a connector."""
+    args = {"model": str(model), "connector": False, "prompts": [A, B], "max_tokens": MAX_TOKENS}
+    result = _drive(group, "baseline", args, _env())
+    return [run["tokens"] for run in result["runs"]]
+
+
+def test_vllm_cannot_import_mooncake_without_the_hook() -> None:
+    probe = "import importlib.util; print(importlib.util.find_spec('mooncake') is None)"
+    out = subprocess.run([str(VLLM_PYTHON), "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "True", "the real Mooncake wheel is installed in .venv-vllm: the tests prove nothing"
+
+
+def test_mooncake_store_connector_loads_the_prefix_from_tsukimis_pool(
+    group: _Group, model: Path, master: dict[str, str], baseline: list[list[int]]
+) -> None:
+    config = group.logs / "mooncake.json"
+    config.write_text(json.dumps({
+        "metadata_server": master["metadata"], "master_server_address": master["rpc"], "protocol": "tcp",
+        "device_name": "", "global_segment_size": "256MB", "local_buffer_size": "64MB",
+    }))  # fmt: skip
+    num_blocks = PREFIX_TOKENS // BLOCK_SIZE  # A's full blocks; its 40-token tail is never saved
+    args = {"model": str(model), "connector": True, "prompts": [A, B, A], "max_tokens": MAX_TOKENS,
+            "master_http": master["http"], "min_keys": num_blocks}  # fmt: skip
+    result = _drive(group, "store", args, _env(MOONCAKE_CONFIG_PATH=str(config)))
+    runs = result["runs"]
+    assert result["store_module"] == "tsukimi.compat.mooncake.store"
+    assert [r["num_cached_tokens"] for r in runs] == [0, PREFIX_TOKENS, PREFIX_TOKENS]
+    assert [r["keys"] for r in runs] == [num_blocks] * 3  # B's prefix blocks exist already: not put again
+    assert [r["tokens"] for r in runs] == [baseline[0], baseline[1], baseline[0]]
+
+
+def _server(group: _Group, name: str, model: Path, role: str, bootstrap: str) -> str:
+    port = free_port()
+    kv = {"kv_connector": "MooncakeConnector", "kv_role": role,
+          "kv_connector_extra_config": {"mooncake_protocol": "tcp", "bootstrap_server_address": bootstrap}}  # fmt: skip
+    cmd = [str(TSUKIMI), "compat", "exec", "--", str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model), "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
+           "--skip-tokenizer-init", "--no-enable-prefix-caching", "--max-model-len", "2048", "--max-num-seqs", "4",
+           "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv)]  # fmt: skip
+    group.start(name, cmd, _env())
+    return f"http://127.0.0.1:{port}"
+
+
+def _complete(url: str, model: Path, prompt: list[int], max_tokens: int, params: dict[str, object]) -> dict[str, Any]:
+    body = {"model": str(model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, "kv_transfer_params": params}  # fmt: skip
+    reply = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    return reply.json()  # type: ignore[no-any-return]
+
+
+def test_mooncake_connector_pd_hands_kv_over_with_tsukimis_transfer_engine(
+    group: _Group, model: Path, baseline: list[list[int]]
+) -> None:
+    bootstrap = f"127.0.0.1:{free_port()}"
+    prefill = _server(group, "prefill", model, "kv_producer", bootstrap)
+    decode = _server(group, "decode", model, "kv_consumer", bootstrap)
+    for name, url in (("prefill", prefill), ("decode", decode)):
+        try:
+            wait_until(lambda u=url: httpx.get(u + "/health", timeout=2).status_code == 200, START_S, 1.0)  # type: ignore[misc]
+        except Exception as exc:
+            raise AssertionError(f"{name} did not start: {group.tail(name)}") from exc
+    engines = httpx.get(f"http://{bootstrap}/query", timeout=10).json()
+    engine_id = next(iter(engines.values()))["engine_id"]
+    for prompt, expected in ((A, baseline[0]), (B, baseline[1])):
+        transfer_id = uuid.uuid4().hex
+        _complete(prefill, model, prompt, 1, {"do_remote_decode": True, "do_remote_prefill": False,
+                                              "transfer_id": transfer_id})  # fmt: skip
+        got = _complete(decode, model, prompt, MAX_TOKENS, {
+            "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
+            "remote_engine_id": engine_id, "remote_bootstrap_addr": f"http://{bootstrap}",
+        })  # fmt: skip
+        choice = got["choices"][0]
+        assert choice["token_ids"] == expected, group.tail("decode")
+        cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE, (cached, group.tail("decode"))
