@@ -27,12 +27,14 @@ import signal
 import subprocess
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tsukimi.errors import PeerError
 from tsukimi.testing.processes import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -183,6 +185,8 @@ if not torch.accelerator.is_available():
 
 
 def _server(group: _Group, name: str, model: Path, role: str, bootstrap_port: int, cpu: str) -> str:
+    """Start an API server; its URL once it answers /health (AssertionError with its log
+    when it exits first or takes longer than START_S)."""
     port = free_port()
     shim = group.logs / "cpu-shim"
     shim.mkdir(exist_ok=True)
@@ -200,8 +204,19 @@ def _server(group: _Group, name: str, model: Path, role: str, bootstrap_port: in
     # NOTE: a core each: a prefill waiting for the decode to pull steps (and its worker spins)
     # without pause; on the decode's core it starves the decode, which never asks for the KV
     env = _env(PYTHONPATH=path, VLLM_MOONCAKE_BOOTSTRAP_PORT=str(bootstrap_port), VLLM_CPU_OMP_THREADS_BIND=cpu)
-    group.start(name, cmd, env)
-    return f"http://127.0.0.1:{port}"
+    proc = group.start(name, cmd, env)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"{name} exited {proc.returncode}: {group.tail(name)}")
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+
+    try:
+        wait_until(healthy, START_S, 1.0)
+    except PeerError as exc:
+        raise AssertionError(f"{name} did not start in {START_S} s: {group.tail(name)}") from exc
+    return url
 
 
 def _complete(url: str, model: Path, prompt: list[int], max_tokens: int, params: dict[str, object]) -> dict[str, Any]:
@@ -217,13 +232,10 @@ def test_mooncake_connector_pd_hands_kv_over_with_tsukimis_transfer_engine(
 ) -> None:
     bootstrap_port = free_port()
     bootstrap = f"127.0.0.1:{bootstrap_port}"
-    prefill = _server(group, "prefill", model, "kv_producer", bootstrap_port, cpu="0")
-    decode = _server(group, "decode", model, "kv_consumer", bootstrap_port, cpu="1")
-    for name, url in (("prefill", prefill), ("decode", decode)):
-        try:
-            wait_until(lambda u=url: httpx.get(u + "/health", timeout=2).status_code == 200, START_S, 1.0)  # type: ignore[misc]
-        except Exception as exc:
-            raise AssertionError(f"{name} did not start: {group.tail(name)}") from exc
+    with ThreadPoolExecutor(2) as pool:  # NOTE: the two start side by side
+        starting = [pool.submit(_server, group, "prefill", model, "kv_producer", bootstrap_port, "0"),
+                    pool.submit(_server, group, "decode", model, "kv_consumer", bootstrap_port, "1")]  # fmt: skip
+        prefill, decode = (future.result() for future in starting)
     engines = httpx.get(f"http://{bootstrap}/query", timeout=10).json()
     engine_id = next(iter(engines.values()))["engine_id"]
     for prompt, expected in ((A, baseline[0]), (B, baseline[1])):
