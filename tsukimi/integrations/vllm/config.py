@@ -12,12 +12,15 @@ Keys of `kv_connector_extra_config` (all optional; unknown keys are a ConfigErro
     load_async      loads run between scheduler steps (get_finished)               true
     save_per_layer  put each layer from save_kv_layer while later layers compute   true
     checksum        crc32c every object; a corrupt block is recomputed            false
-    pd_mode         PD hand-over: "pool" (producer saves, consumer loads by hash)
-                    or "direct" (consumer READs the producer's KV buffer)          "pool"
-    pd_host, pd_port  the producer's side channel (direct mode)      "127.0.0.1", 0 = off
+    pd_mode         a producer's default PD hand-over: "pool" (it saves, the consumer
+                    loads by hash) or "direct" (the consumer READs its KV buffer);
+                    a request's kv_transfer_params "tsukimi_pd_mode" overrides it  "pool"
+    pd_host, pd_port  the producer's side channel; direct mode needs it  "127.0.0.1", 0 = off
     pd_lease_s      how long a producer keeps a finished request's blocks for the
                     consumer before freeing them anyway                           30.0
     model_tag       names the model in the format digest (default: vLLM's model name)
+    fault_load_delay_s  fault injection for tests: each load waits this long before it
+                    reads, so a test can remove blocks between lookup and load      0.0
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class TsukimiConnectorConfig:
     pd_port: int = 0
     pd_lease_s: float = 30.0
     model_tag: str = ""
+    fault_load_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.pd_mode not in PD_MODES:

@@ -7,11 +7,13 @@ the master is down every lookup answers 0 (plain vLLM; config.PoolLink).
 
 PD (vLLM's proxy protocol, as NixlConnector and MooncakeConnector speak it): the proxy sends
 the prompt to the producer with `kv_transfer_params={"do_remote_decode": true}` and
-max_tokens=1; the producer's `request_finished` keeps the blocks and returns
-`{"do_remote_prefill": true, "remote_host", "remote_port", "remote_request_id",
-"remote_block_ids", "tsukimi_format"}`, which the proxy passes to the consumer. In "direct"
-mode the consumer READs those blocks from the producer's KV buffer and tells it to let go; in
-"pool" mode the producer saved them and the consumer finds them by hash (no params needed).
+max_tokens=1. In "direct" mode (the config's `pd_mode`, or the request's `tsukimi_pd_mode`
+param) the producer does not save; its `request_finished` keeps the full prompt blocks and
+returns `{"do_remote_prefill": true, "remote_host", "remote_port", "remote_request_id",
+"remote_block_ids", "tsukimi_format"}`, which the proxy passes to the consumer, whose worker
+READs those blocks from the producer's KV buffer and tells it to let go. In "pool" mode the
+producer saves the blocks like any request and returns no params: the consumer finds them by
+hash.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class ConnectorScheduler:
         self._digest = fmt.digest()
         self._block_size = fmt.block_size
         self._loads_enabled = role in ("kv_both", "kv_consumer")
-        self._saves_enabled = role == "kv_both" or (role == "kv_producer" and config.pd_mode == "pool")
-        self._sends_enabled = role == "kv_producer" and config.pd_mode == "direct"
+        self._saves_enabled = role in ("kv_both", "kv_producer")
+        self._sends_enabled = role == "kv_producer" and config.pd_port != 0
         self._engine_id = engine_id
         self._pool = PoolLink(config)
         self._lookups: dict[str, _Lookup] = {}
@@ -110,7 +112,7 @@ class ConnectorScheduler:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Queue the load into the blocks vLLM just allocated (it may call this twice for an
         async load: the second time with 0 tokens, ignored)."""
-        if self._saves_enabled:
+        if self._saves_enabled and self._pd_mode(request) != "direct":
             self._new[request.request_id] = request
         lookup = self._lookups.pop(request.request_id, None)
         if lookup is None:
@@ -179,8 +181,7 @@ class ConnectorScheduler:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """A PD producer keeps a `do_remote_decode` request's full prompt blocks for the
         consumer and returns the params the proxy passes on; everything else frees at once."""
-        params = request.kv_transfer_params or {}
-        if not (self._sends_enabled and params.get("do_remote_decode")):
+        if not (self._sends_enabled and self._pd_mode(request) == "direct"):
             return False, None
         num_full = min(len(block_ids), request.num_prompt_tokens // self._block_size)
         if num_full == 0:
@@ -197,6 +198,14 @@ class ConnectorScheduler:
             "remote_block_ids": list(held),
             "tsukimi_format": self._digest,
         }
+
+    def _pd_mode(self, request: Any) -> str | None:
+        """How a `do_remote_decode` request hands its KV over ("pool" or "direct": the
+        request's `tsukimi_pd_mode` param, else the config's); None for other requests."""
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_decode"):
+            return None
+        return str(params.get("tsukimi_pd_mode", self._config.pd_mode))
 
     def close(self) -> None:
         self._pool.close()

@@ -91,7 +91,7 @@ class ConnectorWorker:
             len(self._layers), len(storages), self._layers[0].shape[0], block_bytes, self._digest,
         )  # fmt: skip
         self._peers = PeerReader(self._engine, self._layers, self._config.rpc_timeout_s)
-        if self._role == "kv_producer" and self._config.pd_mode == "direct" and self._config.pd_port:
+        if self._role == "kv_producer" and self._config.pd_port:
             layout = KVLayout(
                 self._engine.name, [layer.data_ptr() for layer in self._layers], block_bytes,
                 int(self._layers[0].shape[0]), self._digest,
@@ -113,6 +113,8 @@ class ConnectorWorker:
 
     def _load(self, spec: LoadSpec) -> set[int]:
         """Load one request's blocks; the local block ids that failed."""
+        if self._config.fault_load_delay_s:
+            time.sleep(self._config.fault_load_delay_s)
         started = time.perf_counter()
         if spec.remote is not None:
             assert self._peers is not None
