@@ -149,11 +149,11 @@ class VllmServer:
         )
 
     def close(self) -> None:
-        """SIGTERM, then SIGKILL; idempotent (the log file stays for post-mortems)."""
+        """SIGTERM the server, then SIGKILL what is left of its process group; idempotent
+        (the log file stays for post-mortems)."""
         self._http.close()
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.terminate()  # NOTE: the API server stops its engine core and worker itself
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=20)
         with contextlib.suppress(ProcessLookupError):  # the group's stragglers (engine core)
@@ -173,7 +173,13 @@ def pd_handover(
 ) -> tuple[Completion, Completion]:
     """vLLM's toy proxy: prefill on `producer` (one token, `do_remote_decode`, tsukimi's
     `tsukimi_pd_mode`), then decode on `consumer` with the params the producer returned (none
-    in pool mode: the consumer finds the blocks by hash). Returns (prefill, decode)."""
+    in pool mode: the consumer finds the blocks by hash), less `remote_prefill_cached_tokens`
+    so that the decode's `cached_tokens` counts what it loaded. Returns (prefill, decode)."""
     params = {"do_remote_decode": True, "do_remote_prefill": False, "tsukimi_pd_mode": mode}
     first = producer.complete(prompt, 1, params)
-    return first, consumer.complete(prompt, max_tokens, first.kv_transfer_params)
+    handed = dict(first.kv_transfer_params) if first.kv_transfer_params else None
+    if handed is not None:
+        # NOTE: vLLM would report the producer's cache hits as the consumer's cached tokens;
+        # without the key the consumer reports its own, i.e. what it loaded
+        handed.pop("remote_prefill_cached_tokens", None)
+    return first, consumer.complete(prompt, max_tokens, handed)

@@ -39,6 +39,17 @@ from tsukimi.integrations.vllm.worker import ConnectorWorker
 logger = logging.getLogger(__name__)
 
 
+def _log_through_vllm() -> None:
+    """tsukimi's log lines go where vLLM's go (its handlers), unless tsukimi has its own."""
+    ours = logging.getLogger("tsukimi")
+    if ours.handlers:
+        return
+    for handler in logging.getLogger("vllm").handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
+
+
 class TsukimiConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyped here
     """vLLM KV connector (v1 API) over tsukimi's store and Transfer Engine."""
 
@@ -46,6 +57,7 @@ class TsukimiConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_through_vllm()
         transfer = vllm_config.kv_transfer_config
         self._config = TsukimiConnectorConfig.from_extra(dict(transfer.kv_connector_extra_config or {}))
         fmt = kv_format(vllm_config, kv_cache_config, self._config.model_tag)
