@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,28 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def start_servers(*configs: VllmServerConfig) -> list[VllmServer]:
+    """Start the servers side by side (start-up dominates); all of them or none.
+
+    Raises:
+        PeerError: one did not start (the others are closed).
+    """
+    with ThreadPoolExecutor(len(configs)) as pool:
+        futures = [pool.submit(VllmServer, config) for config in configs]
+        servers: list[VllmServer] = []
+        errors: list[PeerError] = []
+        for future in futures:
+            try:
+                servers.append(future.result())
+            except PeerError as exc:
+                errors.append(exc)
+    if errors:
+        for server in servers:
+            server.close()
+        raise errors[0]
+    return servers
 
 
 def pd_handover(

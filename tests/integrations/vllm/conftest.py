@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.vllm_server import VllmServer, VllmServerConfig, missing_reason
+from tsukimi.testing.vllm_server import missing_reason
 
 SKIP_REASON = missing_reason("tiny")
 needs_vllm = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON or "vLLM is here")
@@ -30,23 +29,6 @@ def prompt(seed: int, num_tokens: int) -> list[int]:
 def loadable_tokens(num_tokens: int) -> int:
     """What the connector may load of a prompt: full blocks, never the last token."""
     return (num_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
-
-
-def start_servers(*configs: VllmServerConfig) -> list[VllmServer]:
-    """Start the servers side by side (start-up dominates); all or none."""
-    with ThreadPoolExecutor(len(configs)) as pool:
-        futures = [pool.submit(VllmServer, config) for config in configs]
-        servers, errors = [], []
-        for future in futures:
-            try:
-                servers.append(future.result())
-            except Exception as exc:
-                errors.append(exc)
-    if errors:
-        for server in servers:
-            server.close()
-        raise errors[0]
-    return servers
 
 
 @pytest.fixture(scope="module")

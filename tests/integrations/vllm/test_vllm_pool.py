@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integrations.vllm.conftest import needs_vllm, prompt, start_servers
+from tests.integrations.vllm.conftest import needs_vllm, prompt
 from tsukimi.store.client import StoreClient
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.vllm_server import Completion, VllmServer, VllmServerConfig, connector_config
+from tsukimi.testing.vllm_server import Completion, VllmServer, VllmServerConfig, connector_config, start_servers
 
 pytestmark = [needs_vllm, pytest.mark.timeout(600)]
 LOAD_DELAY_S = 1.0  # every load waits this long: the fault test removes blocks meanwhile
