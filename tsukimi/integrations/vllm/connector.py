@@ -24,6 +24,7 @@ the scheduler half (scheduler.py) or the worker half (worker.py).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -40,13 +41,21 @@ logger = logging.getLogger(__name__)
 
 
 def _log_through_vllm() -> None:
-    """tsukimi's log lines go where vLLM's go (its handlers), unless tsukimi has its own."""
+    """tsukimi's log lines go where vLLM's go (its handlers, INFO), unless tsukimi logs
+    somewhere already; with TSUKIMI_LOG_LEVEL set (e.g. DEBUG: a line per load), to stderr at
+    that level."""
     ours = logging.getLogger("tsukimi")
     if ours.handlers:
         return
-    for handler in logging.getLogger("vllm").handlers:
-        ours.addHandler(handler)
-    ours.setLevel(logging.INFO)
+    level = os.environ.get("TSUKIMI_LOG_LEVEL", "")
+    if level:
+        stream = logging.StreamHandler()
+        stream.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"))
+        ours.addHandler(stream)
+    else:
+        for handler in logging.getLogger("vllm").handlers:
+            ours.addHandler(handler)
+    ours.setLevel(level.upper() or logging.INFO)
     ours.propagate = False
 
 

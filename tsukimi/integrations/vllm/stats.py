@@ -14,9 +14,10 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 COUNTERS = (
-    "num_loads", "load_blocks", "load_failed_blocks", "load_s", "load_errors_reported",
+    "num_loads", "load_blocks", "load_failed_blocks", "load_errors_reported",
     "num_puts", "put_objects", "put_failed_objects", "put_s", "save_wait_s",
 )  # fmt: skip
+SOURCES = ("pool", "direct")
 
 
 @dataclass
@@ -30,14 +31,18 @@ class TsukimiConnectorStats(KVConnectorStats):  # type: ignore[misc]  # vLLM is 
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+            empty: float | list[float] = [] if isinstance(value, list) else 0
+            self.data[key] = self.data.get(key, empty) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {key: self.data.get(key, 0) for key in COUNTERS if self.data.get(key)}
-        loads = self.data.get("num_loads", 0)
-        if loads:
-            out["load_ms_avg"] = round(1000 * self.data.get("load_s", 0.0) / loads, 3)
+        """Counters, and per load source the p50 and max of the load times (ms)."""
+        out: dict[str, int | float] = {key: self.data[key] for key in COUNTERS if self.data.get(key)}
+        for source in SOURCES:
+            times = sorted(self.data.get(f"{source}_load_ms", []))
+            if times:
+                out[f"{source}_load_ms_p50"] = round(times[len(times) // 2], 3)
+                out[f"{source}_load_ms_max"] = round(times[-1], 3)
         return out
 
     def is_empty(self) -> bool:
@@ -49,6 +54,7 @@ class StatsRecorder:
 
     def __init__(self) -> None:
         self._data: dict[str, float] = {}
+        self._times: dict[str, list[float]] = {}
         self._lock = threading.Lock()
 
     def _add(self, **values: float) -> None:
@@ -56,8 +62,11 @@ class StatsRecorder:
             for key, value in values.items():
                 self._data[key] = self._data.get(key, 0) + value
 
-    def loaded(self, num_blocks: int, num_failed: int, seconds: float) -> None:
-        self._add(num_loads=1, load_blocks=num_blocks, load_failed_blocks=num_failed, load_s=seconds)
+    def loaded(self, source: str, num_blocks: int, num_failed: int, seconds: float) -> None:
+        """One request's load from `source` ("pool" or "direct")."""
+        self._add(num_loads=1, load_blocks=num_blocks, load_failed_blocks=num_failed)
+        with self._lock:
+            self._times.setdefault(f"{source}_load_ms", []).append(1000 * seconds)
 
     def load_errors(self, num_blocks: int) -> None:
         self._add(load_errors_reported=num_blocks)
@@ -71,5 +80,6 @@ class StatsRecorder:
     def take(self) -> TsukimiConnectorStats | None:
         """The counters since the last call, or None when nothing happened (mutates)."""
         with self._lock:
-            data, self._data = self._data, {}
+            data: dict[str, Any] = {**self._data, **self._times}
+            self._data, self._times = {}, {}
         return TsukimiConnectorStats(data=data) if data else None

@@ -125,7 +125,13 @@ class ConnectorWorker:
             self._peers.release(remote.host, remote.port, remote.request_id)
         else:
             failed = self._load_from_pool(spec)
-        self.stats.loaded(len(spec.block_ids), len(failed), time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        source = "pool" if spec.remote is None else "direct"
+        self.stats.loaded(source, len(spec.block_ids), len(failed), seconds)
+        logger.debug(
+            "loaded %s: %d blocks from %s in %.3f ms, %d failed",
+            spec.req_id, len(spec.block_ids), source, 1000 * seconds, len(failed),
+        )  # fmt: skip
         return failed
 
     def _load_from_pool(self, spec: LoadSpec) -> set[int]:
