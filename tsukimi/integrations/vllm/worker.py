@@ -57,6 +57,7 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         self._saving: list[Future[None]] = []
         self._leases: dict[str, float] = {}  # PD producer: request id -> when its blocks go anyway
+        self._released: dict[str, float] = {}  # released by a consumer (request id -> when)
         self._side: SideChannel | None = None
         self._peers: PeerReader | None = None
         self.stats = StatsRecorder()
@@ -169,17 +170,29 @@ class ConnectorWorker:
             except Exception:  # NOTE: a bug in a load must mean recompute, never a wrong token or a hang
                 logger.exception("loading %s failed; recomputing its blocks", req_id)
                 self._load_errors |= set(spec.block_ids)
-        sending: set[str] = set()
-        if self._leases:
-            released = self._side.take_released() if self._side is not None else set()
-            now = time.monotonic()
-            for req_id, deadline in list(self._leases.items()):
-                if req_id in released or now > deadline:
-                    if req_id not in released:
-                        logger.warning("PD consumer never released %s; freeing its blocks", req_id)
-                    del self._leases[req_id]
-                    sending.add(req_id)
-        return sending or None, recving or None
+        return self._ended_leases() or None, recving or None
+
+    def _ended_leases(self) -> set[str]:
+        """PD producer: the requests whose consumer released them, or whose lease ran out.
+        NOTE: a release may come before this worker learns of the lease (the consumer is fast,
+        the lease arrives with the next step's metadata): such releases wait here a lease long."""
+        if self._side is None:
+            return set()
+        now = time.monotonic()
+        for req_id in self._side.take_released():
+            self._released[req_id] = now
+        ended: set[str] = set()
+        for req_id, deadline in list(self._leases.items()):
+            released = self._released.pop(req_id, None) is not None
+            if released or now > deadline:
+                if not released:
+                    logger.warning("PD consumer never released %s; freeing its blocks", req_id)
+                del self._leases[req_id]
+                ended.add(req_id)
+        for req_id, when in list(self._released.items()):
+            if now - when > self._config.pd_lease_s:
+                del self._released[req_id]
+        return ended
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The blocks that failed since the last call (mutates: resets them)."""
