@@ -105,6 +105,25 @@ class TsukimiConnectorConfig:
         )  # fmt: skip
 
 
+class _OncePerOutage(logging.Filter):
+    """Lets one heartbeat-failure line of the store client through per `every_s` (a dead
+    master would otherwise cost vLLM's log a line per heartbeat for as long as it is down)."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        super().__init__()
+        self._every_s = every_s
+        self._last = -every_s
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("heartbeat to"):
+            return True
+        now = time.monotonic()
+        if now - self._last < self._every_s:
+            return False
+        self._last = now
+        return True
+
+
 class PoolLink:
     """A StoreClient made on first use and remade after failures: while the master is down
     every call answers None for `retry_s`, so vLLM runs plain (one warning per outage).
@@ -119,6 +138,9 @@ class PoolLink:
         self._down_until = 0.0
         self._outage = False
         self._lock = threading.Lock()
+        client_logger = logging.getLogger("tsukimi.store.client")
+        if not any(isinstance(f, _OncePerOutage) for f in client_logger.filters):
+            client_logger.addFilter(_OncePerOutage())  # NOTE: once per process
 
     def client(self) -> StoreClient | None:
         """The client, or None while the master is (believed) down."""
