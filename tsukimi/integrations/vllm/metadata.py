@@ -82,12 +82,16 @@ def kv_format(vllm_config: Any, kv_cache_config: Any, model_tag: str = "") -> KV
     """The KV format of this vLLM instance (the same in the scheduler and the worker).
 
     Raises:
-        ConfigError: more than one KV cache group (hybrid models), which the connector does
-            not handle.
+        ConfigError: more than one KV cache group (hybrid models), or tensor / pipeline
+            parallelism, which the connector does not handle.
     """
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError(f"TsukimiConnector handles one KV cache group, this model has {len(groups)}")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        # NOTE: each rank would hold other heads (or layers) under the same keys
+        raise ConfigError("TsukimiConnector does not handle tensor or pipeline parallelism yet (keys carry no rank)")
     spec = groups[0].kv_cache_spec
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
