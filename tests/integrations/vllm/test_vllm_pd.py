@@ -18,7 +18,7 @@ from tsukimi.testing.deployments import TsukimiCluster
 from tsukimi.testing.processes import free_port
 from tsukimi.testing.vllm_server import VllmServer, VllmServerConfig, connector_config, pd_handover, start_servers
 
-pytestmark = [needs_vllm, pytest.mark.timeout(600)]
+pytestmark = [needs_vllm, pytest.mark.timeout(1200)]
 LENGTHS = (300, 520, 700, 1000)
 
 

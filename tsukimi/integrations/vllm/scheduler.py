@@ -174,6 +174,10 @@ class ConnectorScheduler:
             return
         hashes = tuple(bytes(h) for h in request.block_hashes[span.start : end])
         meta.saves.append(SaveSpec(req_id, tuple(tracker.block_ids[span.start : end]), hashes))
+        logger.debug(
+            "saving %s blocks %d-%d, format %s, hashes %s",
+            req_id, span.start, end, self._digest, ",".join(h.hex() for h in hashes),
+        )  # fmt: skip
         tracker.num_saved = end
 
     # -- finish ------------------------------------------------------------------------
