@@ -9,6 +9,7 @@ may pickle them to the worker process.
 
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,7 +97,10 @@ def kv_format(vllm_config: Any, kv_cache_config: Any, model_tag: str = "") -> KV
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     dtype_name = str(spec.dtype).removeprefix("torch.")
-    model = model_tag or f"{model_config.model}@{model_config.revision or ''}"
+    name = str(model_config.model)
+    if os.path.isdir(name):  # NOTE: "./m" and "/abs/m" are one model; other hosts: set model_tag
+        name = os.path.realpath(name)
+    model = model_tag or f"{name}@{model_config.revision or ''}"
     kernel = _attention_kernel(spec.dtype, spec.block_size, spec.head_size, cache_config.cache_dtype)
     return KVFormat(
         model=model,
