@@ -1,0 +1,1 @@
+"""vLLM on tsukimi: a KV connector on the store (tsukimi.integrations.vllm.connector), PD disaggregation, the models."""
