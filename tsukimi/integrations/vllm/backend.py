@@ -82,7 +82,8 @@ class InstanceState:
     """What the router knows of one instance: polled gauges, health and its own requests."""
 
     spec: VllmInstance
-    healthy: bool = True
+    healthy: bool = True  # NOTE: optimistic until a poll says otherwise
+    polled: bool = False  # its /metrics answered at least once
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
@@ -269,6 +270,7 @@ class VllmBackend:
                 if sample.name in _GAUGES:
                     values[_GAUGES[sample.name]] += sample.value
         state.running, state.waiting, state.kv_usage = values["running"], values["waiting"], values["kv_usage"]
+        state.polled = True
         if not state.healthy:
             logger.info("vLLM instance %s answers again", state.spec.name)
         state.healthy = True
