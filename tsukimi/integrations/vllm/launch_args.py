@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
     """The flags only `--backend vllm` reads (mutates `p`)."""
     g = p.add_argument_group("--backend vllm")
-    g.add_argument("--kv-events", default="", help="NAME=tcp://HOST:PORT[+tcp://HOST:REPLAY_PORT],... per instance")
+    g.add_argument("--kv-events", default="", help="NAME=ENDPOINT[+REPLAY],... per instance (tcp:// or ipc://)")
     g.add_argument("--kv-events-topic", default="kv", help="the topic of the instances' KV events")
     g.add_argument("--vllm-block-size", type=int, default=128, help="the instances' KV block size in tokens")
     g.add_argument("--vllm-hash-algo", choices=HASH_ALGOS, default="sha256", help="--prefix-caching-hash-algo")
@@ -39,8 +39,10 @@ def parse_event_sources(text: str, topic: str) -> dict[str, EventSource]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, eq, rest = item.partition("=")
         endpoint, _, replay = rest.partition("+")
-        if not eq or not endpoint.startswith("tcp://") or (replay and not replay.startswith("tcp://")):
-            raise ConfigError(f"a KV event source must look like NAME=tcp://HOST:PORT[+tcp://HOST:PORT], got {item!r}")
+        schemes = ("tcp://", "ipc://")
+        if not eq or not endpoint.startswith(schemes) or (replay and not replay.startswith(schemes)):
+            raise ConfigError(f"a KV event source must look like NAME=ENDPOINT[+REPLAY_ENDPOINT] with tcp:// or "
+                              f"ipc:// endpoints, got {item!r}")  # fmt: skip
         out[name.strip()] = EventSource(endpoint.strip(), topic, replay.strip() or None)
     return out
 
