@@ -58,7 +58,7 @@ class VllmClusterConfig:
     router_port: int = 0
     kv_cache_gib: float = 1.0
     pool_segment_bytes: int = 256 << 20
-    max_model_len: int = 8192
+    max_model_len: int = 0  # 0: the model's own
     venv: str = str(ROOT / ".venv-vllm")
     models_dir: str = str(ROOT / ".models")
     startup_timeout_s: float = 600.0
@@ -113,8 +113,8 @@ def vllm_process(
                  "topic": "kv"}  # fmt: skip
     argv = [str(config.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model_path()),
             "--served-model-name", config.model, "--host", h, "--port", str(port), "--dtype", "float32",
-            "--max-model-len", str(config.max_model_len), "--enable-prompt-tokens-details",
-            "--kv-events-config", json.dumps(kv_events)]  # fmt: skip
+            "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events)]  # fmt: skip
+    argv += ["--max-model-len", str(config.max_model_len)] if config.max_model_len else []
     argv += [] if config.prefix_caching else ["--no-enable-prefix-caching"]
     transfer = _connector_config(config, role, master)
     argv += ["--kv-transfer-config", json.dumps(transfer)] if transfer else []
