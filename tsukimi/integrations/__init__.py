@@ -1,1 +1,1 @@
-"""Integrations of tsukimi with other inference engines (vLLM)."""
+"""Integrations of tsukimi with inference engines (vLLM)."""
