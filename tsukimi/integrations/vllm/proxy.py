@@ -150,6 +150,10 @@ async def _disaggregated(backend: VllmBackend, path: str, body: Body, placement:
         return _error(exc)
     assert decode is not None
     params = response.json().get("kv_transfer_params")
+    if isinstance(params, dict):
+        # NOTE: vLLM would report the prefill's cache hits as the decode's cached tokens;
+        # without the key the decode reports its own (what it loaded), as tsukimi's PD tests do
+        params.pop("remote_prefill_cached_tokens", None)
     return await forward(backend, decode, path, {**body, "kv_transfer_params": params}, placement, lambda: None)
 
 
