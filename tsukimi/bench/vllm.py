@@ -29,15 +29,20 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
 
 from tsukimi.errors import ConfigError, PeerError
 from tsukimi.integrations.vllm.launch import ROOT, VllmClusterConfig, plan_vllm
+from tsukimi.testing.processes import free_port
+
+if TYPE_CHECKING:
+    from tsukimi.serving.cluster import ProcessSpec
 
 SYSTEMS = ("vllm_rr", "tsukimi", "mooncake_store", "tsukimi_routing")
 _TIMEOUT = httpx.Timeout(300.0, connect=5.0)
@@ -97,18 +102,38 @@ class BenchCluster:
         from tsukimi.serving.cluster import Supervisor
 
         groups = plan_vllm(config, workdir)
-        self.api = groups[-1][0].url
         self.instances = [s.url for s in groups[-2]]
         self.supervisor = Supervisor(workdir, config.stop_timeout_s, verbose=0)
-        deadline = time.monotonic() + config.startup_timeout_s
+        # NOTE: Supervisor deadlines read the WallClock, i.e. time.monotonic
+        self._deadline = time.monotonic() + config.startup_timeout_s
         try:
-            for group in groups:
-                self.supervisor.start_group(group)
-                # NOTE: Supervisor deadlines read the WallClock (time.monotonic as well)
-                self.supervisor.wait_ready(self.supervisor.groups[-1], deadline, threading.Event(), lambda _: None)
+            for group in groups[:-1]:
+                self._start(group)
+            self.api = self._start_router(groups[-1][0])
         except BaseException:
             self.close()
             raise
+
+    def _start(self, group: Sequence[ProcessSpec]) -> None:
+        self.supervisor.start_group(group)
+        self.supervisor.wait_ready(self.supervisor.groups[-1], self._deadline, threading.Event(), lambda _: None)
+
+    def _start_router(self, spec: ProcessSpec) -> str:
+        """Starts the router, on another free port while the one planned minutes ago was
+        taken meanwhile (a free port is only free when asked); its URL."""
+        for attempt in range(3):
+            try:
+                self._start([spec])
+                return spec.url
+            except PeerError as exc:
+                if "Address already in use" not in str(exc) or attempt == 2:
+                    raise
+                self.supervisor.groups.pop()
+                port = spec.args[spec.args.index("--port") + 1]
+                fresh = str(free_port())
+                spec = replace(spec, args=tuple(fresh if a == port else a for a in spec.args),
+                               url=spec.url.rsplit(":", 1)[0] + f":{fresh}")  # fmt: skip
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         self.supervisor.stop()

@@ -192,7 +192,7 @@ def run_vllm_cluster(args: argparse.Namespace, console: Console) -> None:
     config = VllmClusterConfig(
         model=args.model or "tiny", mode=args.mode or "colocated", instances=args.instances,
         connector=args.connector, prefix_caching=not args.no_prefix_caching, policy=args.policy,
-        router_port=args.port or 0, log_dir=args.log_dir,
+        router_port=args.port or 8000, log_dir=args.log_dir,
     )  # fmt: skip
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="tsukimi-up-vllm-"))
     log_dir.mkdir(parents=True, exist_ok=True)
