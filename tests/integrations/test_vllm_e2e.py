@@ -43,10 +43,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def cluster(model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, dict[str, object], Callable[[], None]]]:
+def cluster(
+    model_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[str, dict[str, object], Callable[[], None]]]:
+    """`tsukimi up --engine vllm` with the flags the test's `up_args` marker gives (default: one
+    colocated instance)."""
+    marker = request.node.get_closest_marker("up_args")
+    extra = list(marker.args) if marker else ["--instances", "1"]
     state, port = tmp_path / "state.json", free_port()
-    cmd = [sys.executable, "-m", "tsukimi.cli", "up", "--engine", "vllm", "--model", str(model_dir), "--instances",
-           "1", "--port", str(port), "--state-file", str(state), "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    cmd = [sys.executable, "-m", "tsukimi.cli", "up", "--engine", "vllm", "--model", str(model_dir), *extra,
+           "--port", str(port), "--state-file", str(state), "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     with (tmp_path / "up.log").open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -108,6 +114,26 @@ def test_completion_events_and_cache_hit(
     while any(_group_alive(p["pid"]) for p in processes) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [p["name"] for p in processes if _group_alive(p["pid"])] == []
+
+
+@pytest.mark.up_args("--mode", "pd", "--connector", "tsukimi")
+def test_pd_through_the_pool(cluster: tuple[str, dict[str, object], Callable[[], None]], model_dir: Path) -> None:
+    """The router's two steps on real vLLM + TsukimiConnector: the decode instance loads the
+    prompt's full blocks (all but the last token's block) instead of computing them."""
+    api, info, _ = cluster
+    prompt = list(range(100, 100 + 5 * 128))
+    body = {"model": str(model_dir), "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    events = [json.loads(line[6:]) for line in httpx.post(f"{api}/v1/completions", json=body, timeout=120).text
+              .splitlines() if line.startswith("data: {")]  # fmt: skip
+    tokens = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+    usage = events[-1]["usage"]
+    assert len(tokens) == 6 and usage["completion_tokens"] == 6
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 4 * 128  # loaded, at most (n - 1) // 128 blocks
+    stats = httpx.get(f"{api}/stats").json()
+    assert stats["mode"] == "pd" and stats["counters"]["accepted"] == 1
+    assert stats["index_blocks"]["vllm-0/hbm"] == 5 and stats["index_blocks"]["pool/dram"] >= 5
+    assert {p["name"] for p in info["processes"]} == {"master", "vllm-0", "vllm-1", "router"}  # type: ignore[union-attr]
 
 
 def test_missing_model_names_make_vllm(tmp_path: Path) -> None:

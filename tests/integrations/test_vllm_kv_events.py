@@ -96,6 +96,16 @@ def test_gap_then_resync_clears_only_that_instance() -> None:
     assert (a.stats.gaps, a.stats.resyncs, a.next_seq) == (1, 1, 6)
 
 
+def test_a_restarted_publisher_starts_over() -> None:
+    index = PrefixIndex()
+    events = InstanceEvents(index, "v0")
+    events.offer(0, batch(stored(1, 2)))
+    events.offer(1, batch(stored(3)))
+    assert events.offer(0, batch(stored(8))) == "applied"  # a new vLLM process: seq 0 again
+    assert index.match([1, 2]) == {} and index.match([8]) == {"v0/hbm": 1}
+    assert (events.next_seq, events.stats.resyncs) == (1, 1)
+
+
 def test_all_blocks_cleared_and_cpu_medium() -> None:
     index = PrefixIndex()
     events = InstanceEvents(index, "v0", pool="pool/dram")

@@ -11,7 +11,8 @@ Wire format (vllm/distributed/kv_events.py, 0.32): the PUB socket sends multipar
 
     publisher --seq n--> InstanceEvents.offer(n, batch)
                            n == next      -> apply, next = n + 1            ("applied")
-                           n <  next      -> drop (a duplicate or replayed) ("stale")
+                           n <  next      -> drop (a duplicate or replayed) ("stale"),
+                                             but 0: the instance restarted -> resync, apply
                            n >  next      -> "gap": the subscriber asks the replay socket
                                              for next.., offers what comes back, and if
                                              the gap is still open clears the instance
@@ -107,8 +108,12 @@ class InstanceEvents:
     def offer(self, seq: int, batch: KvEventBatch) -> Outcome:
         """Applies `batch` if it is the next one; says whether it was, or stale, or past a gap."""
         if self.next_seq is not None and seq < self.next_seq:
-            self.stats.stale += 1
-            return "stale"
+            if seq != 0:
+                self.stats.stale += 1
+                return "stale"
+            # NOTE: a publisher starts at 0, and never sends a seq twice: a new process (the
+            # instance restarted) whose cache is empty; what the index held for it is gone
+            self.resync(0)
         expected = 0 if self.next_seq is None else self.next_seq
         if seq > expected:
             self.stats.gaps += 1
