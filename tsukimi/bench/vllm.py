@@ -8,7 +8,8 @@
     tsukimi_routing  (extra) Conductor routing alone: local prefix caching, no pool
 
 Each system is a `tsukimi up --engine vllm` cluster (tsukimi/integrations/vllm/launch.py)
-started here, warmed with one request per instance, then driven with the workload: every
+started here, warmed with two unrelated 300-token requests per instance, then driven with the
+workload: every
 conversation starts with the same `prefix_tokens` system prompt; turn k sends the history
 plus a new user message once turn k-1 is done. Prompts are token ids drawn from one seeded
 generator per conversation, so every system gets exactly the same requests, and greedy
@@ -202,10 +203,14 @@ async def run_workload(cfg: VllmBenchConfig, url: str) -> dict[tuple[int, int], 
 
 
 async def _warm(cfg: VllmBenchConfig, instances: list[str]) -> None:
-    """One short request straight to each instance (first-request costs out of the way)."""
+    """Two 300-token requests straight to each instance, unrelated to the workload: full
+    blocks, so that a connector's first lookup, save and pool connection (0.4 s for
+    TsukimiConnector, measured) happen before measuring, as vLLM's own first-request costs do."""
     async with httpx.AsyncClient() as client:
-        for url in instances:
-            await complete(client, url, cfg.model, list(range(10, 20)), 2)
+        for i, url in enumerate(instances):
+            for k in range(2):
+                prompt = np.random.default_rng([cfg.seed, 1000 + i, k]).integers(*_VOCAB, 300).tolist()
+                await complete(client, url, cfg.model, prompt, 2)
 
 
 def summarize(system: str, turns: dict[tuple[int, int], Turn], reference: dict[tuple[int, int], Turn] | None
