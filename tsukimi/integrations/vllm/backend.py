@@ -26,6 +26,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import httpx
 import zmq.asyncio
@@ -66,7 +67,7 @@ class VllmRouterConfig:
 
     hash: VllmHashConfig = field(default_factory=VllmHashConfig)
     pool: bool = False
-    policy: str = "conductor"
+    policy: Literal["conductor", "round_robin"] = "conductor"
     max_waiting_requests: int = 0
     poll_interval_s: float = 0.5
     connect_timeout_s: float = 2.0
