@@ -5,6 +5,13 @@
 `--config` reads a TOML file of `RouterFileConfig`: a `[router]` table (`RouterConfig`) and a
 `[conductor]` table (`ConductorConfig`); `--set section.key=value` overrides either. The
 router loads only the model's tokenizer, never its weights.
+
+`--backend vllm` routes vLLM API servers instead (tsukimi/integrations/vllm/proxy.py): the
+workers are vLLM instances, `--kv-events NAME=ENDPOINT[+REPLAY],...` their KV event publishers,
+and no tokenizer is loaded (the instances' /tokenize is used)::
+
+    tsukimi router --backend vllm --workers v0=colocated@http://127.0.0.1:8100 \
+        --kv-events v0=tcp://127.0.0.1:5557+tcp://127.0.0.1:5558
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from rich.console import Console
 
 from tsukimi.config import RouterFileConfig, load
 from tsukimi.errors import ConfigError
+from tsukimi.integrations.vllm.launch_args import add_vllm_arguments, run_vllm
 from tsukimi.serving.worker_client import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -32,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--mode", choices=("auto", "colocated", "pd"), help="default: router.mode (auto)")
     p.add_argument("--config", help="TOML file: [router] and [conductor] tables")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a setting")
+    p.add_argument("--backend", choices=("tsukimi", "vllm"), default="tsukimi", help="the workers' engine")
+    add_vllm_arguments(p)
 
 
 def run(args: argparse.Namespace, console: Console) -> None:
@@ -41,6 +51,10 @@ def run(args: argparse.Namespace, console: Console) -> None:
         ConfigError: bad workers, settings or model spec.
     """
     from tsukimi import httpd
+
+    if args.backend == "vllm":
+        run_vllm(args, console)
+        return
     from tsukimi.engine.tokenizer import load_tokenizer
     from tsukimi.serving.openai_api import create_app
     from tsukimi.serving.router import Router
