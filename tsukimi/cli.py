@@ -13,6 +13,8 @@ from rich.console import Console
 
 from tsukimi.compat import commands as compat_commands
 from tsukimi.errors import TsukimiError
+from tsukimi.integrations.vllm import launch as vllm_launch
+from tsukimi.integrations.vllm import launch_args as vllm_launch_args
 from tsukimi.serving import cluster, router_commands, worker_commands
 from tsukimi.sim import commands as sim_commands
 
@@ -75,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--json", action="store_true")
     sim_commands.add_parser(sub)
     worker_commands.add_parser(sub)
-    cluster.add_parser(sub)
+    vllm_launch.add_vllm_up_arguments(cluster.add_parser(sub))
     compat_commands.add_parser(sub)
-    router_commands.add_parser(sub)
+    vllm_launch_args.add_vllm_arguments(router_commands.add_parser(sub))
     return parser
 
 
@@ -329,9 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "worker":
             worker_commands.run(args, console)
         elif args.command == "up":
-            cluster.run(args, console)
+            (vllm_launch.run_vllm_cluster if args.engine == "vllm" else cluster.run)(args, console)
         elif args.command == "router":
-            router_commands.run(args, console)
+            (vllm_launch_args.run_vllm if args.backend == "vllm" else router_commands.run)(args, console)
         elif args.command == "sim":
             sim_commands.run(args, console)
         elif args.command == "compat":

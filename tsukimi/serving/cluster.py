@@ -55,7 +55,6 @@ from rich.table import Table
 from tsukimi.clock import WallClock
 from tsukimi.config import ClusterConfig, Role, load
 from tsukimi.errors import PeerError
-from tsukimi.integrations.vllm.launch import add_vllm_up_arguments, run_vllm_cluster
 from tsukimi.serving.worker_commands import worker_args
 
 logger = logging.getLogger(__name__)
@@ -346,8 +345,9 @@ def _summary(supervisor: Supervisor) -> Table:
     return table
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register `tsukimi up` on the CLI's subparsers (mutates `sub`)."""
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Register `tsukimi up` on the CLI's subparsers (mutates `sub`); the parser, for the
+    engines' own flags (cli.py adds vLLM's: tsukimi/integrations/vllm/launch.py)."""
     up = sub.add_parser("up", help="start a local cluster (store master, workers, router) and supervise it")
     up.add_argument("--config", help="a TOML file of ClusterConfig (see tsukimi/serving/cluster.py)")
     up.add_argument("--set", action="append", default=[], metavar="[SECTION.]KEY=VALUE", help="override a setting")
@@ -356,7 +356,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     up.add_argument("--port", type=int, help="the OpenAI API's port (default 8000)")
     up.add_argument("--state-file", help="once up, write the processes' names, pids and URLs here (JSON)")
     up.add_argument("--engine", choices=("tsukimi", "vllm"), default="tsukimi", help="the workers' engine")
-    add_vllm_up_arguments(up)
+    return up
 
 
 def run(args: argparse.Namespace, console: Console) -> None:
@@ -365,9 +365,6 @@ def run(args: argparse.Namespace, console: Console) -> None:
     Raises:
         ConfigError: bad settings. PeerError: a process died or did not start in time.
     """
-    if args.engine == "vllm":
-        run_vllm_cluster(args, console)
-        return
     overrides = list(args.set)
     overrides += [f'model="{args.model}"'] if args.model else []
     overrides += [f'mode="{args.mode}"'] if args.mode else []

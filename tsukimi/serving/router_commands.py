@@ -23,14 +23,14 @@ from rich.console import Console
 
 from tsukimi.config import RouterFileConfig, load
 from tsukimi.errors import ConfigError
-from tsukimi.integrations.vllm.launch_args import add_vllm_arguments, run_vllm
 from tsukimi.serving.worker_client import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Registers `tsukimi router` on the CLI's subparsers (mutates `sub`)."""
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Registers `tsukimi router` on the CLI's subparsers (mutates `sub`); the parser, for the
+    backends' own flags (cli.py adds vLLM's: tsukimi/integrations/vllm/launch_args.py)."""
     p = sub.add_parser("router", help="serve the OpenAI-compatible API over running workers")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--config", help="TOML file: [router] and [conductor] tables")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a setting")
     p.add_argument("--backend", choices=("tsukimi", "vllm"), default="tsukimi", help="the workers' engine")
-    add_vllm_arguments(p)
+    return p
 
 
 def run(args: argparse.Namespace, console: Console) -> None:
@@ -51,10 +51,6 @@ def run(args: argparse.Namespace, console: Console) -> None:
         ConfigError: bad workers, settings or model spec.
     """
     from tsukimi import httpd
-
-    if args.backend == "vllm":
-        run_vllm(args, console)
-        return
     from tsukimi.engine.tokenizer import load_tokenizer
     from tsukimi.serving.openai_api import create_app
     from tsukimi.serving.router import Router
