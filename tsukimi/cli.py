@@ -13,6 +13,8 @@ from rich.console import Console
 
 from tsukimi.compat import commands as compat_commands
 from tsukimi.errors import TsukimiError
+from tsukimi.integrations.vllm import launch as vllm_launch
+from tsukimi.integrations.vllm import launch_args as vllm_launch_args
 from tsukimi.serving import cluster, router_commands, worker_commands
 from tsukimi.sim import commands as sim_commands
 
@@ -75,14 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--json", action="store_true")
     sim_commands.add_parser(sub)
     worker_commands.add_parser(sub)
-    cluster.add_parser(sub)
+    vllm_launch.add_vllm_up_arguments(cluster.add_parser(sub))
     compat_commands.add_parser(sub)
-    router_commands.add_parser(sub)
+    vllm_launch_args.add_vllm_arguments(router_commands.add_parser(sub))
     return parser
 
 
 def _add_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`tsukimi bench transfer | store | scheduler | serve` (mutates `bench`)."""
+    """`tsukimi bench transfer | store | scheduler | serve | vllm` (mutates `bench`)."""
     tr = bench.add_parser("transfer", help="Transfer Engine throughput between two processes")
     tr.add_argument(
         "--transport",
@@ -121,7 +123,7 @@ def _add_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser
 
 
 def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`tsukimi bench scheduler | serve` (mutates `bench`)."""
+    """`tsukimi bench scheduler | serve | vllm` (mutates `bench`)."""
     sc = bench.add_parser("scheduler", help="Conductor decision latency and whole-trace simulation time")
     sc.add_argument("--trace", default=sim_commands.DEFAULT_TRACE)
     sc.add_argument("--prefill", type=int, default=32)
@@ -146,6 +148,15 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     sv.add_argument("--no-compare", action="store_true", help="one run with reuse only")
     sv.add_argument("--json", action="store_true")
     sv.add_argument("--markdown", action="store_true")
+    vl = bench.add_parser("vllm", help="two vLLM instances: round-robin vs tsukimi (pool + Conductor) vs Mooncake")
+    vl.add_argument("--model", default="tiny", help="tiny, smollm2 (under .models/) or a Hugging Face folder")
+    vl.add_argument("--systems", default="vllm_rr,tsukimi,mooncake_store", help="comma-separated, in run order")
+    vl.add_argument("--conversations", type=int, default=8)
+    vl.add_argument("--turns", type=int, default=4)
+    vl.add_argument("--prefix-tokens", type=int, default=2000)
+    vl.add_argument("--rate", type=float, default=2.0, help="first turns per second")
+    vl.add_argument("--quick", action="store_true", help="a smoke run: 2 conversations of 2 turns")
+    vl.add_argument("--json", action="store_true")
 
 
 def _bench_store(args: argparse.Namespace, console: Console) -> None:
@@ -192,6 +203,16 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> None:
     )
     result = serve.run_bench(cfg, lambda text: console.print(text, highlight=False))
     print(json.dumps(result) if args.json else serve.markdown(result))
+
+
+def _bench_vllm(args: argparse.Namespace, console: Console) -> None:
+    from tsukimi.bench import vllm
+
+    size = (2, 2) if args.quick else (args.conversations, args.turns)
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    cfg = vllm.VllmBenchConfig(args.model, systems, size[0], size[1], args.prefix_tokens, rate=args.rate)
+    result = vllm.run_bench(cfg, lambda text: console.print(text, highlight=False))
+    print(json.dumps(result) if args.json else vllm.markdown(result))
 
 
 def _profile(args: argparse.Namespace, console: Console) -> None:
@@ -301,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             _bench_store(args, console)
         elif args.command == "bench" and args.bench == "serve":
             _bench_serve(args, console)
+        elif args.command == "bench" and args.bench == "vllm":
+            _bench_vllm(args, console)
         elif args.command == "bench" and args.bench == "scheduler":
             _bench_scheduler(args)
         elif args.command == "profile":
@@ -308,9 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "worker":
             worker_commands.run(args, console)
         elif args.command == "up":
-            cluster.run(args, console)
+            (vllm_launch.run_vllm_cluster if args.engine == "vllm" else cluster.run)(args, console)
         elif args.command == "router":
-            router_commands.run(args, console)
+            (vllm_launch_args.run_vllm if args.backend == "vllm" else router_commands.run)(args, console)
         elif args.command == "sim":
             sim_commands.run(args, console)
         elif args.command == "compat":

@@ -82,7 +82,7 @@ def test_into_and_from_caller_buffers(store: compat.MooncakeDistributedStore) ->
     assert store.put_tensor_from(back, ptr, size) == OK and same(store.get_tensor(back), torch.full((25,), 2.0))
     assert store.get_tensor_into(key, ptr, size - 1) is None  # too small
     assert store.put_tensor_from(fresh("from"), ptr, 10) == INVALID_PARAMS  # holds no header
-    assert store.batch_get_tensor_into([key], [ptr, ptr], [size]) == [None]
+    assert store.batch_get_tensor_into([key, fresh("x")], [ptr], [size]) == [INVALID_PARAMS] * 2  # as Mooncake
 
 
 def test_with_tp_writes_every_shard(store: compat.MooncakeDistributedStore) -> None:

@@ -182,13 +182,13 @@ def test_silent_clients_get_no_new_replicas_and_are_dropped_after_the_ttl() -> N
         p.segment_id for p in state.objects["one"].replicas
     }
     silent = next(iter(holders))
-    clock.advance(2.0)
+    clock.advance(2.6)  # past 2.5 heartbeat intervals
     for client in ("c0", "c1", "c2"):
         if f"seg{client[1]}" != silent:
             state.registry.heartbeat(client, clock.now())
     locations = state.put_start("c0", "new", KIB, ReplicaConfig(replicas=3), upsert=False)
     assert f"te{silent[3]}" not in {loc.te_segment for loc in locations} and len(locations) == 2
-    clock.advance(1.5)  # the silent client passes client_ttl
+    clock.advance(0.5)  # the silent client passes client_ttl
     state.tick()
     assert silent not in state.registry.segments
     assert all(p.segment_id != silent for r in state.objects.values() for p in r.replicas)
@@ -300,6 +300,6 @@ def test_gets_list_replicas_on_silent_holders_last() -> None:
     state, clock = make_state(num_segments=2, client_ttl_s=3.0, heartbeat_interval_s=1.0)
     put(state, "k", replicas=2, preferred_segments=("te0", "te1"))
     assert [loc.te_segment for loc in state.get_replicas("k")[0]] == ["te0", "te1"]
-    clock.advance(2.0)
+    clock.advance(2.6)  # past 2.5 heartbeat intervals
     state.registry.heartbeat("c1", clock.now())  # c0 (te0) is stopped or cut off
     assert [loc.te_segment for loc in state.get_replicas("k")[0]] == ["te1", "te0"]

@@ -20,7 +20,7 @@ class MasterConfig:
     """Store master settings.
 
     client_ttl_s: a client silent this long loses its segments and the replicas in them.
-    heartbeat_interval_s: how often clients heartbeat; a client silent for 1.5 intervals
+    heartbeat_interval_s: how often clients heartbeat; a client silent for 2.5 intervals (at most client_ttl_s)
         gets no new replicas.
     lease_ttl_s: how long a get keeps an object from being evicted or freed.
     put_timeout_s: a put started and not ended within this is reclaimed.

@@ -31,6 +31,7 @@ settings `[workers]` gives them all (a `WorkerConfig`) with its own name, role, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -44,6 +45,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from rich.console import Console
@@ -60,12 +62,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ProcessSpec:
-    """One child: its name, role, `tsukimi` arguments and HTTP base URL."""
+    """One child: its name, role, `tsukimi` arguments and HTTP base URL. `argv`: a command
+    line that is not tsukimi's (then `args` is unused), `env`: variables added to ours;
+    `health`: "tsukimi" waits for {"status": "ok"} on /health, "http" for any 200 (vLLM)."""
 
     name: str
     role: str
     args: tuple[str, ...]
     url: str
+    argv: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    health: Literal["tsukimi", "http"] = "tsukimi"
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
@@ -141,12 +148,13 @@ class Supervisor:
         for spec in specs:
             log = self.log_dir / f"{spec.name}.log"
             verbosity = ["-" + "v" * self.verbose] if self.verbose else []
+            argv = list(spec.argv) or [sys.executable, "-m", "tsukimi.cli", *verbosity, *spec.args]
             with log.open("wb") as out:  # NOTE: the child keeps its own descriptor
                 # NOTE: a session of its own: the terminal's Ctrl-C reaches the supervisor only,
                 # which stops the children in order (router first, master last).
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "tsukimi.cli", *verbosity, *spec.args], stdin=subprocess.DEVNULL,
-                    stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                    argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    env={**env, **dict(spec.env)}, start_new_session=True,
                 )  # fmt: skip
             group.append(_Child(spec, proc, log))
             logger.info("started %s (pid %d): %s", spec.name, proc.pid, " ".join(spec.args))
@@ -164,7 +172,7 @@ class Supervisor:
             while pending:
                 for child in list(pending):
                     self._check_alive(child)
-                    if _healthy(client, child.spec.url):
+                    if _healthy(client, child.spec.url, child.spec.health):
                         pending.remove(child)
                         on_ready(child)
                 if pending and self._clock.now() > deadline_s:
@@ -198,12 +206,17 @@ class Supervisor:
                     logger.warning("%s (pid %d) ignored SIGTERM: killing it", child.spec.name, child.proc.pid)
                     child.proc.kill()
                     child.proc.wait(timeout=5)
+                # NOTE: what the child left behind in its session (vLLM's engine core) goes too
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.proc.pid, signal.SIGKILL)
         self.groups.clear()
 
 
-def _healthy(client: httpx.Client, url: str) -> bool:
+def _healthy(client: httpx.Client, url: str, kind: str = "tsukimi") -> bool:
     try:
         response = client.get(url + "/health")
+        if kind == "http":
+            return response.status_code == 200
         return response.status_code == 200 and response.json().get("status") == "ok"
     except (httpx.HTTPError, ValueError):
         return False
@@ -266,17 +279,25 @@ def run_cluster(config: ClusterConfig, console: Console, state_file: str | None 
         PeerError: a process exited, or did not become healthy within startup_timeout_s.
         OSError: a process could not be spawned or its log not written.
     """
+    supervisor = Supervisor(_log_dir_for(config), config.stop_timeout_s)
+    model = config.router.served_model_name or config.model
+    supervise(supervisor, plan(config), model, config.startup_timeout_s, console, state_file)
+
+
+def supervise(
+    supervisor: Supervisor, groups: Sequence[Sequence[ProcessSpec]], model: str, startup_timeout_s: float,
+    console: Console, state_file: str | None = None,
+) -> None:  # fmt: skip
+    """Starts `groups` in order (the last one's first process serves the API) and supervises
+    them until Ctrl-C or SIGTERM; stops every process on the way out. Raises as run_cluster."""
     stop = threading.Event()
     restore = _install_stop_signals(stop)
-    supervisor = Supervisor(_log_dir_for(config), config.stop_timeout_s)
     try:
-        groups = plan(config)
         api_url = groups[-1][0].url
-        if not _start(supervisor, groups, config.startup_timeout_s, stop, console):
+        if not _start(supervisor, groups, startup_timeout_s, stop, console):
             console.print("interrupted while starting", highlight=False)
             return
         console.print(_summary(supervisor), highlight=False)
-        model = config.router.served_model_name or config.model
         console.print(f"\nOpenAI API on {api_url}; try:\n  {_curl_example(api_url, model)}\n", highlight=False)
         console.print("Ctrl-C stops the cluster.", highlight=False)
         if state_file:
@@ -324,8 +345,9 @@ def _summary(supervisor: Supervisor) -> Table:
     return table
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register `tsukimi up` on the CLI's subparsers (mutates `sub`)."""
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Register `tsukimi up` on the CLI's subparsers (mutates `sub`); the parser, for the
+    engines' own flags (cli.py adds vLLM's: tsukimi/integrations/vllm/launch.py)."""
     up = sub.add_parser("up", help="start a local cluster (store master, workers, router) and supervise it")
     up.add_argument("--config", help="a TOML file of ClusterConfig (see tsukimi/serving/cluster.py)")
     up.add_argument("--set", action="append", default=[], metavar="[SECTION.]KEY=VALUE", help="override a setting")
@@ -333,6 +355,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     up.add_argument("--mode", choices=("pd", "colocated"), help="prefill + decode workers, or colocated ones")
     up.add_argument("--port", type=int, help="the OpenAI API's port (default 8000)")
     up.add_argument("--state-file", help="once up, write the processes' names, pids and URLs here (JSON)")
+    up.add_argument("--engine", choices=("tsukimi", "vllm"), default="tsukimi", help="the workers' engine")
+    return up
 
 
 def run(args: argparse.Namespace, console: Console) -> None:

@@ -5,6 +5,13 @@
 `--config` reads a TOML file of `RouterFileConfig`: a `[router]` table (`RouterConfig`) and a
 `[conductor]` table (`ConductorConfig`); `--set section.key=value` overrides either. The
 router loads only the model's tokenizer, never its weights.
+
+`--backend vllm` routes vLLM API servers instead (tsukimi/integrations/vllm/proxy.py): the
+workers are vLLM instances, `--kv-events NAME=ENDPOINT[+REPLAY],...` their KV event publishers,
+and no tokenizer is loaded (the instances' /tokenize is used)::
+
+    tsukimi router --backend vllm --workers v0=colocated@http://127.0.0.1:8100 \
+        --kv-events v0=tcp://127.0.0.1:5557+tcp://127.0.0.1:5558
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ from tsukimi.serving.worker_client import WorkerSpec
 logger = logging.getLogger(__name__)
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Registers `tsukimi router` on the CLI's subparsers (mutates `sub`)."""
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Registers `tsukimi router` on the CLI's subparsers (mutates `sub`); the parser, for the
+    backends' own flags (cli.py adds vLLM's: tsukimi/integrations/vllm/launch_args.py)."""
     p = sub.add_parser("router", help="serve the OpenAI-compatible API over running workers")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -32,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--mode", choices=("auto", "colocated", "pd"), help="default: router.mode (auto)")
     p.add_argument("--config", help="TOML file: [router] and [conductor] tables")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a setting")
+    p.add_argument("--backend", choices=("tsukimi", "vllm"), default="tsukimi", help="the workers' engine")
+    return p
 
 
 def run(args: argparse.Namespace, console: Console) -> None:

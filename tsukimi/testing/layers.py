@@ -46,6 +46,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"engine", "sim"}),
     frozenset({"serving", "compat"}),
     frozenset({"testing"}),
+    frozenset({"integrations"}),
     frozenset({"bench"}),
     frozenset({"cli", "demo", "__main__", "__init__"}),
 )

@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from tsukimi.compat.mooncake.codes import INVALID_PARAMS
 from tsukimi.compat.mooncake.tensor_calls import ReplicaSettings, address_buffers, put_options
 from tsukimi.compat.mooncake.tensor_parallel import ParallelTensorMethods
 from tsukimi.errors import InvalidArgument
@@ -71,12 +72,17 @@ class TensorMethods(ParallelTensorMethods):
     # -- caller buffers ----------------------------------------------------------------
 
     def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> torch.Tensor | None:
-        return self.batch_get_tensor_into([key], [buffer_ptr], [size])[0]
+        got = self.batch_get_tensor_into([key], [buffer_ptr], [size])[0]
+        return None if isinstance(got, int) else got
 
     def batch_get_tensor_into(
         self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
-    ) -> list[torch.Tensor | None]:
-        """Each tensor read into its buffer (a view of it), or None (miss, too small, ...)."""
+    ) -> list[torch.Tensor | None] | list[int]:
+        """Each tensor read into its buffer (a view of it), or None (miss, too small, ...);
+        as Mooncake, a negative code per key when the lists differ in length."""
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            logger.error("get_tensor_into: %d keys, %d buffers, %d sizes", len(keys), len(buffer_ptrs), len(sizes))
+            return [INVALID_PARAMS] * len(keys)
         return self._get_tensors(
             "get_tensor_into", len(keys), lambda c: t.batch_get_tensors(c, keys, address_buffers(buffer_ptrs, sizes))
         )

@@ -1,0 +1,1 @@
+"""Integrations of tsukimi with inference engines (vLLM)."""
