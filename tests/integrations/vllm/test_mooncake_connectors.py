@@ -1,7 +1,7 @@
 """vLLM's own Mooncake connectors, unchanged, on tsukimi (issue 14 item 4): vLLM runs under
 `tsukimi compat exec`, so `import mooncake.store` / `mooncake.engine` in vLLM's code give
-tsukimi's facade, over a `tsukimi compat mooncake-master`. The real wheel is not installed in
-`.venv-vllm`: without the hook, vLLM could not import `mooncake` at all.
+tsukimi's facade, over a `tsukimi compat mooncake-master`; the hook resolves `mooncake.*` to
+tsukimi even where the real wheel is installed too (checked first).
 
 - MooncakeStoreConnector (kv_both, one in-process `vllm.LLM`): prompts A, B (A's 640-token
   prefix, another tail), A again; B and the second A load the prefix from the pool
@@ -150,10 +150,16 @@ def baseline(group: _Group, model: Path) -> list[list[int]]:
     return [run["tokens"] for run in result["runs"]]
 
 
-def test_vllm_cannot_import_mooncake_without_the_hook() -> None:
-    probe = "import importlib.util; print(importlib.util.find_spec('mooncake') is None)"
-    out = subprocess.run([str(VLLM_PYTHON), "-c", probe], capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip() == "True", "the real Mooncake wheel is installed in .venv-vllm: the tests prove nothing"
+def test_under_the_hook_mooncake_is_tsukimi_even_beside_the_real_wheel() -> None:
+    """`tsukimi compat exec` wins over a real wheel in .venv-vllm (`tsukimi bench vllm`'s (c)
+    installs one there), so these tests run tsukimi's Mooncake either way."""
+    probe = (
+        "import mooncake.engine, mooncake.store; "
+        "print(mooncake.engine.TransferEngine.__module__, mooncake.store.MooncakeDistributedStore.__module__)"
+    )
+    out = subprocess.run([str(TSUKIMI), "compat", "exec", "--", str(VLLM_PYTHON), "-c", probe],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.stdout.split() == ["tsukimi.compat.mooncake.engine", "tsukimi.compat.mooncake.store"], out.stderr[-2000:]
 
 
 def test_mooncake_store_connector_loads_the_prefix_from_tsukimis_pool(
