@@ -221,10 +221,18 @@ def deployment_maker(kind: str) -> DeploymentMaker:
 
 def lend(dep: Deployment) -> DeploymentMaker:
     """A DeploymentMaker that lends the running `dep` (it stays open after each check): one
-    deployment for a whole suite, since a multi-process one takes seconds to start."""
+    deployment for a whole suite, since a multi-process one takes seconds to start. Clients a
+    check made with `dep.client` are closed when it ends, so no extra holder outlives its
+    check (one did, and took replicas the next check expected on the deployment's holders)."""
 
     @contextlib.contextmanager
     def borrowed() -> Iterator[Deployment]:
-        yield dep
+        before = len(dep.clients)
+        try:
+            yield dep
+        finally:
+            for client in dep.clients[before:]:
+                client.close()
+            del dep.clients[before:]
 
     return borrowed

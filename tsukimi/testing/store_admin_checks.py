@@ -95,7 +95,9 @@ def clearing_one_holder_and_removing_by_pattern(make_deployment: DeploymentMaker
         first, second = dep.holder_names
         client.put("twice", b"x" * 1000, replicas=2)
         assert client.clear_replicas(["twice", "nope"], first) == ["twice"]
-        assert _holders(client, "twice") == [second] and client.get("twice") == bytearray(b"x" * 1000)
+        holders = _holders(client, "twice")
+        assert holders == [second], f"after clearing {first}: {holders} (holders {dep.holder_names})"
+        assert client.get("twice") == bytearray(b"x" * 1000)
         client.remove("twice", force=True)
         for key in ("job/1", "job/2", "keep/1"):
             client.put(key, b"v")
