@@ -104,17 +104,7 @@ def measure(store: StoreAdapter, cmd: dict[str, Any]) -> dict[str, float]:
             store.batch_put_from(keys, offsets, size, replicas)
         put_s.append(clock.now() - t0)
         groups.append(keys)
-    get_s: list[float] = []
-    start, i = clock.now(), 0
-    while not get_s or clock.now() - start < cmd["duration_s"]:
-        keys = groups[i % len(groups)]
-        store.dst[: size * batch] = 0
-        t0 = clock.now()
-        got = [store.get_into(keys[0], 0, size)] if batch == 1 else store.batch_get_into(keys, offsets, size)
-        get_s.append(clock.now() - t0)
-        if got != [size] * batch or not np.array_equal(store.dst[: size * batch], store.src[: size * batch]):
-            raise RuntimeError(f"get of {keys[0]} returned {got[:3]}... or wrong bytes")
-        i += 1
+    get_s = _timed_gets(store, groups, size, cmd["duration_s"])
     store.remove_all()
     moved = size * batch
     return {
@@ -155,21 +145,30 @@ def measure_disk(store: StoreAdapter, cmd: dict[str, Any]) -> dict[str, float]:
             raise RuntimeError(f"{cmd['prefix']}: the objects never left memory ({filled} bytes of filler)")
         else:
             clock.sleep(0.05)
+    get_s = _timed_gets(store, groups, size, cmd["duration_s"])
+    stayed = all(store.on_disk_only(keys[0]) for keys in groups)
+    store.remove_all()
+    return {"get_gbps": size * batch * len(get_s) / sum(get_s) / 1e9, "get_p50_us": _pct(get_s, 50),
+            "get_p99_us": _pct(get_s, 99), "stayed_on_disk": float(stayed)}  # fmt: skip
+
+
+def _timed_gets(store: StoreAdapter, groups: list[list[str]], size: int, duration_s: float) -> list[float]:
+    """Get the groups round-robin for `duration_s` (at least once), each call timed and its
+    bytes checked against `store.src`. Raises RuntimeError on a short read or wrong bytes."""
+    clock, batch = WallClock(), len(groups[0])
+    offsets = [i * size for i in range(batch)]
     get_s: list[float] = []
     start, i = clock.now(), 0
-    while not get_s or clock.now() - start < cmd["duration_s"]:
+    while not get_s or clock.now() - start < duration_s:
         keys = groups[i % len(groups)]
         store.dst[: size * batch] = 0
         t0 = clock.now()
         got = [store.get_into(keys[0], 0, size)] if batch == 1 else store.batch_get_into(keys, offsets, size)
         get_s.append(clock.now() - t0)
         if got != [size] * batch or not np.array_equal(store.dst[: size * batch], store.src[: size * batch]):
-            raise RuntimeError(f"get of {keys[0]} from disk returned {got[:3]}... or wrong bytes")
+            raise RuntimeError(f"get of {keys[0]} returned {got[:3]}... or wrong bytes")
         i += 1
-    stayed = all(store.on_disk_only(keys[0]) for keys in groups)
-    store.remove_all()
-    return {"get_gbps": size * batch * len(get_s) / sum(get_s) / 1e9, "get_p50_us": _pct(get_s, 50),
-            "get_p99_us": _pct(get_s, 99), "stayed_on_disk": float(stayed)}  # fmt: skip
+    return get_s
 
 
 def small_ops(store: StoreAdapter, count: int = 200) -> dict[str, float]:

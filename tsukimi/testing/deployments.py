@@ -236,3 +236,13 @@ def lend(dep: Deployment) -> DeploymentMaker:
             del dep.clients[before:]
 
     return borrowed
+
+
+@contextlib.contextmanager
+def fresh_client(dep: Deployment) -> Iterator[StoreClient]:
+    """A fresh client of `dep`; everything in the store is removed (force) after."""
+    client = dep.client()
+    try:
+        yield client
+    finally:
+        client.remove_all(force=True)

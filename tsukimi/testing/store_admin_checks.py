@@ -9,26 +9,17 @@ holders; each check removes what it stored.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 
 from tsukimi.errors import InvalidArgument
 from tsukimi.store.client import StoreClient
 from tsukimi.store.ranges import RangeRead
-from tsukimi.testing.deployments import Deployment, DeploymentMaker
+from tsukimi.testing.deployments import DeploymentMaker
+from tsukimi.testing.deployments import fresh_client as _client
 
 TASK_TIMEOUT_S = 10.0
-
-
-@contextlib.contextmanager
-def _client(dep: Deployment) -> Iterator[StoreClient]:
-    client = dep.client()
-    try:
-        yield client
-    finally:
-        client.remove_all(force=True)
 
 
 def _holders(client: StoreClient, key: str) -> list[str]:

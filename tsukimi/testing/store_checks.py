@@ -5,7 +5,7 @@ Each check takes a DeploymentMaker and uses one deployment from it; a check that
 through its own client removes them all (force) when it ends, so checks can share one
 deployment in order. STORE_CHECKS lists them; `check_store(make_deployment)` runs them all:
 
-    from tsukimi.testing.deployments import lend, start_deployment
+    from tsukimi.testing.deployments import fresh_client, lend, start_deployment
     from tsukimi.testing.store_checks import check_store
     with start_deployment("multiprocess") as dep:
         check_store(lend(dep))
@@ -16,10 +16,9 @@ reclaimed after 1 s) and two holders of HOLDER_BYTES each.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from tsukimi.store import protocol as p
 from tsukimi.store.client import StoreClient
 from tsukimi.store.protocol import CODEC
 from tsukimi.testing.assertions import raises, run_checks
-from tsukimi.testing.deployments import HOLDER_BYTES, Deployment, DeploymentMaker
+from tsukimi.testing.deployments import HOLDER_BYTES, Deployment, DeploymentMaker, fresh_client
 from tsukimi.testing.processes import wait_until
 from tsukimi.testing.store_admin_checks import ADMIN_CHECKS
 from tsukimi.testing.store_parts_checks import PARTS_CHECKS
@@ -43,22 +42,12 @@ from tsukimi.transfer import TransferEngine
 MIB = 1 << 20
 
 
-@contextlib.contextmanager
-def _client(dep: Deployment) -> Iterator[StoreClient]:
-    """A fresh client of `dep`; everything in the store is removed (force) after."""
-    client = dep.client()
-    try:
-        yield client
-    finally:
-        client.remove_all(force=True)
-
-
 def byte_exact_round_trips_and_misses(make_deployment: DeploymentMaker) -> None:
     """put/get/get_into round-trip 1 B to 3 MiB byte-exact with 2 replicas; misses are None
     and 0; registered memory goes zero-copy both ways; a too small buffer and an empty key
     are refused."""
     rng = np.random.default_rng(1)
-    with make_deployment() as dep, _client(dep) as client:
+    with make_deployment() as dep, fresh_client(dep) as client:
         for i, size in enumerate([1, 4096, 65536 + 7, 3 * MIB]):
             data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
             client.put(f"rt{i}", data, replicas=2)
@@ -80,7 +69,7 @@ def byte_exact_round_trips_and_misses(make_deployment: DeploymentMaker) -> None:
 
 def reput_fails_upsert_replaces(make_deployment: DeploymentMaker) -> None:
     """A second put of a key raises ObjectExists (in a batch: that key's result); upsert replaces."""
-    with make_deployment() as dep, _client(dep) as client:
+    with make_deployment() as dep, fresh_client(dep) as client:
         client.put("k", b"one")
         with raises(ObjectExists):
             client.put("k", b"two")
@@ -93,7 +82,7 @@ def reput_fails_upsert_replaces(make_deployment: DeploymentMaker) -> None:
 def remove_under_lease(make_deployment: DeploymentMaker) -> None:
     """A get leases the object for 1 s: remove raises LeaseHeld until then, force removes at
     once; removing what is gone returns False."""
-    with make_deployment() as dep, _client(dep) as client:
+    with make_deployment() as dep, fresh_client(dep) as client:
         client.put("leased", b"x")
         client.get("leased")  # lease for 1 s
         with raises(LeaseHeld):
@@ -109,7 +98,7 @@ def remove_under_lease(make_deployment: DeploymentMaker) -> None:
 def replicas_on_distinct_segments(make_deployment: DeploymentMaker) -> None:
     """2 replicas land on 2 distinct holders' segments (the master's /query_key says so, and
     404 for an unknown key)."""
-    with make_deployment() as dep, _client(dep) as client:
+    with make_deployment() as dep, fresh_client(dep) as client:
         client.put("two", b"x" * 1000, replicas=2)
         info = httpx.get(dep.http_url + "/query_key", params={"key": "two"}, timeout=5).json()
         assert len({r["te_segment"] for r in info["replicas"]}) == 2 and info["complete"], info
@@ -119,7 +108,7 @@ def replicas_on_distinct_segments(make_deployment: DeploymentMaker) -> None:
 def filling_ten_times_the_capacity_never_fails(make_deployment: DeploymentMaker) -> None:
     """Putting 10 times the holders' capacity evicts, never fails; the newest object survives."""
     value = bytes(256 << 10)
-    with make_deployment() as dep, _client(dep) as client:
+    with make_deployment() as dep, fresh_client(dep) as client:
         total = 0
         i = 0
         while total < 10 * 2 * HOLDER_BYTES:
@@ -173,7 +162,7 @@ def disk_tier_offload_read_promote_invalidate_restart(make_deployment: Deploymen
         ssd = str(Path(directory) / "ssd")
         holder = dep.client(MIB, ssd_dir=ssd, ssd_bytes=64 * MIB)
         here = (holder.engine.name,)
-        with _client(dep) as client:
+        with fresh_client(dep) as client:
             client.put("cold", value, preferred=here)
             client.put("kept", kept, preferred=here)
             for i in range(48):  # 12 MiB: more than the pool
@@ -196,7 +185,7 @@ def disk_tier_offload_read_promote_invalidate_restart(make_deployment: Deploymen
 
 def batch_get_into_needs_a_buffer_per_key(make_deployment: DeploymentMaker) -> None:
     """batch_get with fewer buffers than keys is refused, naming both counts."""
-    with make_deployment() as dep, _client(dep) as client, raises(InvalidArgument, match="2 keys but 1 buffers"):
+    with make_deployment() as dep, fresh_client(dep) as client, raises(InvalidArgument, match="2 keys but 1 buffers"):
         client.batch_get(["a", "b"], [bytearray(10)])
 
 
