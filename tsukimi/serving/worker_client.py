@@ -96,7 +96,9 @@ class WorkerClient:
 
     def __init__(self, clock: Clock, connect_timeout_s: float, read_timeout_s: float, poll_interval_s: float) -> None:
         self._clock, self._read_timeout_s, self._poll_interval_s = clock, read_timeout_s, poll_interval_s
-        self._probe_timeout_s = min(connect_timeout_s, 2 * poll_interval_s)
+        # NOTE: at least 0.5 s: a busy worker answered /load in over 0.1 s (2 polls of 50 ms) and
+        # was marked down mid-request, failing it (test_real_workers_pd_matches_colocated in CI)
+        self._probe_timeout_s = min(connect_timeout_s, max(0.5, 2 * poll_interval_s))
         timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self._http = httpx.AsyncClient(timeout=timeout, limits=limits)
