@@ -207,6 +207,44 @@ class ChecksumMismatch(TransferError):
     code = "checksum"
 
 
+class RevisionConflict(TsukimiError):
+    """A compare-and-set on metadata lost a race: the key changed (or appeared, or vanished)
+    since the caller read it. Read it again and retry; nobody's fault."""
+
+    code = "revision_conflict"
+
+
+class PayloadNotFound(ObjectNotFound):
+    """No P2P payload of that name is registered (never, or its origin unregistered it)."""
+
+    code = "payload_not_found"
+
+
+class PayloadExists(ObjectExists):
+    """This P2P store already has that payload open (registered or replicated here)."""
+
+    code = "payload_exists"
+
+
+class PayloadNotOpen(InvalidArgument):
+    """This P2P store has no payload of that name open: nothing to unregister or delete."""
+
+    code = "payload_not_open"
+
+
+class OverlappingBuffers(InvalidBufferError):
+    """Two of the buffers given for one payload share memory."""
+
+    code = "overlapping_buffers"
+
+
+class TooManyRetries(TransferError):
+    """A P2P shard failed from every holder tried (up to max(3, holders) attempts); `reasons`
+    lists each attempt's error."""
+
+    code = "too_many_retries"
+
+
 _REJECTED_PREFIX = "rejected by the Conductor: "
 
 

@@ -3,6 +3,7 @@ per subsystem, and one loader for every settings file.
 
     loader.py      load(schema, path, overrides): defaults -> TOML file -> `section.key=value`
     transfer.py    TransferConfig, MetadataConfig, SecurityConfig
+    p2p.py         P2PConfig
     store.py       MasterConfig, ClientConfig
     scheduling.py  ConductorConfig, SimConfig
     serving.py     WorkerConfig, RouterConfig (+ RouterFileConfig), ClusterConfig (+ its tables)
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tsukimi.config.loader import INLINE_KEYS, build_dataclass, load, read_settings
+from tsukimi.config.p2p import P2PConfig
 from tsukimi.config.scheduling import REJECTION_NAMES, ConductorConfig, RejectionName, SimConfig
 from tsukimi.config.serving import (
     DTYPE_NAMES,
@@ -65,6 +67,7 @@ __all__ = [
     "DTypeName",
     "MasterConfig",
     "MetadataConfig",
+    "P2PConfig",
     "PlacementName",
     "RejectionName",
     "Role",
@@ -90,3 +93,4 @@ class Config:
     client: ClientConfig = field(default_factory=ClientConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    p2p: P2PConfig = field(default_factory=P2PConfig)

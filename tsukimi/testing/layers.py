@@ -8,7 +8,7 @@ from its own layer or any lower one, never from a higher one:
        retry
     1  netio, auth, netserver, rpc, httpd   (sockets, the greeting, the control plane)
     2  transfer                             (the Transfer Engine)
-    3  store, scheduler
+    3  store, scheduler, p2p
     4  engine, sim
     5  serving, compat
     6  testing                              (this kit)
@@ -42,7 +42,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"clock", "errors", "eviction", "config", "retry"}),
     frozenset({"netio", "auth", "netserver", "rpc", "httpd"}),
     frozenset({"transfer"}),
-    frozenset({"store", "scheduler"}),
+    frozenset({"store", "scheduler", "p2p"}),
     frozenset({"engine", "sim"}),
     frozenset({"serving", "compat"}),
     frozenset({"testing"}),
