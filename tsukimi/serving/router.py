@@ -18,6 +18,11 @@ worker unreachable before any token is placed again (the `Retry` policy `PLACEME
 come from `GET /load`, polled every `poll_interval_s`, and from a local count of this
 router's requests in flight.
 
+`update_weights` fans a live weight update out to every worker (each swaps in the new weights
+on its own; tsukimi/serving/weight_update.py) and forgets what the prefix index knew of each
+worker that updated and of the pool: their blocks of the old weights are unreachable now (the
+workers' KV format digest changed). Even without that the index would only misjudge costs.
+
 NOTE: the prefix index learns of blocks only when a prefill finishes here (the prompt's full
 blocks at the prefill worker and at the pool); workers do not report evictions back, so the
 index over-approximates what is cached, and the Conductor may expect a hit that turns into
@@ -41,14 +46,14 @@ import msgspec
 
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import ROLES, ConductorConfig, RouterConfig
-from tsukimi.errors import ConfigError, Rejected, WorkerUnavailable
+from tsukimi.errors import ConfigError, Rejected, TsukimiError, WorkerUnavailable
 from tsukimi.retry import Retry
 from tsukimi.scheduler.baselines import make_router
 from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import CostModel, LinearCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
-from tsukimi.serving.protocol import FinishReason, GenerateRequest
+from tsukimi.serving.protocol import FinishReason, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
 from tsukimi.serving.worker_client import POOL, WorkerClient, WorkerHandle, WorkerSpec, WorkerStatus
 
 logger = logging.getLogger(__name__)
@@ -148,6 +153,27 @@ class Router:
         if self._client is not None:
             await self._client.aclose()
         self._poller = self._client = None
+
+    async def update_weights(
+        self, request: UpdateWeightsRequest, secret: bytes | None
+    ) -> dict[str, UpdateWeightsReply | TsukimiError]:
+        """Update every worker's weights at once (see the module); each worker's reply or error.
+        Mutates the prefix index."""
+        await self.start()
+        assert self._client is not None
+        client, workers = self._client, list(self._workers.values())
+        results = await asyncio.gather(*(client.update_weights(w, request, secret) for w in workers),
+                                       return_exceptions=True)  # fmt: skip
+        outcome: dict[str, UpdateWeightsReply | TsukimiError] = {}
+        for worker, result in zip(workers, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, TsukimiError):
+                raise result
+            outcome[worker.spec.name] = result
+            if isinstance(result, UpdateWeightsReply):
+                self.index.drop_location(location(worker.spec.name, "dram"))
+        if any(isinstance(r, UpdateWeightsReply) for r in outcome.values()):
+            self.index.drop_location(location(POOL, "dram"))
+        return outcome
 
     def workers(self) -> list[WorkerStatus]:
         """The workers' health and loads as last seen (pure)."""
