@@ -232,6 +232,12 @@ def test_a_worker_swaps_in_published_weights_and_keeps_the_old_ones_on_errors(
         assert httpx.get(url + "/health").json()["weights_version"] == version
         again = update(url, {"name": "tiny-seed-1"})  # the same bytes: the same version
         assert again.json()["weights_version"] == version
+        # a PD request whose first token came from the old weights does not continue on the new
+        stale = {"request_id": "stale", "prompt_ids": PROMPT, "max_tokens": 2, "weights_version": "initial"}
+        refused = httpx.post(url + "/generate", json=stale, timeout=30)
+        assert refused.status_code == 503 and "the weights changed" in refused.json()["error"]["message"]
+        current = httpx.post(url + "/generate", json={**stale, "weights_version": version}, timeout=30)
+        assert {json.loads(line)["weights_version"] for line in current.text.splitlines()} == {version}
     assert publisher.list()[0].replica_counts == [1] * len(publisher.list()[0].replica_counts)  # replica withdrawn
 
 

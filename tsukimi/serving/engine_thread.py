@@ -46,10 +46,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """A request's first event: accepted (`error` None) or the error that refused it
-    (InvalidArgument, DuplicateRequest, WorkerUnavailable); later, the error that ends it."""
+    """A request's first event: accepted (`error` None; on `weights_version`) or the error
+    that refused it (InvalidArgument, DuplicateRequest, WorkerUnavailable); later, the error
+    that ends it."""
 
     error: TsukimiError | None = None
+    weights_version: str = ""
 
 
 EngineEvent = StepOutput | Verdict
@@ -74,11 +76,13 @@ class RequestStream:
 
 @dataclass(frozen=True, slots=True)
 class AddCommand:
-    """Add a request; the engine thread answers with a `Verdict` on its stream."""
+    """Add a request; the engine thread answers with a `Verdict` on its stream. A request
+    with a `weights_version` other than the engine's is refused (WorkerUnavailable)."""
 
     prompt: tuple[int, ...]
     params: SamplingParams
     stream: RequestStream
+    weights_version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +149,7 @@ class EngineThread:
         self._pause_deadline = 0.0
         self._clock = WallClock()
         self._stopping = False
+        self.weights_version = "initial"  # NOTE: set by a pause's action (a live weight update)
         self.load = Load(0, 0, self._engine.cache.pool.num_free, self._engine.cache.pool.num_blocks)
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
@@ -258,6 +263,10 @@ class EngineThread:
                 self._metrics.requests.labels("abort").inc()
                 self._engine.abort(rid)
             return
+        if command.weights_version and command.weights_version != self.weights_version:
+            why = f"its first token came from weights {command.weights_version}, this worker has {self.weights_version}"
+            stream.send(Verdict(WorkerUnavailable(f"the weights changed under request {rid}: {why}; retry it")))
+            return
         try:  # NOTE: the engine owns request ids: it refuses one already running (DuplicateRequest)
             self._engine.add_request(rid, command.prompt, command.params)
         except InvalidArgument as exc:
@@ -267,7 +276,7 @@ class EngineThread:
             stream.send(Verdict(WorkerError(f"the engine failed: {type(exc).__name__}: {exc}")))
             raise
         self._active[rid] = stream
-        stream.send(Verdict())
+        stream.send(Verdict(weights_version=self.weights_version))
         logger.debug("accepted %s (%d prompt tokens)", rid, len(command.prompt))
 
     def _step(self) -> None:

@@ -79,7 +79,10 @@ def http_status(error: TsukimiError) -> int:
 class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One generation, as the router asks a worker (the body of POST /generate). The worker's
     role decides how much it generates: a prefill worker makes the first token only. Sampling
-    is greedy unless a temperature is given (the router always sends the client's)."""
+    is greedy unless a temperature is given (the router always sends the client's).
+    `weights_version`: the weights the request must run on ("" = the worker's): the router
+    sends the prefill's to the decode worker, so that no request continues on other weights
+    than its first token's (a live weight update in between fails it with WorkerUnavailable)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -89,6 +92,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    weights_version: str = ""
 
     def __post_init__(self) -> None:
         # NOTE: msgspec reports a ValueError raised here as a ValidationError while decoding
@@ -131,13 +135,15 @@ class ErrorReply(msgspec.Struct, frozen=True):
 class TokenChunk(msgspec.Struct):
     """One NDJSON line of a /generate stream: tokens (several when they were ready together),
     the finish reason on the last line, the prompt tokens whose KV was reused (of those, from
-    the pool), or `error` when the request failed inside the worker after it was accepted."""
+    the pool), or `error` when the request failed inside the worker after it was accepted;
+    `weights_version`: the weights the request runs on."""
 
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0
     pool_tokens: int = 0
     error: ErrorReply | None = None
+    weights_version: str = ""
 
 
 class Load(msgspec.Struct, frozen=True):

@@ -69,7 +69,8 @@ class TokenEvent:
     """Tokens of one request as the workers streamed them. `finish_reason` is set on the last
     event only; `cached_tokens` / `pool_tokens` count the request's prompt tokens whose KV was
     reused so far (of those, loaded from the KV pool), over every worker that served it;
-    `time_s` is the router's clock when the event arrived; `worker` produced the tokens."""
+    `time_s` is the router's clock when the event arrived; `worker` produced the tokens (on
+    `weights_version`)."""
 
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
@@ -77,6 +78,7 @@ class TokenEvent:
     pool_tokens: int
     time_s: float
     worker: str
+    weights_version: str = ""
 
 
 def cost_model(config: RouterConfig) -> CostModel:
@@ -231,9 +233,10 @@ class Router:
             yield dataclasses.replace(first, finish_reason=first.finish_reason or "length")
             return
         decode, generated = self._admit_decode(conductor, rid), len(first.token_ids)
-        follow = msgspec.structs.replace(
-            request, prompt_ids=(*prompt, *first.token_ids), max_tokens=request.max_tokens - generated
-        )
+        follow = msgspec.structs.replace(  # NOTE: on the first token's weights (a live update may intervene)
+            request, prompt_ids=(*prompt, *first.token_ids), max_tokens=request.max_tokens - generated,
+            weights_version=first.weights_version,
+        )  # fmt: skip
         try:
             yield dataclasses.replace(first, finish_reason=None)
             async with contextlib.aclosing(self._events(decode, follow)) as events:
@@ -301,9 +304,8 @@ class Router:
                 async for chunk in chunks:
                     now = self.clock.now()
                     ids = tuple(chunk.token_ids)
-                    yield TokenEvent(
-                        ids, chunk.finish_reason, chunk.cached_tokens, chunk.pool_tokens, now, worker.spec.name
-                    )
+                    yield TokenEvent(ids, chunk.finish_reason, chunk.cached_tokens, chunk.pool_tokens, now,
+                                     worker.spec.name, chunk.weights_version)  # fmt: skip
         finally:
             worker.in_flight -= 1
 

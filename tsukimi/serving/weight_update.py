@@ -19,6 +19,9 @@ Semantics, and why:
 - In-flight requests complete on the old weights before the swap (vLLM's `pause_generation`
   waiting for them); those still running after `drain_timeout_s` fail with WorkerUnavailable.
   No request ever mixes both weights: its KV and tokens come from one.
+- A PD request whose first token came from the old weights is refused by a decode worker that
+  already has the new ones (WorkerUnavailable: retry it), rather than continued on them: the
+  router sends the prefill's `weights_version` along (tsukimi/serving/protocol.py).
 - A failed fetch (unknown payload: PayloadNotFound -> 404; another model's manifest:
   InvalidArgument -> 400; a transfer failure) never touches the parameters: the fetch goes to
   a staging copy and the worker keeps serving the old weights. The price is a second copy of
@@ -33,6 +36,7 @@ Semantics, and why:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import threading
@@ -104,7 +108,8 @@ class WeightUpdater:
                 version = f"{name}@{_digest(staged)}"
                 paused = self._clock.now()
                 done: Future[None] = Future()
-                engine.submit(PauseCommand(lambda llm: self._swap(llm, staged, version), done, drain_timeout_s))
+                swap = functools.partial(self._swap, engine, staged=staged, version=version)
+                engine.submit(PauseCommand(swap, done, drain_timeout_s))
                 done.result()
             finally:
                 store.delete_replica(name)  # NOTE: the staged copy is freed next: nobody may read it
@@ -112,12 +117,12 @@ class WeightUpdater:
             logger.info("weights %s in place in %.2f s (paused %.2f s)", version, seconds, self._clock.now() - paused)
             return UpdateResult(version, seconds, self._clock.now() - paused)
 
-    def _swap(self, llm: LLMEngine, staged: Mapping[str, torch.Tensor], version: str) -> None:
+    def _swap(self, thread: EngineThread, llm: LLMEngine, staged: Mapping[str, torch.Tensor], version: str) -> None:
         """On the drained engine thread: the parameters, the prefix cache, the KV format."""
         with torch.no_grad():
             for key, tensor in self.model.state_dict().items():
                 tensor.copy_(staged[key])
-        self.weights_version = version
+        self.weights_version = thread.weights_version = version
         dropped = llm.new_weights(version)
         if self.connector is not None:
             self.connector.use_format(dataclasses.replace(self.connector.format, weights_version=version))

@@ -79,13 +79,13 @@ class _TokenStream(StreamingResponse):
             self._on_close()
 
 
-async def _lines(stream: RequestStream) -> AsyncIterator[bytes]:
+async def _lines(stream: RequestStream, weights_version: str) -> AsyncIterator[bytes]:
     """Engine events as NDJSON lines; events already queued are merged into one line."""
     while not stream.finished:
         events = [await stream.queue.get()]
         while not stream.queue.empty():
             events.append(stream.queue.get_nowait())
-        chunk = TokenChunk([])
+        chunk = TokenChunk([], weights_version=weights_version)
         for event in events:
             if isinstance(event, StepOutput):
                 chunk.token_ids += event.token_ids
@@ -240,7 +240,7 @@ class Worker:
             return _error(exc)
         stream = RequestStream(body.request_id, asyncio.get_running_loop(), asyncio.Queue(), len(body.prompt_ids))
         try:
-            engine.submit(AddCommand(body.prompt_ids, params, stream))
+            engine.submit(AddCommand(body.prompt_ids, params, stream, body.weights_version))
             verdict = await stream.queue.get()
         except ClosedError as exc:
             return _error(WorkerUnavailable(str(exc)))
@@ -251,7 +251,7 @@ class Worker:
         if verdict.error is not None:
             return _error(verdict.error)
         logger.debug("streaming %s", body.request_id)
-        return _TokenStream(_lines(stream), lambda: self._close_stream(engine, stream))
+        return _TokenStream(_lines(stream, verdict.weights_version), lambda: self._close_stream(engine, stream))
 
     @staticmethod
     def _close_stream(engine: EngineThread, stream: RequestStream) -> None:
