@@ -69,7 +69,7 @@ def _parse_endpoint(text: str, url: str) -> Endpoint:
 class EtcdEndpoints:
     """One etcd3gw client per endpoint, tried in order: a call goes to the endpoint that last
     worked and fails over to the next when a connection fails or times out (thread-safe).
-    Shared by the metadata backend and the HA master's etcd calls (store/ha/etcd_kv.py).
+    Shared by the metadata backend and the HA master's etcd calls (metadata/etcd_kv.py).
 
     Raises (constructor): ConfigError: no endpoints or a non-positive timeout.
     """
