@@ -61,11 +61,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class UpdateResult:
-    """One update's outcome: the new weights version and how long it took (fetch included)."""
+    """One update's outcome: the new weights version, how long it took (fetch included) and how
+    long the engine was paused (drain and swap)."""
 
     weights_version: str
     seconds: float
-    drained_s: float
+    paused_s: float
 
 
 class WeightUpdater:
@@ -113,9 +114,9 @@ class WeightUpdater:
                 done.result()
             finally:
                 store.delete_replica(name)  # NOTE: the staged copy is freed next: nobody may read it
-            seconds = self._clock.now() - start
-            logger.info("weights %s in place in %.2f s (paused %.2f s)", version, seconds, self._clock.now() - paused)
-            return UpdateResult(version, seconds, self._clock.now() - paused)
+            end = self._clock.now()
+            logger.info("weights %s in place in %.2f s (paused %.2f s)", version, end - start, end - paused)
+            return UpdateResult(version, end - start, end - paused)
 
     def _swap(self, thread: EngineThread, llm: LLMEngine, staged: Mapping[str, torch.Tensor], version: str) -> None:
         """On the drained engine thread: the parameters, the prefix cache, the KV format."""
