@@ -28,6 +28,7 @@ from typing import Protocol
 from tsukimi.clock import Clock
 from tsukimi.config import MasterConfig
 from tsukimi.errors import OutOfSpace, TaskInFlight
+from tsukimi.store.master import task_start
 from tsukimi.store.master.records import ObjectRecord
 from tsukimi.store.master.segments import Placement, SegmentRegistry
 from tsukimi.store.master.tasks import TaskTable
@@ -154,8 +155,6 @@ class HotReplication:
 
     def _replicate(self, key: str, now: float) -> None:
         """Start one copy task for `key` onto the emptiest healthy holders lacking it."""
-        from tsukimi.store.master import admin  # NOTE: admin imports state, which imports this
-
         heat, record = self.heat[key], self.state.objects.get(key)
         if record is None or heat.task_id or not record.replicas:
             return
@@ -166,7 +165,7 @@ class HotReplication:
         if not targets:
             return
         try:
-            heat.task_id = admin.create_copy(self.state, key, targets)  # type: ignore[arg-type]
+            heat.task_id = task_start.start(self.state, "copy", record, "", targets, 0)
         except (OutOfSpace, TaskInFlight):
             return
         heat.cool_since = math.inf
