@@ -26,7 +26,9 @@ from tsukimi.eviction import make_policy
 from tsukimi.scheduler.baselines import make_router
 from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest
 from tsukimi.scheduler.cost_model import CostModel, RooflineCostModel, chunked_prefill_s
+from tsukimi.scheduler.hotspots import HotSpotConfig
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
+from tsukimi.sim.hotspots import REPLICA_LANDED, HotReplicator
 from tsukimi.sim.instances import BlockCache, ColocatedInstance, DecodeInstance, Job
 from tsukimi.sim.trace import TraceRequest
 
@@ -48,20 +50,24 @@ def simulate(
     conductor: ConductorConfig | None = None,
     cost: CostModel | None = None,
     progress: Callable[[int], None] | None = None,
+    hot: HotSpotConfig | None = None,
 ) -> SimResult:
     """Replay `trace` through the cluster `sim` describes; pure apart from `progress`
-    (called with the number of requests that arrived so far)."""
+    (called with the number of requests that arrived so far). `hot`: replicate hot prefixes
+    into prefill instances' caches (PD only; tsukimi/sim/hotspots.py)."""
     cost = cost or RooflineCostModel()
     jobs = [
         Job(i, r.timestamp_ms / 1000 / sim.speed, r.input_length, max(1, r.output_length), r.hash_ids)
         for i, r in enumerate(trace)
     ]
-    runner = _PdRun(sim, conductor or ConductorConfig(), cost) if sim.shape == "pd" else _ColocatedRun(sim, cost)
+    runner = _PdRun(sim, conductor or ConductorConfig(), cost, hot) if sim.shape == "pd" else _ColocatedRun(sim, cost)
     return runner.run(jobs, progress)
 
 
 class _PdRun:
-    def __init__(self, sim: SimConfig, cfg: ConductorConfig, cost: RooflineCostModel | CostModel) -> None:
+    def __init__(
+        self, sim: SimConfig, cfg: ConductorConfig, cost: RooflineCostModel | CostModel, hot: HotSpotConfig | None
+    ) -> None:
         self.sim, self.cfg, self.cost = sim, cfg, cost
         self.index = PrefixIndex()
         self.prefill = [f"prefill-{i}" for i in range(sim.num_prefill)]
@@ -80,6 +86,7 @@ class _PdRun:
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = itertools.count()
         self.result = SimResult([])
+        self.hot = HotReplicator(hot, self.caches, self.conductor, cost, self._push) if hot else None
 
     def run(self, jobs: list[Job], progress: Callable[[int], None] | None) -> SimResult:
         self.result.jobs = jobs
@@ -96,6 +103,9 @@ class _PdRun:
                 arrived += 1
                 if progress is not None and arrived % 500 == 0:
                     progress(arrived)
+            elif kind == REPLICA_LANDED:
+                assert self.hot is not None
+                self.hot.landed(payload)
             else:
                 assert isinstance(payload, tuple)
                 instance_name, job = payload
@@ -114,6 +124,8 @@ class _PdRun:
 
     def _arrive(self, job: Job, now: float) -> None:
         decision = self.conductor.schedule(ScheduleRequest(job.request_id, job.input_tokens, job.blocks), now)
+        if self.hot is not None:
+            self.hot.on_arrival(job, now)
         if not decision.accepted:
             self.result.rejected[job.request_id] = decision.reason
             return
