@@ -10,7 +10,7 @@ from typing import Literal, get_args
 from tsukimi.config.loader import require
 from tsukimi.errors import ConfigError
 
-RejectionName = Literal["none", "baseline", "early", "predicted"]
+RejectionName = Literal["none", "baseline", "early", "predicted", "predicted_uniform"]
 REJECTION_NAMES: tuple[str, ...] = get_args(RejectionName)
 
 
@@ -23,7 +23,14 @@ class ConductorConfig:
     rejection: "none" admits everything; "baseline" checks TTFT at arrival and the decode
         load only when prefill is done (a request rejected then wasted its prefill); "early"
         also checks the current decode load at arrival; "predicted" checks the decode load
-        predicted for when the request would reach decode.
+        predicted for when the request would reach decode (each request weighted by the
+        observed distribution of decode-stage lengths); "predicted_uniform" is the paper's
+        system-level prediction as written: every decode stage lasts the mean observed one,
+        and the average TBT ratio over all decode instances is tested.
+    recheck_decode: with "early" and the predicted modes, the decode load is checked again
+        when prefill is done, and a request that no longer fits is rejected then (its prefill
+        wasted); False: a request admitted at arrival always goes on to decode, however loaded
+        (the paper's reading of early rejection; decode may then run over the TBT SLO).
     reuse: "global": a prefill instance may fetch a longer prefix from any other cache (the
         pool); "local": only its own cache counts (the per-instance baseline).
     balancing_threshold: a prefill instance fetches a longer prefix from elsewhere only when
@@ -39,6 +46,7 @@ class ConductorConfig:
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
     rejection: RejectionName = "predicted"
+    recheck_decode: bool = True
     reuse: Literal["global", "local"] = "global"
     balancing_threshold: float = 1.0
     prefill_chunk_tokens: int = 8192

@@ -8,12 +8,19 @@ t), and `still_present(age, horizon)` = P(a request in decode for `age` seconds 
 `horizon` seconds later) = S(age + horizon) / S(age). A request that has outlived every
 observation is assumed to stay. Until anything is observed, stages are assumed to last
 `prior_s`.
+
+Two forecasts of one decode instance's load at a future time (`DecodeLoad` is the Conductor's
+book of it): `expected_load` weights every request by the survival function (ours), and
+`uniform_load` is the paper's system-level prediction as written (arXiv v3, Section 7.4):
+every decode stage is assumed to last the same `stage_s` (the mean observed), so a request
+counts at time t exactly when it reached decode in (t - stage_s, t].
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
+from dataclasses import dataclass, field
 
 from tsukimi.errors import ConfigError
 
@@ -27,17 +34,26 @@ class DecodeStagePredictor:
         self._prior_s = prior_s
         self._window: deque[float] = deque(maxlen=window)
         self._sorted: list[float] = []
+        self._sum_s = 0.0
 
     @property
     def observed(self) -> int:
         return len(self._sorted)
 
+    @property
+    def mean_s(self) -> float:
+        """The mean observed decode stage (the prior until one is observed)."""
+        return self._sum_s / len(self._sorted) if self._sorted else self._prior_s
+
     def observe(self, duration_s: float) -> None:
         """A request left decode after `duration_s` seconds (mutates)."""
         if len(self._window) == self._window.maxlen:
-            del self._sorted[bisect.bisect_left(self._sorted, self._window[0])]
+            oldest = self._window[0]
+            del self._sorted[bisect.bisect_left(self._sorted, oldest)]
+            self._sum_s -= oldest
         self._window.append(duration_s)
         bisect.insort(self._sorted, duration_s)
+        self._sum_s += duration_s
 
     def survival(self, t: float) -> float:
         """P(a decode stage lasts longer than `t` seconds)."""
@@ -53,3 +69,43 @@ class DecodeStagePredictor:
             return 1.0
         alive = self.survival(age_s)
         return 1.0 if alive <= 0 else self.survival(age_s + horizon_s) / alive
+
+
+@dataclass(slots=True)
+class DecodeLoad:
+    """The Conductor's book of one decode instance: the requests in it and those on their way."""
+
+    capacity_tokens: int
+    active: dict[int, tuple[float, int]] = field(default_factory=dict)  # id -> (joined at, context tokens)
+    active_tokens: int = 0  # the sum of the active requests' context tokens
+    incoming: dict[int, tuple[float, int]] = field(default_factory=dict)  # id -> (due at, context tokens)
+
+
+def expected_load(load: DecodeLoad, stages: DecodeStagePredictor, now: float, at: float) -> tuple[float, float]:
+    """Expected (requests, their prompt tokens) in `load` at time `at`: each request counted
+    with the probability that it is there then (the survival function); pure."""
+    horizon = at - now
+    count = context = 0.0
+    for joined, tokens in load.active.values():
+        p = stages.still_present(now - joined, horizon)
+        count, context = count + p, context + p * tokens
+    for due, tokens in load.incoming.values():
+        if due <= at:
+            p = stages.survival(at - due)
+            count, context = count + p, context + p * tokens
+    return count, context
+
+
+def uniform_load(load: DecodeLoad, at: float, stage_s: float) -> tuple[float, float]:
+    """(requests, their prompt tokens) in `load` at time `at` if every decode stage lasts
+    `stage_s`: those that reached or will reach decode in (at - stage_s, at]; pure. NOTE: a
+    request in decode for longer than `stage_s` counts as gone, even now."""
+    count = context = 0
+    since = at - stage_s
+    for joined, tokens in load.active.values():
+        if joined > since:
+            count, context = count + 1, context + tokens
+    for due, tokens in load.incoming.values():
+        if since < due <= at:
+            count, context = count + 1, context + tokens
+    return float(count), float(context)
