@@ -19,10 +19,50 @@ counts at time t exactly when it reached decode in (t - stage_s, t].
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from tsukimi.errors import ConfigError
+
+
+class SlidingWindow:
+    """The most recent `size` observations of a quantity, kept sorted: mean, quantiles and
+    counts above a value in O(log n); O(size) per observation. Not thread-safe."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ConfigError(f"a window holds at least 1 observation, got {size}")
+        self._window: deque[float] = deque(maxlen=size)
+        self._sorted: list[float] = []
+        self._sum = 0.0
+
+    def __len__(self) -> int:
+        return len(self._sorted)
+
+    def observe(self, value: float) -> None:
+        """Add `value`, forgetting the oldest when full (mutates)."""
+        if len(self._window) == self._window.maxlen:
+            oldest = self._window[0]
+            del self._sorted[bisect.bisect_left(self._sorted, oldest)]
+            self._sum -= oldest
+        self._window.append(value)
+        bisect.insort(self._sorted, value)
+        self._sum += value
+
+    def mean(self) -> float:
+        """The mean (NaN when empty)."""
+        return self._sum / len(self._sorted) if self._sorted else math.nan
+
+    def quantile(self, q: float) -> float:
+        """The nearest-rank `q` quantile, 0 < q <= 1 (NaN when empty)."""
+        if not self._sorted:
+            return math.nan
+        return self._sorted[min(len(self._sorted) - 1, max(0, math.ceil(q * len(self._sorted)) - 1))]
+
+    def count_above(self, value: float) -> int:
+        """Observations greater than `value`."""
+        return len(self._sorted) - bisect.bisect_right(self._sorted, value)
 
 
 class DecodeStagePredictor:
@@ -32,36 +72,28 @@ class DecodeStagePredictor:
         if not prior_s > 0 or window < 1:
             raise ConfigError(f"the prior decode stage length must be > 0 and the window >= 1 ({prior_s}, {window})")
         self._prior_s = prior_s
-        self._window: deque[float] = deque(maxlen=window)
-        self._sorted: list[float] = []
-        self._sum_s = 0.0
+        self._stages = SlidingWindow(window)
 
     @property
     def observed(self) -> int:
-        return len(self._sorted)
+        return len(self._stages)
 
     @property
     def mean_s(self) -> float:
         """The mean observed decode stage (the prior until one is observed)."""
-        return self._sum_s / len(self._sorted) if self._sorted else self._prior_s
+        return self._stages.mean() if len(self._stages) else self._prior_s
 
     def observe(self, duration_s: float) -> None:
         """A request left decode after `duration_s` seconds (mutates)."""
-        if len(self._window) == self._window.maxlen:
-            oldest = self._window[0]
-            del self._sorted[bisect.bisect_left(self._sorted, oldest)]
-            self._sum_s -= oldest
-        self._window.append(duration_s)
-        bisect.insort(self._sorted, duration_s)
-        self._sum_s += duration_s
+        self._stages.observe(duration_s)
 
     def survival(self, t: float) -> float:
         """P(a decode stage lasts longer than `t` seconds)."""
         if t < 0:
             return 1.0
-        if not self._sorted:
+        if not len(self._stages):
             return 1.0 if t < self._prior_s else 0.0
-        return (len(self._sorted) - bisect.bisect_right(self._sorted, t)) / len(self._sorted)
+        return self._stages.count_above(t) / len(self._stages)
 
     def still_present(self, age_s: float, horizon_s: float) -> float:
         """P(a request `age_s` seconds into decode is still there `horizon_s` later)."""

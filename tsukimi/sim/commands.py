@@ -87,7 +87,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     if args.json:
         print(json.dumps({"trace": Path(args.trace).name, "sim": _plain(sim), "report": report}))
     else:
-        console.print(table(f"{Path(args.trace).name} x{args.speed}", [(args.shape, report)]), end="")
+        print(table(f"{Path(args.trace).name} x{args.speed}", [(args.shape, report)]), end="")  # NOTE: pre-rendered, no re-wrap
 
 
 def _experiment(args: argparse.Namespace, console: Console) -> None:

@@ -28,6 +28,7 @@ from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest
 from tsukimi.scheduler.cost_model import CostModel, RooflineCostModel, chunked_prefill_s
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
 from tsukimi.sim.instances import BlockCache, ColocatedInstance, DecodeInstance, Job
+from tsukimi.sim.reservation import ReservationPolicy
 from tsukimi.sim.trace import TraceRequest
 
 
@@ -40,6 +41,8 @@ class SimResult:
     rejected: dict[int, str] = field(default_factory=dict)  # request id -> reason
     samples: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     end_s: float = 0.0
+    kv_bytes_per_token: int = 0
+    preemptions: int = 0
 
 
 def simulate(
@@ -57,7 +60,9 @@ def simulate(
         for i, r in enumerate(trace)
     ]
     runner = _PdRun(sim, conductor or ConductorConfig(), cost) if sim.shape == "pd" else _ColocatedRun(sim, cost)
-    return runner.run(jobs, progress)
+    result = runner.run(jobs, progress)
+    result.kv_bytes_per_token = cost.kv_bytes_per_token
+    return result
 
 
 class _PdRun:
@@ -72,8 +77,11 @@ class _PdRun:
         }
         self.queues: dict[str, deque[tuple[Job, Decision]]] = {name: deque() for name in self.prefill}
         self.busy: dict[str, bool] = dict.fromkeys(self.prefill, False)
+        self.reservation = _reservation(sim)
         self.decode = {
-            f"decode-{i}": DecodeInstance(f"decode-{i}", cost, capacity, self._finished, sim.sample_every_s)
+            f"decode-{i}": DecodeInstance(
+                f"decode-{i}", cost, capacity, self._finished, sim.sample_every_s, self.reservation
+            )
             for i in range(sim.num_decode)
         }
         self.conductor = Conductor(cfg, cost, self.index, self.prefill, list(self.decode), capacity)
@@ -107,6 +115,7 @@ class _PdRun:
             instance.advance(float("inf"))
             self.result.end_s = max(self.result.end_s, instance.now)
         self.result.samples = {name: inst.samples for name, inst in self.decode.items()}
+        self.result.preemptions = sum(inst.preemptions for inst in self.decode.values())
         return self.result
 
     def _push(self, at: float, kind: int, payload: object) -> None:
@@ -161,6 +170,8 @@ class _PdRun:
 
     def _finished(self, job: Job, now: float) -> None:
         self.conductor.decode_finished(job.request_id, now, job.output_tokens)
+        if self.reservation is not None:
+            self.reservation.observe(job.output_tokens)
 
 
 class _ColocatedRun:
@@ -168,13 +179,14 @@ class _ColocatedRun:
         self.sim, self.cost = sim, cost
         self.index = PrefixIndex()
         capacity = cost.kv_capacity_tokens() if isinstance(cost, RooflineCostModel) else 1 << 40
+        self.reservation = _reservation(sim)
         self.instances = [self._instance(f"colocated-{i}", capacity) for i in range(sim.num_colocated)]
         self.router = make_router(sim.router)
 
     def _instance(self, name: str, capacity: int) -> ColocatedInstance:
         cache = BlockCache(location(name, "dram"), self.sim.cache_blocks, make_policy(self.sim.policy), self.index)
         return ColocatedInstance(
-            name, self.cost, capacity, _ignore, self.sim.sample_every_s,
+            name, self.cost, capacity, self._finished, self.sim.sample_every_s, self.reservation,
             cache=cache, chunk_tokens=self.sim.colocated_chunk_tokens, on_first_token=_ignore,
         )  # fmt: skip
 
@@ -191,8 +203,17 @@ class _ColocatedRun:
         for instance in self.instances:
             instance.advance(float("inf"))
             end = max(end, instance.now)
-        return SimResult(jobs, {}, {i.name: i.samples for i in self.instances}, end)
+        preemptions = sum(i.preemptions for i in self.instances)
+        return SimResult(jobs, {}, {i.name: i.samples for i in self.instances}, end, preemptions=preemptions)
+
+    def _finished(self, job: Job, now: float) -> None:
+        if self.reservation is not None:
+            self.reservation.observe(job.output_tokens)
 
 
 def _ignore(job: Job, now: float) -> None:
     return None
+
+
+def _reservation(sim: SimConfig) -> ReservationPolicy | None:
+    return None if sim.reservation == "oracle" else ReservationPolicy(sim.reservation, sim.max_output_tokens)
