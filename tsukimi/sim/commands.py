@@ -87,7 +87,8 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     if args.json:
         print(json.dumps({"trace": Path(args.trace).name, "sim": _plain(sim), "report": report}))
     else:
-        print(table(f"{Path(args.trace).name} x{args.speed}", [(args.shape, report)]), end="")  # NOTE: pre-rendered, no re-wrap
+        # NOTE: pre-rendered at its own width: print() does not wrap it again
+        print(table(f"{Path(args.trace).name} x{args.speed}", [(args.shape, report)]), end="")
 
 
 def _experiment(args: argparse.Namespace, console: Console) -> None:
