@@ -10,7 +10,9 @@ time between tokens among those within the SLO and their KV memory, and rejects 
 when no choice meets the SLOs. The fetch option is considered only when the remote prefix is
 at least `balancing_threshold` times the local one, and only with `reuse = "global"`; the
 fetched blocks then stay in the chosen instance's cache, so a hot prefix spreads to the
-instances that use it (hot-spot replication).
+instances that use it (hot-spot replication). A prefix found on an SSD tier
+(`location(name, "ssd")`) is loaded at the SSD's read bandwidth (`fetch_bandwidth_bytes_s`);
+an instance's own SSD is considered in either reuse mode.
 
 Rejection modes (`ConductorConfig.rejection`):
 
@@ -66,8 +68,9 @@ class Decision:
     """Where a request runs (or why not). Times are estimates in seconds.
 
     local_blocks: prefix blocks reused from the prefill instance's own cache;
-    fetch_from / fetch_blocks: a location holding a longer prefix and how many more blocks
-    come from it (they stay on the prefill instance afterwards).
+    fetch_from / fetch_blocks: a location holding a longer prefix (another instance's cache,
+    or this instance's own SSD tier) and how many more blocks come from it (they stay in the
+    prefill instance's DRAM afterwards).
     """
 
     request_id: int
@@ -121,6 +124,7 @@ class Conductor:
         self._prefill = {name: _PrefillLoad() for name in sorted(prefill)}
         self._decode = {name: DecodeLoad(decode_capacity_tokens) for name in sorted(decode)}
         self._local = {name: location(name, tier) for name in self._prefill}  # type: ignore[arg-type]
+        self._ssd = {name: location(name, "ssd") for name in self._prefill}
         self._requests: dict[int, tuple[str, str, int]] = {}  # id -> (prefill, decode, input tokens)
         self._stages = DecodeStagePredictor(config.decode_estimate_s)
         self._output_sum, self._output_n = 0.0, 0
@@ -203,9 +207,9 @@ class Conductor:
     def _best_prefill(self, request: ScheduleRequest, now: float) -> Decision:
         cfg = self.config
         matches = self.index.match(request.blocks) if request.blocks else {}
-        # NOTE: the longest prefix held anywhere, and the runner-up for the location that
-        # holds the longest itself (an instance cannot fetch from its own cache).
-        ranked = sorted(matches.items(), key=lambda item: (-item[1], item[0]))[:2] if cfg.reuse == "global" else []
+        # NOTE: the longest prefixes held anywhere: an instance cannot fetch from its own
+        # caches (DRAM and SSD), so the third is the best another may fetch from.
+        ranked = sorted(matches.items(), key=lambda item: (-item[1], item[0]))[:3] if cfg.reuse == "global" else []
         cost, block, chunk = self.cost, cfg.block_tokens, cfg.prefill_chunk_tokens
         tokens = request.input_tokens
         best: Decision | None = None
@@ -224,13 +228,19 @@ class Conductor:
             local = matches.get(local_loc, 0)
             cached = _cached_tokens(local, block, tokens)
             option: tuple[float, float, str | None, int, int] = (compute_s(cached), 0.0, None, 0, cached)
-            remote = next(((loc, n) for loc, n in ranked if loc != local_loc), None)
-            if remote is not None and remote[1] > local and remote[1] >= cfg.balancing_threshold * local:
-                fetched = _cached_tokens(remote[1], block, tokens)
-                transfer_s = cost.transfer_s(fetched - cached, cfg.kv_bandwidth_bytes_s)
+            own_ssd = self._ssd[name]
+            sources = [(own_ssd, matches.get(own_ssd, 0))]  # NOTE: its own SSD tier counts as local
+            remote = next(((loc, n) for loc, n in ranked if loc not in (local_loc, own_ssd)), None)
+            if remote is not None and remote[1] >= cfg.balancing_threshold * local:
+                sources.append(remote)
+            for source, held in sources:
+                if held <= local:
+                    continue
+                fetched = _cached_tokens(held, block, tokens)
+                transfer_s = cost.transfer_s(fetched - cached, fetch_bandwidth_bytes_s(cfg, source, own_ssd))
                 fetched_s = compute_s(fetched)
-                if transfer_s + fetched_s < option[0]:
-                    option = (fetched_s, transfer_s, remote[0], remote[1] - local, fetched)
+                if transfer_s + fetched_s < option[0] + option[1]:
+                    option = (fetched_s, transfer_s, source, held - local, fetched)
             ttft_s = queue_s + option[0] + option[1]
             if best is None or ttft_s < best.ttft_s:
                 fetch_from, fetch_blocks = option[2], option[3]
@@ -301,6 +311,17 @@ class Conductor:
     def _reject(self, best: Decision, reason: str) -> Decision:
         self.counters[f"rejected_{reason}"] += 1
         return _replace(best, accepted=False, reason=reason)
+
+
+def fetch_bandwidth_bytes_s(config: ConductorConfig, source: str, own_ssd: str) -> float:
+    """The rate at which a prefill instance whose SSD tier is `own_ssd` loads KV held at
+    `source`: its own SSD's read bandwidth, another instance's SSD at the lower of that and the
+    network's, any DRAM at the network's; pure."""
+    if source == own_ssd:
+        return config.ssd_read_bytes_s
+    if source.endswith("/ssd"):
+        return min(config.ssd_read_bytes_s, config.kv_bandwidth_bytes_s)
+    return config.kv_bandwidth_bytes_s
 
 
 def _cached_tokens(blocks: int, block_tokens: int, input_tokens: int) -> int:

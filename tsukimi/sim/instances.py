@@ -25,10 +25,19 @@ from tsukimi.sim.reservation import GROWTH_TOKENS, ReservationPolicy
 
 class BlockCache:
     """A capacity-bounded set of blocks at one index location; publishes every change to
-    the index. `capacity` None = unbounded."""
+    the index. `capacity` None = unbounded. With a `lower` tier (an SSD below DRAM) every
+    access is written through to it, so the lower tier holds whole chains (a prefix match
+    needs a chain's head) and keeps what DRAM evicts, until its own policy evicts it."""
 
-    def __init__(self, loc: str, capacity: int | None, policy: EvictionPolicy[int], index: PrefixIndex) -> None:
-        self.loc, self.capacity, self.policy, self.index = loc, capacity, policy, index
+    def __init__(
+        self,
+        loc: str,
+        capacity: int | None,
+        policy: EvictionPolicy[int],
+        index: PrefixIndex,
+        lower: BlockCache | None = None,
+    ) -> None:
+        self.loc, self.capacity, self.policy, self.index, self.lower = loc, capacity, policy, index, lower
 
     def access(self, blocks: Sequence[int]) -> None:
         """Touch the resident blocks and insert the others, last to first (a chain is then
@@ -56,6 +65,8 @@ class BlockCache:
                 policy.insert(block, position)
         if missing:
             self.index.stored(self.loc, missing)
+        if self.lower is not None:
+            self.lower.access(blocks)
 
 
 @dataclass(slots=True)

@@ -3,8 +3,9 @@ virtual clock, with the same Conductor, prefix index and eviction policies as th
 
 Two cluster shapes:
 
-- "pd" (Mooncake): prefill instances, each with a DRAM block cache (together they form the
-  KV pool the Conductor indexes), and decode instances; the Conductor places every request.
+- "pd" (Mooncake): prefill instances, each with a DRAM block cache and optionally an SSD
+  tier below it (together they form the KV pool the Conductor indexes), and decode
+  instances; the Conductor places every request.
 - "colocated" (the vLLM-like baseline): instances that prefill and decode in one batch, each
   with its own prefix cache only, routed round-robin or to the least loaded.
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from tsukimi.config import ConductorConfig, SimConfig
 from tsukimi.eviction import make_policy
 from tsukimi.scheduler.baselines import make_router
-from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest
+from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest, fetch_bandwidth_bytes_s
 from tsukimi.scheduler.cost_model import CostModel, RooflineCostModel, chunked_prefill_s
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
 from tsukimi.sim.instances import BlockCache, ColocatedInstance, DecodeInstance, Job
@@ -71,10 +72,7 @@ class _PdRun:
         self.index = PrefixIndex()
         self.prefill = [f"prefill-{i}" for i in range(sim.num_prefill)]
         capacity = cost.kv_capacity_tokens() if isinstance(cost, RooflineCostModel) else 1 << 40
-        self.caches = {
-            name: BlockCache(location(name, "dram"), sim.cache_blocks, make_policy(sim.policy), self.index)
-            for name in self.prefill
-        }
+        self.caches = {name: self._cache(name) for name in self.prefill}
         self.queues: dict[str, deque[tuple[Job, Decision]]] = {name: deque() for name in self.prefill}
         self.busy: dict[str, bool] = dict.fromkeys(self.prefill, False)
         self.reservation = _reservation(sim)
@@ -88,6 +86,16 @@ class _PdRun:
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = itertools.count()
         self.result = SimResult([])
+
+    def _cache(self, name: str) -> BlockCache:
+        """`name`'s DRAM cache, over an SSD tier when the cluster has one."""
+        sim, index = self.sim, self.index
+        ssd = (
+            BlockCache(location(name, "ssd"), sim.ssd_blocks, make_policy(sim.policy), index)
+            if sim.ssd_blocks
+            else None
+        )
+        return BlockCache(location(name, "dram"), sim.cache_blocks, make_policy(sim.policy), index, ssd)
 
     def run(self, jobs: list[Job], progress: Callable[[int], None] | None) -> SimResult:
         self.result.jobs = jobs
@@ -148,7 +156,11 @@ class _PdRun:
         )
         job.prefill_start_s = now
         job.instances = (name,)
-        duration = self.cost.transfer_s(job.fetch_tokens, self.cfg.kv_bandwidth_bytes_s) + job.compute_s
+        bandwidth = self.cfg.kv_bandwidth_bytes_s
+        if decision.fetch_from is not None:
+            bandwidth = fetch_bandwidth_bytes_s(self.cfg, decision.fetch_from, location(name, "ssd"))
+            job.ssd_tokens = job.fetch_tokens if decision.fetch_from.endswith("/ssd") else 0
+        duration = self.cost.transfer_s(job.fetch_tokens, bandwidth) + job.compute_s
         self._push(now + duration, 1, (name, job))
 
     def _prefill_done(self, name: str, job: Job, now: float) -> None:
