@@ -105,6 +105,31 @@ def decode_load(result: SimResult, every_s: float) -> list[tuple[float, int]]:
     return [(tick * every_s, total[tick]) for tick in range(ticks)]
 
 
+def load_swing(load: Sequence[tuple[float, int]], trend_s: float = 600.0) -> float:
+    """How much a load series oscillates: the standard deviation of its deviation from its
+    own moving average over `trend_s` (which removes the trace's slow drift), over its mean,
+    leaving out the first and last tenth (warm-up and drain); 0 for a flat or empty series.
+    Pure."""
+    if len(load) < 3:
+        return 0.0
+    step = load[1][0] - load[0][0]
+    half = max(1, int(trend_s / step / 2))
+    values = [n for _, n in load]
+    prefix = [0.0]
+    for v in values:
+        prefix.append(prefix[-1] + v)
+    cut = len(values) // 10
+    window = range(cut, len(values) - cut)
+    deviations = []
+    for i in window:
+        lo, hi = max(0, i - half), min(len(values), i + half + 1)
+        deviations.append(values[i] - (prefix[hi] - prefix[lo]) / (hi - lo))
+    mean = sum(values[i] for i in window) / len(window) if window else 0.0
+    if not deviations or mean <= 0:
+        return 0.0
+    return _round(math.sqrt(sum(d * d for d in deviations) / len(deviations)) / mean) or 0.0
+
+
 def table(title: str, rows: Sequence[tuple[str, dict[str, object]]]) -> str:
     """A rich table of several runs' main figures, rendered to text."""
     grid = Table(title=title)
