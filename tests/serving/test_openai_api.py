@@ -337,6 +337,8 @@ def test_real_workers_pd_matches_colocated() -> None:
                 assert first["choices"][0]["text"] == again["choices"][0]["text"]
                 assert first["usage"]["completion_tokens"] == 12
                 assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
+                if router.mode == "pd":  # NOTE: the router's index heard of the blocks from p0's KV events
+                    assert again["usage"]["prompt_tokens_details"]["expected_cached_tokens"] == 80
                 texts.append(first["choices"][0]["text"])
             assert texts[0] == texts[1]
             assert router.block_tokens == 16
