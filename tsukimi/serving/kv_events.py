@@ -55,6 +55,37 @@ def _seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big", signed=True)
 
 
+class EventLog:
+    """The publisher's state, without sockets: the seq of the next batch and the set of blocks
+    announced so far (what a snapshot holds). Not thread-safe (`KvEventPublisher` locks it)."""
+
+    def __init__(self, medium: str = "CPU", block_tokens: int = 0) -> None:
+        self.medium, self.block_tokens = medium, block_tokens
+        self.next_seq, self.blocks = 0, set[int]()
+
+    def batch(self, entries: Sequence[JournalEntry]) -> tuple[int, bytes]:
+        """The next batch's seq and payload for `entries`, in order (consecutive stores or
+        evictions grouped into one event each); an empty batch is a heartbeat. Mutates."""
+        events: list[KvEvent] = []
+        run: list[bytes | int] = []
+        for n, (stored, block_hash) in enumerate(entries):
+            run.append(block_hash)
+            if n + 1 == len(entries) or entries[n + 1][0] != stored:
+                events.append(BlockStored(run, block_size=self.block_tokens, medium=self.medium) if stored
+                              else BlockRemoved(run, medium=self.medium))  # fmt: skip
+                run = []
+            if stored:
+                self.blocks.add(block_hash)
+            else:
+                self.blocks.discard(block_hash)
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        return seq, msgspec.msgpack.encode(KvEventBatch(time.time(), events))
+
+    def snapshot(self) -> Snapshot:
+        """The blocks announced so far and the seq of the next batch (pure)."""
+        return Snapshot(self.next_seq, {self.medium: sorted(self.blocks)})
+
+
 class KvEventPublisher:
     """A worker's KV events (see the module). `publish` is thread-safe; `start` binds both
     sockets on `host` (ephemeral ports: `port` and `snapshot_port`) and starts the thread
@@ -62,8 +93,8 @@ class KvEventPublisher:
 
     def __init__(self, host: str = "127.0.0.1", medium: str = "CPU", block_tokens: int = 0,
                  heartbeat_s: float = 0.5, topic: str = "") -> None:  # fmt: skip
-        self.medium, self.block_tokens, self.heartbeat_s = medium, block_tokens, heartbeat_s
-        self._topic = topic.encode()
+        self.heartbeat_s, self._topic = heartbeat_s, topic.encode()
+        self._log = EventLog(medium, block_tokens)
         self._context = zmq.Context()
         self._pub, self._snap = self._context.socket(zmq.PUB), self._context.socket(zmq.ROUTER)
         for sock in (self._pub, self._snap):
@@ -71,7 +102,7 @@ class KvEventPublisher:
         self.port = self._pub.bind_to_random_port(f"tcp://{host}")
         self.snapshot_port = self._snap.bind_to_random_port(f"tcp://{host}")
         self._lock = threading.Lock()
-        self._next_seq, self._blocks, self._last_send = 0, set[int](), time.monotonic()
+        self._last_send = time.monotonic()
         self.dropped = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-events", daemon=True)
@@ -91,39 +122,24 @@ class KvEventPublisher:
         self._context.term()
 
     def publish(self, entries: Sequence[JournalEntry]) -> None:
-        """One batch of cache changes, in order (consecutive stores / evictions grouped into
-        one event each). Mutates the publisher; thread-safe."""
-        events: list[KvEvent] = []
-        run: list[bytes | int] = []
-        for n, (stored, block_hash) in enumerate(entries):
-            run.append(block_hash)
-            if n + 1 == len(entries) or entries[n + 1][0] != stored:
-                events.append(BlockStored(run, block_size=self.block_tokens, medium=self.medium) if stored
-                              else BlockRemoved(run, medium=self.medium))  # fmt: skip
-                run = []
+        """One batch of cache changes, in order (see `EventLog.batch`); thread-safe."""
         with self._lock:
-            for stored, block_hash in entries:
-                if stored:
-                    self._blocks.add(block_hash)
-                else:
-                    self._blocks.discard(block_hash)
-            self._send(events)
+            self._send(entries)
 
     def clear(self) -> None:
         """Every block announced so far is gone (the engine was replaced; thread-safe)."""
         with self._lock:
-            gone = sorted(self._blocks)
-        self.publish([(False, BlockHash(h)) for h in gone])
+            self._send([(False, BlockHash(h)) for h in sorted(self._log.blocks)])
 
     def snapshot(self) -> Snapshot:
         """The blocks announced so far and the seq of the next batch (thread-safe, pure)."""
         with self._lock:
-            return Snapshot(self._next_seq, {self.medium: sorted(self._blocks)})
+            return self._log.snapshot()
 
-    def _send(self, events: list[KvEvent]) -> None:
+    def _send(self, entries: Sequence[JournalEntry]) -> None:
         """Sends one batch under the lock; a full queue drops it (the seq is spent: a gap)."""
-        seq, self._next_seq, self._last_send = self._next_seq, self._next_seq + 1, time.monotonic()
-        payload = msgspec.msgpack.encode(KvEventBatch(time.time(), events))
+        seq, payload = self._log.batch(entries)
+        self._last_send = time.monotonic()
         try:
             self._pub.send_multipart([self._topic, _seq_bytes(seq), payload], flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -191,11 +207,15 @@ class EventSubscriber:
             return
         if self.source.replay_endpoint is not None:
             await self._replay()
-        if self.source.snapshot_endpoint is not None and self.events.offer(seq, batch) == "gap":
+        if self.source.snapshot_endpoint is not None and self._still_gap(seq):
             await self._snapshot()
-        if self.events.offer(seq, batch) == "gap":
+        if self._still_gap(seq):
             self.events.resync(seq)
-            self.events.offer(seq, batch)
+        self.events.offer(seq, batch)  # NOTE: applied, or stale when the snapshot covers it
+
+    def _still_gap(self, seq: int) -> bool:
+        next_seq = self.events.next_seq
+        return (next_seq or 0) < seq
 
     async def _ask(self, endpoint: str, request: list[bytes]) -> zmq.asyncio.Socket:
         sock = self._context.socket(zmq.DEALER)
