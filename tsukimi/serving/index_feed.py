@@ -43,21 +43,25 @@ POOL_LOCATION = location(POOL, "dram")
 class ExpectedReuse:
     """The prompt tokens the index expects the prefill worker to reuse: from its own cache
     first, then from the KV pool (`pool_tokens`, the run of pooled blocks after the local ones),
-    as the worker's BlockManager.admit does."""
+    as the worker's BlockManager.admit does. `concurrent`: other prefills were running on that
+    worker at placement; they may store or evict blocks before this one is admitted, so a miss is
+    then no fault of the index (with none running, the worker's cache stood still: a miss means
+    the index was behind)."""
 
     cached_tokens: int
     pool_tokens: int
+    concurrent: bool = False
 
 
 def expected_reuse(index: PrefixIndex, prefill: str, blocks: Sequence[int], prompt_tokens: int,
-                   block_tokens: int) -> ExpectedReuse:  # fmt: skip
+                   block_tokens: int, concurrent: bool = False) -> ExpectedReuse:  # fmt: skip
     """What `prefill` would reuse of a prompt of `prompt_tokens` tokens with these full-block
     hashes, by the index now (pure). The last prompt token is always computed, so a prompt of
     whole blocks reuses at most all but its last block."""
     usable = blocks[: (prompt_tokens - 1) // block_tokens]
     local = index.match_at(location(prefill, "dram"), usable)
     pooled = index.match_at(POOL_LOCATION, usable[local:])
-    return ExpectedReuse((local + pooled) * block_tokens, pooled * block_tokens)
+    return ExpectedReuse((local + pooled) * block_tokens, pooled * block_tokens, concurrent)
 
 
 class IndexFeed:

@@ -70,6 +70,7 @@ class Usage:
         if self.expected is not None:
             details["expected_cached_tokens"] = self.expected.cached_tokens
             details["expected_pool_tokens"] = self.expected.pool_tokens
+            details["expected_concurrent"] = int(self.expected.concurrent)
         return {
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens, "prompt_tokens_details": details,

@@ -273,7 +273,8 @@ class Router:
                 raise Rejected(decision.reason)
             assert decision.prefill is not None
             prefill = self._workers[decision.prefill]
-            expected = expected_reuse(self.index, decision.prefill, blocks, len(request.prompt_ids), self.block_tokens)
+            expected = expected_reuse(self.index, decision.prefill, blocks, len(request.prompt_ids), self.block_tokens,
+                                      prefill.in_flight > 0)  # fmt: skip
             try:
                 return dataclasses.replace(await self._prefill(prefill, request), expected=expected)
             except WorkerUnavailable as exc:
