@@ -17,9 +17,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tsukimi.engine.kv_cache import BlockPool
 from tsukimi.scheduler.block_hash import BlockHash
-from tsukimi.scheduler.index_sync import InstanceEvents, decode_batch, decode_snapshot
+from tsukimi.scheduler.index_sync import InstanceEvents, decode_batch
 from tsukimi.scheduler.prefix_index import PrefixIndex
-from tsukimi.serving.kv_events import EventLog, EventSource, EventSubscriber, KvEventPublisher
+from tsukimi.serving.kv_events import EventLog, EventSource, EventSubscriber, KvEventPublisher, request_snapshot
 
 WORKERS = ("w0", "w1")
 hashes = st.integers(1, 12).map(BlockHash)
@@ -158,10 +158,5 @@ def test_snapshot_on_subscribe_then_a_lost_batch_healed_by_a_snapshot(publisher:
 
 def test_snapshot_socket_answers_directly(publisher: KvEventPublisher) -> None:
     publisher.publish([(True, BlockHash(7)), (True, BlockHash(8)), (False, BlockHash(7))])
-    with zmq.Context() as context, context.socket(zmq.DEALER) as sock:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, 5000)
-        sock.connect(f"tcp://127.0.0.1:{publisher.snapshot_port}")
-        sock.send_multipart([b"", b""])
-        snapshot = decode_snapshot(sock.recv_multipart()[-1])
+    snapshot = request_snapshot(f"tcp://127.0.0.1:{publisher.snapshot_port}")
     assert snapshot.media == {"CPU": [8]} and snapshot.next_seq >= 1

@@ -13,10 +13,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import zmq
 
 from tsukimi.config import ConductorConfig, RouterConfig
-from tsukimi.scheduler.index_sync import decode_snapshot
+from tsukimi.serving.kv_events import request_snapshot
 from tsukimi.serving.protocol import GenerateRequest, Health
 from tsukimi.serving.router import Router, TokenEvent
 from tsukimi.serving.worker_client import WorkerSpec
@@ -52,12 +51,7 @@ def _worker_blocks(url: str) -> tuple[int, set[int]]:
     """The prefill worker's (next seq, block set), from its snapshot socket."""
     health = httpx.get(url + "/health", timeout=5).json()
     port = Health(**health).kv_snapshot_port
-    with zmq.Context() as context, context.socket(zmq.DEALER) as sock:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, 5000)
-        sock.connect(f"tcp://127.0.0.1:{port}")
-        sock.send_multipart([b"", b""])
-        snapshot = decode_snapshot(sock.recv_multipart()[-1])
+    snapshot = request_snapshot(f"tcp://127.0.0.1:{port}")
     return snapshot.next_seq, set(snapshot.media["CPU"])
 
 
@@ -75,7 +69,8 @@ def test_index_follows_a_small_cache_with_evictions(workers: dict[str, str]) -> 
         try:
             for n, prompt in enumerate(prompts):
                 request = GenerateRequest(f"r{n}", tuple(prompt), 2, ignore_eos=True)
-                firsts.append([event async for event in router.generate(request)][0])
+                stream = [event async for event in router.generate(request)]  # NOTE: to its end
+                firsts.append(stream[0])
                 await asyncio.sleep(0.05)  # NOTE: the events of this prefill reach the router
             feed = router._feed
             assert feed is not None

@@ -158,6 +158,20 @@ class KvEventPublisher:
                     self._send([])
 
 
+def request_snapshot(endpoint: str, timeout_s: float = 5.0) -> Snapshot:
+    """Asks a publisher's snapshot socket (blocking, for tools and tests) for its block set.
+
+    Raises:
+        zmq.Again: no answer within `timeout_s`.
+    """
+    with zmq.Context() as context, context.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        sock.connect(endpoint)
+        sock.send_multipart([b"", b""])
+        return decode_snapshot(sock.recv_multipart()[-1])
+
+
 @dataclass(frozen=True, slots=True)
 class EventSource:
     """Where one instance publishes: its PUB endpoint, topic, and the optional endpoints that
