@@ -148,6 +148,7 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     sv.add_argument("--speed", type=float, default=1.0, help="trace: replay this many times faster")
     sv.add_argument("--trace-limit", type=int, default=200)
     sv.add_argument("--no-compare", action="store_true", help="one run with reuse only")
+    sv.add_argument("--num-blocks", type=int, default=4096, help="each worker's KV cache, in blocks")
     sv.add_argument("--json", action="store_true")
     sv.add_argument("--markdown", action="store_true")
     vl = bench.add_parser("vllm", help="two vLLM instances: round-robin vs tsukimi (pool + Conductor) vs Mooncake")
@@ -202,6 +203,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> None:
         args.speed,
         args.trace_limit,
         not args.no_compare,
+        args.num_blocks,
     )
     result = serve.run_bench(cfg, lambda text: console.print(text, highlight=False))
     print(json.dumps(result) if args.json else serve.markdown(result))

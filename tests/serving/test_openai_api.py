@@ -241,7 +241,9 @@ def test_pd_completion_through_the_api(serve: Serve) -> None:
     client = serve(FakeWorker("p0", "prefill", cached=4), FakeWorker("d0", "decode"))
     body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}).json()
     assert TOKENIZER.encode(body["choices"][0]["text"]) == [110, 111, 112]
-    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 4, "pool_tokens": 2}
+    # NOTE: the fake prefill worker publishes no KV events: the router's index expected no reuse
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 4, "pool_tokens": 2, "expected_cached_tokens": 0,
+                                                      "expected_pool_tokens": 0, "expected_concurrent": 0}  # fmt: skip
     assert client.get("/health").json()["mode"] == "pd"
     assert "tsukimi_router_pool_prompt_tokens_total 2.0" in client.get("/metrics").text
 
@@ -337,6 +339,8 @@ def test_real_workers_pd_matches_colocated() -> None:
                 assert first["choices"][0]["text"] == again["choices"][0]["text"]
                 assert first["usage"]["completion_tokens"] == 12
                 assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
+                if router.mode == "pd":  # NOTE: the router's index heard of the blocks from p0's KV events
+                    assert again["usage"]["prompt_tokens_details"]["expected_cached_tokens"] == 80
                 texts.append(first["choices"][0]["text"])
             assert texts[0] == texts[1]
             assert router.block_tokens == 16

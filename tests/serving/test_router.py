@@ -34,6 +34,7 @@ from tsukimi.errors import (
     WorkerUnavailable,
 )
 from tsukimi.scheduler.block_hash import hash_blocks
+from tsukimi.serving.index_feed import ExpectedReuse
 from tsukimi.serving.protocol import ErrorReply, GenerateRequest, error_reply
 from tsukimi.serving.router import Router, TokenEvent, cost_model
 from tsukimi.serving.router_commands import add_parser, parse_workers
@@ -326,8 +327,10 @@ def test_pd_flow_prefill_then_decode(workers: list[FakeWorker]) -> None:
     assert (p_call["prompt_ids"], p_call["max_tokens"], p_call["seed"]) == (PROMPT, 1, 7)
     assert (d_call["prompt_ids"], d_call["max_tokens"]) == ([*PROMPT, 110], 4)
     assert d_call["stop_token_ids"] == [999] and d_call["request_id"] == p_call["request_id"] == "pd-1"
-    # The prompt's two full blocks are indexed at the prefill worker and at the pool.
-    assert router.index.match(hash_blocks(PROMPT, BLOCK_TOKENS)) == {"p0/dram": 2, "pool/dram": 2}
+    # The router records nothing itself: its index learns from the workers' KV events only (a
+    # fake worker publishes none), so it expected no reuse at all.
+    assert router.index.match(hash_blocks(PROMPT, BLOCK_TOKENS)) == {}
+    assert {e.expected for e in events} == {ExpectedReuse(0, 0)}
     assert router.block_tokens == BLOCK_TOKENS
     conductor = router.conductor
     assert conductor is not None and conductor.counters["accepted"] == 1

@@ -64,6 +64,8 @@ def tokens(lines: list[dict[str, object]]) -> list[int]:
 
 def test_health_and_load(colocated: Worker, tiny: LoadedModel) -> None:
     health = httpx.get(colocated.base_url + "/health", timeout=5).json()
+    events_ports = health.pop("kv_events_port"), health.pop("kv_snapshot_port")  # NOTE: ephemeral
+    assert all(port > 0 for port in events_ports)
     assert health == {"status": "ok", "name": "colo", "role": "colocated", "model": tiny.config.identity,
                       "model_name": "random-tiny", "block_tokens": BLOCK_TOKENS,
                       "weights_version": "initial"}  # fmt: skip

@@ -10,7 +10,14 @@ Workloads (token-id prompts through `/v1/completions`, streamed):
   `block_tokens`, sent at the trace's timestamps sped up by `speed`.
 
 Per request: TTFT (first streamed token), TBT (mean gap between later tokens), prompt tokens
-served from cache (`usage.prompt_tokens_details.cached_tokens`), HTTP 429 rejections.
+served from cache (`usage.prompt_tokens_details.cached_tokens`), HTTP 429 rejections, and in PD
+mode whether the router's prefix index expected exactly that reuse when it placed the request
+(`expected_cached_tokens`): `index_exact_ratio`, and the misses by direction ("over": the index
+held blocks the worker no longer had; "under": the worker had blocks the index had not heard of)
+and by cause: "concurrent" when other prefills ran on that worker at placement (they stored or
+evicted blocks before this one was admitted: the index could not know yet), "behind" when none
+did, so the worker's cache stood still and the index had missed or not yet applied an event.
+`index_up_to_date_ratio` counts only the "behind" misses.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ class Sample:
     cached_tokens: int = 0
     pool_tokens: int = 0
     completion_tokens: int = 0
+    expected_cached_tokens: int | None = None  # the router's prefix index at placement (PD)
+    expected_concurrent: bool = False  # other prefills ran on that worker at placement
     rejected: bool = False
     error: str = ""
 
@@ -80,6 +89,7 @@ class ServeReport:
             "cached_prompt_tokens": sum(s.cached_tokens for s in ok),
             "cached_ratio": round(sum(s.cached_tokens for s in ok) / prompt, 4) if prompt else 0.0,
             "pool_prompt_tokens": sum(s.pool_tokens for s in ok),
+            **_index_accuracy(ok),
         }
 
 
@@ -111,6 +121,8 @@ async def complete(client: httpx.AsyncClient, url: str, model: str, prompt: list
                     details = usage.get("prompt_tokens_details") or {}
                     sample.cached_tokens = details.get("cached_tokens", 0) or 0
                     sample.pool_tokens = details.get("pool_tokens", 0) or 0
+                    sample.expected_cached_tokens = details.get("expected_cached_tokens")
+                    sample.expected_concurrent = bool(details.get("expected_concurrent"))
     except httpx.HTTPError as exc:
         sample.error = f"{type(exc).__name__}: {exc}"
         return sample
@@ -177,6 +189,22 @@ async def run_trace(
     return report
 
 
+def _index_accuracy(samples: list[Sample]) -> dict[str, object]:
+    """index_exact_ratio and index_up_to_date_ratio over the requests with an expectation (None
+    without: colocated), and the misses by direction and cause (see the module)."""
+    known = [(s.expected_cached_tokens, s) for s in samples if s.expected_cached_tokens is not None]
+    misses = {f"{d}_{c}": 0 for d in ("over", "under") for c in ("concurrent", "behind")}
+    for expected, s in known:
+        if expected != s.cached_tokens:
+            direction = "over" if expected > s.cached_tokens else "under"
+            misses[f"{direction}_{'concurrent' if s.expected_concurrent else 'behind'}"] += 1
+    if not known:
+        return {"index_exact_ratio": None, "index_up_to_date_ratio": None, "index_mismatches": misses}
+    behind = misses["over_behind"] + misses["under_behind"]
+    return {"index_exact_ratio": round(1 - sum(misses.values()) / len(known), 4),
+            "index_up_to_date_ratio": round(1 - behind / len(known), 4), "index_mismatches": misses}  # fmt: skip
+
+
 def _quantiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p90": None, "p99": None}
@@ -202,18 +230,20 @@ class ServeBenchConfig:
     speed: float = 1.0
     trace_limit: int = 200
     compare_reuse: bool = True
+    num_blocks: int = 4096  # each worker's KV cache (fewer: evictions, which the index must follow)
 
 
 class LocalCluster:
     """`tsukimi up` in a subprocess, for one benchmark run; `api` once it is up."""
 
-    def __init__(self, model: str, mode: str, prefix_caching: bool, workdir: str) -> None:
+    def __init__(self, model: str, mode: str, prefix_caching: bool, workdir: str, num_blocks: int = 4096) -> None:
         from pathlib import Path
 
         self._state = Path(workdir) / "state.json"
         log = (Path(workdir) / "up.log").open("wb")
-        settings = [f"workers.prefix_caching={'true' if prefix_caching else 'false'}", "workers.num_blocks=4096",
-                    f"workers.segment_bytes={512 << 20}", f'log_dir="{workdir}/logs"']  # fmt: skip
+        settings = [f"workers.prefix_caching={'true' if prefix_caching else 'false'}",
+                    f"workers.num_blocks={num_blocks}", f"workers.segment_bytes={512 << 20}",
+                    f'log_dir="{workdir}/logs"']  # fmt: skip
         cmd = [sys.executable, "-m", "tsukimi.cli", "up", "--model", model, "--mode", mode, "--port", str(free_port()),
                "--state-file", str(self._state), *(f"--set={s}" for s in settings)]  # fmt: skip
         self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -242,7 +272,7 @@ def run_bench(cfg: ServeBenchConfig, progress: Callable[[str], None]) -> dict[st
     for reuse in (True, False) if cfg.compare_reuse and not cfg.url else (True,):
         label = "reuse" if reuse else "no_reuse"
         with tempfile.TemporaryDirectory(prefix="tsukimi-bench-serve-") as workdir:
-            cluster = None if cfg.url else LocalCluster(cfg.model, cfg.mode, reuse, workdir)
+            cluster = None if cfg.url else LocalCluster(cfg.model, cfg.mode, reuse, workdir, cfg.num_blocks)
             try:
                 url = cfg.url or (cluster.api if cluster else "")
                 progress(f"{label}: {cfg.workload} workload against {url}")
@@ -271,13 +301,14 @@ async def _workload(cfg: ServeBenchConfig, url: str) -> ServeReport:
 def markdown(result: dict[str, object]) -> str:
     runs = result["runs"]
     assert isinstance(runs, dict)
-    header = "| run | requests | done | rejected | TTFT p50 / p90 / p99 s | TBT p50 / p90 ms | cached | from pool |"
-    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    header = ("| run | requests | done | rejected | TTFT p50 / p90 / p99 s | TBT p50 / p90 ms | cached | from pool "
+              "| index exact |")  # fmt: skip
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for label, run in runs.items():
         ttft, tbt = run["ttft_s"], run["tbt_s"]
         lines.append(f"| {label} | {run['requests']} | {run['completed']} | {run['rejected']} | "
                      f"{ttft['p50']} / {ttft['p90']} / {ttft['p99']} | {_ms(tbt['p50'])} / {_ms(tbt['p90'])} | "
-                     f"{run['cached_ratio']} | {run['pool_prompt_tokens']} |")  # fmt: skip
+                     f"{run['cached_ratio']} | {run['pool_prompt_tokens']} | {run['index_exact_ratio']} |")  # fmt: skip
     if "ttft_p50_ratio" in result:
         lines.append(f"\nmedian TTFT with reuse / without: {result['ttft_p50_ratio']}")
     return "\n".join(lines)

@@ -66,6 +66,9 @@ class BlockPool:
         self._by_hash: dict[BlockHash, int] = {}  # chained hash -> the block caching it
         self._hash_of: dict[int, BlockHash] = {}  # block -> its hash (cached blocks only)
         self._idle: LruPolicy[int] = LruPolicy()  # cached blocks nobody references
+        # NOTE: when a list, every change to the cached set in order: (True, hash) cached,
+        # (False, hash) evicted; the worker publishes it as KV events (tsukimi/serving/kv_events.py)
+        self.journal: list[tuple[bool, BlockHash]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -81,7 +84,10 @@ class BlockPool:
             if victim is None:
                 return None
             block = victim
-            del self._by_hash[self._hash_of.pop(block)]
+            evicted = self._hash_of.pop(block)
+            del self._by_hash[evicted]
+            if self.journal is not None:
+                self.journal.append((False, evicted))
         self._refs[block] = 1
         return block
 
@@ -104,6 +110,8 @@ class BlockPool:
         if block_hash not in self._by_hash and block not in self._hash_of:
             self._by_hash[block_hash] = block
             self._hash_of[block] = block_hash
+            if self.journal is not None:
+                self.journal.append((True, block_hash))
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block; cached ones stay reusable until recycled."""
@@ -121,6 +129,8 @@ class BlockPool:
         free, referenced ones stay with their holders but are never found again (mutates).
         Returns how many blocks were cached."""
         dropped = len(self._hash_of)
+        if self.journal is not None:
+            self.journal += [(False, block_hash) for block_hash in self._by_hash]
         for block in self._hash_of:
             if self._refs[block] == 0:
                 self._idle.remove(block)
@@ -128,6 +138,10 @@ class BlockPool:
         self._by_hash.clear()
         self._hash_of.clear()
         return dropped
+
+    def cached_hashes(self) -> set[BlockHash]:
+        """The hashes of every block cached now (pure)."""
+        return set(self._by_hash)
 
     def check_invariants(self) -> None:
         free, idle = set(self._free), {b for b in range(self.num_blocks) if b in self._idle}

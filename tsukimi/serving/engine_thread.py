@@ -39,6 +39,7 @@ from tsukimi.clock import WallClock
 from tsukimi.engine.engine import LLMEngine, StepOutput
 from tsukimi.engine.sampling import SamplingParams
 from tsukimi.errors import ClosedError, InvalidArgument, TsukimiError, WorkerError, WorkerUnavailable
+from tsukimi.serving.kv_events import KvEventPublisher
 from tsukimi.serving.protocol import Load
 
 logger = logging.getLogger(__name__)
@@ -138,9 +139,12 @@ class EngineThread:
     (its state may be inconsistent); the thread keeps serving.
     """
 
-    def __init__(self, make_engine: Callable[[], LLMEngine], metrics: WorkerMetrics, threads: int, name: str) -> None:
-        self._make_engine, self._metrics, self._threads = make_engine, metrics, threads
-        self._engine = make_engine()
+    def __init__(
+        self, make_engine: Callable[[], LLMEngine], metrics: WorkerMetrics, threads: int, name: str,
+        events: KvEventPublisher | None = None,
+    ) -> None:  # fmt: skip
+        self._make_engine, self._metrics, self._threads, self._events = make_engine, metrics, threads, events
+        self._engine = self._new_engine()
         self._cond = threading.Condition()
         self._inbox: deque[Command] = deque()
         self._active: dict[str, RequestStream] = {}
@@ -252,7 +256,16 @@ class EngineThread:
         except Exception as exc:  # NOTE: fail the requests with the cause instead of dying silently
             logger.exception("the engine failed; failing %d requests", len(self._active))
             self._fail_all(WorkerError(f"the engine failed: {type(exc).__name__}: {exc}"))
-            self._engine = self._make_engine()  # NOTE: the old one's state may be inconsistent
+            self._engine = self._new_engine()  # NOTE: the old one's state may be inconsistent
+            if self._events is not None:
+                self._events.clear()
+
+    def _new_engine(self) -> LLMEngine:
+        """A fresh engine whose block pool journals its cache changes when events are published."""
+        engine = self._make_engine()
+        if self._events is not None:
+            engine.cache.pool.journal = []
+        return engine
 
     def _apply(self, command: AddCommand | AbortCommand) -> None:
         stream = command.stream
@@ -280,7 +293,9 @@ class EngineThread:
         logger.debug("accepted %s (%d prompt tokens)", rid, len(command.prompt))
 
     def _step(self) -> None:
-        for out in self._engine.step():
+        outputs = self._engine.step()
+        self._flush_events()  # NOTE: before the tokens: the router hears of the blocks first
+        for out in outputs:
             stream = self._active.get(out.request_id)
             if stream is None:
                 continue
@@ -289,6 +304,13 @@ class EngineThread:
             if out.finish_reason is not None:
                 del self._active[out.request_id]
             stream.send(out)
+
+    def _flush_events(self) -> None:
+        """Publishes the cache changes journalled since the last call as one batch."""
+        pool = self._engine.cache.pool
+        if pool.journal and self._events is not None:
+            self._events.publish(pool.journal)
+            pool.journal = []
 
     def _fail_all(self, error: TsukimiError) -> None:
         for rid, stream in self._active.items():
@@ -300,6 +322,7 @@ class EngineThread:
 
     def _publish(self) -> None:
         waiting = sum(not s.started for s in self._active.values())
+        self._flush_events()
         pool = self._engine.cache.pool
         self.load = Load(waiting, len(self._active) - waiting, pool.num_free, pool.num_blocks)
         self._metrics.waiting.set(waiting)

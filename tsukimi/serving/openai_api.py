@@ -291,6 +291,7 @@ class OpenAIServer:
         self.metrics.cached_tokens.inc(max(0, event.cached_tokens - usage.cached_tokens))
         self.metrics.pool_tokens.inc(max(0, event.pool_tokens - usage.pool_tokens))
         usage.cached_tokens, usage.pool_tokens = event.cached_tokens, event.pool_tokens
+        usage.expected = event.expected or usage.expected
 
     async def _sse(
         self, job: _Job, endpoint: str, events: AsyncGenerator[TokenEvent, None], first: TokenEvent

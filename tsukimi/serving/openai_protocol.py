@@ -11,6 +11,7 @@ import msgspec
 from fastapi import Response
 
 from tsukimi.errors import Rejected, TsukimiError
+from tsukimi.serving.index_feed import ExpectedReuse
 from tsukimi.serving.protocol import http_status
 
 
@@ -59,14 +60,20 @@ class Usage:
     cached_tokens: int = 0
     pool_tokens: int = 0
     completion_tokens: int = 0
+    expected: ExpectedReuse | None = None
 
     def body(self) -> dict[str, object]:
         # NOTE: pool_tokens (not OpenAI's): prompt tokens whose KV a worker (prefill, then
-        # decode) loaded from the KV pool instead of computing
+        # decode) loaded from the KV pool instead of computing; expected_*: what the router's
+        # prefix index expected the prefill worker to reuse (PD mode; tsukimi/serving/index_feed.py)
+        details: dict[str, int] = {"cached_tokens": self.cached_tokens, "pool_tokens": self.pool_tokens}
+        if self.expected is not None:
+            details["expected_cached_tokens"] = self.expected.cached_tokens
+            details["expected_pool_tokens"] = self.expected.pool_tokens
+            details["expected_concurrent"] = int(self.expected.concurrent)
         return {
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens, "pool_tokens": self.pool_tokens},
+            "total_tokens": self.prompt_tokens + self.completion_tokens, "prompt_tokens_details": details,
         }  # fmt: skip
 
 

@@ -3,7 +3,7 @@ streams back, its load and health, and how an error crosses.
 
     POST /generate   GenerateRequest (JSON) -> 200 NDJSON TokenChunk lines, the last with a
                      finish_reason, or an error line; or an ErrorReply with its HTTP status
-    GET  /load       Load          GET /health   Health
+    GET  /load       Load          GET /health   Health (with the ports of the worker's KV events)
     POST /admin/update_weights   UpdateWeightsRequest -> UpdateWeightsReply, or an ErrorReply
                      (signed with the cluster secret when there is one; tsukimi/httpd.py)
 
@@ -165,6 +165,8 @@ class Health(msgspec.Struct, frozen=True):
     model_name: str = ""
     block_tokens: int = 0
     weights_version: str = "initial"
+    kv_events_port: int = 0  # the KV events' PUB socket (tsukimi/serving/kv_events.py); 0: none
+    kv_snapshot_port: int = 0  # its snapshot socket
 
 
 def error_reply(error: TsukimiError) -> tuple[int, bytes]:

@@ -23,10 +23,10 @@ on its own; tsukimi/serving/weight_update.py) and forgets what the prefix index 
 worker that updated and of the pool: their blocks of the old weights are unreachable now (the
 workers' KV format digest changed). Even without that the index would only misjudge costs.
 
-NOTE: the prefix index learns of blocks only when a prefill finishes here (the prompt's full
-blocks at the prefill worker and at the pool); workers do not report evictions back, so the
-index over-approximates what is cached, and the Conductor may expect a hit that turns into
-recomputation. That costs time, never correctness.
+The prefix index learns only from the prefill workers' KV events (stored and evicted blocks,
+in order, a snapshot after a gap: tsukimi/serving/index_feed.py); the router records nothing
+itself when a prefill finishes. Each PD request's events carry what the index expected the
+prefill worker to reuse at decision time (`expected_cached_tokens`), beside what it reused.
 
 Runs on one asyncio event loop (the Conductor and the index are not thread-safe).
 """
@@ -53,6 +53,7 @@ from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import CostModel, LinearCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
+from tsukimi.serving.index_feed import ExpectedReuse, IndexFeed, expected_reuse
 from tsukimi.serving.protocol import FinishReason, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
 from tsukimi.serving.worker_client import POOL, WorkerClient, WorkerHandle, WorkerSpec, WorkerStatus
 
@@ -70,7 +71,8 @@ class TokenEvent:
     event only; `cached_tokens` / `pool_tokens` count the request's prompt tokens whose KV was
     reused so far (of those, loaded from the KV pool), over every worker that served it;
     `time_s` is the router's clock when the event arrived; `worker` produced the tokens (on
-    `weights_version`)."""
+    `weights_version`); `expected`: what the prefix index expected the prefill worker to reuse
+    (PD only)."""
 
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
@@ -79,6 +81,7 @@ class TokenEvent:
     time_s: float
     worker: str
     weights_version: str = ""
+    expected: ExpectedReuse | None = None
 
 
 def cost_model(config: RouterConfig) -> CostModel:
@@ -120,6 +123,7 @@ class Router:
         self._policy = make_router(self.config.policy)
         self._client: WorkerClient | None = None
         self._poller: asyncio.Task[None] | None = None
+        self._feed: IndexFeed | None = None
         self._lock = asyncio.Lock()
         self._ids = itertools.count()
 
@@ -140,6 +144,9 @@ class Router:
             try:
                 await client.discover(workers, cfg.startup_timeout_s)
                 self.conductor = self._build_conductor() if self.mode == "pd" else None
+                if self.conductor is not None:
+                    self._feed = IndexFeed(self.index, self.block_tokens, cfg.connect_timeout_s)
+                    self._feed.start(workers)
             except BaseException:
                 await self.close()
                 raise
@@ -154,7 +161,9 @@ class Router:
                 await self._poller
         if self._client is not None:
             await self._client.aclose()
-        self._poller = self._client = None
+        if self._feed is not None:
+            await self._feed.close()
+        self._poller = self._client = self._feed = None
 
     async def update_weights(
         self, request: UpdateWeightsRequest, secret: bytes | None
@@ -225,9 +234,7 @@ class Router:
         assert conductor is not None
         rid, prompt = next(self._ids), request.prompt_ids
         blocks = hash_blocks(prompt, self.block_tokens)
-        prefill, first = await self._place_and_prefill(conductor, rid, request, blocks)
-        self.index.stored(location(prefill, "dram"), blocks)
-        self.index.stored(location(POOL, "dram"), blocks)
+        first = await self._place_and_prefill(conductor, rid, request, blocks)
         if first.finish_reason == "stop" or len(first.token_ids) >= request.max_tokens:
             conductor.finished_at_prefill(rid, self.clock.now())
             yield dataclasses.replace(first, finish_reason=first.finish_reason or "length")
@@ -245,16 +252,17 @@ class Router:
                     # NOTE: the decode worker loads the prompt's KV from the pool too: its pool
                     # tokens add to the prefill's; the cached ones are the prefill's
                     yield dataclasses.replace(
-                        event, cached_tokens=first.cached_tokens, pool_tokens=first.pool_tokens + event.pool_tokens
-                    )
+                        event, cached_tokens=first.cached_tokens, pool_tokens=first.pool_tokens + event.pool_tokens,
+                        expected=first.expected,
+                    )  # fmt: skip
         finally:
             conductor.decode_finished(rid, self.clock.now(), generated)
 
     async def _place_and_prefill(
         self, conductor: Conductor, rid: int, request: GenerateRequest, blocks: list[BlockHash]
-    ) -> tuple[str, TokenEvent]:
+    ) -> TokenEvent:
         """Schedules the request and runs its prefill, placing it again while the chosen prefill
-        worker turns out unreachable; the prefill worker's name and its one event."""
+        worker turns out unreachable; its one event, with the reuse the index expected."""
         attempts = PLACEMENT.start(self.clock)
         while True:
             down = {name for name, w in self._workers.items() if not w.healthy}
@@ -265,8 +273,10 @@ class Router:
                 raise Rejected(decision.reason)
             assert decision.prefill is not None
             prefill = self._workers[decision.prefill]
+            expected = expected_reuse(self.index, decision.prefill, blocks, len(request.prompt_ids), self.block_tokens,
+                                      prefill.in_flight > 0)  # fmt: skip
             try:
-                return prefill.spec.name, await self._prefill(prefill, request)
+                return dataclasses.replace(await self._prefill(prefill, request), expected=expected)
             except WorkerUnavailable as exc:
                 conductor.finished_at_prefill(rid, self.clock.now())
                 prefill.healthy = False

@@ -50,6 +50,7 @@ from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import LoadedModel, load_model
 from tsukimi.errors import ClosedError, InvalidArgument, TsukimiError, WorkerUnavailable
 from tsukimi.serving.engine_thread import AbortCommand, AddCommand, EngineThread, RequestStream, Verdict, WorkerMetrics
+from tsukimi.serving.kv_events import KvEventPublisher
 from tsukimi.serving.protocol import (
     ErrorReply,
     GenerateRequest,
@@ -109,6 +110,7 @@ class Worker:
         self._engine: EngineThread | None = None
         self._http: httpd.AppHandle | None = None
         self._updater: WeightUpdater | None = None
+        self._events: KvEventPublisher | None = None
         self._secret = SecurityConfig().secret()  # NOTE: from TSUKIMI_CLUSTER_SECRET, as the store client's
         self._seen = auth.ReplayCache()
 
@@ -139,7 +141,9 @@ class Worker:
                     prefix_caching=cfg.prefix_caching,
                 ))  # fmt: skip
 
-            self._engine = EngineThread(make_engine, self.metrics, cfg.threads, cfg.name)
+            if cfg.prefix_caching:  # NOTE: the router's prefix index follows this cache (GET /health: the ports)
+                self._events = KvEventPublisher(cfg.host, block_tokens=cfg.block_tokens).start()
+            self._engine = EngineThread(make_engine, self.metrics, cfg.threads, cfg.name, self._events)
             self._engine.start()
             self._http = httpd.start_in_thread(self._app(self._engine), cfg.host, cfg.port)
         except BaseException:
@@ -154,13 +158,15 @@ class Worker:
             self._engine.close()
         if self._http is not None:
             self._http.stop()
+        if self._events is not None:
+            self._events.close()
         if self._updater is not None:
             self._updater.close()
         if self._connector is not None:
             self._connector.close()  # NOTE: before the store: it may still be publishing
         if self._store is not None:
             self._store.close()
-        self._engine = self._http = self._store = self._connector = self._updater = None
+        self._engine = self._http = self._store = self._connector = self._updater = self._events = None
 
     def __enter__(self) -> Worker:
         return self
@@ -189,7 +195,9 @@ class Worker:
 
         @app.get("/health")
         def get_health() -> Response:
-            health = Health("ok", cfg.name, cfg.role, mc.identity, mc.name, cfg.block_tokens, updater.weights_version)
+            ports = (self._events.port, self._events.snapshot_port) if self._events is not None else (0, 0)
+            health = Health("ok", cfg.name, cfg.role, mc.identity, mc.name, cfg.block_tokens, updater.weights_version,
+                            *ports)  # fmt: skip
             return Response(msgspec.json.encode(health), media_type="application/json")
 
         @app.get("/load")

@@ -89,6 +89,7 @@ class WorkerHandle:
     load: Load = dataclasses.field(default_factory=lambda: Load(0, 0))
     block_tokens: int = 0
     in_flight: int = 0
+    kv_events_ports: tuple[int, int] = (0, 0)  # its KV events' PUB and snapshot ports (0: none)
 
     def status(self) -> WorkerStatus:
         """The snapshot (pure)."""
@@ -207,7 +208,9 @@ class WorkerClient:
             raise ConfigError(f"worker {worker.spec.name} is declared {worker.spec.role} but reports {info.role}")
         if not worker.healthy:
             logger.info("worker %s is up", worker.spec.name)
-        worker.block_tokens = info.block_tokens if info is not None else worker.block_tokens
+        if info is not None:
+            worker.block_tokens = info.block_tokens
+            worker.kv_events_ports = (info.kv_events_port, info.kv_snapshot_port)
         worker.load, worker.healthy = load, True
         return True
 

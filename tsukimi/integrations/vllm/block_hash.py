@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tsukimi.errors import ConfigError
+from tsukimi.scheduler.index_sync import event_key as event_key
 
 HashAlgo = Literal["sha256", "sha256_cbor"]
 HASH_ALGOS: tuple[HashAlgo, ...] = ("sha256", "sha256_cbor")
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
-_KEY_MASK = (1 << 64) - 1
 
 
 def _sha256_pickle(value: object) -> bytes:
@@ -41,13 +41,6 @@ def _sha256_cbor(value: object) -> bytes:
     import cbor2  # NOTE: optional; only the sha256_cbor algorithm needs it
 
     return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
-
-
-def event_key(block_hash: bytes | int) -> int:
-    """The index key of a hash as a vLLM event carries it (bytes or int); pure."""
-    if isinstance(block_hash, int):
-        return block_hash & _KEY_MASK
-    return int.from_bytes(block_hash, "big") & _KEY_MASK
 
 
 @dataclass(frozen=True, slots=True)

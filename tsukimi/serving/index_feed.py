@@ -1,0 +1,108 @@
+"""The router's prefix index fed by its prefill workers' KV events, and what the index expects a
+prefill worker to reuse, to check it against what the worker did reuse.
+
+    prefill worker p: KvEventPublisher --PUB--> EventSubscriber (one per worker, on the
+        router's event loop) --> InstanceEvents(p) --> index: "p/dram" (its block pool, the
+        CPU medium) and "pool/dram" (every block a prefill worker caches it has also put in,
+        or loaded from, the KV pool)
+
+The index learns only from events: the router records nothing itself when a prefill
+finishes. Decode workers publish too but are not subscribed: the Conductor places prefills,
+and a decode worker's cache is no place to fetch a prefix from.
+
+NOTE: the pool's own evictions are not published (the store master evicts on its own), so
+"pool/dram" over-approximates the pool once it fills; blocks put under new weights after a
+live update are salted (tsukimi/engine/block_manager.py) and never match the router's hashes.
+
+Applying a batch costs microseconds per block and runs between decisions on the same loop
+(the index and the Conductor are not thread-safe), never during one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+import zmq.asyncio
+
+from tsukimi.scheduler.index_sync import InstanceEvents
+from tsukimi.scheduler.prefix_index import PrefixIndex, location
+from tsukimi.serving.kv_events import EventSource, EventSubscriber
+from tsukimi.serving.worker_client import POOL, WorkerHandle
+
+logger = logging.getLogger(__name__)
+
+POOL_LOCATION = location(POOL, "dram")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectedReuse:
+    """The prompt tokens the index expects the prefill worker to reuse: from its own cache
+    first, then from the KV pool (`pool_tokens`, the run of pooled blocks after the local ones),
+    as the worker's BlockManager.admit does. `concurrent`: other prefills were running on that
+    worker at placement; they may store or evict blocks before this one is admitted, so a miss is
+    then no fault of the index (with none running, the worker's cache stood still: a miss means
+    the index was behind)."""
+
+    cached_tokens: int
+    pool_tokens: int
+    concurrent: bool = False
+
+
+def expected_reuse(index: PrefixIndex, prefill: str, blocks: Sequence[int], prompt_tokens: int,
+                   block_tokens: int, concurrent: bool = False) -> ExpectedReuse:  # fmt: skip
+    """What `prefill` would reuse of a prompt of `prompt_tokens` tokens with these full-block
+    hashes, by the index now (pure). The last prompt token is always computed, so a prompt of
+    whole blocks reuses at most all but its last block."""
+    usable = blocks[: (prompt_tokens - 1) // block_tokens]
+    local = index.match_at(location(prefill, "dram"), usable)
+    pooled = index.match_at(POOL_LOCATION, usable[local:])
+    return ExpectedReuse((local + pooled) * block_tokens, pooled * block_tokens, concurrent)
+
+
+class IndexFeed:
+    """Subscribes to the prefill workers' KV events and applies them to `index` (see the module).
+
+    Args:
+        index: the router's prefix index (mutated by the subscribers).
+        block_tokens: the workers' block size (a worker publishing another is warned about).
+        timeout_s: how long a snapshot request waits.
+    """
+
+    def __init__(self, index: PrefixIndex, block_tokens: int, timeout_s: float = 2.0) -> None:
+        self.index, self.block_tokens, self.timeout_s = index, block_tokens, timeout_s
+        self.instances: dict[str, InstanceEvents] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._context: zmq.asyncio.Context | None = None
+
+    def start(self, workers: Sequence[WorkerHandle]) -> None:
+        """Subscribes to every prefill worker that publishes KV events (GET /health said where).
+        Mutates; call on the router's loop."""
+        self._context = self._context or zmq.asyncio.Context()
+        for worker in workers:
+            if worker.spec.role != "prefill" or not worker.kv_events_ports[0]:
+                continue
+            name, host = worker.spec.name, httpx.URL(worker.spec.url).host
+            port, snapshot_port = worker.kv_events_ports
+            source = EventSource(f"tcp://{host}:{port}", replay_timeout_s=self.timeout_s,
+                                 snapshot_endpoint=f"tcp://{host}:{snapshot_port}")  # fmt: skip
+            events = self.instances[name] = InstanceEvents(self.index, name, self.block_tokens, POOL_LOCATION)
+            subscriber = EventSubscriber(events, source, self._context)
+            self._tasks.append(asyncio.create_task(subscriber.run(), name=f"kv-events-{name}"))
+        logger.info("prefix index fed by the KV events of %d prefill workers", len(self.instances))
+
+    async def close(self) -> None:
+        """Stops the subscribers (idempotent; mutates)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self._context is not None:
+            self._context.term()
+            self._context = None
