@@ -15,6 +15,7 @@ from tsukimi.compat import commands as compat_commands
 from tsukimi.errors import TsukimiError
 from tsukimi.integrations.vllm import launch as vllm_launch
 from tsukimi.integrations.vllm import launch_args as vllm_launch_args
+from tsukimi.p2p import commands as p2p_commands
 from tsukimi.serving import cluster, router_commands, worker_commands
 from tsukimi.sim import commands as sim_commands
 
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker_commands.add_parser(sub)
     vllm_launch.add_vllm_up_arguments(cluster.add_parser(sub))
     compat_commands.add_parser(sub)
+    p2p_commands.add_parser(sub)
     vllm_launch_args.add_vllm_arguments(router_commands.add_parser(sub))
     return parser
 
@@ -378,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
             sim_commands.run(args, console)
         elif args.command == "compat":
             return compat_commands.run(args, console)
+        elif args.command == "p2p":
+            return p2p_commands.run(args, console)
     except TsukimiError as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
