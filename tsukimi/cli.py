@@ -136,6 +136,7 @@ def _add_p2p_bench_parser(bench: argparse._SubParsersAction[argparse.ArgumentPar
     )
     pp.add_argument("--systems", type=_names, default=("tsukimi", "naive", "gloo"), help="tsukimi,naive,gloo")
     pp.add_argument("--timeout", type=float, default=300.0, help="seconds any one step may take")
+    pp.add_argument("--repeats", type=int, default=3, help="rounds per cell; figures are the median round's")
     pp.add_argument("--quick", action="store_true", help="N = 1, 4 with a 256 MiB checkpoint")
     pp.add_argument("--json", action="store_true")
     pp.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
@@ -215,6 +216,7 @@ def _bench_p2p(args: argparse.Namespace, console: Console) -> None:
         transports=args.transport,
         systems=args.systems,
         timeout_s=args.timeout,
+        repeats=1 if args.quick else args.repeats,
     )
     with console.status("benchmarking the p2p store") as status:
         report = p2p.run(cfg, progress=lambda text: status.update(text))

@@ -60,6 +60,7 @@ class P2PBenchConfig:
     systems: tuple[str, ...] = SYSTEMS
     inflight: int = P2PConfig().max_inflight
     timeout_s: float = 300.0
+    repeats: int = 3
     seed: int = 15
 
     def __post_init__(self) -> None:
@@ -71,8 +72,8 @@ class P2PBenchConfig:
             raise ConfigError("receivers must be counts in 1..64")
         if not 4096 <= self.shard_bytes <= self.checkpoint_bytes:
             raise ConfigError("shard size must be >= 4 KiB and at most the checkpoint size")
-        if self.inflight < 1 or self.timeout_s <= 0:
-            raise ConfigError("inflight must be >= 1 and timeout > 0")
+        if self.inflight < 1 or self.timeout_s <= 0 or self.repeats < 1:
+            raise ConfigError("inflight must be >= 1, timeout > 0 and repeats >= 1")
 
     @property
     def te_systems(self) -> tuple[str, ...]:
@@ -141,11 +142,13 @@ def _row(system: str, transport: str, n: int, cfg: P2PBenchConfig, pulls: list[R
     }
 
 
-def _te_round(cfg: P2PBenchConfig, system: str, transport: str, n: int, origin: JsonWorker, url: str) -> Row:
-    """N receivers pull the origin's checkpoint (naive: its buffer; tsukimi: a payload)."""
+def _te_round(cfg: P2PBenchConfig, cell: tuple[str, str, int, int], origin: JsonWorker, url: str) -> Row:
+    """N receivers pull the origin's checkpoint (naive: its buffer; tsukimi: a payload);
+    `cell` is (system, transport, N, round)."""
+    system, transport, n, rep = cell
     args = {"system": system, "transport": transport, "metadata_url": url, "checkpoint_bytes": cfg.checkpoint_bytes,
             "shard_bytes": cfg.shard_bytes, "inflight": cfg.inflight, "timeout_s": cfg.timeout_s}  # fmt: skip
-    payload = f"bench-p2p-{transport}-{n}"
+    payload = f"bench-p2p-{transport}-{n}-{rep}"
     if system == "tsukimi":
         origin.call(cfg.timeout_s, cmd="publish", payload=payload)
     with ExitStack() as stack:
@@ -186,8 +189,20 @@ def _gloo_round(cfg: P2PBenchConfig, n: int) -> Row:
     }
 
 
+def _cells(cfg: P2PBenchConfig) -> list[tuple[str, str]]:
+    """(system, transport) of each round of one N (gloo is tcp only)."""
+    return [(system, t) for system in cfg.systems for t in (("tcp",) if system == "gloo" else cfg.transports)]
+
+
+def _median(rows: list[Row]) -> Row:
+    """The round of median completion time (its figures kept together), with every round's."""
+    ordered = sorted(rows, key=lambda r: float(str(r["seconds"])))
+    return {**ordered[len(ordered) // 2], "round_seconds": [r["seconds"] for r in rows]}
+
+
 def run(cfg: P2PBenchConfig, progress: Callable[[str], None] = lambda _: None) -> Row:
-    """Every (N, system, transport) round once, N ascending and the systems interleaved.
+    """Every (N, system, transport) cell `cfg.repeats` times, N ascending, the systems
+    interleaved round by round; each cell's median round.
 
     Raises:
         ConfigError: the run would not fit in memory.
@@ -195,7 +210,7 @@ def run(cfg: P2PBenchConfig, progress: Callable[[str], None] = lambda _: None) -
     """
     check_memory(cfg)
     server, _ = start_in_thread()
-    runs: list[Row] = []
+    rounds: dict[tuple[int, str, str], list[Row]] = {}
     try:
         with ExitStack() as stack:
             origin = None
@@ -205,16 +220,18 @@ def run(cfg: P2PBenchConfig, progress: Callable[[str], None] = lambda _: None) -
                                "checkpoint_bytes": cfg.checkpoint_bytes, "shard_bytes": cfg.shard_bytes}  # fmt: skip
                 origin = _start(stack, [("origin", ["origin", json.dumps(origin_args)], {})])[0]
             for n in cfg.receivers:
-                for system in cfg.systems:
-                    for transport in ("tcp",) if system == "gloo" else cfg.transports:
-                        progress(f"{n} receivers: {system} ({transport})")
+                for rep in range(cfg.repeats):
+                    for system, transport in _cells(cfg):
+                        progress(f"{n} receivers, round {rep + 1}/{cfg.repeats}: {system} ({transport})")
                         if system == "gloo":
-                            runs.append(_gloo_round(cfg, n))
+                            row = _gloo_round(cfg, n)
                         else:
                             assert origin is not None
-                            runs.append(_te_round(cfg, system, transport, n, origin, server.url))
+                            row = _te_round(cfg, (system, transport, n, rep), origin, server.url)
+                        rounds.setdefault((n, system, transport), []).append(row)
     except WorkerError as exc:
         raise PeerError(str(exc)) from exc
     finally:
         server.stop()
+    runs = [_median(rows) for rows in rounds.values()]
     return {"runs": runs, "goals": goals(runs), "git_rev": git_rev(), "config": asdict(cfg), "cpus": os.cpu_count()}

@@ -31,6 +31,7 @@ import numpy as np
 
 from tsukimi.config import Config, MetadataConfig, TransferConfig
 from tsukimi.errors import TransferError
+from tsukimi.p2p import P2PStore
 from tsukimi.testing.processes import child_reply
 from tsukimi.transfer import Batch, OpCode, TransferEngine, TransferRequest
 
@@ -74,35 +75,28 @@ def _commands() -> Iterator[dict[str, Any]]:
             yield json.loads(line)
 
 
-def _engine(args: dict[str, Any], role: str) -> TransferEngine:
-    transfer = TransferConfig(transport=args["transport"])
-    config = Config(transfer=transfer, metadata=MetadataConfig(url=args["metadata_url"]))
+def _config(args: dict[str, Any]) -> Config:
+    return Config(
+        transfer=TransferConfig(transport=args["transport"]), metadata=MetadataConfig(url=args["metadata_url"])
+    )
+
+
+def _engine(config: Config, role: str) -> TransferEngine:
     return TransferEngine(f"bench-p2p-{role}-{os.getpid()}", config)
-
-
-def _p2p_store(engine: TransferEngine) -> Any:
-    """The P2P store over `engine` (imported here: the naive system runs without it)."""
-    from tsukimi.p2p import P2PStore  # type: ignore[import-untyped]  # NOTE: until the P2P core lands
-
-    return P2PStore(engine.config, engine=engine)
 
 
 def run_origin(args: dict[str, Any]) -> None:
     buf = checkpoint(args["checkpoint_bytes"], args["seed"])
-    with _engine(args, "origin") as engine:
+    config = _config(args)
+    with _engine(config, "origin") as engine, P2PStore(config, engine=engine) as store:
         base = engine.register(buf)
-        store = None
         child_reply({"name": engine.name, "base": base, "crcs": shard_crcs(buf, args["shard_bytes"])})
         for cmd in _commands():
-            if store is None:
-                store = _p2p_store(engine)
             if cmd["cmd"] == "publish":
                 store.register(cmd["payload"], [buf], max_shard_bytes=args["shard_bytes"])
             elif cmd["cmd"] == "withdraw":
                 store.unregister(cmd["payload"])
             child_reply({})
-        if store is not None:
-            store.close()
 
 
 def pull_naive(engine: TransferEngine, cmd: dict[str, Any], local: np.ndarray, args: dict[str, Any]) -> str:
@@ -128,8 +122,9 @@ def pull_naive(engine: TransferEngine, cmd: dict[str, Any], local: np.ndarray, a
 def run_receiver(args: dict[str, Any]) -> None:
     local = np.empty(args["checkpoint_bytes"], np.uint8)
     local.fill(0)  # NOTE: fault the pages in now, so that no system pays for them while timed
-    with _engine(args, "receiver") as engine:
-        store = _p2p_store(engine) if args["system"] == "tsukimi" else None
+    config = _config(args)
+    with _engine(config, "receiver") as engine:
+        store = P2PStore(config, engine=engine) if args["system"] == "tsukimi" else None
         child_reply({"name": engine.name})
         for cmd in _commands():
             if cmd["cmd"] == "verify":
