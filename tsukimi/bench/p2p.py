@@ -44,11 +44,11 @@ MIB, GIB = 1 << 20, 1 << 30
 SYSTEMS = ("tsukimi", "naive", "gloo")
 TRANSPORTS = ("tcp", "auto")
 _WORKER = "tsukimi.bench.p2p_worker"
-_STARTUP_TIMEOUT_S = 180.0  # NOTE: nine processes importing torch on two cores
 # resident memory of a worker besides its checkpoint copy (interpreter, numpy, engine; torch)
 _PROCESS_OVERHEAD_BYTES = 200 * MIB
 _TORCH_OVERHEAD_BYTES = 450 * MIB
 _MEMORY_HEADROOM = 0.85
+Spec = tuple[str, list[str], dict[str, str]]  # a worker's label, role and arguments, extra environment
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,12 +111,11 @@ def check_memory(cfg: P2PBenchConfig, available: int | None = None) -> None:
     )
 
 
-def _start(stack: ExitStack, specs: list[tuple[str, list[str], dict[str, str]]]) -> list[JsonWorker]:
-    """Start the workers at once; each stops when `stack` closes. Raises WorkerError."""
+def _start(stack: ExitStack, specs: list[Spec], timeout_s: float) -> list[JsonWorker]:
+    """Start the workers at once, each ready within `timeout_s`; each stops when `stack`
+    closes. Raises WorkerError."""
     with ThreadPoolExecutor(len(specs)) as pool:
-        futures = [
-            pool.submit(JsonWorker, label, [_WORKER, *args], _STARTUP_TIMEOUT_S, env) for label, args, env in specs
-        ]
+        futures = [pool.submit(JsonWorker, label, [_WORKER, *args], timeout_s, env) for label, args, env in specs]
     workers: list[JsonWorker] = []
     errors: list[BaseException] = []
     for future in futures:
@@ -152,7 +151,8 @@ def _te_round(cfg: P2PBenchConfig, cell: tuple[str, str, int, int], origin: Json
     if system == "tsukimi":
         origin.call(cfg.timeout_s, cmd="publish", payload=payload)
     with ExitStack() as stack:
-        receivers = _start(stack, [(f"{system} receiver {i}", ["receiver", json.dumps(args)], {}) for i in range(n)])
+        specs: list[Spec] = [(f"{system} receiver {i}", ["receiver", json.dumps(args)], {}) for i in range(n)]
+        receivers = _start(stack, specs, cfg.timeout_s)
         target = {"origin": origin.ready["name"], "base": origin.ready["base"], "payload": payload}
         pulls = gather(receivers, cfg.timeout_s, cmd="go", **target)
         checks = gather(receivers, cfg.timeout_s, cmd="verify", crcs=origin.ready["crcs"])
@@ -177,7 +177,7 @@ def _gloo_round(cfg: P2PBenchConfig, n: int) -> Row:
     env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     with ExitStack() as stack:
         specs = [(f"gloo rank {r}", ["gloo", json.dumps({**args, "rank": r})], env) for r in range(n + 1)]
-        ranks = _start(stack, specs)
+        ranks = _start(stack, specs, cfg.timeout_s)
         gather(ranks, cfg.timeout_s, cmd="init")
         pulls = gather(ranks, cfg.timeout_s, cmd="go")
         checks = gather(ranks[1:], cfg.timeout_s, cmd="verify", crcs=ranks[0].ready["crcs"])
@@ -218,7 +218,7 @@ def run(cfg: P2PBenchConfig, progress: Callable[[str], None] = lambda _: None) -
                 progress("starting the origin")
                 origin_args = {"transport": "auto", "metadata_url": server.url, "seed": cfg.seed,
                                "checkpoint_bytes": cfg.checkpoint_bytes, "shard_bytes": cfg.shard_bytes}  # fmt: skip
-                origin = _start(stack, [("origin", ["origin", json.dumps(origin_args)], {})])[0]
+                origin = _start(stack, [("origin", ["origin", json.dumps(origin_args)], {})], cfg.timeout_s)[0]
             for n in cfg.receivers:
                 for rep in range(cfg.repeats):
                     for system, transport in _cells(cfg):
