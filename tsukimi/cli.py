@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from rich.console import Console
 
@@ -131,9 +132,7 @@ def _add_p2p_bench_parser(bench: argparse._SubParsersAction[argparse.ArgumentPar
     pp.add_argument("--receivers", type=_ints, default=(1, 2, 4, 8), help="receiver counts, e.g. 1,2,4,8")
     pp.add_argument("--size", type=_sizes, default=(512 * KIB * KIB,), help="checkpoint bytes, e.g. 512MiB")
     pp.add_argument("--shard", type=_sizes, default=(64 * KIB * KIB,), help="shard bytes, e.g. 64MiB")
-    pp.add_argument(
-        "--transport", type=_names, default=("tcp",), help="tcp (like gloo), auto (cma on one host), or both"
-    )
+    pp.add_argument("--transport", type=_names, default=("tcp",), help="tcp (as gloo), auto (cma here), or both")
     pp.add_argument("--systems", type=_names, default=("tsukimi", "naive", "gloo"), help="tsukimi,naive,gloo")
     pp.add_argument("--timeout", type=float, default=300.0, help="seconds any one step may take")
     pp.add_argument("--repeats", type=int, default=3, help="rounds per cell; figures are the median round's")
@@ -198,12 +197,21 @@ def _bench_store(args: argparse.Namespace, console: Console) -> None:
     )
     with console.status("benchmarking the store") as status:
         report = store.run(cfg, progress=lambda text: status.update(text))
+    _print_report(args, console, report, store.render_markdown, store.render_table)
+
+
+Report = dict[str, object]
+
+
+def _print_report(args: argparse.Namespace, console: Console, report: Report,
+                  markdown: Callable[[Report], str], table: Callable[[Report], object]) -> None:  # fmt: skip
+    """A bench's report as JSON (--json), Markdown (--markdown) or a rich table."""
     if args.json:
         print(json.dumps(report))
     elif args.markdown:
-        print(store.render_markdown(report))
+        print(markdown(report))
     else:
-        console.print(store.render_table(report))
+        console.print(table(report))
 
 
 def _bench_p2p(args: argparse.Namespace, console: Console) -> None:
@@ -220,12 +228,7 @@ def _bench_p2p(args: argparse.Namespace, console: Console) -> None:
     )
     with console.status("benchmarking the p2p store") as status:
         report = p2p.run(cfg, progress=lambda text: status.update(text))
-    if args.json:
-        print(json.dumps(report))
-    elif args.markdown:
-        print(p2p_report.render_markdown(report))
-    else:
-        console.print(p2p_report.render_table(report))
+    _print_report(args, console, report, p2p_report.render_markdown, p2p_report.render_table)
 
 
 def _bench_serve(args: argparse.Namespace, console: Console) -> None:
