@@ -1,6 +1,7 @@
 """Serving an ASGI app (FastAPI) with uvicorn on our own listening socket, in the foreground
 or in a daemon thread, and the HTTP side of the cluster secret: `sign_request` (client) and
-`check_signature` (server), over tsukimi/auth.py's signed headers. Shared by the metadata
+`check_signature` (server), over tsukimi/auth.py's signed headers (covering the method, path,
+query, body and the conditional headers If-Match / If-None-Match). Shared by the metadata
 server and the store master's HTTP endpoints.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from typing import TypeVar
 
 import httpx
@@ -20,6 +22,8 @@ from tsukimi.clock import WallClock
 from tsukimi.errors import AuthError, PeerError
 
 logger = logging.getLogger(__name__)
+
+SIGNED_HEADERS = ("if-match", "if-none-match")  # signed beside the method, path, query and body
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -50,8 +54,22 @@ def sign_request(request: httpx.Request, secret: bytes | None) -> httpx.Request:
     """
     if secret is not None:
         path = request.url.raw_path.decode("ascii")  # path and query, exactly as sent
-        request.headers.update(auth.sign_headers(secret, request.method, path, request.content))
+        target = signed_target(path, request.headers.get_list)
+        request.headers.update(auth.sign_headers(secret, request.method, target, request.content))
     return request
+
+
+def signed_target(path_with_query: str, header_values: Callable[[str], list[str]]) -> str:
+    """What a signature covers of a request's target: the path and query, then each value
+    of the SIGNED_HEADERS it carries, as "\nname:value" lines.
+
+    NOTE: the conditional headers decide whether a write happens: a signature that left them
+    out would let anyone on the path strip If-Match and turn a compare-and-set into a blind
+    write. A request line holds no newline, so the two parts cannot be confused. Requests
+    without those headers are signed exactly as before.
+    """
+    lines = [f"\n{name}:{value}" for name in SIGNED_HEADERS for value in header_values(name)]
+    return path_with_query + "".join(lines)
 
 
 def check_signature(request: Request, body: bytes, secret: bytes | None, replay_cache: auth.ReplayCache) -> None:
@@ -66,9 +84,10 @@ def check_signature(request: Request, body: bytes, secret: bytes | None, replay_
     raw_path = request.scope.get("raw_path") or request.url.path.encode()
     query = request.scope.get("query_string") or b""
     path = (raw_path + b"?" + query if query else raw_path).decode("latin-1")
+    target = signed_target(path, request.headers.getlist)
     try:
         auth.verify_headers(
-            secret, request.method, path, body, request.headers, auth.wall_time(), replay_cache=replay_cache
+            secret, request.method, target, body, request.headers, auth.wall_time(), replay_cache=replay_cache
         )
     except AuthError as exc:
         logger.warning("refused %s %s from %s: %s", request.method, request.url.path, request.client, exc)

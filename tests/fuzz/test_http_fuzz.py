@@ -3,8 +3,9 @@
 Targets:
   http-master    the store master's /query_key, /segments, /health (raw requests: any query
                  bytes, paths, methods): a 4xx or a 200, never a 5xx, never a hang.
-  http-metadata  the metadata server's /metadata?key= GET/PUT/DELETE with any key, body and
-                 Content-Length: 2xx, 404 or another 4xx, and a good PUT/GET works after.
+  http-metadata  the metadata server's /metadata?key= GET/PUT/DELETE and /metadata/list with
+                 any key, prefix, ttl_s, If-Match / If-None-Match, body and Content-Length:
+                 2xx, 404 or another 4xx (412 included), and a good PUT/GET works after.
   http-worker    a real worker (tiny model): POST /generate with damaged bodies (wrong types,
                  huge or negative numbers, strings that are not UTF-8, deep nesting): a 200
                  stream that finishes, or a 4xx with a message; a good request works after.
@@ -36,14 +37,18 @@ from tsukimi.serving.router import Router, WorkerSpec
 from tsukimi.serving.worker import Worker
 from tsukimi.store.master.server import MasterServer
 from tsukimi.transfer.metadata import http as metadata_http
+from tsukimi.transfer.metadata.http_client import HttpMetadata
 
 FAST = RouterConfig(poll_interval_s=0.05, connect_timeout_s=1.0, read_timeout_s=10.0, startup_timeout_s=5.0)
 QUERY_BYTES = st.binary(max_size=40).map(lambda b: b.replace(b" ", b"%20").replace(b"\r", b"").replace(b"\n", b""))
 
 
 @st.composite
-def raw_requests(draw: st.DrawFn, paths: list[bytes]) -> bytes:
-    """One HTTP/1.1 request line with fuzzed method, path and query (and sometimes a body)."""
+def raw_requests(
+    draw: st.DrawFn, paths: list[bytes], queries: tuple[bytes, ...] = (), headers: tuple[bytes, ...] = ()
+) -> bytes:
+    """One HTTP/1.1 request line with fuzzed method, path and query (and sometimes a body),
+    the query sometimes from `queries`, sometimes with one of the header lines `headers`."""
     method = draw(st.sampled_from([b"GET", b"GET", b"PUT", b"DELETE", b"POST", b"HEAD", b"OPTIONS", b"G\x00T"]))
     path = draw(st.one_of(st.sampled_from(paths), QUERY_BYTES.map(lambda b: b"/" + b)))
     query = draw(st.one_of(
@@ -51,7 +56,9 @@ def raw_requests(draw: st.DrawFn, paths: list[bytes]) -> bytes:
         QUERY_BYTES.map(lambda b: b"?key=" + b),
         st.sampled_from([b"?key=%FF%FE", b"?key=%ED%A0%80", b"?key=", b"?key=a&key=b", b"?key=" + b"x" * 70_000,
                          b"?key=%00", b"?%%%", b"?key=" + b"%41" * 2000, b"?key=a%2Fb"]),
+        *([st.sampled_from(queries)] if queries else []),
     ))  # fmt: skip
+    header = draw(st.sampled_from([b"", *headers]))
     body = draw(st.binary(max_size=32))
     length = draw(st.sampled_from([str(len(body)).encode(), b"-1", b"abc", b"99999999999999999999", b"0"]))
     return (
@@ -59,7 +66,9 @@ def raw_requests(draw: st.DrawFn, paths: list[bytes]) -> bytes:
         + b" "
         + path
         + query
-        + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: "
+        + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        + header
+        + b"Content-Length: "
         + length
         + b"\r\n\r\n"
         + body
@@ -96,15 +105,27 @@ def metadata_server() -> Iterator[metadata_http.ServerHandle]:
 
 
 @pytest.fixture(scope="module")
-def metadata_client(metadata_server: metadata_http.ServerHandle) -> Iterator[metadata_http.HttpMetadata]:
-    with metadata_http.HttpMetadata(metadata_server.url) as client:
+def metadata_client(metadata_server: metadata_http.ServerHandle) -> Iterator[HttpMetadata]:
+    with HttpMetadata(metadata_server.url) as client:
         yield client
 
 
-@given(raw_requests([b"/metadata", b"/health", b"/metadata/"]))
+METADATA_QUERIES = (
+    b"?key=k&ttl_s=1", b"?key=k&ttl_s=0", b"?key=k&ttl_s=nan", b"?key=k&ttl_s=1e999", b"?key=k&ttl_s=",
+    b"?key=k&ttl_s=-5", b"?key=k&ttl_s=%FF", b"?prefix=", b"?prefix=k", b"?prefix=%FF%FE", b"?prefix=a&prefix=b",
+    b"?prefix=" + b"p" * 2000,
+)  # fmt: skip
+METADATA_HEADERS = (
+    b'If-Match: "1"\r\n', b"If-Match: 1\r\n", b"If-Match: *\r\n", b'If-Match: "0"\r\n', b"If-None-Match: *\r\n",
+    b'If-None-Match: "1"\r\n', b'If-Match: "' + b"9" * 40 + b'"\r\n', b'If-Match: "\xd9\xa1"\r\n',
+    b'If-Match: "1"\r\nIf-None-Match: *\r\n', b'If-Match: "1"\r\nIf-Match: "2"\r\n',
+)  # fmt: skip
+
+
+@given(raw_requests([b"/metadata", b"/health", b"/metadata/", b"/metadata/list"], METADATA_QUERIES, METADATA_HEADERS))
 @fuzz_settings()
 def test_metadata_server_never_answers_5xx(
-    metadata_server: metadata_http.ServerHandle, metadata_client: metadata_http.HttpMetadata, request: bytes
+    metadata_server: metadata_http.ServerHandle, metadata_client: HttpMetadata, request: bytes
 ) -> None:
     with fuzz_input("http-metadata"):
         status = http_status(metadata_server.host, metadata_server.port, request)

@@ -8,7 +8,9 @@ Targets:
   metadata-handshake   a fake segment server answering the p2p handshake with fuzzed bytes:
                        the directory raises SegmentNotFound / ProtocolError / PeerError only.
   metadata-clients     the HTTP and etcd backends' clients given fuzzed answers (any status,
-                       any body): a value, None, ConfigError or MetadataError, nothing else.
+                       any body, any ETag) to every call (compare-and-set, listing, leases
+                       too): a value of the right type, None, ConfigError, MetadataError or
+                       RevisionConflict, nothing else.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import itertools
 import json
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import msgspec
@@ -30,12 +32,12 @@ from hypothesis import strategies as st
 
 from tests.fuzz.conftest import fuzz_input, fuzz_settings
 from tests.fuzz.strategies import EDGE_INTS, HUGE_INTS, NOT_UTF8, mutated, values
-from tsukimi.errors import ConfigError, MetadataError, PeerError, ProtocolError, SegmentNotFound
+from tsukimi.errors import ConfigError, MetadataError, PeerError, ProtocolError, RevisionConflict, SegmentNotFound
 from tsukimi.transfer import wire
 from tsukimi.transfer.directory import SegmentDirectory
-from tsukimi.transfer.metadata import SEGMENT_PREFIX
+from tsukimi.transfer.metadata import SEGMENT_PREFIX, MetadataBackend
 from tsukimi.transfer.metadata.etcd import EtcdMetadata
-from tsukimi.transfer.metadata.http import HttpMetadata
+from tsukimi.transfer.metadata.http_client import HttpMetadata
 from tsukimi.transfer.metadata.memory import MemoryMetadata
 from tsukimi.transfer.segment import SegmentDescriptor, decode_descriptor
 
@@ -205,21 +207,32 @@ def test_p2p_handshake_answers_raise_clean_errors(
 # -- the HTTP and etcd clients, given any answer -----------------------------------------------
 
 
+HttpAnswer = tuple[int, bytes, str | None]  # status, body, ETag
+
+
 @st.composite
-def http_answers(draw: st.DrawFn) -> tuple[int, bytes]:
-    status = draw(st.sampled_from([200, 201, 204, 400, 404, 413, 422, 500, 502, 503, 302, 418]))
+def http_answers(draw: st.DrawFn) -> HttpAnswer:
+    status = draw(st.sampled_from([200, 201, 204, 400, 404, 412, 413, 422, 500, 502, 503, 302, 418]))
     body = draw(st.one_of(st.binary(max_size=32), st.builds(msgspec.json.encode, values()),
+                          st.builds(msgspec.msgpack.encode, values()),
                           st.sampled_from([b'{"detail": 3}', b'{"detail": null}', b"[]", b"\xff\xfe"])))  # fmt: skip
-    return status, body
+    etag = draw(st.sampled_from([None, '"7"', '"0"', "7", '"-1"', '"' + "9" * 30 + '"', '"\u0661"', ""]))
+    return status, body, etag
 
 
 def etcd_bodies() -> st.SearchStrategy[bytes]:
     good = {"kvs": [{"key": base64.b64encode(b"k").decode(), "value": base64.b64encode(b"v").decode()}]}
     weird_kvs = st.one_of(values(6), st.lists(st.dictionaries(st.sampled_from(["key", "value"]), values(4))))
+    header = st.one_of(st.fixed_dictionaries({"revision": st.one_of(values(2), st.just("12"))}), values(3))
+    shaped = st.fixed_dictionaries({}, optional={  # the txn, lease grant and keepalive answers
+        "header": header, "succeeded": values(2), "ID": values(2), "TTL": values(2), "more": values(2),
+        "result": st.one_of(values(3), st.fixed_dictionaries({}, optional={"TTL": values(2)})),
+    })  # fmt: skip
     return st.one_of(
         st.binary(max_size=32),
         st.builds(msgspec.json.encode, values()),
         st.builds(lambda kvs: msgspec.json.encode({"kvs": kvs}), weird_kvs),
+        st.builds(msgspec.json.encode, shaped),
         mutated([json.dumps(good).encode()]),
     )
 
@@ -242,13 +255,16 @@ class _Adapter(requests.adapters.BaseAdapter):
 
 
 @pytest.fixture(scope="module")
-def fuzzed_clients() -> Iterator[tuple[HttpMetadata, EtcdMetadata, list[tuple[int, bytes]], _Adapter]]:
+def fuzzed_clients() -> Iterator[tuple[HttpMetadata, EtcdMetadata, list[HttpAnswer], _Adapter]]:
     """An HTTP and an etcd backend whose every call gets the answer the test sets."""
-    http_answer = [(200, b"")]
+    http_answer: list[HttpAnswer] = [(200, b"", None)]
+
+    def answer(_: httpx.Request) -> httpx.Response:
+        status, body, etag = http_answer[0]
+        return httpx.Response(status, content=body, headers={} if etag is None else {"etag": etag.encode()})
+
     http = HttpMetadata("http://127.0.0.1:9/metadata", timeout_s=1.0)
-    http._client = httpx.Client(
-        transport=httpx.MockTransport(lambda _: httpx.Response(http_answer[0][0], content=http_answer[0][1]))
-    )
+    http._client = httpx.Client(transport=httpx.MockTransport(answer))
     adapter = _Adapter()
     etcd = EtcdMetadata([("127.0.0.1", 9)], timeout_s=1.0)
     for client in etcd._etcd.clients:
@@ -261,8 +277,8 @@ def fuzzed_clients() -> Iterator[tuple[HttpMetadata, EtcdMetadata, list[tuple[in
 @given(http_answers(), st.sampled_from([200, 200, 200, 400, 404, 408, 500, 503, 504]), etcd_bodies())
 @fuzz_settings()
 def test_metadata_clients_turn_any_answer_into_a_value_or_a_clean_error(
-    fuzzed_clients: tuple[HttpMetadata, EtcdMetadata, list[tuple[int, bytes]], _Adapter],
-    http_answer: tuple[int, bytes],
+    fuzzed_clients: tuple[HttpMetadata, EtcdMetadata, list[HttpAnswer], _Adapter],
+    http_answer: HttpAnswer,
     etcd_status: int,
     etcd_body: bytes,
 ) -> None:
@@ -271,13 +287,40 @@ def test_metadata_clients_turn_any_answer_into_a_value_or_a_clean_error(
     adapter.status, adapter.body = etcd_status, etcd_body
     with fuzz_input("metadata-clients"):
         for backend in (http, etcd):
-            try:
-                value = backend.get("tsukimi/segments/x")
-                assert value is None or isinstance(value, bytes)
-                backend.put("tsukimi/segments/x", b"v")
-                backend.delete("tsukimi/segments/x")
-            except (ConfigError, MetadataError):
-                pass
+            for call in _client_calls(backend):
+                with contextlib.suppress(ConfigError, MetadataError, RevisionConflict):
+                    call()
+
+
+def _client_calls(backend: MetadataBackend) -> list[Callable[[], None]]:
+    """Every backend call, each checking the type of what it returns."""
+    key = "tsukimi/segments/x"
+
+    def get() -> None:
+        value = backend.get(key)
+        assert value is None or isinstance(value, bytes)
+
+    def get_versioned() -> None:
+        found = backend.get_versioned(key)
+        assert found is None or (isinstance(found.value, bytes) and isinstance(found.revision, int))
+
+    def compare_and_set() -> None:
+        assert isinstance(backend.compare_and_set(key, b"v", 3), int)
+
+    def list_prefix() -> None:
+        found = backend.list_prefix("tsukimi/")
+        assert all(isinstance(k, str) and isinstance(v.value, bytes) for k, v in found.items())
+
+    return [
+        get,
+        get_versioned,
+        compare_and_set,
+        list_prefix,
+        lambda: backend.put(key, b"v"),
+        lambda: backend.delete(key),
+        lambda: backend.compare_and_delete(key, 3),
+        lambda: backend.put_ephemeral(key, b"v", 1.0),
+    ]
 
 
 @pytest.mark.parametrize("body", [b"null", b"3", b'{"kvs": "ab"}', b'{"kvs": [3]}', b'{"kvs": [{"value": 3}]}'])

@@ -19,10 +19,10 @@ from tsukimi.errors import NotLeader
 from tsukimi.rpc import RpcClient
 from tsukimi.store import protocol as p
 from tsukimi.store.client import StoreClient
-from tsukimi.store.ha.etcd_kv import EtcdKV
 from tsukimi.store.leader_record import LeaderInfo, leader_key
 from tsukimi.store.master.server import MasterServer
 from tsukimi.store.protocol import CODEC
+from tsukimi.transfer.metadata.etcd_kv import EtcdKV
 
 HA_MASTER = ("master.heartbeat_interval_s=0.2", "master.client_ttl_s=1.5", "master.lease_ttl_s=1.0",
              "master.write_grace_s=0.5", "master.ha_lease_ttl_s=2", "master.tick_interval_s=0.05")  # fmt: skip

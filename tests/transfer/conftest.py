@@ -1,5 +1,6 @@
 """Fixtures for Transfer Engine tests: engine pairs per transport (and with the cluster
-secret; see tsukimi.testing.engine_pairs), and peer processes."""
+secret; see tsukimi.testing.engine_pairs), peer processes, and the metadata services (a real
+etcd, an embedded HTTP metadata server), one per test module."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.etcd_server import EtcdProcess, run_etcd
 from tsukimi.testing.engine_pairs import MIB, TRANSPORT_CASES, EnginePair, engine_pair
 from tsukimi.testing.processes import JsonWorker
+from tsukimi.transfer.metadata.http import ServerHandle, start_in_thread
 
 
 @pytest.fixture(autouse=True)
@@ -31,3 +34,18 @@ def target_process() -> Iterator[JsonWorker]:
         yield worker
     finally:
         worker.stop()
+
+
+@pytest.fixture(scope="module")
+def etcd_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
+    """A real etcd (tests/etcd_server.py) for this test module."""
+    with run_etcd(tmp_path_factory.mktemp("etcd")) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def http_server() -> Iterator[ServerHandle]:
+    """An embedded HTTP metadata server (over a private MemoryMetadata) for this test module."""
+    handle, _ = start_in_thread()
+    yield handle
+    handle.stop()

@@ -1,23 +1,20 @@
-"""One semantics suite for every metadata backend (memory, HTTP, etcd), then each one's specifics."""
+"""One semantics suite for every metadata backend (memory, HTTP, etcd), then the memory backend's
+specifics and connect_metadata (HTTP: test_metadata_http.py; etcd: test_metadata_etcd.py)."""
 
 from __future__ import annotations
 
-import base64
+import concurrent.futures
 import os
-import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
-import httpx
 import pytest
-from etcd3gw.exceptions import ConnectionFailedError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from tests.etcd_server import EtcdProcess, run_etcd
 from tsukimi.config import MetadataConfig
-from tsukimi.errors import ClosedError, ConfigError, MetadataError
-from tsukimi.testing.processes import free_port
+from tsukimi.errors import ClosedError, ConfigError, RevisionConflict
 from tsukimi.transfer.metadata import (
     MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
@@ -25,8 +22,9 @@ from tsukimi.transfer.metadata import (
     MetadataBackend,
     connect_metadata,
 )
-from tsukimi.transfer.metadata.etcd import EtcdMetadata, parse_etcd_url
-from tsukimi.transfer.metadata.http import HttpMetadata, ServerHandle, _listen, start_in_thread
+from tsukimi.transfer.metadata.base import Versioned
+from tsukimi.transfer.metadata.etcd import EtcdMetadata
+from tsukimi.transfer.metadata.http_client import HttpMetadata
 from tsukimi.transfer.metadata.memory import MemoryMetadata
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,19 +34,6 @@ Factory = Callable[[], MetadataBackend]
 
 def unique_key(suffix: str = "desc") -> str:
     return f"{SEGMENT_PREFIX}{uuid.uuid4().hex}/{suffix}"
-
-
-@pytest.fixture(scope="module")
-def etcd_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
-    with run_etcd(tmp_path_factory.mktemp("etcd")) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def http_server() -> Iterator[ServerHandle]:
-    handle, _ = start_in_thread()
-    yield handle
-    handle.stop()
 
 
 @pytest.fixture(params=["memory", "http", "etcd"])
@@ -171,11 +156,255 @@ def test_closed_handle_raises_closed_error(open_backend: Factory) -> None:
         lambda: closed.get(key),
         lambda: closed.put(key, b"w"),
         lambda: closed.delete(key),
+        lambda: closed.get_versioned(key),
+        lambda: closed.compare_and_set(key, b"w", 0),
+        lambda: closed.compare_and_delete(key, 1),
+        lambda: closed.list_prefix(key),
+        lambda: closed.put_ephemeral(key, b"w", 1.0),
     ]
     for call in calls:
         with pytest.raises(ClosedError):
             call()
     assert other.get(key) == b"v", "closing one handle must not affect the store"
+
+
+# --- revisions, compare-and-set, listing, ephemeral keys ------------------------------------
+
+# (ttl_s asked, longest it may live): etcd rounds the TTL up to whole seconds and raises it
+# to its minimum lease (2 s with its default election timeout), checked every 0.5 s.
+EPHEMERAL = {"memory": (0.2, 0.2), "http": (0.3, 0.3), "etcd": (1.0, 2.6)}
+
+
+@pytest.fixture
+def kind(request: pytest.FixtureRequest) -> str:
+    """Which backend `open_backend` opens in this test."""
+    return str(request.node.callspec.params["open_backend"])
+
+
+def wait_until_gone(backend: MetadataBackend, key: str, within_s: float) -> float:
+    """Seconds until `key` vanished; fails the test after `within_s` (+ a margin)."""
+    started = time.monotonic()
+    while backend.get(key) is not None:
+        assert time.monotonic() - started < within_s + 1.0, f"{key!r} outlived its TTL"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def test_get_versioned_has_a_new_revision_after_every_write(backend: MetadataBackend) -> None:
+    key = unique_key()
+    assert backend.get_versioned(key) is None
+    backend.put(key, b"one")
+    first = backend.get_versioned(key)
+    assert first is not None and first.value == b"one" and first.revision > 0
+    backend.put(key, b"one")
+    second = backend.get_versioned(key)
+    assert second is not None and second.value == b"one" and second.revision not in (0, first.revision)
+
+
+def test_compare_and_set_zero_creates_only_if_absent(backend: MetadataBackend) -> None:
+    key = unique_key()
+    revision = backend.compare_and_set(key, b"mine", 0)
+    assert backend.get_versioned(key) == Versioned(b"mine", revision)
+    with pytest.raises(RevisionConflict):
+        backend.compare_and_set(key, b"theirs", 0)
+    assert backend.get_versioned(key) == Versioned(b"mine", revision)
+
+
+def test_compare_and_set_wins_once_per_revision(backend: MetadataBackend) -> None:
+    key = unique_key()
+    backend.put(key, b"v0")
+    start = backend.get_versioned(key)
+    assert start is not None
+    revision = backend.compare_and_set(key, b"v1", start.revision)
+    assert revision != start.revision
+    assert backend.get_versioned(key) == Versioned(b"v1", revision)
+    with pytest.raises(RevisionConflict):  # a second writer that read v0 loses, writes nothing
+        backend.compare_and_set(key, b"v1-lost", start.revision)
+    assert backend.get_versioned(key) == Versioned(b"v1", revision)
+    with pytest.raises(RevisionConflict):  # a revision on a key that does not exist
+        backend.compare_and_set(unique_key(), b"v", revision)
+
+
+def test_compare_and_delete(backend: MetadataBackend) -> None:
+    key = unique_key()
+    revision = backend.compare_and_set(key, b"v", 0)
+    backend.put(key, b"w")
+    with pytest.raises(RevisionConflict):
+        backend.compare_and_delete(key, revision)
+    current = backend.get_versioned(key)
+    assert current is not None and current.value == b"w"
+    backend.compare_and_delete(key, current.revision)
+    assert backend.get(key) is None
+    with pytest.raises(RevisionConflict):  # a missing key: someone else removed it
+        backend.compare_and_delete(key, current.revision)
+
+
+def test_list_prefix_lists_exactly_the_keys_under_it(backend: MetadataBackend) -> None:
+    base = unique_key("holders")
+    inside = [f"{base}/a", f"{base}/b/c", f"{base}/日本"]
+    for key in [*inside, base, f"{base}x", base[:-1]]:
+        backend.put(key, key.encode() + b"\x00\xff")
+    listing = backend.list_prefix(base + "/")
+    assert sorted(listing) == sorted(inside)
+    for key in inside:
+        assert listing[key] == backend.get_versioned(key)
+    assert backend.list_prefix(unique_key("nothing-here")) == {}
+    assert set(backend.list_prefix(base)) == {*inside, base, f"{base}x"}
+
+
+def test_ephemeral_keys_expire_unless_a_write_ended_their_ephemerality(backend: MetadataBackend, kind: str) -> None:
+    ttl_s, lifetime_s = EPHEMERAL[kind]
+    base = unique_key("ephemeral")
+    gone, put, deleted, swapped = (f"{base}/{name}" for name in ("gone", "put", "deleted", "swapped"))
+    for key in (gone, put, deleted, swapped):
+        backend.put_ephemeral(key, b"alive", ttl_s)
+    assert backend.get(gone) == b"alive"
+    assert set(backend.list_prefix(base + "/")) == {gone, put, deleted, swapped}
+    backend.put(put, b"kept")
+    backend.delete(deleted)
+    backend.put(deleted, b"kept")
+    current = backend.get_versioned(swapped)
+    assert current is not None
+    backend.compare_and_set(swapped, b"kept", current.revision)
+    wait_until_gone(backend, gone, lifetime_s)
+    time.sleep(0.6 if kind == "etcd" else 0.2)  # the others became ephemeral just after `gone`
+    assert backend.list_prefix(base + "/").keys() == {put, deleted, swapped}
+    assert {backend.get(key) for key in (put, deleted, swapped)} == {b"kept"}
+
+
+def test_refreshing_an_ephemeral_key_keeps_it_and_may_change_it(backend: MetadataBackend, kind: str) -> None:
+    ttl_s, lifetime_s = EPHEMERAL[kind]
+    key = unique_key()
+    backend.put_ephemeral(key, b"v0", ttl_s)
+    started = time.monotonic()
+    for step in range(1, 4):
+        time.sleep(lifetime_s / 2)
+        assert backend.get(key) == f"v{step - 1}".encode(), f"expired {time.monotonic() - started:.2f} s in"
+        backend.put_ephemeral(key, f"v{step}".encode(), ttl_s)
+    assert time.monotonic() - started > lifetime_s  # it outlived one TTL: the refreshes kept it
+    assert backend.get(key) == b"v3"
+
+
+def test_close_withdraws_the_handles_ephemeral_keys(open_backend: Factory, kind: str) -> None:
+    """etcd revokes the handle's leases and the HTTP client deletes what it still owns (If-Match
+    of its last write); memory leaves them to their TTL, like a holder that died."""
+    holder, other = open_backend(), open_backend()
+    mine, rewritten = unique_key("mine"), unique_key("rewritten")
+    holder.put_ephemeral(mine, b"holder", 30.0)
+    holder.put_ephemeral(rewritten, b"holder", 30.0)
+    other.put(rewritten, b"other")
+    holder.close()
+    assert other.get(mine) == (b"holder" if kind == "memory" else None)
+    assert other.get(rewritten) == b"other"
+
+
+def test_concurrent_increments_lose_no_update(open_backend: Factory) -> None:
+    """Eight handles on eight threads add one to a counter, read + compare-and-set until
+    their write wins: each revision has exactly one winner, so no increment is lost."""
+    key, num_threads, num_increments = unique_key("counter"), 8, 5
+    open_backend().put(key, b"0")
+    handles = [open_backend() for _ in range(num_threads)]
+    won: list[int] = []
+
+    def increment(handle: MetadataBackend) -> None:
+        for _ in range(num_increments):
+            while True:
+                current = handle.get_versioned(key)
+                assert current is not None
+                try:
+                    handle.compare_and_set(key, str(int(current.value) + 1).encode(), current.revision)
+                except RevisionConflict:
+                    continue
+                won.append(current.revision)
+                break
+
+    with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
+        list(pool.map(increment, handles))
+    assert handles[0].get(key) == str(num_threads * num_increments).encode()
+    assert len(won) == len(set(won)) == num_threads * num_increments
+
+
+_KEYS = ("a", "b", "c")
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "delete", "cas", "cad"]),
+        st.sampled_from(_KEYS),
+        st.sampled_from(["current", "stale", "zero"]),
+        st.binary(max_size=8),
+    ),
+    max_size=12,
+)
+
+
+@given(ops=_ops)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_writes_agree_with_a_model(backend: MetadataBackend, ops: list[tuple[str, str, str, bytes]]) -> None:
+    """Random writes, conditional ones with the current, an old or no revision: each CAS
+    succeeds exactly when its revision is the current one, and the listing always equals
+    the model (values and revisions); a key never gets a revision it had before."""
+    base = unique_key("model") + "/"
+    model: dict[str, Versioned] = {}
+    seen: dict[str, set[int]] = {key: set() for key in _KEYS}
+    for op, name, which, value in ops:
+        key, current = base + name, model.get(base + name)
+        expected = {"current": current.revision if current else 0, "stale": max(seen[name], default=1) + 7}
+        revision = expected.get(which, 0)
+        if op in ("put", "cas"):
+            if op == "put":
+                backend.put(key, value)
+                written = backend.get_versioned(key)
+                assert written is not None
+                new = written.revision
+            elif revision == (current.revision if current else 0):
+                new = backend.compare_and_set(key, value, revision)
+            else:
+                with pytest.raises(RevisionConflict):
+                    backend.compare_and_set(key, value, revision)
+                continue
+            assert new not in seen[name]
+            seen[name].add(new)
+            model[key] = Versioned(value, new)
+        elif op == "delete":
+            backend.delete(key)
+            model.pop(key, None)
+        elif current is not None and which == "current":
+            backend.compare_and_delete(key, current.revision)
+            del model[key]
+        else:
+            with pytest.raises(RevisionConflict):
+                backend.compare_and_delete(key, expected["stale"])
+        assert backend.list_prefix(base) == model
+
+
+@pytest.mark.parametrize("revision", [-1, True, 1.0, "1", None])
+def test_bad_revisions_are_config_errors(backend: MetadataBackend, revision: object) -> None:
+    key = unique_key()
+    with pytest.raises(ConfigError, match="revision"):
+        backend.compare_and_set(key, b"v", revision)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="revision"):
+        backend.compare_and_delete(key, revision)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="revision"):
+        backend.compare_and_delete(key, 0)
+    assert backend.get(key) is None
+
+
+@pytest.mark.parametrize("ttl_s", [0, -1.0, 0.05, True, float("nan"), float("inf"), 3601.0, "1"])
+def test_bad_ttls_are_config_errors(backend: MetadataBackend, ttl_s: object) -> None:
+    key = unique_key()
+    with pytest.raises(ConfigError, match="ttl_s"):
+        backend.put_ephemeral(key, b"v", ttl_s)  # type: ignore[arg-type]
+    assert backend.get(key) is None
+
+
+def test_bad_prefixes_and_values_are_config_errors(backend: MetadataBackend) -> None:
+    with pytest.raises(ConfigError, match="non-empty"):
+        backend.list_prefix("")
+    with pytest.raises(ConfigError, match="limit is 1024"):
+        backend.list_prefix("k" * (MAX_KEY_BYTES + 1))
+    with pytest.raises(ConfigError, match="bytes"):
+        backend.compare_and_set(unique_key(), "text", 0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="limit is"):
+        backend.put_ephemeral(unique_key(), bytes(MAX_VALUE_BYTES + 1), 1.0)
 
 
 # --- memory ----------------------------------------------------------------------------
@@ -199,175 +428,6 @@ def test_memory_put_copies_mutable_buffers() -> None:
     store.put("j", buf)  # type: ignore[arg-type]  # bytearray is accepted at runtime
     buf[0] = ord("X")
     assert store.get("j") == b"abc"
-
-
-# --- HTTP ------------------------------------------------------------------------------
-
-
-def test_http_protocol_on_the_wire(http_server: ServerHandle) -> None:
-    key = unique_key("wire ?&")
-    with httpx.Client(trust_env=False, timeout=5.0) as raw:
-        assert raw.get(http_server.url, params={"key": key}).status_code == 404
-        assert raw.put(http_server.url, params={"key": key}, content=b"\x00\xff").status_code == 200
-        response = raw.get(http_server.url, params={"key": key})
-        assert (response.status_code, response.content) == (200, b"\x00\xff")
-        assert raw.delete(http_server.url, params={"key": key}).status_code == 200
-        assert raw.delete(http_server.url, params={"key": key}).status_code == 404
-        health = raw.get(f"http://127.0.0.1:{http_server.port}/health")
-        assert (health.status_code, health.json()) == (200, {"status": "ok"})
-
-
-@pytest.mark.parametrize("params", [{}, {"key": ""}, {"key": "k" * (MAX_KEY_BYTES + 1)}])
-def test_http_server_rejects_bad_keys(http_server: ServerHandle, params: dict[str, str]) -> None:
-    with httpx.Client(trust_env=False, timeout=5.0) as raw:
-        for method in ("GET", "PUT", "DELETE"):
-            response = raw.request(method, http_server.url, params=params, content=b"v")
-            assert response.status_code == 400, (method, response.text)
-            assert "key" in response.json()["detail"]
-
-
-def test_http_oversized_value_is_rejected_with_clear_error() -> None:
-    handle, _ = start_in_thread(max_value_bytes=1024)
-    with handle, HttpMetadata(handle.url, timeout_s=5.0) as client:
-        client.put("fits", bytes(1024))
-        with pytest.raises(ConfigError, match=r"413 .*limit is 1024"):
-            client.put("too-big", bytes(1025))
-        assert client.get("too-big") is None
-
-        def chunks() -> Iterator[bytes]:
-            yield from (bytes(512) for _ in range(4))
-
-        with httpx.Client(trust_env=False, timeout=5.0) as raw:  # chunked: no Content-Length
-            response = raw.put(handle.url, params={"key": "chunked"}, content=chunks())
-        assert response.status_code == 413
-        assert client.get("chunked") is None
-
-
-def test_http_server_trusts_content_length_before_reading(http_server: ServerHandle) -> None:
-    request = f"PUT /metadata?key=huge HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_VALUE_BYTES + 1}\r\n\r\n"
-    with socket.create_connection(("127.0.0.1", http_server.port), timeout=5.0) as sock:
-        sock.sendall(request.encode())  # and no body at all: the answer must not wait for it
-        status_line = sock.recv(4096).split(b"\r\n", 1)[0]
-    assert status_line == b"HTTP/1.1 413 Request Entity Too Large"
-
-
-def test_http_server_error_is_metadata_error() -> None:
-    class BrokenStore(MemoryMetadata):
-        def get(self, key: str) -> bytes | None:
-            raise RuntimeError("disk on fire")
-
-    handle, _ = start_in_thread(store=BrokenStore())
-    with handle, HttpMetadata(handle.url, timeout_s=5.0) as client, pytest.raises(MetadataError, match="answered 500"):
-        client.get("k")
-
-
-def test_http_client_nothing_listening_fails_fast() -> None:
-    client = HttpMetadata(f"http://127.0.0.1:{free_port()}/metadata", timeout_s=2.0)
-    started = time.monotonic()
-    with pytest.raises(MetadataError) as info:
-        client.get("k")
-    assert time.monotonic() - started < 1.0
-    assert isinstance(info.value.__cause__, httpx.ConnectError)
-
-
-def test_http_client_times_out_on_silent_server() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts in the kernel, never answers
-        client = HttpMetadata(f"http://127.0.0.1:{silent.getsockname()[1]}/metadata", timeout_s=0.3)
-        started = time.monotonic()
-        with pytest.raises(MetadataError, match="timed out"):
-            client.put("k", b"v")
-        assert time.monotonic() - started < 2.0
-
-
-def test_regression_http_listener_lets_asyncio_disable_nagle() -> None:
-    # A listener made with proto=0 (socket.create_server, or uvicorn.run(host=, port=)) hands
-    # out sockets that asyncio does not set TCP_NODELAY on, and every request waited ~40 ms
-    # for a delayed ACK. Both start_in_thread() and serve() bind through _listen().
-    sock = _listen("127.0.0.1", 0)
-    try:
-        assert sock.proto == socket.IPPROTO_TCP
-    finally:
-        sock.close()
-
-
-def test_http_stopped_server_releases_port() -> None:
-    handle, port = start_in_thread()
-    handle.stop()
-    handle.stop()
-    with pytest.raises(MetadataError), HttpMetadata(handle.url, timeout_s=1.0) as client:
-        client.get("k")
-    assert port == handle.port
-
-
-@pytest.mark.parametrize("url", ["http://", "ftp://h:1/metadata", "http://h:notaport/metadata"])
-def test_http_client_rejects_bad_urls(url: str) -> None:
-    with pytest.raises(ConfigError):
-        HttpMetadata(url)
-
-
-# --- etcd ------------------------------------------------------------------------------
-
-
-def test_etcd_fails_over_from_dead_first_endpoint(etcd_proc: EtcdProcess) -> None:
-    url = f"etcd://127.0.0.1:{free_port()},127.0.0.1:{etcd_proc.client_port}"
-    with EtcdMetadata.from_url(url, timeout_s=2.0) as store:
-        key = unique_key()
-        started = time.monotonic()
-        store.put(key, b"via the second endpoint")
-        assert store.get(key) == b"via the second endpoint"
-        assert time.monotonic() - started < 2.0
-
-
-def test_etcd_all_endpoints_dead_is_metadata_error() -> None:
-    url = f"etcd://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
-    with (
-        EtcdMetadata.from_url(url, timeout_s=1.0) as store,
-        pytest.raises(MetadataError, match="no etcd endpoint answered") as info,
-    ):
-        store.get("k")
-    assert isinstance(info.value.__cause__, ConnectionFailedError)
-
-
-def test_etcd_killed_server_is_metadata_error(tmp_path: Path) -> None:
-    with run_etcd(tmp_path) as proc, EtcdMetadata.from_url(proc.url, timeout_s=1.0) as store:
-        store.put("k", b"v")
-        proc.kill()
-        with pytest.raises(MetadataError):
-            store.get("k")
-
-
-def test_etcd_stores_utf8_keys_readable_by_other_clients(etcd_proc: EtcdProcess) -> None:
-    key = unique_key("日本語")
-    with EtcdMetadata.from_url(etcd_proc.url) as store:
-        store.put(key, b"\x00\xff")
-    body = {"key": base64.b64encode(key.encode()).decode()}
-    response = httpx.post(f"{etcd_proc.http_url}/v3/kv/range", json=body, trust_env=False)
-    assert base64.b64decode(response.json()["kvs"][0]["value"]) == b"\x00\xff"
-
-
-def test_etcd_value_over_its_request_limit_is_metadata_error(etcd_proc: EtcdProcess) -> None:
-    # etcd's default --max-request-bytes is 1.5 MiB, far below MAX_VALUE_BYTES.
-    with EtcdMetadata.from_url(etcd_proc.url) as store, pytest.raises(MetadataError, match="etcd refused put"):
-        store.put(unique_key(), bytes(2 << 20))
-
-
-@pytest.mark.parametrize(
-    ("url", "endpoints"),
-    [
-        ("etcd://h:1", [("h", 1)]),
-        ("etcd://a:1,b:2", [("a", 1), ("b", 2)]),
-        ("etcd://a", [("a", 2379)]),
-        ("etcd://[::1]:2380,a:3/", [("::1", 2380), ("a", 3)]),
-    ],
-)
-def test_parse_etcd_url(url: str, endpoints: list[tuple[str, int]]) -> None:
-    assert parse_etcd_url(url) == endpoints
-
-
-@pytest.mark.parametrize("url", ["etcd://", "etcd://a:0", "etcd://a:x", "etcd://[::1", "http://a:1"])
-def test_parse_etcd_url_rejects(url: str) -> None:
-    with pytest.raises(ConfigError):
-        parse_etcd_url(url)
 
 
 # --- connect_metadata ------------------------------------------------------------------

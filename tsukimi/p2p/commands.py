@@ -61,6 +61,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 f"published {info.name}: {info.total_bytes} bytes in {len(info.shard_sizes)} shards "
                 f"from {store.engine.name}; serving until interrupted",
                 highlight=False,
+                soft_wrap=True,
             )
             _wait_for_signal()
         elif args.p2p == "fetch":
@@ -73,9 +74,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 f"({info.total_bytes / seconds / 1e9:.2f} GB/s; {stats.bytes_from_gold} from the origin, "
                 f"{stats.bytes_from_replicas} from other holders, {stats.retries} retries)",
                 highlight=False,
+                soft_wrap=True,
             )
             if args.seed:
-                console.print("seeding until interrupted", highlight=False)
+                console.print("seeding until interrupted", highlight=False, soft_wrap=True)
                 _wait_for_signal()
         else:
             console.print(_table(store, args.prefix))

@@ -4,10 +4,11 @@
 the Transfer Engine straight into the caller's buffers:
 
 - next shard: one that some other reader already holds (picked at random among those), so
-  the origin is left for shards nobody has yet; when only the origin has the remaining
-  shards and other readers are fetching this payload too, at most one origin read is in
-  flight per reader: the rest wait briefly for a replica to appear (the BitTorrent-like
-  fan-out: readers spread over the shards, the origin serves each about once);
+  the origin is left for shards nobody has yet. Those origin-only shards are dealt out among
+  the readers fetching the payload (each sees the others' holder keys): a reader pulls its
+  own share from the origin and waits for the replicas of the rest (the BitTorrent-like
+  fan-out: the origin serves each shard about once). A reader that has waited STALL_S with
+  nothing new appearing pulls from the origin anyway (an owner that died or stalled);
 - source: a random live holder of that shard (another reader first, the origin's gold copy
   as the fallback), never one that already failed this shard;
 - every shard's crc32c is checked (`verify`); a mismatch counts as that holder failing;
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 REFRESH_S = 0.05
 WAIT_S = 0.02
+STALL_S = 2.0  # waiting this long for a replica that does not come: pull from the origin
 
 
 @dataclass(slots=True)
@@ -111,6 +113,7 @@ class ShardFetch:
         record, _ = view.current()
         self._remaining = set(range(len(record.shards)))
         self._gold_inflight = 0
+        self._progress_at = time.monotonic()
         self._cond = threading.Condition()
         self._error: BaseException | None = None
 
@@ -140,6 +143,7 @@ class ShardFetch:
             finally:
                 with self._cond:
                     self._gold_inflight -= from_gold
+                    self._progress_at = time.monotonic()
                     self._cond.notify_all()
 
     def _next(self) -> tuple[int, bool] | None:
@@ -149,8 +153,12 @@ class ShardFetch:
                 record, live = self._view.current()
                 shared = [i for i in self._remaining if any(self._usable(r, live) for r in record.shards[i].replicas)]
                 if shared:
+                    self._progress_at = time.monotonic()
                     return self._take(random.choice(shared), False)
-                if self._gold_inflight < self._gold_limit(live):
+                mine = self._owned(sorted(self._remaining), live)
+                if mine and self._gold_inflight < self._config.max_inflight:
+                    return self._take(random.choice(mine), True)
+                if self._gold_inflight == 0 and time.monotonic() - self._progress_at > STALL_S:
                     return self._take(random.choice(sorted(self._remaining)), True)
                 self._cond.wait(WAIT_S)
             return None
@@ -160,10 +168,14 @@ class ShardFetch:
         self._gold_inflight += from_gold
         return index, from_gold
 
-    def _gold_limit(self, live: dict[str, HolderRecord]) -> int:
+    def _owned(self, gold_only: list[int], live: dict[str, HolderRecord]) -> list[int]:
+        """The origin-only shards this reader should pull: the readers fetching this payload
+        (by segment name, as every one of them sees it) deal them out round-robin, so each
+        such shard leaves the origin about once; the others wait for its replica."""
         name = self._view.name
-        peers = any(seg != self._self and (name in h.fetching or name in h.holding) for seg, h in live.items())
-        return 1 if peers else self._config.max_inflight
+        fetchers = sorted({self._self, *(seg for seg, h in live.items() if name in h.fetching)})
+        rank, count = fetchers.index(self._self), len(fetchers)
+        return [i for i in gold_only if i % count == rank]
 
     def _usable(self, location: Location, live: dict[str, HolderRecord]) -> bool:
         return location.segment != self._self and location.segment in live

@@ -33,8 +33,8 @@ from tsukimi.errors import (
 )
 from tsukimi.retry import Attempts, Retry
 from tsukimi.rpc import NO_RETRY, UNSENT_RETRY, Codec, RpcClient
-from tsukimi.store.ha.etcd_kv import EtcdKV
 from tsukimi.store.leader_record import LeaderInfo, leader_key
+from tsukimi.transfer.metadata.etcd_kv import EtcdKV
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from tsukimi.clock import WallClock
 from tsukimi.config import MasterConfig
 from tsukimi.errors import MetadataError, NotLeader, ProtocolError
 from tsukimi.store.ha import journal
-from tsukimi.store.ha.etcd_kv import EtcdKV, Op, created_at, delete_op, prefix_end, put_op
 from tsukimi.store.leader_record import LeaderInfo, leader_key
+from tsukimi.transfer.metadata.etcd_kv import EtcdKV, Op, created_at, delete_op, prefix_end, put_op
 
 logger = logging.getLogger(__name__)
 

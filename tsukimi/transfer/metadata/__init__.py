@@ -44,7 +44,7 @@ def connect_metadata(config: MetadataConfig, secret: bytes | None = None) -> Met
 
         return MemoryMetadata.named(url.removeprefix("memory://"))
     if url.startswith("http://"):
-        from tsukimi.transfer.metadata.http import HttpMetadata
+        from tsukimi.transfer.metadata.http_client import HttpMetadata
 
         return HttpMetadata(url, timeout_s=config.timeout_s, secret=secret)
     from tsukimi.transfer.metadata.etcd import EtcdMetadata

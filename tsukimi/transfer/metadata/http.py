@@ -1,38 +1,85 @@
-"""Mooncake's HTTP metadata protocol: the embedded server and the `HttpMetadata` client.
+"""Mooncake's HTTP metadata protocol, extended: the embedded server (`create_app`, `serve`,
+`start_in_thread`) and the wire helpers its client (`HttpMetadata`, http_client.py) shares.
 
-The protocol (Mooncake's `http_metadata_server`), all on one path with the key in the query:
+Mooncake's protocol (its `http_metadata_server`), all on one path with the key in the query,
+kept byte for byte (its own clients use it):
 
     GET    /metadata?key=K   -> 200 raw value bytes | 404
     PUT    /metadata?key=K   (raw body) -> 200
     DELETE /metadata?key=K   -> 200 | 404
     GET    /health           -> 200 {"status": "ok"}
 
-Invalid requests get 400 (missing, empty or oversized key, bad Content-Length) or 413 (value
-over the limit), with a JSON body `{"detail": message}`. The server keeps its data in any
-`MetadataBackend`, by default a private `MemoryMetadata`.
+tsukimi's additions, in HTTP's own terms (old clients never send them):
+
+    GET and PUT answers carry the key's revision as an ETag: `ETag: "17"`.
+    PUT    /metadata?key=K  If-Match: "17"     -> 200 + ETag | 412: written only at revision 17
+    PUT    /metadata?key=K  If-None-Match: *   -> 200 + ETag | 412: written only if absent
+    DELETE /metadata?key=K  If-Match: "17"     -> 200 | 412 (another revision, or no key)
+    PUT    /metadata?key=K&ttl_s=S             -> 200 + ETag: ephemeral, gone S s after the last
+                                                  such PUT (timed here, on the server)
+    GET    /metadata/list?prefix=P             -> 200 msgpack map {key: [value (bin), revision]}
+
+The conditional checks are atomic: they are the server's backend's compare_and_set and
+compare_and_delete; writes through one server are serialized, so that a PUT's ETag is the
+revision that PUT wrote. Invalid requests get 400 (missing, empty or oversized key or prefix,
+bad Content-Length, malformed If-Match, both conditions, If-None-Match on DELETE, a condition
+with ttl_s, ttl_s outside [MIN_TTL_S, MAX_TTL_S]) or 413 (value over the limit); 412 on a
+lost compare-and-set; 500 when the backend fails (a list over MAX_LIST_KEYS). Error bodies
+are JSON `{"detail": message}`. The server keeps its data in any `MetadataBackend`, by
+default a private `MemoryMetadata`.
 
 With the cluster secret, every /metadata request must carry tsukimi/auth.py's signature
-headers (the client adds them): an unsigned, badly signed, stale (> 30 s) or replayed request
-gets 401 with the reason, before the store is touched. /health stays open.
+headers (the client adds them; they cover the method, path, query, body, If-Match and
+If-None-Match): an unsigned, badly signed, stale (> 30 s) or replayed request gets 401 with
+the reason, before the store is touched. /health stays open.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
-import httpx
+import msgspec
 from fastapi import FastAPI, HTTPException, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from tsukimi import auth, httpd
-from tsukimi.errors import AuthError, ClosedError, ConfigError, MetadataError, PeerError
-from tsukimi.transfer.metadata.base import MAX_VALUE_BYTES, MetadataBackend, check_key, check_value
+from tsukimi.errors import ConfigError, MetadataError, PeerError, RevisionConflict
+from tsukimi.transfer.metadata.base import (
+    MAX_VALUE_BYTES,
+    MetadataBackend,
+    check_key,
+    check_prefix,
+    check_ttl,
+)
 from tsukimi.transfer.metadata.memory import MemoryMetadata
 
 logger = logging.getLogger(__name__)
 
 METADATA_PATH = "/metadata"
-_CALLER_FAULT_STATUSES = frozenset({400, 413, 414, 422})
+LIST_PATH = METADATA_PATH + "/list"
+_MAX_REVISION = (1 << 63) - 1
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def etag(revision: int) -> str:
+    """The ETag (and If-Match) form of a revision: `"17"`."""
+    return f'"{revision}"'
+
+
+def parse_etag(text: str) -> int | None:
+    """The revision in an ETag or If-Match value `"N"` (1 <= N < 2**63), or None (pure)."""
+    text = text.strip()
+    digits = text[1:-1]
+    if not (text.startswith('"') and text.endswith('"') and digits.isascii() and digits.isdigit()):
+        return None
+    if len(digits) > 19:
+        return None
+    revision = int(digits)
+    return revision if 0 < revision <= _MAX_REVISION else None
 
 
 def create_app(
@@ -47,6 +94,7 @@ def create_app(
     """
     backend: MetadataBackend = store if store is not None else MemoryMetadata()
     seen = auth.ReplayCache()
+    writes = _Writes(backend)
     app = FastAPI(title="tsukimi metadata server", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/health")
@@ -57,41 +105,128 @@ def create_app(
     async def get_value(request: Request) -> Response:
         httpd.check_signature(request, b"", secret, seen)
         key = _key_of(request)
-        value = await run_in_threadpool(backend.get, key)
-        if value is None:
+        entry = await run_in_threadpool(backend.get_versioned, key)
+        if entry is None:
             return Response(b"metadata not found", status_code=404, media_type="text/plain")
-        return Response(value, media_type="application/octet-stream")
+        return Response(entry.value, media_type="application/octet-stream", headers={"ETag": etag(entry.revision)})
 
     @app.put(METADATA_PATH)
     async def put_value(request: Request) -> Response:
         key = _key_of(request)
         value = await _read_body(request, max_value_bytes)
         httpd.check_signature(request, value, secret, seen)
-        await run_in_threadpool(backend.put, key, value)
-        return Response(b"metadata updated", media_type="text/plain")
+        expected, ttl_s = _condition_of(request), _ttl_of(request)
+        if expected is not None and ttl_s is not None:
+            raise HTTPException(400, detail="a conditional PUT cannot be ephemeral (ttl_s)")
+        revision = await _run(writes.put, key, value, expected, ttl_s)
+        headers = {} if revision is None else {"ETag": etag(revision)}
+        return Response(b"metadata updated", media_type="text/plain", headers=headers)
 
     @app.delete(METADATA_PATH)
     async def delete_value(request: Request) -> Response:
         httpd.check_signature(request, b"", secret, seen)
         key = _key_of(request)
-        existed = await run_in_threadpool(backend.get, key) is not None
-        await run_in_threadpool(backend.delete, key)
-        if not existed:
+        expected = _condition_of(request)
+        if expected == 0:
+            raise HTTPException(400, detail="DELETE takes If-Match with a revision, not If-None-Match")
+        if not await _run(writes.delete, key, expected):
             return Response(b"metadata not found", status_code=404, media_type="text/plain")
         return Response(b"metadata deleted", media_type="text/plain")
+
+    @app.get(LIST_PATH)
+    async def list_values(request: Request) -> Response:
+        httpd.check_signature(request, b"", secret, seen)
+        prefix = _checked(request, "prefix", check_prefix)
+        entries = await _run(backend.list_prefix, prefix)
+        body = msgspec.msgpack.encode({key: (entry.value, entry.revision) for key, entry in entries.items()})
+        return Response(body, media_type="application/msgpack")
 
     return app
 
 
-def _key_of(request: Request) -> str:
-    key = request.query_params.get("key")
-    if key is None:
-        raise HTTPException(400, detail="query parameter 'key' is required")
+class _Writes:
+    """The server's writes, one at a time (a PUT's ETag is then the revision it wrote, and
+    Mooncake's DELETE knows whether the key existed)."""
+
+    def __init__(self, backend: MetadataBackend) -> None:
+        self._backend = backend
+        self._lock = threading.Lock()
+
+    def put(self, key: str, value: bytes, expected: int | None, ttl_s: float | None) -> int | None:
+        """The new revision (None if the backend no longer has the key). Raises RevisionConflict."""
+        with self._lock:
+            if expected is not None:
+                return self._backend.compare_and_set(key, value, expected)
+            if ttl_s is None:
+                self._backend.put(key, value)
+            else:
+                self._backend.put_ephemeral(key, value, ttl_s)
+            entry = self._backend.get_versioned(key)
+        return None if entry is None else entry.revision
+
+    def delete(self, key: str, expected: int | None) -> bool:
+        """Whether the key existed. Raises RevisionConflict."""
+        with self._lock:
+            if expected is not None:
+                self._backend.compare_and_delete(key, expected)
+                return True
+            existed = self._backend.get_versioned(key) is not None
+            self._backend.delete(key)
+            return existed
+
+
+async def _run(fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    """`fn` on the thread pool, its expected failures as HTTP answers."""
     try:
-        check_key(key)
+        return await run_in_threadpool(fn, *args, **kwargs)
+    except RevisionConflict as exc:
+        raise HTTPException(412, detail=str(exc)) from exc
+    except MetadataError as exc:
+        raise HTTPException(500, detail=str(exc)) from exc
+
+
+def _checked(request: Request, name: str, check: Callable[[str], object]) -> str:
+    text = request.query_params.get(name)
+    if text is None:
+        raise HTTPException(400, detail=f"query parameter {name!r} is required")
+    try:
+        check(text)
     except ConfigError as exc:
         raise HTTPException(400, detail=str(exc)) from exc
-    return key
+    return text
+
+
+def _key_of(request: Request) -> str:
+    return _checked(request, "key", check_key)
+
+
+def _ttl_of(request: Request) -> float | None:
+    text = request.query_params.get("ttl_s")
+    if text is None:
+        return None
+    try:
+        ttl_s = float(text)
+        check_ttl(ttl_s)
+    except (ValueError, ConfigError) as exc:  # ConfigError is a ValueError: one message for both
+        raise HTTPException(400, detail=f"bad ttl_s {text[:40]!r}: {exc}") from exc
+    return ttl_s
+
+
+def _condition_of(request: Request) -> int | None:
+    """The expected revision a request states: If-Match "N" -> N, If-None-Match * -> 0, none -> None."""
+    matches, absent = request.headers.getlist("if-match"), request.headers.getlist("if-none-match")
+    if len(matches) + len(absent) > 1:
+        raise HTTPException(400, detail="at most one If-Match or If-None-Match header")
+    if absent:
+        if absent[0].strip() != "*":
+            raise HTTPException(400, detail=f"If-None-Match takes only *, got {absent[0][:40]!r}")
+        return 0
+    if not matches:
+        return None
+    revision = parse_etag(matches[0])
+    if revision is None:
+        raise HTTPException(400, detail=f'If-Match takes one revision as an ETag, e.g. "17"; got {matches[0][:40]!r}')
+    return revision
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -158,104 +293,3 @@ def start_in_thread(
 
 
 _listen = httpd.listen  # kept for the regression test of the Nagle fix
-
-
-class HttpMetadata:
-    """A `MetadataBackend` client of the HTTP metadata protocol (thread-safe).
-
-    Args:
-        url: `http://host:port/metadata`; the key is sent as the `?key=` query parameter.
-        timeout_s: connect, read and write timeout of each request.
-        secret: the cluster secret every request is signed with; None sends them unsigned.
-    Raises:
-        ConfigError: malformed URL or non-positive timeout.
-    """
-
-    def __init__(self, url: str, timeout_s: float = 5.0, *, secret: bytes | None = None) -> None:
-        try:
-            parsed = httpx.URL(url)
-        except httpx.InvalidURL as exc:
-            raise ConfigError(f"invalid metadata URL {url!r}: {exc}") from exc
-        if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise ConfigError(f"metadata URL must look like http://HOST:PORT/metadata, got {url!r}")
-        if timeout_s <= 0:
-            raise ConfigError(f"metadata timeout_s must be > 0, got {timeout_s}")
-        self.url = url
-        self._secret = secret
-        # NOTE: trust_env=False: an HTTP(S)_PROXY in the environment must not capture loopback.
-        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s), trust_env=False)
-        self._closed = False
-
-    def get(self, key: str) -> bytes | None:
-        """The value under `key`, or None on 404.
-
-        Raises:
-            ClosedError, ConfigError (invalid key, server rejected it), AuthError (the server
-            refused the signature), MetadataError (network, 5xx).
-        """
-        response = self._request("GET", key)
-        if response.status_code == 404:
-            return None
-        self._expect(response, "GET", key, ok=(200,))
-        return response.content
-
-    def put(self, key: str, value: bytes) -> None:
-        """Store `value` under `key` on the server (mutates remote state).
-
-        Raises:
-            ClosedError, ConfigError (invalid key, oversized value), AuthError (the server
-            refused the signature), MetadataError (network, 5xx).
-        """
-        check_value(value)
-        response = self._request("PUT", key, bytes(value))
-        self._expect(response, "PUT", key, ok=(200, 201, 204))
-
-    def delete(self, key: str) -> None:
-        """Remove `key` on the server; a missing key (404) is fine (mutates remote state).
-
-        Raises:
-            ClosedError, ConfigError (invalid key), AuthError (the server refused the signature),
-            MetadataError (network, 5xx).
-        """
-        response = self._request("DELETE", key)
-        self._expect(response, "DELETE", key, ok=(200, 202, 204, 404))
-
-    def close(self) -> None:
-        """Close the connection pool; idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._client.close()
-
-    def __enter__(self) -> HttpMetadata:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _request(self, method: str, key: str, content: bytes | None = None) -> httpx.Response:
-        if self._closed:
-            raise ClosedError("HttpMetadata client is closed")
-        check_key(key)
-        try:
-            request = self._client.build_request(method, self.url, params={"key": key}, content=content)
-            return self._client.send(httpd.sign_request(request, self._secret))
-        except httpx.TimeoutException as exc:
-            raise MetadataError(f"metadata server {self.url} timed out on {method} {key!r}") from exc
-        except httpx.HTTPError as exc:
-            raise MetadataError(f"metadata server {self.url} failed on {method} {key!r}: {exc!r}") from exc
-
-    def _expect(self, response: httpx.Response, method: str, key: str, ok: tuple[int, ...]) -> None:
-        status = response.status_code
-        if status in ok:
-            return
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
-        detail = str(body["detail"]) if isinstance(body, dict) and "detail" in body else response.text[:200]
-        message = f"metadata server {self.url} answered {status} to {method} {key!r}: {detail}"
-        if status == 401:
-            raise AuthError(message)
-        if status in _CALLER_FAULT_STATUSES:
-            raise ConfigError(message)
-        raise MetadataError(message)
