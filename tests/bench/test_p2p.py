@@ -21,7 +21,7 @@ CKPT = 8 * MIB
 def test_bench_p2p_json_every_system_verified() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "tsukimi.cli", "bench", "p2p", "--json", "--receivers", "1,2",
-         "--size", "8MiB", "--shard", "1MiB", "--timeout", "60"],
+         "--size", "8MiB", "--shard", "1MiB", "--timeout", "60", "--repeats", "1"],
         capture_output=True, text=True, timeout=85, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
