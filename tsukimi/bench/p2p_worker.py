@@ -63,9 +63,7 @@ def shard_crcs(buf: np.ndarray, shard_bytes: int) -> list[int]:
 def verify_reply(buf: np.ndarray, shard_bytes: int, expected: list[int]) -> dict[str, object]:
     """Which shards' crc32c differ from the origin's (`expected`)."""
     got = shard_crcs(buf, shard_bytes)
-    bad = [
-        i for i in range(max(len(got), len(expected))) if i >= len(got) or i >= len(expected) or got[i] != expected[i]
-    ]
+    bad = [i for i in range(max(len(got), len(expected))) if got[i : i + 1] != expected[i : i + 1]]
     return {"verified": not bad, "bad_shards": bad}
 
 
