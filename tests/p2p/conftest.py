@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.etcd_server import EtcdProcess, run_etcd
+from tests.etcd_server import EtcdProcess
+from tests.transfer.conftest import etcd_proc, http_server  # noqa: F401 (fixtures shared with the metadata tests)
 from tsukimi.config import Config, MetadataConfig, P2PConfig, SecurityConfig, TransferConfig
 from tsukimi.p2p import P2PStore
-from tsukimi.transfer.metadata.http import ServerHandle, start_in_thread
+from tsukimi.transfer.metadata.http import ServerHandle
 
 MakeStore = Callable[..., P2PStore]
 SECRET = "p2p-tests-cluster-secret-0123456789"
@@ -20,19 +21,6 @@ SECRET = "p2p-tests-cluster-secret-0123456789"
 @pytest.fixture(autouse=True)
 def _no_secret_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TSUKIMI_CLUSTER_SECRET", raising=False)
-
-
-@pytest.fixture(scope="module")
-def etcd_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
-    with run_etcd(tmp_path_factory.mktemp("etcd")) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def http_server() -> Iterator[ServerHandle]:
-    handle, _ = start_in_thread()
-    yield handle
-    handle.stop()
 
 
 @pytest.fixture(params=["memory", "http", "etcd"])

@@ -7,6 +7,8 @@ prefill costs 1 ms per uncached token (no attention term, no fixed cost), a deco
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tsukimi.config import ConductorConfig
@@ -187,3 +189,55 @@ def test_excluded_instances_are_never_picked() -> None:
     assert conductor.schedule(_request(2, [], 100), 1.0, exclude={"p0", "p1"}).reason == "no_instance"
     assert conductor.schedule(_request(3, [], 100), 1.0).accepted
     assert conductor.admit_decode(3, 2.0, exclude={"d0", "d1"}) is None
+
+
+def test_uniform_prediction_drops_requests_older_than_the_mean_stage() -> None:
+    """The paper's rule counts a request as gone once the mean stage has passed, even when it
+    is still there; the survival model keeps a request that outlived every observation."""
+    cfg = {"prefill": 1, "decode": 1, "tbt_slo_s": 0.013, "ttft_slo_s": 100, "decode_estimate_s": 2.0}
+    predicted, uniform = _conductor(rejection="predicted", **cfg), _conductor(rejection="predicted_uniform", **cfg)  # type: ignore[arg-type]
+    for conductor in (predicted, uniform):
+        assert conductor.schedule(_request(1, [], 1000), 0.0).accepted
+        assert conductor.admit_decode(1, 1.0) == "d0"
+    # at 10 s request 1 is 9 s into decode; request 2 reaches decode at 12.5 s
+    # with request 1: 10 ms + (1128 + 2500 + 256) us = 13.9 ms; without: 12.6 ms
+    assert predicted.schedule(_request(2, [], 2500), 10.0).reason == "tbt_slo"
+    assert uniform.schedule(_request(2, [], 2500), 10.0).accepted
+
+
+def test_uniform_prediction_tests_the_average_over_decode_instances() -> None:
+    conductors = []
+    for mode in ("predicted", "predicted_uniform"):
+        conductor = _conductor(prefill=1, decode=2, rejection="none", tbt_slo_s=0.013, ttft_slo_s=100,
+                               decode_estimate_s=20.0)  # fmt: skip
+        for request_id in (1, 2, 3):  # three 5000-token requests on d0 (d1 excluded), over the SLO
+            assert conductor.schedule(_request(request_id, [], 5000), 0.0, exclude={"d1"}).accepted
+        for request_id in (1, 2, 3):
+            assert conductor.admit_decode(request_id, 15.0, exclude={"d1"}) == "d0"
+        conductor.config = dataclasses.replace(conductor.config, rejection=mode)  # type: ignore[arg-type]
+        conductors.append(conductor)
+    predicted, uniform = conductors
+    # at 16 s: d0 10 ms + (15000 + 3 x 128) us = 25.4 ms; d1 with the new one 10 ms + 1128 us = 11.1 ms
+    decision = predicted.schedule(_request(4, [], 1000), 15.0)
+    assert decision.accepted and decision.decode == "d1"
+    assert uniform.schedule(_request(4, [], 1000), 15.0).reason == "tbt_slo"  # (25.4 + 11.1) / 2 > 13
+
+
+def test_without_recheck_an_admitted_request_always_reaches_decode() -> None:
+    for recheck, expected in ((True, None), (False, "d0")):
+        conductor = _conductor(prefill=1, decode=1, tbt_slo_s=0.0112, rejection="early", ttft_slo_s=100,
+                               recheck_decode=recheck)  # fmt: skip
+        assert conductor.schedule(_request(1, [], 1000), 0.0).accepted
+        assert conductor.schedule(_request(2, [], 1000), 0.0).accepted  # d0 is still empty now
+        assert conductor.admit_decode(1, 1.0) == "d0"
+        assert conductor.admit_decode(2, 2.0) == expected  # 10 ms + 2384 us > 11.2 ms
+
+
+def test_an_own_ssd_prefix_is_loaded_at_the_ssd_bandwidth() -> None:
+    index = PrefixIndex()
+    index.stored(location("p0", "dram"), CHAIN[:2])
+    index.stored(location("p0", "ssd"), CHAIN[:8])
+    decision = _conductor(index, prefill=1, reuse="local", ssd_read_bytes_s=1e5).schedule(_request(), 0.0)
+    # 600 tokens from SSD at 1e5 B/s (6 ms) + 200 computed (0.2 s) beats computing 800 (0.8 s)
+    assert decision.fetch_from == location("p0", "ssd") and decision.fetch_blocks == 6
+    assert decision.transfer_s == pytest.approx(0.006) and decision.ttft_s == pytest.approx(0.206)

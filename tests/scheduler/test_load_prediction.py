@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tsukimi.errors import ConfigError
-from tsukimi.scheduler.load_prediction import DecodeStagePredictor
+from tsukimi.scheduler.load_prediction import DecodeLoad, DecodeStagePredictor, SlidingWindow, uniform_load
 
 
 def test_prior_until_anything_is_observed() -> None:
@@ -31,3 +31,17 @@ def test_window_forgets_old_observations() -> None:
     assert predictor.observed == 3 and predictor.survival(50.0) == 0.0
     with pytest.raises(ConfigError):
         DecodeStagePredictor(prior_s=0.0)
+
+
+def test_sliding_window_mean_and_quantiles() -> None:
+    window = SlidingWindow(4)
+    for value in (5.0, 1.0, 3.0, 2.0, 4.0):  # 5.0 is forgotten
+        window.observe(value)
+    assert len(window) == 4 and window.mean() == 2.5
+    assert (window.quantile(0.5), window.quantile(0.9), window.count_above(2.0)) == (2.0, 4.0, 2)
+
+
+def test_uniform_load_counts_requests_that_reached_decode_within_one_stage() -> None:
+    load = DecodeLoad(10_000, active={1: (0.0, 100), 2: (8.0, 200)}, incoming={3: (11.0, 300), 4: (13.0, 400)})
+    # at 12 s with 5 s stages: request 1 (joined 0 s) is gone, 2 and 3 are there, 4 not yet
+    assert uniform_load(load, 12.0, 5.0) == (2.0, 500.0)

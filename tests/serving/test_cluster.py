@@ -59,27 +59,31 @@ def test_config_errors_name_the_key(tmp_path: Path, text: str, match: str) -> No
 def test_plan_pd_starts_master_then_workers_then_router() -> None:
     ports = itertools.count(7001)
     config = ClusterConfig(model="tiny")
-    master, workers, router = plan(config, lambda: next(ports))
-    assert [(s.name, s.role, s.url) for s in master] == [("master", "master", "http://127.0.0.1:7002")]
-    assert master[0].args[1:] == ('--set=master.host="127.0.0.1"', "--set=master.rpc_port=7001",
-                                  "--set=master.http_port=7002")  # fmt: skip
+    first, workers, router = plan(config, lambda: next(ports))
+    assert [(s.name, s.role, s.url) for s in first] == [
+        ("master", "master", "http://127.0.0.1:7002"), ("metadata", "metadata", "http://127.0.0.1:7003")
+    ]  # fmt: skip
+    assert first[0].args[1:] == ('--set=master.host="127.0.0.1"', "--set=master.rpc_port=7001",
+                                 "--set=master.http_port=7002")  # fmt: skip
+    assert first[1].args == ("metadata-server", "--host", "127.0.0.1", "--port", "7003")
     assert [(s.name, s.role, s.url) for s in workers] == [
-        ("prefill-0", "prefill", "http://127.0.0.1:7003"), ("decode-0", "decode", "http://127.0.0.1:7004")
+        ("prefill-0", "prefill", "http://127.0.0.1:7004"), ("decode-0", "decode", "http://127.0.0.1:7005")
     ]  # fmt: skip
     args = workers[0].args
-    assert args[:7] == ("worker", "--name", "prefill-0", "--role", "prefill", "--port", "7003")
+    assert args[:7] == ("worker", "--name", "prefill-0", "--role", "prefill", "--port", "7004")
     assert args[args.index("--master") + 1] == "tcp://127.0.0.1:7001" and args[args.index("--model") + 1] == "tiny"
+    assert args[args.index("--metadata-url") + 1] == "http://127.0.0.1:7003/metadata"  # live weight updates
     assert router[0].url == "http://127.0.0.1:8000"
     listed = router[0].args[router[0].args.index("--workers") + 1]
-    assert listed == "prefill-0=prefill@http://127.0.0.1:7003,decode-0=decode@http://127.0.0.1:7004"
+    assert listed == "prefill-0=prefill@http://127.0.0.1:7004,decode-0=decode@http://127.0.0.1:7005"
 
 
 def test_plan_colocated_has_no_master() -> None:
     config = load(ClusterConfig, None, ["mode=colocated", "workers.colocated=2", "workers.base_port=9100"])
     groups = plan(config, lambda: 1)
-    assert [[s.name for s in g] for g in groups] == [["colocated-0", "colocated-1"], ["router"]]
-    assert [s.url for s in groups[0]] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
-    assert "--master" not in groups[0][0].args
+    assert [[s.name for s in g] for g in groups] == [["metadata"], ["colocated-0", "colocated-1"], ["router"]]
+    assert [s.url for s in groups[1]] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
+    assert "--master" not in groups[1][0].args and "--metadata-url" in groups[1][0].args
 
 
 def parse_worker(args: tuple[str, ...]) -> WorkerConfig:
@@ -92,7 +96,7 @@ def test_worker_args_are_the_inverse_of_the_worker_command() -> None:
     config = WorkerConfig(
         name="d1", role="decode", model="tiny", host="::1", port=9002, block_tokens=8, num_blocks=64,
         max_batched_tokens=128, master="tcp://[::1]:1", segment_bytes=1 << 20, threads=2, dtype="bfloat16",
-        prefix_caching=False,
+        prefix_caching=False, metadata_url="http://127.0.0.1:1/metadata",
     )  # fmt: skip
     assert parse_worker(worker_args(config)) == config
     assert parse_worker(("worker",)) == WorkerConfig() == parse_worker(worker_args(WorkerConfig()))
@@ -103,11 +107,12 @@ def test_plan_gives_every_worker_the_shared_settings() -> None:
     config = load(ClusterConfig, None, overrides)
     ports = itertools.count(7001)
     _, workers, _ = plan(config, lambda: next(ports))
-    shared = dataclasses.replace(config.workers.worker, model="tiny", master="tcp://127.0.0.1:7001")
+    shared = dataclasses.replace(config.workers.worker, model="tiny", master="tcp://127.0.0.1:7001",
+                                 metadata_url="http://127.0.0.1:7003/metadata")  # fmt: skip
     assert [parse_worker(s.args) for s in workers] == [
-        dataclasses.replace(shared, name="prefill-0", role="prefill", port=7003),
-        dataclasses.replace(shared, name="decode-0", role="decode", port=7004),
-        dataclasses.replace(shared, name="decode-1", role="decode", port=7005),
+        dataclasses.replace(shared, name="prefill-0", role="prefill", port=7004),
+        dataclasses.replace(shared, name="decode-0", role="decode", port=7005),
+        dataclasses.replace(shared, name="decode-1", role="decode", port=7006),
     ]
     assert "--no-prefix-caching" in workers[0].args
 
@@ -152,7 +157,7 @@ def test_up_serves_on_every_process_and_sigterm_stops_every_child(tmp_path: Path
         assert supervisor.poll() is None, (tmp_path / "up.log").read_text()
         state = json.loads((tmp_path / "state").read_text())
         processes = {p["name"]: p for p in state["processes"]}
-        assert sorted(processes) == ["decode-0", "master", "prefill-0", "router"]
+        assert sorted(processes) == ["decode-0", "master", "metadata", "prefill-0", "router"]
         assert children_of(supervisor.pid) == {p["pid"] for p in processes.values()}
         for name, process in processes.items():
             health = httpx.get(process["url"] + "/health", timeout=5).json()

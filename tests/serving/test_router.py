@@ -268,7 +268,7 @@ def test_colocated_least_load_follows_polled_loads(workers: list[FakeWorker]) ->
     assert (len(workers[0].calls), len(workers[1].calls)) == (0, 3)
     assert workers[1].calls[0] == {"request_id": "r0", "prompt_ids": [10, 20, 30], "max_tokens": 4,
                                    "temperature": 0.0, "top_p": 1.0, "seed": None, "stop_token_ids": [],
-                                   "ignore_eos": False}  # fmt: skip
+                                   "ignore_eos": False, "weights_version": ""}  # fmt: skip
 
 
 def test_colocated_least_load_counts_requests_in_flight(workers: list[FakeWorker]) -> None:

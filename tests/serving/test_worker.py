@@ -65,7 +65,8 @@ def tokens(lines: list[dict[str, object]]) -> list[int]:
 def test_health_and_load(colocated: Worker, tiny: LoadedModel) -> None:
     health = httpx.get(colocated.base_url + "/health", timeout=5).json()
     assert health == {"status": "ok", "name": "colo", "role": "colocated", "model": tiny.config.identity,
-                      "model_name": "random-tiny", "block_tokens": BLOCK_TOKENS}  # fmt: skip
+                      "model_name": "random-tiny", "block_tokens": BLOCK_TOKENS,
+                      "weights_version": "initial"}  # fmt: skip
     load = httpx.get(colocated.base_url + "/load", timeout=5).json()
     assert load["waiting"] == load["running"] == 0 and load["total_blocks"] == 512
     assert 0 < load["free_blocks"] <= 512

@@ -24,7 +24,7 @@ def trace():  # type: ignore[no-untyped-def]
         (experiments.cache_policies, 2 + len(experiments.CAPACITIES)),
         (experiments.global_vs_local, 2 + 5),
         (experiments.effective_capacity, 2 + len(experiments.TBT_SLOS_S)),
-        (experiments.overload, 2 + 3 * len(experiments.OVERLOAD_SHAPES)),
+        (experiments.overload, 2 + len(experiments.OVERLOAD_MODES) * len(experiments.OVERLOAD_SHAPES)),
     ],
 )
 def test_experiment_gives_its_table_and_plots(trace, function, rows: int, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -113,3 +113,28 @@ def test_one_token_outputs_end_at_prefill() -> None:
     result = simulate([_req(0, 1000, 1, (1, 2))], SimConfig(num_prefill=1, num_decode=1), CONDUCTOR, COST)
     (job,) = result.jobs
     assert job.finish_s == job.first_token_s == pytest.approx(1.0) and job.decode_join_s < 0
+
+
+def test_a_prefix_evicted_from_dram_is_read_back_from_the_ssd_tier() -> None:
+    trace = [_req(0, 1024, 1, (1, 2)), _req(5000, 1024, 1, (3, 4)), _req(10000, 1536, 1, (1, 2, 5))]
+    config = ConductorConfig(rejection="none", kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=100_000,
+                             ssd_read_bytes_s=1e5)  # fmt: skip
+    sim = SimConfig(num_prefill=1, num_decode=1, cache_blocks=2, ssd_blocks=10)
+    result = simulate(trace, sim, config, COST)
+    third = result.jobs[2]  # blocks 1 and 2 left DRAM for the second request; the SSD kept them
+    assert (third.cached_tokens, third.fetch_tokens, third.ssd_tokens) == (1024, 1024, 1024)
+    assert third.first_token_s - third.arrival_s == pytest.approx(1024 / 1e5 + 0.512)  # SSD read + 512 computed
+    assert summarize(result, Slo(10, 1))["ssd_token_ratio"] == pytest.approx(1024 / 3584)
+    no_ssd = simulate(trace, SimConfig(num_prefill=1, num_decode=1, cache_blocks=2), config, COST).jobs[2]
+    assert (no_ssd.cached_tokens, no_ssd.ssd_tokens) == (0, 0)
+
+
+def test_the_report_has_vram_occupation() -> None:
+    result = simulate([_req(0, 1024, 3, (1, 2))], SimConfig(num_prefill=1, num_decode=1), CONDUCTOR, COST)
+    job = result.jobs[0]
+    vram = summarize(result, Slo(2.0, 0.1))["vram_gb_s"]
+    # prefill: 1024 tokens for 1.024 s; decode: 1024 + 3 reserved (p90 prior: the 2048 cap) tokens
+    prefill = 1024 * 1.024 / 1e9
+    decode = (1024 + 2048) * (job.finish_s - job.decode_join_s) / 1e9
+    assert vram == {"prefill": pytest.approx(prefill, abs=1e-6), "decode": pytest.approx(decode, abs=1e-6),
+                    "per_request": pytest.approx(prefill + decode, abs=1e-6)}  # fmt: skip

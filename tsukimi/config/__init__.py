@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 
 from tsukimi.config.loader import INLINE_KEYS, build_dataclass, load, read_settings
 from tsukimi.config.p2p import P2PConfig
-from tsukimi.config.scheduling import REJECTION_NAMES, ConductorConfig, RejectionName, SimConfig
+from tsukimi.config.scheduling import (
+    REJECTION_NAMES,
+    RESERVATION_NAMES,
+    ConductorConfig,
+    RejectionName,
+    ReservationName,
+    SimConfig,
+)
 from tsukimi.config.serving import (
     DTYPE_NAMES,
     ROLES,
@@ -53,6 +60,7 @@ __all__ = [
     "MIN_SECRET_BYTES",
     "PLACEMENT_NAMES",
     "REJECTION_NAMES",
+    "RESERVATION_NAMES",
     "ROLES",
     "SECRET_ENV",
     "SHARED_WORKER_KEYS",
@@ -70,6 +78,7 @@ __all__ = [
     "P2PConfig",
     "PlacementName",
     "RejectionName",
+    "ReservationName",
     "Role",
     "RouterConfig",
     "RouterFileConfig",

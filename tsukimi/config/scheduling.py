@@ -10,8 +10,10 @@ from typing import Literal, get_args
 from tsukimi.config.loader import require
 from tsukimi.errors import ConfigError
 
-RejectionName = Literal["none", "baseline", "early", "predicted"]
+RejectionName = Literal["none", "baseline", "early", "predicted", "predicted_uniform"]
 REJECTION_NAMES: tuple[str, ...] = get_args(RejectionName)
+ReservationName = Literal["oracle", "max_tokens", "mean", "p90"]
+RESERVATION_NAMES: tuple[str, ...] = get_args(ReservationName)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +25,14 @@ class ConductorConfig:
     rejection: "none" admits everything; "baseline" checks TTFT at arrival and the decode
         load only when prefill is done (a request rejected then wasted its prefill); "early"
         also checks the current decode load at arrival; "predicted" checks the decode load
-        predicted for when the request would reach decode.
+        predicted for when the request would reach decode (each request weighted by the
+        observed distribution of decode-stage lengths); "predicted_uniform" is the paper's
+        system-level prediction as written: every decode stage lasts the mean observed one,
+        and the average TBT ratio over all decode instances is tested.
+    recheck_decode: with "early" and the predicted modes, the decode load is checked again
+        when prefill is done, and a request that no longer fits is rejected then (its prefill
+        wasted); False: a request admitted at arrival always goes on to decode, however loaded
+        (the paper's reading of early rejection; decode may then run over the TBT SLO).
     reuse: "global": a prefill instance may fetch a longer prefix from any other cache (the
         pool); "local": only its own cache counts (the per-instance baseline).
     balancing_threshold: a prefill instance fetches a longer prefix from elsewhere only when
@@ -33,17 +42,21 @@ class ConductorConfig:
     kv_bandwidth_bytes_s: KV transfer bandwidth between instances and the pool.
     decode_estimate_s: a request's decode stage length assumed before any has finished (then
         the distribution of the observed ones is used).
+    ssd_read_bytes_s: read bandwidth of an instance's SSD tier (KV found only on SSD costs
+        this to load, and the network bandwidth as well when it is another instance's).
     """
 
     block_tokens: int = 512
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
     rejection: RejectionName = "predicted"
+    recheck_decode: bool = True
     reuse: Literal["global", "local"] = "global"
     balancing_threshold: float = 1.0
     prefill_chunk_tokens: int = 8192
     kv_bandwidth_bytes_s: float = 100e9
     decode_estimate_s: float = 10.0
+    ssd_read_bytes_s: float = 8e9
 
     def __post_init__(self) -> None:
         require(
@@ -51,7 +64,7 @@ class ConductorConfig:
             f"conductor.rejection must be one of {', '.join(REJECTION_NAMES)}, got {self.rejection!r}",
         )
         require(self.block_tokens > 0, "conductor.block_tokens must be > 0")
-        for name in ("ttft_slo_s", "tbt_slo_s", "kv_bandwidth_bytes_s", "decode_estimate_s"):
+        for name in ("ttft_slo_s", "tbt_slo_s", "kv_bandwidth_bytes_s", "decode_estimate_s", "ssd_read_bytes_s"):
             require(getattr(self, name) > 0, f"conductor.{name} must be > 0")
         require(self.reuse in ("global", "local"), f"conductor.reuse must be global or local, got {self.reuse!r}")
         require(self.balancing_threshold >= 1, "conductor.balancing_threshold must be >= 1")
@@ -64,7 +77,12 @@ class SimConfig:
 
     speed: the trace is replayed this many times faster than recorded.
     cache_blocks: each instance's DRAM cache, in blocks (None: unbounded).
+    ssd_blocks: each prefill instance's SSD tier, in blocks, below its DRAM cache (blocks
+        evicted from DRAM go there; 0: no SSD tier).
     colocated_chunk_tokens: the colocated baseline's chunked-prefill budget per step.
+    reservation: the KV a decode instance reserves for a request's output
+        (tsukimi/sim/reservation.py): "oracle" (the real length), "max_tokens"
+        (`max_output_tokens`), "mean" or "p90" of the observed output lengths.
     """
 
     shape: Literal["pd", "colocated"] = "pd"
@@ -77,6 +95,9 @@ class SimConfig:
     cache_blocks: int | None = 6000
     colocated_chunk_tokens: int = 2048
     sample_every_s: float = 10.0
+    ssd_blocks: int = 0
+    reservation: ReservationName = "p90"
+    max_output_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.shape not in ("pd", "colocated") or self.router not in ("round_robin", "least_load"):
@@ -87,3 +108,7 @@ class SimConfig:
             raise ConfigError("cache_blocks must be >= 1 (or None for unbounded)")
         if self.colocated_chunk_tokens < 1 or self.sample_every_s <= 0:
             raise ConfigError("colocated_chunk_tokens must be >= 1 and sample_every_s > 0")
+        if self.reservation not in RESERVATION_NAMES or self.max_output_tokens < 1 or self.ssd_blocks < 0:
+            raise ConfigError(
+                f"reservation must be one of {', '.join(RESERVATION_NAMES)}, max_output_tokens >= 1, ssd_blocks >= 0"
+            )

@@ -37,7 +37,9 @@ def _check_port(port: int, where: str) -> None:
 class WorkerConfig:
     """One worker. port 0 = ephemeral. master (tcp://HOST:PORT) and segment_bytes (memory this
     worker contributes to the KV pool) matter for the prefill and decode roles only. threads:
-    torch's intra-op threads (process-wide)."""
+    torch's intra-op threads (process-wide). metadata_url: the metadata service
+    (http://HOST:PORT/metadata, etcd://...) of the P2P store that live weight updates pull
+    from (`POST /admin/update_weights`); "" = none (`tsukimi up` starts one)."""
 
     name: str = "worker-0"
     role: Role = "colocated"
@@ -52,6 +54,7 @@ class WorkerConfig:
     threads: int = 1
     dtype: DTypeName = "float32"
     prefix_caching: bool = True  # False: compute every prompt in full (the no-reuse baseline)
+    metadata_url: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -64,6 +67,9 @@ class WorkerConfig:
                           ("segment_bytes", 0)):  # fmt: skip
             if getattr(self, name) < low:
                 raise ConfigError(f"worker {name} must be >= {low}, got {getattr(self, name)}")
+        if self.metadata_url and not self.metadata_url.startswith(("http://", "etcd://", "memory://")):
+            raise ConfigError(f"worker metadata_url must be http://..., etcd://... or memory://NAME (tests), "
+                              f"got {self.metadata_url!r}")  # fmt: skip
         if self.role != "colocated" and not self.master.startswith("tcp://"):
             raise ConfigError(f"a {self.role} worker needs the store master as tcp://HOST:PORT, got {self.master!r}")
 
@@ -161,7 +167,9 @@ class ClusterRouterConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """`tsukimi up` (tsukimi/serving/cluster.py). log_dir "" = a new temporary directory."""
+    """`tsukimi up` (tsukimi/serving/cluster.py). log_dir "" = a new temporary directory.
+    metadata_port: the metadata server's (the P2P store's records, for live weight updates;
+    0 = a free port)."""
 
     model: str = "smollm2"
     mode: ClusterMode = "pd"
@@ -169,6 +177,7 @@ class ClusterConfig:
     log_dir: str = ""
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 10.0
+    metadata_port: int = 0
     master: ClusterMasterConfig = field(default_factory=ClusterMasterConfig)
     workers: ClusterWorkersConfig = field(default_factory=ClusterWorkersConfig)
     router: ClusterRouterConfig = field(default_factory=ClusterRouterConfig)
@@ -176,6 +185,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         require(self.mode in ("pd", "colocated"), f"mode must be pd or colocated, got {self.mode!r}")
         require(self.startup_timeout_s > 0 and self.stop_timeout_s > 0, "the timeouts must be > 0")
+        _check_port(self.metadata_port, "metadata_port")
         w = self.workers
         if self.mode == "pd":
             require(w.prefill >= 1 and w.decode >= 1, "mode pd needs workers.prefill >= 1 and workers.decode >= 1")

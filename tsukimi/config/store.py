@@ -54,6 +54,11 @@ class MasterConfig:
     disk_inflight_bytes: at most this many bytes of offloads in flight per disk.
     disk_root: handed to clients that were asked to use a disk but given no directory
         (Mooncake's `root_fs_dir`); each keeps its own directory under it.
+    hot_threshold: reads per second (a decaying average over `hot_window_s`) from which an
+        object is hot and gets extra replicas on more holders, up to `hot_max_replicas` in all
+        (tsukimi/store/master/hot.py); 0 turns hot-key replication off. The extras are dropped
+        once the rate stayed below `hot_cool_ratio * hot_threshold` for `hot_cool_down_s`, and
+        first (those of objects no longer hot) under eviction pressure.
     """
 
     host: str = "127.0.0.1"
@@ -86,10 +91,16 @@ class MasterConfig:
     disk_task_timeout_s: float = 10.0
     disk_inflight_bytes: int = 256 << 20
     disk_root: str = ""
+    hot_threshold: float = 0.0
+    hot_max_replicas: int = 3
+    hot_window_s: float = 10.0
+    hot_cool_ratio: float = 0.5
+    hot_cool_down_s: float = 30.0
 
     def __post_init__(self) -> None:
         require(0 <= self.rpc_spin_us <= 1e6, "master.rpc_spin_us must be in [0, 1e6]")
         self._check_disk_tier()
+        self._check_hot()
         require(
             not self.ha_etcd or self.ha_etcd.startswith("etcd://"),
             f"master.ha_etcd must be empty or etcd://HOST:PORT[,HOST:PORT], got {self.ha_etcd!r}",
@@ -130,6 +141,13 @@ class MasterConfig:
         require(self.promotion_admission_threshold >= 1, "master.promotion_admission_threshold must be >= 1")
         require(self.disk_task_timeout_s > 0, "master.disk_task_timeout_s must be > 0")
         require(self.disk_inflight_bytes > 0, "master.disk_inflight_bytes must be > 0")
+
+    def _check_hot(self) -> None:
+        require(self.hot_threshold >= 0, "master.hot_threshold must be >= 0 (0: off)")
+        require(2 <= self.hot_max_replicas <= 8, "master.hot_max_replicas must be in 2..8")
+        require(self.hot_window_s > 0, "master.hot_window_s must be > 0")
+        require(0 < self.hot_cool_ratio < 1, "master.hot_cool_ratio must be in (0, 1)")
+        require(self.hot_cool_down_s >= 0, "master.hot_cool_down_s must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,12 +13,15 @@ under which chained hashes (tsukimi/scheduler/block_hash.py) its full blocks are
       this step:           [ ....... new tokens ..... ]
       filled:                        (h2, table[2])          <- full after the step: cached after it
 
+- The hashes are keyed by a salt of the weights version (`weights_salt`; none for the weights
+  as loaded): after a live weight update no block computed with the old weights matches.
 - Release gives blocks back tail first, so that the pool's idle LRU recycles a chain's tail
   before its head (a head recycled first would leave the rest cached but unreachable).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +32,16 @@ from tsukimi.engine.request import EngineRequest
 from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
 
 logger = logging.getLogger(__name__)
+
+INITIAL_WEIGHTS = "initial"
+"""The weights version of a model as loaded (its identity already names the weights' source)."""
+
+
+def weights_salt(weights_version: str) -> bytes:
+    """The block hashes' salt for `weights_version`: none for the weights as loaded (pure)."""
+    if weights_version == INITIAL_WEIGHTS:
+        return b""
+    return hashlib.blake2b(weights_version.encode(), digest_size=16).digest()
 
 
 class KVConnector(Protocol):
@@ -69,12 +82,13 @@ class BlockManager:
     def __init__(self, cache: PagedKVCache, connector: KVConnector | None, prefix_caching: bool) -> None:
         self.cache, self.connector, self.prefix_caching = cache, connector, prefix_caching
         self.block_tokens = cache.layout.block_tokens
+        self.salt = b""  # NOTE: weights_salt of the weights version (LLMEngine.new_weights)
 
     def admit(self, request: EngineRequest) -> None:
         """Give `request` the longest cached prefix of its prompt, local blocks first, then the
         pool's; its KV then covers that prefix (mutates the request and the pool)."""
         bt = self.block_tokens
-        hashes = hash_blocks(request.prompt, bt) if self.prefix_caching else []
+        hashes = hash_blocks(request.prompt, bt, self.salt) if self.prefix_caching else []
         if hashes and len(hashes) * bt >= len(request.prompt):  # NOTE: the last prompt token must be computed
             hashes = hashes[:-1]
         local = self.cache.pool.lookup(hashes)
@@ -115,7 +129,7 @@ class BlockManager:
         if full <= known:
             return ()
         parent = request.hashes[-1] if request.hashes else None
-        new = hash_blocks(request.tokens[known * bt : full * bt], bt, parent=parent)
+        new = hash_blocks(request.tokens[known * bt : full * bt], bt, self.salt, parent=parent)
         return tuple(map(FilledBlock, new, request.seq.block_table[known:full]))
 
     def num_prompt_blocks(self, request: EngineRequest, filled: Sequence[FilledBlock]) -> int:

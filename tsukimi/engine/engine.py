@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tsukimi.engine.block_manager import BlockManager, KVConnector
+from tsukimi.engine.block_manager import BlockManager, KVConnector, weights_salt
 from tsukimi.engine.kv_cache import KVLayout, PagedKVCache
 from tsukimi.engine.model_runner import Model, ModelRunner
 from tsukimi.engine.request import EngineRequest, StepOutput
@@ -87,6 +87,20 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (mutates; unknown ids are ignored)."""
         self.scheduler.abort(request_id)
+
+    def new_weights(self, weights_version: str) -> int:
+        """The model's parameters were replaced by `weights_version` (a live weight update):
+        forget every cached block and hash blocks under the new version's salt, so that no KV
+        computed with other weights is reused here (mutates). The caller switches the KV pool's
+        format itself (`StoreKVConnector.use_format`). Returns how many blocks were cached.
+
+        Raises:
+            InvalidArgument: requests are still in the engine (their KV mixes both weights).
+        """
+        if self.has_work():
+            raise InvalidArgument(f"{len(self.scheduler)} requests are in the engine: drain it before new weights")
+        self.scheduler.blocks.salt = weights_salt(weights_version)
+        return self.cache.pool.drop_cached()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

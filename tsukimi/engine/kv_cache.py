@@ -116,6 +116,19 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
+    def drop_cached(self) -> int:
+        """Forget every cached block (the weights changed: their KV is stale): idle ones become
+        free, referenced ones stay with their holders but are never found again (mutates).
+        Returns how many blocks were cached."""
+        dropped = len(self._hash_of)
+        for block in self._hash_of:
+            if self._refs[block] == 0:
+                self._idle.remove(block)
+                self._free.append(block)
+        self._by_hash.clear()
+        self._hash_of.clear()
+        return dropped
+
     def check_invariants(self) -> None:
         free, idle = set(self._free), {b for b in range(self.num_blocks) if b in self._idle}
         assert len(free) == len(self._free) and not free & idle

@@ -2,8 +2,12 @@
 computes and how any instance loads a prefix that is already there.
 
 One store object per (full block, layer), keyed by the block's chained hash and the layer under
-a prefix that digests the KV format (model identity, dtype, layer count, KV heads, head size,
-block size), so instances of different models or layouts never read each other's blocks.
+a prefix that digests the KV format (model identity, weights version, dtype, layer count, KV
+heads, head size, block size), so instances of different models or layouts never read each
+other's blocks, nor an instance whose weights were updated live (tsukimi/serving/weight_update.py)
+the blocks computed with its old weights: `StoreKVConnector.use_format` moves it to the new
+prefix, and the old one's objects, unreachable from then on, age out of the pool by eviction
+(they stay readable for workers still on the old weights during a rolling update).
 Publishing is layer by layer: as soon as the forward has stored layer l's K/V, a background
 thread writes layer l of the blocks that this step fills, while the next layers compute;
 `flush()` waits for them at the end of the step, before any block can be released.
@@ -31,6 +35,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+from tsukimi.engine.block_manager import INITIAL_WEIGHTS
 from tsukimi.engine.kv_cache import KVLayout, PagedKVCache
 from tsukimi.errors import KVFormatError as KVFormatError
 from tsukimi.errors import ObjectExists, TsukimiError
@@ -51,11 +56,12 @@ class KVFormat:
     num_kv_heads: int
     head_dim: int
     block_tokens: int
+    weights_version: str = INITIAL_WEIGHTS  # NOTE: a live weight update changes it (and the digest)
 
     @classmethod
-    def of(cls, model_identity: str, layout: KVLayout) -> KVFormat:
+    def of(cls, model_identity: str, layout: KVLayout, weights_version: str = INITIAL_WEIGHTS) -> KVFormat:
         return cls(model_identity, str(layout.dtype).removeprefix("torch."), layout.num_layers,
-                   layout.num_kv_heads, layout.head_dim, layout.block_tokens)  # fmt: skip
+                   layout.num_kv_heads, layout.head_dim, layout.block_tokens, weights_version)  # fmt: skip
 
     @property
     def digest(self) -> bytes:
@@ -78,9 +84,22 @@ class StoreKVConnector:
         self.loaded_blocks = self.saved_blocks = self.refused_blocks = 0
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsukimi-kv-publish")
         self._pending: list[Future[None]] = []
+        self._describe(fmt)
+
+    def use_format(self, fmt: KVFormat) -> None:
+        """Load and publish under `fmt` from now on (after a live weight update; mutates). Waits
+        for the blocks offered under the old format first. Engine thread only."""
+        self.flush()
+        self.format = fmt
+        try:
+            self._describe(fmt)
+        except TsukimiError as exc:  # NOTE: only a description for readers: the blocks work without it
+            logger.warning("could not describe KV format %s in the pool: %s", fmt.prefix, exc)
+
+    def _describe(self, fmt: KVFormat) -> None:
         described = json.dumps(asdict(fmt), sort_keys=True).encode()
         with contextlib.suppress(ObjectExists):  # NOTE: for readers of the pool: what the digest stands for
-            client.put(f"{fmt.prefix}/format", described, pin="soft")
+            self.client.put(f"{fmt.prefix}/format", described, pin="soft")
 
     def load(self, hashes: Sequence[BlockHash], blocks: Sequence[int], cache: PagedKVCache) -> int:
         if not hashes:

@@ -10,7 +10,9 @@ time between tokens among those within the SLO and their KV memory, and rejects 
 when no choice meets the SLOs. The fetch option is considered only when the remote prefix is
 at least `balancing_threshold` times the local one, and only with `reuse = "global"`; the
 fetched blocks then stay in the chosen instance's cache, so a hot prefix spreads to the
-instances that use it (hot-spot replication).
+instances that use it (hot-spot replication). A prefix found on an SSD tier
+(`location(name, "ssd")`) is loaded at the SSD's read bandwidth (`fetch_bandwidth_bytes_s`);
+an instance's own SSD is considered in either reuse mode.
 
 Rejection modes (`ConductorConfig.rejection`):
 
@@ -23,6 +25,11 @@ Rejection modes (`ConductorConfig.rejection`):
   there then, and each accepted request due there before then with the probability that it
   has not left yet, both from the distribution of observed decode-stage lengths (the
   paper's system-level prediction; tsukimi/scheduler/load_prediction.py).
+- predicted_uniform: the paper's prediction as written (arXiv v3, Section 7.4): every decode
+  stage is assumed to last the same time (the mean observed), requests in decode and due
+  there are counted at the moment the request would reach decode, and the request is rejected
+  when the average ratio of predicted TBT to the TBT SLO over all decode instances exceeds 1
+  (a system-level load, not the chosen instance's).
 
 A plain object over a clock the caller passes in (`now`): the simulator and the live router
 drive the same code. Not thread-safe.
@@ -39,7 +46,7 @@ from dataclasses import dataclass, field
 from tsukimi.config import ConductorConfig
 from tsukimi.errors import InvalidArgument
 from tsukimi.scheduler.cost_model import CostModel, chunked_prefill_s
-from tsukimi.scheduler.load_prediction import DecodeStagePredictor
+from tsukimi.scheduler.load_prediction import DecodeLoad, DecodeStagePredictor, expected_load, uniform_load
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
 
 logger = logging.getLogger(__name__)
@@ -61,8 +68,9 @@ class Decision:
     """Where a request runs (or why not). Times are estimates in seconds.
 
     local_blocks: prefix blocks reused from the prefill instance's own cache;
-    fetch_from / fetch_blocks: a location holding a longer prefix and how many more blocks
-    come from it (they stay on the prefill instance afterwards).
+    fetch_from / fetch_blocks: a location holding a longer prefix (another instance's cache,
+    or this instance's own SSD tier) and how many more blocks come from it (they stay in the
+    prefill instance's DRAM afterwards).
     """
 
     request_id: int
@@ -86,14 +94,6 @@ class _PrefillLoad:
     free_at: float = 0.0  # when its queue drains, by the estimates corrected by `shift`
     shift: float = 0.0  # how much later than booked the queue runs (the last finished job's error)
     jobs: dict[int, float] = field(default_factory=dict)  # request id -> end as booked (never shifted)
-
-
-@dataclass(slots=True)
-class _DecodeLoad:
-    capacity_tokens: int
-    active: dict[int, tuple[float, int]] = field(default_factory=dict)  # id -> (joined at, context tokens)
-    active_tokens: int = 0  # the sum of the active requests' context tokens
-    incoming: dict[int, tuple[float, int]] = field(default_factory=dict)  # id -> (due at, context tokens)
 
 
 class Conductor:
@@ -122,8 +122,9 @@ class Conductor:
             raise InvalidArgument("the Conductor needs at least one prefill and one decode instance")
         self.config, self.cost, self.index = config, cost, index
         self._prefill = {name: _PrefillLoad() for name in sorted(prefill)}
-        self._decode = {name: _DecodeLoad(decode_capacity_tokens) for name in sorted(decode)}
+        self._decode = {name: DecodeLoad(decode_capacity_tokens) for name in sorted(decode)}
         self._local = {name: location(name, tier) for name in self._prefill}  # type: ignore[arg-type]
+        self._ssd = {name: location(name, "ssd") for name in self._prefill}
         self._requests: dict[int, tuple[str, str, int]] = {}  # id -> (prefill, decode, input tokens)
         self._stages = DecodeStagePredictor(config.decode_estimate_s)
         self._output_sum, self._output_n = 0.0, 0
@@ -147,9 +148,9 @@ class Conductor:
         if cfg.rejection != "none" and best.ttft_s > cfg.ttft_slo_s:
             return self._reject(best, "ttft_slo")
         mode = cfg.rejection
-        at = now + best.ttft_s if mode == "predicted" else now
-        decode, tbt_s, problem = self._best_decode(request.input_tokens, now, at if mode == "predicted" else None)
-        if mode in ("early", "predicted") and problem:
+        forecast = mode if mode in ("predicted", "predicted_uniform") else "now"
+        decode, tbt_s, problem = self._best_decode(request.input_tokens, now, now + best.ttft_s, forecast)
+        if mode in ("early", "predicted", "predicted_uniform") and problem:
             return self._reject(best, problem)
         decision = _replace(best, decode=decode, tbt_s=tbt_s)
         self._book(decision, request, now)
@@ -158,8 +159,9 @@ class Conductor:
 
     def admit_decode(self, request_id: int, now: float, exclude: Container[str] = ()) -> str | None:
         """Prefill of `request_id` is done: the decode instance it goes to, or None when it is
-        rejected now (modes other than "none", when no instance meets the TBT SLO; any mode
-        when every decode instance is in `exclude`). Mutates."""
+        rejected now (when no instance meets the TBT SLO: "baseline" always, "early" and the
+        predicted modes with `recheck_decode`; any mode when every decode instance is in
+        `exclude`). Mutates."""
         prefill, _, tokens = self._requests[request_id]
         self._prefill_done(prefill, request_id, now)
         for load in self._decode.values():
@@ -169,8 +171,9 @@ class Conductor:
             del self._requests[request_id]
             self.counters["rejected_no_instance"] += 1
             return None
-        chosen, _, problem = self._best_decode(tokens, now, None)
-        if problem and self.config.rejection != "none":
+        chosen, _, problem = self._best_decode(tokens, now, now, "now")
+        mode = self.config.rejection
+        if problem and (mode == "baseline" or (mode != "none" and self.config.recheck_decode)):
             del self._requests[request_id]
             self.counters["rejected_at_decode"] += 1
             return None
@@ -204,9 +207,9 @@ class Conductor:
     def _best_prefill(self, request: ScheduleRequest, now: float) -> Decision:
         cfg = self.config
         matches = self.index.match(request.blocks) if request.blocks else {}
-        # NOTE: the longest prefix held anywhere, and the runner-up for the location that
-        # holds the longest itself (an instance cannot fetch from its own cache).
-        ranked = sorted(matches.items(), key=lambda item: (-item[1], item[0]))[:2] if cfg.reuse == "global" else []
+        # NOTE: the longest prefixes held anywhere: an instance cannot fetch from its own
+        # caches (DRAM and SSD), so the third is the best another may fetch from.
+        ranked = sorted(matches.items(), key=lambda item: (-item[1], item[0]))[:3] if cfg.reuse == "global" else []
         cost, block, chunk = self.cost, cfg.block_tokens, cfg.prefill_chunk_tokens
         tokens = request.input_tokens
         best: Decision | None = None
@@ -225,13 +228,19 @@ class Conductor:
             local = matches.get(local_loc, 0)
             cached = _cached_tokens(local, block, tokens)
             option: tuple[float, float, str | None, int, int] = (compute_s(cached), 0.0, None, 0, cached)
-            remote = next(((loc, n) for loc, n in ranked if loc != local_loc), None)
-            if remote is not None and remote[1] > local and remote[1] >= cfg.balancing_threshold * local:
-                fetched = _cached_tokens(remote[1], block, tokens)
-                transfer_s = cost.transfer_s(fetched - cached, cfg.kv_bandwidth_bytes_s)
+            own_ssd = self._ssd[name]
+            sources = [(own_ssd, matches.get(own_ssd, 0))]  # NOTE: its own SSD tier counts as local
+            remote = next(((loc, n) for loc, n in ranked if loc not in (local_loc, own_ssd)), None)
+            if remote is not None and remote[1] >= cfg.balancing_threshold * local:
+                sources.append(remote)
+            for source, held in sources:
+                if held <= local:
+                    continue
+                fetched = _cached_tokens(held, block, tokens)
+                transfer_s = cost.transfer_s(fetched - cached, fetch_bandwidth_bytes_s(cfg, source, own_ssd))
                 fetched_s = compute_s(fetched)
-                if transfer_s + fetched_s < option[0]:
-                    option = (fetched_s, transfer_s, remote[0], remote[1] - local, fetched)
+                if transfer_s + fetched_s < option[0] + option[1]:
+                    option = (fetched_s, transfer_s, source, held - local, fetched)
             ttft_s = queue_s + option[0] + option[1]
             if best is None or ttft_s < best.ttft_s:
                 fetch_from, fetch_blocks = option[2], option[3]
@@ -243,40 +252,40 @@ class Conductor:
         assert best is not None
         return best
 
-    def _best_decode(self, input_tokens: int, now: float, at: float | None) -> tuple[str, float, str]:
+    def _best_decode(self, input_tokens: int, now: float, at: float, forecast: str) -> tuple[str, float, str]:
         """(the instance with the lowest TBT among those with room in their KV memory, or with
         the most room when none has enough; that TBT; "" when it meets the SLO, else why not:
-        "tbt_slo" / "kv_memory") for the load now, or predicted for time `at`."""
+        "tbt_slo" / "kv_memory") for the load now (`forecast` "now") or the load predicted for
+        time `at` ("predicted": survival; "predicted_uniform": the paper's, where the SLO test
+        is on the average TBT ratio over the instances)."""
         mean_out = self._output_sum / self._output_n if self._output_n else _INITIAL_OUTPUT_TOKENS
-        best: tuple[float, float, str] | None = None  # (no room, tbt, name): lowest wins
+        best: tuple[float, float, str, float] | None = None  # (no room, tbt, name, tbt without it): lowest wins
+        stage_s = self._stages.mean_s
+        total_s, instances = 0.0, 0
         for name, load in self._decode.items():
             if name in self._exclude:
                 continue
-            if at is None:
+            without_s = 0.0
+            if forecast == "now":
                 count, context = float(len(load.active)), float(load.active_tokens)
+            elif forecast == "predicted":
+                count, context = expected_load(load, self._stages, now, at)
             else:
-                count, context = self._predicted(load, now, at)
+                count, context = uniform_load(load, at, stage_s)
+                without_s = self.cost.decode_step_s(round(count), int(context + count * mean_out / 2))
+                total_s, instances = total_s + without_s, instances + 1
             context += count * mean_out / 2
             overflow = max(0.0, context + input_tokens + mean_out - load.capacity_tokens)
             tbt_s = self.cost.decode_step_s(round(count) + 1, int(context + input_tokens + mean_out / 2))
             if best is None or (overflow, tbt_s) < best[:2]:
-                best = (overflow, tbt_s, name)
+                best = (overflow, tbt_s, name, without_s)
         assert best is not None
-        overflow, tbt_s, name = best
-        return name, tbt_s, "kv_memory" if overflow else ("tbt_slo" if tbt_s > self.config.tbt_slo_s else "")
-
-    def _predicted(self, load: _DecodeLoad, now: float, at: float) -> tuple[float, float]:
-        """Expected (requests, their prompt tokens) in `load` at time `at`."""
-        stages, horizon = self._stages, at - now
-        count = context = 0.0
-        for joined, tokens in load.active.values():
-            p = stages.still_present(now - joined, horizon)
-            count, context = count + p, context + p * tokens
-        for due, tokens in load.incoming.values():
-            if due <= at:
-                p = stages.survival(at - due)
-                count, context = count + p, context + p * tokens
-        return count, context
+        overflow, tbt_s, name, without_s = best
+        slo = self.config.tbt_slo_s
+        # NOTE: predicted_uniform tests the system's average, with the request on its instance.
+        system_s = (total_s - without_s + tbt_s) / instances if forecast == "predicted_uniform" else tbt_s
+        over = system_s > slo
+        return name, tbt_s, "kv_memory" if overflow else ("tbt_slo" if over else "")
 
     def _book(self, decision: Decision, request: ScheduleRequest, now: float) -> None:
         assert decision.prefill is not None and decision.decode is not None
@@ -302,6 +311,17 @@ class Conductor:
     def _reject(self, best: Decision, reason: str) -> Decision:
         self.counters[f"rejected_{reason}"] += 1
         return _replace(best, accepted=False, reason=reason)
+
+
+def fetch_bandwidth_bytes_s(config: ConductorConfig, source: str, own_ssd: str) -> float:
+    """The rate at which a prefill instance whose SSD tier is `own_ssd` loads KV held at
+    `source`: its own SSD's read bandwidth, another instance's SSD at the lower of that and the
+    network's, any DRAM at the network's; pure."""
+    if source == own_ssd:
+        return config.ssd_read_bytes_s
+    if source.endswith("/ssd"):
+        return min(config.ssd_read_bytes_s, config.kv_bandwidth_bytes_s)
+    return config.kv_bandwidth_bytes_s
 
 
 def _cached_tokens(blocks: int, block_tokens: int, input_tokens: int) -> int:

@@ -1,6 +1,7 @@
 """`tsukimi up`: a whole local cluster as processes, started in order and supervised.
 
     tsukimi master   (mode "pd" only: the KV pool's master; the workers contribute its memory)
+    tsukimi metadata-server  (the P2P store's records: live weight updates pull through it)
       -> tsukimi worker x N   (prefill + decode, or colocated; started together)
         -> tsukimi router     (the OpenAI-compatible API, 127.0.0.1:8000 by default)
 
@@ -91,25 +92,36 @@ def plan(config: ClusterConfig, port: Callable[[], int] | None = None) -> list[l
     h, w = config.host, config.workers
     pick = port or (lambda: _free_port(h))
     url_host = f"[{h}]" if ":" in h else h
-    groups: list[list[ProcessSpec]] = []
+    first: list[ProcessSpec] = []
     master = ""
     if config.mode == "pd":
         rpc, http = config.master.rpc_port or pick(), config.master.http_port or pick()
         sets = (f'master.host="{h}"', f"master.rpc_port={rpc}", f"master.http_port={http}")
-        groups.append(
-            [ProcessSpec("master", "master", ("master", *(f"--set={s}" for s in sets)), f"http://{url_host}:{http}")]
+        first.append(
+            ProcessSpec("master", "master", ("master", *(f"--set={s}" for s in sets)), f"http://{url_host}:{http}")
         )
         master = f"tcp://{url_host}:{rpc}"
         counts: list[tuple[Role, int]] = [("prefill", w.prefill), ("decode", w.decode)]
     else:
         counts = [("colocated", w.colocated)]
+    meta_port = config.metadata_port or pick()
+    metadata = ProcessSpec("metadata", "metadata", ("metadata-server", "--host", h, "--port", str(meta_port)),
+                           f"http://{url_host}:{meta_port}")  # fmt: skip
+    groups = [[*first, metadata]]
     roles = [role for role, count in counts for _ in range(count)]
     workers = []
     for i, role in enumerate(roles):
         name = f"{role}-{roles[:i].count(role)}"
         worker_port = w.base_port + i if w.base_port else pick()
         worker = dataclasses.replace(
-            w.worker, name=name, role=role, model=config.model, host=h, port=worker_port, master=master
+            w.worker,
+            name=name,
+            role=role,
+            model=config.model,
+            host=h,
+            port=worker_port,
+            master=master,
+            metadata_url=f"{metadata.url}/metadata",
         )
         workers.append(ProcessSpec(name, role, worker_args(worker), f"http://{url_host}:{worker_port}"))
     groups.append(workers)

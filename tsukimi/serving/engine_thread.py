@@ -8,6 +8,14 @@
                                                   Verdict with the error that ends the request
     submit(AbortCommand) -> inbox -------------> engine.abort
     EngineThread.load    <- Load, published after every iteration
+    submit(PauseCommand) -> inbox -------------> drain, then action(engine) (a live weight
+                                                  update), then resume; `done` resolves
+
+A pause (tsukimi/serving/weight_update.py) stops admitting: requests arriving meanwhile are
+held (not yet accepted) and are applied after the action, so they run on what it changed;
+the requests already in the engine run to their end first (so they never mix two weights),
+and those still running at `drain_timeout_s` end with WorkerUnavailable (vLLM's
+`pause_generation`, waiting for in-flight requests, with a bound).
 
 A failing step fails every request in the engine with its error and replaces the engine (its
 state may be inconsistent); the thread keeps serving. Closing fails every unfinished request.
@@ -21,11 +29,13 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from tsukimi.clock import WallClock
 from tsukimi.engine.engine import LLMEngine, StepOutput
 from tsukimi.engine.sampling import SamplingParams
 from tsukimi.errors import ClosedError, InvalidArgument, TsukimiError, WorkerError, WorkerUnavailable
@@ -36,10 +46,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """A request's first event: accepted (`error` None) or the error that refused it
-    (InvalidArgument, DuplicateRequest, WorkerUnavailable); later, the error that ends it."""
+    """A request's first event: accepted (`error` None; on `weights_version`) or the error
+    that refused it (InvalidArgument, DuplicateRequest, WorkerUnavailable); later, the error
+    that ends it."""
 
     error: TsukimiError | None = None
+    weights_version: str = ""
 
 
 EngineEvent = StepOutput | Verdict
@@ -64,11 +76,13 @@ class RequestStream:
 
 @dataclass(frozen=True, slots=True)
 class AddCommand:
-    """Add a request; the engine thread answers with a `Verdict` on its stream."""
+    """Add a request; the engine thread answers with a `Verdict` on its stream. A request
+    with a `weights_version` other than the engine's is refused (WorkerUnavailable)."""
 
     prompt: tuple[int, ...]
     params: SamplingParams
     stream: RequestStream
+    weights_version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +90,19 @@ class AbortCommand:
     """Abort the stream's request (its client went away); ignored once it finished."""
 
     stream: RequestStream
+
+
+@dataclass(frozen=True, slots=True)
+class PauseCommand:
+    """Run `action` on the drained engine (on the engine thread; see the module); `done` gets
+    its outcome (None or its exception, ClosedError when the worker shuts down first)."""
+
+    action: Callable[[LLMEngine], None]
+    done: Future[None]
+    drain_timeout_s: float = 30.0
+
+
+Command = AddCommand | AbortCommand | PauseCommand
 
 
 class WorkerMetrics:
@@ -115,16 +142,21 @@ class EngineThread:
         self._make_engine, self._metrics, self._threads = make_engine, metrics, threads
         self._engine = make_engine()
         self._cond = threading.Condition()
-        self._inbox: deque[AddCommand | AbortCommand] = deque()
+        self._inbox: deque[Command] = deque()
         self._active: dict[str, RequestStream] = {}
+        self._held: deque[AddCommand] = deque()  # arrived while a pause waits
+        self._pause: PauseCommand | None = None
+        self._pause_deadline = 0.0
+        self._clock = WallClock()
         self._stopping = False
+        self.weights_version = "initial"  # NOTE: set by a pause's action (a live weight update)
         self.load = Load(0, 0, self._engine.cache.pool.num_free, self._engine.cache.pool.num_blocks)
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, command: AddCommand | AbortCommand) -> None:
+    def submit(self, command: Command) -> None:
         """Queue a command for the engine thread (thread-safe). Raises ClosedError once closing."""
         with self._cond:
             if self._stopping:
@@ -146,13 +178,59 @@ class EngineThread:
         torch.set_num_threads(self._threads)
         while (commands := self._next_commands()) is not None:
             for command in commands:
-                self._guarded(self._apply, command)
+                self._route(command)
             if self._engine.has_work():
                 self._guarded(self._step)
+            if self._pause is not None:
+                self._try_pause(self._pause)
             self._publish()
-        self._fail_all(WorkerUnavailable("the worker is shutting down"))
+        self._shut_down()
 
-    def _next_commands(self) -> list[AddCommand | AbortCommand] | None:
+    def _route(self, command: Command) -> None:
+        """Apply `command` now, or hold or start a pause (see the module)."""
+        if isinstance(command, PauseCommand):
+            if self._pause is not None:
+                command.done.set_exception(InvalidArgument("another pause of the engine is under way"))
+                return
+            self._pause, self._pause_deadline = command, self._clock.now() + command.drain_timeout_s
+            logger.info("pausing: draining %d requests", len(self._active))
+        elif isinstance(command, AddCommand) and self._pause is not None:
+            self._held.append(command)
+        else:
+            if isinstance(command, AbortCommand):  # NOTE: a held request whose client went away
+                self._held = deque(held for held in self._held if held.stream is not command.stream)
+            self._guarded(self._apply, command)
+
+    def _try_pause(self, pause: PauseCommand) -> None:
+        """Run the pause's action once the engine is drained (or its drain timed out), then
+        apply the requests held meanwhile."""
+        if self._engine.has_work():
+            if self._clock.now() < self._pause_deadline:
+                return
+            logger.warning("pausing: %d requests still running after %.1f s: failing them",
+                           len(self._active), pause.drain_timeout_s)  # fmt: skip
+            self._fail_all(WorkerUnavailable("aborted: the worker paused for a weight update"))
+        self._pause = None
+        try:
+            pause.action(self._engine)
+        except Exception as exc:  # NOTE: the caller owns the outcome: it gets the error
+            pause.done.set_exception(exc)
+        else:
+            pause.done.set_result(None)
+        held, self._held = self._held, deque()
+        logger.info("resuming with %d requests that arrived during the pause", len(held))
+        for command in held:
+            self._guarded(self._apply, command)
+
+    def _shut_down(self) -> None:
+        closing = WorkerUnavailable("the worker is shutting down")
+        self._fail_all(closing)
+        for command in self._held:
+            command.stream.send(Verdict(closing))
+        if self._pause is not None:
+            self._pause.done.set_exception(ClosedError("the worker shut down before the pause"))
+
+    def _next_commands(self) -> list[Command] | None:
         """Sleep until there is something to do; the commands queued, or None when stopping."""
         with self._cond:
             while not (self._inbox or self._stopping or self._engine.has_work()):
@@ -164,6 +242,8 @@ class EngineThread:
         for command in commands:
             if isinstance(command, AddCommand):
                 command.stream.send(Verdict(WorkerUnavailable("the worker is shutting down")))
+            elif isinstance(command, PauseCommand):
+                command.done.set_exception(ClosedError("the worker is shutting down"))
         return None
 
     def _guarded(self, action: Callable[..., None], *args: AddCommand | AbortCommand) -> None:
@@ -183,6 +263,10 @@ class EngineThread:
                 self._metrics.requests.labels("abort").inc()
                 self._engine.abort(rid)
             return
+        if command.weights_version and command.weights_version != self.weights_version:
+            why = f"its first token came from weights {command.weights_version}, this worker has {self.weights_version}"
+            stream.send(Verdict(WorkerUnavailable(f"the weights changed under request {rid}: {why}; retry it")))
+            return
         try:  # NOTE: the engine owns request ids: it refuses one already running (DuplicateRequest)
             self._engine.add_request(rid, command.prompt, command.params)
         except InvalidArgument as exc:
@@ -192,7 +276,7 @@ class EngineThread:
             stream.send(Verdict(WorkerError(f"the engine failed: {type(exc).__name__}: {exc}")))
             raise
         self._active[rid] = stream
-        stream.send(Verdict())
+        stream.send(Verdict(weights_version=self.weights_version))
         logger.debug("accepted %s (%d prompt tokens)", rid, len(command.prompt))
 
     def _step(self) -> None:

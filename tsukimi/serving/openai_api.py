@@ -29,6 +29,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tsukimi import auth, httpd
+from tsukimi.config import SecurityConfig
 from tsukimi.engine.tokenizer import StreamDecoder, Tokenizer
 from tsukimi.errors import InvalidArgument, ModelNotFound, Rejected, TsukimiError, WorkerUnavailable
 from tsukimi.serving.openai_protocol import (
@@ -43,7 +45,14 @@ from tsukimi.serving.openai_protocol import (
     outcome_of,
     sse_event,
 )
-from tsukimi.serving.protocol import GenerateRequest
+from tsukimi.serving.protocol import (
+    ErrorReply,
+    GenerateRequest,
+    UpdateWeightsReply,
+    UpdateWeightsRequest,
+    error_reply,
+    http_status,
+)
 from tsukimi.serving.router import Router, TokenEvent
 from tsukimi.serving.worker_client import WorkerStatus
 
@@ -336,6 +345,7 @@ def create_app(
         The app; `app.state.server` is its `OpenAIServer` (metrics, for tests).
     """
     server = OpenAIServer(router, tokenizer, model_name, default_max_tokens)
+    secret, seen = SecurityConfig().secret(), auth.ReplayCache()  # NOTE: the workers' secret (docs/security.md)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -364,8 +374,26 @@ def create_app(
     async def health() -> Response:
         return json_response(server.health())
 
+    @app.post("/admin/update_weights")
+    async def update_weights(request: Request) -> Response:
+        raw = await request.body()
+        httpd.check_signature(request, raw, secret, seen)
+        try:
+            body = msgspec.json.decode(raw, type=UpdateWeightsRequest)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+            return _reply(*error_reply(InvalidArgument(f"invalid request body: {exc}")))
+        outcome = await router.update_weights(body, secret)
+        failed = [http_status(r) for r in outcome.values() if isinstance(r, TsukimiError)]
+        workers = {name: r if isinstance(r, UpdateWeightsReply) else ErrorReply(r.code, str(r))
+                   for name, r in outcome.items()}  # fmt: skip
+        return _reply(max(failed, default=200), msgspec.json.encode({"workers": workers}))
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(server.metrics.render(router.workers()), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _reply(status: int, body: bytes) -> Response:
+    return Response(body, status_code=status, media_type="application/json")

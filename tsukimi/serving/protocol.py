@@ -4,6 +4,8 @@ streams back, its load and health, and how an error crosses.
     POST /generate   GenerateRequest (JSON) -> 200 NDJSON TokenChunk lines, the last with a
                      finish_reason, or an error line; or an ErrorReply with its HTTP status
     GET  /load       Load          GET /health   Health
+    POST /admin/update_weights   UpdateWeightsRequest -> UpdateWeightsReply, or an ErrorReply
+                     (signed with the cluster secret when there is one; tsukimi/httpd.py)
 
 An error crosses as (code, message) from tsukimi/errors.py, in an `ErrorReply` body (or a
 last `TokenChunk.error` once streaming started), with the HTTP status `http_status` gives its
@@ -27,6 +29,7 @@ from tsukimi.errors import (
     DuplicateRequest,
     InvalidArgument,
     ModelNotFound,
+    ObjectNotFound,
     PeerError,
     Rejected,
     RpcTimeout,
@@ -45,6 +48,8 @@ __all__ = [
     "Load",
     "Role",
     "TokenChunk",
+    "UpdateWeightsReply",
+    "UpdateWeightsRequest",
     "error_reply",
     "http_status",
     "raise_error",
@@ -55,6 +60,7 @@ FinishReason = Literal["stop", "length"]
 # NOTE: the first class that matches wins: subclasses before their bases.
 _STATUS: tuple[tuple[type[Exception], int], ...] = (
     (ModelNotFound, 404),
+    (ObjectNotFound, 404),  # PayloadNotFound: no such weights to update to
     (DuplicateRequest, 409),
     (Rejected, 429),
     (WorkerUnavailable, 503),
@@ -73,7 +79,10 @@ def http_status(error: TsukimiError) -> int:
 class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One generation, as the router asks a worker (the body of POST /generate). The worker's
     role decides how much it generates: a prefill worker makes the first token only. Sampling
-    is greedy unless a temperature is given (the router always sends the client's)."""
+    is greedy unless a temperature is given (the router always sends the client's).
+    `weights_version`: the weights the request must run on ("" = the worker's): the router
+    sends the prefill's to the decode worker, so that no request continues on other weights
+    than its first token's (a live weight update in between fails it with WorkerUnavailable)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -83,6 +92,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    weights_version: str = ""
 
     def __post_init__(self) -> None:
         # NOTE: msgspec reports a ValueError raised here as a ValidationError while decoding
@@ -92,6 +102,27 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise InvalidArgument("the prompt must hold at least one token")
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+class UpdateWeightsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """POST /admin/update_weights: swap in the weights published as `name` in the P2P store
+    (tsukimi/serving/weight_update.py); requests still running after `drain_timeout_s` fail."""
+
+    name: str
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise InvalidArgument("name must not be empty")
+        if not self.drain_timeout_s > 0:
+            raise InvalidArgument(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
+
+
+class UpdateWeightsReply(msgspec.Struct, frozen=True):
+    """The new weights version (what the KV format digest includes) and the update's seconds."""
+
+    weights_version: str
+    seconds: float
 
 
 class ErrorReply(msgspec.Struct, frozen=True):
@@ -104,13 +135,15 @@ class ErrorReply(msgspec.Struct, frozen=True):
 class TokenChunk(msgspec.Struct):
     """One NDJSON line of a /generate stream: tokens (several when they were ready together),
     the finish reason on the last line, the prompt tokens whose KV was reused (of those, from
-    the pool), or `error` when the request failed inside the worker after it was accepted."""
+    the pool), or `error` when the request failed inside the worker after it was accepted;
+    `weights_version`: the weights the request runs on."""
 
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0
     pool_tokens: int = 0
     error: ErrorReply | None = None
+    weights_version: str = ""
 
 
 class Load(msgspec.Struct, frozen=True):
@@ -131,6 +164,7 @@ class Health(msgspec.Struct, frozen=True):
     model: str = ""
     model_name: str = ""
     block_tokens: int = 0
+    weights_version: str = "initial"
 
 
 def error_reply(error: TsukimiError) -> tuple[int, bytes]:

@@ -18,6 +18,11 @@ worker unreachable before any token is placed again (the `Retry` policy `PLACEME
 come from `GET /load`, polled every `poll_interval_s`, and from a local count of this
 router's requests in flight.
 
+`update_weights` fans a live weight update out to every worker (each swaps in the new weights
+on its own; tsukimi/serving/weight_update.py) and forgets what the prefix index knew of each
+worker that updated and of the pool: their blocks of the old weights are unreachable now (the
+workers' KV format digest changed). Even without that the index would only misjudge costs.
+
 NOTE: the prefix index learns of blocks only when a prefill finishes here (the prompt's full
 blocks at the prefill worker and at the pool); workers do not report evictions back, so the
 index over-approximates what is cached, and the Conductor may expect a hit that turns into
@@ -41,14 +46,14 @@ import msgspec
 
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import ROLES, ConductorConfig, RouterConfig
-from tsukimi.errors import ConfigError, Rejected, WorkerUnavailable
+from tsukimi.errors import ConfigError, Rejected, TsukimiError, WorkerUnavailable
 from tsukimi.retry import Retry
 from tsukimi.scheduler.baselines import make_router
 from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import CostModel, LinearCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
-from tsukimi.serving.protocol import FinishReason, GenerateRequest
+from tsukimi.serving.protocol import FinishReason, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
 from tsukimi.serving.worker_client import POOL, WorkerClient, WorkerHandle, WorkerSpec, WorkerStatus
 
 logger = logging.getLogger(__name__)
@@ -64,7 +69,8 @@ class TokenEvent:
     """Tokens of one request as the workers streamed them. `finish_reason` is set on the last
     event only; `cached_tokens` / `pool_tokens` count the request's prompt tokens whose KV was
     reused so far (of those, loaded from the KV pool), over every worker that served it;
-    `time_s` is the router's clock when the event arrived; `worker` produced the tokens."""
+    `time_s` is the router's clock when the event arrived; `worker` produced the tokens (on
+    `weights_version`)."""
 
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
@@ -72,6 +78,7 @@ class TokenEvent:
     pool_tokens: int
     time_s: float
     worker: str
+    weights_version: str = ""
 
 
 def cost_model(config: RouterConfig) -> CostModel:
@@ -149,6 +156,27 @@ class Router:
             await self._client.aclose()
         self._poller = self._client = None
 
+    async def update_weights(
+        self, request: UpdateWeightsRequest, secret: bytes | None
+    ) -> dict[str, UpdateWeightsReply | TsukimiError]:
+        """Update every worker's weights at once (see the module); each worker's reply or error.
+        Mutates the prefix index."""
+        await self.start()
+        assert self._client is not None
+        client, workers = self._client, list(self._workers.values())
+        results = await asyncio.gather(*(client.update_weights(w, request, secret) for w in workers),
+                                       return_exceptions=True)  # fmt: skip
+        outcome: dict[str, UpdateWeightsReply | TsukimiError] = {}
+        for worker, result in zip(workers, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, TsukimiError):
+                raise result
+            outcome[worker.spec.name] = result
+            if isinstance(result, UpdateWeightsReply):
+                self.index.drop_location(location(worker.spec.name, "dram"))
+        if any(isinstance(r, UpdateWeightsReply) for r in outcome.values()):
+            self.index.drop_location(location(POOL, "dram"))
+        return outcome
+
     def workers(self) -> list[WorkerStatus]:
         """The workers' health and loads as last seen (pure)."""
         return [w.status() for w in self._workers.values()]
@@ -205,9 +233,10 @@ class Router:
             yield dataclasses.replace(first, finish_reason=first.finish_reason or "length")
             return
         decode, generated = self._admit_decode(conductor, rid), len(first.token_ids)
-        follow = msgspec.structs.replace(
-            request, prompt_ids=(*prompt, *first.token_ids), max_tokens=request.max_tokens - generated
-        )
+        follow = msgspec.structs.replace(  # NOTE: on the first token's weights (a live update may intervene)
+            request, prompt_ids=(*prompt, *first.token_ids), max_tokens=request.max_tokens - generated,
+            weights_version=first.weights_version,
+        )  # fmt: skip
         try:
             yield dataclasses.replace(first, finish_reason=None)
             async with contextlib.aclosing(self._events(decode, follow)) as events:
@@ -275,9 +304,8 @@ class Router:
                 async for chunk in chunks:
                     now = self.clock.now()
                     ids = tuple(chunk.token_ids)
-                    yield TokenEvent(
-                        ids, chunk.finish_reason, chunk.cached_tokens, chunk.pool_tokens, now, worker.spec.name
-                    )
+                    yield TokenEvent(ids, chunk.finish_reason, chunk.cached_tokens, chunk.pool_tokens, now,
+                                     worker.spec.name, chunk.weights_version)  # fmt: skip
         finally:
             worker.in_flight -= 1
 

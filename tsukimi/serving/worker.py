@@ -6,6 +6,7 @@ API that the router calls (`tsukimi worker`).
     NDJSON lines   <- asyncio.Queue <---------- engine.step() outputs (call_soon_threadsafe)
     client gone    -> AbortCommand -> inbox --> engine.abort
     GET /load      <- Load, published by the engine thread after every iteration
+    POST /admin/update_weights -> WeightUpdater: fetch, then PauseCommand -> drain, swap, resume
 
 Roles: "colocated" generates with the local prefix cache only; "prefill" generates exactly one
 token, and its engine loads the prompt's full blocks from the KV pool and publishes the ones it
@@ -18,6 +19,11 @@ that fails inside the worker after it was accepted (engine error, shutdown) ends
 whose `error` is (code, message). A refused request is answered with an ErrorReply and the
 status of its error class: bad input 400, a request id already running 409 (the engine's
 check), a worker shutting down 503.
+
+`POST /admin/update_weights {"name": N}` swaps in the weights published as N in the P2P store
+(tsukimi/serving/weight_update.py): unknown N 404, another model's tensors 400, a body without
+a name 400. With the cluster secret (docs/security.md) it must be signed as the metadata
+server's requests are (401 otherwise): it changes what every later request computes.
 """
 
 from __future__ import annotations
@@ -35,8 +41,8 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
-from tsukimi import httpd
-from tsukimi.config import WorkerConfig
+from tsukimi import auth, httpd
+from tsukimi.config import SecurityConfig, WorkerConfig
 from tsukimi.engine.engine import LLMEngine, StepOutput
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.kv_pool import KVFormat, StoreKVConnector
@@ -44,7 +50,16 @@ from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import LoadedModel, load_model
 from tsukimi.errors import ClosedError, InvalidArgument, TsukimiError, WorkerUnavailable
 from tsukimi.serving.engine_thread import AbortCommand, AddCommand, EngineThread, RequestStream, Verdict, WorkerMetrics
-from tsukimi.serving.protocol import ErrorReply, GenerateRequest, Health, TokenChunk, error_reply
+from tsukimi.serving.protocol import (
+    ErrorReply,
+    GenerateRequest,
+    Health,
+    TokenChunk,
+    UpdateWeightsReply,
+    UpdateWeightsRequest,
+    error_reply,
+)
+from tsukimi.serving.weight_update import WeightUpdater
 from tsukimi.store.client import StoreClient
 
 logger = logging.getLogger(__name__)
@@ -64,13 +79,13 @@ class _TokenStream(StreamingResponse):
             self._on_close()
 
 
-async def _lines(stream: RequestStream) -> AsyncIterator[bytes]:
+async def _lines(stream: RequestStream, weights_version: str) -> AsyncIterator[bytes]:
     """Engine events as NDJSON lines; events already queued are merged into one line."""
     while not stream.finished:
         events = [await stream.queue.get()]
         while not stream.queue.empty():
             events.append(stream.queue.get_nowait())
-        chunk = TokenChunk([])
+        chunk = TokenChunk([], weights_version=weights_version)
         for event in events:
             if isinstance(event, StepOutput):
                 chunk.token_ids += event.token_ids
@@ -93,6 +108,9 @@ class Worker:
         self._connector: StoreKVConnector | None = None
         self._engine: EngineThread | None = None
         self._http: httpd.AppHandle | None = None
+        self._updater: WeightUpdater | None = None
+        self._secret = SecurityConfig().secret()  # NOTE: from TSUKIMI_CLUSTER_SECRET, as the store client's
+        self._seen = auth.ReplayCache()
 
     @property
     def base_url(self) -> str:
@@ -113,12 +131,13 @@ class Worker:
                 self._store = StoreClient.connect(cfg.master, cfg.segment_bytes)
                 connector = self._connector = StoreKVConnector(self._store, KVFormat.of(mc.identity, layout))
             model = self._loaded.model
+            updater = self._updater = WeightUpdater(model, connector, cfg.metadata_url)
 
             def make_engine() -> LLMEngine:
-                return LLMEngine(
+                return updater.prepare(LLMEngine(
                     model, layout, cfg.num_blocks, mc.eos_token_ids, cfg.max_batched_tokens, connector,
                     prefix_caching=cfg.prefix_caching,
-                )  # fmt: skip
+                ))  # fmt: skip
 
             self._engine = EngineThread(make_engine, self.metrics, cfg.threads, cfg.name)
             self._engine.start()
@@ -135,11 +154,13 @@ class Worker:
             self._engine.close()
         if self._http is not None:
             self._http.stop()
+        if self._updater is not None:
+            self._updater.close()
         if self._connector is not None:
             self._connector.close()  # NOTE: before the store: it may still be publishing
         if self._store is not None:
             self._store.close()
-        self._engine = self._http = self._store = self._connector = None
+        self._engine = self._http = self._store = self._connector = self._updater = None
 
     def __enter__(self) -> Worker:
         return self
@@ -163,13 +184,13 @@ class Worker:
 
     def _app(self, engine: EngineThread) -> FastAPI:
         app = FastAPI(title=f"tsukimi worker {self.config.name}")
-        assert self._loaded is not None
-        health = msgspec.json.encode(Health("ok", self.config.name, self.config.role, self._loaded.config.identity,
-                                            self._loaded.config.name, self.config.block_tokens))  # fmt: skip
+        assert self._loaded is not None and self._updater is not None
+        updater, cfg, mc = self._updater, self.config, self._loaded.config
 
         @app.get("/health")
         def get_health() -> Response:
-            return Response(health, media_type="application/json")
+            health = Health("ok", cfg.name, cfg.role, mc.identity, mc.name, cfg.block_tokens, updater.weights_version)
+            return Response(msgspec.json.encode(health), media_type="application/json")
 
         @app.get("/load")
         def get_load() -> Response:
@@ -183,7 +204,29 @@ class Worker:
         async def generate(request: Request) -> Response:
             return await self._generate(engine, await request.body())
 
+        @app.post("/admin/update_weights")
+        async def update_weights(request: Request) -> Response:
+            raw = await request.body()
+            httpd.check_signature(request, raw, self._secret, self._seen)
+            return await self._update_weights(engine, updater, raw)
+
         return app
+
+    @staticmethod
+    async def _update_weights(engine: EngineThread, updater: WeightUpdater, raw: bytes) -> Response:
+        try:
+            body = msgspec.json.decode(raw, type=UpdateWeightsRequest)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+            return _error(InvalidArgument(f"invalid request body: {exc}"))
+        try:
+            result = await asyncio.to_thread(updater.update, engine, body.name, body.drain_timeout_s)
+        except ClosedError as exc:
+            return _error(WorkerUnavailable(str(exc)))
+        except TsukimiError as exc:
+            logger.warning("weight update to %r failed: %s", body.name, exc)
+            return _error(exc)
+        reply = UpdateWeightsReply(result.weights_version, result.seconds)
+        return Response(msgspec.json.encode(reply), media_type="application/json")
 
     async def _generate(self, engine: EngineThread, raw: bytes) -> Response:
         try:
@@ -197,7 +240,7 @@ class Worker:
             return _error(exc)
         stream = RequestStream(body.request_id, asyncio.get_running_loop(), asyncio.Queue(), len(body.prompt_ids))
         try:
-            engine.submit(AddCommand(body.prompt_ids, params, stream))
+            engine.submit(AddCommand(body.prompt_ids, params, stream, body.weights_version))
             verdict = await stream.queue.get()
         except ClosedError as exc:
             return _error(WorkerUnavailable(str(exc)))
@@ -208,7 +251,7 @@ class Worker:
         if verdict.error is not None:
             return _error(verdict.error)
         logger.debug("streaming %s", body.request_id)
-        return _TokenStream(_lines(stream), lambda: self._close_stream(engine, stream))
+        return _TokenStream(_lines(stream, verdict.weights_version), lambda: self._close_stream(engine, stream))
 
     @staticmethod
     def _close_stream(engine: EngineThread, stream: RequestStream) -> None:

@@ -27,10 +27,22 @@ from dataclasses import dataclass
 import httpx
 import msgspec
 
+from tsukimi import httpd
 from tsukimi.clock import Clock
 from tsukimi.errors import ConfigError, WorkerError, WorkerUnavailable
 from tsukimi.retry import Retry
-from tsukimi.serving.protocol import ROLES, GenerateRequest, Health, Load, Role, TokenChunk, from_reply, raise_error
+from tsukimi.serving.protocol import (
+    ROLES,
+    GenerateRequest,
+    Health,
+    Load,
+    Role,
+    TokenChunk,
+    UpdateWeightsReply,
+    UpdateWeightsRequest,
+    from_reply,
+    raise_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +151,32 @@ class WorkerClient:
             raise WorkerError(f"worker {name} did not answer within {self._read_timeout_s} s") from exc
         except httpx.HTTPError as exc:
             raise WorkerError(f"worker {name} failed: {exc!r}") from exc
+
+    async def update_weights(
+        self, worker: WorkerHandle, request: UpdateWeightsRequest, secret: bytes | None
+    ) -> UpdateWeightsReply:
+        """POST /admin/update_weights (signed with `secret`), waiting for the drain too.
+
+        Raises:
+            the error the worker reported, as its class; WorkerUnavailable: unreachable;
+            WorkerError: anything else.
+        """
+        name = worker.spec.name
+        timeout = httpx.Timeout(self._read_timeout_s + request.drain_timeout_s, connect=self._probe_timeout_s)
+        built = self._http.build_request("POST", f"{worker.spec.url}/admin/update_weights",
+                                         content=msgspec.json.encode(request), timeout=timeout)  # fmt: skip
+        try:
+            response = await self._http.send(httpd.sign_request(built, secret))
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise WorkerUnavailable(f"worker {name} at {worker.spec.url} is unreachable: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise WorkerError(f"worker {name} failed to update its weights: {exc!r}") from exc
+        if response.status_code != 200:
+            raise raise_error(response.status_code, response.content, name)
+        try:
+            return msgspec.json.decode(response.content, type=UpdateWeightsReply)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise WorkerError(f"worker {name} answered the weight update with garbage: {exc}") from exc
 
     async def discover(self, workers: Sequence[WorkerHandle], timeout_s: float) -> None:
         """Refreshes with /health until every worker answered or `timeout_s` passed; those still

@@ -55,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     worker.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads")
     worker.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
+    worker.add_argument(
+        "--metadata-url", default=d.metadata_url, help="the P2P store's metadata service, for live weight updates"
+    )
 
 
 def run(args: argparse.Namespace, console: Console) -> None:
@@ -76,7 +79,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         name=args.name, role=args.role, model=args.model, host=args.host, port=args.port,
         block_tokens=args.block_tokens, num_blocks=args.num_blocks, max_batched_tokens=args.max_batched_tokens,
         master=args.master, segment_bytes=args.segment_bytes, threads=args.threads, dtype=args.dtype,
-        prefix_caching=not args.no_prefix_caching,
+        prefix_caching=not args.no_prefix_caching, metadata_url=args.metadata_url,
     )  # fmt: skip
 
 
@@ -90,6 +93,7 @@ def worker_args(config: WorkerConfig) -> tuple[str, ...]:
         "--max-batched-tokens", str(config.max_batched_tokens), "--segment-bytes", str(config.segment_bytes),
         *(("--master", config.master) if config.master else ()),
         *(() if config.prefix_caching else ("--no-prefix-caching",)),
+        *(("--metadata-url", config.metadata_url) if config.metadata_url else ()),
     )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tsukimi.config import REJECTION_NAMES, ConductorConfig, SimConfig
+from tsukimi.config import REJECTION_NAMES, RESERVATION_NAMES, ConductorConfig, SimConfig
 from tsukimi.errors import ConfigError
 from tsukimi.eviction import POLICY_NAMES
 from tsukimi.sim.cache_replay import parse_capacities, run_cache_command
@@ -41,6 +41,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     run.add_argument("--reuse", choices=("global", "local"), default="global")
     run.add_argument("--policy", choices=[p.replace("_", "-") for p in POLICY_NAMES], default="lru")
     run.add_argument("--cache-blocks", default="6000", help="per instance; inf = unbounded")
+    run.add_argument("--ssd-blocks", type=int, default=0, help="SSD tier per prefill instance (0: none)")
+    run.add_argument("--reservation", choices=RESERVATION_NAMES, default="p90", help="decode KV reserved per output")
     run.add_argument("--ttft-slo", type=float, default=30.0)
     run.add_argument("--tbt-slo", type=float, default=0.1)
     run.add_argument("--json", action="store_true")
@@ -71,6 +73,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     sim = SimConfig(
         shape=args.shape, num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.colocated,
         router=args.router, speed=args.speed, policy=args.policy, cache_blocks=cache[0],
+        ssd_blocks=args.ssd_blocks, reservation=args.reservation,
     )  # fmt: skip
     conductor = ConductorConfig(
         rejection=args.rejection, reuse=args.reuse, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo
@@ -87,7 +90,8 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     if args.json:
         print(json.dumps({"trace": Path(args.trace).name, "sim": _plain(sim), "report": report}))
     else:
-        console.print(table(f"{Path(args.trace).name} x{args.speed}", [(args.shape, report)]), end="")
+        # NOTE: pre-rendered at its own width: print() does not wrap it again
+        print(table(f"{Path(args.trace).name} x{args.speed}", [(args.shape, report)]), end="")
 
 
 def _experiment(args: argparse.Namespace, console: Console) -> None:

@@ -7,8 +7,8 @@ docs/reproduction.md, and the plots it drew.
 2. one global pool vs per-instance caches: hit ratio and prefill time (FAST'25 Fig. 10);
 3. effective request capacity under TTFT and TBT SLOs, Mooncake vs the colocated baseline
    on the same number of nodes (FAST'25 Fig. 1);
-4. overload: rejections and decode load over time for the three rejection policies (arXiv
-   v3, Table 3 and Fig. 9).
+4. overload: rejections and decode load over time for the rejection policies (arXiv v3,
+   Table 3 and Fig. 9), in the regimes where the paper's phenomena appear.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tsukimi.config import ConductorConfig, SimConfig
+from tsukimi.config import ConductorConfig, RejectionName, SimConfig
 from tsukimi.errors import InvalidArgument
 from tsukimi.sim import plots
 from tsukimi.sim.cache_replay import sweep_cache
-from tsukimi.sim.report import Slo, decode_load, summarize
+from tsukimi.sim.instances import Job
+from tsukimi.sim.report import Slo, decode_load, load_swing, summarize
 from tsukimi.sim.simulator import simulate
 from tsukimi.sim.trace import TraceRequest
 
@@ -65,25 +66,31 @@ def cache_policies(trace: Sequence[TraceRequest], out_dir: Path, progress: Progr
     return Outcome("cache_policies", {"results": rows}, "\n".join(lines), [plot])
 
 
+SSD_BLOCKS = 20000  # the SSD tier per prefill instance in experiment 2 (about 3.3 TB of KV)
+REUSE_SETTINGS = (("global", 0), ("local", 0), ("global+ssd", SSD_BLOCKS))
+
+
 def global_vs_local(trace: Sequence[TraceRequest], out_dir: Path, progress: Progress) -> Outcome:
     """Experiment 2: the same Mooncake cluster (8 prefill + 8 decode, no rejection) with
-    prefill instances that may fetch from each other's caches, and with caches kept apart."""
+    prefill instances that may fetch from each other's caches, with caches kept apart, and
+    with the global pool over an SSD tier of SSD_BLOCKS per instance."""
     rows: list[dict[str, object]] = []
     for capacity in (500, 1000, 2000, 4000, 8000):
-        for reuse in ("global", "local"):
-            progress(f"experiment 2: {reuse} caches of {capacity} blocks")
-            cfg = ConductorConfig(rejection="none", reuse=reuse)
-            report = summarize(simulate(trace, SimConfig(cache_blocks=capacity), cfg), Slo(TTFT_SLO_S, 0.1))
-            rows.append({"cache_blocks": capacity, "reuse": reuse, **_pick(report, "token_hit_ratio",
-                         "fetched_token_ratio", "prefill_s_mean", "ttft_s")})  # fmt: skip
-    lines = ["| cache per instance (blocks) | hit ratio global / local | mean prefill s global / local "
-             "| TTFT p50 s global / local |", "|---|---|---|---|"]  # fmt: skip
-    for g, loc in zip(rows[::2], rows[1::2], strict=True):
-        gt, lt = g["ttft_s"], loc["ttft_s"]
-        assert isinstance(gt, dict) and isinstance(lt, dict)
-        hits = f"{g['token_hit_ratio']:.3f} / {loc['token_hit_ratio']:.3f}"
-        prefill = f"{g['prefill_s_mean']:.2f} / {loc['prefill_s_mean']:.2f}"
-        lines.append(f"| {g['cache_blocks']:,} | {hits} | {prefill} | {gt['p50']:.2f} / {lt['p50']:.2f} |")
+        for setting, ssd in REUSE_SETTINGS:
+            progress(f"experiment 2: {setting} caches of {capacity} blocks")
+            cfg = ConductorConfig(rejection="none", reuse="local" if setting == "local" else "global")
+            sim = SimConfig(cache_blocks=capacity, ssd_blocks=ssd)
+            report = summarize(simulate(trace, sim, cfg), Slo(TTFT_SLO_S, 0.1))
+            rows.append({"cache_blocks": capacity, "reuse": setting, **_pick(report, "token_hit_ratio",
+                         "fetched_token_ratio", "ssd_token_ratio", "prefill_s_mean", "ttft_s")})  # fmt: skip
+    lines = ["| cache per instance (blocks) | hit ratio global / local / +SSD | mean prefill s global / local / +SSD "
+             "| TTFT p50 s global / local / +SSD | from SSD |", "|---|---|---|---|---|"]  # fmt: skip
+    for g, loc, ssd_row in zip(rows[::3], rows[1::3], rows[2::3], strict=True):
+        runs = (g, loc, ssd_row)
+        hits = " / ".join(f"{r['token_hit_ratio']:.3f}" for r in runs)
+        prefill = " / ".join(f"{r['prefill_s_mean']:.2f}" for r in runs)
+        ttft = " / ".join(f"{r['ttft_s']['p50']:.2f}" for r in runs)  # type: ignore[index]
+        lines.append(f"| {g['cache_blocks']:,} | {hits} | {prefill} | {ttft} | {ssd_row['ssd_token_ratio']:.3f} |")
     plot = plots.global_vs_local(rows, out_dir / "exp2_global_vs_local.png")
     return Outcome("global_vs_local", {"results": rows}, "\n".join(lines), [plot])
 
@@ -127,36 +134,70 @@ def effective_capacity(trace: Sequence[TraceRequest], out_dir: Path, progress: P
     return Outcome("effective_capacity", {"results": rows, "ttft_slo_s": TTFT_SLO_S}, "\n".join(lines), [plot])
 
 
+@dataclass(frozen=True, slots=True)
+class OverloadShape:
+    """One cluster of experiment 4: label, shape and speed, TBT SLO, and whether early and
+    predicted rejection check the decode load again when prefill is done."""
+
+    label: str
+    sim: SimConfig
+    tbt_slo_s: float
+    recheck_decode: bool = True
+
+
 OVERLOAD_SHAPES = (
-    ("paper shape: 8P+8D, TBT SLO 100 ms", SimConfig(speed=2.0), 0.1),
-    ("decode-bound: 8P+1D, TBT SLO 30 ms", SimConfig(num_decode=1, speed=2.0), 0.03),
-)
+    OverloadShape("paper shape: 8P+8D x2, TBT SLO 100 ms", SimConfig(speed=2.0, sample_every_s=5.0), 0.1),
+    OverloadShape("decode-bound: 8P+1D x2, TBT SLO 30 ms", SimConfig(num_decode=1, speed=2.0,
+                  sample_every_s=5.0), 0.03),
+    OverloadShape("both saturated: 4P+1D x2, TBT SLO 30 ms", SimConfig(num_prefill=4, num_decode=1, speed=2.0,
+                  sample_every_s=5.0), 0.03),
+    OverloadShape("both saturated, no recheck: 4P+1D x2", SimConfig(num_prefill=4, num_decode=1, speed=2.0,
+                  sample_every_s=5.0), 0.03, recheck_decode=False),
+    OverloadShape("prefill-bound, no recheck: 3P+1D x1.5", SimConfig(num_prefill=3, num_decode=1, speed=1.5,
+                  sample_every_s=5.0), 0.03, recheck_decode=False),
+)  # fmt: skip
+OVERLOAD_MODES: tuple[RejectionName, ...] = ("baseline", "early", "predicted", "predicted_uniform")
 
 
 def overload(trace: Sequence[TraceRequest], out_dir: Path, progress: Progress) -> Outcome:
-    """Experiment 4: the trace at 2x speed under each rejection policy; rejections and total
-    decode batch over time. Run on the paper's shape and on a decode-bound variant (with the
-    roofline default the paper's shape is prefill-bound: docs/reproduction.md)."""
-    paper = {"baseline": 4183, "early": 3771, "predicted": 3589}
+    """Experiment 4: the trace sped up under each rejection policy on several clusters;
+    rejections, decode load over time and its swing (`report.load_swing`), the lag from
+    arrival to decode and the decode residence (docs/reproduction.md explains the regimes)."""
+    paper = {"baseline": "4183", "early": "3771", "predicted": "3589", "predicted_uniform": "3589"}
     rows: list[dict[str, object]] = []
-    lines = ["| cluster | rejection policy | rejected | at arrival | after prefill (wasted) | completed "
-             "| paper (arXiv v3) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| cluster | rejection policy | rejected | at arrival | after prefill (wasted) | completed | TBT p90 ms "
+             "| load swing | lag / residence s | paper |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     plot_files: list[str] = []
-    for n, (label, sim, tbt) in enumerate(OVERLOAD_SHAPES):
+    for n, shape in enumerate(OVERLOAD_SHAPES):
         loads: dict[str, list[tuple[float, int]]] = {}
-        for mode in ("baseline", "early", "predicted"):
-            progress(f"experiment 4: {label}, rejection {mode}")
-            result = simulate(trace, sim, ConductorConfig(rejection=mode, tbt_slo_s=tbt))
-            report = summarize(result, Slo(TTFT_SLO_S, tbt))
-            loads[mode] = decode_load(result, 30.0)
-            row = {"cluster": label, "rejection": mode, **_pick(report, "rejected", "rejected_by_reason",
+        for mode in OVERLOAD_MODES:
+            progress(f"experiment 4: {shape.label}, rejection {mode}")
+            cfg = ConductorConfig(rejection=mode, tbt_slo_s=shape.tbt_slo_s, recheck_decode=shape.recheck_decode)
+            result = simulate(trace, shape.sim, cfg)
+            report = summarize(result, Slo(TTFT_SLO_S, shape.tbt_slo_s))
+            loads[mode] = decode_load(result, shape.sim.sample_every_s)
+            lag, residence = _lag_and_residence(result.jobs)
+            row = {"cluster": shape.label, "rejection": mode, "load_swing": load_swing(loads[mode]),
+                   "lag_s": lag, "residence_s": residence, **_pick(report, "rejected", "rejected_by_reason",
                    "wasted_prefills", "completed", "ttft_s", "tbt_s")}  # fmt: skip
             rows.append(row)
-            wasted = int(str(row["wasted_prefills"]))
-            lines.append(f"| {label} | {mode} | {row['rejected']} | {int(str(row['rejected'])) - wasted} | {wasted} "
-                         f"| {row['completed']} | {paper[mode]} |")  # fmt: skip
-        plot_files.append(plots.decode_load(loads, out_dir / f"exp4_overload_{n}.png", label))
+            wasted, tbt = int(str(row["wasted_prefills"])), row["tbt_s"]
+            assert isinstance(tbt, dict)
+            lines.append(f"| {shape.label} | {mode} | {row['rejected']} | {int(str(row['rejected'])) - wasted} "
+                         f"| {wasted} | {row['completed']} | {1e3 * tbt['p90']:.1f} | {row['load_swing']:.3f} "
+                         f"| {lag:.1f} / {residence:.1f} | {paper[mode]} |")  # fmt: skip
+        plot_files.append(plots.decode_load(loads, out_dir / f"exp4_overload_{n}.png", shape.label))
     return Outcome("overload", {"results": rows}, "\n".join(lines), plot_files)
+
+
+def _lag_and_residence(jobs: Sequence[Job]) -> tuple[float, float]:
+    """Mean seconds from arrival to joining decode, and in decode, of the requests that
+    reached decode; pure."""
+    decoded = [j for j in jobs if j.decode_join_s >= 0 and j.finish_s >= 0]
+    if not decoded:
+        return 0.0, 0.0
+    lag = sum(j.decode_join_s - j.arrival_s for j in decoded) / len(decoded)
+    return round(lag, 2), round(sum(j.finish_s - j.decode_join_s for j in decoded) / len(decoded), 2)
 
 
 def _max_speed(

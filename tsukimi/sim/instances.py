@@ -5,8 +5,9 @@ Prefill instances run their queue first in, first out; a job is computed in chun
 `chunk_tokens` (each chunk pays a full iteration: weights read, overhead) after fetching
 any prefix it reuses from elsewhere. Decode and colocated instances iterate continuously;
 they are advanced lazily (`advance(until)`) in tight loops, so a step costs no event in the
-simulator's heap. KV memory is reserved for a request's whole context (prompt + output) when
-it joins a batch; a request that does not fit waits.
+simulator's heap. KV memory is reserved for a request's prompt and the output its
+reservation policy guesses (tsukimi/sim/reservation.py) when it joins a batch; a request that
+does not fit waits, and one that outgrows its reservation grows it or is preempted.
 """
 
 from __future__ import annotations
@@ -19,14 +20,24 @@ from dataclasses import dataclass, field
 from tsukimi.eviction import EvictionPolicy
 from tsukimi.scheduler.cost_model import CostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex
+from tsukimi.sim.reservation import GROWTH_TOKENS, ReservationPolicy
 
 
 class BlockCache:
     """A capacity-bounded set of blocks at one index location; publishes every change to
-    the index. `capacity` None = unbounded."""
+    the index. `capacity` None = unbounded. With a `lower` tier (an SSD below DRAM) every
+    access is written through to it, so the lower tier holds whole chains (a prefix match
+    needs a chain's head) and keeps what DRAM evicts, until its own policy evicts it."""
 
-    def __init__(self, loc: str, capacity: int | None, policy: EvictionPolicy[int], index: PrefixIndex) -> None:
-        self.loc, self.capacity, self.policy, self.index = loc, capacity, policy, index
+    def __init__(
+        self,
+        loc: str,
+        capacity: int | None,
+        policy: EvictionPolicy[int],
+        index: PrefixIndex,
+        lower: BlockCache | None = None,
+    ) -> None:
+        self.loc, self.capacity, self.policy, self.index, self.lower = loc, capacity, policy, index, lower
 
     def access(self, blocks: Sequence[int]) -> None:
         """Touch the resident blocks and insert the others, last to first (a chain is then
@@ -54,6 +65,8 @@ class BlockCache:
                 policy.insert(block, position)
         if missing:
             self.index.stored(self.loc, missing)
+        if self.lower is not None:
+            self.lower.access(blocks)
 
 
 @dataclass(slots=True)
@@ -73,6 +86,13 @@ class Job:
     finish_s: float = -1.0
     compute_s: float = 0.0
     instances: tuple[str, ...] = ()
+    ssd_tokens: int = 0  # prompt tokens loaded from an SSD tier
+    generated: int = 1  # output tokens so far (the first comes from prefill)
+    reserved_tokens: int = 0  # KV tokens its decode instance holds for it now
+    held_since_s: float = 0.0
+    preemptions: int = 0
+    decode_token_s: float = 0.0  # reserved KV tokens x seconds held, summed over its stays
+    epoch: int = 0  # bumped on preemption: older heap entries of the job are stale
 
 
 @dataclass(slots=True)
@@ -84,13 +104,17 @@ class DecodeInstance:
     capacity_tokens: int
     on_finish: Callable[[Job, float], None]
     sample_every_s: float = 10.0
+    reservation: ReservationPolicy | None = None  # None: the oracle
     now: float = 0.0
     step_end: float | None = None  # None: idle
     batch: int = 0
     context: int = 0  # tokens of KV the batch reads per step
     reserved: int = 0
     steps: int = 0
-    finishing: list[tuple[int, int, Job]] = field(default_factory=list)  # (last step, id, job)
+    finishing: list[tuple[int, int, int, Job]] = field(default_factory=list)  # (last step, id, epoch, job)
+    limits: list[tuple[int, int, int, Job]] = field(default_factory=list)  # (step its reservation runs out, ...)
+    recompute: int = 0  # tokens of preempted requests recomputed in the step in flight
+    preemptions: int = 0
     waiting: deque[Job] = field(default_factory=deque)
     samples: list[tuple[float, int]] = field(default_factory=list)
     next_sample_s: float = 0.0
@@ -120,15 +144,56 @@ class DecodeInstance:
             self.now = self.step_end
             self.steps += 1
             self.context += self.batch
+            self.recompute = 0
             self._end_prefill_chunk()
             while self.finishing and self.finishing[0][0] <= self.steps:
-                job = heapq.heappop(self.finishing)[2]
-                self.batch -= 1
-                self.context -= job.input_tokens + job.output_tokens - 1
-                self.reserved -= job.input_tokens + job.output_tokens
-                job.finish_s = self.now
-                self.on_finish(job, self.now)
+                _, _, epoch, job = heapq.heappop(self.finishing)
+                if epoch == job.epoch:
+                    self._leave(job, job.output_tokens)
+                    job.finish_s = self.now
+                    self.on_finish(job, self.now)
+            while self.limits and self.limits[0][0] <= self.steps:
+                _, _, epoch, job = heapq.heappop(self.limits)
+                if epoch == job.epoch and job.finish_s < 0:
+                    self._outgrown(job)
             self._start_step()
+
+    def _leave(self, job: Job, generated: int) -> None:
+        """`job` leaves the batch having generated `generated` tokens: free its KV."""
+        self.batch -= 1
+        self.context -= job.input_tokens + generated - 1
+        self.reserved -= job.reserved_tokens
+        job.decode_token_s += job.reserved_tokens * (self.now - job.held_since_s)
+        job.reserved_tokens = 0
+
+    def _outgrown(self, job: Job) -> None:
+        """`job` has filled its reservation: grow it by GROWTH_TOKENS, or preempt it when the
+        instance has no room (it rejoins at the head of the queue and is recomputed)."""
+        generated = job.reserved_tokens - job.input_tokens
+        if self.reserved + GROWTH_TOKENS <= self.capacity_tokens:
+            job.decode_token_s += job.reserved_tokens * (self.now - job.held_since_s)
+            job.reserved_tokens += GROWTH_TOKENS
+            job.held_since_s = self.now
+            self.reserved += GROWTH_TOKENS
+            self._push_limit(job, generated)
+            return
+        self._leave(job, generated)
+        job.generated, job.epoch = generated, job.epoch + 1
+        job.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(job)
+
+    def _push_limit(self, job: Job, generated: int) -> None:
+        """Schedule the step at which `job` (having `generated` tokens now) fills its reservation."""
+        room = job.reserved_tokens - job.input_tokens - generated
+        if generated + room < job.output_tokens:
+            heapq.heappush(self.limits, (self.steps + room, job.request_id, job.epoch, job))
+
+    def _need(self, job: Job) -> int:
+        """KV tokens to reserve for `job` joining now."""
+        if self.reservation is None:
+            return job.input_tokens + job.output_tokens
+        return job.input_tokens + self.reservation.output_tokens(job.output_tokens, job.generated)
 
     def _end_prefill_chunk(self) -> None:
         """A colocated instance's hook: the step's prefill chunk is done."""
@@ -139,27 +204,29 @@ class DecodeInstance:
 
     def _start_step(self) -> None:
         waiting = self.waiting
-        while waiting and (self.batch == 0 or self.reserved + _need(waiting[0]) <= self.capacity_tokens):
+        while waiting and (self.batch == 0 or self.reserved + self._need(waiting[0]) <= self.capacity_tokens):
             job = waiting.popleft()
-            job.decode_join_s = self.now
-            remaining = job.output_tokens - 1  # the first token came from prefill
+            if job.generated == 1:
+                job.decode_join_s = self.now
+            remaining = job.output_tokens - job.generated
             if remaining <= 0:
                 job.finish_s = self.now
                 self.on_finish(job, self.now)
                 continue
+            if job.generated > 1:  # NOTE: preempted: its prompt and output so far are recomputed
+                self.recompute += job.input_tokens + job.generated - 1
             self.batch += 1
-            self.context += job.input_tokens
-            self.reserved += _need(job)
-            heapq.heappush(self.finishing, (self.steps + remaining, job.request_id, job))
+            self.context += job.input_tokens + job.generated - 1
+            job.reserved_tokens, job.held_since_s = self._need(job), self.now
+            self.reserved += job.reserved_tokens
+            heapq.heappush(self.finishing, (self.steps + remaining, job.request_id, job.epoch, job))
+            self._push_limit(job, job.generated)
         chunk, chunk_context = self._prefill_chunk()
+        chunk += self.recompute
         if self.batch or chunk:
             self.step_end = self.now + self.cost.mixed_step_s(chunk, chunk_context, self.batch, self.context)
         else:
             self.step_end = None
-
-
-def _need(job: Job) -> int:
-    return job.input_tokens + job.output_tokens
 
 
 @dataclass(slots=True)
@@ -175,6 +242,7 @@ class ColocatedInstance(DecodeInstance):
     prompts: deque[Job] = field(default_factory=deque)
     head: Job | None = None
     head_done: int = 0  # prompt tokens of `head` computed (cached ones included)
+    head_reserved: int = 0  # KV tokens reserved for `head` while it is prefilled
     chunk: int = 0  # tokens of the step in flight
 
     def submit(self, job: Job, at: float) -> None:
@@ -189,11 +257,12 @@ class ColocatedInstance(DecodeInstance):
     def _prefill_chunk(self) -> tuple[int, int]:
         if self.head is None and self.prompts:
             job = self.prompts[0]
-            if self.reserved + _need(job) > self.capacity_tokens and self.batch:
+            if self.reserved + self._need(job) > self.capacity_tokens and self.batch:
                 self.chunk = 0
                 return 0, 0
             self.prompts.popleft()
-            self.head, self.reserved = job, self.reserved + _need(job)
+            self.head, self.head_reserved = job, self._need(job)
+            self.reserved += self.head_reserved
             assert self.cache is not None
             matched = self.cache.index.match_at(self.cache.loc, job.blocks)
             job.cached_tokens = max(0, min(matched * self.block_tokens, job.input_tokens - 1))
@@ -214,7 +283,7 @@ class ColocatedInstance(DecodeInstance):
         if self.head_done < job.input_tokens:
             return
         self.head = None
-        self.reserved -= _need(job)  # NOTE: reserved again when it joins the batch
+        self.reserved -= self.head_reserved  # NOTE: reserved again when it joins the batch
         job.first_token_s = self.now
         assert self.cache is not None and self.on_first_token is not None
         self.cache.access(job.blocks)

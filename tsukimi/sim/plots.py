@@ -33,7 +33,7 @@ def hit_ratio_vs_capacity(results: Sequence[CacheResult], path: Path) -> str:
 
 def global_vs_local(rows: Sequence[dict[str, object]], path: Path) -> str:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for reuse in ("global", "local"):
+    for reuse in dict.fromkeys(str(r["reuse"]) for r in rows):
         mine = [r for r in rows if r["reuse"] == reuse]
         xs = [float(str(r["cache_blocks"])) for r in mine]
         left.plot(xs, [float(str(r["token_hit_ratio"])) for r in mine], marker="o", label=reuse)
@@ -75,7 +75,7 @@ def decode_load(loads: dict[str, list[tuple[float, int]]], path: Path, title: st
         ax.plot([t for t, _ in points], [n for _, n in points], label=mode, linewidth=1)
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("requests in decode (all instances)")
-    ax.set_title(f"Decode load at 2x replay ({title})")
+    ax.set_title(f"Decode load ({title})")
     ax.legend()
     return _save(fig, path)
 

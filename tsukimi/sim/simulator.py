@@ -3,8 +3,9 @@ virtual clock, with the same Conductor, prefix index and eviction policies as th
 
 Two cluster shapes:
 
-- "pd" (Mooncake): prefill instances, each with a DRAM block cache (together they form the
-  KV pool the Conductor indexes), and decode instances; the Conductor places every request.
+- "pd" (Mooncake): prefill instances, each with a DRAM block cache and optionally an SSD
+  tier below it (together they form the KV pool the Conductor indexes), and decode
+  instances; the Conductor places every request.
 - "colocated" (the vLLM-like baseline): instances that prefill and decode in one batch, each
   with its own prefix cache only, routed round-robin or to the least loaded.
 
@@ -24,10 +25,13 @@ from dataclasses import dataclass, field
 from tsukimi.config import ConductorConfig, SimConfig
 from tsukimi.eviction import make_policy
 from tsukimi.scheduler.baselines import make_router
-from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest
+from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest, fetch_bandwidth_bytes_s
 from tsukimi.scheduler.cost_model import CostModel, RooflineCostModel, chunked_prefill_s
+from tsukimi.scheduler.hotspots import HotSpotConfig
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
+from tsukimi.sim.hotspots import REPLICA_LANDED, HotReplicator
 from tsukimi.sim.instances import BlockCache, ColocatedInstance, DecodeInstance, Job
+from tsukimi.sim.reservation import ReservationPolicy
 from tsukimi.sim.trace import TraceRequest
 
 
@@ -40,6 +44,8 @@ class SimResult:
     rejected: dict[int, str] = field(default_factory=dict)  # request id -> reason
     samples: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     end_s: float = 0.0
+    kv_bytes_per_token: int = 0
+    preemptions: int = 0
 
 
 def simulate(
@@ -48,38 +54,55 @@ def simulate(
     conductor: ConductorConfig | None = None,
     cost: CostModel | None = None,
     progress: Callable[[int], None] | None = None,
+    hot: HotSpotConfig | None = None,
 ) -> SimResult:
     """Replay `trace` through the cluster `sim` describes; pure apart from `progress`
-    (called with the number of requests that arrived so far)."""
+    (called with the number of requests that arrived so far). `hot`: replicate hot prefixes
+    into prefill instances' caches (PD only; tsukimi/sim/hotspots.py)."""
     cost = cost or RooflineCostModel()
     jobs = [
         Job(i, r.timestamp_ms / 1000 / sim.speed, r.input_length, max(1, r.output_length), r.hash_ids)
         for i, r in enumerate(trace)
     ]
-    runner = _PdRun(sim, conductor or ConductorConfig(), cost) if sim.shape == "pd" else _ColocatedRun(sim, cost)
-    return runner.run(jobs, progress)
+    runner = _PdRun(sim, conductor or ConductorConfig(), cost, hot) if sim.shape == "pd" else _ColocatedRun(sim, cost)
+    result = runner.run(jobs, progress)
+    result.kv_bytes_per_token = cost.kv_bytes_per_token
+    return result
 
 
 class _PdRun:
-    def __init__(self, sim: SimConfig, cfg: ConductorConfig, cost: RooflineCostModel | CostModel) -> None:
+    def __init__(
+        self, sim: SimConfig, cfg: ConductorConfig, cost: RooflineCostModel | CostModel, hot: HotSpotConfig | None
+    ) -> None:
         self.sim, self.cfg, self.cost = sim, cfg, cost
         self.index = PrefixIndex()
         self.prefill = [f"prefill-{i}" for i in range(sim.num_prefill)]
         capacity = cost.kv_capacity_tokens() if isinstance(cost, RooflineCostModel) else 1 << 40
-        self.caches = {
-            name: BlockCache(location(name, "dram"), sim.cache_blocks, make_policy(sim.policy), self.index)
-            for name in self.prefill
-        }
+        self.caches = {name: self._cache(name) for name in self.prefill}
         self.queues: dict[str, deque[tuple[Job, Decision]]] = {name: deque() for name in self.prefill}
         self.busy: dict[str, bool] = dict.fromkeys(self.prefill, False)
+        self.reservation = _reservation(sim)
         self.decode = {
-            f"decode-{i}": DecodeInstance(f"decode-{i}", cost, capacity, self._finished, sim.sample_every_s)
+            f"decode-{i}": DecodeInstance(
+                f"decode-{i}", cost, capacity, self._finished, sim.sample_every_s, self.reservation
+            )
             for i in range(sim.num_decode)
         }
         self.conductor = Conductor(cfg, cost, self.index, self.prefill, list(self.decode), capacity)
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = itertools.count()
         self.result = SimResult([])
+        self.hot = HotReplicator(hot, self.caches, self.conductor, cost, self._push) if hot else None
+
+    def _cache(self, name: str) -> BlockCache:
+        """`name`'s DRAM cache, over an SSD tier when the cluster has one."""
+        sim, index = self.sim, self.index
+        ssd = (
+            BlockCache(location(name, "ssd"), sim.ssd_blocks, make_policy(sim.policy), index)
+            if sim.ssd_blocks
+            else None
+        )
+        return BlockCache(location(name, "dram"), sim.cache_blocks, make_policy(sim.policy), index, ssd)
 
     def run(self, jobs: list[Job], progress: Callable[[int], None] | None) -> SimResult:
         self.result.jobs = jobs
@@ -96,6 +119,9 @@ class _PdRun:
                 arrived += 1
                 if progress is not None and arrived % 500 == 0:
                     progress(arrived)
+            elif kind == REPLICA_LANDED:
+                assert self.hot is not None
+                self.hot.landed(payload)
             else:
                 assert isinstance(payload, tuple)
                 instance_name, job = payload
@@ -107,6 +133,7 @@ class _PdRun:
             instance.advance(float("inf"))
             self.result.end_s = max(self.result.end_s, instance.now)
         self.result.samples = {name: inst.samples for name, inst in self.decode.items()}
+        self.result.preemptions = sum(inst.preemptions for inst in self.decode.values())
         return self.result
 
     def _push(self, at: float, kind: int, payload: object) -> None:
@@ -114,6 +141,8 @@ class _PdRun:
 
     def _arrive(self, job: Job, now: float) -> None:
         decision = self.conductor.schedule(ScheduleRequest(job.request_id, job.input_tokens, job.blocks), now)
+        if self.hot is not None:
+            self.hot.on_arrival(job, now)
         if not decision.accepted:
             self.result.rejected[job.request_id] = decision.reason
             return
@@ -139,7 +168,11 @@ class _PdRun:
         )
         job.prefill_start_s = now
         job.instances = (name,)
-        duration = self.cost.transfer_s(job.fetch_tokens, self.cfg.kv_bandwidth_bytes_s) + job.compute_s
+        bandwidth = self.cfg.kv_bandwidth_bytes_s
+        if decision.fetch_from is not None:
+            bandwidth = fetch_bandwidth_bytes_s(self.cfg, decision.fetch_from, location(name, "ssd"))
+            job.ssd_tokens = job.fetch_tokens if decision.fetch_from.endswith("/ssd") else 0
+        duration = self.cost.transfer_s(job.fetch_tokens, bandwidth) + job.compute_s
         self._push(now + duration, 1, (name, job))
 
     def _prefill_done(self, name: str, job: Job, now: float) -> None:
@@ -161,6 +194,8 @@ class _PdRun:
 
     def _finished(self, job: Job, now: float) -> None:
         self.conductor.decode_finished(job.request_id, now, job.output_tokens)
+        if self.reservation is not None:
+            self.reservation.observe(job.output_tokens)
 
 
 class _ColocatedRun:
@@ -168,13 +203,14 @@ class _ColocatedRun:
         self.sim, self.cost = sim, cost
         self.index = PrefixIndex()
         capacity = cost.kv_capacity_tokens() if isinstance(cost, RooflineCostModel) else 1 << 40
+        self.reservation = _reservation(sim)
         self.instances = [self._instance(f"colocated-{i}", capacity) for i in range(sim.num_colocated)]
         self.router = make_router(sim.router)
 
     def _instance(self, name: str, capacity: int) -> ColocatedInstance:
         cache = BlockCache(location(name, "dram"), self.sim.cache_blocks, make_policy(self.sim.policy), self.index)
         return ColocatedInstance(
-            name, self.cost, capacity, _ignore, self.sim.sample_every_s,
+            name, self.cost, capacity, self._finished, self.sim.sample_every_s, self.reservation,
             cache=cache, chunk_tokens=self.sim.colocated_chunk_tokens, on_first_token=_ignore,
         )  # fmt: skip
 
@@ -191,8 +227,17 @@ class _ColocatedRun:
         for instance in self.instances:
             instance.advance(float("inf"))
             end = max(end, instance.now)
-        return SimResult(jobs, {}, {i.name: i.samples for i in self.instances}, end)
+        preemptions = sum(i.preemptions for i in self.instances)
+        return SimResult(jobs, {}, {i.name: i.samples for i in self.instances}, end, preemptions=preemptions)
+
+    def _finished(self, job: Job, now: float) -> None:
+        if self.reservation is not None:
+            self.reservation.observe(job.output_tokens)
 
 
 def _ignore(job: Job, now: float) -> None:
     return None
+
+
+def _reservation(sim: SimConfig) -> ReservationPolicy | None:
+    return None if sim.reservation == "oracle" else ReservationPolicy(sim.reservation, sim.max_output_tokens)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectNotFound, OutOfSpace, TaskNotFound
+from tsukimi.errors import InvalidArgument, LeaseHeld, ObjectNotFound, TaskNotFound
 from tsukimi.store.master.segments import Placement
 from tsukimi.store.master.state import MasterState, ObjectRecord
+from tsukimi.store.master.task_start import start as _start
 from tsukimi.store.master.tasks import Task
 from tsukimi.store.protocol import (
     MAX_BATCH,
@@ -176,46 +177,6 @@ def query_task(state: MasterState, task_id: int) -> TaskInfo:
 
 
 # -- internals -------------------------------------------------------------------------
-
-
-def _start(
-    state: MasterState, kind: TaskKind, record: ObjectRecord, source: str, targets: list[str], task_id: int
-) -> int:
-    """Place a block on each target holder and track the task; lease the object to it."""
-    state.tasks.check_room(record.key)
-    placed = _place(state, targets, record.size)
-    now = state.clock.now()
-    executor = state.registry.segments[placed[0].segment_id].client_id if placed else ""
-    deadline = now + state.config.put_timeout_s
-    task = Task(task_id or state.tasks.next_id(), kind, record.key, record.put_id, source, placed, executor,
-                deadline, record.lease_until, now, now)  # fmt: skip
-    if not placed:
-        task.status, task.message = "succeeded", "every target holds a replica already"
-    else:
-        record.lease_until = max(record.lease_until, deadline)  # NOTE: the sources stay in place
-    state.tasks.add(task)
-    return task.task_id
-
-
-def _place(state: MasterState, targets: list[str], size: int) -> list[Placement]:
-    """One block of `size` in a healthy segment of each target holder, the emptiest first
-    (mutates allocators). Raises OutOfSpace (none placed then): tasks do not evict."""
-    registry, now = state.registry, state.clock.now()
-    placed: list[Placement] = []
-    for target in targets:
-        candidates = [s for s in registry.segments.values() if s.te_segment == target]
-        candidates = [s for s in candidates if registry.healthy(s.client_id, now)]
-        candidates.sort(key=lambda s: (-s.allocator.free_bytes, s.segment_id))
-        offsets = ((seg, seg.allocator.allocate(size)) for seg in candidates)
-        found = next(((seg, offset) for seg, offset in offsets if offset is not None), None)
-        if found is None:
-            for placement in placed:
-                registry.free(placement)
-            raise OutOfSpace(f"no room for {size} bytes in a healthy segment of {target}")
-        placed.append(Placement(found[0].segment_id, found[1]))
-        if registry.changed_blocks is not None:
-            registry.changed_blocks.add((found[0].segment_id, found[1]))
-    return placed
 
 
 def _is_retry(state: MasterState, task_id: int, kind: TaskKind, key: str) -> bool:

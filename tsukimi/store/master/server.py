@@ -41,7 +41,7 @@ COUNTERS = ("hits", "misses", "evictions", "evicted_bytes", "puts_started", "put
             "puts_reclaimed", "removes", "objects_lost", "offloads", "offloaded_bytes", "offloads_failed",
             "offloads_discarded", "promotions", "promoted_bytes", "promotions_failed", "promotions_discarded",
             "promotions_skipped", "memory_freed_to_disk", "disk_evictions", "disk_adopted",
-            "disk_tasks_expired")  # fmt: skip
+            "disk_tasks_expired", "hot_replications", "hot_drops", "hot_sheds")  # fmt: skip
 
 
 class MasterServer:

@@ -30,6 +30,7 @@ from tsukimi.errors import (
 from tsukimi.eviction import EvictionPolicy, make_policy
 from tsukimi.store.master import pins
 from tsukimi.store.master.changes import Changes, TrackedDict
+from tsukimi.store.master.hot import HotReplication
 from tsukimi.store.master.records import ObjectRecord
 from tsukimi.store.master.segments import Placement, SegmentRegistry
 from tsukimi.store.master.tasks import TaskTable
@@ -60,6 +61,7 @@ class MasterState:
         self.recovering_until = 0.0  # a new HA leader: holders restored from the log may not have heartbeated yet
         self.tasks = TaskTable((epoch << 32) + 1)  # copy / move tasks (tasks.py, admin.py)
         self.tiers = Tiering(self)  # holders' disks (tiers.py)
+        self.hot = HotReplication(self)  # extra replicas of hot keys (hot.py)
 
     def take_changes(self) -> Changes:
         """The rows changed since the last call, and start tracking if not yet (mutates)."""
@@ -180,6 +182,7 @@ class MasterState:
         record.lease_until = max(record.lease_until, now + self.config.lease_ttl_s)
         self.policy.touch(key)
         self.tiers.on_hit(record, now)
+        self.hot.on_read(key, now)
         self.counters["hits"] += 1
         # NOTE: replicas on holders that missed heartbeats (stopped, cut off) go last, so a
         # reader does not spend its lease on them while a healthy replica exists.
@@ -268,6 +271,7 @@ class MasterState:
             logger.warning("client %s missed its heartbeats: dropping it", client_id)
             self._drop_client(client_id)
         self.tiers.tick(now)
+        self.hot.tick(now)
         capacity = self.registry.capacity
         if capacity and self.registry.used > self.config.high_watermark * capacity:
             self._evict(int(self.config.evict_ratio * capacity), now)
@@ -279,8 +283,8 @@ class MasterState:
         until `target_bytes` are freed. An object on a holder's disk only loses its memory; one
         a holder's disk can take is offloaded instead (kept until its copy is made), up to
         `target_bytes` of such offloads (tiers.on_evict). Returns the bytes freed now."""
-        freed = offloading = 0
-        for soft_pass in (False, True):
+        freed, offloading = self.hot.shed(target_bytes, now), 0  # extras of cooled keys go first
+        for soft_pass in (False, True) if freed < target_bytes else ():
             for key in self.policy.victims():
                 record = self.objects[key]
                 if record.config.hard_pin or pins.soft_pinned(record, now) != soft_pass or record.lease_until > now:
@@ -370,6 +374,7 @@ class MasterState:
         owners.update((p.segment_id, p.offset) for _, p in self.retired)
         owners.update((p.segment_id, p.offset) for p in self.tasks.placements())
         self.tasks.check_invariants()
+        self.hot.check_invariants()
         self.tiers.check_invariants(owners)
         assert all(n == 1 for n in owners.values()), "a block is owned twice"
         per_segment = Counter(sid for sid, _ in owners)

@@ -55,6 +55,13 @@ class _Store:
             return None
         return self.data.get(key)
 
+    def expect(self, key: str, expected_revision: int) -> None:
+        """Raises RevisionConflict unless `key` is at `expected_revision` (0: absent); under `lock`."""
+        current = self.live(key)
+        found = 0 if current is None else current.revision
+        if found != expected_revision:
+            raise RevisionConflict(f"metadata key {key!r} is at revision {found}, not {expected_revision}")
+
     def write(self, key: str, value: bytes, ttl_s: float | None = None) -> int:
         """Store `value` at a fresh revision (ephemeral for `ttl_s`); call under `lock`."""
         revision = next(self.revisions)
@@ -144,10 +151,7 @@ class MemoryMetadata:
         check_value(value)
         check_revision(expected_revision, allow_zero=True)
         with self._store.lock:
-            current = self._store.live(key)
-            found = 0 if current is None else current.revision
-            if found != expected_revision:
-                raise RevisionConflict(f"metadata key {key!r} is at revision {found}, not {expected_revision}")
+            self._store.expect(key, expected_revision)
             return self._store.write(key, value)
 
     def compare_and_delete(self, key: str, expected_revision: int) -> None:
@@ -161,10 +165,7 @@ class MemoryMetadata:
         check_key(key)
         check_revision(expected_revision, allow_zero=False)
         with self._store.lock:
-            current = self._store.live(key)
-            found = 0 if current is None else current.revision
-            if found != expected_revision:
-                raise RevisionConflict(f"metadata key {key!r} is at revision {found}, not {expected_revision}")
+            self._store.expect(key, expected_revision)
             del self._store.data[key]
             self._store.expiry.pop(key, None)
 
