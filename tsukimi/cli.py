@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from rich.console import Console
 
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`tsukimi bench transfer | store | scheduler | serve | vllm` (mutates `bench`)."""
+    """`tsukimi bench transfer | store | p2p | scheduler | serve | vllm` (mutates `bench`)."""
     tr = bench.add_parser("transfer", help="Transfer Engine throughput between two processes")
     tr.add_argument(
         "--transport",
@@ -121,7 +122,23 @@ def _add_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser
     st.add_argument("--quick", action="store_true", help="a small grid for CI")
     st.add_argument("--json", action="store_true")
     st.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
+    _add_p2p_bench_parser(bench)
     _add_model_bench_parsers(bench)
+
+
+def _add_p2p_bench_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tsukimi bench p2p` (mutates `bench`)."""
+    pp = bench.add_parser("p2p", help="one origin to N receivers: P2P store vs origin-only reads vs gloo broadcast")
+    pp.add_argument("--receivers", type=_ints, default=(1, 2, 4, 8), help="receiver counts, e.g. 1,2,4,8")
+    pp.add_argument("--size", type=_sizes, default=(512 * KIB * KIB,), help="checkpoint bytes, e.g. 512MiB")
+    pp.add_argument("--shard", type=_sizes, default=(64 * KIB * KIB,), help="shard bytes, e.g. 64MiB")
+    pp.add_argument("--transport", type=_names, default=("tcp",), help="tcp (as gloo), auto (cma here), or both")
+    pp.add_argument("--systems", type=_names, default=("tsukimi", "naive", "gloo"), help="tsukimi,naive,gloo")
+    pp.add_argument("--timeout", type=float, default=300.0, help="seconds any one step may take")
+    pp.add_argument("--repeats", type=int, default=3, help="rounds per cell; figures are the median round's")
+    pp.add_argument("--quick", action="store_true", help="N = 1, 4 with a 256 MiB checkpoint")
+    pp.add_argument("--json", action="store_true")
+    pp.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
 
 
 def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -181,12 +198,38 @@ def _bench_store(args: argparse.Namespace, console: Console) -> None:
     )
     with console.status("benchmarking the store") as status:
         report = store.run(cfg, progress=lambda text: status.update(text))
+    _print_report(args, console, report, store.render_markdown, store.render_table)
+
+
+Report = dict[str, object]
+
+
+def _print_report(args: argparse.Namespace, console: Console, report: Report,
+                  markdown: Callable[[Report], str], table: Callable[[Report], object]) -> None:  # fmt: skip
+    """A bench's report as JSON (--json), Markdown (--markdown) or a rich table."""
     if args.json:
         print(json.dumps(report))
     elif args.markdown:
-        print(store.render_markdown(report))
+        print(markdown(report))
     else:
-        console.print(store.render_table(report))
+        console.print(table(report))
+
+
+def _bench_p2p(args: argparse.Namespace, console: Console) -> None:
+    from tsukimi.bench import p2p, p2p_report
+
+    cfg = p2p.P2PBenchConfig(
+        receivers=(1, 4) if args.quick else args.receivers,
+        checkpoint_bytes=256 * KIB * KIB if args.quick else args.size[0],
+        shard_bytes=args.shard[0],
+        transports=args.transport,
+        systems=args.systems,
+        timeout_s=args.timeout,
+        repeats=1 if args.quick else args.repeats,
+    )
+    with console.status("benchmarking the p2p store") as status:
+        report = p2p.run(cfg, progress=lambda text: status.update(text))
+    _print_report(args, console, report, p2p_report.render_markdown, p2p_report.render_table)
 
 
 def _bench_serve(args: argparse.Namespace, console: Console) -> None:
@@ -324,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             _bench_transfer(args, console)
         elif args.command == "bench" and args.bench == "store":
             _bench_store(args, console)
+        elif args.command == "bench" and args.bench == "p2p":
+            _bench_p2p(args, console)
         elif args.command == "bench" and args.bench == "serve":
             _bench_serve(args, console)
         elif args.command == "bench" and args.bench == "vllm":

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -35,6 +35,7 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 _EXIT_TIMEOUT_S = 2.0
 _KILL_TIMEOUT_S = 5.0
 _STDERR_TAIL_BYTES = 2000
+_GATHER_POLL_S = 0.02
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -132,20 +133,33 @@ class JsonWorker:
 
     def call(self, timeout_s: float, **cmd: object) -> Reply:
         """Send one command and wait at most `timeout_s` for its reply. Raises WorkerError."""
+        self.send(**cmd)
+        return self.read_reply(timeout_s)
+
+    def send(self, **cmd: object) -> None:
+        """Send one command without waiting (`read_reply` later: several children can then
+        work on their commands at once). Raises WorkerError when the child cannot be written."""
         try:
             self._stdin.write(json.dumps(cmd).encode() + b"\n")
             self._stdin.flush()
         except OSError as exc:
             raise WorkerError(self._describe(f"cannot send {cmd.get('cmd')!r}")) from exc
-        return self.read_reply(timeout_s)
 
     def read_reply(self, timeout_s: float) -> Reply:
         """The next reply line. Raises WorkerError on timeout, exit or `"ok": false`."""
+        reply = self.poll_reply(timeout_s)
+        if reply is None:
+            raise WorkerError(self._describe(f"no reply within {timeout_s:.1f} s"))
+        return reply
+
+    def poll_reply(self, timeout_s: float) -> Reply | None:
+        """The next reply line if one arrives within `timeout_s`, else None. Raises
+        WorkerError on exit or `"ok": false`."""
         deadline = self._clock.now() + timeout_s
         while b"\n" not in self._pending:
             remaining = deadline - self._clock.now()
             if remaining <= 0:
-                raise WorkerError(self._describe(f"no reply within {timeout_s:.1f} s"))
+                return None
             if not self._selector.select(remaining):
                 continue
             chunk = os.read(self._stdout_fd, 65536)
@@ -195,6 +209,28 @@ class JsonWorker:
         """SIGKILL the child now (fault tests), then clean up."""
         self._proc.kill()
         self.stop()
+
+
+def gather(workers: Sequence[JsonWorker], timeout_s: float, **cmd: object) -> list[Reply]:
+    """Send `cmd` to every worker, then collect their replies (in `workers`' order) as they
+    come: the first worker that fails or exits raises at once, whoever else is still working.
+
+    Raises:
+        WorkerError: a worker failed or exited, or not all replied within `timeout_s`.
+    """
+    for worker in workers:
+        worker.send(**cmd)
+    clock = WallClock()
+    deadline = clock.now() + timeout_s
+    replies: dict[int, Reply] = {}
+    while len(replies) < len(workers):
+        if clock.now() > deadline:
+            missing = ", ".join(w.label for i, w in enumerate(workers) if i not in replies)
+            raise WorkerError(f"no reply to {cmd.get('cmd')!r} within {timeout_s:.1f} s from {missing}")
+        for i, worker in enumerate(workers):
+            if i not in replies and (reply := worker.poll_reply(_GATHER_POLL_S)) is not None:
+                replies[i] = reply
+    return [replies[i] for i in range(len(workers))]
 
 
 def child_reply(obj: dict[str, Any], out: IO[str] | None = None) -> None:
