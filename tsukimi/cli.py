@@ -16,7 +16,7 @@ from tsukimi.errors import TsukimiError
 from tsukimi.integrations.vllm import launch as vllm_launch
 from tsukimi.integrations.vllm import launch_args as vllm_launch_args
 from tsukimi.p2p import commands as p2p_commands
-from tsukimi.serving import cluster, router_commands, worker_commands
+from tsukimi.serving import cluster, prefill_group_commands, router_commands, worker_commands
 from tsukimi.sim import commands as sim_commands
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--json", action="store_true")
     sim_commands.add_parser(sub)
     worker_commands.add_parser(sub)
+    prefill_group_commands.add_parser(sub)
     vllm_launch.add_vllm_up_arguments(cluster.add_parser(sub))
     compat_commands.add_parser(sub)
     p2p_commands.add_parser(sub)
@@ -332,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             _profile(args, console)
         elif args.command == "worker":
             worker_commands.run(args, console)
+        elif args.command == "prefill-stage":
+            prefill_group_commands.run(args, console)
         elif args.command == "up":
             (vllm_launch.run_vllm_cluster if args.engine == "vllm" else cluster.run)(args, console)
         elif args.command == "router":
