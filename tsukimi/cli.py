@@ -136,6 +136,12 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     sc.add_argument("--no-simulate", action="store_true", help="skip the whole-trace simulations")
     sc.add_argument("--json", action="store_true")
     sc.add_argument("--markdown", action="store_true")
+    cpp = bench.add_parser("cpp", help="TTFT of a long prompt: one worker vs CPP prefill groups of k stages")
+    cpp.add_argument("--prompt-tokens", type=int, default=4095)
+    cpp.add_argument("--chunk-tokens", type=int, default=512)
+    cpp.add_argument("--stages", type=int, nargs="+", default=[1, 2])
+    cpp.add_argument("--repeats", type=int, default=3)
+    cpp.add_argument("--json", action="store_true")
     sv = bench.add_parser("serve", help="drive the OpenAI API with a workload (TTFT, TBT, reuse)")
     sv.add_argument("--url", default="", help="a running API; default: start `tsukimi up` per run")
     sv.add_argument("--model", default="tiny")
@@ -329,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
             _bench_vllm(args, console)
         elif args.command == "bench" and args.bench == "scheduler":
             _bench_scheduler(args)
+        elif args.command == "bench" and args.bench == "cpp":
+            from tsukimi.bench import cpp
+
+            cpp_cfg = cpp.CppBenchConfig(args.prompt_tokens, args.chunk_tokens, tuple(args.stages), args.repeats)
+            result = cpp.run(cpp_cfg)
+            print(cpp.dumps(result) if args.json else cpp.markdown(result))
         elif args.command == "profile":
             _profile(args, console)
         elif args.command == "worker":
