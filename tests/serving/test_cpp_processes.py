@@ -5,7 +5,6 @@ every later one equal one worker's greedy output exactly."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from tests.serving.test_pd_processes import _generate
 from tsukimi.config.pipeline import PrefillStageConfig
 from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.kv_cache import KVLayout
@@ -52,13 +52,6 @@ def group() -> Iterator[dict[str, str]]:
     finally:
         stop_processes(procs)
         store.close()
-
-
-def _generate(url: str, request_id: str, prompt: list[int], max_tokens: int) -> list[dict[str, object]]:
-    body = {"request_id": request_id, "prompt_ids": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-    with httpx.stream("POST", url + "/generate", json=body, timeout=60) as response:
-        assert response.status_code == 200, response.read()
-        return [json.loads(line) for line in response.iter_lines() if line]
 
 
 def _tokens(lines: list[dict[str, object]]) -> list[int]:

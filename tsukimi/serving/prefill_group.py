@@ -122,6 +122,7 @@ class StageProcess:
         if stage is None or not stage.spec.is_first:
             raise ClosedError("prefill is the head's (stage 0) and needs a started stage")
         with self._lock:
+            torch.set_num_threads(self.config.threads)  # NOTE: per thread (OpenMP): the caller's, not start()'s
             self._next_request += 1
             request, ids = self._next_request, torch.tensor(list(prompt), dtype=torch.int64)
             try:
@@ -178,6 +179,7 @@ class StageProcess:
             self._up = StageLink(sock, self.inbox, "up")
 
     def _serve_forever(self) -> None:
+        torch.set_num_threads(self.config.threads)  # NOTE: OpenMP's setting is per thread
         while not self._stop.is_set():
             try:
                 frame = self.inbox.get(timeout=_TICK_S)
