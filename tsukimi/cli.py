@@ -17,7 +17,7 @@ from tsukimi.errors import TsukimiError
 from tsukimi.integrations.vllm import launch as vllm_launch
 from tsukimi.integrations.vllm import launch_args as vllm_launch_args
 from tsukimi.p2p import commands as p2p_commands
-from tsukimi.serving import cluster, router_commands, worker_commands
+from tsukimi.serving import cluster, prefill_group_commands, router_commands, worker_commands
 from tsukimi.sim import commands as sim_commands
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--json", action="store_true")
     sim_commands.add_parser(sub)
     worker_commands.add_parser(sub)
+    prefill_group_commands.add_parser(sub)
     vllm_launch.add_vllm_up_arguments(cluster.add_parser(sub))
     compat_commands.add_parser(sub)
     p2p_commands.add_parser(sub)
@@ -152,6 +153,12 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     sc.add_argument("--no-simulate", action="store_true", help="skip the whole-trace simulations")
     sc.add_argument("--json", action="store_true")
     sc.add_argument("--markdown", action="store_true")
+    cpp = bench.add_parser("cpp", help="TTFT of a long prompt: one worker vs CPP prefill groups of k stages")
+    cpp.add_argument("--prompt-tokens", type=int, default=4095)
+    cpp.add_argument("--chunk-tokens", type=int, default=512)
+    cpp.add_argument("--stages", type=int, nargs="+", default=[1, 2])
+    cpp.add_argument("--repeats", type=int, default=3)
+    cpp.add_argument("--json", action="store_true")
     sv = bench.add_parser("serve", help="drive the OpenAI API with a workload (TTFT, TBT, reuse)")
     sv.add_argument("--url", default="", help="a running API; default: start `tsukimi up` per run")
     sv.add_argument("--model", default="tiny")
@@ -375,10 +382,18 @@ def main(argv: list[str] | None = None) -> int:
             _bench_vllm(args, console)
         elif args.command == "bench" and args.bench == "scheduler":
             _bench_scheduler(args)
+        elif args.command == "bench" and args.bench == "cpp":
+            from tsukimi.bench import cpp
+
+            cpp_cfg = cpp.CppBenchConfig(args.prompt_tokens, args.chunk_tokens, tuple(args.stages), args.repeats)
+            result = cpp.run(cpp_cfg)
+            print(cpp.dumps(result) if args.json else cpp.markdown(result))
         elif args.command == "profile":
             _profile(args, console)
         elif args.command == "worker":
             worker_commands.run(args, console)
+        elif args.command == "prefill-stage":
+            prefill_group_commands.run(args, console)
         elif args.command == "up":
             (vllm_launch.run_vllm_cluster if args.engine == "vllm" else cluster.run)(args, console)
         elif args.command == "router":

@@ -40,12 +40,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tsukimi.config import ConductorConfig
 from tsukimi.errors import InvalidArgument
 from tsukimi.scheduler.cost_model import CostModel, chunked_prefill_s
+from tsukimi.scheduler.cpp import CppGroup
 from tsukimi.scheduler.load_prediction import DecodeLoad, DecodeStagePredictor, expected_load, uniform_load
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
 
@@ -106,6 +107,8 @@ class Conductor:
         prefill / decode: instance names; decode_capacity_tokens: KV tokens a decode
             instance holds.
         tier: the tier of the instances' own caches in the index.
+        groups: prefill instances that are CPP groups (tsukimi/scheduler/cpp.py), priced with
+            the pipeline's estimate: the Conductor sends them the prompts they serve fastest.
     """
 
     def __init__(
@@ -117,10 +120,12 @@ class Conductor:
         decode: Sequence[str],
         decode_capacity_tokens: int,
         tier: str = "dram",
+        groups: Mapping[str, CppGroup] | None = None,
     ) -> None:
         if not prefill or not decode:
             raise InvalidArgument("the Conductor needs at least one prefill and one decode instance")
         self.config, self.cost, self.index = config, cost, index
+        self.groups = dict(groups or {})
         self._prefill = {name: _PrefillLoad() for name in sorted(prefill)}
         self._decode = {name: DecodeLoad(decode_capacity_tokens) for name in sorted(decode)}
         self._local = {name: location(name, tier) for name in self._prefill}  # type: ignore[arg-type]
@@ -213,12 +218,16 @@ class Conductor:
         cost, block, chunk = self.cost, cfg.block_tokens, cfg.prefill_chunk_tokens
         tokens = request.input_tokens
         best: Decision | None = None
-        prefill_s: dict[int, float] = {}  # cached tokens -> prefill time: instances share most
+        prefill_s: dict[tuple[int, CppGroup | None], float] = {}  # instances share most estimates
 
-        def compute_s(cached: int) -> float:
-            if cached not in prefill_s:
-                prefill_s[cached] = chunked_prefill_s(cost, tokens - cached, cached, chunk)
-            return prefill_s[cached]
+        def compute_s(cached: int, group: CppGroup | None = None) -> float:
+            key, new = (cached, group), tokens - cached
+            if key not in prefill_s:
+                if group is None:
+                    prefill_s[key] = chunked_prefill_s(cost, new, cached, chunk)
+                else:
+                    prefill_s[key] = group.prefill_s(cost, new, cached, chunk)
+            return prefill_s[key]
 
         for name, load in self._prefill.items():
             if name in self._exclude:
@@ -227,7 +236,8 @@ class Conductor:
             local_loc = self._local[name]
             local = matches.get(local_loc, 0)
             cached = _cached_tokens(local, block, tokens)
-            option: tuple[float, float, str | None, int, int] = (compute_s(cached), 0.0, None, 0, cached)
+            group = self.groups.get(name)
+            option: tuple[float, float, str | None, int, int] = (compute_s(cached, group), 0.0, None, 0, cached)
             own_ssd = self._ssd[name]
             sources = [(own_ssd, matches.get(own_ssd, 0))]  # NOTE: its own SSD tier counts as local
             remote = next(((loc, n) for loc, n in ranked if loc not in (local_loc, own_ssd)), None)
@@ -238,7 +248,7 @@ class Conductor:
                     continue
                 fetched = _cached_tokens(held, block, tokens)
                 transfer_s = cost.transfer_s(fetched - cached, fetch_bandwidth_bytes_s(cfg, source, own_ssd))
-                fetched_s = compute_s(fetched)
+                fetched_s = compute_s(fetched, group)
                 if transfer_s + fetched_s < option[0] + option[1]:
                     option = (fetched_s, transfer_s, source, held - local, fetched)
             ttft_s = queue_s + option[0] + option[1]

@@ -47,6 +47,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     run.add_argument("--tbt-slo", type=float, default=0.1)
     run.add_argument("--json", action="store_true")
     run.add_argument("--plot", help="write decode load over time to this PNG")
+    cpp = sim.add_parser("cpp", help="long-prompt TTFT with and without chunked pipeline parallelism")
+    cpp.add_argument("--trace", default=DEFAULT_TRACE)
+    cpp.add_argument("--prefill", type=int, default=8, help="prefill nodes")
+    cpp.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4], help="group sizes (1 = no CPP)")
+    cpp.add_argument("--speed", type=float, default=1.0, help="replay this many times faster")
+    cpp.add_argument("--min-tokens", type=int, default=32768, help="the shortest prompt offered a group")
+    cpp.add_argument("--plot", help="write the TTFT curve to this PNG")
+    cpp.add_argument("--json", action="store_true")
     exp = sim.add_parser("experiment", help="run one of the paper's experiments (docs/reproduction.md)")
     exp.add_argument("number", choices=(*_EXPERIMENTS, "all"))
     exp.add_argument("--trace", default=DEFAULT_TRACE)
@@ -61,6 +69,8 @@ def run(args: argparse.Namespace, console: Console) -> None:
         print(text)
     elif args.sim == "run":
         _run(args, console)
+    elif args.sim == "cpp":
+        _cpp(args)
     else:
         _experiment(args, console)
 
@@ -92,6 +102,16 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     else:
         # NOTE: pre-rendered at its own width: print() does not wrap it again
         print(table(f"{Path(args.trace).name} x{args.speed}", [(args.shape, report)]), end="")
+
+
+def _cpp(args: argparse.Namespace) -> None:
+    from tsukimi.sim import cpp
+
+    cfg = cpp.CppSimConfig(args.prefill, tuple(args.stages), speed=args.speed, min_tokens=args.min_tokens)
+    curve = cpp.ttft_curve(load_trace(args.trace), cfg)
+    if args.plot:
+        cpp.plot(curve, Path(args.plot), Path(args.trace).name)
+    print(json.dumps(curve) if args.json else cpp.markdown(curve))
 
 
 def _experiment(args: argparse.Namespace, console: Console) -> None:
