@@ -136,7 +136,7 @@ class Worker:
             def make_engine() -> LLMEngine:
                 return updater.prepare(LLMEngine(
                     model, layout, cfg.num_blocks, mc.eos_token_ids, cfg.max_batched_tokens, connector,
-                    prefix_caching=cfg.prefix_caching,
+                    prefix_caching=cfg.prefix_caching, layerwise_loading=cfg.layerwise_loading,
                 ))  # fmt: skip
 
             self._engine = EngineThread(make_engine, self.metrics, cfg.threads, cfg.name)
