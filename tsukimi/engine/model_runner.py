@@ -98,10 +98,13 @@ class ModelRunner:
         tokens: list[int | None] = []
         row = 0
         for entry in batch.requests:
-            if not entry.samples or entry.request in self.failed:
-                tokens.append(None)  # NOTE: a failed request samples nothing: its generator stays as it was
+            if not entry.samples:
+                tokens.append(None)
                 continue
             assert logits is not None
-            tokens.append(sample(logits[row], entry.request.params, entry.request.generator))
+            if entry.request in self.failed:  # NOTE: its logits are wrong; its generator stays as it was
+                tokens.append(None)
+            else:
+                tokens.append(sample(logits[row], entry.request.params, entry.request.generator))
             row += 1
         return tokens
