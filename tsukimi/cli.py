@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`tsukimi bench transfer | store | scheduler | serve | vllm` (mutates `bench`)."""
+    """`tsukimi bench transfer | store | scheduler | layerwise | serve | vllm` (mutates `bench`)."""
     tr = bench.add_parser("transfer", help="Transfer Engine throughput between two processes")
     tr.add_argument(
         "--transport",
@@ -125,7 +125,7 @@ def _add_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser
 
 
 def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`tsukimi bench scheduler | serve | vllm` (mutates `bench`)."""
+    """`tsukimi bench scheduler | layerwise | serve | vllm` (mutates `bench`)."""
     sc = bench.add_parser("scheduler", help="Conductor decision latency and whole-trace simulation time")
     sc.add_argument("--trace", default=sim_commands.DEFAULT_TRACE)
     sc.add_argument("--prefill", type=int, default=32)
@@ -135,6 +135,12 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     sc.add_argument("--no-simulate", action="store_true", help="skip the whole-trace simulations")
     sc.add_argument("--json", action="store_true")
     sc.add_argument("--markdown", action="store_true")
+    lw = bench.add_parser("layerwise", help="TTFT with a pooled prefix: layer-wise loading vs loading it whole first")
+    lw.add_argument("--model", default="tiny")
+    lw.add_argument("--prefix-tokens", type=int, default=2048)
+    lw.add_argument("--new-tokens", type=int, default=16)
+    lw.add_argument("--repeats", type=int, default=5)
+    lw.add_argument("--json", action="store_true")
     sv = bench.add_parser("serve", help="drive the OpenAI API with a workload (TTFT, TBT, reuse)")
     sv.add_argument("--url", default="", help="a running API; default: start `tsukimi up` per run")
     sv.add_argument("--model", default="tiny")
@@ -237,6 +243,14 @@ def _profile(args: argparse.Namespace, console: Console) -> None:
     console.print(f"worst relative error of the fit: {result['max_relative_error']}")
 
 
+def _bench_layerwise(args: argparse.Namespace, console: Console) -> None:
+    from tsukimi.bench import layerwise
+
+    cfg = layerwise.LayerwiseBenchConfig(args.model, args.prefix_tokens, args.new_tokens, repeats=args.repeats)
+    result = layerwise.run_bench(cfg, lambda text: console.print(text, highlight=False))
+    print(layerwise.dumps(result) if args.json else layerwise.markdown(result))
+
+
 def _bench_scheduler(args: argparse.Namespace) -> None:
     from tsukimi.bench import scheduler
 
@@ -328,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             _bench_vllm(args, console)
         elif args.command == "bench" and args.bench == "scheduler":
             _bench_scheduler(args)
+        elif args.command == "bench" and args.bench == "layerwise":
+            _bench_layerwise(args, console)
         elif args.command == "profile":
             _profile(args, console)
         elif args.command == "worker":
