@@ -19,6 +19,7 @@ overlap would make layerwise about max(load, compute) where whole is their sum.
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
@@ -81,9 +82,16 @@ class _Bench:
 
     def ttft_s(self, mode: str) -> float:
         """Time to first token of prefix + new tokens on a fresh engine (a fresh store client)."""
+        gc.collect()  # NOTE: the previous engine's cache is freed before this one is timed
         with StoreClient.connect(self.master) as client:
             engine = self.engine(None if mode == "compute" else client, layerwise=mode == "layerwise")
-            return _first_token(engine, self.prefix + self.new_suffix())
+            try:
+                return _first_token(engine, self.prefix + self.new_suffix())
+            finally:
+                if engine.loader is not None:
+                    engine.loader.close()
+                if isinstance(engine.connector, StoreKVConnector):
+                    engine.connector.close()
 
     def compute_only_s(self) -> float:
         """The new tokens alone: the prefix already in the engine's local cache."""
