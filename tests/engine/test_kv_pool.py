@@ -37,11 +37,14 @@ def store() -> Iterator[Deployment]:
     dep.close()
 
 
-def _engine(tiny: LoadedModel, client: StoreClient | None) -> tuple[LLMEngine, StoreKVConnector | None]:
+def _engine(
+    tiny: LoadedModel, client: StoreClient | None, layerwise: bool = False
+) -> tuple[LLMEngine, StoreKVConnector | None]:
     cfg = tiny.config
     layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK)
     connector = StoreKVConnector(client, KVFormat.of(tiny.source, layout)) if client is not None else None
-    return LLMEngine(tiny.model, layout, 128, cfg.eos_token_ids, connector=connector), connector
+    engine = LLMEngine(tiny.model, layout, 128, cfg.eos_token_ids, connector=connector, layerwise_loading=layerwise)
+    return engine, connector
 
 
 def _run(engine: LLMEngine, name: str, prompt: list[int], max_tokens: int) -> list[StepOutput]:
@@ -52,9 +55,10 @@ def _run(engine: LLMEngine, name: str, prompt: list[int], max_tokens: int) -> li
     return outputs
 
 
-def test_prefill_to_pool_to_decode_equals_colocated(tiny: LoadedModel, store: Deployment) -> None:
-    prefill, prefill_pool = _engine(tiny, store.client())
-    decode, decode_pool = _engine(tiny, store.client())
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_prefill_to_pool_to_decode_equals_colocated(tiny: LoadedModel, store: Deployment, layerwise: bool) -> None:
+    prefill, prefill_pool = _engine(tiny, store.client(), layerwise)
+    decode, decode_pool = _engine(tiny, store.client(), layerwise)
     assert prefill_pool is not None and decode_pool is not None
     # (cached tokens, of which from the pool) for prefill, then decode
     reuse = [((0, 0), (40, 40)), ((32, 0), (32, 0)), ((0, 0), (0, 0))]
@@ -70,9 +74,10 @@ def test_prefill_to_pool_to_decode_equals_colocated(tiny: LoadedModel, store: De
     assert decode_pool.loaded_blocks == 5
 
 
-def test_a_lost_block_is_recomputed_never_misread(tiny: LoadedModel, store: Deployment) -> None:
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_lost_block_is_recomputed_never_misread(tiny: LoadedModel, store: Deployment, layerwise: bool) -> None:
     prefill, _ = _engine(tiny, store.client())
-    decode, pool = _engine(tiny, store.client())
+    decode, pool = _engine(tiny, store.client(), layerwise)
     assert pool is not None
     prompt = PROMPTS[0]
     expected = list(generate_greedy_reference(tiny.model, prompt, NEW))
@@ -84,8 +89,9 @@ def test_a_lost_block_is_recomputed_never_misread(tiny: LoadedModel, store: Depl
     assert [t for o in rest for t in o.token_ids] == expected[1:]
 
 
-def test_blocks_of_another_format_are_refused(tiny: LoadedModel, store: Deployment) -> None:
-    decode, pool = _engine(tiny, store.client())
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_blocks_of_another_format_are_refused(tiny: LoadedModel, store: Deployment, layerwise: bool) -> None:
+    decode, pool = _engine(tiny, store.client(), layerwise)
     assert pool is not None
     prompt = PROMPTS[0]
     first = hash_blocks(prompt, BLOCK)[0]
@@ -149,7 +155,7 @@ def test_a_block_lost_after_the_probe_is_recomputed(tiny: LoadedModel, store: De
     cfg = tiny.config
     layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK)
     pool = _LosingConnector(store.client(), KVFormat.of(tiny.source, layout))
-    decode = LLMEngine(tiny.model, layout, 128, cfg.eos_token_ids, connector=pool)
+    decode = LLMEngine(tiny.model, layout, 128, cfg.eos_token_ids, connector=pool, layerwise_loading=True)
     prompt = PROMPTS[0]
     expected = list(generate_greedy_reference(tiny.model, prompt, NEW))
     _run(prefill, "p", prompt, 1)

@@ -161,7 +161,7 @@ def markdown(result: dict[str, object]) -> str:
         "| TTFT | median | min | vs whole |",
         "|---|---|---|---|",
     ]
-    names = {"layerwise": "pooled prefix, layer-wise loading (default)", "whole": "pooled prefix, loaded whole first",
+    names = {"layerwise": "pooled prefix, layer-wise loading", "whole": "pooled prefix, loaded whole first (default)",
              "compute": "no pool: whole prompt computed (1 run)", "load_only": "(load only: every block, no forward)",
              "compute_only": "(compute only: prefix in the local cache)"}  # fmt: skip
     for mode, name in names.items():

@@ -56,7 +56,7 @@ class WorkerConfig:
     dtype: DTypeName = "float32"
     prefix_caching: bool = True  # False: compute every prompt in full (the no-reuse baseline)
     metadata_url: str = ""
-    layerwise_loading: bool = True  # read pooled KV layer by layer, overlapped with the forward
+    layerwise_loading: bool = False  # read pooled KV layer by layer, overlapped with the forward
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -54,6 +54,7 @@ class LLMEngine:
             every prompt in full (the no-reuse baseline of `tsukimi bench serve`).
         layerwise_loading: overlap loading the pool's blocks with the forward, layer by layer
             (when the connector can: a `LayerwiseConnector`); False: load them at admission.
+            Off by default: on this CPU-only machine it measured no faster (docs/benchmarks.md).
     """
 
     def __init__(
@@ -66,7 +67,7 @@ class LLMEngine:
         connector: KVConnector | None = None,
         storage: memoryview | None = None,
         prefix_caching: bool = True,
-        layerwise_loading: bool = True,
+        layerwise_loading: bool = False,
     ) -> None:
         if max_batched_tokens < 1:
             raise InvalidArgument("max_batched_tokens must be >= 1")
