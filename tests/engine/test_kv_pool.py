@@ -4,7 +4,7 @@ another format are refused. The store is a real master and holders in this proce
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from tsukimi.engine.kv_pool import KVFormat, StoreKVConnector
 from tsukimi.engine.model import generate_greedy_reference
 from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import LoadedModel, random_tiny
-from tsukimi.scheduler.block_hash import hash_blocks
+from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
 from tsukimi.store.client import StoreClient
 from tsukimi.testing.deployments import Deployment, start_deployment
 
@@ -37,11 +37,14 @@ def store() -> Iterator[Deployment]:
     dep.close()
 
 
-def _engine(tiny: LoadedModel, client: StoreClient | None) -> tuple[LLMEngine, StoreKVConnector | None]:
+def _engine(
+    tiny: LoadedModel, client: StoreClient | None, layerwise: bool = False
+) -> tuple[LLMEngine, StoreKVConnector | None]:
     cfg = tiny.config
     layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK)
     connector = StoreKVConnector(client, KVFormat.of(tiny.source, layout)) if client is not None else None
-    return LLMEngine(tiny.model, layout, 128, cfg.eos_token_ids, connector=connector), connector
+    engine = LLMEngine(tiny.model, layout, 128, cfg.eos_token_ids, connector=connector, layerwise_loading=layerwise)
+    return engine, connector
 
 
 def _run(engine: LLMEngine, name: str, prompt: list[int], max_tokens: int) -> list[StepOutput]:
@@ -52,9 +55,10 @@ def _run(engine: LLMEngine, name: str, prompt: list[int], max_tokens: int) -> li
     return outputs
 
 
-def test_prefill_to_pool_to_decode_equals_colocated(tiny: LoadedModel, store: Deployment) -> None:
-    prefill, prefill_pool = _engine(tiny, store.client())
-    decode, decode_pool = _engine(tiny, store.client())
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_prefill_to_pool_to_decode_equals_colocated(tiny: LoadedModel, store: Deployment, layerwise: bool) -> None:
+    prefill, prefill_pool = _engine(tiny, store.client(), layerwise)
+    decode, decode_pool = _engine(tiny, store.client(), layerwise)
     assert prefill_pool is not None and decode_pool is not None
     # (cached tokens, of which from the pool) for prefill, then decode
     reuse = [((0, 0), (40, 40)), ((32, 0), (32, 0)), ((0, 0), (0, 0))]
@@ -70,9 +74,10 @@ def test_prefill_to_pool_to_decode_equals_colocated(tiny: LoadedModel, store: De
     assert decode_pool.loaded_blocks == 5
 
 
-def test_a_lost_block_is_recomputed_never_misread(tiny: LoadedModel, store: Deployment) -> None:
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_lost_block_is_recomputed_never_misread(tiny: LoadedModel, store: Deployment, layerwise: bool) -> None:
     prefill, _ = _engine(tiny, store.client())
-    decode, pool = _engine(tiny, store.client())
+    decode, pool = _engine(tiny, store.client(), layerwise)
     assert pool is not None
     prompt = PROMPTS[0]
     expected = list(generate_greedy_reference(tiny.model, prompt, NEW))
@@ -84,8 +89,9 @@ def test_a_lost_block_is_recomputed_never_misread(tiny: LoadedModel, store: Depl
     assert [t for o in rest for t in o.token_ids] == expected[1:]
 
 
-def test_blocks_of_another_format_are_refused(tiny: LoadedModel, store: Deployment) -> None:
-    decode, pool = _engine(tiny, store.client())
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_blocks_of_another_format_are_refused(tiny: LoadedModel, store: Deployment, layerwise: bool) -> None:
+    decode, pool = _engine(tiny, store.client(), layerwise)
     assert pool is not None
     prompt = PROMPTS[0]
     first = hash_blocks(prompt, BLOCK)[0]
@@ -129,3 +135,31 @@ def test_layers_are_published_while_the_next_ones_compute(tiny: LoadedModel) -> 
     assert [layer for _, layer, _ in saves] == list(range(cfg.num_layers))  # one call per layer, in order
     assert not any(computed for _, _, computed in saves)  # each before the next layer's K/V existed
     assert recorder.events[-1][0] == "flush"
+
+
+class _LosingConnector(StoreKVConnector):
+    """Loses one object of the pool right after the probe saw it (evicted in between)."""
+
+    lose = ""
+
+    def probe(self, hashes: Sequence[BlockHash]) -> int:
+        found = super().probe(hashes)
+        if self.lose:
+            assert self.client.remove(self.lose, force=True)
+            self.lose = ""
+        return found
+
+
+def test_a_block_lost_after_the_probe_is_recomputed(tiny: LoadedModel, store: Deployment) -> None:
+    prefill, _ = _engine(tiny, store.client())
+    cfg = tiny.config
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK)
+    pool = _LosingConnector(store.client(), KVFormat.of(tiny.source, layout))
+    decode = LLMEngine(tiny.model, layout, 128, cfg.eos_token_ids, connector=pool, layerwise_loading=True)
+    prompt = PROMPTS[0]
+    expected = list(generate_greedy_reference(tiny.model, prompt, NEW))
+    _run(prefill, "p", prompt, 1)
+    pool.lose = pool.format.key(hash_blocks(prompt, BLOCK)[3], cfg.num_layers - 1)  # the last layer of block 3
+    rest = _run(decode, "d", prompt + expected[:1], NEW - 1)
+    assert [t for o in rest for t in o.token_ids] == expected[1:]
+    assert (rest[0].pool_tokens, pool.loaded_blocks) == (0, 0)  # found late: the whole prefix recomputed

@@ -26,6 +26,7 @@ ClusterMode = Literal["pd", "colocated"]
 # NOTE: what `[workers]` may set of each worker's `WorkerConfig`; the cluster sets the rest
 SHARED_WORKER_KEYS = (
     "block_tokens", "num_blocks", "max_batched_tokens", "segment_bytes", "threads", "dtype", "prefix_caching",
+    "layerwise_loading",
 )  # fmt: skip
 
 
@@ -55,6 +56,7 @@ class WorkerConfig:
     dtype: DTypeName = "float32"
     prefix_caching: bool = True  # False: compute every prompt in full (the no-reuse baseline)
     metadata_url: str = ""
+    layerwise_loading: bool = False  # read pooled KV layer by layer, overlapped with the forward
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tsukimi.engine.kv_cache import PagedKVCache, SequenceKV
+from tsukimi.engine.layer_loading import LayerLoader
 from tsukimi.engine.request import EngineRequest
 from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
 
@@ -77,10 +78,18 @@ class BlockManager:
         cache: the KV cache whose block pool this manages.
         connector: the KV pool to load prefixes from, or None (local prefix cache only).
         prefix_caching: reuse and cache full blocks by hash; False: no reuse at all.
+        loader: load the pool's blocks layer by layer during the step (layer_loading.py), or
+            None: all of them at admission.
     """
 
-    def __init__(self, cache: PagedKVCache, connector: KVConnector | None, prefix_caching: bool) -> None:
-        self.cache, self.connector, self.prefix_caching = cache, connector, prefix_caching
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        connector: KVConnector | None,
+        prefix_caching: bool,
+        loader: LayerLoader | None = None,
+    ) -> None:
+        self.cache, self.connector, self.prefix_caching, self.loader = cache, connector, prefix_caching, loader
         self.block_tokens = cache.layout.block_tokens
         self.salt = b""  # NOTE: weights_salt of the weights version (LLMEngine.new_weights)
 
@@ -104,12 +113,18 @@ class BlockManager:
         """Load what the KV pool holds of `wanted` (the blocks after the local prefix) into
         fresh blocks appended to `request`'s table; returns how many it loaded."""
         assert self.connector is not None
-        pool = self.cache.pool
+        pool, loader = self.cache.pool, self.loader
+        if loader is not None:  # NOTE: counted as KV now, read during the step (layer_loading.py)
+            wanted = wanted[: loader.connector.probe(wanted)] if loader.use_pool(request) else []
         blocks = [b for b in (pool.allocate() for _ in wanted) if b is not None]
-        loaded = self.connector.load(wanted[: len(blocks)], blocks, self.cache)
-        pool.release(blocks[loaded:])
-        for block, block_hash in zip(blocks[:loaded], wanted, strict=False):
-            pool.cache(block, block_hash)
+        if loader is not None:
+            loaded = len(blocks)
+            loader.add(request, wanted[:loaded], blocks)
+        else:
+            loaded = self.connector.load(wanted[: len(blocks)], blocks, self.cache)
+            pool.release(blocks[loaded:])
+            for block, block_hash in zip(blocks[:loaded], wanted, strict=False):
+                pool.cache(block, block_hash)
         request.seq.block_table += blocks[:loaded]
         request.hashes += wanted[:loaded]
         return loaded
@@ -145,6 +160,8 @@ class BlockManager:
 
     def unadmit(self, request: EngineRequest) -> None:
         """Give back all of `request`'s blocks and forget its KV: it recomputes (mutates)."""
+        if self.loader is not None:
+            self.loader.drop(request)
         self.cache.pool.release(request.seq.block_table[::-1])  # NOTE: tail first (see the module)
         request.seq, request.hashes, request.admitted = SequenceKV(), [], False
 

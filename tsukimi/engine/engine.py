@@ -13,7 +13,10 @@
 
 A request's prompt is matched block by block against the local prefix cache, then against the
 KV pool through the optional `KVConnector` (prefill and decode roles); only the rest is
-computed (tsukimi/engine/block_manager.py).
+computed (tsukimi/engine/block_manager.py). With `layerwise_loading`, the pool's blocks are
+read one layer at a time during the request's first step, overlapped with the forward
+(tsukimi/engine/layer_loading.py); a block that fails to load late makes its request compute
+again (`Scheduler.postprocess(recompute=...)`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 from tsukimi.engine.block_manager import BlockManager, KVConnector, weights_salt
 from tsukimi.engine.kv_cache import KVLayout, PagedKVCache
+from tsukimi.engine.layer_loading import LayerLoader, LayerwiseConnector
 from tsukimi.engine.model_runner import Model, ModelRunner
 from tsukimi.engine.request import EngineRequest, StepOutput
 from tsukimi.engine.sampling import SamplingParams
@@ -48,6 +52,9 @@ class LLMEngine:
         storage: memory for the KV cache (e.g. registered shared memory), or None.
         prefix_caching: reuse KV of earlier requests (local cache and pool); False computes
             every prompt in full (the no-reuse baseline of `tsukimi bench serve`).
+        layerwise_loading: overlap loading the pool's blocks with the forward, layer by layer
+            (when the connector can: a `LayerwiseConnector`); False: load them at admission.
+            Off by default: on this CPU-only machine it measured no faster (docs/benchmarks.md).
     """
 
     def __init__(
@@ -60,6 +67,7 @@ class LLMEngine:
         connector: KVConnector | None = None,
         storage: memoryview | None = None,
         prefix_caching: bool = True,
+        layerwise_loading: bool = False,
     ) -> None:
         if max_batched_tokens < 1:
             raise InvalidArgument("max_batched_tokens must be >= 1")
@@ -67,8 +75,12 @@ class LLMEngine:
         self.cache = PagedKVCache(layout, num_blocks, storage)
         self.max_batched_tokens = max_batched_tokens
         self.prefix_caching = prefix_caching
-        self.scheduler = Scheduler(BlockManager(self.cache, connector, prefix_caching), max_batched_tokens, eos_ids)
-        self.runner = ModelRunner(model, self.cache, connector)
+        self.loader = None
+        if layerwise_loading and isinstance(connector, LayerwiseConnector):
+            self.loader = LayerLoader(connector, self.cache)
+        blocks = BlockManager(self.cache, connector, prefix_caching, self.loader)
+        self.scheduler = Scheduler(blocks, max_batched_tokens, eos_ids)
+        self.runner = ModelRunner(model, self.cache, connector, self.loader)
 
     def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
         """Queue a request (mutates). Raises InvalidArgument for an empty prompt, a duplicate
@@ -110,7 +122,7 @@ class LLMEngine:
         when requests wait, none runs, and the first cannot get its blocks."""
         batch = self.scheduler.schedule()
         tokens = self.runner.run(batch)
-        return self.scheduler.postprocess(batch, tokens)
+        return self.scheduler.postprocess(batch, tokens, recompute=self.runner.failed)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
         """Run `prompts` to completion together; their output tokens, in order."""

@@ -22,6 +22,9 @@ trailer or size does not match is refused (`KVFormatError`), and the block is no
 
 Loading stops at the first block that the pool does not hold in full (lost, evicted or never
 written): the engine computes the rest, so a lost block costs time, never correctness.
+Loading comes in two shapes: `load` reads every layer of the blocks at once, before the step;
+`probe` then `load_layer` (one batch per layer) let the forward start on layer 0 while later
+layers still arrive (tsukimi/engine/layer_loading.py).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from tsukimi.errors import KVFormatError as KVFormatError
 from tsukimi.errors import ObjectExists, TsukimiError
 from tsukimi.scheduler.block_hash import BlockHash
 from tsukimi.store.client import StoreClient
+from tsukimi.store.replica_io import GetResult
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +108,7 @@ class StoreKVConnector:
     def load(self, hashes: Sequence[BlockHash], blocks: Sequence[int], cache: PagedKVCache) -> int:
         if not hashes:
             return 0
-        layers, size = self.format.num_layers, cache.layout.slot_bytes
+        layers = self.format.num_layers
         pairs = [(h, b, layer) for h, b in zip(hashes, blocks, strict=False) for layer in range(layers)]
         keys = [self.format.key(h, layer) for h, _, layer in pairs]
         slots = [cache.slot(b, layer) for _, b, layer in pairs]
@@ -116,19 +120,50 @@ class StoreKVConnector:
         loaded = 0
         for n, block_hash in enumerate(hashes[: len(blocks)]):
             span = range(n * layers, (n + 1) * layers)
-            if not all(got[i].size == size for i in span):  # missing or unreadable: compute from here
-                if any(got[i].found and got[i].size != size for i in span):
-                    self._refuse(KVFormatError(f"KV block {block_hash:016x}: an object of the wrong size"))
-                break
-            try:
-                for layer, i in enumerate(span):
-                    self._check(slots[i], block_hash, layer, cache.layout.layer_bytes)
-            except KVFormatError as exc:
-                self._refuse(exc)
+            if not all(  # missing, unreadable or refused: compute from here
+                self._verified(got[i], slots[i], block_hash, layer, cache.layout) for layer, i in enumerate(span)
+            ):
                 break
             loaded += 1
         self.loaded_blocks += loaded
         return loaded
+
+    def probe(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of the first `hashes` the pool holds in full, every layer (one master round
+        trip; reads nothing, grants no lease; 0 when the pool cannot answer)."""
+        layers = self.format.num_layers
+        try:
+            present = self.client.batch_exists([self.format.key(h, layer) for h in hashes for layer in range(layers)])
+        except TsukimiError as exc:  # the pool is an optimisation: compute instead
+            logger.warning("KV pool unavailable for a probe (%s): computing instead", exc)
+            return 0
+        for n in range(len(hashes)):
+            if not all(present[n * layers : (n + 1) * layers]):
+                return n
+        return len(hashes)
+
+    def load_layer(
+        self, layer: int, hashes: Sequence[BlockHash], blocks: Sequence[int], cache: PagedKVCache
+    ) -> list[bool]:
+        """Read `layer` of the blocks `hashes` into `blocks` (one batch; tsukimi/engine/
+        layer_loading.py); per block, whether it arrived whole and in this format. Raises the
+        store's errors for the whole batch (RpcTimeout, MasterUnavailable, ...)."""
+        slots = [cache.slot(b, layer) for b in blocks]
+        got = self.client.batch_get([self.format.key(h, layer) for h in hashes], slots)
+        return [self._verified(got[i], slots[i], h, layer, cache.layout) for i, h in enumerate(hashes)]
+
+    def _verified(self, got: GetResult, slot: memoryview, block_hash: BlockHash, layer: int, layout: KVLayout) -> bool:
+        """Whether one (block, layer) object read into `slot` may be used (a refusal is logged)."""
+        if got.size != layout.slot_bytes:
+            if got.found:
+                self._refuse(KVFormatError(f"KV block {block_hash:016x}: an object of the wrong size"))
+            return False
+        try:
+            self._check(slot, block_hash, layer, layout.layer_bytes)
+        except KVFormatError as exc:
+            self._refuse(exc)
+            return False
+        return True
 
     def _refuse(self, error: KVFormatError) -> None:
         """A block written in another format (or damaged): never used; this request computes it."""

@@ -4,7 +4,10 @@ One forward runs over every scheduled request's new tokens at once (`BatchAttent
 paged KV cache). As soon as a layer's K/V are stored, that layer of the full prompt blocks the
 step fills is offered to the KV pool (`KVConnector.save_layer`) while the next layers compute;
 all of it is written (`flush`) before any token of the step leaves. Only requests whose tokens
-all have KV after the step get logits and a sampled token.
+all have KV after the step get logits and a sampled token. With a `LayerLoader`, the pooled
+blocks admitted for this step are read one layer at a time while the forward runs, each layer
+waited for just before its attention (tsukimi/engine/layer_loading.py); a request whose blocks
+failed to load samples nothing and is listed in `failed` for the scheduler to recompute.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch
 
 from tsukimi.engine.block_manager import KVConnector
 from tsukimi.engine.kv_cache import BatchAttention, PagedKVCache
+from tsukimi.engine.layer_loading import LayerLoader, LayerLoads
+from tsukimi.engine.request import EngineRequest
 from tsukimi.engine.sampling import sample
 from tsukimi.engine.scheduler import ScheduledBatch
 
@@ -27,10 +32,14 @@ class Model(Protocol):
 
 class ModelRunner:
     """Runs `model` over batches in `cache`, publishing prompt blocks through `connector`
-    (None: none). Not thread-safe: the engine thread only."""
+    (None: none) and loading pooled blocks layer by layer through `loader` (None: loaded at
+    admission). Not thread-safe: the engine thread only."""
 
-    def __init__(self, model: Model, cache: PagedKVCache, connector: KVConnector | None) -> None:
-        self.model, self.cache, self.connector = model, cache, connector
+    def __init__(
+        self, model: Model, cache: PagedKVCache, connector: KVConnector | None, loader: LayerLoader | None = None
+    ) -> None:
+        self.model, self.cache, self.connector, self.loader = model, cache, connector, loader
+        self.failed: frozenset[EngineRequest] = frozenset()  # the last step's late load failures
 
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """Compute `batch` (mutates: the cache, each request's KV length and sampling generator).
@@ -38,15 +47,21 @@ class ModelRunner:
         Returns:
             Per entry of `batch`, the sampled token, or None where the entry samples nothing.
         """
+        self.failed = frozenset()
         if not batch.requests:
             return []
         ids = [token for entry in batch.requests for token in entry.token_ids]
         positions = [p for entry in batch.requests for p in range(entry.start, entry.start + entry.num_tokens)]
         segments = [(entry.request.seq, entry.num_tokens) for entry in batch.requests]
-        attend = BatchAttention(self.cache, segments, on_layer=self._publisher(batch))
+        loads = self.loader.start() if self.loader is not None else None
+        attend = BatchAttention(self.cache, segments, on_layer=self._on_layer(batch, loads))
+        try:
+            with torch.inference_mode():
+                hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), attend)
+        finally:  # NOTE: never leave a load writing into blocks that may be released
+            self.failed = loads.finish() if loads is not None else frozenset()
+        attend.commit()
         with torch.inference_mode():
-            hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), attend)
-            attend.commit()
             ends: list[int] = []  # each sampling entry's last token: its logits row
             offset = 0
             for entry in batch.requests:
@@ -58,17 +73,26 @@ class ModelRunner:
             self.connector.flush()  # NOTE: published before the first token leaves this worker
         return self._sample(batch, logits)
 
-    def _publisher(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
-        """The per-layer hook that offers the batch's filled prompt blocks to the KV pool
-        (None: no pool, or no such block)."""
+    def _on_layer(self, batch: ScheduledBatch, loads: LayerLoads | None) -> Callable[[int], None] | None:
+        """The per-layer hook, run once a layer's new K/V are stored and before its attention:
+        waits for that layer's loads, then offers the batch's filled prompt blocks to the KV
+        pool, but none of a request whose loads failed (its KV is wrong from there on). None:
+        nothing to do."""
         connector = self.connector
-        if connector is None:
+        published = [(entry.request, fill) for entry in batch.requests for fill in entry.published]
+        if loads is None and (connector is None or not published):
             return None
-        published = [fill for entry in batch.requests for fill in entry.published]
-        if not published:
-            return None
-        hashes, blocks = [fill.block_hash for fill in published], [fill.block for fill in published]
-        return lambda layer: connector.save_layer(layer, hashes, blocks, self.cache)
+
+        def on_layer(layer: int) -> None:
+            failed = frozenset[EngineRequest]()
+            if loads is not None:
+                loads.wait(layer)
+                failed = loads.failed
+            fills = [fill for request, fill in published if request not in failed]
+            if connector is not None and fills:
+                connector.save_layer(layer, [f.block_hash for f in fills], [f.block for f in fills], self.cache)
+
+        return on_layer
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor | None) -> list[int | None]:
         tokens: list[int | None] = []
@@ -78,6 +102,9 @@ class ModelRunner:
                 tokens.append(None)
                 continue
             assert logits is not None
-            tokens.append(sample(logits[row], entry.request.params, entry.request.generator))
+            if entry.request in self.failed:  # NOTE: its logits are wrong; its generator stays as it was
+                tokens.append(None)
+            else:
+                tokens.append(sample(logits[row], entry.request.params, entry.request.generator))
             row += 1
         return tokens

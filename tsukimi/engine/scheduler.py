@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from tsukimi.engine.block_manager import BlockManager, FilledBlock
@@ -122,11 +123,18 @@ class Scheduler:
             raise OutOfSpace("the KV cache cannot hold the next request")
         return ScheduledBatch(tuple(self._entry(request, count) for request, count in scheduled))
 
-    def postprocess(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[StepOutput]:
+    def postprocess(
+        self, batch: ScheduledBatch, tokens: list[int | None], recompute: Collection[EngineRequest] = ()
+    ) -> list[StepOutput]:
         """Apply a step: cache the blocks it filled, append `tokens` (one per entry of `batch`,
-        None where it sampled nothing) and finish the requests that stop (mutates)."""
+        None where it sampled nothing) and finish the requests that stop (mutates). Requests in
+        `recompute` (their pooled KV failed to load during the step: layer_loading.py) cache
+        nothing and are preempted to compute again."""
         for entry in batch.requests:
-            self.blocks.cache_filled(entry.request, entry.filled)
+            if entry.request in recompute:
+                self._preempt(entry.request)
+            else:
+                self.blocks.cache_filled(entry.request, entry.filled)
         outputs = []
         for entry, token in zip(batch.requests, tokens, strict=True):
             if token is None:

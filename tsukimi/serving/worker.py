@@ -138,7 +138,7 @@ class Worker:
             def make_engine() -> LLMEngine:
                 return updater.prepare(LLMEngine(
                     model, layout, cfg.num_blocks, mc.eos_token_ids, cfg.max_batched_tokens, connector,
-                    prefix_caching=cfg.prefix_caching,
+                    prefix_caching=cfg.prefix_caching, layerwise_loading=cfg.layerwise_loading,
                 ))  # fmt: skip
 
             if cfg.prefix_caching:  # NOTE: the router's prefix index follows this cache (GET /health: the ports)

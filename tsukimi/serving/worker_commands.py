@@ -55,6 +55,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     worker.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads")
     worker.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
+    worker.add_argument("--layerwise-loading", action="store_true",
+                        help="load pooled KV layer by layer during the forward, not whole before it")  # fmt: skip
     worker.add_argument(
         "--metadata-url", default=d.metadata_url, help="the P2P store's metadata service, for live weight updates"
     )
@@ -80,6 +82,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         block_tokens=args.block_tokens, num_blocks=args.num_blocks, max_batched_tokens=args.max_batched_tokens,
         master=args.master, segment_bytes=args.segment_bytes, threads=args.threads, dtype=args.dtype,
         prefix_caching=not args.no_prefix_caching, metadata_url=args.metadata_url,
+        layerwise_loading=args.layerwise_loading,
     )  # fmt: skip
 
 
@@ -93,6 +96,7 @@ def worker_args(config: WorkerConfig) -> tuple[str, ...]:
         "--max-batched-tokens", str(config.max_batched_tokens), "--segment-bytes", str(config.segment_bytes),
         *(("--master", config.master) if config.master else ()),
         *(() if config.prefix_caching else ("--no-prefix-caching",)),
+        *(("--layerwise-loading",) if config.layerwise_loading else ()),
         *(("--metadata-url", config.metadata_url) if config.metadata_url else ()),
     )  # fmt: skip
 

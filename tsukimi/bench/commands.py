@@ -1,0 +1,153 @@
+"""`tsukimi bench ...`: the benchmarks' command-line arguments (runners.py runs them).
+
+transfer, store, p2p      the Transfer Engine, the store, the P2P store (processes on this host)
+scheduler, cpp, layerwise the Conductor's decisions, chunked pipeline prefill, layer-wise loading
+serve, vllm               the serving stack end to end (tsukimi up; vLLM instances)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tsukimi.sim import commands as sim_commands
+
+KIB = 1 << 10
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """'64K,1M,4M' -> bytes."""
+    units = {"K": KIB, "M": KIB * KIB, "G": KIB * KIB * KIB}
+    out = []
+    for item in text.split(","):
+        item = item.strip().upper().removesuffix("IB").removesuffix("B")
+        scale = units.get(item[-1:], 1)
+        digits = item[:-1] if item[-1:] in units else item
+        if not digits.isdigit():
+            raise argparse.ArgumentTypeError(f"not a size: {item!r} (use e.g. 64K,1M,4M)")
+        out.append(int(digits) * scale)
+    return tuple(out)
+
+
+def parse_names(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def parse_ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `tsukimi bench` on the CLI's subparsers (mutates `sub`)."""
+    _add_io_parsers(sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True))
+
+
+def _add_io_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tsukimi bench transfer | store | p2p | scheduler | cpp | layerwise | serve | vllm` (mutates `bench`)."""
+    tr = bench.add_parser("transfer", help="Transfer Engine throughput between two processes")
+    tr.add_argument(
+        "--transport",
+        type=parse_names,
+        default=("auto", "shm", "cma", "cma+prepared", "tcp"),
+        help="auto,shm,cma,cma+prepared,tcp[,nixl]",
+    )
+    tr.add_argument("--op", type=parse_names, default=("write", "read"), help="write,read")
+    tr.add_argument("--block-sizes", type=parse_sizes, default=(64 * KIB, KIB * KIB, 4 * KIB * KIB, 16 * KIB * KIB))
+    tr.add_argument("--batch", type=int, default=4, help="requests per batch")
+    tr.add_argument("--connections", type=parse_ints, default=(1, 4), help="tcp connections per peer, e.g. 1,4")
+    tr.add_argument("--duration", type=float, default=2.0, help="seconds measured per cell and round")
+    tr.add_argument("--warmup", type=float, default=0.5)
+    tr.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians")
+    tr.add_argument("--compare-mooncake", action="store_true", help="also run the real Mooncake TE (tcp)")
+    tr.add_argument("--compare-nixl", action="store_true", help="also run NIXL itself (make nixl)")
+    tr.add_argument("--quick", action="store_true", help="a small grid for CI smoke runs")
+    tr.add_argument("--json", action="store_true", help="print one JSON object")
+    tr.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
+    st = bench.add_parser("store", help="store put/get throughput and latency (vs Mooncake's store)")
+    st.add_argument(
+        "--value-sizes", type=parse_sizes, default=(4 * KIB, 64 * KIB, KIB * KIB, 4 * KIB * KIB, 16 * KIB * KIB)
+    )
+    st.add_argument("--replicas", type=parse_ints, default=(1, 2))
+    st.add_argument("--api", type=parse_names, default=("single", "batch"), help="single,batch")
+    st.add_argument("--batch", type=int, default=16)
+    st.add_argument("--holder-bytes", type=parse_sizes, default=(1 << 30,), help="memory per holder, e.g. 1G")
+    st.add_argument("--duration", type=float, default=0.5, help="seconds of puts, then of gets, per cell")
+    st.add_argument("--repeats", type=int, default=3)
+    st.add_argument("--force-tcp", action="store_true", help="every process uses tcp (not shared memory)")
+    st.add_argument("--compare-mooncake", action="store_true", help="also run the real Mooncake store")
+    st.add_argument(
+        "--tiers", type=parse_names, default=("memory", "disk"), help="memory,disk: where the objects read live"
+    )
+    st.add_argument("--disk-holder-bytes", type=parse_sizes, default=(64 << 20,), help="memory per holder, disk tier")
+    st.add_argument("--quick", action="store_true", help="a small grid for CI")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
+    _add_p2p_bench_parser(bench)
+    _add_model_bench_parsers(bench)
+
+
+def _add_p2p_bench_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tsukimi bench p2p` (mutates `bench`)."""
+    pp = bench.add_parser("p2p", help="one origin to N receivers: P2P store vs origin-only reads vs gloo broadcast")
+    pp.add_argument("--receivers", type=parse_ints, default=(1, 2, 4, 8), help="receiver counts, e.g. 1,2,4,8")
+    pp.add_argument("--size", type=parse_sizes, default=(512 * KIB * KIB,), help="checkpoint bytes, e.g. 512MiB")
+    pp.add_argument("--shard", type=parse_sizes, default=(64 * KIB * KIB,), help="shard bytes, e.g. 64MiB")
+    pp.add_argument("--transport", type=parse_names, default=("tcp",), help="tcp (as gloo), auto (cma here), or both")
+    pp.add_argument("--systems", type=parse_names, default=("tsukimi", "naive", "gloo"), help="tsukimi,naive,gloo")
+    pp.add_argument("--timeout", type=float, default=300.0, help="seconds any one step may take")
+    pp.add_argument("--repeats", type=int, default=3, help="rounds per cell; figures are the median round's")
+    pp.add_argument("--quick", action="store_true", help="N = 1, 4 with a 256 MiB checkpoint")
+    pp.add_argument("--json", action="store_true")
+    pp.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
+
+
+def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tsukimi bench scheduler | cpp | layerwise | serve | vllm` (mutates `bench`)."""
+    sc = bench.add_parser("scheduler", help="Conductor decision latency and whole-trace simulation time")
+    sc.add_argument("--trace", default=sim_commands.DEFAULT_TRACE)
+    sc.add_argument("--prefill", type=int, default=32)
+    sc.add_argument("--decode", type=int, default=32)
+    sc.add_argument("--indexed-blocks", type=int, default=100_000)
+    sc.add_argument("--decisions", type=int, default=5000)
+    sc.add_argument("--no-simulate", action="store_true", help="skip the whole-trace simulations")
+    sc.add_argument("--json", action="store_true")
+    sc.add_argument("--markdown", action="store_true")
+    cpp = bench.add_parser("cpp", help="TTFT of a long prompt: one worker vs CPP prefill groups of k stages")
+    cpp.add_argument("--prompt-tokens", type=int, default=4095)
+    cpp.add_argument("--chunk-tokens", type=int, default=512)
+    cpp.add_argument("--stages", type=int, nargs="+", default=[1, 2])
+    cpp.add_argument("--repeats", type=int, default=3)
+    cpp.add_argument("--json", action="store_true")
+    lw = bench.add_parser("layerwise", help="TTFT with a pooled prefix: layer-wise loading vs loading it whole first")
+    lw.add_argument("--model", default="tiny")
+    lw.add_argument("--prefix-tokens", type=int, default=2048)
+    lw.add_argument("--new-tokens", type=int, default=16)
+    lw.add_argument("--repeats", type=int, default=5)
+    lw.add_argument("--json", action="store_true")
+    sv = bench.add_parser("serve", help="drive the OpenAI API with a workload (TTFT, TBT, reuse)")
+    sv.add_argument("--url", default="", help="a running API; default: start `tsukimi up` per run")
+    sv.add_argument("--model", default="tiny")
+    sv.add_argument("--mode", choices=("pd", "colocated"), default="pd")
+    sv.add_argument("--workload", choices=("chat", "trace"), default="chat")
+    sv.add_argument("--conversations", type=int, default=8)
+    sv.add_argument("--turns", type=int, default=4)
+    sv.add_argument("--prefix-tokens", type=int, default=2000)
+    sv.add_argument("--rate", type=float, default=2.0, help="chat: first turns per second")
+    sv.add_argument("--trace", default=sim_commands.DEFAULT_TRACE)
+    sv.add_argument("--speed", type=float, default=1.0, help="trace: replay this many times faster")
+    sv.add_argument("--trace-limit", type=int, default=200)
+    sv.add_argument("--no-compare", action="store_true", help="one run with reuse only")
+    sv.add_argument("--num-blocks", type=int, default=4096, help="each worker's KV cache, in blocks")
+    sv.add_argument("--json", action="store_true")
+    sv.add_argument("--markdown", action="store_true")
+    vl = bench.add_parser("vllm", help="two vLLM instances: round-robin vs tsukimi (pool + Conductor) vs Mooncake")
+    vl.add_argument("--model", default="tiny", help="tiny, smollm2 (under .models/) or a Hugging Face folder")
+    vl.add_argument("--systems", default="vllm_rr,tsukimi,mooncake_store", help="comma-separated, in run order")
+    vl.add_argument("--conversations", type=int, default=8)
+    vl.add_argument("--turns", type=int, default=4)
+    vl.add_argument("--prefix-tokens", type=int, default=2000)
+    vl.add_argument("--rate", type=float, default=2.0, help="first turns per second")
+    vl.add_argument("--quick", action="store_true", help="a smoke run: 2 conversations of 2 turns")
+    vl.add_argument("--json", action="store_true")
