@@ -54,14 +54,28 @@ class ExpectedReuse:
 
 
 def expected_reuse(index: PrefixIndex, prefill: str, blocks: Sequence[int], prompt_tokens: int,
-                   block_tokens: int, concurrent: bool = False) -> ExpectedReuse:  # fmt: skip
+                   block_tokens: int, in_flight: Sequence[Sequence[int]] = ()) -> ExpectedReuse:  # fmt: skip
     """What `prefill` would reuse of a prompt of `prompt_tokens` tokens with these full-block
-    hashes, by the index now (pure). The last prompt token is always computed, so a prompt of
+    hashes, by the index now and the prefills already running on that worker (`in_flight`: their
+    full-block hashes), pure. A running prefill finishes, caches and pools its blocks before the
+    worker admits a later one (its scheduler admits in arrival order), so its chain counts as
+    held both locally and in the pool. The last prompt token is always computed, so a prompt of
     whole blocks reuses at most all but its last block."""
     usable = blocks[: (prompt_tokens - 1) // block_tokens]
-    local = index.match_at(location(prefill, "dram"), usable)
-    pooled = index.match_at(POOL_LOCATION, usable[local:])
-    return ExpectedReuse((local + pooled) * block_tokens, pooled * block_tokens, concurrent)
+    running = max((_common_prefix(usable, chain) for chain in in_flight), default=0)
+    local = max(index.match_at(location(prefill, "dram"), usable), running)
+    pooled = max(index.match_at(POOL_LOCATION, usable[local:]), running - local)
+    return ExpectedReuse((local + pooled) * block_tokens, pooled * block_tokens, bool(in_flight))
+
+
+def _common_prefix(blocks: Sequence[int], other: Sequence[int]) -> int:
+    """How many leading block hashes agree (chained hashes: the first difference ends it)."""
+    count = 0
+    for mine, theirs in zip(blocks, other, strict=False):
+        if mine != theirs:
+            break
+        count += 1
+    return count
 
 
 class IndexFeed:

@@ -126,6 +126,7 @@ class Router:
         self._feed: IndexFeed | None = None
         self._lock = asyncio.Lock()
         self._ids = itertools.count()
+        self._running_prefills: dict[str, dict[int, list[BlockHash]]] = {}  # worker -> rid -> its block hashes
 
     async def start(self) -> None:
         """Probes the workers (retrying for `startup_timeout_s`; those still silent are marked
@@ -273,8 +274,10 @@ class Router:
                 raise Rejected(decision.reason)
             assert decision.prefill is not None
             prefill = self._workers[decision.prefill]
+            running = self._running_prefills.setdefault(decision.prefill, {})
             expected = expected_reuse(self.index, decision.prefill, blocks, len(request.prompt_ids), self.block_tokens,
-                                      prefill.in_flight > 0)  # fmt: skip
+                                      list(running.values()))  # fmt: skip
+            running[rid] = blocks
             try:
                 return dataclasses.replace(await self._prefill(prefill, request), expected=expected)
             except WorkerUnavailable as exc:
@@ -285,6 +288,8 @@ class Router:
             except BaseException:
                 conductor.finished_at_prefill(rid, self.clock.now())
                 raise
+            finally:
+                running.pop(rid, None)
 
     def _admit_decode(self, conductor: Conductor, rid: int) -> WorkerHandle:
         """The decode worker the Conductor admits the request to. Raises Rejected or WorkerUnavailable."""
