@@ -3,7 +3,9 @@
 `HotReplicator` watches every arriving request (`tsukimi.scheduler.hotspots.HotSpots`): when
 its prefix is hot, the prefill instances `HotSpots.targets` names get a replica of it,
 copied from the pool at the KV bandwidth (off their compute: the copy lands in their DRAM
-cache while they keep prefilling). The replicas are ordinary cache entries afterwards, so an
+cache while they keep prefilling). With contended links (tsukimi/sim/links.py) a copy is
+read from the holder of the prefix with the fewest transfers in flight and shares its link
+with that holder's other transfers. The replicas are ordinary cache entries afterwards, so an
 instance that stops using them evicts them first (LRU). The Conductor then sees several
 instances holding the prefix and spreads its requests over them.
 
@@ -22,6 +24,7 @@ from tsukimi.scheduler.conductor import Conductor
 from tsukimi.scheduler.cost_model import CostModel
 from tsukimi.scheduler.hotspots import HotSpotConfig, HotSpots
 from tsukimi.sim.instances import BlockCache, Job
+from tsukimi.sim.links import SourceLinks
 from tsukimi.sim.trace import BLOCK_SIZE_TOKENS, TraceRequest
 
 REPLICA_LANDED = 3  # the simulator's event kind of a replica landing in a cache
@@ -38,9 +41,12 @@ class HotReplicator:
         conductor: Conductor,
         cost: CostModel,
         push: Callable[[float, int, object], None],
+        links: SourceLinks | None = None,
     ) -> None:
-        """`push(at, kind, payload)` schedules a simulator event; `caches` by instance name."""
+        """`push(at, kind, payload)` schedules a simulator event; `caches` by instance name;
+        `links`: copies share their source's link (None: each gets the KV bandwidth)."""
         self.spots = HotSpots(config)
+        self.links = links
         self.caches, self.conductor, self.cost, self.push = caches, conductor, cost, push
         self._locations = {name: cache.loc for name, cache in caches.items()}
         self._in_flight: set[tuple[str, int]] = set()  # (instance, last block of the prefix)
@@ -61,10 +67,22 @@ class HotReplicator:
             if (name, blocks[-1]) in self._in_flight:
                 continue
             self._in_flight.add((name, blocks[-1]))
-            landed = now + self.cost.transfer_s(tokens, cfg.kv_bandwidth_bytes_s)
-            self.push(landed, REPLICA_LANDED, (name, blocks))
+            self._copy(name, blocks, tokens, now)
             self.num_replicas += 1
             self.replicated_tokens += tokens
+
+    def _copy(self, name: str, blocks: tuple[int, ...], tokens: int, now: float) -> None:
+        """Start copying `blocks` (`tokens` of KV) to `name`: REPLICA_LANDED when they arrive."""
+        links = self.links
+        if links is None:
+            landed = now + self.cost.transfer_s(tokens, self.conductor.config.kv_bandwidth_bytes_s)
+            self.push(landed, REPLICA_LANDED, (name, blocks))
+            return
+        index = self.conductor.index
+        holders = [loc for loc in self._locations.values() if index.match_at(loc, blocks) == len(blocks)]
+        source = min(holders, key=lambda loc: (links.active(loc), loc))
+        num_bytes = tokens * self.cost.kv_bytes_per_token
+        links.start(source, num_bytes, now, lambda t: self.push(t, REPLICA_LANDED, (name, blocks)))
 
     def landed(self, payload: object) -> None:
         """A replica arrived in its instance's cache (mutates the cache and the index)."""
