@@ -11,7 +11,9 @@ instances holding the prefix and spreads its requests over them.
 
 `skewed_trace` builds the issue's workload: most requests share one long system prompt
 (which changes every `phase_s`, as a popular prompt comes and goes), the others are
-unique, at a rate above one prefill instance's capacity.
+unique, at a rate above one prefill instance's capacity. With `ramp_s` > 0 a new prompt's
+popularity ramps up: over its first `ramp_s` seconds it takes the shared requests over from the
+previous prompt linearly, so one instance computes and holds it well before others need it.
 """
 
 from __future__ import annotations
@@ -96,7 +98,9 @@ class HotReplicator:
 class SkewedWorkload:
     """requests at `rate_rps` (Poisson); a `shared` fraction start with the current system
     prompt of `prefix_blocks` blocks (a new one every `phase_s`), then `suffix_blocks`
-    unique blocks; the others are `unique_blocks` unique blocks. Blocks of 512 tokens."""
+    unique blocks; the others are `unique_blocks` unique blocks. Blocks of 512 tokens.
+    `ramp_s`: a shared request `t` seconds into a phase uses the previous phase's prompt with
+    probability 1 - t / ramp_s (0: none)."""
 
     requests: int = 2000
     rate_rps: float = 12.0
@@ -107,6 +111,7 @@ class SkewedWorkload:
     output_tokens: int = 64
     phase_s: float = 30.0
     seed: int = 0
+    ramp_s: float = 0.0
 
 
 def skewed_trace(workload: SkewedWorkload) -> list[TraceRequest]:
@@ -120,6 +125,8 @@ def skewed_trace(workload: SkewedWorkload) -> list[TraceRequest]:
         t_s += rng.expovariate(workload.rate_rps)
         phase = int(t_s // workload.phase_s)
         if rng.random() < workload.shared:
+            if workload.ramp_s > 0 and phase > 0 and rng.random() > (t_s % workload.phase_s) / workload.ramp_s:
+                phase -= 1  # NOTE: the new prompt's popularity is still ramping up
             prefix = prompts.setdefault(phase, [next(ids) for _ in range(workload.prefix_blocks)])
             blocks = prefix + [next(ids) for _ in range(workload.suffix_blocks)]
         else:
