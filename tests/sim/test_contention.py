@@ -23,6 +23,10 @@ BANDWIDTH = 50e9  # bytes/s per source link: the 8,192-token prefix (2.7 GB of L
 CONDUCTOR = ConductorConfig(rejection="none", kv_bandwidth_bytes_s=BANDWIDTH)
 SIM = SimConfig(num_prefill=3, num_decode=1)
 PREFIX = tuple(range(1, 17))  # 16 blocks of 512 tokens
+RAMPING = SkewedWorkload(requests=300, rate_rps=20.0, shared=0.95, phase_s=5.0, ramp_s=3.0)
+RAMPING_SIM = SimConfig(num_prefill=6, num_decode=2)
+RAMPING_CONDUCTOR = ConductorConfig(rejection="none", kv_bandwidth_bytes_s=25e9)
+HOT = HotSpotConfig(threshold_rps=1.0)
 
 
 def _trace() -> list[TraceRequest]:
@@ -47,21 +51,17 @@ def test_two_fetches_from_one_holder_take_twice_as_long(contention: bool, sharin
 
 
 def test_deterministic_with_contention_and_replication() -> None:
-    workload = SkewedWorkload(requests=300, rate_rps=20.0, shared=0.95, phase_s=5.0, ramp_s=3.0)
-    sim, conductor = SimConfig(num_prefill=6, num_decode=2), ConductorConfig(rejection="none", kv_bandwidth_bytes_s=25e9)
-    trace, hot = skewed_trace(workload), HotSpotConfig(threshold_rps=1.0)
+    trace = skewed_trace(RAMPING)
     reports = [
-        json.dumps(summarize(simulate(trace, sim, conductor, hot=hot, contention=True), Slo(30, 0.1)))
+        json.dumps(summarize(simulate(trace, RAMPING_SIM, RAMPING_CONDUCTOR, hot=HOT, contention=True), Slo(30, 0.1)))
         for _ in range(2)
     ]
     assert reports[0] == reports[1]
 
 
 def test_replicas_are_copied_from_the_least_loaded_holder_over_its_link() -> None:
-    workload = SkewedWorkload(requests=300, rate_rps=20.0, shared=0.95, phase_s=5.0, ramp_s=3.0)
-    conductor = ConductorConfig(rejection="none", kv_bandwidth_bytes_s=25e9)
-    run = _PdRun(SimConfig(num_prefill=6, num_decode=2), conductor, COST, HotSpotConfig(threshold_rps=1.0), True)
-    trace = skewed_trace(workload)
+    run = _PdRun(RAMPING_SIM, RAMPING_CONDUCTOR, COST, HOT, True)
+    trace = skewed_trace(RAMPING)
     jobs = [Job(i, r.timestamp_ms / 1000, r.input_length, r.output_length, r.hash_ids) for i, r in enumerate(trace)]
     run.run(jobs, None)
     assert run.hot is not None and run.links is not None and run.hot.num_replicas > 0
