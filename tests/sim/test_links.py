@@ -87,3 +87,14 @@ def test_deterministic() -> None:
         return loop.done
 
     assert once() == once()
+
+
+def test_overlapping_transfers_late_in_a_long_run_finish() -> None:
+    # A guard, not a reproduction: the whole conversation trace with contention once looped
+    # forever (a remainder shorter than the clock's resolution at `now` rescheduled at `now`);
+    # this small case did not hang before the fix either.
+    loop = _Loop(100 * GB)
+    loop.start("a", "p0/dram", 3e9 + 1e-2, 3000.0)
+    loop.start("b", "p0/dram", 7e9 / 3, 3000.0 + 1 / 3)
+    loop.run()
+    assert set(loop.done) == {"a", "b"}

@@ -91,7 +91,12 @@ class SourceLinks:
             return
         link.advance(now)
         finished = []
-        while link.flows and link.flows[0][0] <= link.served + _EPSILON_BYTES:
+        while link.flows:
+            left = link.flows[0][0] - link.served
+            # NOTE: also done when the rest takes less than the clock can resolve at `now`:
+            # its finish event would fall at `now` again, forever.
+            if left > _EPSILON_BYTES and now + left * len(link.flows) / link.bandwidth_bytes_s > now:
+                break
             finished.append(heapq.heappop(link.flows)[2])
         self._schedule(source, link, now)
         for done in finished:
