@@ -12,7 +12,10 @@ at least `balancing_threshold` times the local one, and only with `reuse = "glob
 fetched blocks then stay in the chosen instance's cache, so a hot prefix spreads to the
 instances that use it (hot-spot replication). A prefix found on an SSD tier
 (`location(name, "ssd")`) is loaded at the SSD's read bandwidth (`fetch_bandwidth_bytes_s`);
-an instance's own SSD is considered in either reuse mode.
+an instance's own SSD is considered in either reuse mode. With `links` (an object telling the
+transfers in flight from a source), a source's bandwidth is shared: a fetch from a source with
+n transfers in flight is estimated at 1/(n + 1) of it, and among sources holding equally long
+prefixes the least loaded is preferred (the simulator's fair-share links, tsukimi/sim/links.py).
 
 Rejection modes (`ConductorConfig.rejection`):
 
@@ -42,6 +45,7 @@ import logging
 from collections import Counter
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tsukimi.config import ConductorConfig
 from tsukimi.errors import InvalidArgument
@@ -90,6 +94,12 @@ class Decision:
     tbt_s: float = 0.0
 
 
+class SourceLoad(Protocol):
+    """How busy the link of a KV source (a location) is: its transfers in flight, O(1)."""
+
+    def active(self, source: str) -> int: ...
+
+
 @dataclass(slots=True)
 class _PrefillLoad:
     free_at: float = 0.0  # when its queue drains, by the estimates corrected by `shift`
@@ -109,6 +119,8 @@ class Conductor:
         tier: the tier of the instances' own caches in the index.
         groups: prefill instances that are CPP groups (tsukimi/scheduler/cpp.py), priced with
             the pipeline's estimate: the Conductor sends them the prompts they serve fastest.
+        links: the transfers in flight per source, for contention-aware fetch estimates
+            (None: every fetch gets the whole bandwidth).
     """
 
     def __init__(
@@ -121,10 +133,12 @@ class Conductor:
         decode_capacity_tokens: int,
         tier: str = "dram",
         groups: Mapping[str, CppGroup] | None = None,
+        *,
+        links: SourceLoad | None = None,
     ) -> None:
         if not prefill or not decode:
             raise InvalidArgument("the Conductor needs at least one prefill and one decode instance")
-        self.config, self.cost, self.index = config, cost, index
+        self.config, self.cost, self.index, self.links = config, cost, index, links
         self.groups = dict(groups or {})
         self._prefill = {name: _PrefillLoad() for name in sorted(prefill)}
         self._decode = {name: DecodeLoad(decode_capacity_tokens) for name in sorted(decode)}
@@ -214,7 +228,9 @@ class Conductor:
         matches = self.index.match(request.blocks) if request.blocks else {}
         # NOTE: the longest prefixes held anywhere: an instance cannot fetch from its own
         # caches (DRAM and SSD), so the third is the best another may fetch from.
-        ranked = sorted(matches.items(), key=lambda item: (-item[1], item[0]))[:3] if cfg.reuse == "global" else []
+        # With links, equally long prefixes are ranked by their source's load.
+        busy = self.links.active if self.links is not None else _no_load
+        ranked = sorted(matches.items(), key=lambda i: (-i[1], busy(i[0]), i[0]))[:3] if cfg.reuse == "global" else []
         cost, block, chunk = self.cost, cfg.block_tokens, cfg.prefill_chunk_tokens
         tokens = request.input_tokens
         best: Decision | None = None
@@ -247,7 +263,8 @@ class Conductor:
                 if held <= local:
                     continue
                 fetched = _cached_tokens(held, block, tokens)
-                transfer_s = cost.transfer_s(fetched - cached, fetch_bandwidth_bytes_s(cfg, source, own_ssd))
+                bandwidth = fetch_bandwidth_bytes_s(cfg, source, own_ssd) / (1 + busy(source))
+                transfer_s = cost.transfer_s(fetched - cached, bandwidth)
                 fetched_s = compute_s(fetched, group)
                 if transfer_s + fetched_s < option[0] + option[1]:
                     option = (fetched_s, transfer_s, source, held - local, fetched)
@@ -332,6 +349,10 @@ def fetch_bandwidth_bytes_s(config: ConductorConfig, source: str, own_ssd: str) 
     if source.endswith("/ssd"):
         return min(config.ssd_read_bytes_s, config.kv_bandwidth_bytes_s)
     return config.kv_bandwidth_bytes_s
+
+
+def _no_load(source: str) -> int:
+    return 0
 
 
 def _cached_tokens(blocks: int, block_tokens: int, input_tokens: int) -> int:

@@ -1,5 +1,7 @@
 """`python -m tsukimi.sim.hot_compare`: the skewed workload of tsukimi/sim/hotspots.py through
-the simulator with hot-prefix replication off and on; prints the p90 TTFT of both as JSON."""
+the simulator with hot-prefix replication off and on; prints the p90 TTFT of both as JSON, and
+the p90 of the requests sharing a prompt, the requests that fetched a prefix on their way to the
+first token, and the replicas made. `--contention`: KV transfers share their source's link."""
 
 from __future__ import annotations
 
@@ -11,17 +13,31 @@ from dataclasses import asdict
 from tsukimi.config import ConductorConfig, SimConfig
 from tsukimi.scheduler.hotspots import HotSpotConfig
 from tsukimi.sim.hotspots import SkewedWorkload, p90_ttft_s, skewed_trace
-from tsukimi.sim.simulator import simulate
+from tsukimi.sim.simulator import SimResult, simulate
 
 
 def compare(
-    workload: SkewedWorkload, sim: SimConfig, conductor: ConductorConfig, hot: HotSpotConfig
+    workload: SkewedWorkload, sim: SimConfig, conductor: ConductorConfig, hot: HotSpotConfig, contention: bool = False
 ) -> dict[str, object]:
     """p90 TTFT of `workload` with hot-prefix replication off and on (pure; deterministic)."""
     trace = skewed_trace(workload)
-    off, on = simulate(trace, sim, conductor), simulate(trace, sim, conductor, hot=hot)
-    return {"workload": asdict(workload), "p90_ttft_s": {"off": round(p90_ttft_s(off.jobs), 4),
-            "on": round(p90_ttft_s(on.jobs), 4)}}  # fmt: skip
+    off = simulate(trace, sim, conductor, contention=contention)
+    on = simulate(trace, sim, conductor, hot=hot, contention=contention)
+    shared_tokens = (workload.prefix_blocks + workload.suffix_blocks) * 512
+    return {
+        "workload": asdict(workload),
+        "contention": contention,
+        "kv_bandwidth_bytes_s": conductor.kv_bandwidth_bytes_s,
+        "p90_ttft_s": {"off": round(p90_ttft_s(off.jobs), 4), "on": round(p90_ttft_s(on.jobs), 4)},
+        "p90_ttft_shared_s": {name: _shared_p90(run, shared_tokens) for name, run in (("off", off), ("on", on))},
+        "fetching_requests": {
+            name: sum(j.fetch_tokens > 0 for j in run.jobs) for name, run in (("off", off), ("on", on))
+        },
+    }
+
+
+def _shared_p90(run: SimResult, shared_tokens: int) -> float:
+    return round(p90_ttft_s([j for j in run.jobs if j.input_tokens == shared_tokens]), 4)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -32,12 +48,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prefix-blocks", type=int, default=16)
     parser.add_argument("--phase-s", type=float, default=30.0)
     parser.add_argument("--reuse", choices=("global", "local"), default="global")
-    parser.add_argument("--kv-bandwidth", type=float, default=100e9, help="bytes per second")
+    parser.add_argument("--kv-bandwidth", type=float, default=100e9, help="bytes per second (per instance's NIC)")
+    parser.add_argument("--shared", type=float, default=0.9, help="fraction of requests sharing the prompt")
+    parser.add_argument("--ramp-s", type=float, default=0.0, help="a new prompt's popularity ramps up over this")
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--contention", action="store_true", help="KV transfers share their source's link")
     args = parser.parse_args(argv)
-    workload = SkewedWorkload(rate_rps=args.rate, prefix_blocks=args.prefix_blocks, phase_s=args.phase_s)
+    workload = SkewedWorkload(
+        requests=args.requests, rate_rps=args.rate, shared=args.shared, prefix_blocks=args.prefix_blocks,
+        phase_s=args.phase_s, seed=args.seed, ramp_s=args.ramp_s,
+    )  # fmt: skip
     sim = SimConfig(num_prefill=args.prefill, num_decode=args.prefill)
     conductor = ConductorConfig(rejection="none", reuse=args.reuse, kv_bandwidth_bytes_s=args.kv_bandwidth)
-    print(json.dumps(compare(workload, sim, conductor, HotSpotConfig())))
+    print(json.dumps(compare(workload, sim, conductor, HotSpotConfig(), args.contention)))
 
 
 if __name__ == "__main__":

@@ -3,13 +3,17 @@
 `HotReplicator` watches every arriving request (`tsukimi.scheduler.hotspots.HotSpots`): when
 its prefix is hot, the prefill instances `HotSpots.targets` names get a replica of it,
 copied from the pool at the KV bandwidth (off their compute: the copy lands in their DRAM
-cache while they keep prefilling). The replicas are ordinary cache entries afterwards, so an
+cache while they keep prefilling). With contended links (tsukimi/sim/links.py) a copy is
+read from the holder of the prefix with the fewest transfers in flight and shares its link
+with that holder's other transfers. The replicas are ordinary cache entries afterwards, so an
 instance that stops using them evicts them first (LRU). The Conductor then sees several
 instances holding the prefix and spreads its requests over them.
 
 `skewed_trace` builds the issue's workload: most requests share one long system prompt
 (which changes every `phase_s`, as a popular prompt comes and goes), the others are
-unique, at a rate above one prefill instance's capacity.
+unique, at a rate above one prefill instance's capacity. With `ramp_s` > 0 a new prompt's
+popularity ramps up: over its first `ramp_s` seconds it takes the shared requests over from the
+previous prompt linearly, so one instance computes and holds it well before others need it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from tsukimi.scheduler.conductor import Conductor
 from tsukimi.scheduler.cost_model import CostModel
 from tsukimi.scheduler.hotspots import HotSpotConfig, HotSpots
 from tsukimi.sim.instances import BlockCache, Job
+from tsukimi.sim.links import SourceLinks
 from tsukimi.sim.trace import BLOCK_SIZE_TOKENS, TraceRequest
 
 REPLICA_LANDED = 3  # the simulator's event kind of a replica landing in a cache
@@ -38,9 +43,12 @@ class HotReplicator:
         conductor: Conductor,
         cost: CostModel,
         push: Callable[[float, int, object], None],
+        links: SourceLinks | None = None,
     ) -> None:
-        """`push(at, kind, payload)` schedules a simulator event; `caches` by instance name."""
+        """`push(at, kind, payload)` schedules a simulator event; `caches` by instance name;
+        `links`: copies share their source's link (None: each gets the KV bandwidth)."""
         self.spots = HotSpots(config)
+        self.links = links
         self.caches, self.conductor, self.cost, self.push = caches, conductor, cost, push
         self._locations = {name: cache.loc for name, cache in caches.items()}
         self._in_flight: set[tuple[str, int]] = set()  # (instance, last block of the prefix)
@@ -61,10 +69,22 @@ class HotReplicator:
             if (name, blocks[-1]) in self._in_flight:
                 continue
             self._in_flight.add((name, blocks[-1]))
-            landed = now + self.cost.transfer_s(tokens, cfg.kv_bandwidth_bytes_s)
-            self.push(landed, REPLICA_LANDED, (name, blocks))
+            self._copy(name, blocks, tokens, now)
             self.num_replicas += 1
             self.replicated_tokens += tokens
+
+    def _copy(self, name: str, blocks: tuple[int, ...], tokens: int, now: float) -> None:
+        """Start copying `blocks` (`tokens` of KV) to `name`: REPLICA_LANDED when they arrive."""
+        links = self.links
+        if links is None:
+            landed = now + self.cost.transfer_s(tokens, self.conductor.config.kv_bandwidth_bytes_s)
+            self.push(landed, REPLICA_LANDED, (name, blocks))
+            return
+        index = self.conductor.index
+        holders = [loc for loc in self._locations.values() if index.match_at(loc, blocks) == len(blocks)]
+        source = min(holders, key=lambda loc: (links.active(loc), loc))
+        num_bytes = tokens * self.cost.kv_bytes_per_token
+        links.start(source, num_bytes, now, lambda t: self.push(t, REPLICA_LANDED, (name, blocks)))
 
     def landed(self, payload: object) -> None:
         """A replica arrived in its instance's cache (mutates the cache and the index)."""
@@ -78,7 +98,9 @@ class HotReplicator:
 class SkewedWorkload:
     """requests at `rate_rps` (Poisson); a `shared` fraction start with the current system
     prompt of `prefix_blocks` blocks (a new one every `phase_s`), then `suffix_blocks`
-    unique blocks; the others are `unique_blocks` unique blocks. Blocks of 512 tokens."""
+    unique blocks; the others are `unique_blocks` unique blocks. Blocks of 512 tokens.
+    `ramp_s`: a shared request `t` seconds into a phase uses the previous phase's prompt with
+    probability 1 - t / ramp_s (0: none)."""
 
     requests: int = 2000
     rate_rps: float = 12.0
@@ -89,6 +111,7 @@ class SkewedWorkload:
     output_tokens: int = 64
     phase_s: float = 30.0
     seed: int = 0
+    ramp_s: float = 0.0
 
 
 def skewed_trace(workload: SkewedWorkload) -> list[TraceRequest]:
@@ -102,6 +125,8 @@ def skewed_trace(workload: SkewedWorkload) -> list[TraceRequest]:
         t_s += rng.expovariate(workload.rate_rps)
         phase = int(t_s // workload.phase_s)
         if rng.random() < workload.shared:
+            if workload.ramp_s > 0 and phase > 0 and rng.random() > (t_s % workload.phase_s) / workload.ramp_s:
+                phase -= 1  # NOTE: the new prompt's popularity is still ramping up
             prefix = prompts.setdefault(phase, [next(ids) for _ in range(workload.prefix_blocks)])
             blocks = prefix + [next(ids) for _ in range(workload.suffix_blocks)]
         else:

@@ -12,6 +12,10 @@ Two cluster shapes:
 The main loop pops the next event (an arrival, a prefill finishing, a KV transfer landing),
 first brings every decode instance up to that time, then handles it. Deterministic: no
 randomness, and ties in time are broken by event order.
+
+With `contention`, KV transfers (prefix fetches, hot replicas, prefill-to-decode pushes) share
+their source's link (tsukimi/sim/links.py) instead of each getting the whole bandwidth, and
+the Conductor's estimates see each source's transfers in flight.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from tsukimi.scheduler.hotspots import HotSpotConfig
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
 from tsukimi.sim.hotspots import REPLICA_LANDED, HotReplicator
 from tsukimi.sim.instances import BlockCache, ColocatedInstance, DecodeInstance, Job
+from tsukimi.sim.links import LINK_DONE, SourceLinks
 from tsukimi.sim.reservation import ReservationPolicy
 from tsukimi.sim.trace import TraceRequest
 
@@ -55,16 +60,22 @@ def simulate(
     cost: CostModel | None = None,
     progress: Callable[[int], None] | None = None,
     hot: HotSpotConfig | None = None,
+    contention: bool = False,
 ) -> SimResult:
     """Replay `trace` through the cluster `sim` describes; pure apart from `progress`
     (called with the number of requests that arrived so far). `hot`: replicate hot prefixes
-    into prefill instances' caches (PD only; tsukimi/sim/hotspots.py)."""
+    into prefill instances' caches (PD only; tsukimi/sim/hotspots.py). `contention`: KV
+    transfers share their source's link (PD only; tsukimi/sim/links.py)."""
     cost = cost or RooflineCostModel()
     jobs = [
         Job(i, r.timestamp_ms / 1000 / sim.speed, r.input_length, max(1, r.output_length), r.hash_ids)
         for i, r in enumerate(trace)
     ]
-    runner = _PdRun(sim, conductor or ConductorConfig(), cost, hot) if sim.shape == "pd" else _ColocatedRun(sim, cost)
+    runner = (
+        _PdRun(sim, conductor or ConductorConfig(), cost, hot, contention)
+        if sim.shape == "pd"
+        else _ColocatedRun(sim, cost)
+    )
     result = runner.run(jobs, progress)
     result.kv_bytes_per_token = cost.kv_bytes_per_token
     return result
@@ -72,7 +83,12 @@ def simulate(
 
 class _PdRun:
     def __init__(
-        self, sim: SimConfig, cfg: ConductorConfig, cost: RooflineCostModel | CostModel, hot: HotSpotConfig | None
+        self,
+        sim: SimConfig,
+        cfg: ConductorConfig,
+        cost: RooflineCostModel | CostModel,
+        hot: HotSpotConfig | None,
+        contention: bool = False,
     ) -> None:
         self.sim, self.cfg, self.cost = sim, cfg, cost
         self.index = PrefixIndex()
@@ -88,11 +104,16 @@ class _PdRun:
             )
             for i in range(sim.num_decode)
         }
-        self.conductor = Conductor(cfg, cost, self.index, self.prefill, list(self.decode), capacity)
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = itertools.count()
+        self.links = SourceLinks(self._link_bytes_s, self._push) if contention else None
+        self.conductor = Conductor(cfg, cost, self.index, self.prefill, list(self.decode), capacity, links=self.links)
         self.result = SimResult([])
-        self.hot = HotReplicator(hot, self.caches, self.conductor, cost, self._push) if hot else None
+        self.hot = HotReplicator(hot, self.caches, self.conductor, cost, self._push, self.links) if hot else None
+
+    def _link_bytes_s(self, source: str) -> float:
+        """A KV source's link: an SSD tier reads at the SSD's bandwidth, a DRAM at the NIC's."""
+        return self.cfg.ssd_read_bytes_s if source.endswith("/ssd") else self.cfg.kv_bandwidth_bytes_s
 
     def _cache(self, name: str) -> BlockCache:
         """`name`'s DRAM cache, over an SSD tier when the cluster has one."""
@@ -122,6 +143,9 @@ class _PdRun:
             elif kind == REPLICA_LANDED:
                 assert self.hot is not None
                 self.hot.landed(payload)
+            elif kind == LINK_DONE:
+                assert self.links is not None
+                self.links.fire(payload, now)
             else:
                 assert isinstance(payload, tuple)
                 instance_name, job = payload
@@ -172,6 +196,12 @@ class _PdRun:
         if decision.fetch_from is not None:
             bandwidth = fetch_bandwidth_bytes_s(self.cfg, decision.fetch_from, location(name, "ssd"))
             job.ssd_tokens = job.fetch_tokens if decision.fetch_from.endswith("/ssd") else 0
+        if self.links is not None and decision.fetch_from is not None:
+            fetch_bytes = job.fetch_tokens * self.cost.kv_bytes_per_token
+            self.links.start(
+                decision.fetch_from, fetch_bytes, now, lambda t: self._push(t + job.compute_s, 1, (name, job))
+            )
+            return
         duration = self.cost.transfer_s(job.fetch_tokens, bandwidth) + job.compute_s
         self._push(now + duration, 1, (name, job))
 
@@ -188,8 +218,12 @@ class _PdRun:
             self.result.rejected[job.request_id] = "decode_overloaded"
         else:
             job.instances = (name, decode)
-            landed = now + self.cost.transfer_s(job.input_tokens, self.cfg.kv_bandwidth_bytes_s)
-            self._push(landed, 2, (decode, job))
+            if self.links is not None:  # NOTE: the KV leaves through the prefill instance's NIC
+                push_bytes = job.input_tokens * self.cost.kv_bytes_per_token
+                self.links.start(location(name, "dram"), push_bytes, now, lambda t: self._push(t, 2, (decode, job)))
+            else:
+                landed = now + self.cost.transfer_s(job.input_tokens, self.cfg.kv_bandwidth_bytes_s)
+                self._push(landed, 2, (decode, job))
         self._start_prefill(name, now)
 
     def _finished(self, job: Job, now: float) -> None:
