@@ -60,8 +60,8 @@ class FakeWorker:
     Knobs: `load` for /load, `status` to refuse /generate with the protocol's error of that
     status (`raw` to refuse with a plain-text body instead, as a proxy would), `hang` to never
     answer, `gate` to pause after the first token, `delay_s` between tokens, `abort` to end
-    with an engine failure. Records request bodies in `calls`; `disconnected` is set when a
-    client left before the stream's end.
+    with an engine failure, `cpp` (a dict of `CppHealth`) to say it is a CPP group. Records
+    request bodies in `calls`; `disconnected` is set when a client left before the stream's end.
     """
 
     def __init__(self, name: str, role: str = "colocated", **knobs: object) -> None:
@@ -82,6 +82,7 @@ class FakeWorker:
         self.delay_s = float(knobs.pop("delay_s", 0.0))  # type: ignore[arg-type]
         self.cached = int(knobs.pop("cached", 0))  # type: ignore[call-overload]
         self.reported_role = str(knobs.pop("reported_role", self.role))
+        self.cpp: dict[str, object] | None = knobs.pop("cpp", None)  # type: ignore[assignment]
         assert not knobs, knobs
         self.gate = threading.Event()
         self.gated = False
@@ -110,7 +111,7 @@ class FakeWorker:
         @app.get("/health")
         def health() -> dict[str, object]:
             return {"status": "ok", "name": self.name, "role": self.reported_role, "model": "tiny",
-                    "block_tokens": BLOCK_TOKENS}  # fmt: skip
+                    "block_tokens": BLOCK_TOKENS, **({"cpp": self.cpp} if self.cpp else {})}  # fmt: skip
 
         @app.get("/load")
         def load() -> dict[str, int]:

@@ -20,6 +20,9 @@ class PrefillStageConfig:
     chunk_tokens: tokens per pipeline chunk (a one-worker prefill with max_batched_tokens =
         chunk_tokens computes the very same arithmetic).
     threads: torch's intra-op threads (process-wide).
+    link_bytes_s / hop_latency_s: what the head tells the router's cost model of one hop
+        between stages (tsukimi/scheduler/cpp.py: a token's hidden state over the link, plus a
+        fixed cost per chunk and boundary); estimates, not limits (the defaults: loopback TCP).
     connect_timeout_s: how long a stage tries to reach its downstream neighbour;
         request_timeout_s: the longest one prompt may take through the whole group.
     """
@@ -38,6 +41,8 @@ class PrefillStageConfig:
     num_blocks: int = 512
     chunk_tokens: int = 512
     threads: int = 1
+    link_bytes_s: float = 1e9
+    hop_latency_s: float = 1e-3
     connect_timeout_s: float = 60.0
     request_timeout_s: float = 120.0
 
@@ -54,4 +59,5 @@ class PrefillStageConfig:
         )
         for name in ("block_tokens", "num_blocks", "chunk_tokens", "threads"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        require(self.link_bytes_s > 0 and self.hop_latency_s >= 0, "link_bytes_s must be > 0, hop_latency_s >= 0")
         require(self.connect_timeout_s > 0 and self.request_timeout_s > 0, "timeouts must be > 0")

@@ -34,19 +34,22 @@ from tsukimi.scheduler.cost_model import CostModel
 class CppGroup:
     """A prefill group: `stages` instances in a pipeline; each chunk's hidden states take
     `hop_s_per_token` seconds per token per stage boundary (hidden bytes / link bandwidth)
-    plus `hop_latency_s`."""
+    plus `hop_latency_s`. `chunk_tokens`: the group's own pipeline chunk (0: the caller's,
+    e.g. the Conductor's `prefill_chunk_tokens`)."""
 
     stages: int
     hop_s_per_token: float = 0.0
     hop_latency_s: float = 0.0
+    chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.stages < 1 or self.hop_s_per_token < 0 or self.hop_latency_s < 0:
-            raise InvalidArgument("a CPP group needs stages >= 1 and hop times >= 0")
+        if self.stages < 1 or self.hop_s_per_token < 0 or self.hop_latency_s < 0 or self.chunk_tokens < 0:
+            raise InvalidArgument("a CPP group needs stages >= 1, hop times >= 0 and chunk_tokens >= 0")
 
     def prefill_s(self, cost: CostModel, new_tokens: int, cached_tokens: int, chunk_tokens: int) -> float:
-        """`cpp_prefill_s` of this group (pure)."""
-        return cpp_prefill_s(cost, new_tokens, cached_tokens, chunk_tokens, self)
+        """`cpp_prefill_s` of this group, in chunks of its own `chunk_tokens` when set, else of
+        `chunk_tokens` (pure)."""
+        return cpp_prefill_s(cost, new_tokens, cached_tokens, self.chunk_tokens or chunk_tokens, self)
 
 
 def hop_s_per_token(hidden_size: int, dtype_bytes: int, link_bytes_s: float) -> float:

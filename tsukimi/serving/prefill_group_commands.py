@@ -19,7 +19,7 @@ from tsukimi.config import DTYPE_NAMES
 from tsukimi.config.pipeline import PrefillStageConfig
 
 _FLAGS = ("name", "stage", "num_stages", "model", "dtype", "host", "port", "downstream", "master", "segment_bytes",
-          "block_tokens", "num_blocks", "chunk_tokens", "threads")  # fmt: skip
+          "block_tokens", "num_blocks", "chunk_tokens", "threads", "link_bytes_s", "hop_latency_s")  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

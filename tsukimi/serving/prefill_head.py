@@ -1,6 +1,7 @@
 """The head of a prefill group as the router sees it: stage 0 behind the prefill worker's
 internal HTTP API (`POST /generate` answers one NDJSON `TokenChunk` with the first token,
-`GET /health` says role "prefill", `GET /load`), and `run_stage`, the `tsukimi prefill-stage`
+`GET /health` says role "prefill" and, in `cpp`, what the router's Conductor needs to price the
+group: stages, chunk, hop costs; `GET /load`), and `run_stage`, the `tsukimi prefill-stage`
 process (head or a later stage) until SIGINT or SIGTERM.
 
 Only greedy requests (temperature 0) are served: the group computes an argmax.
@@ -20,8 +21,9 @@ from fastapi import FastAPI, Request, Response
 from tsukimi import httpd
 from tsukimi.config.pipeline import PrefillStageConfig
 from tsukimi.errors import InvalidArgument, TsukimiError
+from tsukimi.scheduler.cpp import hop_s_per_token
 from tsukimi.serving.prefill_group import StageProcess
-from tsukimi.serving.protocol import GenerateRequest, Health, Load, TokenChunk, error_reply
+from tsukimi.serving.protocol import CppHealth, GenerateRequest, Health, Load, TokenChunk, error_reply
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +35,12 @@ def head_app(process: StageProcess) -> FastAPI:
     mc = loaded.config
     app = FastAPI(title=f"tsukimi prefill group {cfg.name}")
     in_flight = [0]
+    hop_token_s = hop_s_per_token(mc.hidden_size, mc.torch_dtype.itemsize, cfg.link_bytes_s)
+    cpp = CppHealth(cfg.num_stages, cfg.chunk_tokens, hop_token_s, cfg.hop_latency_s)
 
     @app.get("/health")
     def get_health() -> Response:
-        health = Health("ok", cfg.name, "prefill", mc.identity, mc.name, cfg.block_tokens)
+        health = Health("ok", cfg.name, "prefill", mc.identity, mc.name, cfg.block_tokens, cpp=cpp)
         return Response(msgspec.json.encode(health), media_type="application/json")
 
     @app.get("/load")

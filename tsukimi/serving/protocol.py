@@ -41,6 +41,7 @@ from tsukimi.errors import (
 
 __all__ = [
     "ROLES",
+    "CppHealth",
     "ErrorReply",
     "FinishReason",
     "GenerateRequest",
@@ -155,8 +156,19 @@ class Load(msgspec.Struct, frozen=True):
     total_blocks: int = 0
 
 
+class CppHealth(msgspec.Struct, frozen=True):
+    """What a CPP prefill group's head (tsukimi/serving/prefill_head.py) says of its group in
+    /health: the fields of `tsukimi.scheduler.cpp.CppGroup`, for the router's Conductor. The
+    group serves greedy requests only, one prompt at a time."""
+
+    stages: int
+    chunk_tokens: int
+    hop_s_per_token: float = 0.0
+    hop_latency_s: float = 0.0
+
+
 class Health(msgspec.Struct, frozen=True):
-    """GET /health."""
+    """GET /health. `cpp`: set by the head of a CPP prefill group only."""
 
     status: str
     name: str
@@ -167,6 +179,7 @@ class Health(msgspec.Struct, frozen=True):
     weights_version: str = "initial"
     kv_events_port: int = 0  # the KV events' PUB socket (tsukimi/serving/kv_events.py); 0: none
     kv_snapshot_port: int = 0  # its snapshot socket
+    cpp: CppHealth | None = None
 
 
 def error_reply(error: TsukimiError) -> tuple[int, bytes]:

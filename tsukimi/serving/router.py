@@ -28,6 +28,9 @@ in order, a snapshot after a gap: tsukimi/serving/index_feed.py); the router rec
 itself when a prefill finishes. Each PD request's events carry what the index expected the
 prefill worker to reuse at decision time (`expected_cached_tokens`), beside what it reused.
 
+A prefill worker that is a CPP group (its /health says so) is priced by the Conductor with
+the pipeline estimate and never gets a sampling request (tsukimi/serving/cpp_groups.py).
+
 Runs on one asyncio event loop (the Conductor and the index are not thread-safe).
 """
 
@@ -53,6 +56,7 @@ from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import CostModel, LinearCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
+from tsukimi.serving.cpp_groups import conductor_groups, excluded
 from tsukimi.serving.index_feed import ExpectedReuse, IndexFeed, expected_reuse
 from tsukimi.serving.protocol import FinishReason, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
 from tsukimi.serving.worker_client import POOL, WorkerClient, WorkerHandle, WorkerSpec, WorkerStatus
@@ -266,7 +270,7 @@ class Router:
         worker turns out unreachable; its one event, with the reuse the index expected."""
         attempts = PLACEMENT.start(self.clock)
         while True:
-            down = {name for name, w in self._workers.items() if not w.healthy}
+            down = excluded(self._workers.values(), request)  # NOTE: and the CPP groups when sampling
             decision = conductor.schedule(ScheduleRequest(rid, len(request.prompt_ids), blocks), self.clock.now(), down)
             if not decision.accepted:
                 if decision.reason == "no_instance":
@@ -314,6 +318,7 @@ class Router:
         """One worker's stream as TokenEvents, counted in the worker's `in_flight`."""
         assert self._client is not None
         worker.in_flight += 1
+        worker.requests += 1
         try:
             async with contextlib.aclosing(self._client.stream(worker, request)) as chunks:
                 async for chunk in chunks:
@@ -338,7 +343,9 @@ class Router:
             capacity = min((b for b in known if b > 0), default=0) * self.block_tokens or DEFAULT_DECODE_CAPACITY_TOKENS
         conductor = dataclasses.replace(self._conductor_config, block_tokens=self.block_tokens)
         names = {role: [w.spec.name for w in self._workers.values() if w.spec.role == role] for role in ROLES}
-        return Conductor(conductor, cost_model(self.config), self.index, names["prefill"], names["decode"], capacity)
+        groups = conductor_groups(self._workers.values())  # NOTE: priced with the pipeline estimate
+        return Conductor(conductor, cost_model(self.config), self.index, names["prefill"], names["decode"], capacity,
+                         groups=groups)  # fmt: skip
 
 
 def _resolve_mode(mode: str, workers: Sequence[WorkerSpec]) -> Literal["colocated", "pd"]:

@@ -33,6 +33,7 @@ from tsukimi.errors import ConfigError, WorkerError, WorkerUnavailable
 from tsukimi.retry import Retry
 from tsukimi.serving.protocol import (
     ROLES,
+    CppHealth,
     GenerateRequest,
     Health,
     Load,
@@ -69,7 +70,8 @@ class WorkerSpec:
 
 @dataclass(frozen=True, slots=True)
 class WorkerStatus:
-    """A snapshot of one worker for /health and /metrics."""
+    """A snapshot of one worker for /health and /metrics. requests: how many this router has
+    sent there (streams opened); cpp_stages: a CPP prefill group's stages (0: one worker)."""
 
     name: str
     role: Role
@@ -77,12 +79,16 @@ class WorkerStatus:
     waiting: int
     running: int
     in_flight: int
+    requests: int = 0
+    cpp_stages: int = 0
 
 
 @dataclass(slots=True)
 class WorkerHandle:
     """The router's view of one worker: health, load and block_tokens as last seen, and the
-    requests this router has in flight there (mutated by `WorkerClient` and the router)."""
+    requests this router has in flight there and has sent there in all (mutated by
+    `WorkerClient` and the router); `cpp`: what a CPP prefill group's head reported (None: an
+    ordinary worker, or not heard from at discovery)."""
 
     spec: WorkerSpec
     healthy: bool = True
@@ -90,11 +96,14 @@ class WorkerHandle:
     block_tokens: int = 0
     in_flight: int = 0
     kv_events_ports: tuple[int, int] = (0, 0)  # its KV events' PUB and snapshot ports (0: none)
+    requests: int = 0
+    cpp: CppHealth | None = None
 
     def status(self) -> WorkerStatus:
         """The snapshot (pure)."""
-        s = self.spec
-        return WorkerStatus(s.name, s.role, self.healthy, self.load.waiting, self.load.running, self.in_flight)
+        s, stages = self.spec, self.cpp.stages if self.cpp is not None else 0
+        return WorkerStatus(s.name, s.role, self.healthy, self.load.waiting, self.load.running, self.in_flight,
+                            self.requests, stages)  # fmt: skip
 
 
 class WorkerClient:
@@ -211,6 +220,7 @@ class WorkerClient:
         if info is not None:
             worker.block_tokens = info.block_tokens
             worker.kv_events_ports = (info.kv_events_port, info.kv_snapshot_port)
+            worker.cpp = info.cpp
         worker.load, worker.healthy = load, True
         return True
 
