@@ -142,17 +142,26 @@ class ClusterWorkersConfig:
     worker: the settings every worker shares, written flat in `[workers]` (SHARED_WORKER_KEYS:
         `num_blocks = 64`, not a table); its name, role, model, host, port and master are set
         per worker by `tsukimi up`. segment_bytes: memory each PD worker gives the KV pool.
+    cpp_groups: CPP prefill groups (mode "pd"; tsukimi/serving/cpp_cluster.py) started beside
+        the prefill workers, each of `cpp_stages` processes computing chunks of
+        `cpp_chunk_tokens`; the router sends them the long greedy prompts.
     """
 
     prefill: int = 1
     decode: int = 1
     colocated: int = 1
     base_port: int = 0
+    cpp_groups: int = 0
+    cpp_stages: int = 2
+    cpp_chunk_tokens: int = 512
     worker: WorkerConfig = field(default_factory=WorkerConfig, metadata={INLINE_KEYS: SHARED_WORKER_KEYS})
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "decode", "colocated"):
+        for name in ("prefill", "decode", "colocated", "cpp_groups"):
             require(getattr(self, name) >= 0, f"workers.{name} must be >= 0")
+        require(
+            self.cpp_stages >= 1 and self.cpp_chunk_tokens >= 1, "workers.cpp_stages and cpp_chunk_tokens must be >= 1"
+        )
         _check_port(self.base_port, "workers.base_port")
 
 
@@ -190,6 +199,10 @@ class ClusterConfig:
         _check_port(self.metadata_port, "metadata_port")
         w = self.workers
         if self.mode == "pd":
-            require(w.prefill >= 1 and w.decode >= 1, "mode pd needs workers.prefill >= 1 and workers.decode >= 1")
+            needs = (
+                "mode pd needs workers.prefill >= 1 and workers.decode >= 1 (a CPP group counts as a prefill worker)"
+            )
+            require(w.prefill + w.cpp_groups >= 1 and w.decode >= 1, needs)
         else:
             require(w.colocated >= 1, "mode colocated needs workers.colocated >= 1")
+            require(w.cpp_groups == 0, "CPP groups (workers.cpp_groups) need mode pd: they publish to the KV pool")

@@ -3,6 +3,7 @@
     tsukimi master   (mode "pd" only: the KV pool's master; the workers contribute its memory)
     tsukimi metadata-server  (the P2P store's records: live weight updates pull through it)
       -> tsukimi worker x N   (prefill + decode, or colocated; started together)
+         + CPP prefill groups (`cpp_groups`: k `tsukimi prefill-stage` each; cpp_cluster.py)
         -> tsukimi router     (the OpenAI-compatible API, 127.0.0.1:8000 by default)
 
 Each group starts once the previous one answers GET /health with {"status": "ok"} (the router
@@ -21,6 +22,7 @@ settings `[workers]` gives them all (a `WorkerConfig`) with its own name, role, 
     prefill = 1
     decode = 1
     colocated = 1       # used in mode "colocated"
+    cpp_groups = 0      # CPP prefill groups (mode "pd"), of cpp_stages processes each
     num_blocks = 512
     segment_bytes = 268435456
     [router]
@@ -54,8 +56,9 @@ from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElaps
 from rich.table import Table
 
 from tsukimi.clock import WallClock
-from tsukimi.config import ClusterConfig, Role, load
+from tsukimi.config import ROLES, ClusterConfig, Role, load
 from tsukimi.errors import PeerError
+from tsukimi.serving.cpp_cluster import group_processes
 from tsukimi.serving.worker_commands import worker_args
 
 logger = logging.getLogger(__name__)
@@ -65,7 +68,8 @@ logger = logging.getLogger(__name__)
 class ProcessSpec:
     """One child: its name, role, `tsukimi` arguments and HTTP base URL. `argv`: a command
     line that is not tsukimi's (then `args` is unused), `env`: variables added to ours;
-    `health`: "tsukimi" waits for {"status": "ok"} on /health, "http" for any 200 (vLLM)."""
+    `health`: "tsukimi" waits for {"status": "ok"} on /health, "http" for any 200 (vLLM),
+    "none" for nothing (a CPP group's later stage: its head's health covers it)."""
 
     name: str
     role: str
@@ -73,7 +77,7 @@ class ProcessSpec:
     url: str
     argv: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
-    health: Literal["tsukimi", "http"] = "tsukimi"
+    health: Literal["tsukimi", "http", "none"] = "tsukimi"
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
@@ -124,8 +128,9 @@ def plan(config: ClusterConfig, port: Callable[[], int] | None = None) -> list[l
             metadata_url=f"{metadata.url}/metadata",
         )
         workers.append(ProcessSpec(name, role, worker_args(worker), f"http://{url_host}:{worker_port}"))
+    workers += group_processes(config, master, lambda j: w.base_port + len(roles) + j if w.base_port else pick())
     groups.append(workers)
-    listed = ",".join(f"{s.name}={s.role}@{s.url}" for s in workers)
+    listed = ",".join(f"{s.name}={s.role}@{s.url}" for s in workers if s.role in ROLES)
     router_port = config.router.port or pick()
     args = ("router", "--host", h, "--port", str(router_port), "--model", config.model, "--workers", listed,
             "--mode", config.mode, "--served-model-name", config.router.served_model_name or config.model)  # fmt: skip
@@ -225,6 +230,8 @@ class Supervisor:
 
 
 def _healthy(client: httpx.Client, url: str, kind: str = "tsukimi") -> bool:
+    if kind == "none":
+        return True
     try:
         response = client.get(url + "/health")
         if kind == "http":
