@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -11,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -123,6 +125,25 @@ def up(tmp_path: Path, text: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "COLUMNS": "200"}
     with (tmp_path / "up.log").open("wb") as out:  # the child keeps its own descriptor
         return subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+@contextlib.contextmanager
+def running(tmp_path: Path, text: str, timeout_s: float = 60) -> Iterator[dict[str, object]]:
+    """`tsukimi up` of the cluster `text`, once it is up: its state file (the API's URL, the
+    processes); stopped with SIGTERM after (SIGKILL when it does not stop in 30 s)."""
+    supervisor = up(tmp_path, text)
+    try:
+        wait_until(lambda: (tmp_path / "state").exists() or supervisor.poll() is not None, timeout_s)
+        assert supervisor.poll() is None, (tmp_path / "up.log").read_text()
+        yield json.loads((tmp_path / "state").read_text())
+    finally:
+        supervisor.send_signal(signal.SIGTERM)
+        try:
+            supervisor.wait(timeout=30)
+        finally:
+            if supervisor.poll() is None:
+                supervisor.kill()
+                supervisor.wait()
 
 
 def children_of(pid: int) -> set[int]:

@@ -7,8 +7,6 @@ group (it is greedy-only)."""
 from __future__ import annotations
 
 import itertools
-import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from tests.serving.test_cluster import up
+from tests.serving.test_cluster import running
 from tsukimi.config import ClusterConfig, load
 from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.kv_cache import KVLayout
@@ -25,7 +23,7 @@ from tsukimi.engine.tokenizer import load_tokenizer
 from tsukimi.engine.weights import random_tiny
 from tsukimi.errors import ConfigError
 from tsukimi.serving.cluster import plan
-from tsukimi.testing.processes import free_port, wait_until
+from tsukimi.testing.processes import free_port
 
 CHUNK = 128
 LONG = [1, *((37 * i) % 31000 + 3 for i in range(2100))]
@@ -73,19 +71,8 @@ def cluster_text(tmp_path: Path) -> str:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The API URL of a running cluster with a CPP group."""
     tmp_path = tmp_path_factory.mktemp("cpp-up")
-    supervisor = up(tmp_path, cluster_text(tmp_path))
-    try:
-        wait_until(lambda: (tmp_path / "state").exists() or supervisor.poll() is not None, 90)
-        assert supervisor.poll() is None, (tmp_path / "up.log").read_text()
-        yield json.loads((tmp_path / "state").read_text())["api"]
-    finally:
-        supervisor.send_signal(signal.SIGTERM)
-        try:
-            supervisor.wait(timeout=30)
-        finally:
-            if supervisor.poll() is None:
-                supervisor.kill()
-                supervisor.wait()
+    with running(tmp_path, cluster_text(tmp_path), 90) as state:
+        yield str(state["api"])
 
 
 def placed(api: str) -> dict[str, int]:

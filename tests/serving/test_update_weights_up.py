@@ -7,21 +7,19 @@ with the old weights is reused, neither from a worker's prefix cache nor from th
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.serving.test_cluster import tiny_cluster, up
+from tests.serving.test_cluster import running, tiny_cluster
 from tests.serving.test_update_weights import PROMPT, reference
 from tsukimi.config import Config, MetadataConfig
 from tsukimi.engine.tokenizer import load_tokenizer
 from tsukimi.engine.weights import random_tiny
 from tsukimi.p2p import P2PStore
 from tsukimi.p2p.weights import publish_state_dict
-from tsukimi.testing.processes import wait_until
 
 MAX_TOKENS = 6
 
@@ -30,20 +28,8 @@ MAX_TOKENS = 6
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
     """A PD cluster of the tiny model; every process's URL by name, and "api"."""
     monkeypatch.delenv("TSUKIMI_CLUSTER_SECRET", raising=False)
-    supervisor = up(tmp_path, tiny_cluster(tmp_path))
-    try:
-        wait_until(lambda: (tmp_path / "state").exists() or supervisor.poll() is not None, 60)
-        assert supervisor.poll() is None, (tmp_path / "up.log").read_text()
-        state = json.loads((tmp_path / "state").read_text())
-        yield {"api": state["api"], **{p["name"]: p["url"] for p in state["processes"]}}
-    finally:
-        supervisor.send_signal(signal.SIGTERM)
-        try:
-            supervisor.wait(timeout=30)
-        finally:
-            if supervisor.poll() is None:
-                supervisor.kill()
-                supervisor.wait()
+    with running(tmp_path, tiny_cluster(tmp_path)) as state:
+        yield {"api": state["api"], **{p["name"]: p["url"] for p in state["processes"]}}  # type: ignore[attr-defined]
 
 
 def generate(url: str, request_id: str) -> tuple[list[int], int, int]:

@@ -43,7 +43,7 @@ from tsukimi.integrations.vllm.launch import ROOT, VllmClusterConfig, plan_vllm
 from tsukimi.testing.processes import free_port
 
 if TYPE_CHECKING:
-    from tsukimi.serving.cluster import ProcessSpec
+    from tsukimi.serving.process_spec import ProcessSpec
 
 SYSTEMS = ("vllm_rr", "tsukimi", "mooncake_store", "tsukimi_routing")
 _TIMEOUT = httpx.Timeout(300.0, connect=5.0)

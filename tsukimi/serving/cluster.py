@@ -48,7 +48,6 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import httpx
 from rich.console import Console
@@ -59,25 +58,10 @@ from tsukimi.clock import WallClock
 from tsukimi.config import ROLES, ClusterConfig, Role, load
 from tsukimi.errors import PeerError
 from tsukimi.serving.cpp_cluster import group_processes
+from tsukimi.serving.process_spec import ProcessSpec
 from tsukimi.serving.worker_commands import worker_args
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessSpec:
-    """One child: its name, role, `tsukimi` arguments and HTTP base URL. `argv`: a command
-    line that is not tsukimi's (then `args` is unused), `env`: variables added to ours;
-    `health`: "tsukimi" waits for {"status": "ok"} on /health, "http" for any 200 (vLLM),
-    "none" for nothing (a CPP group's later stage: its head's health covers it)."""
-
-    name: str
-    role: str
-    args: tuple[str, ...]
-    url: str
-    argv: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    health: Literal["tsukimi", "http", "none"] = "tsukimi"
 
 
 def _free_port(host: str = "127.0.0.1") -> int:

@@ -16,14 +16,11 @@ every other child. The router learns from the head's /health that it is a group
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from tsukimi.config import ClusterConfig
 from tsukimi.config.pipeline import PrefillStageConfig
 from tsukimi.serving.prefill_group_commands import stage_args
-
-if TYPE_CHECKING:
-    from tsukimi.serving.cluster import ProcessSpec
+from tsukimi.serving.process_spec import ProcessSpec
 
 STAGE_ROLE = "cpp-stage"  # a later stage: a child of `tsukimi up`, not a worker of the router
 
@@ -55,8 +52,6 @@ def stage_configs(config: ClusterConfig, master: str, port: Callable[[int], int]
 def group_processes(config: ClusterConfig, master: str, port: Callable[[int], int]) -> list[ProcessSpec]:
     """The processes of `stage_configs`: a head is a prefill worker (HTTP, healthy on
     /health), a later stage a `STAGE_ROLE` child addressed HOST:PORT (pure but for `port`)."""
-    from tsukimi.serving.cluster import ProcessSpec  # NOTE: cluster.py imports this module
-
     host = f"[{config.host}]" if ":" in config.host else config.host
     return [
         ProcessSpec(c.name, "prefill", stage_args(c), f"http://{host}:{c.port}")

@@ -30,7 +30,7 @@ from tsukimi.errors import ConfigError
 from tsukimi.testing.processes import free_port
 
 if TYPE_CHECKING:
-    from tsukimi.serving.cluster import ProcessSpec
+    from tsukimi.serving.process_spec import ProcessSpec
 
 ROOT = Path(__file__).resolve().parents[3]
 Connector = Literal["none", "tsukimi", "mooncake_store"]
@@ -103,7 +103,7 @@ def vllm_process(
     config: VllmClusterConfig, index: int, role: str, master: str, pick: Callable[[], int], workdir: Path
 ) -> tuple[ProcessSpec, str]:
     """One vLLM API server's process and its `--kv-events` item (pure but for `pick`)."""
-    from tsukimi.serving.cluster import ProcessSpec
+    from tsukimi.serving.process_spec import ProcessSpec
 
     name, h, port = f"vllm-{index}", config.host, pick()
     # NOTE: vLLM binds its PUB socket only to "tcp://*:P" (every interface) or ipc://, and
@@ -134,7 +134,7 @@ def plan_vllm(
     config: VllmClusterConfig, workdir: Path, pick: Callable[[], int] | None = None
 ) -> list[list[ProcessSpec]]:
     """The cluster's processes in start order. Raises ConfigError (venv or model missing)."""
-    from tsukimi.serving.cluster import ProcessSpec
+    from tsukimi.serving.process_spec import ProcessSpec
 
     h = config.host
     port = pick or (lambda: free_port(h))
