@@ -228,3 +228,20 @@ class HotModel(RuleBasedStateMachine):
 
 TestHotModel = HotModel.TestCase
 TestHotModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_extras_go_exactly_at_the_end_of_the_cool_down() -> None:
+    """Found by the model: cool_since + cool_down landed on `now` exactly, and the tick's
+    `now - cool_since >= cool_down` rounded the other way, so the extras outlived their time."""
+    model = HotModel()
+    try:
+        model.mount_all()
+        model.time_passes(fail=False, seconds=5.0)
+        model.time_passes(fail=False, seconds=5.0)
+        model.put(key="a", kib=1, replicas=1)
+        model.read(key="a", times=3)
+        model.time_passes(fail=False, seconds=0.1)
+        model.time_passes(fail=False, seconds=5.0)
+        model.time_passes(fail=False, seconds=2.0)  # asserts the extras are gone
+    finally:
+        model.teardown()

@@ -150,7 +150,8 @@ class HotReplication:
             heat.cool_since = math.inf
         elif heat.cool_since == math.inf:
             heat.cool_since = now
-        elif now - heat.cool_since >= self.config.hot_cool_down_s:
+        # NOTE: the deadline as a sum, as the model test states it (a difference rounds the other way)
+        elif heat.cool_since + self.config.hot_cool_down_s <= now:
             self._drop_extras(key, now, "hot_drops")
 
     def _replicate(self, key: str, now: float) -> None:
