@@ -28,12 +28,14 @@ from tsukimi.scheduler.prefix_index import PrefixIndex
 class HotSpotConfig:
     """threshold_rps: a block read this often (decaying average over `window_s`) is hot;
     max_replicas: prefill instances that should hold a hot prefix (the first holder
-    included); min_blocks: shorter hot prefixes are not worth replicating."""
+    included); min_blocks: shorter hot prefixes are not worth replicating; evict_hot_last:
+    a cache holding hot blocks evicts its cold blocks first (the simulator's prefill caches)."""
 
     threshold_rps: float = 2.0
     window_s: float = 10.0
     max_replicas: int = 4
     min_blocks: int = 2
+    evict_hot_last: bool = True
 
     def __post_init__(self) -> None:
         if self.threshold_rps <= 0 or self.window_s <= 0:
@@ -66,6 +68,10 @@ class HotSpots:
         if len(counts) > 1 << 20:  # NOTE: forget the cold blocks now and then, amortised
             self._forget(now)
         return hot if hot >= self.config.min_blocks else 0
+
+    def is_hot(self, block: int, now: float) -> bool:
+        """Whether `block` is read at `threshold_rps` or more lately (pure)."""
+        return self.rate(block, now) >= self.config.threshold_rps
 
     def rate(self, block: int, now: float) -> float:
         """Reads per second of `block` lately (pure)."""

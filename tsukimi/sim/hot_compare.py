@@ -30,10 +30,18 @@ def compare(
         "kv_bandwidth_bytes_s": conductor.kv_bandwidth_bytes_s,
         "p90_ttft_s": {"off": round(p90_ttft_s(off.jobs), 4), "on": round(p90_ttft_s(on.jobs), 4)},
         "p90_ttft_shared_s": {name: _shared_p90(run, shared_tokens) for name, run in (("off", off), ("on", on))},
+        "prefix_recomputed": {name: _recomputed(run, workload) for name, run in (("off", off), ("on", on))},
         "fetching_requests": {
             name: sum(j.fetch_tokens > 0 for j in run.jobs) for name, run in (("off", off), ("on", on))
         },
     }
+
+
+def _recomputed(run: SimResult, workload: SkewedWorkload) -> int:
+    """Shared-prompt requests that computed part of the system prompt (it was not cached)."""
+    shared_tokens = (workload.prefix_blocks + workload.suffix_blocks) * 512
+    prefix_tokens = workload.prefix_blocks * 512
+    return sum(j.input_tokens == shared_tokens and 0 <= j.cached_tokens < prefix_tokens for j in run.jobs)
 
 
 def _shared_p90(run: SimResult, shared_tokens: int) -> float:
@@ -54,14 +62,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--contention", action="store_true", help="KV transfers share their source's link")
+    parser.add_argument("--cache-blocks", type=int, default=6000, help="each prefill instance's DRAM cache")
+    parser.add_argument("--no-evict-hot-last", action="store_true", help="replicas are plain LRU entries")
+    parser.add_argument("--prompts", type=int, default=1, help="hot system prompts in use at once")
     args = parser.parse_args(argv)
     workload = SkewedWorkload(
         requests=args.requests, rate_rps=args.rate, shared=args.shared, prefix_blocks=args.prefix_blocks,
-        phase_s=args.phase_s, seed=args.seed, ramp_s=args.ramp_s,
+        phase_s=args.phase_s, seed=args.seed, ramp_s=args.ramp_s, prompts=args.prompts,
     )  # fmt: skip
-    sim = SimConfig(num_prefill=args.prefill, num_decode=args.prefill)
+    sim = SimConfig(num_prefill=args.prefill, num_decode=args.prefill, cache_blocks=args.cache_blocks)
     conductor = ConductorConfig(rejection="none", reuse=args.reuse, kv_bandwidth_bytes_s=args.kv_bandwidth)
-    print(json.dumps(compare(workload, sim, conductor, HotSpotConfig(), args.contention)))
+    hot = HotSpotConfig(evict_hot_last=not args.no_evict_hot_last)
+    print(json.dumps(compare(workload, sim, conductor, hot, args.contention)))
 
 
 if __name__ == "__main__":

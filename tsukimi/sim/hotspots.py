@@ -54,10 +54,18 @@ class HotReplicator:
         self._in_flight: set[tuple[str, int]] = set()  # (instance, last block of the prefix)
         self.num_replicas = 0
         self.replicated_tokens = 0
+        self._now = 0.0  # the last arrival's time: hotness is judged as of then
+        if config.evict_hot_last:
+            for cache in caches.values():
+                cache.hot = self._is_hot
+
+    def _is_hot(self, block: int) -> bool:
+        return self.spots.is_hot(block, self._now)
 
     def on_arrival(self, job: Job, now: float) -> None:
         """Count `job`'s blocks; start copies of its hot prefix to the instances that should
         hold it (mutates: schedules REPLICA_LANDED events)."""
+        self._now = now
         hot = self.spots.observe(job.blocks, now)
         if not hot:
             return
@@ -112,13 +120,14 @@ class SkewedWorkload:
     phase_s: float = 30.0
     seed: int = 0
     ramp_s: float = 0.0
+    prompts: int = 1
 
 
 def skewed_trace(workload: SkewedWorkload) -> list[TraceRequest]:
     """The requests of `workload`, deterministic for its seed (pure)."""
     rng = random.Random(workload.seed)
     ids = iter(range(1, 1 << 62))
-    prompts: dict[int, list[int]] = {}
+    prompts: dict[tuple[int, int], list[int]] = {}
     out: list[TraceRequest] = []
     t_s = 0.0
     for _ in range(workload.requests):
@@ -127,7 +136,8 @@ def skewed_trace(workload: SkewedWorkload) -> list[TraceRequest]:
         if rng.random() < workload.shared:
             if workload.ramp_s > 0 and phase > 0 and rng.random() > (t_s % workload.phase_s) / workload.ramp_s:
                 phase -= 1  # NOTE: the new prompt's popularity is still ramping up
-            prefix = prompts.setdefault(phase, [next(ids) for _ in range(workload.prefix_blocks)])
+            key = (phase, rng.randrange(workload.prompts)) if workload.prompts > 1 else (phase, 0)
+            prefix = prompts.setdefault(key, [next(ids) for _ in range(workload.prefix_blocks)])
             blocks = prefix + [next(ids) for _ in range(workload.suffix_blocks)]
         else:
             blocks = [next(ids) for _ in range(workload.unique_blocks)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 from tsukimi.eviction import EvictionPolicy
@@ -38,6 +38,8 @@ class BlockCache:
         lower: BlockCache | None = None,
     ) -> None:
         self.loc, self.capacity, self.policy, self.index, self.lower = loc, capacity, policy, index, lower
+        self.hot: Callable[[int], bool] | None = None  # set by a hot-spot replicator: evict these last
+        self.hot_evictions = 0  # hot blocks evicted (when nothing cold was left to evict)
 
     def access(self, blocks: Sequence[int]) -> None:
         """Touch the resident blocks and insert the others, last to first (a chain is then
@@ -49,14 +51,7 @@ class BlockCache:
         if self.capacity is not None:
             excess = len(policy) + len(missing) - self.capacity
             if excess > 0:
-                protected = set(keep)
-                victims = []
-                for _ in range(excess):
-                    victim = policy.pop_victim(protected)
-                    if victim is None:
-                        break
-                    victims.append(victim)
-                self.index.evicted(self.loc, victims)
+                self.index.evicted(self.loc, self._victims(set(keep), excess))
         for position in range(len(keep) - 1, -1, -1):
             block = keep[position]
             if block in policy:
@@ -67,6 +62,33 @@ class BlockCache:
             self.index.stored(self.loc, missing)
         if self.lower is not None:
             self.lower.access(blocks)
+
+    def _victims(self, protected: set[int], excess: int) -> list[int]:
+        """Pop up to `excess` victims outside `protected`: cold blocks first, hot ones (see
+        `hot`) only when no cold block is left. Mutates the policy."""
+        hot, policy = self.hot, self.policy
+        cold_only: Container[int] = protected if hot is None else _ColdOnly(protected, hot)
+        victims = []
+        for _ in range(excess):
+            victim = policy.pop_victim(cold_only)
+            if victim is None and hot is not None:
+                victim = policy.pop_victim(protected)
+                self.hot_evictions += victim is not None
+            if victim is None:
+                break
+            victims.append(victim)
+        return victims
+
+
+@dataclass(frozen=True, slots=True)
+class _ColdOnly:
+    """A `keep` set for eviction: the protected blocks and the hot ones."""
+
+    protected: set[int]
+    hot: Callable[[int], bool]
+
+    def __contains__(self, block: object) -> bool:
+        return block in self.protected or (isinstance(block, int) and self.hot(block))
 
 
 @dataclass(slots=True)
