@@ -21,7 +21,6 @@ Applying a batch costs microseconds per block and runs between decisions on the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import zmq.asyncio
 
 from tsukimi.scheduler.index_sync import InstanceEvents
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
-from tsukimi.serving.kv_events import EventSource, EventSubscriber
+from tsukimi.serving.kv_events import EventSource, EventSubscriber, stop_subscribers
 from tsukimi.serving.worker_client import POOL, WorkerHandle
 
 logger = logging.getLogger(__name__)
@@ -111,12 +110,5 @@ class IndexFeed:
 
     async def close(self) -> None:
         """Stops the subscribers (idempotent; mutates)."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
-        if self._context is not None:
-            self._context.term()
-            self._context = None
+        await stop_subscribers(self._tasks, self._context)
+        self._context = None

@@ -51,6 +51,19 @@ JournalEntry = tuple[bool, BlockHash]
 """(stored, hash): a block cached under `hash` (True) or evicted from the cache (False)."""
 
 
+async def stop_subscribers(tasks: list[asyncio.Task[None]], context: zmq.asyncio.Context | None) -> None:
+    """Cancel `tasks` (subscribers, pollers), wait for each to end, then close `context` (mutates:
+    empties `tasks`)."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    tasks.clear()
+    if context is not None:
+        context.term()
+
+
 def _seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big", signed=True)
 

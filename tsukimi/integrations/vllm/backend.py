@@ -20,7 +20,6 @@ Runs on one asyncio event loop (the Conductor and the index are not thread-safe)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -39,6 +38,7 @@ from tsukimi.integrations.vllm.block_hash import VllmBlockHasher, VllmHashConfig
 from tsukimi.integrations.vllm.kv_events import EventSource, EventSubscriber, InstanceEvents
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.prefix_index import PrefixIndex
+from tsukimi.serving.kv_events import stop_subscribers
 from tsukimi.serving.router import cost_model
 
 logger = logging.getLogger(__name__)
@@ -162,15 +162,8 @@ class VllmBackend:
 
     async def close(self) -> None:
         """Stops the subscribers and the poller, closes the connections (idempotent; mutates)."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
-        if self._zmq is not None:
-            self._zmq.term()
-            self._zmq = None
+        await stop_subscribers(self._tasks, self._zmq)
+        self._zmq = None
         await self.client.aclose()
 
     # -- placement ---------------------------------------------------------------------------
