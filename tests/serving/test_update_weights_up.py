@@ -20,6 +20,7 @@ from tsukimi.engine.tokenizer import load_tokenizer
 from tsukimi.engine.weights import random_tiny
 from tsukimi.p2p import P2PStore
 from tsukimi.p2p.weights import publish_state_dict
+from tsukimi.testing.processes import wait_until
 
 MAX_TOKENS = 6
 
@@ -47,6 +48,15 @@ def complete(api: str) -> str:
     assert response.status_code == 200, response.text
     text: str = response.json()["choices"][0]["text"]
     return text
+
+
+def prompt_details(api: str) -> tuple[int, int]:
+    """One completion's cached prompt tokens and those the router's index expected."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    response = httpx.post(api + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    details = response.json()["usage"]["prompt_tokens_details"]
+    return details["cached_tokens"], details["expected_cached_tokens"]
 
 
 @pytest.mark.timeout(120)
@@ -81,6 +91,9 @@ def test_up_updates_every_workers_weights_live(cluster: dict[str, str]) -> None:
     assert generate(prefill, "p-new") == (new[:1], 32, 32)
     assert generate(prefill, "p-new-again") == (new[:1], 32, 0)
     assert complete(cluster["api"]) == tokenizer.decode(new) != before
+    # the router now hashes as the updated workers do (their version's salt), so its index follows
+    # their KV events again and expects the prefill worker's reuse exactly
+    wait_until(lambda: prompt_details(cluster["api"]) == (32, 32), timeout_s=10, interval_s=0.2)
     missing = httpx.post(cluster["api"] + "/admin/update_weights", json={"name": "no-such"}, timeout=60)
     assert missing.status_code == 404
     assert {r["code"] for r in missing.json()["workers"].values()} == {"payload_not_found"}

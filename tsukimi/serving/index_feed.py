@@ -11,8 +11,9 @@ finishes. Decode workers publish too but are not subscribed: the Conductor place
 and a decode worker's cache is no place to fetch a prefix from.
 
 NOTE: the pool's own evictions are not published (the store master evicts on its own), so
-"pool/dram" over-approximates the pool once it fills; blocks put under new weights after a
-live update are salted (tsukimi/engine/block_manager.py) and never match the router's hashes.
+"pool/dram" over-approximates the pool once it fills. After a live update the workers salt
+their block hashes with the new weights version (tsukimi/engine/block_manager.py); the router
+salts its own the same way once every worker reported that version (Router.update_weights).
 
 Applying a batch costs microseconds per block and runs between decisions on the same loop
 (the index and the Conductor are not thread-safe), never during one.

@@ -49,6 +49,7 @@ import msgspec
 
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import ROLES, ConductorConfig, RouterConfig
+from tsukimi.engine.block_manager import weights_salt
 from tsukimi.errors import ConfigError, Rejected, TsukimiError, WorkerUnavailable
 from tsukimi.retry import Retry
 from tsukimi.scheduler.baselines import make_router
@@ -131,6 +132,7 @@ class Router:
         self._lock = asyncio.Lock()
         self._ids = itertools.count()
         self._running_prefills: dict[str, dict[int, list[BlockHash]]] = {}  # worker -> rid -> its block hashes
+        self._salt = b""  # the workers' block-hash salt (their weights version, after a live update)
 
     async def start(self) -> None:
         """Probes the workers (retrying for `startup_timeout_s`; those still silent are marked
@@ -189,6 +191,9 @@ class Router:
                 self.index.drop_location(location(worker.spec.name, "dram"))
         if any(isinstance(r, UpdateWeightsReply) for r in outcome.values()):
             self.index.drop_location(location(POOL, "dram"))
+        versions = {r.weights_version if isinstance(r, UpdateWeightsReply) else "" for r in outcome.values()}
+        if len(versions) == 1 and "" not in versions:  # NOTE: every worker on one version: hash as they do
+            self._salt = weights_salt(versions.pop())
         return outcome
 
     def workers(self) -> list[WorkerStatus]:
@@ -238,7 +243,7 @@ class Router:
         conductor = self.conductor
         assert conductor is not None
         rid, prompt = next(self._ids), request.prompt_ids
-        blocks = hash_blocks(prompt, self.block_tokens)
+        blocks = hash_blocks(prompt, self.block_tokens, self._salt)
         first = await self._place_and_prefill(conductor, rid, request, blocks)
         if first.finish_reason == "stop" or len(first.token_ids) >= request.max_tokens:
             conductor.finished_at_prefill(rid, self.clock.now())
