@@ -68,7 +68,7 @@ def test_health_and_load(colocated: Worker, tiny: LoadedModel) -> None:
     assert all(port > 0 for port in events_ports)
     assert health == {"status": "ok", "name": "colo", "role": "colocated", "model": tiny.config.identity,
                       "model_name": "random-tiny", "block_tokens": BLOCK_TOKENS,
-                      "weights_version": "initial"}  # fmt: skip
+                      "weights_version": "initial", "cpp": None}  # fmt: skip
     load = httpx.get(colocated.base_url + "/load", timeout=5).json()
     assert load["waiting"] == load["running"] == 0 and load["total_blocks"] == 512
     assert 0 < load["free_blocks"] <= 512
