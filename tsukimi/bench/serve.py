@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from tsukimi.bench.skewed import SkewedWorkload
+from tsukimi.bench.skewed import SkewedWorkload, skewed_requests
 from tsukimi.errors import PeerError
 from tsukimi.sim.trace import TraceRequest
 from tsukimi.testing.processes import free_port
@@ -155,6 +155,21 @@ async def run_chat(url: str, model: str, workload: ChatWorkload) -> ServeReport:
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
         await asyncio.gather(*(conversation(i, client) for i in range(workload.conversations)))
+    report.wall_s = time.perf_counter() - start
+    return report
+
+
+async def run_skewed(url: str, model: str, workload: SkewedWorkload) -> ServeReport:
+    """The skewed workload against `url`: open loop, each request at its arrival time."""
+    report = ServeReport()
+    start = time.perf_counter()
+
+    async def one(at_s: float, prompt: list[int], client: httpx.AsyncClient) -> None:
+        await asyncio.sleep(max(0.0, at_s - (time.perf_counter() - start)))
+        report.samples.append(await complete(client, url, model, prompt, workload.max_tokens))
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
+        await asyncio.gather(*(one(r.at_s, r.prompt, client) for r in skewed_requests(workload)))
     report.wall_s = time.perf_counter() - start
     return report
 
@@ -322,8 +337,6 @@ async def _workload(cfg: ServeBenchConfig, url: str) -> ServeReport:
     if cfg.workload == "chat":
         return await run_chat(url, cfg.model, cfg.chat)
     if cfg.workload == "skewed":
-        from tsukimi.bench.skewed import run_skewed
-
         return await run_skewed(url, cfg.model, cfg.skewed)
     from tsukimi.sim.trace import load_trace
 

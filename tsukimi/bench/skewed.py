@@ -3,22 +3,16 @@
 `requests` requests arrive as a Poisson process of `rate` per second; a fraction `shared` of
 them start with the same `prefix_tokens`-token system prompt followed by `suffix_tokens` tokens
 of their own, the others are `prefix_tokens + suffix_tokens` tokens of their own. One seed gives
-the same prompts and arrival times. The master's hot-key counters (`hot_counters`) say whether
-hot-key replication acted during a run.
+the same prompts and arrival times; `run_skewed` (tsukimi/bench/serve.py) sends them. The
+master's hot-key counters (`hot_counters`) say whether hot-key replication acted during a run.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
-
-if TYPE_CHECKING:
-    from tsukimi.bench.serve import ServeReport
 
 _VOCAB = (3, 250)  # NOTE: ids every tokenizer here has (as in the chat workload)
 
@@ -53,23 +47,6 @@ def skewed_requests(workload: SkewedWorkload) -> list[SkewedRequest]:
         own = rng.integers(*_VOCAB, workload.suffix_tokens + (0 if is_shared else workload.prefix_tokens)).tolist()
         requests.append(SkewedRequest(at, (prefix + own) if is_shared else own, bool(is_shared)))
     return requests
-
-
-async def run_skewed(url: str, model: str, workload: SkewedWorkload) -> ServeReport:
-    """The skewed workload against `url`: open loop, each request at its arrival time."""
-    from tsukimi.bench.serve import ServeReport, complete
-
-    report = ServeReport()
-    start = time.perf_counter()
-
-    async def one(request: SkewedRequest, client: httpx.AsyncClient) -> None:
-        await asyncio.sleep(max(0.0, request.at_s - (time.perf_counter() - start)))
-        report.samples.append(await complete(client, url, model, request.prompt, workload.max_tokens))
-
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
-        await asyncio.gather(*(one(r, client) for r in skewed_requests(workload)))
-    report.wall_s = time.perf_counter() - start
-    return report
 
 
 def hot_counters(master_url: str) -> dict[str, float]:
