@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tsukimi.config import ClusterConfig, WorkerConfig, load
+from tsukimi.config import ClusterConfig, Config, WorkerConfig, load
 from tsukimi.errors import ConfigError
 from tsukimi.serving.cluster import plan
 from tsukimi.serving.worker_commands import add_parser, worker_args, worker_config
@@ -65,8 +65,8 @@ def test_plan_pd_starts_master_then_workers_then_router() -> None:
     assert [(s.name, s.role, s.url) for s in first] == [
         ("master", "master", "http://127.0.0.1:7002"), ("metadata", "metadata", "http://127.0.0.1:7003")
     ]  # fmt: skip
-    assert first[0].args[1:] == ('--set=master.host="127.0.0.1"', "--set=master.rpc_port=7001",
-                                 "--set=master.http_port=7002")  # fmt: skip
+    assert first[0].args[1:4] == ('--set=master.host="127.0.0.1"', "--set=master.rpc_port=7001",
+                                  "--set=master.http_port=7002")  # fmt: skip
     assert first[1].args == ("metadata-server", "--host", "127.0.0.1", "--port", "7003")
     assert [(s.name, s.role, s.url) for s in workers] == [
         ("prefill-0", "prefill", "http://127.0.0.1:7004"), ("decode-0", "decode", "http://127.0.0.1:7005")
@@ -78,6 +78,20 @@ def test_plan_pd_starts_master_then_workers_then_router() -> None:
     assert router[0].url == "http://127.0.0.1:8000"
     listed = router[0].args[router[0].args.index("--workers") + 1]
     assert listed == "prefill-0=prefill@http://127.0.0.1:7004,decode-0=decode@http://127.0.0.1:7005"
+
+
+def test_plan_passes_the_master_settings_of_the_cluster_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[master]\nhot_threshold = 5\nhot_max_replicas = 2\n")
+    config = load(ClusterConfig, path, ["master.hot_cool_down_s=7.5"])
+    master = plan(config, itertools.count(7001).__next__)[0][0]
+    sets = [arg.removeprefix("--set=") for arg in master.args[1:]]
+    store = load(Config, None, sets).master  # what `tsukimi master` builds from these
+    assert (store.hot_threshold, store.hot_max_replicas, store.hot_cool_down_s) == (5.0, 2, 7.5)
+    assert (store.rpc_port, store.http_port) == (7001, 7002)
+    default = load(Config, None, [a.removeprefix("--set=") for a in plan(ClusterConfig(), lambda: 1)[0][0].args[1:]])
+    assert default.master.hot_threshold == 0.0  # off unless the cluster file says
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['lease_ttl_s'\] in master"):
+        load(ClusterConfig, None, ["master.lease_ttl_s=1"])
 
 
 def test_plan_colocated_has_no_master() -> None:

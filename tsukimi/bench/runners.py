@@ -93,20 +93,14 @@ def _bench_p2p(args: argparse.Namespace, console: Console) -> None:
 
 def _bench_serve(args: argparse.Namespace, console: Console) -> None:
     from tsukimi.bench import serve
+    from tsukimi.bench.skewed import SkewedWorkload
 
     chat = serve.ChatWorkload(args.conversations, args.turns, args.prefix_tokens, rate=args.rate)
+    skewed = SkewedWorkload(args.requests, args.shared, args.prefix_tokens, rate=args.rate, seed=args.seed)
     cfg = serve.ServeBenchConfig(
-        args.url,
-        args.model,
-        args.mode,
-        args.workload,
-        chat,
-        args.trace,
-        args.speed,
-        args.trace_limit,
-        not args.no_compare,
-        args.num_blocks,
-    )
+        args.url, args.model, args.mode, args.workload, chat, args.trace, args.speed, args.trace_limit,
+        not args.no_compare, args.num_blocks, skewed, args.prefill, args.compare_hot > 0, args.compare_hot,
+    )  # fmt: skip
     result = serve.run_bench(cfg, lambda text: console.print(text, highlight=False))
     print(json.dumps(result) if args.json else serve.markdown(result))
 

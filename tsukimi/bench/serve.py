@@ -5,6 +5,8 @@ Workloads (token-id prompts through `/v1/completions`, streamed):
   prompt; turn k sends the whole history (prefix, then each earlier user message and a reply
   of `max_tokens` tokens) plus a new user message, as soon as turn k-1 has finished; the first
   turns start at `rate` per second.
+- skewed: one long system prompt shared by most requests, Poisson arrivals (tsukimi/bench/skewed.py);
+  with compare_hot, run with the store master's hot-key replication off, then on.
 - trace: a Mooncake trace; each `hash_id` becomes the same `block_tokens` token ids wherever it
   appears (so shared prefixes are real shared prefixes), lengths scaled from 512-token blocks to
   `block_tokens`, sent at the trace's timestamps sped up by `speed`.
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from tsukimi.bench.skewed import SkewedWorkload, skewed_requests
 from tsukimi.errors import PeerError
 from tsukimi.sim.trace import TraceRequest
 from tsukimi.testing.processes import free_port
@@ -156,6 +159,21 @@ async def run_chat(url: str, model: str, workload: ChatWorkload) -> ServeReport:
     return report
 
 
+async def run_skewed(url: str, model: str, workload: SkewedWorkload) -> ServeReport:
+    """The skewed workload against `url`: open loop, each request at its arrival time."""
+    report = ServeReport()
+    start = time.perf_counter()
+
+    async def one(at_s: float, prompt: list[int], client: httpx.AsyncClient) -> None:
+        await asyncio.sleep(max(0.0, at_s - (time.perf_counter() - start)))
+        report.samples.append(await complete(client, url, model, prompt, workload.max_tokens))
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
+        await asyncio.gather(*(one(r.at_s, r.prompt, client) for r in skewed_requests(workload)))
+    report.wall_s = time.perf_counter() - start
+    return report
+
+
 def trace_prompts(trace: Sequence[TraceRequest], block_tokens: int, max_prompt: int) -> list[list[int]]:
     """Token prompts standing for the trace's requests: the same ids for the same hash id."""
     prompts = []
@@ -218,8 +236,10 @@ def _quantiles(values: list[float]) -> dict[str, float | None]:
 
 @dataclass(frozen=True, slots=True)
 class ServeBenchConfig:
-    """`url` of a running API, or "" to start `tsukimi up` (model, mode) for each run;
-    compare_reuse: run twice, with and without KV reuse, and report the TTFT ratio."""
+    """`url` of a running API, or "" to start `tsukimi up` (model, mode, `prefill` prefill
+    workers) for each run; compare_reuse: run twice, with and without KV reuse, and report the
+    TTFT ratio; compare_hot (instead): run with the master's hot_threshold 0 (off), then
+    `hot_threshold`, and report the p90 TTFT ratio and the master's hot-key counters."""
 
     url: str = ""
     model: str = "tiny"
@@ -231,19 +251,25 @@ class ServeBenchConfig:
     trace_limit: int = 200
     compare_reuse: bool = True
     num_blocks: int = 4096  # each worker's KV cache (fewer: evictions, which the index must follow)
+    skewed: SkewedWorkload = field(default_factory=SkewedWorkload)
+    prefill: int = 1
+    compare_hot: bool = False
+    hot_threshold: float = 0.0
 
 
 class LocalCluster:
     """`tsukimi up` in a subprocess, for one benchmark run; `api` once it is up."""
 
-    def __init__(self, model: str, mode: str, prefix_caching: bool, workdir: str, num_blocks: int = 4096) -> None:
+    def __init__(self, model: str, mode: str, prefix_caching: bool, workdir: str, num_blocks: int = 4096,
+                 extra: Sequence[str] = ()) -> None:  # fmt: skip
+        """extra: more `--set` settings of the cluster (`workers.prefill=2`, `master.hot_threshold=5`)."""
         from pathlib import Path
 
         self._state = Path(workdir) / "state.json"
         log = (Path(workdir) / "up.log").open("wb")
         settings = [f"workers.prefix_caching={'true' if prefix_caching else 'false'}",
                     f"workers.num_blocks={num_blocks}", f"workers.segment_bytes={512 << 20}",
-                    f'log_dir="{workdir}/logs"']  # fmt: skip
+                    f'log_dir="{workdir}/logs"', *extra]  # fmt: skip
         cmd = [sys.executable, "-m", "tsukimi.cli", "up", "--model", model, "--mode", mode, "--port", str(free_port()),
                "--state-file", str(self._state), *(f"--set={s}" for s in settings)]  # fmt: skip
         self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -254,7 +280,9 @@ class LocalCluster:
                 self.close()
                 raise PeerError(f"tsukimi up did not start: see {workdir}/up.log")
             time.sleep(0.2)
-        self.api = str(json.loads(self._state.read_text())["api"])
+        state = json.loads(self._state.read_text())
+        self.api = str(state["api"])
+        self.master = next((str(p["url"]) for p in state["processes"] if p["role"] == "master"), "")
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -266,32 +294,50 @@ class LocalCluster:
                 self._proc.wait()
 
 
+def planned_runs(cfg: ServeBenchConfig) -> list[tuple[str, bool, float]]:
+    """(label, KV reuse, hot_threshold) of each run."""
+    if cfg.url:
+        return [("reuse", True, cfg.hot_threshold)]
+    if cfg.compare_hot:
+        return [("hot_off", True, 0.0), ("hot_on", True, cfg.hot_threshold)]
+    runs = [("reuse", True, cfg.hot_threshold), ("no_reuse", False, cfg.hot_threshold)]
+    return runs if cfg.compare_reuse else runs[:1]
+
+
 def run_bench(cfg: ServeBenchConfig, progress: Callable[[str], None]) -> dict[str, object]:
-    """Run the workload (twice with compare_reuse); the JSON-ready result."""
+    """Run the workload (twice with compare_reuse or compare_hot); the JSON-ready result."""
     runs: dict[str, dict[str, object]] = {}
-    for reuse in (True, False) if cfg.compare_reuse and not cfg.url else (True,):
-        label = "reuse" if reuse else "no_reuse"
+    for label, reuse, hot in planned_runs(cfg):
         with tempfile.TemporaryDirectory(prefix="tsukimi-bench-serve-") as workdir:
-            cluster = None if cfg.url else LocalCluster(cfg.model, cfg.mode, reuse, workdir, cfg.num_blocks)
+            extra = (f"workers.prefill={cfg.prefill}", f"master.hot_threshold={hot}")
+            cluster = None if cfg.url else LocalCluster(cfg.model, cfg.mode, reuse, workdir, cfg.num_blocks, extra)
             try:
                 url = cfg.url or (cluster.api if cluster else "")
                 progress(f"{label}: {cfg.workload} workload against {url}")
                 runs[label] = asyncio.run(_workload(cfg, url)).as_dict()
+                if cluster is not None and cluster.master:
+                    from tsukimi.bench.skewed import hot_counters
+
+                    runs[label]["master"] = hot_counters(cluster.master)
             finally:
                 if cluster is not None:
                     cluster.close()
     result: dict[str, object] = {"config": _plain(cfg), "runs": runs}
-    if "no_reuse" in runs:
-        with_reuse, without = runs["reuse"]["ttft_s"], runs["no_reuse"]["ttft_s"]
-        assert isinstance(with_reuse, dict) and isinstance(without, dict)
-        if with_reuse["p50"] and without["p50"]:
-            result["ttft_p50_ratio"] = round(with_reuse["p50"] / without["p50"], 4)
+    for key, (a, b, q) in {"ttft_p50_ratio": ("reuse", "no_reuse", "p50"),
+                           "ttft_p90_ratio": ("hot_on", "hot_off", "p90")}.items():  # fmt: skip
+        if a in runs and b in runs:
+            first, second = runs[a]["ttft_s"], runs[b]["ttft_s"]
+            assert isinstance(first, dict) and isinstance(second, dict)
+            if first[q] and second[q]:
+                result[key] = round(first[q] / second[q], 4)
     return result
 
 
 async def _workload(cfg: ServeBenchConfig, url: str) -> ServeReport:
     if cfg.workload == "chat":
         return await run_chat(url, cfg.model, cfg.chat)
+    if cfg.workload == "skewed":
+        return await run_skewed(url, cfg.model, cfg.skewed)
     from tsukimi.sim.trace import load_trace
 
     trace = load_trace(cfg.trace, limit=cfg.trace_limit)
@@ -311,6 +357,9 @@ def markdown(result: dict[str, object]) -> str:
                      f"{run['cached_ratio']} | {run['pool_prompt_tokens']} | {run['index_exact_ratio']} |")  # fmt: skip
     if "ttft_p50_ratio" in result:
         lines.append(f"\nmedian TTFT with reuse / without: {result['ttft_p50_ratio']}")
+    if "ttft_p90_ratio" in result:
+        lines.append(f"\np90 TTFT with hot-key replication on / off: {result['ttft_p90_ratio']}")
+    lines += ["", *(f"master counters, {label}: {run['master']}" for label, run in runs.items() if "master" in run)]
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ from typing import Literal, get_args
 
 from tsukimi.config.loader import INLINE_KEYS, require
 from tsukimi.config.scheduling import ConductorConfig
+from tsukimi.config.store import MasterConfig
 from tsukimi.errors import ConfigError
 
 Role = Literal["colocated", "prefill", "decode"]
@@ -23,6 +24,8 @@ ROLES: tuple[str, ...] = get_args(Role)
 DTypeName = Literal["float32", "bfloat16"]
 DTYPE_NAMES: tuple[str, ...] = get_args(DTypeName)
 ClusterMode = Literal["pd", "colocated"]
+# NOTE: what `[master]` of a cluster file may set of the master's `MasterConfig` (besides its ports)
+SHARED_MASTER_KEYS = ("hot_threshold", "hot_max_replicas", "hot_window_s", "hot_cool_ratio", "hot_cool_down_s")
 # NOTE: what `[workers]` may set of each worker's `WorkerConfig`; the cluster sets the rest
 SHARED_WORKER_KEYS = (
     "block_tokens", "num_blocks", "max_batched_tokens", "segment_bytes", "threads", "dtype", "prefix_caching",
@@ -124,10 +127,16 @@ class RouterFileConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClusterMasterConfig:
-    """The store master's ports (0 = a free port)."""
+    """The store master's ports (0 = a free port) and, flat beside them, its hot-key replication
+    settings (SHARED_MASTER_KEYS: `hot_threshold = 5.0` turns it on; `store`, a `MasterConfig`)."""
 
     rpc_port: int = 0
     http_port: int = 0
+    store: MasterConfig = field(default_factory=MasterConfig, metadata={INLINE_KEYS: SHARED_MASTER_KEYS})
+
+    def settings(self) -> tuple[str, ...]:
+        """`master.KEY=VALUE` for each of SHARED_MASTER_KEYS (what `tsukimi up` passes on)."""
+        return tuple(f"master.{key}={getattr(self.store, key)!r}" for key in SHARED_MASTER_KEYS)
 
     def __post_init__(self) -> None:
         _check_port(self.rpc_port, "master.rpc_port")

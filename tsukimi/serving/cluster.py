@@ -29,6 +29,7 @@ settings `[workers]` gives them all (a `WorkerConfig`) with its own name, role, 
     port = 8000
     [master]
     rpc_port = 0
+    hot_threshold = 0.0 # reads/s from which a pool object gets extra replicas (0 = off; SHARED_MASTER_KEYS)
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def plan(config: ClusterConfig, port: Callable[[], int] | None = None) -> list[l
     master = ""
     if config.mode == "pd":
         rpc, http = config.master.rpc_port or pick(), config.master.http_port or pick()
-        sets = (f'master.host="{h}"', f"master.rpc_port={rpc}", f"master.http_port={http}")
+        sets = (f'master.host="{h}"', f"master.rpc_port={rpc}", f"master.http_port={http}", *config.master.settings())
         first.append(
             ProcessSpec("master", "master", ("master", *(f"--set={s}" for s in sets)), f"http://{url_host}:{http}")
         )
