@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
+from typing import IO
 
 import httpx
 import pytest
@@ -16,6 +18,7 @@ import torch
 
 from tsukimi.engine.model import generate_greedy_reference
 from tsukimi.engine.weights import random_tiny
+from tsukimi.errors import PeerError
 from tsukimi.testing.deployments import TsukimiCluster
 from tsukimi.testing.processes import free_port, stop_processes, wait_until
 
@@ -28,6 +31,7 @@ NEW = 8
 def workers() -> Iterator[dict[str, str]]:
     store = TsukimiCluster(16 << 20, num_holders=0)
     procs: list[subprocess.Popen[bytes]] = []
+    logs: list[IO[bytes]] = []
     urls = {}
     try:
         for role in ("prefill", "decode"):
@@ -35,14 +39,26 @@ def workers() -> Iterator[dict[str, str]]:
             cmd = [sys.executable, "-m", "tsukimi.cli", "worker", "--name", role, "--role", role, "--model", "tiny",
                    "--port", str(port), "--master", store.master_addr, "--segment-bytes", "16M",
                    "--num-blocks", "256"]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            logs.append(tempfile.TemporaryFile())  # noqa: SIM115 - closed below
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logs[-1]))
             urls[role] = f"http://127.0.0.1:{port}"
-        for url in urls.values():
-            wait_until(lambda u=url: httpx.get(u + "/health", timeout=1).status_code == 200, 60)
+        for (role, url), log in zip(urls.items(), logs, strict=True):
+            try:
+                wait_until(lambda u=url: _healthy(u), 60)
+            except PeerError as exc:
+                log.seek(0)
+                tail = log.read()[-3000:].decode(errors="replace")
+                raise PeerError(f"the {role} worker did not come up; its stderr ends:\n{tail}") from exc
         yield urls
     finally:
         stop_processes(procs)
         store.close()
+        for log in logs:
+            log.close()
+
+
+def _healthy(url: str) -> bool:
+    return httpx.get(url + "/health", timeout=1).status_code == 200
 
 
 def _generate(url: str, request_id: str, prompt: list[int], max_tokens: int) -> list[dict[str, object]]:

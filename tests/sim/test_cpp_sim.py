@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,7 +11,7 @@ from tsukimi.errors import ConfigError
 from tsukimi.sim.cpp import CppSimConfig, markdown, ttft_curve
 from tsukimi.sim.trace import TraceRequest, load_trace
 
-TRACE = "data/traces/conversation_sample.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "conversation_sample.jsonl"
 
 
 def test_same_trace_same_curve_byte_for_byte() -> None:
