@@ -31,7 +31,7 @@ import logging
 from collections.abc import Callable
 
 from tsukimi.compat.batches import BatchTable
-from tsukimi.compat.mooncake.engine_batches import BatchTransfers, TransferOpcode, build_requests
+from tsukimi.compat.mooncake.engine_batches import BatchTransfers, TransferOpcode, build_requests, with_opcode
 from tsukimi.compat.mooncake.engine_codes import ERR_INVALID_ARGUMENT, FAILED, OK, failed
 from tsukimi.compat.mooncake.engine_memory import LocalMemory
 from tsukimi.compat.mooncake.engine_setup import EngineSetup, engine_setup
@@ -179,29 +179,9 @@ class TransferEngine(LocalMemory, BatchTransfers):
             target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify, transport_hint
         )
 
-    def batch_transfer_sync_write(
-        self,
-        target_hostname: str,
-        buffers: list[int],
-        peer_buffer_addresses: list[int],
-        lengths: list[int],
-        transport_hint: str = "",
-    ) -> int:
-        return self.batch_transfer_sync(
-            target_hostname, buffers, peer_buffer_addresses, lengths, Write, None, transport_hint
-        )
+    batch_transfer_sync_write = with_opcode("batch_transfer_sync", TransferOpcode.Write)
 
-    def batch_transfer_sync_read(
-        self,
-        target_hostname: str,
-        buffers: list[int],
-        peer_buffer_addresses: list[int],
-        lengths: list[int],
-        transport_hint: str = "",
-    ) -> int:
-        return self.batch_transfer_sync(
-            target_hostname, buffers, peer_buffer_addresses, lengths, Read, None, transport_hint
-        )
+    batch_transfer_sync_read = with_opcode("batch_transfer_sync", TransferOpcode.Read)
 
     def batch_transfer_sync(
         self,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 
 from tsukimi.compat.batches import BatchId, BatchTable
 from tsukimi.compat.mooncake.engine_codes import FAILED, OK, failed
@@ -35,6 +36,27 @@ class TransferOpcode(enum.IntEnum):
 
     Read = 0
     Write = 1
+
+
+def with_opcode(run: str, opcode: TransferOpcode) -> Callable[..., int]:
+    """Mooncake's `*_read` / `*_write` twins of a batch call: the method named `run` with
+    `opcode` fixed, taking (target_hostname, buffers, peer_buffer_addresses, lengths,
+    transport_hint="") as Mooncake's do."""
+
+    def method(
+        self: object,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
+        call: Callable[..., int] = getattr(self, run)
+        return call(target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint=transport_hint)
+
+    method.__name__ = f"{run}_{opcode.name.lower()}"
+    method.__doc__ = f"`{run}` with opcode {opcode.name}."
+    return method
 
 
 def build_requests(
@@ -104,29 +126,9 @@ class BatchTransfers:
             return NO_BATCH
         return batch_id
 
-    def batch_transfer_async_write(
-        self,
-        target_hostname: str,
-        buffers: list[int],
-        peer_buffer_addresses: list[int],
-        lengths: list[int],
-        transport_hint: str = "",
-    ) -> int:
-        return self.batch_transfer_async(
-            target_hostname, buffers, peer_buffer_addresses, lengths, TransferOpcode.Write, transport_hint
-        )
+    batch_transfer_async_write = with_opcode("batch_transfer_async", TransferOpcode.Write)
 
-    def batch_transfer_async_read(
-        self,
-        target_hostname: str,
-        buffers: list[int],
-        peer_buffer_addresses: list[int],
-        lengths: list[int],
-        transport_hint: str = "",
-    ) -> int:
-        return self.batch_transfer_async(
-            target_hostname, buffers, peer_buffer_addresses, lengths, TransferOpcode.Read, transport_hint
-        )
+    batch_transfer_async_read = with_opcode("batch_transfer_async", TransferOpcode.Read)
 
     def transfer_submit_write(
         self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = ""
