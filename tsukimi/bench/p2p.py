@@ -136,7 +136,7 @@ def _row(system: str, transport: str, n: int, cfg: P2PBenchConfig, pulls: list[R
         "transport": transport,
         "receivers": n,
         "checkpoint_bytes": cfg.checkpoint_bytes,
-        "seconds": round(seconds, 4),
+        "seconds": round(seconds, 6),
         "gbps": round(n * cfg.checkpoint_bytes / seconds / 1e9, 4),
     }
 
