@@ -202,6 +202,20 @@ def test_the_worker_gets_the_checked_values(api: tuple[httpx.Client, FakeWorker]
     assert (call["stop_token_ids"], call["ignore_eos"], len(call["prompt_ids"])) == ([9], True, 4090)  # type: ignore[arg-type]
 
 
+def test_a_worker_refusal_reaches_the_client_without_the_worker_name() -> None:
+    """What a worker still refuses (its checks stay, for other callers) is answered with its
+    error class and message, never "worker decode-0 ...": the client's fault names no worker."""
+    fake = FakeWorker("decode-0", status=400)
+    handle: httpd.AppHandle = httpd.start_in_thread(create_app(Router([fake.spec], FAST), ByteTokenizer(), "tiny"))
+    try:
+        with httpx.Client(base_url=handle.base_url, timeout=30.0) as client:
+            for stream in (False, True):
+                response = client.post(C, json=comp(stream=stream))
+                assert response.status_code == 400 and response.json()["error"]["message"] == "scripted 400"
+    finally:
+        close_all([lambda: handle.stop(2.0), fake.close])
+
+
 def test_msgspec_paths_become_params() -> None:
     with pytest.raises(InvalidArgument) as info:
         decode_body(b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}', chat=True)
@@ -219,6 +233,10 @@ def test_checker_without_http() -> None:
     with pytest.raises(InvalidArgument) as info:
         checker.check(b'{"prompt": "abcd", "max_tokens": 17}', chat=False)
     assert info.value.param == "max_tokens" and "context is 20 tokens" in str(info.value)
+    big = RequestChecker(ByteTokenizer(), "tiny", ModelLimits(32000, 10**6), 256)
+    with pytest.raises(InvalidArgument) as info:
+        big.check(b'{"prompt": "abcd", "max_tokens": 100000}', chat=False)
+    assert info.value.param == "max_tokens" and "at most 65536" in str(info.value)
 
 
 def test_model_context_tokens_from_the_spec() -> None:

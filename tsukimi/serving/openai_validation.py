@@ -177,11 +177,11 @@ class RequestChecker:
             return min(default, room)
         if given < 1:
             raise InvalidArgument(f"{param} must be >= 1, got {given}", param)
-        if given > MAX_TOKENS_LIMIT:
-            raise InvalidArgument(f"{param} must be at most {MAX_TOKENS_LIMIT}, got {given}", param)
         if prompt_tokens + given > context:
             raise InvalidArgument(f"this model's context is {context} tokens; the prompt ({prompt_tokens} tokens) "
                                   f"and {param} ({given}) ask for {prompt_tokens + given}", param)  # fmt: skip
+        if given > MAX_TOKENS_LIMIT:  # NOTE: the engine's own bound, below the context of large models
+            raise InvalidArgument(f"{param} must be at most {MAX_TOKENS_LIMIT}, got {given}", param)
         return given
 
 
