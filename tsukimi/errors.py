@@ -92,9 +92,15 @@ class TransferError(TsukimiError):
 
 
 class InvalidArgument(TsukimiError, ValueError):
-    """An argument of a call is invalid (bad key, size, replica count): the caller's fault."""
+    """An argument of a call is invalid (bad key, size, replica count): the caller's fault.
+    `param`: the request field at fault, where one is (the OpenAI API's error body names it;
+    it stays on this side: the wire carries (code, message) only)."""
 
     code = "invalid_argument"
+
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ObjectNotFound(TsukimiError, KeyError):

@@ -10,7 +10,9 @@ Targets:
                  huge or negative numbers, strings that are not UTF-8, deep nesting): a 200
                  stream that finishes, or a 4xx with a message; a good request works after.
   http-openai    the OpenAI router over that worker: /v1/completions and /v1/chat/completions
-                 with damaged bodies: 200, or a 4xx with an OpenAI error body; never a 5xx.
+                 with damaged bodies: 200, or a 4xx with an OpenAI error body (its `param`
+                 set unless the body is not a JSON object); never a 5xx. (The official
+                 client's requests against real processes: tests/fuzz/test_openai_fuzz.py.)
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ MAX_TOKENS = st.sampled_from((-(2**63), -1, 0, 1, 2, 3, 4097, 2**31, 2**63, 2**6
 def json_or(draw: st.DrawFn, body: dict[str, object]) -> bytes:
     """`body` as JSON, maybe damaged: flipped bytes, a string that is not UTF-8, deep nesting."""
     raw = msgspec.json.encode(body)
-    kind = draw(st.sampled_from(["json", "json", "json", "mutated", "not_utf8", "deep", "garbage"]))
+    kind = draw(st.sampled_from(["json", "json", "json", "mutated", "not_utf8", "deep", "garbage", "value"]))
     if kind == "mutated":
         return draw(mutated([raw]))
     if kind == "not_utf8":
@@ -179,6 +181,8 @@ def json_or(draw: st.DrawFn, body: dict[str, object]) -> bytes:
         return raw[:-1] + b', "stop": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
     if kind == "garbage":
         return draw(st.binary(max_size=40))
+    if kind == "value":  # any JSON value, mostly not an object
+        return msgspec.json.encode(draw(values(4)))
     return raw
 
 
@@ -291,6 +295,13 @@ def openai_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
     return path, json_or(draw, body)
 
 
+def _json_object(body: bytes) -> object:
+    try:
+        return json.loads(body, parse_constant=lambda name: 1 / 0)  # NOTE: NaN is not JSON
+    except (ValueError, RecursionError, ZeroDivisionError):
+        return None
+
+
 @given(openai_bodies())
 @fuzz_settings()
 def test_openai_api_answers_4xx_or_a_completion(serving: Serving, case: tuple[str, bytes]) -> None:
@@ -300,5 +311,9 @@ def test_openai_api_answers_4xx_or_a_completion(serving: Serving, case: tuple[st
         assert response.status_code in (200, 400, 404), (response.status_code, response.text[:300])
         if response.status_code != 200:
             assert set(response.json()) == {"error"}
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+            if isinstance(_json_object(body), dict):  # NOTE: then some parameter is at fault
+                assert error["param"], (error, body[:200])
         good = serving.router_http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         assert good.status_code == 200, good.text

@@ -205,7 +205,7 @@ def test_stop_text_holds_back_a_possible_stop_prefix() -> None:
         ({"prompt": "a", "n": 2}, "n must be 1"),
         ({"prompt": "a", "temperature": 3}, "temperature"),
         ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
-        ({"prompt": ""}, "at least one token"),
+        ({"prompt": ""}, "must not be empty"),
         ({"max_tokens": 3}, "missing required field `prompt`"),
         ({"prompt": "a", "stop": 3}, "stop"),
     ],
@@ -262,7 +262,7 @@ def test_worker_failures_are_502_and_503(serve: Serve) -> None:
 def test_regression_a_duplicate_request_id_is_409_not_502() -> None:
     """A request id already running at the worker (the engine's one check) used to be turned
     into a generic worker error on its way back and reach the API client as 502. Also: token
-    ids outside the vocabulary are checked once, by the worker, and answered 400."""
+    ids outside the vocabulary are answered 400 by the API (tests/serving/test_openai_validation.py)."""
     from tsukimi.engine.tokenizer import load_tokenizer
     from tsukimi.engine.weights import load_model
     from tsukimi.serving.worker import Worker, WorkerConfig
@@ -282,7 +282,7 @@ def test_regression_a_duplicate_request_id_is_409_not_502() -> None:
                     assert (error["type"], error["code"]) == ("invalid_request_error", "duplicate_request")
                     assert "cmpl-dup" in str(error["message"]) and "colo" not in str(error["message"])
                 error = error_of(client.post("/v1/completions", json={"prompt": [1, 99999]}), 400)
-                assert error["code"] == "invalid_argument" and "token ids must be in 0..31999" in str(error["message"])
+                assert error["code"] == "invalid_argument" and "vocabulary 0..31999" in str(error["message"])
         finally:
             handle.stop(2.0)
 

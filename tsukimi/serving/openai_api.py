@@ -2,8 +2,9 @@
 /v1/chat/completions (server-sent events when `stream`, one JSON body otherwise), /health and
 /metrics (Prometheus, in the app's own registry).
 
-Per request: parse and check the body (msgspec; 400 with an OpenAI error body on anything
-wrong), tokenize (chat: messages -> the model's chat template -> tokens), then wait for the
+Per request: check the body and tokenize the prompt (chat: messages -> the model's chat
+template -> tokens) in tsukimi/serving/openai_validation.py: anything wrong is a 400 with an
+OpenAI error body naming the `param` at fault, before any worker is contacted. Then wait for the
 first token from the router *before* answering, so that a rejection (429, the Conductor's
 reason as the error code) or a dead worker (502/503) is a status code even for streams. Token
 events become text through `StopText`: detokenized incrementally (never half a UTF-8
@@ -32,12 +33,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from tsukimi import auth, httpd
 from tsukimi.config import SecurityConfig
 from tsukimi.engine.tokenizer import StreamDecoder, Tokenizer
-from tsukimi.errors import InvalidArgument, ModelNotFound, Rejected, TsukimiError, WorkerUnavailable
+from tsukimi.errors import InvalidArgument, Rejected, TsukimiError, WorkerUnavailable
 from tsukimi.serving.openai_protocol import (
-    ChatMessage,
-    ChatRequest,
-    CompletionRequest,
-    ContentPart,
     Usage,
     delta_choice,
     error_body,
@@ -45,6 +42,7 @@ from tsukimi.serving.openai_protocol import (
     outcome_of,
     sse_event,
 )
+from tsukimi.serving.openai_validation import ModelLimits, RequestChecker, model_context_tokens
 from tsukimi.serving.protocol import (
     ErrorReply,
     GenerateRequest,
@@ -58,7 +56,6 @@ from tsukimi.serving.worker_client import WorkerStatus
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 256
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -156,13 +153,15 @@ class OpenAIServer:
         router: places the requests. tokenizer: the served model's (text, chat template).
         model_name: the id /v1/models lists; requests naming another model get 404.
         default_max_tokens: for chat requests without max_tokens.
+        max_context_tokens: the served model's context (prompt + output tokens).
     """
 
     def __init__(
-        self, router: Router, tokenizer: Tokenizer, model_name: str, default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
+        self, router: Router, tokenizer: Tokenizer, model_name: str, default_max_tokens: int, max_context_tokens: int
     ) -> None:
         self.router, self.tokenizer, self.model_name = router, tokenizer, model_name
-        self.default_max_tokens = default_max_tokens
+        limits = ModelLimits(tokenizer.vocab_size, max_context_tokens)
+        self.checker = RequestChecker(tokenizer, model_name, limits, default_max_tokens)
         self.metrics = ApiMetrics()
         self._created = int(time.time())  # NOTE: calendar seconds for "created"; the Clock is monotonic
 
@@ -207,58 +206,18 @@ class OpenAIServer:
         return json_response({**self._head(job, kind), "choices": [choice], "usage": usage.body()})
 
     def _parse(self, raw: bytes, chat: bool, request_id: str | None = None) -> _Job:
-        """Checks the body and tokenizes the prompt (pure).
+        """Checks the body and tokenizes the prompt (pure; tsukimi/serving/openai_validation.py).
 
         Raises:
-            InvalidArgument: a malformed or invalid request; ModelNotFound: another model.
+            InvalidArgument: a malformed or invalid request (`param`: the field at fault);
+            ModelNotFound: another model.
         """
-        try:
-            req = msgspec.json.decode(raw, type=ChatRequest if chat else CompletionRequest)
-        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:  # NOTE: msgspec raises
-            # UnicodeDecodeError itself for a string that is not UTF-8 (found by tests/fuzz: a 500)
-            raise InvalidArgument(f"invalid request body: {exc}") from exc
-        if req.model is not None and req.model != self.model_name:
-            message = f"the model {req.model!r} does not exist; this server serves {self.model_name!r}"
-            raise ModelNotFound(message)
-        if req.n not in (None, 1):
-            raise InvalidArgument(f"n must be 1, got {req.n}")
-        if isinstance(req, ChatRequest):
-            prompt, default = self._chat_prompt(req.messages), self.default_max_tokens
-            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        else:
-            assert isinstance(req, CompletionRequest)
-            prompt, default, max_tokens = self._prompt(req.prompt), DEFAULT_COMPLETION_MAX_TOKENS, req.max_tokens
-        max_tokens = default if max_tokens is None else max_tokens
-        temperature = 1.0 if req.temperature is None else req.temperature
-        top_p = 1.0 if req.top_p is None else req.top_p
-        if not 0 <= temperature <= 2 or not 0 < top_p <= 1:
-            raise InvalidArgument(f"temperature must be in [0, 2] and top_p in (0, 1], got {temperature}, {top_p}")
-        stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        c = self.checker.check(raw, chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
         request = GenerateRequest(
-            rid, tuple(prompt), max_tokens, temperature, top_p, req.seed, tuple(req.stop_token_ids or ()),
-            req.ignore_eos,
-        )  # fmt: skip
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return _Job(
-            chat, rid, int(time.time()), request, stops, bool(req.stream), include_usage, self.router.clock.now()
+            rid, c.prompt_ids, c.max_tokens, c.temperature, c.top_p, c.seed, c.stop_token_ids, c.ignore_eos
         )
-
-    def _prompt(self, prompt: str | list[int]) -> list[int]:
-        # NOTE: token ids are checked once, by the worker that owns the model's vocabulary
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-
-    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
-        if not messages:
-            raise InvalidArgument("messages must not be empty")
-        turns = []
-        for m in messages:
-            parts = m.content if isinstance(m.content, list) else [ContentPart("text", m.content or "")]
-            if any(p.type != "text" for p in parts):
-                raise InvalidArgument("only text content parts are supported")
-            turns.append({"role": m.role, "content": "".join(p.text for p in parts)})
-        text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_bos=False)  # NOTE: templates write their own BOS
+        return _Job(chat, rid, int(time.time()), request, c.stops, c.stream, c.include_usage, self.router.clock.now())
 
     async def _texts(
         self, job: _Job, events: AsyncIterator[TokenEvent], first: TokenEvent, usage: Usage
@@ -337,15 +296,22 @@ class OpenAIServer:
 
 
 def create_app(
-    router: Router, tokenizer: Tokenizer, model_name: str, default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
+    router: Router,
+    tokenizer: Tokenizer,
+    model_name: str,
+    default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
+    max_context_tokens: int | None = None,
 ) -> FastAPI:
     """The FastAPI app. Its lifespan starts and closes `router`; served without a lifespan
     (httpd.start_in_thread), the router starts on the first request instead.
+    `max_context_tokens`: the model's context; None reads it from the model spec `model_name`
+    (openai_validation.model_context_tokens; ConfigError if it names no model).
 
     Returns:
         The app; `app.state.server` is its `OpenAIServer` (metrics, for tests).
     """
-    server = OpenAIServer(router, tokenizer, model_name, default_max_tokens)
+    context = model_context_tokens(model_name) if max_context_tokens is None else max_context_tokens
+    server = OpenAIServer(router, tokenizer, model_name, default_max_tokens, context)
     secret, seen = SecurityConfig().secret(), auth.ReplayCache()  # NOTE: the workers' secret (docs/security.md)
 
     @asynccontextmanager

@@ -53,6 +53,7 @@ def run(args: argparse.Namespace, console: Console) -> None:
     from tsukimi import httpd
     from tsukimi.engine.tokenizer import load_tokenizer
     from tsukimi.serving.openai_api import create_app
+    from tsukimi.serving.openai_validation import model_context_tokens
     from tsukimi.serving.router import Router
 
     workers = parse_workers(args.workers)
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace, console: Console) -> None:
     tokenizer = load_tokenizer(args.model)
     router = Router(workers, settings.router, settings.conductor)
     name = args.served_model_name or args.model
-    app = create_app(router, tokenizer, name)
+    app = create_app(router, tokenizer, name, max_context_tokens=model_context_tokens(args.model))
     roles = ", ".join(f"{w.name} ({w.role})" for w in workers)
     console.print(f"router ({router.mode}) for {name} on http://{args.host}:{args.port} over {roles}", highlight=False)
     httpd.serve(app, args.host, args.port, log_level="warning")
