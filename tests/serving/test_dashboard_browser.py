@@ -89,7 +89,7 @@ def complete(api: str, request_id: str, prompt: str) -> None:
     assert response.status_code == 200, response.text
 
 
-def test_the_page_follows_the_cluster(api: str, browser: Any, tmp_path: Path) -> None:
+def test_the_page_follows_the_cluster(browser: Any, api: str, tmp_path: Path) -> None:
     browser.get(f"{api}/dashboard")
     wait_until(lambda: text(browser, "status") == "live" and number(browser, "requests-ok") >= 0, 30)
     ok, generated = number(browser, "requests-ok"), number(browser, "completion-tokens")

@@ -68,32 +68,33 @@ class Dashboard:
         self.config = config or DashboardConfig()
         self._server, self._probe = server, probe
         self._series = Series(window=max(1, round(10 / self.config.interval_s)))
-        self._store = StoreView(probe.master if probe is not None else "")
+        self._store = StoreView(probe.address if probe is not None else "")
         self._seq = 0
         self._latest: Snapshot | None = None
         self._event = b""
         self._full: tuple[int, bytes] = (-1, b"")
         self._tick: asyncio.Event | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._sampler: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        """Starts the sampler (and the store probe) unless running; idempotent (mutates)."""
-        if self._tasks and not all(t.done() for t in self._tasks):
-            return
-        self._tick = asyncio.Event()
-        self._sample()
-        self._tasks = [asyncio.create_task(self._every(self.config.interval_s, self._sample), name="dashboard")]
-        if self._probe is not None:
-            self._tasks.append(asyncio.create_task(self._probe_loop(self._probe), name="dashboard-store"))
+        """Starts the sampler and the store probe unless running (again, should one have died);
+        idempotent (mutates)."""
+        if self._sampler is None or self._sampler.done():
+            self._tick = asyncio.Event()
+            self._sample()
+            self._sampler = asyncio.create_task(self._every(self.config.interval_s, self._sample), name="dashboard")
+        if self._probe is not None and (self._prober is None or self._prober.done()):
+            self._prober = asyncio.create_task(self._probe_loop(self._probe), name="dashboard-store")
 
     async def aclose(self) -> None:
         """Stops the tasks and closes the probe (idempotent; mutates)."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks = []
+        for task in (self._sampler, self._prober):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._sampler = self._prober = None
         if self._probe is not None:
             await self._probe.aclose()
 

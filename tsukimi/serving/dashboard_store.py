@@ -70,7 +70,8 @@ class StoreProbe:
 
     def __init__(self, master: str = "", master_http: str = "", secret: bytes | None = None,
                  timeout_s: float = 2.0) -> None:  # fmt: skip
-        self.master, self._http_url, self._timeout_s = master, master_http.rstrip("/"), timeout_s
+        self._http_url, self._timeout_s = master_http.rstrip("/"), timeout_s
+        self.address = master or self._http_url  # what the view names
         config = ClientConfig(master=master, rpc_timeout_s=timeout_s, failover_timeout_s=timeout_s) if master else None
         self._link = MasterLink(config, p.CODEC, secret) if config is not None else None
         self._http = httpx.AsyncClient(timeout=timeout_s) if self._http_url else None
@@ -92,7 +93,7 @@ class StoreProbe:
                 stats = await self._stats(self._http)
             except (httpx.HTTPError, ValueError) as exc:
                 errors.append(f"{self._http_url}/metrics: {exc!r}")
-        return StoreView(self.master or self._http_url, "; ".join(errors), segments, stats)
+        return StoreView(self.address, "; ".join(errors), segments, stats)
 
     def _segments(self, link: MasterLink) -> list[SegmentRow]:
         reply = link.call_as(p.ListSegments(), p.SegmentsResult, attempt_s=self._timeout_s)
