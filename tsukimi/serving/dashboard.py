@@ -5,7 +5,8 @@
     GET /dashboard/static/NAME     its scripts and styles
     GET /dashboard/api/snapshot    the newest `Snapshot` (JSON), with the whole latency series
     GET /dashboard/api/events      server-sent events: one `snapshot` event per interval (the
-                                   series holds its newest point only)
+                                   series holds its newest EVENT_POINTS only: a viewer that
+                                   reconnected between two events misses no chart point)
 
 One sampler task per router builds the snapshot once per `interval_s` from state the router
 already keeps (dashboard_snapshot.py) and encodes it once; every viewer gets the same bytes.
@@ -41,6 +42,8 @@ from tsukimi.serving.openai_api import OpenAIServer
 logger = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).with_name("static")
+EVENT_POINTS = 5  # the chart points each event carries
+RETRY_MS = 250  # how soon a browser reconnects after a stream ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +53,7 @@ class DashboardConfig:
 
     interval_s: float = 1.0
     store_interval_s: float = 2.0
-    stream_s: float = 5.0
+    stream_s: float = 3.0
     decisions: int = 20
 
 
@@ -109,7 +112,7 @@ class Dashboard:
     async def events(self) -> AsyncIterator[bytes]:
         """A server-sent event per snapshot for `stream_s`, then the end (see the module)."""
         self.start()
-        yield f"retry: {int(self.config.interval_s * 1000)}\n\n".encode()
+        yield f"retry: {RETRY_MS}\n\n".encode()
         loop = asyncio.get_running_loop()
         deadline, sent = loop.time() + self.config.stream_s, -1
         while True:
@@ -133,19 +136,19 @@ class Dashboard:
         summary, rejections = totals(counters)
         ttft, tbt = metrics.ttft.take(), metrics.tbt.take()
         wall_s = time.time()  # NOTE: calendar seconds for the charts' time axis; the Clock is monotonic
-        point = self._series.add(wall_s, ttft, tbt, summary.requests_ok + summary.requests_failed,
+        self._series.add(wall_s, ttft, tbt, summary.requests_ok + summary.requests_failed,
                                  summary.completion_tokens)  # fmt: skip
         ttft_window, tbt_window, samples = self._series.window()
         cfg = self.config
         latency = Latency(self._series.window_intervals * cfg.interval_s, samples, ttft_window, tbt_window)
-        self._seq += 1
+        self._seq, points = self._seq + 1, list(self._series.points)
         snapshot = Snapshot(
             self._seq, wall_s, router.clock.now(), cfg.interval_s, router.mode, server.model_name,
-            worker_rows(router.workers()), self._store, summary, rejections, latency, list(self._series.points),
+            worker_rows(router.workers()), self._store, summary, rejections, latency, points,
             router.decisions.recent(cfg.decisions), router.decisions.total,
         )  # fmt: skip
         self._latest = snapshot
-        event = msgspec.structs.replace(snapshot, series=[point])
+        event = msgspec.structs.replace(snapshot, series=points[-EVENT_POINTS:])
         self._event = b"event: snapshot\ndata: " + msgspec.json.encode(event) + b"\n\n"
         tick, self._tick = self._tick, asyncio.Event()
         if tick is not None:
