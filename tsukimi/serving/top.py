@@ -119,8 +119,9 @@ def _latency(s: Snapshot) -> Table:
 
 
 def _decisions(s: Snapshot) -> Table:
-    table = Table("#", "request", "prompt", "prefill", "decode", "exp. cached", "est. TTFT", "outcome", expand=False,
-                  title=f"decisions ({s.decisions_total} in all, newest first)", title_justify="left")  # fmt: skip
+    title = f"decisions ({s.decisions_total} in all, newest first)"
+    table = Table("#", "request", "prompt", "prefill / worker", "decode", "exp. cached", "est. TTFT", "outcome",
+                  expand=False, title=title, title_justify="left")  # fmt: skip
     for d in s.decisions[:10]:
         outcome = "accepted" if d.accepted else f"[red]rejected: {d.reason}[/red]"
         est = _ms(d.ttft_s) if d.mode == "pd" else "-"
