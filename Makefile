@@ -88,6 +88,9 @@ $(STAMP): pyproject.toml
 
 system-deps:
 	@command -v etcd >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q etcd-server)
+	@# the dashboard's browser test (tests/serving/test_dashboard_browser.py) drives Debian's chromium
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
+		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium chromium-driver)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(MODELS_DIR) .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info

@@ -19,7 +19,7 @@ from tsukimi.errors import TsukimiError
 from tsukimi.integrations.vllm import launch as vllm_launch
 from tsukimi.integrations.vllm import launch_args as vllm_launch_args
 from tsukimi.p2p import commands as p2p_commands
-from tsukimi.serving import cluster, prefill_group_commands, router_commands, worker_commands
+from tsukimi.serving import cluster, prefill_group_commands, router_commands, top, worker_commands
 from tsukimi.sim import commands as sim_commands
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     compat_commands.add_parser(sub)
     p2p_commands.add_parser(sub)
     vllm_launch_args.add_vllm_arguments(router_commands.add_parser(sub))
+    top.add_parser(sub)
     return parser
 
 
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             (vllm_launch.run_vllm_cluster if args.engine == "vllm" else cluster.run)(args, console)
         elif args.command == "router":
             (vllm_launch_args.run_vllm if args.backend == "vllm" else router_commands.run)(args, console)
+        elif args.command == "top":
+            top.run(args, console)
         elif args.command == "sim":
             sim_commands.run(args, console)
         elif args.command == "compat":

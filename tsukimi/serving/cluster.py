@@ -118,7 +118,8 @@ def plan(config: ClusterConfig, port: Callable[[], int] | None = None) -> list[l
     listed = ",".join(f"{s.name}={s.role}@{s.url}" for s in workers if s.role in ROLES)
     router_port = config.router.port or pick()
     args = ("router", "--host", h, "--port", str(router_port), "--model", config.model, "--workers", listed,
-            "--mode", config.mode, "--served-model-name", config.router.served_model_name or config.model)  # fmt: skip
+            "--mode", config.mode, "--served-model-name", config.router.served_model_name or config.model,
+            *(("--master", master, "--master-http", first[0].url) if master else ()))  # fmt: skip
     groups.append([ProcessSpec("router", "router", args, f"http://{url_host}:{router_port}")])
     return groups
 

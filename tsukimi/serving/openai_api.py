@@ -28,12 +28,13 @@ from dataclasses import dataclass
 import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from tsukimi import auth, httpd
 from tsukimi.config import SecurityConfig
 from tsukimi.engine.tokenizer import StreamDecoder, Tokenizer
 from tsukimi.errors import InvalidArgument, Rejected, TsukimiError, WorkerUnavailable
+from tsukimi.serving.dashboard_series import SampledHistogram
 from tsukimi.serving.openai_protocol import (
     Usage,
     delta_choice,
@@ -72,8 +73,8 @@ class ApiMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"tsukimi_router_worker_{name}", doc, ("worker", "role"), registry=r)
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(f"tsukimi_router_{name}_seconds", doc, buckets=_LATENCY_BUCKETS, registry=r)
+        def histogram(name: str, doc: str) -> SampledHistogram:  # NOTE: raw samples too, for the dashboard
+            return SampledHistogram(f"tsukimi_router_{name}_seconds", doc, buckets=_LATENCY_BUCKETS, registry=r)
 
         self.requests = counter("requests", "Requests by endpoint and outcome", "endpoint", "outcome")
         self.rejections = counter("rejections", "Requests the Conductor rejected, by reason", "reason")

@@ -58,6 +58,7 @@ from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import CostModel, LinearCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
 from tsukimi.serving.cpp_groups import conductor_groups, excluded
+from tsukimi.serving.decision_log import DecisionLog
 from tsukimi.serving.index_feed import ExpectedReuse, IndexFeed, expected_reuse
 from tsukimi.serving.protocol import FinishReason, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
 from tsukimi.serving.worker_client import POOL, WorkerClient, WorkerHandle, WorkerSpec, WorkerStatus
@@ -133,6 +134,7 @@ class Router:
         self._ids = itertools.count()
         self._running_prefills: dict[str, dict[int, list[BlockHash]]] = {}  # worker -> rid -> its block hashes
         self._salt = b""  # the workers' block-hash salt (their weights version, after a live update)
+        self.decisions = DecisionLog()  # the recent placements, for the dashboard
 
     async def start(self) -> None:
         """Probes the workers (retrying for `startup_timeout_s`; those still silent are marked
@@ -217,6 +219,7 @@ class Router:
         tried: dict[str, WorkerUnavailable] = {}
         while True:
             worker = self._pick_colocated(tried)
+            self.decisions.picked(request.request_id, len(request.prompt_ids), worker.spec.name, self.clock.now())
             started = False
             try:
                 async with contextlib.aclosing(self._events(worker, request)) as events:
@@ -277,6 +280,7 @@ class Router:
         while True:
             down = excluded(self._workers.values(), request)  # NOTE: and the CPP groups when sampling
             decision = conductor.schedule(ScheduleRequest(rid, len(request.prompt_ids), blocks), self.clock.now(), down)
+            self.decisions.conductor(request.request_id, len(request.prompt_ids), decision, self.clock.now())
             if not decision.accepted:
                 if decision.reason == "no_instance":
                     raise WorkerUnavailable("no prefill or decode worker is reachable: all are marked down")

@@ -41,6 +41,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     p.add_argument("--config", help="TOML file: [router] and [conductor] tables")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a setting")
     p.add_argument("--backend", choices=("tsukimi", "vllm"), default="tsukimi", help="the workers' engine")
+    p.add_argument("--master", default="", help="the store master (tcp://HOST:PORT or etcd://...), for /dashboard")
+    p.add_argument("--master-http", default="", help="the master's http://HOST:PORT: /dashboard counts its objects")
     return p
 
 
@@ -51,7 +53,10 @@ def run(args: argparse.Namespace, console: Console) -> None:
         ConfigError: bad workers, settings or model spec.
     """
     from tsukimi import httpd
+    from tsukimi.config import SecurityConfig
     from tsukimi.engine.tokenizer import load_tokenizer
+    from tsukimi.serving import dashboard
+    from tsukimi.serving.dashboard_store import StoreProbe
     from tsukimi.serving.openai_api import create_app
     from tsukimi.serving.openai_validation import model_context_tokens
     from tsukimi.serving.router import Router
@@ -63,8 +68,10 @@ def run(args: argparse.Namespace, console: Console) -> None:
     router = Router(workers, settings.router, settings.conductor)
     name = args.served_model_name or args.model
     app = create_app(router, tokenizer, name, max_context_tokens=model_context_tokens(args.model))
+    dashboard.mount(app, StoreProbe(args.master, args.master_http, SecurityConfig().secret()))
     roles = ", ".join(f"{w.name} ({w.role})" for w in workers)
-    console.print(f"router ({router.mode}) for {name} on http://{args.host}:{args.port} over {roles}", highlight=False)
+    console.print(f"router ({router.mode}) for {name} on http://{args.host}:{args.port} over {roles}; "
+                  f"dashboard: http://{args.host}:{args.port}/dashboard", highlight=False)  # fmt: skip
     httpd.serve(app, args.host, args.port, log_level="warning")
 
 

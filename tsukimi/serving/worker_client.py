@@ -71,7 +71,8 @@ class WorkerSpec:
 @dataclass(frozen=True, slots=True)
 class WorkerStatus:
     """A snapshot of one worker for /health and /metrics. requests: how many this router has
-    sent there (streams opened); cpp_stages: a CPP prefill group's stages (0: one worker)."""
+    sent there (streams opened); cpp_stages: a CPP prefill group's stages (0: one worker);
+    free_blocks / total_blocks: its KV cache blocks as last polled (0: not reported)."""
 
     name: str
     role: Role
@@ -81,6 +82,8 @@ class WorkerStatus:
     in_flight: int
     requests: int = 0
     cpp_stages: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -102,8 +105,9 @@ class WorkerHandle:
     def status(self) -> WorkerStatus:
         """The snapshot (pure)."""
         s, stages = self.spec, self.cpp.stages if self.cpp is not None else 0
-        return WorkerStatus(s.name, s.role, self.healthy, self.load.waiting, self.load.running, self.in_flight,
-                            self.requests, stages)  # fmt: skip
+        load = self.load
+        return WorkerStatus(s.name, s.role, self.healthy, load.waiting, load.running, self.in_flight, self.requests,
+                            stages, load.free_blocks, load.total_blocks)  # fmt: skip
 
 
 class WorkerClient:
