@@ -186,6 +186,26 @@ class ClusterRouterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterRestartConfig:
+    """When `tsukimi up` starts a child that died again (tsukimi/serving/supervisor.py): after
+    initial_backoff_s, doubling up to max_backoff_s; more than max_restarts within window_s is a
+    crash loop and stops the cluster. max_restarts 0: any child's death stops the cluster."""
+
+    max_restarts: int = 5
+    window_s: float = 300.0
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        require(self.max_restarts >= 0, "restart.max_restarts must be >= 0")
+        require(min(self.window_s, self.initial_backoff_s, self.max_backoff_s) > 0, "restart: the times must be > 0")
+
+    def backoff_s(self, recent: int) -> float:
+        """The wait before a restart when `recent` restarts happened within the window (pure)."""
+        return float(min(self.max_backoff_s, self.initial_backoff_s * 2 ** min(recent, 30)))
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """`tsukimi up` (tsukimi/serving/cluster.py). log_dir "" = a new temporary directory.
     metadata_port: the metadata server's (the P2P store's records, for live weight updates;
@@ -201,6 +221,7 @@ class ClusterConfig:
     master: ClusterMasterConfig = field(default_factory=ClusterMasterConfig)
     workers: ClusterWorkersConfig = field(default_factory=ClusterWorkersConfig)
     router: ClusterRouterConfig = field(default_factory=ClusterRouterConfig)
+    restart: ClusterRestartConfig = field(default_factory=ClusterRestartConfig)
 
     def __post_init__(self) -> None:
         require(self.mode in ("pd", "colocated"), f"mode must be pd or colocated, got {self.mode!r}")

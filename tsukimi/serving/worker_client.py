@@ -10,8 +10,9 @@ which makes every call to the workers over one `httpx.AsyncClient`:
 An error a worker reports arrives as (code, message) and is raised here as the same class
 (`protocol.raise_error`). Every call has connect and read timeouts: a worker that cannot be
 reached raises `WorkerUnavailable` (HTTP 503) and is marked down, one that fails, stalls or
-answers garbage `WorkerError` (502), so a request never hangs on a dead worker. A worker
-marked down is marked up again as soon as it answers a poll.
+answers garbage `WorkerError` (502), so a request never hangs on a dead worker; one that breaks
+the connection mid-stream (killed) is marked down too. A worker marked down is marked up again
+as soon as it answers a poll (a restarted one: tsukimi/serving/supervisor.py).
 
 Runs on one asyncio event loop (the handles are plain mutable records).
 """
@@ -159,6 +160,9 @@ class WorkerClient:
             raise WorkerUnavailable(f"worker {name} at {worker.spec.url} is unreachable: {exc}") from exc
         except httpx.TimeoutException as exc:
             raise WorkerError(f"worker {name} did not answer within {self._read_timeout_s} s") from exc
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            worker.healthy = False  # NOTE: it broke the connection (it died?): down until a poll answers
+            raise WorkerError(f"worker {name} failed: {exc!r}") from exc
         except httpx.HTTPError as exc:
             raise WorkerError(f"worker {name} failed: {exc!r}") from exc
 
