@@ -14,6 +14,9 @@ threads) and no polling: the pipe's read end is passed with `pass_fds` and named
 environment variable LIFELINE_ENV ("FD,DELAY_S": a child others depend on, the store master,
 waits DELAY_S before stopping, as an orderly stop would stop it last). The write end is not
 inheritable (PEP 446), so only the parent holds it and grandchildren never keep it open.
+
+A command that is not tsukimi's (etcd, vLLM) runs under `python -m tsukimi.lifeline CMD ARGS`:
+it watches the lifeline, passes SIGTERM / SIGINT on to CMD and exits with CMD's status.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 logger = logging.getLogger(__name__)
@@ -93,3 +98,23 @@ def _watch(fd: int, delay_s: float, grace_s: float) -> None:
         with contextlib.suppress(OSError):
             os.killpg(os.getpgrp(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_command(argv: list[str]) -> int:
+    """Run `argv` under this process's lifeline (see the module); its exit status (128 + the
+    signal's number when a signal ended it). Raises OSError when it cannot be started."""
+    watch_from_env()
+    child = subprocess.Popen(argv)
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
+    code = child.wait()
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(run_command(sys.argv[1:]))

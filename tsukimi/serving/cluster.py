@@ -1,6 +1,7 @@
 """`tsukimi up`: a whole local cluster as processes, started in order and supervised.
 
-    tsukimi master   (mode "pd" only: the KV pool's master; the workers contribute its memory)
+    tsukimi master   (mode "pd" only: the KV pool's master; the workers contribute its memory;
+                      `[master] ha = N`: etcd, then N masters electing a leader: master_plan.py)
     tsukimi metadata-server  (the P2P store's records: live weight updates pull through it)
       -> tsukimi worker x N   (prefill + decode, or colocated; started together)
          + CPP prefill groups (`cpp_groups`: k `tsukimi prefill-stage` each; cpp_cluster.py)
@@ -34,6 +35,7 @@ settings `[workers]` gives them all (a `WorkerConfig`) with its own name, role, 
     max_restarts = 5    # within window_s = 300; backoff 0.5 s doubling up to max_backoff_s = 10
     [master]
     rpc_port = 0
+    ha = 0              # 2..9: etcd + that many masters (HA); the workers join through etcd://
     hot_threshold = 0.0 # reads/s from which a pool object gets extra replicas (0 = off; SHARED_MASTER_KEYS)
 """
 
@@ -57,6 +59,7 @@ from rich.table import Table
 from tsukimi.clock import WallClock
 from tsukimi.config import ROLES, ClusterConfig, Role, load
 from tsukimi.serving.cpp_cluster import group_processes
+from tsukimi.serving.master_plan import master_groups
 from tsukimi.serving.process_spec import ProcessSpec
 from tsukimi.serving.supervisor import Child, Supervisor
 from tsukimi.serving.worker_commands import worker_args
@@ -70,32 +73,33 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def plan(config: ClusterConfig, port: Callable[[], int] | None = None) -> list[list[ProcessSpec]]:
+def plan(
+    config: ClusterConfig, port: Callable[[], int] | None = None, data_dir: Path = Path()
+) -> list[list[ProcessSpec]]:
     """The processes of a cluster, in groups started one after the other.
 
     Args:
         config: the cluster.
         port: gives a free port for each port configured as 0 (default: ask the OS).
+        data_dir: where etcd keeps its data (`[master] ha`; tsukimi/serving/master_plan.py).
+
+    Raises:
+        ConfigError: `[master] ha` and no etcd on PATH.
     """
     h, w = config.host, config.workers
     pick = port or (lambda: _free_port(h))
     url_host = f"[{h}]" if ":" in h else h
-    first: list[ProcessSpec] = []
+    groups: list[list[ProcessSpec]] = [[]]
     master = ""
     if config.mode == "pd":
-        rpc, http = config.master.rpc_port or pick(), config.master.http_port or pick()
-        sets = (f'master.host="{h}"', f"master.rpc_port={rpc}", f"master.http_port={http}", *config.master.settings())
-        first.append(
-            ProcessSpec("master", "master", ("master", *(f"--set={s}" for s in sets)), f"http://{url_host}:{http}")
-        )
-        master = f"tcp://{url_host}:{rpc}"
+        groups, master = master_groups(config, pick, data_dir)
         counts: list[tuple[Role, int]] = [("prefill", w.prefill), ("decode", w.decode)]
     else:
         counts = [("colocated", w.colocated)]
     meta_port = config.metadata_port or pick()
-    metadata = ProcessSpec("metadata", "metadata", ("metadata-server", "--host", h, "--port", str(meta_port)),
-                           f"http://{url_host}:{meta_port}")  # fmt: skip
-    groups = [[*first, metadata]]
+    groups[-1].append(ProcessSpec("metadata", "metadata", ("metadata-server", "--host", h, "--port", str(meta_port)),
+                                  f"http://{url_host}:{meta_port}"))  # fmt: skip
+    metadata = groups[-1][-1]
     roles = [role for role, count in counts for _ in range(count)]
     workers = []
     for i, role in enumerate(roles):
@@ -174,7 +178,8 @@ def run_cluster(config: ClusterConfig, console: Console, state_file: str | None 
     """
     supervisor = Supervisor(_log_dir_for(config), config.stop_timeout_s, restart=config.restart)
     model = config.router.served_model_name or config.model
-    supervise(supervisor, plan(config), model, config.startup_timeout_s, console, state_file)
+    groups = plan(config, data_dir=supervisor.log_dir)
+    supervise(supervisor, groups, model, config.startup_timeout_s, console, state_file)
 
 
 def supervise(
