@@ -96,6 +96,27 @@ def test_a_worker_killed_mid_stream_fails_its_stream_cleanly_and_is_restarted(tm
             assert response.json()["choices"][0]["text"] == expected
         assert workers(api)[victim]["requests"] > before  # type: ignore[operator]
         assert "restarting it in 0.5 s" in (tmp_path / "up.log").read_text()
+        restart_and_follow_the_prefill_worker(tmp_path, api)
+
+
+def restart_and_follow_the_prefill_worker(tmp_path: Path, api: str) -> None:
+    """The prefill worker SIGKILLed idle comes back on new KV event ports: the router's prefix
+    index follows it there (it expects exactly the reuse the worker then finds)."""
+    old_pid = int(state_of(tmp_path)["prefill-0"]["pid"])  # type: ignore[call-overload]
+    os.kill(old_pid, signal.SIGKILL)
+    wait_until(lambda: workers(api)["prefill-0"]["healthy"] is False, 30, interval_s=0.05)
+    wait_until(lambda: workers(api)["prefill-0"]["healthy"] is True, 60, interval_s=0.05)
+    prompt = list(range(3000, 3040))  # two full blocks and a part, never sent before
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def details() -> tuple[int, int]:
+        response = httpx.post(api + "/v1/completions", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]["prompt_tokens_details"]
+        return usage["cached_tokens"], usage["expected_cached_tokens"]
+
+    assert details() == (0, 0)
+    wait_until(lambda: details() == (32, 32), 30, interval_s=0.2)  # the index heard of its blocks
 
 
 @pytest.mark.timeout(120)

@@ -207,8 +207,10 @@ class WorkerClient:
             logger.warning("workers %s did not answer within %s s; marked down", names, timeout_s)
 
     async def refresh(self, worker: WorkerHandle, health: bool = False) -> bool:
-        """GET /load (after /health, whose role must match, when `health`); marks the worker up
+        """GET /load (after /health, whose role must match, when `health` or the worker was
+        down); marks the worker up
         or down (mutates). Returns whether it answered. Raises ConfigError on a role mismatch."""
+        health = health or not worker.healthy  # NOTE: one back up may have restarted (new KV event ports)
         try:
             info = msgspec.json.decode(await self._get(worker, "/health"), type=Health) if health else None
             load = msgspec.json.decode(await self._get(worker, "/load"), type=Load)
