@@ -363,13 +363,10 @@ class EngineThread:
             pool.journal = []
 
     def _fail_all(self, error: TsukimiError) -> None:
-        for rid, stream in self._active.items():
+        for rid in list(self._active):
             with contextlib.suppress(Exception):  # NOTE: best effort on an engine that just failed
                 self._engine.abort(rid)
-            self._metrics.requests.labels("abort").inc()
-            stream.send(Verdict(error))
-        self._active.clear()
-        self._admitted.clear()
+            self._end(rid, error)
 
     def _publish(self) -> None:
         waiting = sum(not s.started for s in self._active.values())
