@@ -1,7 +1,8 @@
 """Faults of a whole `tsukimi up` cluster (real processes, the tiny model, PD with two decode
 workers): a worker SIGKILLed mid-stream (its client gets an error event, the next requests go
-elsewhere, the supervisor restarts it and it serves again), and a SIGKILLed `tsukimi up` (its
-children notice through their lifeline and exit)."""
+elsewhere, the supervisor restarts it and it serves again; a restarted prefill worker's KV events
+are followed), and a SIGKILLed `tsukimi up` (its children, etcd included, notice through their
+lifeline and exit)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serving.test_cluster import alive, running, tiny_cluster, up
+from tests.serving.test_cluster import alive, children_of, running, tiny_cluster, up
 from tsukimi.testing.processes import wait_until
 
 logger = logging.getLogger(__name__)
@@ -121,12 +122,14 @@ def restart_and_follow_the_prefill_worker(tmp_path: Path, api: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_sigkilled_up_leaves_no_child_behind(tmp_path: Path) -> None:
-    supervisor, pids = up(tmp_path, tiny_cluster(tmp_path)), dict[str, int]()
+    # NOTE: HA masters: etcd (not tsukimi's) runs under the lifeline's wrapper, a grandchild
+    supervisor, pids = up(tmp_path, tiny_cluster(tmp_path) + "[master]\nha = 2\n"), dict[str, int]()
     try:
         wait_until(lambda: (tmp_path / "state").exists() or supervisor.poll() is not None, 60)
         assert supervisor.poll() is None, (tmp_path / "up.log").read_text()
         pids |= {name: int(p["pid"]) for name, p in state_of(tmp_path).items()}  # type: ignore[call-overload]
-        assert sorted(pids) == ["decode-0", "master", "metadata", "prefill-0", "router"]
+        assert sorted(pids) == ["decode-0", "etcd", "master-0", "master-1", "metadata", "prefill-0", "router"]
+        [pids["etcd itself"]] = children_of(pids["etcd"])
         supervisor.kill()
         supervisor.wait(10)
         killed = time.monotonic()

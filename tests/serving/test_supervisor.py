@@ -5,6 +5,7 @@ capped backoff until a crash loop stops it; a child whose parent's lifeline clos
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.serving.test_cluster import alive, children_of
 from tsukimi.config import ClusterRestartConfig
 from tsukimi.errors import ConfigError, PeerError
 from tsukimi.lifeline import Lifeline
@@ -83,3 +85,21 @@ def test_a_child_stops_when_its_lifeline_closes() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_foreign_command_under_the_wrapper_stops_with_the_lifeline() -> None:
+    lifeline = Lifeline()
+    cmd = [sys.executable, "-m", "tsukimi.lifeline", "sleep", "60"]
+    wrapper = subprocess.Popen(cmd, env={**os.environ, **lifeline.env()}, pass_fds=lifeline.pass_fds,
+                               start_new_session=True)  # fmt: skip
+    try:
+        wait_until(lambda: bool(children_of(wrapper.pid)), 30)
+        [sleeper] = children_of(wrapper.pid)
+        lifeline.close()
+        assert wrapper.wait(30) == 128 + 15  # sleep ended by the SIGTERM passed on
+        wait_until(lambda: not alive(sleeper), 10)
+    finally:
+        if wrapper.poll() is None:
+            os.killpg(wrapper.pid, signal.SIGKILL)
+        wrapper.wait()

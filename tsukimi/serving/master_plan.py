@@ -6,14 +6,13 @@ one master, or with `[master] ha = N` etcd and N masters that elect their leader
                        (master.ha_etcd = etcd://...)  (the store client follows the leader)
 
 etcd is Debian's etcd-server (`make` installs it), a single member keeping its data under
-DATA_DIR/etcd-data, run through `python -m tsukimi.lifeline` so that it stops with `tsukimi
-up` even when that is SIGKILLed (tsukimi/lifeline.py).
+DATA_DIR/etcd-data; the supervisor runs it under `python -m tsukimi.lifeline`, so that it stops
+with `tsukimi up` even when that is SIGKILLed (tsukimi/lifeline.py).
 """
 
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,7 +59,7 @@ def _etcd(url_host: str, client_port: int, peer_port: int, data_dir: Path) -> Pr
         raise ConfigError("master.ha needs etcd on PATH: apt-get install etcd-server (or `make`)")
     client, peer = f"http://{url_host}:{client_port}", f"http://{url_host}:{peer_port}"
     argv = (
-        sys.executable, "-m", "tsukimi.lifeline", binary, "--name=tsukimi-up", f"--data-dir={data_dir / 'etcd-data'}",
+        binary, "--name=tsukimi-up", f"--data-dir={data_dir / 'etcd-data'}",
         f"--listen-client-urls={client}", f"--advertise-client-urls={client}", f"--listen-peer-urls={peer}",
         f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=tsukimi-up={peer}",
         "--initial-cluster-state=new", "--log-level=warn",

@@ -1,7 +1,8 @@
 """The processes `tsukimi up` starts (tsukimi/serving/cluster.py), as their supervisor: spawns
 them in groups, waits for their health, restarts one that dies, and stops them all.
 
-    start_group(specs) -> each child: `python -m tsukimi.cli ARGS`, a session of its own,
+    start_group(specs) -> each child: `python -m tsukimi.cli ARGS` (another command: under
+                          `python -m tsukimi.lifeline`), a session of its own,
                           LOG_DIR/NAME.log, and the read end of a lifeline (tsukimi/lifeline.py):
                           when this process dies, even by SIGKILL, the children stop themselves
     tend()             -> a child that exited is started again after a backoff (`ClusterRestartConfig`:
@@ -81,7 +82,9 @@ class Supervisor:
             self._lifeline = Lifeline()
         log = self.log_dir / f"{spec.name}.log"
         verbosity = ["-" + "v" * self.verbose] if self.verbose else []
-        argv = list(spec.argv) or [sys.executable, "-m", "tsukimi.cli", *verbosity, *spec.args]
+        # NOTE: a command not tsukimi's (etcd, vLLM) runs under the lifeline's wrapper
+        wrapped = [sys.executable, "-m", "tsukimi.lifeline", *spec.argv] if spec.argv else []
+        argv = wrapped or [sys.executable, "-m", "tsukimi.cli", *verbosity, *spec.args]
         # NOTE: should this process die, the groups started first stop last (as stop() orders them)
         delay_s = _LIFELINE_STEP_S * max(0, _LIFELINE_GROUPS - 1 - group)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._lifeline.env(delay_s), **dict(spec.env)}
