@@ -11,6 +11,7 @@ import threading
 
 from rich.console import Console
 
+from tsukimi import lifeline
 from tsukimi.bench import commands as bench_commands
 from tsukimi.bench import runners as bench_runners
 from tsukimi.bench.commands import parse_sizes
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(level, logging.WARNING))  # NOTE: a line per request otherwise
     console = Console(stderr=bool(getattr(args, "json", False) or getattr(args, "markdown", False)))
+    lifeline.watch_from_env()  # NOTE: started by `tsukimi up`: stop when it dies (tsukimi/lifeline.py)
     try:
         if args.command == "metadata-server":
             from tsukimi.config import Config, load

@@ -185,7 +185,10 @@ def test_engine_failure_fails_its_requests_and_the_worker_goes_on(tiny: LoadedMo
     with Worker(WorkerConfig(name="broken", model="tiny", num_blocks=64), broken).start() as worker:
         lines = generate(worker.base_url, body("poisoned", [1, POISON, 3]))
         assert lines[-1]["finish_reason"] is None
-        assert lines[-1]["error"] == {"code": "worker_error", "message": "the engine failed: RuntimeError: boom"}
+        assert lines[-1]["error"] == {
+            "code": "worker_error",
+            "message": "the engine failed on this request: RuntimeError: boom",
+        }
         assert tokens(generate(worker.base_url, body("fine", PROMPT, max_tokens=4, ignore_eos=True))) == reference(
             tiny, PROMPT, 4
         )

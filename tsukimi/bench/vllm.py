@@ -100,7 +100,7 @@ class BenchCluster:
     """A `tsukimi up --engine vllm` cluster supervised from this process; `api` once up."""
 
     def __init__(self, config: VllmClusterConfig, workdir: Path) -> None:
-        from tsukimi.serving.cluster import Supervisor
+        from tsukimi.serving.supervisor import Supervisor
 
         groups = plan_vllm(config, workdir)
         self.instances = [s.url for s in groups[-2]]

@@ -39,7 +39,8 @@ def _check_port(port: int, where: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    """One worker. port 0 = ephemeral. master (tcp://HOST:PORT) and segment_bytes (memory this
+    """One worker. port 0 = ephemeral. master (tcp://HOST:PORT, or etcd://HOST:PORT[,...] to
+    follow HA masters' leader) and segment_bytes (memory this
     worker contributes to the KV pool) matter for the prefill and decode roles only. threads:
     torch's intra-op threads (process-wide). metadata_url: the metadata service
     (http://HOST:PORT/metadata, etcd://...) of the P2P store that live weight updates pull
@@ -75,8 +76,9 @@ class WorkerConfig:
         if self.metadata_url and not self.metadata_url.startswith(("http://", "etcd://", "memory://")):
             raise ConfigError(f"worker metadata_url must be http://..., etcd://... or memory://NAME (tests), "
                               f"got {self.metadata_url!r}")  # fmt: skip
-        if self.role != "colocated" and not self.master.startswith("tcp://"):
-            raise ConfigError(f"a {self.role} worker needs the store master as tcp://HOST:PORT, got {self.master!r}")
+        if self.role != "colocated" and not self.master.startswith(("tcp://", "etcd://")):
+            raise ConfigError(f"a {self.role} worker needs the store master as tcp://HOST:PORT or "
+                              f"etcd://HOST:PORT[,...], got {self.master!r}")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +130,17 @@ class RouterFileConfig:
 @dataclass(frozen=True, slots=True)
 class ClusterMasterConfig:
     """The store master's ports (0 = a free port) and, flat beside them, its hot-key replication
-    settings (SHARED_MASTER_KEYS: `hot_threshold = 5.0` turns it on; `store`, a `MasterConfig`)."""
+    settings (SHARED_MASTER_KEYS: `hot_threshold = 5.0` turns it on; `store`, a `MasterConfig`).
+
+    ha: 0 runs one master; N >= 2 runs etcd (Debian's etcd-server, on `etcd_port`) and N masters
+    electing their leader through it (`master.ha_etcd`), the workers following the leader
+    (etcd://): a master's death costs a failover, not the cluster. rpc_port and http_port are
+    then the first master's (the others take free ports)."""
 
     rpc_port: int = 0
     http_port: int = 0
+    ha: int = 0
+    etcd_port: int = 0
     store: MasterConfig = field(default_factory=MasterConfig, metadata={INLINE_KEYS: SHARED_MASTER_KEYS})
 
     def settings(self) -> tuple[str, ...]:
@@ -141,6 +150,8 @@ class ClusterMasterConfig:
     def __post_init__(self) -> None:
         _check_port(self.rpc_port, "master.rpc_port")
         _check_port(self.http_port, "master.http_port")
+        _check_port(self.etcd_port, "master.etcd_port")
+        require(self.ha == 0 or 2 <= self.ha <= 9, f"master.ha must be 0 (one master) or 2..9, got {self.ha}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +197,26 @@ class ClusterRouterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterRestartConfig:
+    """When `tsukimi up` starts a child that died again (tsukimi/serving/supervisor.py): after
+    initial_backoff_s, doubling up to max_backoff_s; more than max_restarts within window_s is a
+    crash loop and stops the cluster. max_restarts 0: any child's death stops the cluster."""
+
+    max_restarts: int = 5
+    window_s: float = 300.0
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        require(self.max_restarts >= 0, "restart.max_restarts must be >= 0")
+        require(min(self.window_s, self.initial_backoff_s, self.max_backoff_s) > 0, "restart: the times must be > 0")
+
+    def backoff_s(self, recent: int) -> float:
+        """The wait before a restart when `recent` restarts happened within the window (pure)."""
+        return float(min(self.max_backoff_s, self.initial_backoff_s * 2 ** min(recent, 30)))
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """`tsukimi up` (tsukimi/serving/cluster.py). log_dir "" = a new temporary directory.
     metadata_port: the metadata server's (the P2P store's records, for live weight updates;
@@ -201,6 +232,7 @@ class ClusterConfig:
     master: ClusterMasterConfig = field(default_factory=ClusterMasterConfig)
     workers: ClusterWorkersConfig = field(default_factory=ClusterWorkersConfig)
     router: ClusterRouterConfig = field(default_factory=ClusterRouterConfig)
+    restart: ClusterRestartConfig = field(default_factory=ClusterRestartConfig)
 
     def __post_init__(self) -> None:
         require(self.mode in ("pd", "colocated"), f"mode must be pd or colocated, got {self.mode!r}")

@@ -1,6 +1,7 @@
 """`tsukimi up`: a whole local cluster as processes, started in order and supervised.
 
-    tsukimi master   (mode "pd" only: the KV pool's master; the workers contribute its memory)
+    tsukimi master   (mode "pd" only: the KV pool's master; the workers contribute its memory;
+                      `[master] ha = N`: etcd, then N masters electing a leader: master_plan.py)
     tsukimi metadata-server  (the P2P store's records: live weight updates pull through it)
       -> tsukimi worker x N   (prefill + decode, or colocated; started together)
          + CPP prefill groups (`cpp_groups`: k `tsukimi prefill-stage` each; cpp_cluster.py)
@@ -8,9 +9,12 @@
 
 Each group starts once the previous one answers GET /health with {"status": "ok"} (the router
 says "ok" once it reaches every worker). Children run in sessions of their own, log to
-LOG_DIR/NAME.log, and are stopped by the supervisor: on Ctrl-C or SIGTERM, when one of them
-dies, and when startup fails or times out, every process started gets SIGTERM in reverse
-order (router, workers, master), then SIGKILL after `stop_timeout_s`.
+LOG_DIR/NAME.log, and are supervised (tsukimi/serving/supervisor.py): one that dies is started
+again after a backoff (`[restart]`, a `ClusterRestartConfig`; a crash loop stops the cluster);
+on Ctrl-C or SIGTERM, and when startup fails or times out, every process started gets SIGTERM
+in reverse order (router, workers, master), then SIGKILL after `stop_timeout_s`. Should this
+process die without stopping them (SIGKILL), each child notices through its lifeline
+(tsukimi/lifeline.py) and stops itself.
 
 The configuration is a TOML file of `ClusterConfig` (tsukimi/config/serving.py); unknown keys
 are errors, absent ones take the defaults below (ports 0: free ones). Each worker gets the
@@ -27,39 +31,37 @@ settings `[workers]` gives them all (a `WorkerConfig`) with its own name, role, 
     segment_bytes = 268435456
     [router]
     port = 8000
+    [restart]
+    max_restarts = 5    # within window_s = 300; backoff 0.5 s doubling up to max_backoff_s = 10
     [master]
     rpc_port = 0
+    ha = 0              # 2..9: etcd + that many masters (HA); the workers join through etcd://
     hot_threshold = 0.0 # reads/s from which a pool object gets extra replicas (0 = off; SHARED_MASTER_KEYS)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
-import os
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from tsukimi.clock import WallClock
 from tsukimi.config import ROLES, ClusterConfig, Role, load
-from tsukimi.errors import PeerError
 from tsukimi.serving.cpp_cluster import group_processes
+from tsukimi.serving.master_plan import master_groups
 from tsukimi.serving.process_spec import ProcessSpec
+from tsukimi.serving.supervisor import Child, Supervisor
 from tsukimi.serving.worker_commands import worker_args
 
 logger = logging.getLogger(__name__)
@@ -71,32 +73,33 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def plan(config: ClusterConfig, port: Callable[[], int] | None = None) -> list[list[ProcessSpec]]:
+def plan(
+    config: ClusterConfig, port: Callable[[], int] | None = None, data_dir: Path = Path()
+) -> list[list[ProcessSpec]]:
     """The processes of a cluster, in groups started one after the other.
 
     Args:
         config: the cluster.
         port: gives a free port for each port configured as 0 (default: ask the OS).
+        data_dir: where etcd keeps its data (`[master] ha`; tsukimi/serving/master_plan.py).
+
+    Raises:
+        ConfigError: `[master] ha` and no etcd on PATH.
     """
     h, w = config.host, config.workers
     pick = port or (lambda: _free_port(h))
     url_host = f"[{h}]" if ":" in h else h
-    first: list[ProcessSpec] = []
+    groups: list[list[ProcessSpec]] = [[]]
     master = ""
     if config.mode == "pd":
-        rpc, http = config.master.rpc_port or pick(), config.master.http_port or pick()
-        sets = (f'master.host="{h}"', f"master.rpc_port={rpc}", f"master.http_port={http}", *config.master.settings())
-        first.append(
-            ProcessSpec("master", "master", ("master", *(f"--set={s}" for s in sets)), f"http://{url_host}:{http}")
-        )
-        master = f"tcp://{url_host}:{rpc}"
+        groups, master = master_groups(config, pick, data_dir)
         counts: list[tuple[Role, int]] = [("prefill", w.prefill), ("decode", w.decode)]
     else:
         counts = [("colocated", w.colocated)]
     meta_port = config.metadata_port or pick()
-    metadata = ProcessSpec("metadata", "metadata", ("metadata-server", "--host", h, "--port", str(meta_port)),
-                           f"http://{url_host}:{meta_port}")  # fmt: skip
-    groups = [[*first, metadata]]
+    groups[-1].append(ProcessSpec("metadata", "metadata", ("metadata-server", "--host", h, "--port", str(meta_port)),
+                                  f"http://{url_host}:{meta_port}"))  # fmt: skip
+    metadata = groups[-1][-1]
     roles = [role for role, count in counts for _ in range(count)]
     workers = []
     for i, role in enumerate(roles):
@@ -122,116 +125,6 @@ def plan(config: ClusterConfig, port: Callable[[], int] | None = None) -> list[l
             *(("--master", master, "--master-http", first[0].url) if master else ()))  # fmt: skip
     groups.append([ProcessSpec("router", "router", args, f"http://{url_host}:{router_port}")])
     return groups
-
-
-@dataclass(slots=True)
-class _Child:
-    spec: ProcessSpec
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-
-class Supervisor:
-    """The processes `tsukimi up` started, in groups; `stop()` ends every one of them."""
-
-    def __init__(self, log_dir: Path, stop_timeout_s: float, verbose: int = 1) -> None:
-        self.log_dir, self.stop_timeout_s, self.verbose = log_dir, stop_timeout_s, verbose
-        self.groups: list[list[_Child]] = []
-        self._clock = WallClock()
-
-    @property
-    def children(self) -> list[_Child]:
-        return [child for group in self.groups for child in group]
-
-    def start_group(self, specs: Sequence[ProcessSpec]) -> None:
-        """Spawn `python -m tsukimi.cli ARGS` for each spec (mutates). Raises OSError."""
-        group: list[_Child] = []
-        self.groups.append(group)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for spec in specs:
-            log = self.log_dir / f"{spec.name}.log"
-            verbosity = ["-" + "v" * self.verbose] if self.verbose else []
-            argv = list(spec.argv) or [sys.executable, "-m", "tsukimi.cli", *verbosity, *spec.args]
-            with log.open("wb") as out:  # NOTE: the child keeps its own descriptor
-                # NOTE: a session of its own: the terminal's Ctrl-C reaches the supervisor only,
-                # which stops the children in order (router first, master last).
-                proc = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                    env={**env, **dict(spec.env)}, start_new_session=True,
-                )  # fmt: skip
-            group.append(_Child(spec, proc, log))
-            logger.info("started %s (pid %d): %s", spec.name, proc.pid, " ".join(spec.args))
-
-    def wait_ready(
-        self, group: Sequence[_Child], deadline_s: float, stop: threading.Event, on_ready: Callable[[_Child], None]
-    ) -> bool:
-        """Poll each child's /health until it says "ok"; False when `stop` was set first.
-
-        Raises:
-            PeerError: a child exited, or the deadline (a `WallClock` reading) passed.
-        """
-        pending = list(group)
-        with httpx.Client(timeout=httpx.Timeout(2.0)) as client:
-            while pending:
-                for child in list(pending):
-                    self._check_alive(child)
-                    if _healthy(client, child.spec.url, child.spec.health):
-                        pending.remove(child)
-                        on_ready(child)
-                if pending and self._clock.now() > deadline_s:
-                    names = ", ".join(c.spec.name for c in pending)
-                    raise PeerError(f"{names} did not become healthy in time; logs in {self.log_dir}")
-                if pending and stop.wait(0.2):
-                    return False
-        return True
-
-    def check_alive(self) -> None:
-        """Raises PeerError naming the first child that exited."""
-        for child in self.children:
-            self._check_alive(child)
-
-    def _check_alive(self, child: _Child) -> None:
-        code = child.proc.poll()
-        if code is not None:
-            raise PeerError(f"{child.spec.name} exited with code {code}; the end of {child.log}:\n{_tail(child.log)}")
-
-    def stop(self) -> None:
-        """SIGTERM each group, last started first; SIGKILL what outlives stop_timeout_s. Idempotent."""
-        for group in reversed(self.groups):
-            for child in group:
-                if child.proc.poll() is None:
-                    child.proc.terminate()
-            deadline = self._clock.now() + self.stop_timeout_s
-            for child in group:
-                try:
-                    child.proc.wait(timeout=max(0.0, deadline - self._clock.now()))
-                except subprocess.TimeoutExpired:
-                    logger.warning("%s (pid %d) ignored SIGTERM: killing it", child.spec.name, child.proc.pid)
-                    child.proc.kill()
-                    child.proc.wait(timeout=5)
-                # NOTE: what the child left behind in its session (vLLM's engine core) goes too
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.proc.pid, signal.SIGKILL)
-        self.groups.clear()
-
-
-def _healthy(client: httpx.Client, url: str, kind: str = "tsukimi") -> bool:
-    if kind == "none":
-        return True
-    try:
-        response = client.get(url + "/health")
-        if kind == "http":
-            return response.status_code == 200
-        return response.status_code == 200 and response.json().get("status") == "ok"
-    except (httpx.HTTPError, ValueError):
-        return False
-
-
-def _tail(path: Path, num_lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
-    except OSError as exc:
-        return f"(unreadable: {exc})"
 
 
 def _state_of(supervisor: Supervisor, api_url: str) -> dict[str, object]:
@@ -284,9 +177,10 @@ def run_cluster(config: ClusterConfig, console: Console, state_file: str | None 
         PeerError: a process exited, or did not become healthy within startup_timeout_s.
         OSError: a process could not be spawned or its log not written.
     """
-    supervisor = Supervisor(_log_dir_for(config), config.stop_timeout_s)
+    supervisor = Supervisor(_log_dir_for(config), config.stop_timeout_s, restart=config.restart)
     model = config.router.served_model_name or config.model
-    supervise(supervisor, plan(config), model, config.startup_timeout_s, console, state_file)
+    groups = plan(config, data_dir=supervisor.log_dir)
+    supervise(supervisor, groups, model, config.startup_timeout_s, console, state_file)
 
 
 def supervise(
@@ -307,8 +201,9 @@ def supervise(
         console.print("Ctrl-C stops the cluster.", highlight=False)
         if state_file:
             _write_state(state_file, _state_of(supervisor, api_url))
-        while not stop.wait(0.5):
-            supervisor.check_alive()
+        while not stop.wait(0.2):
+            if supervisor.tend() and state_file:  # NOTE: the restarted child's new pid
+                _write_state(state_file, _state_of(supervisor, api_url))
     finally:
         if supervisor.groups:
             console.print(f"stopping {len(supervisor.children)} processes (logs in {supervisor.log_dir})")
@@ -328,7 +223,7 @@ def _start(
     tasks: dict[str, TaskID] = {}
     with Progress(*columns, console=console) as progress:
 
-        def ready(child: _Child) -> None:
+        def ready(child: Child) -> None:
             text = f"[green]{child.spec.name}[/green]: ready on {child.spec.url} (pid {child.proc.pid})"
             progress.update(tasks[child.spec.name], description=text, completed=1)
 

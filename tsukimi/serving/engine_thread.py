@@ -17,8 +17,11 @@ the requests already in the engine run to their end first (so they never mix two
 and those still running at `drain_timeout_s` end with WorkerUnavailable (vLLM's
 `pause_generation`, waiting for in-flight requests, with a bound).
 
-A failing step fails every request in the engine with its error and replaces the engine (its
-state may be inconsistent); the thread keeps serving. Closing fails every unfinished request.
+A failing step fails only the request that made it fail: the engine is replaced (its state may
+be inconsistent), each request is stepped alone to find the culprit, which ends with the error,
+and the others go on where they stopped (tsukimi/serving/step_isolation.py). The thread keeps
+serving. Closing fails every unfinished request. TSUKIMI_TEST_FAULT_TOKEN=ID (tests only) makes
+every step that schedules a request whose prompt holds token ID fail (`LLMEngine.fault_token`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -41,8 +45,11 @@ from tsukimi.engine.sampling import SamplingParams
 from tsukimi.errors import ClosedError, InvalidArgument, TsukimiError, WorkerError, WorkerUnavailable
 from tsukimi.serving.kv_events import KvEventPublisher
 from tsukimi.serving.protocol import Load
+from tsukimi.serving.step_isolation import Admitted, find_culprits, resume
 
 logger = logging.getLogger(__name__)
+
+FAULT_TOKEN_ENV = "TSUKIMI_TEST_FAULT_TOKEN"
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +142,7 @@ class EngineThread:
     """The one thread that owns an `LLMEngine`: takes commands from an inbox, steps the engine
     while it has work, sleeps on a condition otherwise, and routes outputs to their streams.
 
-    A failing step fails every request in the engine with its error and replaces the engine
-    (its state may be inconsistent); the thread keeps serving.
+    A failing step fails the request that made it fail, and no other (see the module).
     """
 
     def __init__(
@@ -144,10 +150,14 @@ class EngineThread:
         events: KvEventPublisher | None = None,
     ) -> None:  # fmt: skip
         self._make_engine, self._metrics, self._threads, self._events = make_engine, metrics, threads, events
+        fault = os.environ.get(FAULT_TOKEN_ENV, "")
+        self._fault_token = int(fault) if fault.lstrip("-").isdigit() else None
         self._engine = self._new_engine()
         self._cond = threading.Condition()
         self._inbox: deque[Command] = deque()
         self._active: dict[str, RequestStream] = {}
+        self._admitted: dict[str, Admitted] = {}  # NOTE: the same keys as _active: to resume them
+        self._blameless = False  # a failed step's probe found no culprit, and no step succeeded since
         self._held: deque[AddCommand] = deque()  # arrived while a pause waits
         self._pause: PauseCommand | None = None
         self._pause_deadline = 0.0
@@ -184,7 +194,7 @@ class EngineThread:
             for command in commands:
                 self._route(command)
             if self._engine.has_work():
-                self._guarded(self._step)
+                self._guarded(self._step, probe=True)
             if self._pause is not None:
                 self._try_pause(self._pause)
             self._publish()
@@ -250,29 +260,67 @@ class EngineThread:
                 command.done.set_exception(ClosedError("the worker is shutting down"))
         return None
 
-    def _guarded(self, action: Callable[..., None], *args: AddCommand | AbortCommand) -> None:
+    def _guarded(self, action: Callable[..., None], *args: AddCommand | AbortCommand, probe: bool = False) -> None:
         try:
             action(*args)
-        except Exception as exc:  # NOTE: fail the requests with the cause instead of dying silently
-            logger.exception("the engine failed; failing %d requests", len(self._active))
-            self._fail_all(WorkerError(f"the engine failed: {type(exc).__name__}: {exc}"))
-            self._engine = self._new_engine()  # NOTE: the old one's state may be inconsistent
-            if self._events is not None:
-                self._events.clear()
+        except Exception as exc:  # NOTE: recover with the cause instead of dying silently
+            logger.exception("the engine failed with %d requests in it", len(self._active))
+            self._recover(exc, probe)
+
+    def _recover(self, exc: Exception, probe: bool) -> None:
+        """After a failed step (`probe`: find its culprits) or command (the request concerned
+        already has its error): a fresh engine where the others go on (see the module)."""
+        error = WorkerError(f"the engine failed: {type(exc).__name__}: {exc}")
+        culprits: dict[str, Exception] = {}
+        if probe and self._blameless:  # NOTE: no culprit last time, and it failed again at once
+            self._engine = self._fresh_engine()
+            self._fail_all(error)
+            return
+        if probe:
+            culprits, self._engine = find_culprits(self._fresh_engine, self._admitted)
+        else:
+            self._engine = self._fresh_engine()
+        for rid, cause in culprits.items():
+            self._end(rid, WorkerError(f"the engine failed on this request: {type(cause).__name__}: {cause}"))
+        self._blameless = probe and not culprits
+        try:
+            resume(self._engine, self._admitted)
+        except Exception:  # NOTE: the fresh engine refuses what it took before: give up on them
+            logger.exception("resuming %d requests failed: failing them", len(self._admitted))
+            self._engine = self._fresh_engine()
+            self._fail_all(error)
+        else:
+            logger.warning("%d requests failed the engine, %d go on", len(culprits), len(self._admitted))
+
+    def _fresh_engine(self) -> LLMEngine:
+        """A new engine in place of one whose state may be inconsistent (the router's prefix index
+        hears that this cache is empty)."""
+        engine = self._new_engine()
+        if self._events is not None:
+            self._events.clear()
+        return engine
 
     def _new_engine(self) -> LLMEngine:
         """A fresh engine whose block pool journals its cache changes when events are published."""
         engine = self._make_engine()
+        engine.fault_token = self._fault_token
         if self._events is not None:
             engine.cache.pool.journal = []
         return engine
+
+    def _end(self, rid: str, error: TsukimiError) -> None:
+        """End a request with `error` (it is no longer in the engine)."""
+        stream = self._active.pop(rid)
+        del self._admitted[rid]
+        self._metrics.requests.labels("abort").inc()
+        stream.send(Verdict(error))
 
     def _apply(self, command: AddCommand | AbortCommand) -> None:
         stream = command.stream
         rid = stream.request_id
         if isinstance(command, AbortCommand):
             if self._active.get(rid) is stream:  # NOTE: not a later request that reuses the id
-                del self._active[rid]
+                del self._active[rid], self._admitted[rid]
                 self._metrics.requests.labels("abort").inc()
                 self._engine.abort(rid)
             return
@@ -288,12 +336,13 @@ class EngineThread:
         except Exception as exc:  # the engine failed: this request ends here, _guarded fails the rest
             stream.send(Verdict(WorkerError(f"the engine failed: {type(exc).__name__}: {exc}")))
             raise
-        self._active[rid] = stream
+        self._active[rid], self._admitted[rid] = stream, Admitted(command.prompt, command.params)
         stream.send(Verdict(weights_version=self.weights_version))
         logger.debug("accepted %s (%d prompt tokens)", rid, len(command.prompt))
 
     def _step(self) -> None:
         outputs = self._engine.step()
+        self._blameless = False
         self._flush_events()  # NOTE: before the tokens: the router hears of the blocks first
         for out in outputs:
             stream = self._active.get(out.request_id)
@@ -301,8 +350,9 @@ class EngineThread:
                 continue
             self._metrics.record(out, stream)
             stream.started = True
+            self._admitted[out.request_id].generated += out.token_ids
             if out.finish_reason is not None:
-                del self._active[out.request_id]
+                del self._active[out.request_id], self._admitted[out.request_id]
             stream.send(out)
 
     def _flush_events(self) -> None:
@@ -313,12 +363,10 @@ class EngineThread:
             pool.journal = []
 
     def _fail_all(self, error: TsukimiError) -> None:
-        for rid, stream in self._active.items():
+        for rid in list(self._active):
             with contextlib.suppress(Exception):  # NOTE: best effort on an engine that just failed
                 self._engine.abort(rid)
-            self._metrics.requests.labels("abort").inc()
-            stream.send(Verdict(error))
-        self._active.clear()
+            self._end(rid, error)
 
     def _publish(self) -> None:
         waiting = sum(not s.started for s in self._active.values())

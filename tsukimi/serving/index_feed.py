@@ -37,6 +37,7 @@ from tsukimi.serving.worker_client import POOL, WorkerHandle
 logger = logging.getLogger(__name__)
 
 POOL_LOCATION = location(POOL, "dram")
+_FOLLOW_INTERVAL_S = 0.5  # how often the feed looks for a prefill worker that restarted
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,26 +91,52 @@ class IndexFeed:
     def __init__(self, index: PrefixIndex, block_tokens: int, timeout_s: float = 2.0) -> None:
         self.index, self.block_tokens, self.timeout_s = index, block_tokens, timeout_s
         self.instances: dict[str, InstanceEvents] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._subscribers: dict[str, tuple[tuple[int, int], asyncio.Task[None]]] = {}  # by worker: ports, task
+        self._follower: asyncio.Task[None] | None = None
         self._context: zmq.asyncio.Context | None = None
 
     def start(self, workers: Sequence[WorkerHandle]) -> None:
-        """Subscribes to every prefill worker that publishes KV events (GET /health said where).
-        Mutates; call on the router's loop."""
+        """Subscribes to every prefill worker that publishes KV events (GET /health said where),
+        and follows a restarted one to its new ports. Mutates; call on the router's loop."""
         self._context = self._context or zmq.asyncio.Context()
         for worker in workers:
-            if worker.spec.role != "prefill" or not worker.kv_events_ports[0]:
-                continue
-            name, host = worker.spec.name, httpx.URL(worker.spec.url).host
-            port, snapshot_port = worker.kv_events_ports
-            source = EventSource(f"tcp://{host}:{port}", replay_timeout_s=self.timeout_s,
-                                 snapshot_endpoint=f"tcp://{host}:{snapshot_port}")  # fmt: skip
-            events = self.instances[name] = InstanceEvents(self.index, name, self.block_tokens, POOL_LOCATION)
-            subscriber = EventSubscriber(events, source, self._context)
-            self._tasks.append(asyncio.create_task(subscriber.run(), name=f"kv-events-{name}"))
+            if worker.spec.role == "prefill" and worker.kv_events_ports[0]:
+                self._subscribe(worker)
+        self._follower = asyncio.create_task(self._follow(workers), name="kv-events-follow")
         logger.info("prefix index fed by the KV events of %d prefill workers", len(self.instances))
+
+    def _subscribe(self, worker: WorkerHandle) -> None:
+        assert self._context is not None
+        name, host = worker.spec.name, httpx.URL(worker.spec.url).host
+        port, snapshot_port = worker.kv_events_ports
+        source = EventSource(f"tcp://{host}:{port}", replay_timeout_s=self.timeout_s,
+                             snapshot_endpoint=f"tcp://{host}:{snapshot_port}")  # fmt: skip
+        if name not in self.instances:
+            self.instances[name] = InstanceEvents(self.index, name, self.block_tokens, POOL_LOCATION)
+        subscriber = EventSubscriber(self.instances[name], source, self._context)
+        self._subscribers[name] = (
+            worker.kv_events_ports,
+            asyncio.create_task(subscriber.run(), name=f"kv-events-{name}"),
+        )
+
+    async def _follow(self, workers: Sequence[WorkerHandle]) -> None:
+        """A restarted prefill worker publishes on new ports (its GET /health, read again when it
+        comes back up): subscribe there, forgetting what the index held for its old cache."""
+        while True:
+            await asyncio.sleep(_FOLLOW_INTERVAL_S)
+            for worker in workers:
+                name = worker.spec.name
+                if name not in self._subscribers or worker.kv_events_ports in (self._subscribers[name][0], (0, 0)):
+                    continue
+                logger.warning("prefill worker %s restarted: following its KV events to ports %s", name,
+                               worker.kv_events_ports)  # fmt: skip
+                await stop_subscribers([self._subscribers.pop(name)[1]], None)
+                self.instances[name].resync(0)
+                self._subscribe(worker)
 
     async def close(self) -> None:
         """Stops the subscribers (idempotent; mutates)."""
-        await stop_subscribers(self._tasks, self._context)
-        self._context = None
+        tasks = [task for _, task in self._subscribers.values()] + ([self._follower] if self._follower else [])
+        await stop_subscribers(tasks, self._context)
+        self._subscribers.clear()
+        self._follower, self._context = None, None

@@ -10,8 +10,9 @@ which makes every call to the workers over one `httpx.AsyncClient`:
 An error a worker reports arrives as (code, message) and is raised here as the same class
 (`protocol.raise_error`). Every call has connect and read timeouts: a worker that cannot be
 reached raises `WorkerUnavailable` (HTTP 503) and is marked down, one that fails, stalls or
-answers garbage `WorkerError` (502), so a request never hangs on a dead worker. A worker
-marked down is marked up again as soon as it answers a poll.
+answers garbage `WorkerError` (502), so a request never hangs on a dead worker; one that breaks
+the connection mid-stream (killed) is marked down too. A worker marked down is marked up again
+as soon as it answers a poll (a restarted one: tsukimi/serving/supervisor.py).
 
 Runs on one asyncio event loop (the handles are plain mutable records).
 """
@@ -163,6 +164,9 @@ class WorkerClient:
             raise WorkerUnavailable(f"worker {name} at {worker.spec.url} is unreachable: {exc}") from exc
         except httpx.TimeoutException as exc:
             raise WorkerError(f"worker {name} did not answer within {self._read_timeout_s} s") from exc
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            worker.healthy = False  # NOTE: it broke the connection (it died?): down until a poll answers
+            raise WorkerError(f"worker {name} failed: {exc!r}") from exc
         except httpx.HTTPError as exc:
             raise WorkerError(f"worker {name} failed: {exc!r}") from exc
 
@@ -207,8 +211,10 @@ class WorkerClient:
             logger.warning("workers %s did not answer within %s s; marked down", names, timeout_s)
 
     async def refresh(self, worker: WorkerHandle, health: bool = False) -> bool:
-        """GET /load (after /health, whose role must match, when `health`); marks the worker up
+        """GET /load (after /health, whose role must match, when `health` or the worker was
+        down); marks the worker up
         or down (mutates). Returns whether it answered. Raises ConfigError on a role mismatch."""
+        health = health or not worker.healthy  # NOTE: one back up may have restarted (new KV event ports)
         try:
             info = msgspec.json.decode(await self._get(worker, "/health"), type=Health) if health else None
             load = msgspec.json.decode(await self._get(worker, "/load"), type=Load)

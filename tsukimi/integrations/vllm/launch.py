@@ -187,7 +187,8 @@ def run_vllm_cluster(args: argparse.Namespace, console: Console) -> None:
     """
     import tempfile
 
-    from tsukimi.serving.cluster import Supervisor, supervise
+    from tsukimi.serving.cluster import supervise
+    from tsukimi.serving.supervisor import Supervisor
 
     config = VllmClusterConfig(
         model=args.model or "tiny", mode=args.mode or "colocated", instances=args.instances,
