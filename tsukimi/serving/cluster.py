@@ -90,9 +90,10 @@ def plan(
     pick = port or (lambda: _free_port(h))
     url_host = f"[{h}]" if ":" in h else h
     groups: list[list[ProcessSpec]] = [[]]
-    master = ""
+    master, master_http = "", ""
     if config.mode == "pd":
         groups, master = master_groups(config, pick, data_dir)
+        master_http = groups[-1][0].url  # NOTE: the (first) master's /metrics, for the dashboard
         counts: list[tuple[Role, int]] = [("prefill", w.prefill), ("decode", w.decode)]
     else:
         counts = [("colocated", w.colocated)]
@@ -122,7 +123,7 @@ def plan(
     router_port = config.router.port or pick()
     args = ("router", "--host", h, "--port", str(router_port), "--model", config.model, "--workers", listed,
             "--mode", config.mode, "--served-model-name", config.router.served_model_name or config.model,
-            *(("--master", master, "--master-http", first[0].url) if master else ()))  # fmt: skip
+            *(("--master", master, "--master-http", master_http) if master else ()))  # fmt: skip
     groups.append([ProcessSpec("router", "router", args, f"http://{url_host}:{router_port}")])
     return groups
 
