@@ -116,7 +116,7 @@ def test_the_figures_account_for_every_request_and_judge_each_criterion() -> Non
 
 @pytest.mark.timeout(240)
 def test_overload_against_a_tiny_cluster_accounts_for_every_request() -> None:
-    cfg = OverloadConfig(duration_s=6.0, calibrate_s=3.0, concurrency=(2, 4), post_checks=2)
+    cfg = OverloadConfig(duration_s=6.0, calibrate_s=3.0, concurrency=(4, 8), idle_health_s=0.5, post_checks=2)
     result = run_bench(cfg, lambda _: None)
     kinds = {kind: result[kind] for kind in ("served", "rejected", "error", "failed")}
     assert sum(kinds.values()) == result["sent"] and result["served"] > 0, result  # each request ended once

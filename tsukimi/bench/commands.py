@@ -149,7 +149,7 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
                     help="each worker's KV cache, in blocks (default 4096; overload: 512, as tsukimi up)")  # fmt: skip
     sv.add_argument("--duration", type=float, default=60.0, help="overload: seconds of load at --factor x")
     sv.add_argument("--factor", type=float, default=4.0, help="overload: times the measured sustainable rate")
-    sv.add_argument("--quick", action="store_true", help="overload: 10 s of load after a 4 s calibration")
+    sv.add_argument("--quick", action="store_true", help="overload: 10 s of load after a 6 s calibration")
     sv.add_argument("--json", action="store_true")
     sv.add_argument("--markdown", action="store_true")
     vl = bench.add_parser("vllm", help="two vLLM instances: round-robin vs tsukimi (pool + Conductor) vs Mooncake")

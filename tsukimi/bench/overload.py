@@ -2,7 +2,8 @@
 (issue 17, item 3). One run, in order:
 
 1. baseline: a fixed greedy prompt, answered once (its text and token count are kept);
-2. sustainable rate: a closed-loop step ramp (`concurrency` clients each sending the next
+2. sustainable rate (after `idle_health_s` of /health probes on the idle cluster, the baseline
+   of the probe's latency): a closed-loop step ramp (`concurrency` clients each sending the next
    request as soon as the last ended, for `calibrate_s` split over the steps); the highest
    served requests/s of any step is the rate the cluster keeps up with;
 3. overload: Poisson arrivals at `factor` times that rate for `duration_s` (the mixed workload
@@ -33,7 +34,7 @@ import httpx
 import numpy as np
 
 from tsukimi.bench.overload_client import Outcome, OverloadRequest, mixed_requests, send
-from tsukimi.bench.overload_monitor import HealthProbe, RssSampler
+from tsukimi.bench.overload_monitor import HealthProbe, Probe, RssSampler
 from tsukimi.bench.overload_report import LoadRun, summarize
 from tsukimi.errors import PeerError
 
@@ -50,8 +51,9 @@ class OverloadConfig:
     mode: str = "pd"
     duration_s: float = 60.0
     factor: float = 4.0
-    calibrate_s: float = 12.0
-    concurrency: tuple[int, ...] = (2, 4, 8)
+    calibrate_s: float = 16.0
+    concurrency: tuple[int, ...] = (2, 4, 8, 16)
+    idle_health_s: float = 3.0  # /health probed this long before any load: the idle baseline
     request_timeout_s: float = 60.0  # NOTE: twice the Conductor's default TTFT SLO (30 s): admitted ones fit
     health_interval_s: float = 0.2
     post_checks: int = 4
@@ -112,6 +114,7 @@ async def _run(cfg: OverloadConfig, url: str, pids: dict[str, int], progress: Ca
             raise PeerError(f"the baseline request was not served: {baseline}")
         rss.start()
         try:
+            idle_probes = await _idle_probes(url, cfg)
             progress(f"measuring the sustainable rate: closed loop at {cfg.concurrency} clients")
             steps = await _calibrate(client, url, cfg)
             sustainable = max(step.served_rps for step in steps)
@@ -126,16 +129,27 @@ async def _run(cfg: OverloadConfig, url: str, pids: dict[str, int], progress: Ca
             samples = rss.stop()
     calibration = [asdict(s) | {"served_rps": round(s.served_rps, 3)} for s in steps]
     run = dataclasses.replace(load, sustainable_rps=sustainable, calibration=calibration, rss=samples,
-                              baseline=baseline, after=after)  # fmt: skip
+                              baseline=baseline, after=after, idle_probes=idle_probes)  # fmt: skip
     return summarize(run)
+
+
+async def _idle_probes(url: str, cfg: OverloadConfig) -> list[Probe]:
+    """/health probed for cfg.idle_health_s with nothing else running: the probe's baseline."""
+    idle = HealthProbe(url, cfg.health_interval_s)
+    try:
+        idle.start()
+        await asyncio.sleep(cfg.idle_health_s)
+    finally:
+        probes = idle.stop()
+    return probes
 
 
 async def _overload(client: httpx.AsyncClient, url: str, cfg: OverloadConfig, rate: float, rss: RssSampler
                     ) -> LoadRun:  # fmt: skip
     """The open loop at `rate`, with /health probed and each process's CPU time noted."""
     health = HealthProbe(url, cfg.health_interval_s)
-    health.start()
     try:
+        health.start()
         load_from, cpu_from = time.perf_counter() - rss.origin, rss.cpu_mark() | {"bench": time.process_time()}
         outcomes, sending_s, wall_s, lag_s = await _open_loop(client, url, cfg, rate)
         load_to, cpu_to = time.perf_counter() - rss.origin, rss.cpu_mark() | {"bench": time.process_time()}

@@ -2,7 +2,8 @@
 or Markdown (docs/reliability.md).
 
 Verdicts, one per criterion of issue 17 item 3:
-- health_under_100ms: every /health probe during the load and the drain answered 200 within 100 ms;
+- health_under_100ms: every /health probe during the load and the drain answered 200 within 100 ms
+  (the same probe on the idle cluster, before the load, is shown beside it);
 - every_request_ended: no request failed (timeout, broken connection, 5xx or 429/503 without a
   reason, no tokens, a stream cut short) and each one sent has exactly one outcome;
 - tokens_or_429_503: every request ended with tokens or a 429/503 naming a reason (no other error);
@@ -47,6 +48,7 @@ class LoadRun:
     rss: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     baseline: Outcome | None = None
     after: list[Outcome] = field(default_factory=list)
+    idle_probes: list[Probe] = field(default_factory=list)
 
 
 def summarize(run: LoadRun) -> dict[str, object]:
@@ -70,7 +72,7 @@ def summarize(run: LoadRun) -> dict[str, object]:
         "failed_by": _by_reason(outcomes, "failed"), "examples": _examples(outcomes),
         "ttft_s": _quantiles([o.ttft_s for o in served if o.stream]),
         "latency_s": _quantiles([o.latency_s for o in served if not o.stream]),
-        "health": health, "rss_mib": memory, "cpu_percent": run.cpu_percent,
+        "health": health, "health_idle": _health(run.idle_probes), "rss_mib": memory, "cpu_percent": run.cpu_percent,
         "post_load": {"ok": post_ok, "baseline_tokens": baseline.tokens,
                       "answers": [f"{o.kind} {o.status} {o.reason} tokens={o.tokens} same={_same_answer(o, baseline)}"
                                   for o in after]},
@@ -137,8 +139,8 @@ def _ms(seconds: float | None) -> float | None:
 def rows(result: Mapping[str, object]) -> list[tuple[str, str]]:
     """(figure, value) rows: what the table and the Markdown show."""
     r = dict(result)
-    ttft, lat, health = r["ttft_s"], r["latency_s"], r["health"]
-    assert isinstance(ttft, dict) and isinstance(lat, dict) and isinstance(health, dict)
+    ttft, lat, health, idle = r["ttft_s"], r["latency_s"], r["health"], r.get("health_idle") or {}
+    assert isinstance(ttft, dict) and isinstance(lat, dict) and isinstance(health, dict) and isinstance(idle, dict)
     out = [
         ("sustainable rate (closed loop)", f"{r['sustainable_rps']} req/s"),
         ("offered (target)", f"{r['offered_rps']} req/s ({r['target_rps']}), {r['sent']} requests"),
@@ -150,6 +152,8 @@ def rows(result: Mapping[str, object]) -> list[tuple[str, str]]:
         ("TTFT p50 / p99 (served, streamed)", f"{_ms(ttft['p50'])} / {_ms(ttft['p99'])} ms"),
         ("latency p50 / p99 (served, whole)", f"{_ms(lat['p50'])} / {_ms(lat['p99'])} ms"),
         ("/health p50 / p99 / max", f"{health['p50_ms']} / {health['p99_ms']} / {health['max_ms']} ms"),
+        ("/health idle p50 / p99 / max (before the load)",
+         f"{idle.get('p50_ms')} / {idle.get('p99_ms')} / {idle.get('max_ms')} ms"),
         ("/health probes over 100 ms or failed", f"{health['over_100ms']} of {health['probes']}"),
         ("served throughput (load + drain)", f"{r['throughput_rps']} req/s; drain {r['drain_s']} s"),
         ("load generator lag (max)", f"{r['generator_lag_s']} s"),

@@ -112,7 +112,7 @@ def _bench_overload(args: argparse.Namespace, console: Console) -> None:
 
     cfg = overload.OverloadConfig(
         args.url, args.model, args.mode, duration_s=10.0 if args.quick else args.duration, factor=args.factor,
-        calibrate_s=4.0 if args.quick else 12.0, num_blocks=args.num_blocks or 512, seed=args.seed,
+        calibrate_s=6.0 if args.quick else 16.0, num_blocks=args.num_blocks or 512, seed=args.seed,
     )  # fmt: skip
     report = overload.run_bench(cfg, lambda text: console.print(text, highlight=False))
     _print_report(args, console, report, overload_report.render_markdown, overload_report.render_table)
