@@ -7,22 +7,38 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
-import httpx
 import pytest
 
 from tsukimi.bench.overload import OverloadConfig, run_bench
 from tsukimi.bench.overload_client import Outcome, OverloadRequest, mixed_requests, send
 from tsukimi.bench.overload_monitor import Probe
 from tsukimi.bench.overload_report import LoadRun, render_markdown, summarize
+from tsukimi.testing.processes import free_port
 
 _REQUEST = OverloadRequest((5, 6, 7), 4, stream=False)
+_STREAMED = OverloadRequest((5,), 2, stream=True)
 
 
-def _send_to(handler: httpx.MockTransport, request: OverloadRequest = _REQUEST, timeout_s: float = 5.0) -> Outcome:
+def _send_to(response: bytes, request: OverloadRequest = _REQUEST, timeout_s: float = 5.0, delay_s: float = 0.0
+             ) -> Outcome:  # fmt: skip
+    """`send` against a loopback server that answers `response` (raw HTTP) after `delay_s`."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        match = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+        await reader.readexactly(int(match.group(1)) if match else 0)
+        await asyncio.sleep(delay_s)
+        writer.write(response)
+        await writer.drain()
+        writer.close()
+
     async def go() -> Outcome:
-        async with httpx.AsyncClient(transport=handler) as client:
-            return await send(client, "http://api", "tiny", request, timeout_s)
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            return await send(f"http://127.0.0.1:{port}", "tiny", request, timeout_s)
 
     return asyncio.run(go())
 
@@ -31,8 +47,16 @@ def _end(outcome: Outcome) -> tuple[str, int, str]:
     return outcome.kind, outcome.status, outcome.reason
 
 
-def _answer(status: int, body: bytes) -> httpx.MockTransport:
-    return httpx.MockTransport(lambda _: httpx.Response(status, content=body))
+def _answer(status: int, body: bytes) -> bytes:
+    return f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+
+
+def _chunked(body: bytes, end: bool = True) -> bytes:
+    """A 200 event stream sent chunked, one chunk per event; without the final chunk unless `end`."""
+    events = [e + b"\n\n" for e in body.split(b"\n\n") if e]
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return head + chunks + (b"0\r\n\r\n" if end else b"")
 
 
 def _error(code: str) -> bytes:
@@ -57,29 +81,23 @@ def test_a_whole_answer_needs_tokens() -> None:
 
 
 def test_a_stream_is_served_only_when_it_ends_with_done() -> None:
-    streamed = OverloadRequest((5,), 2, stream=True)
-    events = [
-        {"choices": [{"text": "a"}]},
-        {"choices": [{"text": "b"}]},
-        {"choices": [], "usage": {"completion_tokens": 2}},
-    ]
+    events = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+              {"choices": [], "usage": {"completion_tokens": 2}}]  # fmt: skip
     whole = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
-    served = _send_to(_answer(200, whole + b"data: [DONE]\n\n"), streamed)
+    served = _send_to(_chunked(whole + b"data: [DONE]\n\n"), _STREAMED)
     assert (served.kind, served.tokens, served.text) == ("served", 2, "ab") and served.ttft_s >= 0
-    assert _end(_send_to(_answer(200, whole), streamed)) == ("failed", 200, "stream cut before [DONE]")
+    assert _end(_send_to(_chunked(whole), _STREAMED)) == ("failed", 200, "stream cut before [DONE]")
+    cut = _send_to(_chunked(whole, end=False), _STREAMED)  # the connection closes mid-body
+    assert (cut.kind, cut.status) == ("failed", 200) and cut.reason.startswith("malformed answer"), cut
     broken = whole + b"data: " + _error("worker_unavailable") + b"\n\ndata: [DONE]\n\n"
-    assert _end(_send_to(_answer(200, broken), streamed)) == ("error", 200, "in stream: worker_unavailable")
+    assert _end(_send_to(_chunked(broken), _STREAMED)) == ("error", 200, "in stream: worker_unavailable")
 
 
-def test_no_answer_within_the_timeout_is_a_failure() -> None:
-    async def slow(_: httpx.Request) -> httpx.Response:
-        await asyncio.sleep(10)
-        return httpx.Response(200)
-
-    outcome = _send_to(httpx.MockTransport(slow), timeout_s=0.2)
+def test_no_answer_within_the_timeout_or_no_server_is_a_failure() -> None:
+    outcome = _send_to(_answer(200, b"{}"), timeout_s=0.2, delay_s=10)
     assert (outcome.kind, outcome.status) == ("failed", 0) and "timeout" in outcome.reason
-    refused = _send_to(httpx.MockTransport(lambda r: (_ for _ in ()).throw(httpx.ConnectError("refused", request=r))))
-    assert _end(refused) == ("failed", 0, "ConnectError")
+    refused = asyncio.run(send(f"http://127.0.0.1:{free_port()}", "tiny", _REQUEST, 5.0))
+    assert _end(refused) == ("failed", 0, "ConnectionRefusedError")
 
 
 def test_the_mixed_workload_mixes_lengths_prefixes_and_streaming() -> None:

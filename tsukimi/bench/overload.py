@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 from tsukimi.bench.overload_client import Outcome, OverloadRequest, mixed_requests, send
@@ -106,27 +105,25 @@ def cluster_pids(state_file: Path) -> dict[str, int]:
 
 async def _run(cfg: OverloadConfig, url: str, pids: dict[str, int], progress: Callable[[str], None]
                ) -> dict[str, object]:  # fmt: skip
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
     rss = RssSampler(pids)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0)) as client:
-        baseline = await send(client, url, cfg.model, _BASELINE, cfg.request_timeout_s)
-        if baseline.kind != "served":
-            raise PeerError(f"the baseline request was not served: {baseline}")
-        rss.start()
-        try:
-            idle_probes = await _idle_probes(url, cfg)
-            progress(f"measuring the sustainable rate: closed loop at {cfg.concurrency} clients")
-            steps = await _calibrate(client, url, cfg)
-            sustainable = max(step.served_rps for step in steps)
-            if sustainable <= 0:
-                raise PeerError(f"the cluster served nothing in the closed loop: {steps}")
-            progress(f"sustainable {sustainable:.2f} req/s; offering {cfg.factor * sustainable:.2f} req/s "
-                     f"for {cfg.duration_s:g} s")  # fmt: skip
-            load = await _overload(client, url, cfg, cfg.factor * sustainable, rss)
-            progress(f"{len(load.outcomes)} requests ended; checking that the cluster serves normally")
-            after = await _post_load(client, url, cfg)
-        finally:
-            samples = rss.stop()
+    baseline = await send(url, cfg.model, _BASELINE, cfg.request_timeout_s)
+    if baseline.kind != "served":
+        raise PeerError(f"the baseline request was not served: {baseline}")
+    rss.start()
+    try:
+        idle_probes = await _idle_probes(url, cfg)
+        progress(f"measuring the sustainable rate: closed loop at {cfg.concurrency} clients")
+        steps = await _calibrate(url, cfg)
+        sustainable = max(step.served_rps for step in steps)
+        if sustainable <= 0:
+            raise PeerError(f"the cluster served nothing in the closed loop: {steps}")
+        progress(f"sustainable {sustainable:.2f} req/s; offering {cfg.factor * sustainable:.2f} req/s "
+                 f"for {cfg.duration_s:g} s")  # fmt: skip
+        load = await _overload(url, cfg, cfg.factor * sustainable, rss)
+        progress(f"{len(load.outcomes)} requests ended; checking that the cluster serves normally")
+        after = await _post_load(url, cfg)
+    finally:
+        samples = rss.stop()
     calibration = [asdict(s) | {"served_rps": round(s.served_rps, 3)} for s in steps]
     run = dataclasses.replace(load, sustainable_rps=sustainable, calibration=calibration, rss=samples,
                               baseline=baseline, after=after, idle_probes=idle_probes)  # fmt: skip
@@ -144,14 +141,14 @@ async def _idle_probes(url: str, cfg: OverloadConfig) -> list[Probe]:
     return probes
 
 
-async def _overload(client: httpx.AsyncClient, url: str, cfg: OverloadConfig, rate: float, rss: RssSampler
+async def _overload(url: str, cfg: OverloadConfig, rate: float, rss: RssSampler
                     ) -> LoadRun:  # fmt: skip
     """The open loop at `rate`, with /health probed and each process's CPU time noted."""
     health = HealthProbe(url, cfg.health_interval_s)
     try:
         health.start()
         load_from, cpu_from = time.perf_counter() - rss.origin, rss.cpu_mark() | {"bench": time.process_time()}
-        outcomes, sending_s, wall_s, lag_s = await _open_loop(client, url, cfg, rate)
+        outcomes, sending_s, wall_s, lag_s = await _open_loop(url, cfg, rate)
         load_to, cpu_to = time.perf_counter() - rss.origin, rss.cpu_mark() | {"bench": time.process_time()}
     finally:
         probes = health.stop()
@@ -160,21 +157,21 @@ async def _overload(client: httpx.AsyncClient, url: str, cfg: OverloadConfig, ra
     return LoadRun(cfg.duration_s, rate, outcomes, sending_s, wall_s, lag_s, probes, (load_from, load_to), cpu)
 
 
-async def _calibrate(client: httpx.AsyncClient, url: str, cfg: OverloadConfig) -> list[Calibration]:
+async def _calibrate(url: str, cfg: OverloadConfig) -> list[Calibration]:
     """The closed-loop step ramp: each step's served rate (see the module)."""
     requests = itertools.cycle(mixed_requests(512, cfg.seed))
     seconds = cfg.calibrate_s / len(cfg.concurrency)
-    return [await _closed_loop(client, url, cfg, n, seconds, requests) for n in cfg.concurrency]
+    return [await _closed_loop(url, cfg, n, seconds, requests) for n in cfg.concurrency]
 
 
-async def _closed_loop(client: httpx.AsyncClient, url: str, cfg: OverloadConfig, concurrency: int, seconds: float,
+async def _closed_loop(url: str, cfg: OverloadConfig, concurrency: int, seconds: float,
                        requests: Iterator[OverloadRequest]) -> Calibration:  # fmt: skip
     outcomes: list[Outcome] = []
     start = time.perf_counter()
 
     async def loop() -> None:
         while time.perf_counter() - start < seconds:
-            outcome = await send(client, url, cfg.model, next(requests), cfg.request_timeout_s)
+            outcome = await send(url, cfg.model, next(requests), cfg.request_timeout_s)
             outcomes.append(outcome)
             if outcome.kind != "served":
                 await asyncio.sleep(0.05)  # NOTE: a rejection is quick; do not spin on it
@@ -186,7 +183,7 @@ async def _closed_loop(client: httpx.AsyncClient, url: str, cfg: OverloadConfig,
     return Calibration(concurrency, round(elapsed, 3), served, rejected, len(kinds) - served - rejected)
 
 
-async def _open_loop(client: httpx.AsyncClient, url: str, cfg: OverloadConfig, rate: float
+async def _open_loop(url: str, cfg: OverloadConfig, rate: float
                      ) -> tuple[list[Outcome], float, float, float]:  # fmt: skip
     """Poisson arrivals at `rate` for cfg.duration_s, then every request drained. Returns the
     outcomes (one per request sent), the seconds spent sending, the seconds until the last
@@ -201,18 +198,18 @@ async def _open_loop(client: httpx.AsyncClient, url: str, cfg: OverloadConfig, r
         if delay > 0:
             await asyncio.sleep(delay)
         lag = max(lag, -delay)
-        tasks.append(asyncio.create_task(send(client, url, cfg.model, next(workload), cfg.request_timeout_s)))
+        tasks.append(asyncio.create_task(send(url, cfg.model, next(workload), cfg.request_timeout_s)))
         at += float(rng.exponential(1 / rate))
     sending = time.perf_counter() - start
     outcomes = list(await asyncio.gather(*tasks))
     return outcomes, sending, time.perf_counter() - start, lag
 
 
-async def _post_load(client: httpx.AsyncClient, url: str, cfg: OverloadConfig) -> list[Outcome]:
+async def _post_load(url: str, cfg: OverloadConfig) -> list[Outcome]:
     """cfg.post_checks baseline requests, one after the other, streamed and not in turn."""
     await asyncio.sleep(1.0)  # NOTE: let the last aborted streams' frees reach the workers
     out = []
     for i in range(cfg.post_checks):
         request = OverloadRequest(_BASELINE.prompt, _BASELINE.max_tokens, stream=i % 2 == 1)
-        out.append(await send(client, url, cfg.model, request, cfg.request_timeout_s))
+        out.append(await send(url, cfg.model, request, cfg.request_timeout_s))
     return out

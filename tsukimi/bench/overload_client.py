@@ -20,8 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import httpx
+import h11
 import numpy as np
+
+from tsukimi.bench.overload_http import Answer, post_json
 
 _VOCAB = (3, 250)  # NOTE: ids every tokenizer here has (as in the chat and skewed workloads)
 
@@ -61,33 +63,33 @@ def mixed_requests(count: int, seed: int) -> list[OverloadRequest]:
     return out
 
 
-async def send(client: httpx.AsyncClient, url: str, model: str, request: OverloadRequest, timeout_s: float) -> Outcome:
-    """Send one completion and sort how it ended (see the module); never raises for HTTP or
-    network errors and returns within `timeout_s` (a timeout is a failure)."""
+async def send(url: str, model: str, request: OverloadRequest, timeout_s: float) -> Outcome:
+    """Send one completion on a connection of its own and sort how it ended (see the module);
+    never raises for HTTP or network errors and returns within `timeout_s` (a timeout is a failure)."""
     start = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):
-            return await _send(client, url, model, request, start)
+            return await _send(url, model, request, start)
     except TimeoutError:
         return Outcome("failed", 0, f"client timeout ({timeout_s:g} s)", request.stream, time.perf_counter() - start)
-    except httpx.HTTPError as exc:
+    except OSError as exc:
         return Outcome("failed", 0, type(exc).__name__, request.stream, time.perf_counter() - start)
-    except ValueError as exc:  # NOTE: a stream event that is not JSON
-        return Outcome("failed", 200, f"malformed stream: {exc}", request.stream, time.perf_counter() - start)
+    except (h11.ProtocolError, ValueError) as exc:  # NOTE: ValueError: a stream event that is not JSON
+        return Outcome("failed", 200, f"malformed answer: {exc}", request.stream, time.perf_counter() - start)
 
 
-async def _send(client: httpx.AsyncClient, url: str, model: str, request: OverloadRequest, start: float) -> Outcome:
+async def _send(url: str, model: str, request: OverloadRequest, start: float) -> Outcome:
     body: dict[str, object] = {"model": model, "prompt": list(request.prompt), "max_tokens": request.max_tokens,
                                "temperature": 0, "stream": request.stream}  # fmt: skip
     if request.stream:
         body["stream_options"] = {"include_usage": True}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raw = await response.aread()
-            return _refusal(response.status_code, raw, request.stream, time.perf_counter() - start)
+    async with post_json(f"{url}/v1/completions", json.dumps(body).encode()) as answer:
+        if answer.status != 200:
+            raw = await answer.read()
+            return _refusal(answer.status, raw, request.stream, time.perf_counter() - start)
         if not request.stream:
-            return _whole(await response.aread(), time.perf_counter() - start)
-        return await _streamed(response, start)
+            return _whole(await answer.read(), time.perf_counter() - start)
+        return await _streamed(answer, start)
 
 
 def _refusal(status: int, raw: bytes, stream: bool, latency_s: float) -> Outcome:
@@ -121,10 +123,10 @@ def _whole(raw: bytes, latency_s: float) -> Outcome:
     return Outcome("served", 200, "", False, latency_s, tokens=tokens, text=text)
 
 
-async def _streamed(response: httpx.Response, start: float) -> Outcome:
+async def _streamed(answer: Answer, start: float) -> Outcome:
     """A 200 stream: served once `[DONE]` came after at least one token."""
     first, tokens, parts, done, error, message = float("nan"), 0, [], False, "", ""
-    async for line in response.aiter_lines():
+    async for line in answer.lines():
         if not line.startswith("data: "):
             continue
         if line == "data: [DONE]":
