@@ -149,6 +149,7 @@ def rows(result: Mapping[str, object]) -> list[tuple[str, str]]:
          f"({r['served']} / {r['rejected']} / {r['error']} / {r['failed']})"),
         ("rejected by status and reason", _counts(r["rejected_by"])),
         ("errors / failures by reason", f"{_counts(r['errors_by'])} / {_counts(r['failed_by'])}"),
+        ("what the server said (first of each)", _said(r.get("examples") or {})),
         ("TTFT p50 / p99 (served, streamed)", f"{_ms(ttft['p50'])} / {_ms(ttft['p99'])} ms"),
         ("latency p50 / p99 (served, whole)", f"{_ms(lat['p50'])} / {_ms(lat['p99'])} ms"),
         ("/health p50 / p99 / max", f"{health['p50_ms']} / {health['p99_ms']} / {health['max_ms']} ms"),
@@ -172,6 +173,11 @@ def rows(result: Mapping[str, object]) -> list[tuple[str, str]]:
     assert isinstance(verdicts, dict)
     out += [(f"verdict: {k}", "n/a" if v is None else "pass" if v else "FAIL") for k, v in verdicts.items()]
     return out
+
+
+def _said(examples: object) -> str:
+    assert isinstance(examples, dict)
+    return "; ".join(f"{k}: {str(v)[:100]!r}" for k, v in examples.items()) or "-"
 
 
 def _counts(value: object) -> str:
