@@ -130,7 +130,7 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     sv.add_argument("--url", default="", help="a running API; default: start `tsukimi up` per run")
     sv.add_argument("--model", default="tiny")
     sv.add_argument("--mode", choices=("pd", "colocated"), default="pd")
-    sv.add_argument("--workload", choices=("chat", "trace", "skewed"), default="chat")
+    sv.add_argument("--workload", choices=("chat", "trace", "skewed", "overload"), default="chat")
     sv.add_argument("--conversations", type=int, default=8)
     sv.add_argument("--turns", type=int, default=4)
     sv.add_argument("--prefix-tokens", type=int, default=2000)
@@ -145,7 +145,11 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     sv.add_argument("--speed", type=float, default=1.0, help="trace: replay this many times faster")
     sv.add_argument("--trace-limit", type=int, default=200)
     sv.add_argument("--no-compare", action="store_true", help="one run with reuse only")
-    sv.add_argument("--num-blocks", type=int, default=4096, help="each worker's KV cache, in blocks")
+    sv.add_argument("--num-blocks", type=int, default=0,
+                    help="each worker's KV cache, in blocks (default 4096; overload: 512, as tsukimi up)")  # fmt: skip
+    sv.add_argument("--duration", type=float, default=60.0, help="overload: seconds of load at --factor x")
+    sv.add_argument("--factor", type=float, default=4.0, help="overload: times the measured sustainable rate")
+    sv.add_argument("--quick", action="store_true", help="overload: 10 s of load after a 6 s calibration")
     sv.add_argument("--json", action="store_true")
     sv.add_argument("--markdown", action="store_true")
     vl = bench.add_parser("vllm", help="two vLLM instances: round-robin vs tsukimi (pool + Conductor) vs Mooncake")

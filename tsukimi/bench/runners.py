@@ -92,6 +92,8 @@ def _bench_p2p(args: argparse.Namespace, console: Console) -> None:
 
 
 def _bench_serve(args: argparse.Namespace, console: Console) -> None:
+    if args.workload == "overload":
+        return _bench_overload(args, console)
     from tsukimi.bench import serve
     from tsukimi.bench.skewed import SkewedWorkload
 
@@ -99,10 +101,21 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> None:
     skewed = SkewedWorkload(args.requests, args.shared, args.prefix_tokens, rate=args.rate, seed=args.seed)
     cfg = serve.ServeBenchConfig(
         args.url, args.model, args.mode, args.workload, chat, args.trace, args.speed, args.trace_limit,
-        not args.no_compare, args.num_blocks, skewed, args.prefill, args.compare_hot > 0, args.compare_hot,
+        not args.no_compare, args.num_blocks or 4096, skewed, args.prefill, args.compare_hot > 0, args.compare_hot,
     )  # fmt: skip
     result = serve.run_bench(cfg, lambda text: console.print(text, highlight=False))
     print(json.dumps(result) if args.json else serve.markdown(result))
+
+
+def _bench_overload(args: argparse.Namespace, console: Console) -> None:
+    from tsukimi.bench import overload, overload_report
+
+    cfg = overload.OverloadConfig(
+        args.url, args.model, args.mode, duration_s=10.0 if args.quick else args.duration, factor=args.factor,
+        calibrate_s=6.0 if args.quick else 16.0, num_blocks=args.num_blocks or 512, seed=args.seed,
+    )  # fmt: skip
+    report = overload.run_bench(cfg, lambda text: console.print(text, highlight=False))
+    _print_report(args, console, report, overload_report.render_markdown, overload_report.render_table)
 
 
 def _bench_vllm(args: argparse.Namespace, console: Console) -> None:

@@ -1,0 +1,150 @@
+"""`tsukimi bench serve --workload overload`: how one request's end is sorted (against a mock
+API), the figures' accounting, and one short run against a real `tsukimi up --model tiny`
+whose invariants must hold whatever the machine's speed: every request sent ends exactly once,
+none hangs or fails without a reason, and the cluster answers as before once the load stops."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+
+from tsukimi.bench.overload import OverloadConfig, run_bench
+from tsukimi.bench.overload_client import Outcome, OverloadRequest, mixed_requests, send
+from tsukimi.bench.overload_monitor import Probe
+from tsukimi.bench.overload_report import LoadRun, render_markdown, summarize
+from tsukimi.testing.processes import free_port
+
+_REQUEST = OverloadRequest((5, 6, 7), 4, stream=False)
+_STREAMED = OverloadRequest((5,), 2, stream=True)
+
+
+def _send_to(response: bytes, request: OverloadRequest = _REQUEST, timeout_s: float = 5.0, delay_s: float = 0.0
+             ) -> Outcome:  # fmt: skip
+    """`send` against a loopback server that answers `response` (raw HTTP) after `delay_s`."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        match = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+        await reader.readexactly(int(match.group(1)) if match else 0)
+        await asyncio.sleep(delay_s)
+        writer.write(response)
+        await writer.drain()
+        writer.close()
+
+    async def go() -> Outcome:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            return await send(f"http://127.0.0.1:{port}", "tiny", request, timeout_s)
+
+    return asyncio.run(go())
+
+
+def _end(outcome: Outcome) -> tuple[str, int, str]:
+    return outcome.kind, outcome.status, outcome.reason
+
+
+def _answer(status: int, body: bytes) -> bytes:
+    return f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+
+
+def _chunked(body: bytes, end: bool = True) -> bytes:
+    """A 200 event stream sent chunked, one chunk per event; without the final chunk unless `end`."""
+    events = [e + b"\n\n" for e in body.split(b"\n\n") if e]
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return head + chunks + (b"0\r\n\r\n" if end else b"")
+
+
+def _error(code: str) -> bytes:
+    return json.dumps({"error": {"message": f"because {code}", "type": "x", "code": code}}).encode()
+
+
+def test_a_refusal_with_a_reason_is_rejected_and_one_without_is_a_failure() -> None:
+    assert _end(_send_to(_answer(429, _error("ttft_slo")))) == ("rejected", 429, "ttft_slo")
+    assert _send_to(_answer(503, _error("worker_unavailable"))).message == "because worker_unavailable"
+    assert _end(_send_to(_answer(502, _error("worker_error")))) == ("error", 502, "worker_error")
+    failed = _send_to(_answer(500, b"Internal Server Error"))
+    assert (failed.kind, failed.status) == ("failed", 500) and "without a reason" in failed.reason
+    assert _send_to(_answer(503, b"")).kind == "failed"
+
+
+def test_a_whole_answer_needs_tokens() -> None:
+    body = {"choices": [{"text": "ab"}], "usage": {"completion_tokens": 2}}
+    served = _send_to(_answer(200, json.dumps(body).encode()))
+    assert (served.kind, served.tokens, served.text) == ("served", 2, "ab")
+    assert _send_to(_answer(200, b'{"choices": [{"text": ""}], "usage": {"completion_tokens": 0}}')).kind == "failed"
+    assert _send_to(_answer(200, b"not json")).kind == "failed"
+
+
+def test_a_stream_is_served_only_when_it_ends_with_done() -> None:
+    events = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+              {"choices": [], "usage": {"completion_tokens": 2}}]  # fmt: skip
+    whole = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    served = _send_to(_chunked(whole + b"data: [DONE]\n\n"), _STREAMED)
+    assert (served.kind, served.tokens, served.text) == ("served", 2, "ab") and served.ttft_s >= 0
+    assert _end(_send_to(_chunked(whole), _STREAMED)) == ("failed", 200, "stream cut before [DONE]")
+    cut = _send_to(_chunked(whole, end=False), _STREAMED)  # the connection closes mid-body
+    assert (cut.kind, cut.status) == ("failed", 200) and cut.reason.startswith("malformed answer"), cut
+    broken = whole + b"data: " + _error("worker_unavailable") + b"\n\ndata: [DONE]\n\n"
+    assert _end(_send_to(_chunked(broken), _STREAMED)) == ("error", 200, "in stream: worker_unavailable")
+
+
+def test_no_answer_within_the_timeout_or_no_server_is_a_failure() -> None:
+    outcome = _send_to(_answer(200, b"{}"), timeout_s=0.2, delay_s=10)
+    assert (outcome.kind, outcome.status) == ("failed", 0) and "timeout" in outcome.reason
+    refused = asyncio.run(send(f"http://127.0.0.1:{free_port()}", "tiny", _REQUEST, 5.0))
+    assert _end(refused) == ("failed", 0, "ConnectionRefusedError")
+
+
+def test_the_mixed_workload_mixes_lengths_prefixes_and_streaming() -> None:
+    requests = mixed_requests(400, seed=1)
+    assert requests == mixed_requests(400, seed=1) and requests != mixed_requests(400, seed=2)
+    assert 0.4 < sum(r.stream for r in requests) / 400 < 0.6
+    assert {len(r.prompt) for r in requests} >= {8, 32, 96, 256, 200, 224, 288, 448}  # own, and shared + own
+    assert all(2 <= r.max_tokens <= 12 for r in requests)
+
+
+def test_the_figures_account_for_every_request_and_judge_each_criterion() -> None:
+    served = Outcome("served", 200, "", True, 0.5, 0.1, 3, "abc")
+    outcomes = (
+        [served] * 6
+        + [Outcome("rejected", 429, "ttft_slo", False, 0.01)] * 3
+        + [Outcome("failed", 0, "client timeout (1 s)", False, 1.0)]
+    )
+    probes = [Probe(0.0, 0.01, True), Probe(0.2, 0.15, True), Probe(0.4, 2.0, False, "ReadTimeout")]
+    rss = {"router": [(0.0, 100 << 20), (5.0, 120 << 20), (10.0, 110 << 20)]}
+    run = LoadRun(2.0, 8.0, outcomes, 2.0, 4.0, 0.0, probes, (0.0, 10.0), {"router": 50.0}, 2.0, [], rss, served,
+                  [served, Outcome("served", 200, "", False, 0.2, tokens=3, text="abd")])  # fmt: skip
+    figures = summarize(run)
+    assert (figures["sent"], figures["served"], figures["rejected"], figures["failed"]) == (10, 6, 3, 1)
+    assert (figures["offered_rps"], figures["served_rps"], figures["throughput_rps"]) == (5.0, 3.0, 1.5)
+    assert figures["rejected_by"] == {"429 ttft_slo": 3} and figures["failed_by"] == {"0 client timeout (1 s)": 1}
+    assert figures["health"] == {"probes": 3, "failed": 1, "p50_ms": 150.0, "p99_ms": 150.0, "max_ms": 150.0,
+                                 "over_100ms": 2}  # fmt: skip
+    assert figures["rss_mib"] == {"router": {"start": 100.0, "peak": 120.0, "end": 110.0, "late_growth": 0.0,
+                                             "bounded": True}}  # fmt: skip
+    assert figures["verdicts"] == {"health_under_100ms": False, "every_request_ended": False,
+                                   "tokens_or_429_503": False, "rss_bounded": True, "post_load_ok": False}  # fmt: skip
+    assert "| verdict: rss_bounded | pass |" in render_markdown(figures)
+
+
+@pytest.mark.timeout(240)
+def test_overload_against_a_tiny_cluster_accounts_for_every_request() -> None:
+    cfg = OverloadConfig(duration_s=6.0, calibrate_s=3.0, concurrency=(4, 8), idle_health_s=0.5, post_checks=2)
+    result = run_bench(cfg, lambda _: None)
+    kinds = {kind: result[kind] for kind in ("served", "rejected", "error", "failed")}
+    assert sum(kinds.values()) == result["sent"] and result["served"] > 0, result  # each request ended once
+    assert result["failed"] == 0 and result["failed_by"] == {}, result  # no hang, no 5xx without a reason
+    rejected, errors = result["rejected_by"], result["errors_by"]
+    assert isinstance(rejected, dict) and isinstance(errors, dict)
+    assert all(key.split(" ", 1)[0] in ("429", "503") and key.split(" ", 1)[1] for key in rejected), rejected
+    assert all(key.split(" ", 1)[1] for key in errors), errors  # every error names its reason
+    post = result["post_load"]
+    assert isinstance(post, dict) and post["ok"], post
+    assert set(result["rss_mib"]) >= {"router", "prefill-0", "decode-0", "master", "up"}  # type: ignore[arg-type]
+    assert set(result["verdicts"]) == {"health_under_100ms", "every_request_ended", "tokens_or_429_503",  # type: ignore[arg-type]
+                                       "rss_bounded", "post_load_ok"}  # fmt: skip

@@ -1,0 +1,215 @@
+"""`tsukimi bench serve --workload overload`: the API under 4x the sustainable request rate
+(issue 17, item 3). One run, in order:
+
+1. baseline: a fixed greedy prompt, answered once (its text and token count are kept);
+2. sustainable rate (after `idle_health_s` of /health probes on the idle cluster, the baseline
+   of the probe's latency): a closed-loop step ramp (`concurrency` clients each sending the next
+   request as soon as the last ended, for `calibrate_s` split over the steps); the highest
+   served requests/s of any step is the rate the cluster keeps up with;
+3. overload: Poisson arrivals at `factor` times that rate for `duration_s` (the mixed workload
+   of overload_client.py), every request bounded by `request_timeout_s`, then the requests
+   still running are drained (each ends by its timeout at the latest); meanwhile /health is
+   probed on a connection of its own and every cluster process's RSS is sampled
+   (overload_monitor.py);
+4. after: `post_checks` requests of the baseline prompt (streamed and not) must all be served
+   with the baseline's text and token count.
+
+overload_report.py turns the outcomes into figures and a verdict per criterion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tsukimi.bench.overload_client import Outcome, OverloadRequest, mixed_requests, send
+from tsukimi.bench.overload_monitor import HealthProbe, Probe, RssSampler
+from tsukimi.bench.overload_report import LoadRun, summarize
+from tsukimi.errors import PeerError
+
+_BASELINE = OverloadRequest(tuple(range(20, 52)), 8, False)  # NOTE: fixed and greedy: the same answer each time
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadConfig:
+    """`url` of a running API ("" starts `tsukimi up --model model --mode mode`; RSS is only
+    sampled then), and the phases' lengths and rates (see the module)."""
+
+    url: str = ""
+    model: str = "tiny"
+    mode: str = "pd"
+    duration_s: float = 60.0
+    factor: float = 4.0
+    calibrate_s: float = 16.0
+    concurrency: tuple[int, ...] = (2, 4, 8, 16)
+    idle_health_s: float = 3.0  # /health probed this long before any load: the idle baseline
+    request_timeout_s: float = 60.0  # NOTE: twice the Conductor's default TTFT SLO (30 s): admitted ones fit
+    health_interval_s: float = 0.2
+    post_checks: int = 4
+    num_blocks: int = 512  # each worker's KV cache: `tsukimi up`'s default
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    concurrency: int
+    seconds: float
+    served: int
+    rejected: int
+    other: int
+
+    @property
+    def served_rps(self) -> float:
+        return self.served / self.seconds if self.seconds else 0.0
+
+
+def run_bench(cfg: OverloadConfig, progress: Callable[[str], None]) -> dict[str, object]:
+    """The whole run (see the module) against cfg.url or a `tsukimi up` of its own; the
+    JSON-ready result (configuration, figures, verdicts). Raises PeerError when the cluster
+    does not start or serves nothing at all."""
+    from tsukimi.bench.serve import LocalCluster
+
+    with tempfile.TemporaryDirectory(prefix="tsukimi-bench-overload-") as workdir:
+        cluster = None
+        if not cfg.url:
+            progress(f"starting tsukimi up --model {cfg.model} --mode {cfg.mode}")
+            cluster = LocalCluster(cfg.model, cfg.mode, True, workdir, cfg.num_blocks)
+        try:
+            url = cfg.url or (cluster.api if cluster else "")
+            pids = cluster_pids(Path(workdir) / "state.json") if cluster else {}
+            result = asyncio.run(_run(cfg, url, pids, progress))
+        finally:
+            if cluster is not None:
+                cluster.close()
+    return {"config": asdict(cfg), **result}
+
+
+def cluster_pids(state_file: Path) -> dict[str, int]:
+    """name -> pid of every process of a `tsukimi up` (its --state-file), and "up" itself."""
+    state = json.loads(state_file.read_text())
+    pids = {str(p["name"]): int(p["pid"]) for p in state["processes"]}
+    with contextlib.suppress(OSError, StopIteration, IndexError, ValueError):  # NOTE: the parent of them all
+        pids["up"] = int(Path(f"/proc/{next(iter(pids.values()))}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return pids
+
+
+async def _run(cfg: OverloadConfig, url: str, pids: dict[str, int], progress: Callable[[str], None]
+               ) -> dict[str, object]:  # fmt: skip
+    rss = RssSampler(pids)
+    baseline = await send(url, cfg.model, _BASELINE, cfg.request_timeout_s)
+    if baseline.kind != "served":
+        raise PeerError(f"the baseline request was not served: {baseline}")
+    rss.start()
+    try:
+        idle_probes = await _idle_probes(url, cfg)
+        progress(f"measuring the sustainable rate: closed loop at {cfg.concurrency} clients")
+        steps = await _calibrate(url, cfg)
+        sustainable = max(step.served_rps for step in steps)
+        if sustainable <= 0:
+            raise PeerError(f"the cluster served nothing in the closed loop: {steps}")
+        progress(f"sustainable {sustainable:.2f} req/s; offering {cfg.factor * sustainable:.2f} req/s "
+                 f"for {cfg.duration_s:g} s")  # fmt: skip
+        load = await _overload(url, cfg, cfg.factor * sustainable, rss)
+        progress(f"{len(load.outcomes)} requests ended; checking that the cluster serves normally")
+        after = await _post_load(url, cfg)
+    finally:
+        samples = rss.stop()
+    calibration = [asdict(s) | {"served_rps": round(s.served_rps, 3)} for s in steps]
+    run = dataclasses.replace(load, sustainable_rps=sustainable, calibration=calibration, rss=samples,
+                              baseline=baseline, after=after, idle_probes=idle_probes)  # fmt: skip
+    return summarize(run)
+
+
+async def _idle_probes(url: str, cfg: OverloadConfig) -> list[Probe]:
+    """/health probed for cfg.idle_health_s with nothing else running: the probe's baseline."""
+    idle = HealthProbe(url, cfg.health_interval_s)
+    try:
+        idle.start()
+        await asyncio.sleep(cfg.idle_health_s)
+    finally:
+        probes = idle.stop()
+    return probes
+
+
+async def _overload(url: str, cfg: OverloadConfig, rate: float, rss: RssSampler
+                    ) -> LoadRun:  # fmt: skip
+    """The open loop at `rate`, with /health probed and each process's CPU time noted."""
+    health = HealthProbe(url, cfg.health_interval_s)
+    try:
+        health.start()
+        load_from, cpu_from = time.perf_counter() - rss.origin, rss.cpu_mark() | {"bench": time.process_time()}
+        outcomes, sending_s, wall_s, lag_s = await _open_loop(url, cfg, rate)
+        load_to, cpu_to = time.perf_counter() - rss.origin, rss.cpu_mark() | {"bench": time.process_time()}
+    finally:
+        probes = health.stop()
+    cpu = {name: round(100 * (cpu_to[name] - cpu_from[name]) / (load_to - load_from), 1)
+           for name in cpu_to if name in cpu_from}  # fmt: skip
+    return LoadRun(cfg.duration_s, rate, outcomes, sending_s, wall_s, lag_s, probes, (load_from, load_to), cpu)
+
+
+async def _calibrate(url: str, cfg: OverloadConfig) -> list[Calibration]:
+    """The closed-loop step ramp: each step's served rate (see the module)."""
+    requests = itertools.cycle(mixed_requests(512, cfg.seed))
+    seconds = cfg.calibrate_s / len(cfg.concurrency)
+    return [await _closed_loop(url, cfg, n, seconds, requests) for n in cfg.concurrency]
+
+
+async def _closed_loop(url: str, cfg: OverloadConfig, concurrency: int, seconds: float,
+                       requests: Iterator[OverloadRequest]) -> Calibration:  # fmt: skip
+    outcomes: list[Outcome] = []
+    start = time.perf_counter()
+
+    async def loop() -> None:
+        while time.perf_counter() - start < seconds:
+            outcome = await send(url, cfg.model, next(requests), cfg.request_timeout_s)
+            outcomes.append(outcome)
+            if outcome.kind != "served":
+                await asyncio.sleep(0.05)  # NOTE: a rejection is quick; do not spin on it
+
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    kinds = [o.kind for o in outcomes]
+    served, rejected = kinds.count("served"), kinds.count("rejected")
+    return Calibration(concurrency, round(elapsed, 3), served, rejected, len(kinds) - served - rejected)
+
+
+async def _open_loop(url: str, cfg: OverloadConfig, rate: float
+                     ) -> tuple[list[Outcome], float, float, float]:  # fmt: skip
+    """Poisson arrivals at `rate` for cfg.duration_s, then every request drained. Returns the
+    outcomes (one per request sent), the seconds spent sending, the seconds until the last
+    request ended, and the latest a request was sent after its arrival time (how far the load
+    generator fell behind)."""
+    rng = np.random.default_rng(cfg.seed + 1)
+    tasks: list[asyncio.Task[Outcome]] = []
+    workload = itertools.cycle(mixed_requests(1024, cfg.seed + 2))
+    start, at, lag = time.perf_counter(), float(rng.exponential(1 / rate)), 0.0
+    while at < cfg.duration_s:
+        delay = at - (time.perf_counter() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        lag = max(lag, -delay)
+        tasks.append(asyncio.create_task(send(url, cfg.model, next(workload), cfg.request_timeout_s)))
+        at += float(rng.exponential(1 / rate))
+    sending = time.perf_counter() - start
+    outcomes = list(await asyncio.gather(*tasks))
+    return outcomes, sending, time.perf_counter() - start, lag
+
+
+async def _post_load(url: str, cfg: OverloadConfig) -> list[Outcome]:
+    """cfg.post_checks baseline requests, one after the other, streamed and not in turn."""
+    await asyncio.sleep(1.0)  # NOTE: let the last aborted streams' frees reach the workers
+    out = []
+    for i in range(cfg.post_checks):
+        request = OverloadRequest(_BASELINE.prompt, _BASELINE.max_tokens, stream=i % 2 == 1)
+        out.append(await send(url, cfg.model, request, cfg.request_timeout_s))
+    return out

@@ -1,0 +1,198 @@
+"""The figures and verdicts of `tsukimi bench serve --workload overload`, as JSON, a rich table
+or Markdown (docs/reliability.md).
+
+Verdicts, one per criterion of issue 17 item 3:
+- health_under_100ms: every /health probe during the load and the drain answered 200 within 100 ms
+  (the same probe on the idle cluster, before the load, is shown beside it);
+- every_request_ended: no request failed (timeout, broken connection, 5xx or 429/503 without a
+  reason, no tokens, a stream cut short) and each one sent has exactly one outcome;
+- tokens_or_429_503: every request ended with tokens or a 429/503 naming a reason (no other error);
+- rss_bounded: for each process, peak <= 2 x start + 256 MiB, and RSS rose by at most
+  64 MiB + 10% over the second half of the load (not still climbing);
+- post_load_ok: the requests after the load were all served with the baseline's text and tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from rich.table import Table
+
+from tsukimi.bench.overload_client import Outcome
+from tsukimi.bench.overload_monitor import Probe
+
+MIB = 1 << 20
+HEALTH_LIMIT_S = 0.1
+_KINDS = ("served", "rejected", "error", "failed")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRun:
+    """What one overload run measured (overload.py fills it in; `summarize` reads it).
+    seconds: from the first arrival to the last arrival (sending) and to the last answer (wall);
+    load_window: the load's start and end on the RSS samples' clock."""
+
+    duration_s: float
+    target_rps: float
+    outcomes: list[Outcome]
+    sending_s: float
+    wall_s: float
+    lag_s: float
+    probes: list[Probe]
+    load_window: tuple[float, float]
+    cpu_percent: dict[str, float]
+    sustainable_rps: float = 0.0
+    calibration: list[dict[str, object]] = field(default_factory=list)
+    rss: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    baseline: Outcome | None = None
+    after: list[Outcome] = field(default_factory=list)
+    idle_probes: list[Probe] = field(default_factory=list)
+
+
+def summarize(run: LoadRun) -> dict[str, object]:
+    """The run's figures and verdicts (pure; see the module)."""
+    outcomes, duration_s, baseline, after = run.outcomes, run.duration_s, run.baseline, run.after
+    assert baseline is not None
+    kinds: Counter[str] = Counter(o.kind for o in outcomes)
+    served = [o for o in outcomes if o.kind == "served"]
+    memory = {name: _rss_figures(points, run.load_window) for name, points in run.rss.items()}
+    post_ok = bool(after) and all(_same_answer(o, baseline) for o in after)
+    health = _health(run.probes)
+    figures: dict[str, object] = {
+        "sustainable_rps": round(run.sustainable_rps, 3), "target_rps": round(run.target_rps, 3),
+        "calibration": run.calibration, "sent": len(outcomes), "sending_s": round(run.sending_s, 3),
+        "drain_s": round(run.wall_s - run.sending_s, 3), "generator_lag_s": round(run.lag_s, 3),
+        "throughput_rps": round(kinds.get("served", 0) / run.wall_s, 3) if run.wall_s else 0.0,
+        "offered_rps": round(len(outcomes) / duration_s, 3),
+        **{kind: kinds.get(kind, 0) for kind in _KINDS},
+        **{f"{kind}_rps": round(kinds.get(kind, 0) / duration_s, 3) for kind in _KINDS},
+        "rejected_by": _by_reason(outcomes, "rejected"), "errors_by": _by_reason(outcomes, "error"),
+        "failed_by": _by_reason(outcomes, "failed"), "examples": _examples(outcomes),
+        "ttft_s": _quantiles([o.ttft_s for o in served if o.stream]),
+        "latency_s": _quantiles([o.latency_s for o in served if not o.stream]),
+        "health": health, "health_idle": _health(run.idle_probes), "rss_mib": memory, "cpu_percent": run.cpu_percent,
+        "post_load": {"ok": post_ok, "baseline_tokens": baseline.tokens,
+                      "answers": [f"{o.kind} {o.status} {o.reason} tokens={o.tokens} same={_same_answer(o, baseline)}"
+                                  for o in after]},
+    }  # fmt: skip
+    figures["verdicts"] = {
+        "health_under_100ms": bool(health["probes"]) and health["failed"] == 0 and health["over_100ms"] == 0,
+        "every_request_ended": kinds.get("failed", 0) == 0 and sum(kinds.values()) == len(outcomes),
+        "tokens_or_429_503": kinds.get("failed", 0) == 0 and kinds.get("error", 0) == 0,
+        "rss_bounded": all(m["bounded"] for m in memory.values()) if memory else None,
+        "post_load_ok": post_ok,
+    }
+    return figures
+
+
+def _same_answer(outcome: Outcome, baseline: Outcome) -> bool:
+    return outcome.kind == "served" and (outcome.text, outcome.tokens) == (baseline.text, baseline.tokens)
+
+
+def _by_reason(outcomes: Sequence[Outcome], kind: str) -> dict[str, int]:
+    """Counts by "<status> <reason>", for the outcomes of `kind`."""
+    return dict(Counter(f"{o.status} {o.reason}" for o in outcomes if o.kind == kind).most_common())
+
+
+def _examples(outcomes: Sequence[Outcome]) -> dict[str, str]:
+    """The first message of each "<status> <reason>" that came with one (what the server said)."""
+    examples: dict[str, str] = {}
+    for o in outcomes:
+        if o.message:
+            examples.setdefault(f"{o.status} {o.reason}", o.message)
+    return examples
+
+
+def _health(probes: Sequence[Probe]) -> dict[str, object]:
+    answered = [p.latency_s * 1e3 for p in probes if p.ok]
+    q = _quantiles([p.latency_s for p in probes if p.ok])
+    return {"probes": len(probes), "failed": sum(not p.ok for p in probes),
+            "p50_ms": _ms(q["p50"]), "p99_ms": _ms(q["p99"]), "max_ms": round(max(answered), 1) if answered else None,
+            "over_100ms": sum(not p.ok or p.latency_s > HEALTH_LIMIT_S for p in probes)}  # fmt: skip
+
+
+def _rss_figures(points: list[tuple[float, int]], window: tuple[float, float]) -> dict[str, object]:
+    """start / peak / end MiB of one process, and its growth over the load's second half."""
+    start, peak, end = points[0][1], max(b for _, b in points), points[-1][1]
+    mid_s = (window[0] + window[1]) / 2
+    at_mid = max((b for t, b in points if t <= mid_s), default=start)
+    at_end = max((b for t, b in points if t <= window[1]), default=start)
+    late = at_end - at_mid
+    bounded = peak <= 2 * start + 256 * MIB and late <= 64 * MIB + at_mid // 10
+    return {"start": round(start / MIB, 1), "peak": round(peak / MIB, 1), "end": round(end / MIB, 1),
+            "late_growth": round(late / MIB, 1), "bounded": bounded}  # fmt: skip
+
+
+def _quantiles(values: list[float]) -> dict[str, float | None]:
+    values = sorted(v for v in values if v == v)
+    if not values:
+        return {"p50": None, "p99": None}
+    return {q: round(values[min(len(values) - 1, int(f * len(values)))], 4) for q, f in (("p50", 0.5), ("p99", 0.99))}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 1)
+
+
+def rows(result: Mapping[str, object]) -> list[tuple[str, str]]:
+    """(figure, value) rows: what the table and the Markdown show."""
+    r = dict(result)
+    ttft, lat, health, idle = r["ttft_s"], r["latency_s"], r["health"], r.get("health_idle") or {}
+    assert isinstance(ttft, dict) and isinstance(lat, dict) and isinstance(health, dict) and isinstance(idle, dict)
+    out = [
+        ("sustainable rate (closed loop)", f"{r['sustainable_rps']} req/s"),
+        ("offered (target)", f"{r['offered_rps']} req/s ({r['target_rps']}), {r['sent']} requests"),
+        ("served / rejected / error / failed",
+         f"{r['served_rps']} / {r['rejected_rps']} / {r['error_rps']} / {r['failed_rps']} req/s "
+         f"({r['served']} / {r['rejected']} / {r['error']} / {r['failed']})"),
+        ("rejected by status and reason", _counts(r["rejected_by"])),
+        ("errors / failures by reason", f"{_counts(r['errors_by'])} / {_counts(r['failed_by'])}"),
+        ("what the server said (first of each)", _said(r.get("examples") or {})),
+        ("TTFT p50 / p99 (served, streamed)", f"{_ms(ttft['p50'])} / {_ms(ttft['p99'])} ms"),
+        ("latency p50 / p99 (served, whole)", f"{_ms(lat['p50'])} / {_ms(lat['p99'])} ms"),
+        ("/health p50 / p99 / max", f"{health['p50_ms']} / {health['p99_ms']} / {health['max_ms']} ms"),
+        ("/health idle p50 / p99 / max (before the load)",
+         f"{idle.get('p50_ms')} / {idle.get('p99_ms')} / {idle.get('max_ms')} ms"),
+        ("/health probes over 100 ms or failed", f"{health['over_100ms']} of {health['probes']}"),
+        ("served throughput (load + drain)", f"{r['throughput_rps']} req/s; drain {r['drain_s']} s"),
+        ("load generator lag (max)", f"{r['generator_lag_s']} s"),
+    ]  # fmt: skip
+    memory = r["rss_mib"]
+    assert isinstance(memory, dict)
+    for name, m in memory.items():
+        out.append((f"RSS {name} start / peak / end", f"{m['start']} / {m['peak']} / {m['end']} MiB"))
+    cpu = r.get("cpu_percent") or {}
+    assert isinstance(cpu, dict)
+    out.append(("CPU % of one core during the load", ", ".join(f"{k} {v}" for k, v in cpu.items()) or "n/a"))
+    post = r["post_load"]
+    assert isinstance(post, dict)
+    out.append(("post-load check", "pass" if post["ok"] else f"FAIL: {post['answers']}"))
+    verdicts = r["verdicts"]
+    assert isinstance(verdicts, dict)
+    out += [(f"verdict: {k}", "n/a" if v is None else "pass" if v else "FAIL") for k, v in verdicts.items()]
+    return out
+
+
+def _said(examples: object) -> str:
+    assert isinstance(examples, dict)
+    return "; ".join(f"{k}: {str(v)[:100]!r}" for k, v in examples.items()) or "-"
+
+
+def _counts(value: object) -> str:
+    assert isinstance(value, dict)
+    return ", ".join(f"{k}: {n}" for k, n in value.items()) or "none"
+
+
+def render_table(result: Mapping[str, object]) -> Table:
+    table = Table(title="tsukimi bench serve --workload overload")
+    table.add_column("figure")
+    table.add_column("value")
+    for name, value in rows(result):
+        table.add_row(name, value)
+    return table
+
+
+def render_markdown(result: Mapping[str, object]) -> str:
+    return "\n".join(["| figure | value |", "|---|---|", *(f"| {n} | {v} |" for n, v in rows(result))])
