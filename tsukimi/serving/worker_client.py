@@ -9,10 +9,13 @@ which makes every call to the workers over one `httpx.AsyncClient`:
 
 An error a worker reports arrives as (code, message) and is raised here as the same class
 (`protocol.raise_error`). Every call has connect and read timeouts: a worker that cannot be
-reached raises `WorkerUnavailable` (HTTP 503) and is marked down, one that fails, stalls or
-answers garbage `WorkerError` (502), so a request never hangs on a dead worker; one that breaks
-the connection mid-stream (killed) is marked down too. A worker marked down is marked up again
-as soon as it answers a poll (a restarted one: tsukimi/serving/supervisor.py).
+reached raises `WorkerUnavailable` (HTTP 503), one that fails, stalls or answers garbage
+`WorkerError` (502), so a request never hangs on a dead worker. A worker is marked down at once
+when it refuses the connection or breaks it mid-stream (killed), but only after
+`DOWN_AFTER_MISSES` polls in a row that timed out: under overload the router's own event loop
+lags, and one late answer marked every worker down at the same moment (503 bursts, found by
+`tsukimi bench serve --workload overload`). A worker marked down is marked up again as soon as
+it answers a poll (a restarted one: tsukimi/serving/supervisor.py).
 
 Runs on one asyncio event loop (the handles are plain mutable records).
 """
@@ -50,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 POOL = "pool"  # the KV pool's instance name in the router's prefix index: no worker may take it
 _DISCOVER_BACKOFF_S = 0.05
+DOWN_AFTER_MISSES = 3  # polls in a row that timed out before a worker is marked down
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +106,7 @@ class WorkerHandle:
     kv_events_ports: tuple[int, int] = (0, 0)  # its KV events' PUB and snapshot ports (0: none)
     requests: int = 0
     cpp: CppHealth | None = None
+    misses: int = 0  # polls in a row that timed out
 
     def status(self) -> WorkerStatus:
         """The snapshot (pure)."""
@@ -159,7 +164,9 @@ class WorkerClient:
                     if chunk.finish_reason is not None:
                         return
                 raise WorkerError(f"worker {name} ended the stream before the request finished")
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        except httpx.ConnectTimeout as exc:  # NOTE: maybe our own loop lagging: the polls decide
+            raise WorkerUnavailable(f"worker {name} at {worker.spec.url} did not accept in time: {exc}") from exc
+        except httpx.ConnectError as exc:
             worker.healthy = False
             raise WorkerUnavailable(f"worker {name} at {worker.spec.url} is unreachable: {exc}") from exc
         except httpx.TimeoutException as exc:
@@ -207,6 +214,8 @@ class WorkerClient:
             if not pending or not await attempts.wait_async():
                 break
         if pending:
+            for worker in pending:
+                worker.healthy = False
             names = ", ".join(w.spec.name for w in pending)
             logger.warning("workers %s did not answer within %s s; marked down", names, timeout_s)
 
@@ -219,9 +228,11 @@ class WorkerClient:
             info = msgspec.json.decode(await self._get(worker, "/health"), type=Health) if health else None
             load = msgspec.json.decode(await self._get(worker, "/load"), type=Load)
         except (httpx.HTTPError, msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-            if worker.healthy:
+            worker.misses += 1
+            late = isinstance(exc, httpx.TimeoutException) and worker.misses < DOWN_AFTER_MISSES
+            if worker.healthy and not late:
                 logger.warning("worker %s is down: %r", worker.spec.name, exc)
-            worker.healthy = False
+                worker.healthy = False
             return False
         if info is not None and info.role != worker.spec.role:
             raise ConfigError(f"worker {worker.spec.name} is declared {worker.spec.role} but reports {info.role}")
@@ -231,7 +242,7 @@ class WorkerClient:
             worker.block_tokens = info.block_tokens
             worker.kv_events_ports = (info.kv_events_port, info.kv_snapshot_port)
             worker.cpp = info.cpp
-        worker.load, worker.healthy = load, True
+        worker.load, worker.healthy, worker.misses = load, True, 0
         return True
 
     async def poll_forever(self, workers: Sequence[WorkerHandle]) -> None:

@@ -1,0 +1,57 @@
+"""How the router's WorkerClient decides a worker is down: a refused connection at once, polls
+that time out only after DOWN_AFTER_MISSES in a row (an overloaded router's own event loop lags,
+and one late answer must not mark every worker down), and an answer marks it up again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import msgspec
+
+from tsukimi.clock import WallClock
+from tsukimi.serving.protocol import Health, Load
+from tsukimi.serving.worker_client import DOWN_AFTER_MISSES, WorkerClient, WorkerHandle, WorkerSpec
+
+
+def _client(outcomes: list[str]) -> WorkerClient:
+    """A client whose /load answers follow `outcomes` ("ok", "timeout", "refused")."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        outcome = outcomes.pop(0)
+        if outcome == "timeout":
+            raise httpx.ReadTimeout("late", request=request)
+        if outcome == "refused":
+            raise httpx.ConnectError("refused", request=request)
+        if request.url.path == "/health":
+            return httpx.Response(200, content=msgspec.json.encode(Health("ok", "decode-0", "decode", block_tokens=16)))
+        return httpx.Response(200, content=msgspec.json.encode(Load(1, 2)))
+
+    client = WorkerClient(WallClock(), 1.0, 5.0, 0.5)
+    client._http = httpx.AsyncClient(transport=httpx.MockTransport(handler))  # NOTE: no sockets
+    return client
+
+
+async def _refreshes(client: WorkerClient, worker: WorkerHandle, n: int) -> list[bool]:
+    healthy = []
+    for _ in range(n):
+        await client.refresh(worker)
+        healthy.append(worker.healthy)
+    await client.aclose()
+    return healthy
+
+
+def test_late_polls_mark_a_worker_down_only_after_several_in_a_row() -> None:
+    worker = WorkerHandle(WorkerSpec("decode-0", "decode", "http://127.0.0.1:1"))
+    outcomes = ["timeout"] * (DOWN_AFTER_MISSES - 1) + ["ok"] + ["timeout"] * DOWN_AFTER_MISSES
+    healthy = asyncio.run(_refreshes(_client(outcomes), worker, len(outcomes)))
+    assert healthy == [True] * DOWN_AFTER_MISSES + [True] * (DOWN_AFTER_MISSES - 1) + [False]
+    assert worker.misses == DOWN_AFTER_MISSES
+
+
+def test_a_refused_connection_marks_a_worker_down_at_once_and_an_answer_up_again() -> None:
+    worker = WorkerHandle(WorkerSpec("decode-0", "decode", "http://127.0.0.1:1"))
+    assert asyncio.run(_refreshes(_client(["refused"]), worker, 1)) == [False]
+    # NOTE: a worker marked down is asked /health (it may have restarted) before /load
+    assert asyncio.run(_refreshes(_client(["ok", "ok"]), worker, 1)) == [True]
+    assert worker.load == Load(1, 2) and worker.misses == 0 and worker.block_tokens == 16
