@@ -53,7 +53,7 @@ import dataclasses
 import logging
 import math
 from collections import Counter
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tsukimi.config import ConductorConfig
@@ -128,6 +128,8 @@ class Conductor:
         self._output_sum, self._output_n = 0.0, 0
         self.counters: Counter[str] = Counter()
         self._exclude: Container[str] = ()  # instances the current call must not pick
+        # NOTE: called with every decision `schedule` and `release` make, and its request (a log, a dashboard)
+        self.on_decision: Callable[[Decision, ScheduleRequest], None] | None = None
 
     # -- decisions ----------------------------------------------------------------------
 
@@ -135,6 +137,12 @@ class Conductor:
         """Place `request` arriving at `now` (mutates: books the instances on acceptance).
         Instances in `exclude` (e.g. down) are not considered; with none left the decision is
         a rejection with reason "no_instance"."""
+        decision = self._schedule(request, now, exclude)
+        if self.on_decision is not None:
+            self.on_decision(decision, request)
+        return decision
+
+    def _schedule(self, request: ScheduleRequest, now: float, exclude: Container[str]) -> Decision:
         if request.input_tokens <= 0:
             raise InvalidArgument(f"request {request.request_id}: input_tokens must be > 0")
         self._exclude = exclude
@@ -224,6 +232,8 @@ class Conductor:
             self._book(best, request, now, head.tokens)
             waited = now - head.arrived_s
             self._released.append(_replace(best, queued=True, wait_s=waited, ttft_s=waited + best.ttft_s))
+            if self.on_decision is not None:
+                self.on_decision(self._released[-1], request)
             self.counters["released"] += 1
             return True
 
@@ -239,6 +249,10 @@ class Conductor:
         del self._waiting[request_id]
         self.counters["cancelled"] += 1
         return True
+
+    def decode_capacity_tokens(self) -> dict[str, int]:
+        """Each decode instance's KV memory in tokens, by name."""
+        return {name: load.capacity_tokens for name, load in self._decode.items()}
 
     @property
     def queued(self) -> int:
