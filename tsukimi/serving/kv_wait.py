@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Container
+from collections.abc import Callable, Container
 
 from tsukimi.clock import Clock
 from tsukimi.errors import Rejected
@@ -42,12 +42,24 @@ class ReleaseWaits:
                 continue
             future.set_result(decision)
 
-    async def wait(self, conductor: Conductor, queued: Decision, deadline_s: float) -> Decision:
-        """The decision that places `queued` once released (on this clock, by `deadline_s`).
+    async def wait(
+        self, conductor: Conductor, queued: Decision, deadline_s: float, forbidden: Callable[[], Container[str]]
+    ) -> Decision | None:
+        """The decision that places `queued` once released (on this clock, by `deadline_s`);
+        None when it was released onto a worker in `forbidden()` (down now, or a CPP group for
+        a sampling request): its booking is given back, and the caller schedules it again.
 
         Raises:
             Rejected: the deadline passed first ("ttft_slo"; it left the queue).
         """
+        decision = await self._wait(conductor, queued, deadline_s)
+        if decision.prefill in forbidden():
+            conductor.finished_at_prefill(decision.request_id, self.clock.now())
+            self.wake(conductor)
+            return None
+        return decision
+
+    async def _wait(self, conductor: Conductor, queued: Decision, deadline_s: float) -> Decision:
         rid = queued.request_id
         future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
         self._futures[rid] = future

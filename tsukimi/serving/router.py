@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import AsyncGenerator, Sequence
@@ -288,8 +289,11 @@ class Router:
                 if decision.reason == "no_instance":
                     raise WorkerUnavailable("no prefill or decode worker is reachable: all are marked down")
                 raise Rejected(decision.reason, decision.message)
-            if decision.queued:  # NOTE: placed once its decode KV memory frees
-                decision = await self._waits.wait(conductor, decision, deadline_s)
+            if decision.queued:  # NOTE: placed once its decode KV memory frees; None: to be scheduled again
+                forbidden = functools.partial(excluded, self._workers.values(), request)
+                if (released := await self._waits.wait(conductor, decision, deadline_s, forbidden)) is None:
+                    continue
+                decision = released
             assert decision.prefill is not None
             prefill = self._workers[decision.prefill]
             running = self._running_prefills.setdefault(decision.prefill, {})
