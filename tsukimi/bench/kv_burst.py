@@ -2,16 +2,19 @@
 reject (issue 17) measured end to end.
 
     python -m tsukimi.bench.kv_burst [--requests 64] [--prompt-tokens 1500] [--max-tokens 16]
-        [--ttft-slo 30] [--decode-num-blocks 0] [--kv-cache-memory 512MiB] [--json]
+        [--ttft-slo 30] [--decode-num-blocks 0] [--kv-cache-memory 512MiB] [--no-kv-wait] [--warm-up]
+        [--json]
 
 Starts a store master, one prefill and one decode `tsukimi worker` process (the tiny model,
 each KV cache sized by `--kv-cache-memory` unless `--decode-num-blocks` sets the decode
 worker's) and the router with the Conductor in this process (its decisions are recorded
-through `Conductor.on_decision`), serving the OpenAI API over HTTP. After one warm-up request
-it sends `--requests` streaming greedy /v1/completions at once, then each prompt again one at
-a time, and reports: how many were served, queued and rejected (HTTP 429, with the reason and
-message), the measured TTFT of each against the TTFT the Conductor predicted, how many
-accepted ones met the SLO, and whether the burst's tokens equal the one-at-a-time ones.
+through `Conductor.on_decision`), serving the OpenAI API over HTTP. On the cold cluster (as right
+after `tsukimi up`; `--warm-up` sends one short request first, after which the Conductor knows a
+decode stage and an output length) it sends `--requests` streaming greedy /v1/completions at
+once, then each prompt again one at a time, and reports: how many were served, queued and
+rejected (HTTP 429, with the reason and message), the measured TTFT of each against the TTFT
+the Conductor predicted, how many accepted ones met the SLO, and whether the burst's tokens
+equal the one-at-a-time ones.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class BurstConfig:
     kv_cache_memory: str = "512MiB"
     decode_num_blocks: int = 0  # 0: sized from kv_cache_memory
     seed: int = 0
+    kv_wait: bool = True  # False: the Conductor rejects what lacks decode KV at once (before issue 17)
+    warm_up: bool = False  # one short request first: the Conductor then knows a decode stage and output length
 
 
 @dataclass(slots=True)
@@ -143,11 +148,14 @@ def run_burst(cfg: BurstConfig, urls: dict[str, str] | None = None) -> BurstResu
     prompts = [[rng.randrange(1000, 30000) for _ in range(cfg.prompt_tokens)] for _ in range(cfg.requests)]
     result = BurstResult(cfg)
     specs = [WorkerSpec(role, role, url) for role, url in urls.items()]  # type: ignore[arg-type]
-    router = Router(specs, RouterConfig(mode="pd"), ConductorConfig(ttft_slo_s=cfg.ttft_slo_s))
+    router = Router(specs, RouterConfig(mode="pd"), ConductorConfig(ttft_slo_s=cfg.ttft_slo_s, kv_wait=cfg.kv_wait))
     handle: httpd.AppHandle = httpd.start_in_thread(create_app(router, load_tokenizer("tiny"), "tiny"))
     try:
         api = handle.base_url
-        asyncio.run(_complete(api, 0, WARM_UP, cfg.max_tokens, Outcome(-1)))  # NOTE: starts the router
+        # NOTE: a completion without a prompt (400) starts the router and schedules nothing
+        assert httpx.post(api + "/v1/completions", json={"model": "tiny"}, timeout=60).status_code == 400
+        if cfg.warm_up:
+            asyncio.run(_complete(api, 0, WARM_UP, cfg.max_tokens, Outcome(-1)))
         decisions: list[DecisionRecord] = []
         assert router.conductor is not None
         router.conductor.on_decision = lambda decision, request: decisions.append((decision, request))
@@ -214,10 +222,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ttft-slo", type=float, default=d.ttft_slo_s)
     parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory)
     parser.add_argument("--decode-num-blocks", type=int, default=d.decode_num_blocks)
+    parser.add_argument("--no-kv-wait", action="store_true", help="reject at once what lacks decode KV memory")
+    parser.add_argument("--warm-up", action="store_true", help="one short request before the burst")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     cfg = BurstConfig(args.requests, args.prompt_tokens, args.max_tokens, args.ttft_slo, args.kv_cache_memory,
-                      args.decode_num_blocks)  # fmt: skip
+                      args.decode_num_blocks, kv_wait=not args.no_kv_wait, warm_up=args.warm_up)  # fmt: skip
     result = run_burst(cfg)
     if args.json:
         print(json.dumps({"config": asdict(cfg), "figures": result.summary(),
