@@ -182,10 +182,10 @@ class Conductor:
             return None
         chosen, _, problem = self._best_decode(tokens, now, now, "now")
         mode = self.config.rejection
-        if request_id in self._kv.reserved:  # NOTE: its memory is booked: it stays on that instance
-            booked = self._requests[request_id][1]
-            chosen, problem = (booked, "" if problem == "kv_memory" else problem) if booked not in exclude else (
-                chosen, problem)  # fmt: skip
+        booked = self._requests[request_id][1]
+        if request_id in self._kv.reserved and booked not in exclude:
+            # NOTE: kv_wait booked its memory there: it stays, and the ledger, not this check, judges memory
+            chosen, problem = booked, ("" if problem == "kv_memory" else problem)
         if problem and (mode == "baseline" or (mode != "none" and self.config.recheck_decode)):
             del self._requests[request_id]
             self._kv.reserved.pop(request_id, None)
