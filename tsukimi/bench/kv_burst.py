@@ -3,7 +3,7 @@ reject (issue 17) measured end to end.
 
     python -m tsukimi.bench.kv_burst [--requests 64] [--prompt-tokens 1500] [--max-tokens 16]
         [--ttft-slo 30] [--decode-num-blocks 0] [--kv-cache-memory 512MiB] [--no-kv-wait] [--warm-up]
-        [--json]
+        [--prefill-token-s S] [--json]
 
 Starts a store master, one prefill and one decode `tsukimi worker` process (the tiny model,
 each KV cache sized by `--kv-cache-memory` unless `--decode-num-blocks` sets the decode
@@ -59,6 +59,7 @@ class BurstConfig:
     seed: int = 0
     kv_wait: bool = True  # False: the Conductor rejects what lacks decode KV at once (before issue 17)
     warm_up: bool = False  # one short request first: the Conductor then knows a decode stage and output length
+    prefill_token_s: float = 0.0  # the router's cost model per prompt token (0: RouterConfig's default)
 
 
 @dataclass(slots=True)
@@ -148,7 +149,9 @@ def run_burst(cfg: BurstConfig, urls: dict[str, str] | None = None) -> BurstResu
     prompts = [[rng.randrange(1000, 30000) for _ in range(cfg.prompt_tokens)] for _ in range(cfg.requests)]
     result = BurstResult(cfg)
     specs = [WorkerSpec(role, role, url) for role, url in urls.items()]  # type: ignore[arg-type]
-    router = Router(specs, RouterConfig(mode="pd"), ConductorConfig(ttft_slo_s=cfg.ttft_slo_s, kv_wait=cfg.kv_wait))
+    costs = {"prefill_token_s": cfg.prefill_token_s} if cfg.prefill_token_s else {}
+    conductor = ConductorConfig(ttft_slo_s=cfg.ttft_slo_s, kv_wait=cfg.kv_wait)
+    router = Router(specs, RouterConfig(mode="pd", **costs), conductor)  # type: ignore[arg-type]
     handle: httpd.AppHandle = httpd.start_in_thread(create_app(router, load_tokenizer("tiny"), "tiny"))
     try:
         api = handle.base_url
@@ -224,10 +227,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-num-blocks", type=int, default=d.decode_num_blocks)
     parser.add_argument("--no-kv-wait", action="store_true", help="reject at once what lacks decode KV memory")
     parser.add_argument("--warm-up", action="store_true", help="one short request before the burst")
+    parser.add_argument("--prefill-token-s", type=float, default=0.0,
+                        help="the router's prefill s per prompt token (0: its default)")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     cfg = BurstConfig(args.requests, args.prompt_tokens, args.max_tokens, args.ttft_slo, args.kv_cache_memory,
-                      args.decode_num_blocks, kv_wait=not args.no_kv_wait, warm_up=args.warm_up)  # fmt: skip
+                      args.decode_num_blocks, kv_wait=not args.no_kv_wait, warm_up=args.warm_up,
+                      prefill_token_s=args.prefill_token_s)  # fmt: skip
     result = run_burst(cfg)
     if args.json:
         print(json.dumps({"config": asdict(cfg), "figures": result.summary(),
