@@ -255,15 +255,19 @@ _REJECTED_PREFIX = "rejected by the Conductor: "
 
 
 class Rejected(TsukimiError):
-    """The Conductor turned the request away (an SLO could not be met; HTTP 429); `reason` says which."""
+    """The Conductor turned the request away (an SLO could not be met; HTTP 429); `reason` says
+    which (a short code), `detail` what was predicted, in words."""
 
     code = "rejected"
 
-    def __init__(self, reason: str) -> None:
-        # NOTE: error_from_code passes the message back in; strip the prefix so that it round-trips
+    def __init__(self, reason: str, detail: str = "") -> None:
+        # NOTE: error_from_code passes the message back in; strip the prefix (and split off the
+        # detail, the words after the reason) so that it round-trips
         reason = reason.removeprefix(_REJECTED_PREFIX)
-        super().__init__(f"{_REJECTED_PREFIX}{reason}")
-        self.reason = reason
+        if not detail and ": " in reason:
+            reason, detail = reason.split(": ", 1)
+        super().__init__(f"{_REJECTED_PREFIX}{reason}" + (f": {detail}" if detail else ""))
+        self.reason, self.detail = reason, detail
 
 
 def _all_subclasses(cls: type[TsukimiError]) -> list[type[TsukimiError]]:

@@ -129,8 +129,8 @@ def test_cluster_workers_values_are_checked_where_they_are_written() -> None:
         load(ClusterConfig, None, ["workers.num_blocks='8'"])
     with pytest.raises(ConfigError, match=r"workers\.dtype must be one of \('float32', 'bfloat16'\)"):
         load(ClusterConfig, None, ["workers.dtype=float16"])
-    with pytest.raises(ConfigError, match="num_blocks must be >= 1"):
-        load(ClusterConfig, None, ["workers.num_blocks=0"])
+    with pytest.raises(ConfigError, match="num_blocks must be >= 0"):  # NOTE: 0 = from kv_cache_memory
+        load(ClusterConfig, None, ["workers.num_blocks=-1"])
 
 
 # -- any dataclass -----------------------------------------------------------------------------

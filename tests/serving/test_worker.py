@@ -200,7 +200,9 @@ def test_config_errors() -> None:
     with pytest.raises(ConfigError, match="master"):
         WorkerConfig(role="decode")
     with pytest.raises(ConfigError, match="num_blocks"):
-        WorkerConfig(num_blocks=0)
+        WorkerConfig(num_blocks=-1)
+    with pytest.raises(ConfigError, match="memory budget"):
+        WorkerConfig(kv_cache_memory="lots")
 
 
 def test_prefill_then_decode_through_the_kv_pool(tiny: LoadedModel, colocated: Worker) -> None:

@@ -44,6 +44,10 @@ class ConductorConfig:
         the distribution of the observed ones is used).
     ssd_read_bytes_s: read bandwidth of an instance's SSD tier (KV found only on SSD costs
         this to load, and the network bandwidth as well when it is another instance's).
+    kv_wait: with "early" and the predicted modes, a request whose decode placement lacks KV
+        memory waits for it when its predicted TTFT, the wait included, meets the TTFT SLO
+        (queue, then reject; tsukimi/scheduler/admission.py); False: it is rejected at once
+        (the paper's policies, which the simulator's overload experiments reproduce).
     """
 
     block_tokens: int = 512
@@ -57,6 +61,7 @@ class ConductorConfig:
     kv_bandwidth_bytes_s: float = 100e9
     decode_estimate_s: float = 10.0
     ssd_read_bytes_s: float = 8e9
+    kv_wait: bool = True
 
     def __post_init__(self) -> None:
         require(
@@ -83,6 +88,8 @@ class SimConfig:
     reservation: the KV a decode instance reserves for a request's output
         (tsukimi/sim/reservation.py): "oracle" (the real length), "max_tokens"
         (`max_output_tokens`), "mean" or "p90" of the observed output lengths.
+    decode_kv_tokens: each decode instance's KV memory in tokens (0: what the cost model's node
+        holds beside the weights; unbounded for a cost model without one).
     """
 
     shape: Literal["pd", "colocated"] = "pd"
@@ -98,8 +105,10 @@ class SimConfig:
     ssd_blocks: int = 0
     reservation: ReservationName = "p90"
     max_output_tokens: int = 2048
+    decode_kv_tokens: int = 0
 
     def __post_init__(self) -> None:
+        require(self.decode_kv_tokens >= 0, "decode_kv_tokens must be >= 0 (0: the cost model's)")
         if self.shape not in ("pd", "colocated") or self.router not in ("round_robin", "least_load"):
             raise ConfigError("shape must be pd or colocated; router round_robin or least_load")
         if min(self.num_prefill, self.num_decode, self.num_colocated) < 1 or self.speed <= 0:

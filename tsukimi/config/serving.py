@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from tsukimi.config.loader import INLINE_KEYS, require
+from tsukimi.config.memory import MemoryBudget
 from tsukimi.config.scheduling import ConductorConfig
 from tsukimi.config.store import MasterConfig
 from tsukimi.errors import ConfigError
@@ -28,8 +29,8 @@ ClusterMode = Literal["pd", "colocated"]
 SHARED_MASTER_KEYS = ("hot_threshold", "hot_max_replicas", "hot_window_s", "hot_cool_ratio", "hot_cool_down_s")
 # NOTE: what `[workers]` may set of each worker's `WorkerConfig`; the cluster sets the rest
 SHARED_WORKER_KEYS = (
-    "block_tokens", "num_blocks", "max_batched_tokens", "segment_bytes", "threads", "dtype", "prefix_caching",
-    "layerwise_loading",
+    "block_tokens", "num_blocks", "kv_cache_memory", "max_batched_tokens", "segment_bytes", "threads", "dtype",
+    "prefix_caching", "layerwise_loading",
 )  # fmt: skip
 
 
@@ -44,7 +45,16 @@ class WorkerConfig:
     worker contributes to the KV pool) matter for the prefill and decode roles only. threads:
     torch's intra-op threads (process-wide). metadata_url: the metadata service
     (http://HOST:PORT/metadata, etcd://...) of the P2P store that live weight updates pull
-    from (`POST /admin/update_weights`); "" = none (`tsukimi up` starts one)."""
+    from (`POST /admin/update_weights`); "" = none (`tsukimi up` starts one).
+
+    kv_cache_memory: the memory of the worker's KV cache, as vLLM's KV cache space: bytes
+    ("512MiB", "1G") or a fraction of the memory available when the worker starts ("0.1");
+    the blocks are this over the model's bytes per block (layers x KV heads x head dim x dtype
+    x 2 x block_tokens; tsukimi/engine/kv_budget.py). The default, 512 MiB, suits CPU serving on
+    a small machine where several workers share one host: it holds 8k tokens of SmolLM2-135M in
+    float32 (~2x in bfloat16) and 256k of the tiny test model; the memory is committed only as
+    blocks are used. num_blocks > 0 overrides it with an explicit block count.
+    """
 
     name: str = "worker-0"
     role: Role = "colocated"
@@ -52,7 +62,8 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     block_tokens: int = 16
-    num_blocks: int = 512
+    num_blocks: int = 0
+    kv_cache_memory: str = "512MiB"
     max_batched_tokens: int = 512
     master: str = ""
     segment_bytes: int = 256 << 20
@@ -69,10 +80,11 @@ class WorkerConfig:
             raise ConfigError(f"worker dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"worker port must be in 0..65535, got {self.port}")
-        for name, low in (("block_tokens", 1), ("num_blocks", 1), ("max_batched_tokens", 1), ("threads", 1),
+        for name, low in (("block_tokens", 1), ("num_blocks", 0), ("max_batched_tokens", 1), ("threads", 1),
                           ("segment_bytes", 0)):  # fmt: skip
             if getattr(self, name) < low:
                 raise ConfigError(f"worker {name} must be >= {low}, got {getattr(self, name)}")
+        MemoryBudget.parse(self.kv_cache_memory)  # NOTE: raises ConfigError when malformed
         if self.metadata_url and not self.metadata_url.startswith(("http://", "etcd://", "memory://")):
             raise ConfigError(f"worker metadata_url must be http://..., etcd://... or memory://NAME (tests), "
                               f"got {self.metadata_url!r}")  # fmt: skip
@@ -87,7 +99,8 @@ class RouterConfig:
 
     mode: "auto" (colocated when every worker is colocated, pd when they are prefill and
         decode workers), "colocated" or "pd". policy: the colocated baseline router.
-    block_tokens / decode_capacity_tokens: 0 = ask the workers (/health, /load).
+    block_tokens: 0 = ask the workers (/health). decode_capacity_tokens: the KV tokens of every
+        decode instance; 0 = each decode worker's own (its /load total_blocks x block_tokens).
     prefill_*_s / decode_*_s / kv_bytes_per_token: the `LinearCostModel` the Conductor
         estimates with (tsukimi/serving/router.py builds it); the defaults suit the small CPU
         model (0.5 ms per prompt token, 20 ms per decode step).

@@ -15,6 +15,7 @@ unreferenced cached blocks are recycled least recently used first.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -170,7 +171,10 @@ class PagedKVCache:
         self.layout, self.pool = layout, BlockPool(num_blocks)
         total = num_blocks * layout.num_layers * layout.slot_bytes
         if storage is None:
-            raw = torch.zeros(total, dtype=torch.uint8)
+            # NOTE: anonymous memory reads as zeros and is committed page by page as blocks are
+            # first written, so a large budget (tsukimi/engine/kv_budget.py) costs what is used
+            self._memory = mmap.mmap(-1, total)
+            raw = torch.frombuffer(self._memory, dtype=torch.uint8, count=total)
         elif len(storage) < total:
             raise ConfigError(f"KV storage of {len(storage)} bytes < {num_blocks} blocks of {total // num_blocks}")
         else:

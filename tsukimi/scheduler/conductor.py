@@ -34,6 +34,15 @@ Rejection modes (`ConductorConfig.rejection`):
   when the average ratio of predicted TBT to the TBT SLO over all decode instances exceeds 1
   (a system-level load, not the chosen instance's).
 
+Queue, then reject (`kv_wait`, with "early" and the predicted modes): a request whose decode
+placement lacks KV memory waits in a FIFO when its predicted TTFT, the wait for memory
+included, meets the TTFT SLO, and only then is rejected (reason "ttft_slo", with a message
+saying what was predicted); memory is a ledger of what each booked request holds
+(tsukimi/scheduler/admission.py). `schedule` answers such a request with `queued`; the caller
+calls `release(now)` after each event that frees memory (`decode_finished`,
+`finished_at_prefill`, a rejection at `admit_decode`, `cancel`) and starts the requests it
+returns; a request that stops waiting (its client left, its deadline passed) is `cancel`ed.
+
 A plain object over a clock the caller passes in (`now`): the simulator and the live router
 drive the same code. Not thread-safe.
 """
@@ -42,62 +51,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import Counter
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from tsukimi.config import ConductorConfig
 from tsukimi.errors import InvalidArgument
+from tsukimi.scheduler.admission import KvLedger, QueuedRequest
 from tsukimi.scheduler.cost_model import CostModel, chunked_prefill_s
 from tsukimi.scheduler.cpp import CppGroup
-from tsukimi.scheduler.load_prediction import DecodeLoad, DecodeStagePredictor, expected_load, uniform_load
+from tsukimi.scheduler.decisions import Decision, ScheduleRequest, SourceLoad
+from tsukimi.scheduler.load_prediction import DecodeLoad, DecodeStagePredictor
+from tsukimi.scheduler.placement import DecodeForecast, best_decode, cached_tokens, fetch_bandwidth_bytes_s, no_load
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
+
+__all__ = ["WAITING_MODES", "Conductor", "Decision", "ScheduleRequest", "SourceLoad", "fetch_bandwidth_bytes_s"]
 
 logger = logging.getLogger(__name__)
 
 _INITIAL_OUTPUT_TOKENS = 256.0  # assumed mean output length until requests finish
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduleRequest:
-    """What the Conductor knows of a request: its prompt length and block hashes."""
-
-    request_id: int
-    input_tokens: int
-    blocks: Sequence[int]
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """Where a request runs (or why not). Times are estimates in seconds.
-
-    local_blocks: prefix blocks reused from the prefill instance's own cache;
-    fetch_from / fetch_blocks: a location holding a longer prefix (another instance's cache,
-    or this instance's own SSD tier) and how many more blocks come from it (they stay in the
-    prefill instance's DRAM afterwards).
-    """
-
-    request_id: int
-    accepted: bool
-    reason: str = ""
-    prefill: str | None = None
-    decode: str | None = None
-    local_blocks: int = 0
-    fetch_from: str | None = None
-    fetch_blocks: int = 0
-    cached_tokens: int = 0
-    queue_s: float = 0.0
-    prefill_s: float = 0.0
-    transfer_s: float = 0.0
-    ttft_s: float = 0.0
-    tbt_s: float = 0.0
-
-
-class SourceLoad(Protocol):
-    """How busy the link of a KV source (a location) is: its transfers in flight, O(1)."""
-
-    def active(self, source: str) -> int: ...
+WAITING_MODES = ("early", "predicted", "predicted_uniform")  # the modes that check decode load at arrival
 
 
 @dataclass(slots=True)
@@ -115,7 +89,7 @@ class Conductor:
         cost: the cost model of the instances (all alike).
         index: where blocks are cached; instance caches are `location(name, tier)`.
         prefill / decode: instance names; decode_capacity_tokens: KV tokens a decode
-            instance holds.
+            instance holds (one for all, or each instance's own by name).
         tier: the tier of the instances' own caches in the index.
         groups: prefill instances that are CPP groups (tsukimi/scheduler/cpp.py), priced with
             the pipeline's estimate: the Conductor sends them the prompts they serve fastest.
@@ -130,7 +104,7 @@ class Conductor:
         index: PrefixIndex,
         prefill: Sequence[str],
         decode: Sequence[str],
-        decode_capacity_tokens: int,
+        decode_capacity_tokens: int | Mapping[str, int],
         tier: str = "dram",
         groups: Mapping[str, CppGroup] | None = None,
         *,
@@ -141,14 +115,21 @@ class Conductor:
         self.config, self.cost, self.index, self.links = config, cost, index, links
         self.groups = dict(groups or {})
         self._prefill = {name: _PrefillLoad() for name in sorted(prefill)}
-        self._decode = {name: DecodeLoad(decode_capacity_tokens) for name in sorted(decode)}
+        capacity = decode_capacity_tokens
+        self._decode = {name: DecodeLoad(capacity if isinstance(capacity, int) else capacity[name])
+                        for name in sorted(decode)}  # fmt: skip
         self._local = {name: location(name, tier) for name in self._prefill}  # type: ignore[arg-type]
         self._ssd = {name: location(name, "ssd") for name in self._prefill}
         self._requests: dict[int, tuple[str, str, int]] = {}  # id -> (prefill, decode, input tokens)
         self._stages = DecodeStagePredictor(config.decode_estimate_s)
+        self._kv = KvLedger(self._decode, self._stages, cost)
+        self._released: list[Decision] = []
+        self._waiting: dict[int, ScheduleRequest] = {}  # the queued requests
         self._output_sum, self._output_n = 0.0, 0
         self.counters: Counter[str] = Counter()
         self._exclude: Container[str] = ()  # instances the current call must not pick
+        # NOTE: called with every decision `schedule` and `release` make, and its request (a log, a dashboard)
+        self.on_decision: Callable[[Decision, ScheduleRequest], None] | None = None
 
     # -- decisions ----------------------------------------------------------------------
 
@@ -156,6 +137,12 @@ class Conductor:
         """Place `request` arriving at `now` (mutates: books the instances on acceptance).
         Instances in `exclude` (e.g. down) are not considered; with none left the decision is
         a rejection with reason "no_instance"."""
+        decision = self._schedule(request, now, exclude)
+        if self.on_decision is not None:
+            self.on_decision(decision, request)
+        return decision
+
+    def _schedule(self, request: ScheduleRequest, now: float, exclude: Container[str]) -> Decision:
         if request.input_tokens <= 0:
             raise InvalidArgument(f"request {request.request_id}: input_tokens must be > 0")
         self._exclude = exclude
@@ -169,7 +156,9 @@ class Conductor:
         mode = cfg.rejection
         forecast = mode if mode in ("predicted", "predicted_uniform") else "now"
         decode, tbt_s, problem = self._best_decode(request.input_tokens, now, now + best.ttft_s, forecast)
-        if mode in ("early", "predicted", "predicted_uniform") and problem:
+        if cfg.kv_wait and mode in WAITING_MODES and problem != "tbt_slo":
+            return self._place_or_queue(request, _replace(best, decode=decode, tbt_s=tbt_s), now)
+        if mode in WAITING_MODES and problem:
             return self._reject(best, problem)
         decision = _replace(best, decode=decode, tbt_s=tbt_s)
         self._book(decision, request, now)
@@ -188,12 +177,18 @@ class Conductor:
         self._exclude = exclude
         if all(name in exclude for name in self._decode):
             del self._requests[request_id]
+            self._kv.reserved.pop(request_id, None)
             self.counters["rejected_no_instance"] += 1
             return None
         chosen, _, problem = self._best_decode(tokens, now, now, "now")
         mode = self.config.rejection
+        booked = self._requests[request_id][1]
+        if request_id in self._kv.reserved and booked not in exclude:
+            # NOTE: kv_wait booked its memory there: it stays, and the ledger, not this check, judges memory
+            chosen, problem = booked, ("" if problem == "kv_memory" else problem)
         if problem and (mode == "baseline" or (mode != "none" and self.config.recheck_decode)):
             del self._requests[request_id]
+            self._kv.reserved.pop(request_id, None)
             self.counters["rejected_at_decode"] += 1
             return None
         self._decode[chosen].active[request_id] = (now, tokens)
@@ -207,12 +202,14 @@ class Conductor:
         self._prefill_done(prefill, request_id, now)
         for load in self._decode.values():
             load.incoming.pop(request_id, None)
+        self._kv.reserved.pop(request_id, None)
 
     def decode_finished(self, request_id: int, now: float, output_tokens: int) -> None:
         """The request left its decode instance (mutates the load and the estimates)."""
         _, decode, _ = self._requests.pop(request_id)
         joined, tokens = self._decode[decode].active.pop(request_id)
         self._decode[decode].active_tokens -= tokens
+        self._kv.reserved.pop(request_id, None)
         self._stages.observe(now - joined)
         self._output_sum += output_tokens
         self._output_n += 1
@@ -221,7 +218,82 @@ class Conductor:
         """The estimated wait before a new job would start on prefill instance `name`."""
         return max(0.0, self._prefill[name].free_at - now)
 
+    def release(self, now: float, exclude: Container[str] = ()) -> list[Decision]:
+        """Places the queued requests, in order, while the head's KV memory fits (each on the
+        prefill instance best for it now); their decisions, `queued` and with the wait they
+        had (mutates: books them). Call after every event that frees memory."""
+        self._exclude = exclude
+        if not self._kv.queue or all(name in exclude for name in self._prefill):
+            return []
+
+        def place(head: QueuedRequest, decode: str) -> bool:
+            request = self._waiting.pop(head.request_id)
+            best = _replace(self._best_prefill(request, now), decode=decode)
+            self._book(best, request, now, head.tokens)
+            waited = now - head.arrived_s
+            self._released.append(_replace(best, queued=True, wait_s=waited, ttft_s=waited + best.ttft_s))
+            if self.on_decision is not None:
+                self.on_decision(self._released[-1], request)
+            self.counters["released"] += 1
+            return True
+
+        self._kv.release(exclude, place)
+        released, self._released = self._released, []
+        return released
+
+    def cancel(self, request_id: int) -> bool:
+        """Takes a queued request out of the queue (its client left, or its deadline passed);
+        False when it is not queued (mutates). Call `release` after it."""
+        if self._kv.cancel(request_id) is None:
+            return False
+        del self._waiting[request_id]
+        self.counters["cancelled"] += 1
+        return True
+
+    def decode_capacity_tokens(self) -> dict[str, int]:
+        """Each decode instance's KV memory in tokens, by name."""
+        return {name: load.capacity_tokens for name, load in self._decode.items()}
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for KV memory."""
+        return len(self._kv.queue)
+
     # -- internals ----------------------------------------------------------------------
+
+    def _place_or_queue(self, request: ScheduleRequest, best: Decision, now: float) -> Decision:
+        """`kv_wait`: place `best` now when its KV memory fits and nobody waits, else queue it
+        when the predicted TTFT with the wait meets the SLO, else reject it (mutates)."""
+        out = self._output_reserve(request)
+        tokens, slo = request.input_tokens + out, self.config.ttft_slo_s
+        name = None if self._kv.queue else self._kv.room(tokens, self._exclude)
+        if name is not None:
+            decision = _replace(best, decode=name)
+            self._book(decision, request, now, tokens)
+            self.counters["accepted"] += 1
+            return decision
+        plan = self._kv.plan(tokens, now, self._exclude)
+        if plan.decode is None:
+            return self._reject(best, "kv_memory", f"needs {tokens} KV tokens, more than any decode instance holds")
+        assert best.prefill is not None
+        start = max(plan.release_s, now + best.queue_s, self._kv.prefill_end_s(best.prefill))
+        end = start + best.prefill_s + best.transfer_s
+        wait, ttft = plan.release_s - now, end - now
+        why = f"predicted TTFT {ttft:.2f} s (waiting {wait:.2f} s for KV memory on {plan.decode}) "
+        if ttft > slo:
+            return self._reject(_replace(best, ttft_s=ttft, wait_s=wait), "ttft_slo", f"{why}> the TTFT SLO {slo:g} s")
+        depart = end + self._kv.stage_s(plan.decode, out)
+        self._kv.queue.append(QueuedRequest(request.request_id, now, tokens, plan.decode, plan.release_s, best.prefill,
+                                            end, depart, ttft))  # fmt: skip
+        self._waiting[request.request_id] = request
+        self.counters["queued"] += 1
+        return _replace(best, decode=plan.decode, queued=True, wait_s=wait, queue_s=start - now, ttft_s=ttft,
+                        message=f"{why}<= the TTFT SLO {slo:g} s")  # fmt: skip
+
+    def _output_reserve(self, request: ScheduleRequest) -> int:
+        """The output tokens a request's KV reservation counts: the mean observed, capped by its max_tokens."""
+        mean_out = self._output_sum / self._output_n if self._output_n else _INITIAL_OUTPUT_TOKENS
+        return math.ceil(min(mean_out, request.max_tokens) if request.max_tokens > 0 else mean_out)
 
     def _best_prefill(self, request: ScheduleRequest, now: float) -> Decision:
         cfg = self.config
@@ -229,7 +301,7 @@ class Conductor:
         # NOTE: the longest prefixes held anywhere: an instance cannot fetch from its own
         # caches (DRAM and SSD), so the third is the best another may fetch from.
         # With links, equally long prefixes are ranked by their source's load.
-        busy = self.links.active if self.links is not None else _no_load
+        busy = self.links.active if self.links is not None else no_load
         ranked = sorted(matches.items(), key=lambda i: (-i[1], busy(i[0]), i[0]))[:3] if cfg.reuse == "global" else []
         cost, block, chunk = self.cost, cfg.block_tokens, cfg.prefill_chunk_tokens
         tokens = request.input_tokens
@@ -251,7 +323,7 @@ class Conductor:
             queue_s = max(0.0, load.free_at - now)
             local_loc = self._local[name]
             local = matches.get(local_loc, 0)
-            cached = _cached_tokens(local, block, tokens)
+            cached = cached_tokens(local, block, tokens)
             group = self.groups.get(name)
             option: tuple[float, float, str | None, int, int] = (compute_s(cached, group), 0.0, None, 0, cached)
             own_ssd = self._ssd[name]
@@ -262,7 +334,7 @@ class Conductor:
             for source, held in sources:
                 if held <= local:
                     continue
-                fetched = _cached_tokens(held, block, tokens)
+                fetched = cached_tokens(held, block, tokens)
                 bandwidth = fetch_bandwidth_bytes_s(cfg, source, own_ssd) / (1 + busy(source))
                 transfer_s = cost.transfer_s(fetched - cached, bandwidth)
                 fetched_s = compute_s(fetched, group)
@@ -280,42 +352,16 @@ class Conductor:
         return best
 
     def _best_decode(self, input_tokens: int, now: float, at: float, forecast: str) -> tuple[str, float, str]:
-        """(the instance with the lowest TBT among those with room in their KV memory, or with
-        the most room when none has enough; that TBT; "" when it meets the SLO, else why not:
-        "tbt_slo" / "kv_memory") for the load now (`forecast` "now") or the load predicted for
-        time `at` ("predicted": survival; "predicted_uniform": the paper's, where the SLO test
-        is on the average TBT ratio over the instances)."""
+        """See `best_decode` (tsukimi/scheduler/placement.py), over the instances not excluded."""
         mean_out = self._output_sum / self._output_n if self._output_n else _INITIAL_OUTPUT_TOKENS
-        best: tuple[float, float, str, float] | None = None  # (no room, tbt, name, tbt without it): lowest wins
-        stage_s = self._stages.mean_s
-        total_s, instances = 0.0, 0
-        for name, load in self._decode.items():
-            if name in self._exclude:
-                continue
-            without_s = 0.0
-            if forecast == "now":
-                count, context = float(len(load.active)), float(load.active_tokens)
-            elif forecast == "predicted":
-                count, context = expected_load(load, self._stages, now, at)
-            else:
-                count, context = uniform_load(load, at, stage_s)
-                without_s = self.cost.decode_step_s(round(count), int(context + count * mean_out / 2))
-                total_s, instances = total_s + without_s, instances + 1
-            context += count * mean_out / 2
-            overflow = max(0.0, context + input_tokens + mean_out - load.capacity_tokens)
-            tbt_s = self.cost.decode_step_s(round(count) + 1, int(context + input_tokens + mean_out / 2))
-            if best is None or (overflow, tbt_s) < best[:2]:
-                best = (overflow, tbt_s, name, without_s)
-        assert best is not None
-        overflow, tbt_s, name, without_s = best
-        slo = self.config.tbt_slo_s
-        # NOTE: predicted_uniform tests the system's average, with the request on its instance.
-        system_s = (total_s - without_s + tbt_s) / instances if forecast == "predicted_uniform" else tbt_s
-        over = system_s > slo
-        return name, tbt_s, "kv_memory" if overflow else ("tbt_slo" if over else "")
+        loads = {name: load for name, load in self._decode.items() if name not in self._exclude}
+        return best_decode(loads, DecodeForecast(self._stages, self.cost, self.config.tbt_slo_s, mean_out),
+                           input_tokens, now, at, forecast)  # fmt: skip
 
-    def _book(self, decision: Decision, request: ScheduleRequest, now: float) -> None:
+    def _book(self, decision: Decision, request: ScheduleRequest, now: float, reserve_tokens: int = 0) -> None:
         assert decision.prefill is not None and decision.decode is not None
+        if reserve_tokens:
+            self._kv.reserved[request.request_id] = reserve_tokens
         load = self._prefill[decision.prefill]
         start = max(load.free_at, now)
         load.free_at = start + decision.prefill_s + decision.transfer_s
@@ -335,29 +381,11 @@ class Conductor:
         load.free_at += error - load.shift
         load.shift = error
 
-    def _reject(self, best: Decision, reason: str) -> Decision:
+    def _reject(self, best: Decision, reason: str, message: str = "") -> Decision:
         self.counters[f"rejected_{reason}"] += 1
-        return _replace(best, accepted=False, reason=reason)
-
-
-def fetch_bandwidth_bytes_s(config: ConductorConfig, source: str, own_ssd: str) -> float:
-    """The rate at which a prefill instance whose SSD tier is `own_ssd` loads KV held at
-    `source`: its own SSD's read bandwidth, another instance's SSD at the lower of that and the
-    network's, any DRAM at the network's; pure."""
-    if source == own_ssd:
-        return config.ssd_read_bytes_s
-    if source.endswith("/ssd"):
-        return min(config.ssd_read_bytes_s, config.kv_bandwidth_bytes_s)
-    return config.kv_bandwidth_bytes_s
-
-
-def _no_load(source: str) -> int:
-    return 0
-
-
-def _cached_tokens(blocks: int, block_tokens: int, input_tokens: int) -> int:
-    """Tokens covered by `blocks` prefix blocks; at least one token is always computed."""
-    return max(0, min(blocks * block_tokens, input_tokens - 1))
+        if not message and reason == "ttft_slo":
+            message = f"predicted TTFT {best.ttft_s:.2f} s > the TTFT SLO {self.config.ttft_slo_s:g} s"
+        return _replace(best, accepted=False, reason=reason, message=message)
 
 
 def _replace(decision: Decision, **changes: object) -> Decision:

@@ -43,7 +43,8 @@ def stage_configs(config: ClusterConfig, master: str, port: Callable[[int], int]
             stages.append(PrefillStageConfig(
                 name=f"cpp-{g}" if s == 0 else f"cpp-{g}-s{s}", stage=s, num_stages=w.cpp_stages, model=config.model,
                 dtype=shared.dtype, host=config.host, port=ports[s], downstream=downstream, master=master,
-                segment_bytes=shared.segment_bytes, block_tokens=shared.block_tokens, num_blocks=shared.num_blocks,
+                segment_bytes=shared.segment_bytes, block_tokens=shared.block_tokens,
+                num_blocks=shared.num_blocks or 512,  # NOTE: 0 = sized from memory, which a stage does not do
                 chunk_tokens=w.cpp_chunk_tokens, threads=shared.threads,
             ))  # fmt: skip
     return stages

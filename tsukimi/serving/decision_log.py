@@ -55,7 +55,8 @@ class DecisionLog:
         self._entries.append(
             DecisionRecord(
                 self.total, now, request_id, "pd", decision.accepted, prompt_tokens, decision.prefill or "",
-                decision.decode or "", decision.cached_tokens, decision.ttft_s, decision.reason,
+                decision.decode or "", decision.cached_tokens, decision.ttft_s,
+                decision.reason or (f"queued for KV memory ({decision.wait_s:.1f} s)" if decision.queued else ""),
                 decision.fetch_from or "",
             )
         )  # fmt: skip

@@ -2,7 +2,8 @@
 the workers' view (health, load) and, in PD mode, the Conductor and its prefix index.
 
     colocated:  request -> least-loaded worker ------------------------------> tokens
-    pd:         request -> hash_blocks -> Conductor.schedule --(reject)--> Rejected(reason)
+    pd:         request -> hash_blocks -> Conductor.schedule --(reject)--> Rejected(reason, what was predicted)
+                        --(queued: no decode KV memory yet)--> waits for its release (kv_wait.py)
                         -> prefill worker (max_tokens=1; publishes the prompt's KV to the pool)
                         -> first token -> admit_decode -> decode worker (prompt + first token,
                            max_tokens - 1; loads the prompt's KV from the pool) -> tokens
@@ -39,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import AsyncGenerator, Sequence
@@ -60,6 +62,7 @@ from tsukimi.scheduler.prefix_index import PrefixIndex, location
 from tsukimi.serving.cpp_groups import conductor_groups, excluded
 from tsukimi.serving.decision_log import DecisionLog
 from tsukimi.serving.index_feed import ExpectedReuse, IndexFeed, expected_reuse
+from tsukimi.serving.kv_wait import ReleaseWaits
 from tsukimi.serving.protocol import FinishReason, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
 from tsukimi.serving.worker_client import POOL, WorkerClient, WorkerHandle, WorkerSpec, WorkerStatus
 
@@ -135,6 +138,7 @@ class Router:
         self._running_prefills: dict[str, dict[int, list[BlockHash]]] = {}  # worker -> rid -> its block hashes
         self._salt = b""  # the workers' block-hash salt (their weights version, after a live update)
         self.decisions = DecisionLog()  # the recent placements, for the dashboard
+        self._waits = ReleaseWaits(self.clock)  # requests queued for decode KV memory
 
     async def start(self) -> None:
         """Probes the workers (retrying for `startup_timeout_s`; those still silent are marked
@@ -250,6 +254,7 @@ class Router:
         first = await self._place_and_prefill(conductor, rid, request, blocks)
         if first.finish_reason == "stop" or len(first.token_ids) >= request.max_tokens:
             conductor.finished_at_prefill(rid, self.clock.now())
+            self._wake()
             yield dataclasses.replace(first, finish_reason=first.finish_reason or "length")
             return
         decode, generated = self._admit_decode(conductor, rid), len(first.token_ids)
@@ -270,6 +275,7 @@ class Router:
                     )  # fmt: skip
         finally:
             conductor.decode_finished(rid, self.clock.now(), generated)
+            self._wake()
 
     async def _place_and_prefill(
         self, conductor: Conductor, rid: int, request: GenerateRequest, blocks: list[BlockHash]
@@ -277,14 +283,22 @@ class Router:
         """Schedules the request and runs its prefill, placing it again while the chosen prefill
         worker turns out unreachable; its one event, with the reuse the index expected."""
         attempts = PLACEMENT.start(self.clock)
+        deadline_s = self.clock.now() + conductor.config.ttft_slo_s  # NOTE: a queued request waits no longer
+        scheduled = ScheduleRequest(rid, len(request.prompt_ids), blocks, request.max_tokens)
         while True:
             down = excluded(self._workers.values(), request)  # NOTE: and the CPP groups when sampling
-            decision = conductor.schedule(ScheduleRequest(rid, len(request.prompt_ids), blocks), self.clock.now(), down)
+            decision = conductor.schedule(scheduled, self.clock.now(), down)
             self.decisions.conductor(request.request_id, len(request.prompt_ids), decision, self.clock.now())
             if not decision.accepted:
                 if decision.reason == "no_instance":
                     raise WorkerUnavailable("no prefill or decode worker is reachable: all are marked down")
-                raise Rejected(decision.reason)
+                raise Rejected(decision.reason, decision.message)
+            if decision.queued:  # NOTE: placed once its decode KV memory frees; None: to be scheduled again
+                forbidden = functools.partial(excluded, self._workers.values(), request)
+                if (released := await self._waits.wait(conductor, decision, deadline_s, forbidden)) is None:
+                    continue
+                decision = released
+                self.decisions.conductor(request.request_id, len(request.prompt_ids), decision, self.clock.now())
             assert decision.prefill is not None
             prefill = self._workers[decision.prefill]
             running = self._running_prefills.setdefault(decision.prefill, {})
@@ -295,11 +309,13 @@ class Router:
                 return dataclasses.replace(await self._prefill(prefill, request), expected=expected)
             except WorkerUnavailable as exc:
                 conductor.finished_at_prefill(rid, self.clock.now())
+                self._wake()
                 prefill.healthy = False
                 if not await attempts.wait_async(exc):
                     raise
             except BaseException:
                 conductor.finished_at_prefill(rid, self.clock.now())
+                self._wake()
                 raise
             finally:
                 running.pop(rid, None)
@@ -309,10 +325,16 @@ class Router:
         down = {name for name, w in self._workers.items() if not w.healthy}
         name = conductor.admit_decode(rid, self.clock.now(), down)
         if name is None:
+            self._wake()
             if all(w.spec.name in down for w in self._workers.values() if w.spec.role == "decode"):
                 raise WorkerUnavailable("no decode worker is reachable: all are marked down")
             raise Rejected("rejected_at_decode")  # the Conductor's counter name
         return self._workers[name]
+
+    def _wake(self) -> None:
+        """Decode KV memory may have freed: release the requests queued for it."""
+        if self.conductor is not None:
+            self._waits.wake(self.conductor, {name for name, w in self._workers.items() if not w.healthy})
 
     async def _prefill(self, worker: WorkerHandle, request: GenerateRequest) -> TokenEvent:
         """Runs the prefill stage (one token) to its end; one event with all its tokens."""
@@ -346,10 +368,10 @@ class Router:
         if not seen:
             logger.warning("no worker reported block_tokens; using conductor.block_tokens")
         self.block_tokens = seen.pop() if seen else self._conductor_config.block_tokens
-        capacity = self.config.decode_capacity_tokens
-        if not capacity:
-            known = [w.load.total_blocks for w in self._workers.values() if w.spec.role == "decode"]
-            capacity = min((b for b in known if b > 0), default=0) * self.block_tokens or DEFAULT_DECODE_CAPACITY_TOKENS
+        # NOTE: each decode worker's own KV memory (its /load total_blocks), unless the config sets one for all
+        fixed = self.config.decode_capacity_tokens
+        capacity = {w.spec.name: fixed or w.load.total_blocks * self.block_tokens or DEFAULT_DECODE_CAPACITY_TOKENS
+                    for w in self._workers.values() if w.spec.role == "decode"}  # fmt: skip
         conductor = dataclasses.replace(self._conductor_config, block_tokens=self.block_tokens)
         names = {role: [w.spec.name for w in self._workers.values() if w.spec.role == role] for role in ROLES}
         groups = conductor_groups(self._workers.values())  # NOTE: priced with the pipeline estimate

@@ -44,6 +44,7 @@ from starlette.types import Receive, Scope, Send
 from tsukimi import auth, httpd
 from tsukimi.config import SecurityConfig, WorkerConfig
 from tsukimi.engine.engine import LLMEngine, StepOutput
+from tsukimi.engine.kv_budget import kv_cache_blocks
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.kv_pool import KVFormat, StoreKVConnector
 from tsukimi.engine.sampling import SamplingParams
@@ -128,6 +129,7 @@ class Worker:
                 self._loaded = load_model(cfg.model, cfg.dtype)
             mc = self._loaded.config
             layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_tokens, mc.torch_dtype)
+            num_blocks = kv_cache_blocks(cfg, layout)  # NOTE: from kv_cache_memory unless num_blocks is set
             connector = None
             if cfg.role != "colocated":
                 self._store = StoreClient.connect(cfg.master, cfg.segment_bytes)
@@ -137,7 +139,7 @@ class Worker:
 
             def make_engine() -> LLMEngine:
                 return updater.prepare(LLMEngine(
-                    model, layout, cfg.num_blocks, mc.eos_token_ids, cfg.max_batched_tokens, connector,
+                    model, layout, num_blocks, mc.eos_token_ids, cfg.max_batched_tokens, connector,
                     prefix_caching=cfg.prefix_caching, layerwise_loading=cfg.layerwise_loading,
                 ))  # fmt: skip
 

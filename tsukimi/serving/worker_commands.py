@@ -43,7 +43,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     worker.add_argument("--host", default=d.host)
     worker.add_argument("--port", type=int, default=d.port, help="0 = an ephemeral port (printed once serving)")
     worker.add_argument("--block-tokens", type=int, default=d.block_tokens, help="tokens per KV block")
-    worker.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV cache size in blocks")
+    worker.add_argument("--num-blocks", type=int, default=d.num_blocks,
+                        help="KV cache size in blocks (0 = from --kv-cache-memory)")  # fmt: skip
+    worker.add_argument("--kv-cache-memory", default=d.kv_cache_memory,  # NOTE: a share: e.g. 0.1
+                        help="KV cache memory: bytes (512MiB, 1G) or a share of memory available (0.1)")  # fmt: skip
     worker.add_argument(
         "--max-batched-tokens", type=int, default=d.max_batched_tokens, help="tokens per forward at most"
     )
@@ -79,7 +82,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     """
     return WorkerConfig(
         name=args.name, role=args.role, model=args.model, host=args.host, port=args.port,
-        block_tokens=args.block_tokens, num_blocks=args.num_blocks, max_batched_tokens=args.max_batched_tokens,
+        block_tokens=args.block_tokens, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
+        max_batched_tokens=args.max_batched_tokens,
         master=args.master, segment_bytes=args.segment_bytes, threads=args.threads, dtype=args.dtype,
         prefix_caching=not args.no_prefix_caching, metadata_url=args.metadata_url,
         layerwise_loading=args.layerwise_loading,
@@ -93,6 +97,7 @@ def worker_args(config: WorkerConfig) -> tuple[str, ...]:
         "worker", "--name", config.name, "--role", config.role, "--port", str(config.port),
         "--model", config.model, "--dtype", config.dtype, "--host", config.host, "--threads", str(config.threads),
         "--block-tokens", str(config.block_tokens), "--num-blocks", str(config.num_blocks),
+        "--kv-cache-memory", config.kv_cache_memory,
         "--max-batched-tokens", str(config.max_batched_tokens), "--segment-bytes", str(config.segment_bytes),
         *(("--master", config.master) if config.master else ()),
         *(() if config.prefix_caching else ("--no-prefix-caching",)),

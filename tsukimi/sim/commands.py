@@ -45,6 +45,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     run.add_argument("--reservation", choices=RESERVATION_NAMES, default="p90", help="decode KV reserved per output")
     run.add_argument("--ttft-slo", type=float, default=30.0)
     run.add_argument("--tbt-slo", type=float, default=0.1)
+    run.add_argument("--no-kv-wait", action="store_true",
+                     help="reject when decode KV lacks (default: wait if the TTFT SLO allows)")  # fmt: skip
     run.add_argument("--json", action="store_true")
     run.add_argument("--plot", help="write decode load over time to this PNG")
     cpp = sim.add_parser("cpp", help="long-prompt TTFT with and without chunked pipeline parallelism")
@@ -86,7 +88,11 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         ssd_blocks=args.ssd_blocks, reservation=args.reservation,
     )  # fmt: skip
     conductor = ConductorConfig(
-        rejection=args.rejection, reuse=args.reuse, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo
+        rejection=args.rejection,
+        reuse=args.reuse,
+        ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo,
+        kv_wait=not args.no_kv_wait,
     )
     with _progress(console, not args.json) as bar:
         task = bar.add_task("simulating", total=len(trace))

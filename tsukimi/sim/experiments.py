@@ -172,7 +172,9 @@ def overload(trace: Sequence[TraceRequest], out_dir: Path, progress: Progress) -
         loads: dict[str, list[tuple[float, int]]] = {}
         for mode in OVERLOAD_MODES:
             progress(f"experiment 4: {shape.label}, rejection {mode}")
-            cfg = ConductorConfig(rejection=mode, tbt_slo_s=shape.tbt_slo_s, recheck_decode=shape.recheck_decode)
+            cfg = ConductorConfig(
+                rejection=mode, tbt_slo_s=shape.tbt_slo_s, recheck_decode=shape.recheck_decode, kv_wait=False
+            )  # NOTE: the paper's policies reject at once
             result = simulate(trace, shape.sim, cfg)
             report = summarize(result, Slo(TTFT_SLO_S, shape.tbt_slo_s))
             loads[mode] = decode_load(result, shape.sim.sample_every_s)

@@ -58,11 +58,14 @@ def summarize(result: SimResult, slo: Slo) -> dict[str, object]:
     )
     span = max((j.arrival_s for j in result.jobs), default=0.0) or 1.0
     reasons = Counter(result.rejected.values())
+    queued_met = sum(1 for j in done if j.request_id in result.queued and j.first_token_s - j.arrival_s <= slo.ttft_s)
     return {
         "requests": len(result.jobs),
         "completed": len(done),
         "rejected": len(result.rejected),
         "rejected_by_reason": {k: reasons[k] for k in sorted(reasons)},
+        "queued": len(result.queued),
+        "queued_met_ttft_slo": queued_met,
         "ttft_s": _quantiles(ttft),
         "tbt_s": _quantiles(tbt),
         "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s},

@@ -39,6 +39,8 @@ from tsukimi.sim.links import LINK_DONE, SourceLinks
 from tsukimi.sim.reservation import ReservationPolicy
 from tsukimi.sim.trace import TraceRequest
 
+WAKE = 6  # event kind: time passes for the requests waiting for KV memory
+
 
 @dataclass(slots=True)
 class SimResult:
@@ -51,6 +53,7 @@ class SimResult:
     end_s: float = 0.0
     kv_bytes_per_token: int = 0
     preemptions: int = 0
+    queued: dict[int, float] = field(default_factory=dict)  # request id -> its TTFT predicted when it queued
 
 
 def simulate(
@@ -93,7 +96,8 @@ class _PdRun:
         self.sim, self.cfg, self.cost = sim, cfg, cost
         self.index = PrefixIndex()
         self.prefill = [f"prefill-{i}" for i in range(sim.num_prefill)]
-        capacity = cost.kv_capacity_tokens() if isinstance(cost, RooflineCostModel) else 1 << 40
+        node_tokens = cost.kv_capacity_tokens() if isinstance(cost, RooflineCostModel) else 1 << 40
+        capacity = sim.decode_kv_tokens or node_tokens
         self.caches = {name: self._cache(name) for name in self.prefill}
         self.queues: dict[str, deque[tuple[Job, Decision]]] = {name: deque() for name in self.prefill}
         self.busy: dict[str, bool] = dict.fromkeys(self.prefill, False)
@@ -109,6 +113,8 @@ class _PdRun:
         self.links = SourceLinks(self._link_bytes_s, self._push) if contention else None
         self.conductor = Conductor(cfg, cost, self.index, self.prefill, list(self.decode), capacity, links=self.links)
         self.result = SimResult([])
+        self.waiting: dict[int, Job] = {}  # queued for KV memory (ConductorConfig.kv_wait)
+        self.wake_at = float("inf")  # the pending WAKE event, if any
         self.hot = HotReplicator(hot, self.caches, self.conductor, cost, self._push, self.links) if hot else None
 
     def _link_bytes_s(self, source: str) -> float:
@@ -146,6 +152,8 @@ class _PdRun:
             elif kind == LINK_DONE:
                 assert self.links is not None
                 self.links.fire(payload, now)
+            elif kind == WAKE:
+                self.wake_at = float("inf")
             else:
                 assert isinstance(payload, tuple)
                 instance_name, job = payload
@@ -153,6 +161,8 @@ class _PdRun:
                     self._prefill_done(instance_name, job, now)
                 else:
                     self.decode[instance_name].join(job, now)
+            if self.waiting:
+                self._release(now)
         for instance in self.decode.values():
             instance.advance(float("inf"))
             self.result.end_s = max(self.result.end_s, instance.now)
@@ -170,10 +180,26 @@ class _PdRun:
         if not decision.accepted:
             self.result.rejected[job.request_id] = decision.reason
             return
+        if decision.queued:  # NOTE: it starts when `_release` finds its KV memory
+            self.waiting[job.request_id] = job
+            self.result.queued[job.request_id] = decision.ttft_s
+            return
+        self._enqueue(job, decision, now)
+
+    def _enqueue(self, job: Job, decision: Decision, now: float) -> None:
         assert decision.prefill is not None
         self.queues[decision.prefill].append((job, decision))
         if not self.busy[decision.prefill]:
             self._start_prefill(decision.prefill, now)
+
+    def _release(self, now: float) -> None:
+        """Starts the queued requests whose KV memory the Conductor finds now; while some still
+        wait, a WAKE event every TBT SLO keeps time moving (decode instances advance on events)."""
+        for decision in self.conductor.release(now):
+            self._enqueue(self.waiting.pop(decision.request_id), decision, now)
+        if self.waiting and self.wake_at == float("inf"):
+            self.wake_at = now + self.cfg.tbt_slo_s
+            self._push(self.wake_at, WAKE, None)
 
     def _start_prefill(self, name: str, now: float) -> None:
         """Start the next queued job on `name`, with the prefix actually cached now."""

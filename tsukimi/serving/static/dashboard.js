@@ -132,7 +132,8 @@ function renderDecisions(snap) {
     cell(tr, pd ? fmtInt(d.cached_tokens) : "-", "num");
     cell(tr, pd ? fmtMs(d.ttft_s) : "-", "num");
     cell(tr, d.fetch_from || "-");
-    cell(tr, d.accepted ? "accepted" : "rejected: " + d.reason, d.accepted ? "" : "rejected");
+    const outcome = d.accepted ? (d.reason ? "accepted, " + d.reason : "accepted") : "rejected: " + d.reason;
+    cell(tr, outcome, d.accepted ? "" : "rejected");
   }, "no request yet", 10);
 }
 

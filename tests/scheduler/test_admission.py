@@ -1,0 +1,93 @@
+"""Queue, then reject (`ConductorConfig.kv_wait`): a request whose decode placement lacks KV
+memory waits in FIFO order when its predicted TTFT, the wait included, meets the TTFT SLO;
+it is released when memory frees, and rejected only when predicted to miss the SLO.
+
+Cost model as in test_conductor.py: prefill 1 ms per token, a decode step 10 ms; one prefill
+and one decode instance holding 2,500 KV tokens, so one 1,000-token request fits at a time (its
+reservation counts 256 output tokens, the mean assumed before any request finished)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tsukimi.config import ConductorConfig
+from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
+from tsukimi.scheduler.cost_model import LinearCostModel
+from tsukimi.scheduler.prefix_index import PrefixIndex
+
+COST = LinearCostModel(prefill_coef=(0.0, 1e-3, 0.0), decode_coef=(0.01, 0.0, 0.0), kv_bytes_per_token=1)
+
+
+def _conductor(capacity: int | dict[str, int] = 2500, decode: int = 1, **cfg: object) -> Conductor:
+    config = ConductorConfig(block_tokens=100, kv_bandwidth_bytes_s=1e12, **cfg)  # type: ignore[arg-type]
+    return Conductor(config, COST, PrefixIndex(), ["p0"], [f"d{i}" for i in range(decode)], capacity)
+
+
+def _request(rid: int, max_tokens: int = 0) -> ScheduleRequest:
+    return ScheduleRequest(rid, 1000, [], max_tokens=max_tokens)
+
+
+def test_a_request_that_does_not_fit_waits_and_is_released_when_memory_frees() -> None:
+    conductor = _conductor()
+    first = conductor.schedule(_request(1), now=0.0)
+    assert first.accepted and not first.queued and first.decode == "d0"
+    second = conductor.schedule(_request(2), now=0.0)
+    # NOTE: d0 frees when the first leaves decode: its prefill (1 s) + 256 tokens x 10 ms (its
+    # TBT, before any stage is observed) = 3.56 s; then its own prefill, 1 s
+    assert second.accepted and second.queued and second.decode == "d0"
+    assert second.wait_s == pytest.approx(3.56) and second.ttft_s == pytest.approx(4.56)
+    assert "waiting 3.56 s" in second.message and conductor.queued == 1
+    assert conductor.release(0.5) == []  # nothing freed yet
+    assert conductor.admit_decode(1, 1.0) == "d0"
+    conductor.decode_finished(1, 9.0, 800)
+    [released] = conductor.release(9.0)
+    assert (released.request_id, released.queued, released.prefill, released.decode) == (2, True, "p0", "d0")
+    assert released.wait_s == pytest.approx(9.0) and released.ttft_s == pytest.approx(10.0)
+    assert conductor.queued == 0 and conductor.counters["released"] == 1
+
+
+def test_requests_predicted_to_miss_the_slo_are_rejected_and_the_rest_queue_in_order() -> None:
+    conductor = _conductor(ttft_slo_s=10.0)
+    decisions = [conductor.schedule(_request(rid), now=0.0) for rid in range(1, 6)]
+    # TTFTs of 1 + 3.56 k s: the fourth (11.68 s) and the fifth (behind it) would miss 10 s
+    assert [(d.accepted, d.queued) for d in decisions] == [(True, False), (True, True), (True, True),
+                                                           (False, False), (False, False)]  # fmt: skip
+    assert [round(d.ttft_s, 2) for d in decisions] == [1.0, 4.56, 8.12, 11.68, 11.68]
+    assert decisions[3].reason == "ttft_slo" and "> the TTFT SLO 10 s" in decisions[3].message
+    assert conductor.counters["queued"] == 2 and conductor.counters["rejected_ttft_slo"] == 2
+    conductor.admit_decode(1, 1.0)
+    conductor.decode_finished(1, 5.0, 1000)
+    assert [d.request_id for d in conductor.release(5.0)] == [2]  # one at a time: FIFO
+    conductor.admit_decode(2, 6.0)
+    conductor.decode_finished(2, 7.0, 1000)
+    assert [d.request_id for d in conductor.release(7.0)] == [3]
+
+
+def test_a_cancelled_request_leaves_the_queue() -> None:
+    conductor = _conductor()
+    conductor.schedule(_request(1), now=0.0)
+    conductor.schedule(_request(2), now=0.0)
+    conductor.schedule(_request(3), now=0.0)
+    assert conductor.cancel(2) and not conductor.cancel(2) and conductor.queued == 1
+    conductor.finished_at_prefill(1, 1.0)  # its only token came from prefill: memory frees
+    assert [d.request_id for d in conductor.release(1.0)] == [3]
+
+
+def test_a_request_larger_than_every_instance_is_rejected_for_kv_memory() -> None:
+    decision = _conductor(capacity=1200).schedule(_request(1), now=0.0)
+    assert not decision.accepted and decision.reason == "kv_memory" and "1256 KV tokens" in decision.message
+
+
+def test_each_decode_instance_has_its_own_capacity() -> None:
+    conductor = _conductor(capacity={"d0": 2500, "d1": 4000}, decode=2)  # 1 and 3 requests of 1,256
+    placed = [conductor.schedule(_request(rid), now=0.0) for rid in range(1, 4)]
+    placed += [conductor.schedule(_request(4), now=0.0)]
+    assert [d.decode for d in placed] == ["d1", "d1", "d0", "d1"] and not any(d.queued for d in placed)
+    assert conductor.schedule(_request(5), now=0.0).queued
+
+
+def test_without_kv_wait_a_request_that_does_not_fit_is_rejected() -> None:
+    conductor = _conductor(capacity=2000, kv_wait=False)
+    conductor.schedule(_request(1), now=0.0)
+    rejected = conductor.schedule(_request(2), now=0.0)
+    assert not rejected.accepted and rejected.reason == "kv_memory"

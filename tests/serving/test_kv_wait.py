@@ -1,0 +1,92 @@
+"""The router's waiting room for requests the Conductor queued for decode KV memory
+(tsukimi/serving/kv_wait.py): released on wake, rejected past the deadline, out of the queue
+when the client leaves, given back when released onto a worker it must not use."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tsukimi.clock import WallClock
+from tsukimi.config import ConductorConfig
+from tsukimi.errors import Rejected
+from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
+from tsukimi.scheduler.cost_model import LinearCostModel
+from tsukimi.scheduler.prefix_index import PrefixIndex
+from tsukimi.serving.kv_wait import ReleaseWaits
+
+COST = LinearCostModel(prefill_coef=(0.0, 1e-4, 0.0), decode_coef=(0.001, 0.0, 0.0), kv_bytes_per_token=1)
+
+
+def _setup() -> tuple[Conductor, ReleaseWaits, WallClock]:
+    """A conductor whose one decode instance holds one 1,000-token request (+ 16 output) at a time;
+    request 1 placed, request 2 queued behind it."""
+    clock = WallClock()
+    conductor = Conductor(ConductorConfig(block_tokens=100), COST, PrefixIndex(), ["p0", "p1"], ["d0"], 1500)
+    assert not conductor.schedule(ScheduleRequest(1, 1000, [], 16), clock.now()).queued
+    assert conductor.schedule(ScheduleRequest(2, 1000, [], 16), clock.now()).queued
+    return conductor, ReleaseWaits(clock), clock
+
+
+def _nothing() -> set[str]:
+    return set()
+
+
+def test_a_queued_request_is_released_when_memory_frees() -> None:
+    asyncio.run(_test_a_queued_request_is_released_when_memory_frees())
+
+
+async def _test_a_queued_request_is_released_when_memory_frees() -> None:
+    conductor, waits, clock = _setup()
+    queued = conductor.schedule(ScheduleRequest(3, 10, [], 1), clock.now())  # FIFO: behind request 2
+    waiter = asyncio.ensure_future(waits.wait(conductor, queued, clock.now() + 30, _nothing))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    conductor.finished_at_prefill(1, clock.now())
+    waits.wake(conductor)  # request 2 goes first, then 3 (still fits)
+    decision = await asyncio.wait_for(waiter, 10)
+    assert decision is not None and decision.request_id == 3 and decision.queued and conductor.queued == 0
+
+
+def test_past_the_deadline_it_is_rejected_and_leaves_the_queue() -> None:
+    asyncio.run(_test_past_the_deadline_it_is_rejected_and_leaves_the_queue())
+
+
+async def _test_past_the_deadline_it_is_rejected_and_leaves_the_queue() -> None:
+    conductor, waits, clock = _setup()
+    queued = conductor.schedule(ScheduleRequest(3, 1000, [], 16), clock.now())
+    with pytest.raises(Rejected, match="waited past the TTFT deadline") as caught:
+        await waits.wait(conductor, queued, clock.now() + 0.05, _nothing)
+    assert caught.value.reason == "ttft_slo" and conductor.queued == 1  # request 2 still waits
+
+
+def test_a_client_that_leaves_takes_its_request_out_of_the_queue() -> None:
+    asyncio.run(_test_a_client_that_leaves_takes_its_request_out_of_the_queue())
+
+
+async def _test_a_client_that_leaves_takes_its_request_out_of_the_queue() -> None:
+    conductor, waits, clock = _setup()
+    queued = conductor.schedule(ScheduleRequest(3, 1000, [], 16), clock.now())
+    waiter = asyncio.ensure_future(waits.wait(conductor, queued, clock.now() + 30, _nothing))
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert conductor.queued == 1 and conductor.counters["cancelled"] == 1
+
+
+def test_released_onto_a_forbidden_worker_it_is_given_back() -> None:
+    asyncio.run(_test_released_onto_a_forbidden_worker_it_is_given_back())
+
+
+async def _test_released_onto_a_forbidden_worker_it_is_given_back() -> None:
+    conductor, waits, clock = _setup()
+    queued = conductor.schedule(ScheduleRequest(3, 10, [], 1), clock.now())
+    waiter = asyncio.ensure_future(waits.wait(conductor, queued, clock.now() + 30, lambda: {"p0", "p1"}))
+    await asyncio.sleep(0.01)
+    conductor.finished_at_prefill(1, clock.now())
+    waits.wake(conductor)
+    assert await asyncio.wait_for(waiter, 10) is None
+    # NOTE: request 2 holds 1,016 of 1,500 tokens; 474 more fit only if request 3's 26 were given back
+    assert not conductor.schedule(ScheduleRequest(4, 458, [], 16), clock.now()).queued

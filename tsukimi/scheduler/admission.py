@@ -1,0 +1,149 @@
+"""Queue, then reject: the Conductor's waiting room for requests whose decode placement lacks
+KV memory (`ConductorConfig.kv_wait`).
+
+A decode instance's KV memory is a ledger: every request booked on it (in decode, or on its
+way from prefill) holds its prompt plus its expected output (the mean observed, capped by the
+request's max_tokens) until it leaves decode. A request that does not fit now waits in a FIFO
+when its predicted time to first token, the wait included, meets the TTFT SLO, and is
+rejected otherwise:
+
+    release(i) = the earliest time an instance frees enough: its booked requests and the
+                 queued ones ahead leave, each at (joined or due) + its expected decode stage
+                 (the observed mean; before any is observed, its output x the instance's TBT),
+                 and never before the request ahead in the queue is released
+    TTFT       = max(release, prefill queue, prefill of those ahead) - now + prefill + transfer
+
+Freed memory (a request leaving decode, finishing at prefill, rejected or cancelled) releases
+queued requests in order while the head fits (`release`), each then placed on a prefill
+instance with the queues of that moment. Pure and driven by the caller's `now`, like the
+Conductor it serves (tsukimi/scheduler/conductor.py); not thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Container, Iterator, Mapping
+from dataclasses import dataclass
+
+from tsukimi.scheduler.cost_model import CostModel
+from tsukimi.scheduler.load_prediction import DecodeLoad, DecodeStagePredictor
+
+
+@dataclass(slots=True)
+class QueuedRequest:
+    """A request accepted to wait for KV memory, and what was predicted for it."""
+
+    request_id: int
+    arrived_s: float
+    tokens: int  # its KV reservation: prompt + expected output
+    decode: str  # the instance it was predicted to go to
+    release_s: float  # when memory was predicted to free for it
+    prefill: str  # the prefill instance it was predicted to use
+    prefill_end_s: float  # when its prefill was predicted to end
+    depart_s: float  # when it was predicted to leave decode
+    ttft_s: float  # its predicted time to first token, the wait included
+
+
+@dataclass(frozen=True, slots=True)
+class WaitPlan:
+    """Where and when a request would get KV memory: `decode` None when it never fits."""
+
+    decode: str | None
+    release_s: float
+
+
+class KvLedger:
+    """The decode instances' KV memory as the Conductor booked it, and the waiting queue.
+
+    Args:
+        decode: the Conductor's books of the decode instances (read, never changed here).
+        stages: the observed decode-stage lengths.
+        cost: for the TBT of an instance before any decode stage is observed.
+    """
+
+    def __init__(self, decode: Mapping[str, DecodeLoad], stages: DecodeStagePredictor, cost: CostModel) -> None:
+        self._decode, self._stages, self._cost = decode, stages, cost
+        self.reserved: dict[int, int] = {}  # request id -> tokens held on its decode instance
+        self.queue: deque[QueuedRequest] = deque()
+
+    def used_tokens(self, name: str) -> int:
+        """Tokens reserved on decode instance `name` by the requests booked there."""
+        load = self._decode[name]
+        return sum(self.reserved.get(rid, tokens) for rid, (_, tokens) in (*load.active.items(),
+                                                                          *load.incoming.items()))  # fmt: skip
+
+    def room(self, tokens: int, exclude: Container[str]) -> str | None:
+        """The instance with the most free KV among those `tokens` fit in now, or None."""
+        best: tuple[int, str] | None = None
+        for name, load in self._decode.items():
+            if name in exclude:
+                continue
+            free = load.capacity_tokens - self.used_tokens(name)
+            if free >= tokens and (best is None or free > best[0]):
+                best = (free, name)
+        return best[1] if best is not None else None
+
+    def plan(self, tokens: int, now: float, exclude: Container[str]) -> WaitPlan:
+        """When and where `tokens` would fit, behind the queue (pure)."""
+        after = self.queue[-1].release_s if self.queue else now
+        best = WaitPlan(None, float("inf"))
+        for name, load in self._decode.items():
+            if name in exclude or tokens > load.capacity_tokens:
+                continue
+            leaving = sorted(self._departures(name, now))
+            need = sum(size for _, size in leaving) + tokens - load.capacity_tokens
+            at = now
+            for depart_s, size in leaving:
+                if need <= 0:
+                    break
+                need, at = need - size, depart_s
+            release_s = max(at, after, now)
+            if release_s < best.release_s:
+                best = WaitPlan(name, release_s)
+        return best
+
+    def stage_s(self, name: str, output_tokens: int) -> float:
+        """A request's expected decode stage on `name`: the observed mean, or before any is
+        observed its output at the instance's TBT with one more request."""
+        return self._stages.mean_s if self._stages.observed else output_tokens * self._tbt_s(name)
+
+    def prefill_end_s(self, prefill: str) -> float:
+        """When the queued requests planned on `prefill` were predicted to finish prefill."""
+        return max((q.prefill_end_s for q in self.queue if q.prefill == prefill), default=0.0)
+
+    def release(self, exclude: Container[str], place: Callable[[QueuedRequest, str], bool]) -> None:
+        """Releases queued requests in order while the head fits: `place(head, decode)` books
+        it (False: it could not be placed now; the queue stops there). Mutates."""
+        while self.queue:
+            head = self.queue[0]
+            name = self.room(head.tokens, exclude)
+            if name is None or not place(head, name):
+                return
+            self.queue.popleft()
+
+    def cancel(self, request_id: int) -> QueuedRequest | None:
+        """Removes a queued request (it left or timed out); the entry, or None if not queued."""
+        for entry in self.queue:
+            if entry.request_id == request_id:
+                self.queue.remove(entry)
+                return entry
+        return None
+
+    def _tbt_s(self, name: str) -> float:
+        load = self._decode[name]
+        return self._cost.decode_step_s(len(load.active) + len(load.incoming) + 1, self.used_tokens(name))
+
+    def _departures(self, name: str, now: float) -> Iterator[tuple[float, int]]:
+        """(expected departure, tokens) of every request holding or due to hold KV on `name`."""
+        load = self._decode[name]
+        mean_s = self._stages.mean_s if self._stages.observed else None
+        tbt_s = self._tbt_s(name) if mean_s is None else 0.0
+        for rid, (joined, tokens) in load.active.items():
+            size = self.reserved.get(rid, tokens)
+            yield max(now, joined + (mean_s if mean_s is not None else (size - tokens) * tbt_s)), size
+        for rid, (due, tokens) in load.incoming.items():
+            size = self.reserved.get(rid, tokens)
+            yield max(now, due) + (mean_s if mean_s is not None else (size - tokens) * tbt_s), size
+        for entry in self.queue:
+            if entry.decode == name:
+                yield entry.depart_s, entry.tokens
