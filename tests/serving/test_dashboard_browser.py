@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -118,6 +119,11 @@ def test_top_once_prints_the_same_cluster(api: str) -> None:
     complete(api, "top-0", "Hello there")
     env = {**os.environ, "COLUMNS": "160"}
     cmd = [sys.executable, "-m", "tsukimi.cli", "top", "--url", api, "--once"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=True).stdout
+    deadline = time.monotonic() + 30
+    while True:  # NOTE: the router samples its snapshot once a second: the request shows up by the next one
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=True).stdout
+        if "cmpl-top-0" in out or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert "tsukimi router (pd) tiny" in out and "prefill-0" in out and "decode-0" in out, out
     assert "cmpl-top-0"[-12:] in out and "KV pool at tcp://127.0.0.1:" in out and "objects" in out, out
