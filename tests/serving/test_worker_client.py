@@ -8,10 +8,12 @@ import asyncio
 
 import httpx
 import msgspec
+import pytest
 
 from tsukimi.clock import WallClock
-from tsukimi.serving.protocol import Health, Load
-from tsukimi.serving.worker_client import DOWN_AFTER_MISSES, WorkerClient, WorkerHandle, WorkerSpec
+from tsukimi.errors import WorkerUnavailable
+from tsukimi.serving.protocol import GenerateRequest, Health, Load, TokenChunk
+from tsukimi.serving.worker_client import CONNECT_TRIES, DOWN_AFTER_MISSES, WorkerClient, WorkerHandle, WorkerSpec
 
 
 def _client(outcomes: list[str]) -> WorkerClient:
@@ -55,3 +57,34 @@ def test_a_refused_connection_marks_a_worker_down_at_once_and_an_answer_up_again
     # NOTE: a worker marked down is asked /health (it may have restarted) before /load
     assert asyncio.run(_refreshes(_client(["ok", "ok"]), worker, 1)) == [True]
     assert worker.load == Load(1, 2) and worker.misses == 0 and worker.block_tokens == 16
+
+
+def _stream_after(late_connects: int) -> tuple[list[TokenChunk], int]:
+    """The chunks of a stream whose first `late_connects` connects time out, and the tries made."""
+    tries: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        tries.append(1)
+        if len(tries) <= late_connects:
+            raise httpx.ConnectTimeout("late", request=request)
+        chunk = TokenChunk(token_ids=[7], finish_reason="length")
+        return httpx.Response(200, content=msgspec.json.encode(chunk) + b"\n")
+
+    async def run() -> list[TokenChunk]:
+        client = WorkerClient(WallClock(), 1.0, 5.0, 0.5)
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        worker = WorkerHandle(WorkerSpec("decode-0", "decode", "http://127.0.0.1:1"))
+        try:
+            return [c async for c in client.stream(worker, GenerateRequest("r", (1, 2), 1))]
+        finally:
+            await client.aclose()
+            assert worker.healthy  # NOTE: a late connect leaves the verdict to the polls
+
+    return asyncio.run(run()), len(tries)
+
+
+def test_a_connect_that_timed_out_is_tried_again_before_the_request_gives_up() -> None:
+    chunks, tries = _stream_after(CONNECT_TRIES - 1)
+    assert [c.token_ids for c in chunks] == [[7]] and tries == CONNECT_TRIES
+    with pytest.raises(WorkerUnavailable, match="did not accept in time"):
+        _stream_after(CONNECT_TRIES)

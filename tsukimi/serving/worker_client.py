@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 POOL = "pool"  # the KV pool's instance name in the router's prefix index: no worker may take it
 _DISCOVER_BACKOFF_S = 0.05
 DOWN_AFTER_MISSES = 3  # polls in a row that timed out before a worker is marked down
+CONNECT_TRIES = 3  # connects to /generate that time out before a request gives up on a worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +147,10 @@ class WorkerClient:
             InvalidArgument 400, DuplicateRequest 409); WorkerUnavailable: it cannot be
             reached (and is marked down) or answered 503; WorkerError: anything else.
         """
-        name, url = worker.spec.name, f"{worker.spec.url}/generate"
+        name = worker.spec.name
         try:
-            async with self._http.stream("POST", url, content=msgspec.json.encode(request)) as response:
+            response = await self._send(worker, request)
+            try:
                 if response.status_code != 200:
                     raise raise_error(response.status_code, await response.aread(), name)
                 async for text in response.aiter_lines():
@@ -164,8 +166,11 @@ class WorkerClient:
                     if chunk.finish_reason is not None:
                         return
                 raise WorkerError(f"worker {name} ended the stream before the request finished")
+            finally:
+                await response.aclose()
         except httpx.ConnectTimeout as exc:  # NOTE: maybe our own loop lagging: the polls decide
-            raise WorkerUnavailable(f"worker {name} at {worker.spec.url} did not accept in time: {exc}") from exc
+            raise WorkerUnavailable(f"worker {name} at {worker.spec.url} did not accept in time "
+                                    f"({CONNECT_TRIES} tries): {exc}") from exc  # fmt: skip
         except httpx.ConnectError as exc:
             worker.healthy = False
             raise WorkerUnavailable(f"worker {name} at {worker.spec.url} is unreachable: {exc}") from exc
@@ -176,6 +181,21 @@ class WorkerClient:
             raise WorkerError(f"worker {name} failed: {exc!r}") from exc
         except httpx.HTTPError as exc:
             raise WorkerError(f"worker {name} failed: {exc!r}") from exc
+
+    async def _send(self, worker: WorkerHandle, request: GenerateRequest) -> httpx.Response:
+        """POST /generate; its response, streaming. A connect that timed out is tried again,
+        `CONNECT_TRIES` times in all: nothing reached the worker, so a retry is safe, and under
+        overload it is mostly this router's own event loop that was late."""
+        built = self._http.build_request("POST", f"{worker.spec.url}/generate", content=msgspec.json.encode(request))
+        for attempt in range(1, CONNECT_TRIES + 1):
+            try:
+                return await self._http.send(built, stream=True)
+            except httpx.ConnectTimeout:
+                if attempt == CONNECT_TRIES:
+                    raise
+                logger.info("worker %s did not accept in time; trying again (%d/%d)", worker.spec.name, attempt,
+                            CONNECT_TRIES)  # fmt: skip
+        raise AssertionError("unreachable")
 
     async def update_weights(
         self, worker: WorkerHandle, request: UpdateWeightsRequest, secret: bytes | None
