@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     p.add_argument("--backend", choices=("tsukimi", "vllm"), default="tsukimi", help="the workers' engine")
     p.add_argument("--master", default="", help="the store master (tcp://HOST:PORT or etcd://...), for /dashboard")
     p.add_argument("--master-http", default="", help="the master's http://HOST:PORT: /dashboard counts its objects")
+    p.add_argument("--shed-lag-ms", type=float, default=250.0,
+                   help="answer new completions 429 overloaded while the router's event loop lags more than this "
+                        "on average (0: never)")  # fmt: skip
     return p
 
 
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace, console: Console) -> None:
     from tsukimi import httpd
     from tsukimi.config import SecurityConfig
     from tsukimi.engine.tokenizer import load_tokenizer
-    from tsukimi.serving import dashboard
+    from tsukimi.serving import dashboard, load_shedding
     from tsukimi.serving.dashboard_store import StoreProbe
     from tsukimi.serving.openai_api import create_app
     from tsukimi.serving.openai_validation import model_context_tokens
@@ -69,6 +72,8 @@ def run(args: argparse.Namespace, console: Console) -> None:
     name = args.served_model_name or args.model
     app = create_app(router, tokenizer, name, max_context_tokens=model_context_tokens(args.model))
     dashboard.mount(app, StoreProbe(args.master, args.master_http, SecurityConfig().secret()))
+    shed = app.state.server.metrics.rejections.labels("overloaded").inc
+    load_shedding.install(app, max(0.0, args.shed_lag_ms) / 1000, shed)
     roles = ", ".join(f"{w.name} ({w.role})" for w in workers)
     console.print(f"router ({router.mode}) for {name} on http://{args.host}:{args.port} over {roles}; "
                   f"dashboard: http://{args.host}:{args.port}/dashboard", highlight=False)  # fmt: skip
