@@ -178,7 +178,8 @@ class Worker:
         """Fit the cost model to this engine on this machine (see the module; mutates)."""
         torch.set_num_threads(self.config.threads)  # NOTE: process-wide: as the engine thread will run
         start = time.perf_counter()
-        result = startup_profile(model, layout, self.config.max_batched_tokens)
+        # NOTE: by CPU time with one thread: the engine's own cost; GET /load's slowdown adds the machine's load
+        result = startup_profile(model, layout, self.config.max_batched_tokens, cpu=self.config.threads == 1)
         fitted, seconds = result.model, time.perf_counter() - start
         self.cost = CostProfile(fitted.prefill_coef, fitted.decode_coef, fitted.kv_bytes_per_token,
                                 result.max_relative_error, seconds)  # fmt: skip
