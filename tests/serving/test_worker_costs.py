@@ -52,18 +52,25 @@ def _entry(tokens: int, start: int, prompt: int) -> SimpleNamespace:
     return SimpleNamespace(num_tokens=tokens, start=start, request=SimpleNamespace(prompt=[0] * prompt))
 
 
-def test_step_meter_averages_measured_over_predicted_per_kind() -> None:
+def test_step_meter_weighs_measured_over_predicted_by_step_length() -> None:
     meter = StepMeter(LinearCostModel((0.0, 0.001, 0.0), (0.01, 0.0, 0.0), 1))
     prefill = ScheduledBatch((_entry(100, 0, 100),))  # type: ignore[arg-type]  # predicted 0.1 s
     meter.observe(prefill, 0.3)
-    assert meter.prefill_slowdown == pytest.approx(1.0 + 0.2 * (3.0 - 1.0))
+    assert meter.prefill_slowdown == pytest.approx((0.8 * 0.1 + 0.3) / (0.8 * 0.1 + 0.1))
     assert meter.decode_slowdown == 1.0
+    for _ in range(40):
+        meter.observe(prefill, 0.3)
+    assert meter.prefill_slowdown == pytest.approx(3.0, rel=1e-3)
+    short, long = StepMeter(meter.model), StepMeter(meter.model)  # NOTE: a short step moves it less
+    short.observe(ScheduledBatch((_entry(40, 0, 100),)), 0.4)  # type: ignore[arg-type]  # predicted 0.04 s
+    long.observe(ScheduledBatch((_entry(400, 0, 400),)), 4.0)  # type: ignore[arg-type]  # predicted 0.4 s
+    assert 1.0 < short.prefill_slowdown < 4.0 < long.prefill_slowdown
     decodes = ScheduledBatch((_entry(1, 100, 100), _entry(1, 50, 40)))  # type: ignore[arg-type]  # 0.01 s
-    for _ in range(50):
+    for _ in range(60):
         meter.observe(decodes, 0.005)
-    assert meter.decode_slowdown == pytest.approx(0.5, rel=1e-3)
+    assert meter.decode_slowdown == pytest.approx(0.5, rel=1e-2)
     meter.observe(ScheduledBatch((_entry(100, 0, 100),)), 1e3)  # type: ignore[arg-type]  # bounded
-    assert meter.prefill_slowdown < 4.0
+    assert meter.prefill_slowdown < 10.0
 
 
 def test_metered_runner_times_the_engines_steps(tiny: LoadedModel) -> None:

@@ -2,7 +2,9 @@
 
 A worker fits a `LinearCostModel` to itself when it starts (tsukimi/engine/profile.py), on
 however busy the machine was then. `MeteredRunner` times every forward of the engine and
-`StepMeter` keeps, per kind of step, an exponentially weighted mean of measured / predicted:
+`StepMeter` keeps, per kind of step, the ratio of the measured seconds to the predicted ones,
+both summed over the recent steps with a decay of DECAY per step (so long steps weigh by their
+length: a short one's fixed overheads do not swing it), from a prior of PRIOR_S at ratio 1:
 
     prefill_slowdown   steps computing at least MIN_PREFILL_TOKENS prompt tokens
     decode_slowdown    steps computing decode tokens only
@@ -24,8 +26,9 @@ from tsukimi.engine.scheduler import ScheduledBatch
 from tsukimi.scheduler.cost_model import LinearCostModel, attention_pairs
 
 MIN_PREFILL_TOKENS = 32  # NOTE: shorter chunks are dominated by the fixed per-step cost
-ALPHA = 0.2  # the weight of the newest step in the means
-RATIO_BOUNDS = (0.1, 10.0)  # one odd step (a GC pause, a page fault storm) moves the mean this much at most
+DECAY = 0.8  # per step: the last ~5 steps count
+PRIOR_S = 0.1  # predicted seconds of steps "seen" at ratio 1 before any is measured
+RATIO_BOUNDS = (0.1, 10.0)  # one odd step (a GC pause, a page fault storm) counts as this much at most
 
 
 class StepMeter:
@@ -36,6 +39,7 @@ class StepMeter:
         self.model = model
         self.prefill_slowdown = 1.0
         self.decode_slowdown = 1.0
+        self._sums = {"prefill": [PRIOR_S, PRIOR_S], "decode": [PRIOR_S, PRIOR_S]}  # decayed measured, predicted
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
         """Account one step of `batch` that took `seconds` (mutates)."""
@@ -49,11 +53,15 @@ class StepMeter:
         predicted = self.predict(new, pairs, decodes, context)
         if predicted <= 0:
             return
-        ratio = min(max(seconds / predicted, RATIO_BOUNDS[0]), RATIO_BOUNDS[1])
-        if new >= MIN_PREFILL_TOKENS:
-            self.prefill_slowdown += ALPHA * (ratio - self.prefill_slowdown)
-        elif new == 0:
-            self.decode_slowdown += ALPHA * (ratio - self.decode_slowdown)
+        seconds = min(max(seconds, RATIO_BOUNDS[0] * predicted), RATIO_BOUNDS[1] * predicted)
+        kind = "prefill" if new >= MIN_PREFILL_TOKENS else "decode" if new == 0 else ""
+        if kind:
+            sums = self._sums[kind]
+            sums[0], sums[1] = DECAY * sums[0] + seconds, DECAY * sums[1] + predicted
+            if kind == "prefill":
+                self.prefill_slowdown = sums[0] / sums[1]
+            else:
+                self.decode_slowdown = sums[0] / sums[1]
 
     def predict(self, new_tokens: int, pairs: int, batch: int, context_tokens: int) -> float:
         """The fitted model's seconds for a step of `new_tokens` prompt tokens making `pairs`
