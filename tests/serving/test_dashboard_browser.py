@@ -117,6 +117,8 @@ def test_the_page_follows_the_cluster(browser: Any, api: str, tmp_path: Path) ->
 
 def test_top_once_prints_the_same_cluster(api: str) -> None:
     complete(api, "top-0", "Hello there")
+    # NOTE: the dashboard publishes a snapshot once a second: wait for one that saw the request
+    wait_until(lambda: "cmpl-top-0" in httpx.get(f"{api}/dashboard/api/snapshot", timeout=5).text, 10)
     env = {**os.environ, "COLUMNS": "160"}
     cmd = [sys.executable, "-m", "tsukimi.cli", "top", "--url", api, "--once"]
     deadline = time.monotonic() + 30

@@ -60,7 +60,8 @@ class FakeWorker:
     Knobs: `load` for /load, `status` to refuse /generate with the protocol's error of that
     status (`raw` to refuse with a plain-text body instead, as a proxy would), `hang` to never
     answer, `gate` to pause after the first token, `delay_s` between tokens, `abort` to end
-    with an engine failure, `cpp` (a dict of `CppHealth`) to say it is a CPP group. Records
+    with an engine failure, `cpp` (a dict of `CppHealth`) to say it is a CPP group, `cost` (a
+    dict of `CostProfile`) to report a start-up profile. Records
     request bodies in `calls`; `disconnected` is set when a client left before the stream's end.
     """
 
@@ -72,7 +73,7 @@ class FakeWorker:
     def configure(self, **knobs: object) -> None:
         """Sets the knobs (the rest to their defaults) and forgets the calls."""
         self.calls: list[dict[str, object]] = []
-        self.load = {"waiting": 0, "running": 0, "free_blocks": 100, "total_blocks": 100}
+        self.load: dict[str, object] = {"waiting": 0, "running": 0, "free_blocks": 100, "total_blocks": 100}
         self.load.update(knobs.pop("load", {}))  # type: ignore[call-overload]
         self.reply: list[int] | None = knobs.pop("reply", None)  # type: ignore[assignment]
         self.status: int | None = knobs.pop("status", None)  # type: ignore[assignment]
@@ -83,6 +84,7 @@ class FakeWorker:
         self.cached = int(knobs.pop("cached", 0))  # type: ignore[call-overload]
         self.reported_role = str(knobs.pop("reported_role", self.role))
         self.cpp: dict[str, object] | None = knobs.pop("cpp", None)  # type: ignore[assignment]
+        self.cost: dict[str, object] | None = knobs.pop("cost", None)  # type: ignore[assignment]
         assert not knobs, knobs
         self.gate = threading.Event()
         self.gated = False
@@ -111,10 +113,11 @@ class FakeWorker:
         @app.get("/health")
         def health() -> dict[str, object]:
             return {"status": "ok", "name": self.name, "role": self.reported_role, "model": "tiny",
-                    "block_tokens": BLOCK_TOKENS, **({"cpp": self.cpp} if self.cpp else {})}  # fmt: skip
+                    "block_tokens": BLOCK_TOKENS, **({"cpp": self.cpp} if self.cpp else {}),
+                    **({"cost": self.cost} if self.cost else {})}  # fmt: skip
 
         @app.get("/load")
-        def load() -> dict[str, int]:
+        def load() -> dict[str, object]:
             return self.load
 
         @app.post("/generate")

@@ -66,6 +66,8 @@ def test_health_and_load(colocated: Worker, tiny: LoadedModel) -> None:
     health = httpx.get(colocated.base_url + "/health", timeout=5).json()
     events_ports = health.pop("kv_events_port"), health.pop("kv_snapshot_port")  # NOTE: ephemeral
     assert all(port > 0 for port in events_ports)
+    cost = health.pop("cost")  # NOTE: the start-up profile (tests/serving/test_worker_costs.py)
+    assert len(cost["prefill_coef"]) == len(cost["decode_coef"]) == 3 and cost["seconds"] > 0
     assert health == {"status": "ok", "name": "colo", "role": "colocated", "model": tiny.config.identity,
                       "model_name": "random-tiny", "block_tokens": BLOCK_TOKENS,
                       "weights_version": "initial", "cpp": None}  # fmt: skip

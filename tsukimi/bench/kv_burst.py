@@ -59,7 +59,7 @@ class BurstConfig:
     seed: int = 0
     kv_wait: bool = True  # False: the Conductor rejects what lacks decode KV at once (before issue 17)
     warm_up: bool = False  # one short request first: the Conductor then knows a decode stage and output length
-    prefill_token_s: float = 0.0  # the router's cost model per prompt token (0: RouterConfig's default)
+    prefill_token_s: float = 0.0  # the router's cost model per prompt token (0: the workers' profiles)
 
 
 @dataclass(slots=True)
@@ -149,7 +149,8 @@ def run_burst(cfg: BurstConfig, urls: dict[str, str] | None = None) -> BurstResu
     prompts = [[rng.randrange(1000, 30000) for _ in range(cfg.prompt_tokens)] for _ in range(cfg.requests)]
     result = BurstResult(cfg)
     specs = [WorkerSpec(role, role, url) for role, url in urls.items()]  # type: ignore[arg-type]
-    costs = {"prefill_token_s": cfg.prefill_token_s} if cfg.prefill_token_s else {}
+    # NOTE: the workers' start-up profiles by default; --prefill-token-s: the config's cost model
+    costs = {"prefill_token_s": cfg.prefill_token_s, "cost_model": "config"} if cfg.prefill_token_s else {}
     conductor = ConductorConfig(ttft_slo_s=cfg.ttft_slo_s, kv_wait=cfg.kv_wait)
     router = Router(specs, RouterConfig(mode="pd", **costs), conductor)  # type: ignore[arg-type]
     handle: httpd.AppHandle = httpd.start_in_thread(create_app(router, load_tokenizer("tiny"), "tiny"))

@@ -30,8 +30,9 @@ SHARED_MASTER_KEYS = ("hot_threshold", "hot_max_replicas", "hot_window_s", "hot_
 # NOTE: what `[workers]` may set of each worker's `WorkerConfig`; the cluster sets the rest
 SHARED_WORKER_KEYS = (
     "block_tokens", "num_blocks", "kv_cache_memory", "max_batched_tokens", "segment_bytes", "threads", "dtype",
-    "prefix_caching", "layerwise_loading",
+    "prefix_caching", "layerwise_loading", "profile_on_start",
 )  # fmt: skip
+CostModelSource = Literal["workers", "config"]
 
 
 def _check_port(port: int, where: str) -> None:
@@ -54,6 +55,10 @@ class WorkerConfig:
     a small machine where several workers share one host: it holds 8k tokens of SmolLM2-135M in
     float32 (~2x in bfloat16) and 256k of the tiny test model; the memory is committed only as
     blocks are used. num_blocks > 0 overrides it with an explicit block count.
+
+    profile_on_start: before it reports healthy, time a few prefills and decode steps of its own
+    engine and fit the Conductor's cost model to them (tsukimi/engine/profile.py; about 1 s for
+    tiny, a few for SmolLM2), reported in GET /health for the router.
     """
 
     name: str = "worker-0"
@@ -72,6 +77,7 @@ class WorkerConfig:
     prefix_caching: bool = True  # False: compute every prompt in full (the no-reuse baseline)
     metadata_url: str = ""
     layerwise_loading: bool = False  # read pooled KV layer by layer, overlapped with the forward
+    profile_on_start: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -101,9 +107,13 @@ class RouterConfig:
         decode workers), "colocated" or "pd". policy: the colocated baseline router.
     block_tokens: 0 = ask the workers (/health). decode_capacity_tokens: the KV tokens of every
         decode instance; 0 = each decode worker's own (its /load total_blocks x block_tokens).
+    cost_model: where the Conductor's cost model comes from: "workers" (the default): the
+        coefficients the prefill (and decode) workers fitted to themselves at start-up
+        (GET /health), scaled by the slowdowns they measure online (GET /load); a worker that
+        reports none falls back to this config's, with a warning. "config": the coefficients below.
     prefill_*_s / decode_*_s / kv_bytes_per_token: the `LinearCostModel` the Conductor
-        estimates with (tsukimi/serving/router.py builds it); the defaults suit the small CPU
-        model (0.5 ms per prompt token, 20 ms per decode step).
+        estimates with under "config" (tsukimi/serving/worker_costs.py builds it); the defaults
+        suit SmolLM2 on this CPU (0.5 ms per prompt token, 20 ms per decode step).
     """
 
     mode: Literal["auto", "colocated", "pd"] = "auto"
@@ -114,6 +124,7 @@ class RouterConfig:
     startup_timeout_s: float = 10.0
     block_tokens: int = 0
     decode_capacity_tokens: int = 0
+    cost_model: CostModelSource = "workers"
     prefill_base_s: float = 0.005
     prefill_token_s: float = 0.0005
     prefill_pair_s: float = 0.0
@@ -126,6 +137,8 @@ class RouterConfig:
         if self.mode not in ("auto", "colocated", "pd") or self.policy not in ("least_load", "round_robin"):
             raise ConfigError(f"router.mode must be auto, colocated or pd and router.policy least_load or round_robin, "
                               f"got {self.mode!r} and {self.policy!r}")  # fmt: skip
+        require(self.cost_model in ("workers", "config"), f"router.cost_model must be workers or config, "
+                f"got {self.cost_model!r}")  # fmt: skip
         for f in dataclasses.fields(self):
             value, positive = getattr(self, f.name), f.name.endswith(("timeout_s", "interval_s", "per_token"))
             if isinstance(value, (int, float)) and (value <= 0 if positive else value < 0):

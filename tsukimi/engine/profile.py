@@ -5,12 +5,19 @@ Prefill: forwards of `new` prompt tokens after `cached` tokens already in the ca
 steps of `batch` sequences holding `context` tokens in total. Each point is the median of
 `repeats` runs after one warm-up. The fitted coefficients (and the fit's worst relative error)
 are what a router gives its Conductor for this model.
+
+`startup_profile` is the short version a worker runs on itself before it reports healthy
+(tsukimi/serving/worker.py): a few prefill sizes within its `max_batched_tokens` (one after as
+many cached tokens, for the attention term) and a few decode batches, one warm-up forward in
+all, so that the router's Conductor estimates with this machine's numbers (GET /health).
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -18,6 +25,28 @@ import torch
 from tsukimi.engine.engine import Model
 from tsukimi.engine.kv_cache import BatchAttention, KVLayout, PagedKVCache, SequenceKV
 from tsukimi.scheduler.cost_model import DecodeSample, LinearCostModel, PrefillSample, fit_linear
+
+Timer = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """How each point is timed: `warm_each`: one warm-up run before it (else none: the caller
+    warmed up); `best_of`: its fastest run, not the median (other jobs only ever add time);
+    `cpu`: by the calling thread's CPU time (time.thread_time), not the wall clock: what the
+    engine itself costs, whatever else this machine runs meanwhile (right for one torch thread,
+    whose forward runs on the calling thread)."""
+
+    warm_each: bool = True
+    best_of: bool = False
+    cpu: bool = False
+
+    def seconds(self, run: Callable[[Timer], float], repeats: int) -> float:
+        timer = time.thread_time if self.cpu else time.perf_counter
+        if self.warm_each:
+            run(timer)
+        times = [run(timer) for _ in range(repeats)]
+        return min(times) if self.best_of else statistics.median(times)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,14 +73,18 @@ def profile(
     prefill_points: tuple[tuple[int, int], ...] = ((16, 0), (64, 0), (256, 0), (64, 256), (256, 256), (512, 0)),
     decode_points: tuple[tuple[int, int], ...] = ((1, 128), (4, 512), (8, 2048), (16, 1024), (16, 4096)),
     repeats: int = 3,
+    timing: Timing = Timing(),
 ) -> ProfileResult:
-    """Time the points and fit (see the module). Needs room for the largest point in the cache."""
+    """Time the points and fit (see the module and `Timing`). Needs room for the largest point
+    in the cache."""
     prefill = tuple(
-        PrefillSample(new, cached, _median(lambda n=new, c=cached: _prefill_s(model, layout, n, c), repeats))
+        PrefillSample(new, cached, timing.seconds(functools.partial(_prefill_s, model, layout, new, cached), repeats))
         for new, cached in prefill_points
     )
     decode = tuple(
-        DecodeSample(batch, context, _median(lambda b=batch, t=context: _decode_s(model, layout, b, t), repeats))
+        DecodeSample(
+            batch, context, timing.seconds(functools.partial(_decode_s, model, layout, batch, context), repeats)
+        )
         for batch, context in decode_points
     )
     fitted = fit_linear(prefill, decode, layout.block_bytes // layout.block_tokens)
@@ -60,30 +93,50 @@ def profile(
     return ProfileResult(fitted, prefill, decode, max(errors))
 
 
-def _median(run: object, repeats: int) -> float:
-    assert callable(run)
-    run()  # warm-up
-    return statistics.median(float(run()) for _ in range(repeats))
+def startup_profile(
+    model: Model, layout: KVLayout, max_batched_tokens: int, repeats: int = 3, budget_s: float = 2.0, cpu: bool = True
+) -> ProfileResult:
+    """The worker's start-up profile (see the module): prefills of 1/8, 1/2 and all of `top`
+    tokens, and of 1/2 and all after `top` and 2 x `top` cached (a long prompt's later chunks),
+    decode steps of 1 to 16 sequences over up to 8k tokens; each point's fastest of `repeats`.
+    `top` is `max_batched_tokens`, with fewer repeats (down to 1) and then a smaller `top` where
+    a 64-token warm-up says the prefills would take over `budget_s`: about 1 s for the tiny
+    model at 512 tokens, 3-4 s for SmolLM2 on one thread of this machine. `cpu`: time by CPU
+    time (`Timing`; the worker does with one torch thread): the engine's own cost, while the
+    worker's online slowdown (tsukimi/engine/step_meter.py) measures what the machine's load
+    adds."""
+    timer = time.thread_time if cpu else time.perf_counter
+    _prefill_s(model, layout, 64, 0, timer)  # NOTE: the warm-up, and the per-token time at hand
+    per_token_s = _prefill_s(model, layout, 64, 0, timer) / 64
+    top = max(8, max_batched_tokens)
+    pass_s = 4.0 * top * per_token_s  # NOTE: the points hold 3.1 x top tokens, and attention on top
+    repeats = max(1, min(repeats, int(budget_s / pass_s)))
+    if repeats * pass_s > budget_s:
+        top = max(64, int(top * budget_s / pass_s))
+    half = max(4, top // 2)
+    prefill = ((max(2, top // 8), 0), (half, 0), (top, 0), (half, top), (top, 2 * top))
+    decode = ((1, 64), (4, 512), (8, 2048), (16, 1024), (8, 8192))
+    return profile(model, layout, prefill, decode, repeats, Timing(warm_each=False, best_of=True, cpu=cpu))
 
 
 def _cache(layout: KVLayout, tokens: int) -> PagedKVCache:
     return PagedKVCache(layout, -(-tokens // layout.block_tokens) + 2)
 
 
-def _prefill_s(model: Model, layout: KVLayout, new: int, cached: int) -> float:
+def _prefill_s(model: Model, layout: KVLayout, new: int, cached: int, timer: Timer = time.perf_counter) -> float:
     cache = _cache(layout, new + cached)
     seq = SequenceKV()
     assert cache.reserve(seq, new + cached)
     seq.num_tokens = cached  # the cached part's values do not matter for timing
     ids = torch.randint(3, 200, (new,), generator=torch.Generator().manual_seed(new))
     attend = BatchAttention(cache, [(seq, new)])
-    start = time.perf_counter()
+    start = timer()
     with torch.inference_mode():
         model.logits(model.forward(ids, torch.arange(cached, cached + new), attend)[-1:])
-    return time.perf_counter() - start
+    return timer() - start
 
 
-def _decode_s(model: Model, layout: KVLayout, batch: int, context: int) -> float:
+def _decode_s(model: Model, layout: KVLayout, batch: int, context: int, timer: Timer = time.perf_counter) -> float:
     per_seq = max(1, context // batch)
     cache = _cache(layout, batch * (per_seq + 1) + batch * layout.block_tokens)
     seqs = []
@@ -94,7 +147,7 @@ def _decode_s(model: Model, layout: KVLayout, batch: int, context: int) -> float
         seqs.append(seq)
     attend = BatchAttention(cache, [(seq, 1) for seq in seqs])
     ids = torch.full((batch,), 5, dtype=torch.long)
-    start = time.perf_counter()
+    start = timer()
     with torch.inference_mode():
         model.logits(model.forward(ids, torch.full((batch,), per_seq, dtype=torch.long), attend))
-    return time.perf_counter() - start
+    return timer() - start

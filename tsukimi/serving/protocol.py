@@ -41,6 +41,7 @@ from tsukimi.errors import (
 
 __all__ = [
     "ROLES",
+    "CostProfile",
     "CppHealth",
     "ErrorReply",
     "FinishReason",
@@ -148,12 +149,28 @@ class TokenChunk(msgspec.Struct):
 
 
 class Load(msgspec.Struct, frozen=True):
-    """GET /load. waiting: accepted, no token yet; running: producing tokens."""
+    """GET /load. waiting: accepted, no token yet; running: producing tokens.
+    prefill_slowdown / decode_slowdown: the recent steps' measured time over what the worker's
+    `CostProfile` predicts (tsukimi/engine/step_meter.py; 1.0: as profiled, or not measured)."""
 
     waiting: int
     running: int
     free_blocks: int = 0
     total_blocks: int = 0
+    prefill_slowdown: float = 1.0
+    decode_slowdown: float = 1.0
+
+
+class CostProfile(msgspec.Struct, frozen=True):
+    """What a worker measured of itself at start-up (tsukimi/engine/profile.py): a
+    `LinearCostModel`'s coefficients in seconds, the fit's worst relative error on its points,
+    and how long profiling took."""
+
+    prefill_coef: tuple[float, float, float]
+    decode_coef: tuple[float, float, float]
+    kv_bytes_per_token: int
+    max_relative_error: float = 0.0
+    seconds: float = 0.0
 
 
 class CppHealth(msgspec.Struct, frozen=True):
@@ -168,7 +185,8 @@ class CppHealth(msgspec.Struct, frozen=True):
 
 
 class Health(msgspec.Struct, frozen=True):
-    """GET /health. `cpp`: set by the head of a CPP prefill group only."""
+    """GET /health. `cpp`: set by the head of a CPP prefill group only. `cost`: the worker's
+    start-up profile, for the router's Conductor (None: not profiled)."""
 
     status: str
     name: str
@@ -180,6 +198,7 @@ class Health(msgspec.Struct, frozen=True):
     kv_events_port: int = 0  # the KV events' PUB socket (tsukimi/serving/kv_events.py); 0: none
     kv_snapshot_port: int = 0  # its snapshot socket
     cpp: CppHealth | None = None
+    cost: CostProfile | None = None
 
 
 def error_reply(error: TsukimiError) -> tuple[int, bytes]:

@@ -45,7 +45,7 @@ import itertools
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
 import msgspec
 
@@ -57,7 +57,6 @@ from tsukimi.retry import Retry
 from tsukimi.scheduler.baselines import make_router
 from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
-from tsukimi.scheduler.cost_model import CostModel, LinearCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
 from tsukimi.serving.cpp_groups import conductor_groups, excluded
 from tsukimi.serving.decision_log import DecisionLog
@@ -65,6 +64,8 @@ from tsukimi.serving.index_feed import ExpectedReuse, IndexFeed, expected_reuse
 from tsukimi.serving.kv_wait import ReleaseWaits
 from tsukimi.serving.protocol import FinishReason, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
 from tsukimi.serving.worker_client import POOL, WorkerClient, WorkerHandle, WorkerSpec, WorkerStatus
+from tsukimi.serving.worker_costs import WorkerCostModel, conductor_cost
+from tsukimi.serving.worker_costs import cost_model as cost_model  # NOTE: re-exported for its importers
 
 logger = logging.getLogger(__name__)
 
@@ -91,18 +92,6 @@ class TokenEvent:
     worker: str
     weights_version: str = ""
     expected: ExpectedReuse | None = None
-
-
-def cost_model(config: RouterConfig) -> CostModel:
-    """The Conductor's cost model built from the router's coefficients (pure)."""
-    model = LinearCostModel(
-        (config.prefill_base_s, config.prefill_token_s, config.prefill_pair_s),
-        (config.decode_step_s, config.decode_request_s, config.decode_context_token_s),
-        config.kv_bytes_per_token,
-    )
-    # NOTE: CostModel declares kv_bytes_per_token as a plain (settable) attribute, which a
-    # frozen dataclass's field does not satisfy for mypy; the Conductor only reads it.
-    return cast(CostModel, model)
 
 
 class Router:
@@ -163,7 +152,8 @@ class Router:
             except BaseException:
                 await self.close()
                 raise
-            self._poller = asyncio.create_task(client.poll_forever(workers), name="router-load-poller")
+            polls = client.poll_forever(workers, self._refresh_cost)
+            self._poller = asyncio.create_task(polls, name="router-load-poller")
             logger.info("router started in %s mode over %d workers", self.mode, len(self._workers))
 
     async def close(self) -> None:
@@ -360,6 +350,11 @@ class Router:
         finally:
             worker.in_flight -= 1
 
+    def _refresh_cost(self) -> None:
+        """After each poll: the Conductor's estimates follow the workers' reports (worker_costs.py)."""
+        if self.conductor is not None and isinstance(self.conductor.cost, WorkerCostModel):
+            self.conductor.cost.refresh(self._workers.values())
+
     def _build_conductor(self) -> Conductor:
         """Checks that the PD workers agree on block_tokens, then builds the Conductor over them."""
         seen = {w.block_tokens for w in self._workers.values() if w.block_tokens > 0} | {self.block_tokens} - {0}
@@ -375,7 +370,8 @@ class Router:
         conductor = dataclasses.replace(self._conductor_config, block_tokens=self.block_tokens)
         names = {role: [w.spec.name for w in self._workers.values() if w.spec.role == role] for role in ROLES}
         groups = conductor_groups(self._workers.values())  # NOTE: priced with the pipeline estimate
-        return Conductor(conductor, cost_model(self.config), self.index, names["prefill"], names["decode"], capacity,
+        cost = conductor_cost(self.config, self._workers.values())  # NOTE: the workers' profiles, or the config's
+        return Conductor(conductor, cost, self.index, names["prefill"], names["decode"], capacity,
                          groups=groups)  # fmt: skip
 
 

@@ -5,13 +5,20 @@ API that the router calls (`tsukimi worker`).
     POST /generate -> AddCommand ---> inbox --> engine.add_request -> Verdict (accepted / error)
     NDJSON lines   <- asyncio.Queue <---------- engine.step() outputs (call_soon_threadsafe)
     client gone    -> AbortCommand -> inbox --> engine.abort
-    GET /load      <- Load, published by the engine thread after every iteration
+    GET /load      <- Load, published by the engine thread after every iteration, with the
+                      slowdowns its steps measure against the start-up profile
     POST /admin/update_weights -> WeightUpdater: fetch, then PauseCommand -> drain, swap, resume
 
 Roles: "colocated" generates with the local prefix cache only; "prefill" generates exactly one
 token, and its engine loads the prompt's full blocks from the KV pool and publishes the ones it
 computes; "decode" generates in full and loads the prompt's blocks from the pool (the router
 sends the original prompt plus the first token from prefill).
+
+Before it serves, a worker profiles its own engine on this machine (`profile_on_start`;
+tsukimi/engine/profile.py `startup_profile`, at the worker's `threads`) and reports the fitted
+cost model in GET /health (`Health.cost`); its engine's steps are then timed against that model
+(tsukimi/engine/step_meter.py) and GET /load carries the slowdowns, so the router's Conductor
+estimates with this machine's numbers as it is loaded now (tsukimi/serving/worker_costs.py).
 
 The API's types are in tsukimi/serving/protocol.py: `POST /generate` takes a GenerateRequest
 and streams TokenChunk lines, the last with a finish_reason ("stop" or "length"); a request
@@ -33,9 +40,11 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
+import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -47,12 +56,16 @@ from tsukimi.engine.engine import LLMEngine, StepOutput
 from tsukimi.engine.kv_budget import kv_cache_blocks
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.kv_pool import KVFormat, StoreKVConnector
+from tsukimi.engine.model_runner import Model
+from tsukimi.engine.profile import startup_profile
 from tsukimi.engine.sampling import SamplingParams
+from tsukimi.engine.step_meter import MeteredRunner, StepMeter
 from tsukimi.engine.weights import LoadedModel, load_model
 from tsukimi.errors import ClosedError, InvalidArgument, TsukimiError, WorkerUnavailable
 from tsukimi.serving.engine_thread import AbortCommand, AddCommand, EngineThread, RequestStream, Verdict, WorkerMetrics
 from tsukimi.serving.kv_events import KvEventPublisher
 from tsukimi.serving.protocol import (
+    CostProfile,
     ErrorReply,
     GenerateRequest,
     Health,
@@ -114,6 +127,8 @@ class Worker:
         self._events: KvEventPublisher | None = None
         self._secret = SecurityConfig().secret()  # NOTE: from TSUKIMI_CLUSTER_SECRET, as the store client's
         self._seen = auth.ReplayCache()
+        self.cost: CostProfile | None = None  # the start-up profile (None: off)
+        self._meter: StepMeter | None = None
 
     @property
     def base_url(self) -> str:
@@ -136,12 +151,17 @@ class Worker:
                 connector = self._connector = StoreKVConnector(self._store, KVFormat.of(mc.identity, layout))
             model = self._loaded.model
             updater = self._updater = WeightUpdater(model, connector, cfg.metadata_url)
+            if cfg.profile_on_start:
+                self._profile(model, layout)
 
             def make_engine() -> LLMEngine:
-                return updater.prepare(LLMEngine(
+                engine = LLMEngine(
                     model, layout, num_blocks, mc.eos_token_ids, cfg.max_batched_tokens, connector,
                     prefix_caching=cfg.prefix_caching, layerwise_loading=cfg.layerwise_loading,
-                ))  # fmt: skip
+                )  # fmt: skip
+                if self._meter is not None:  # NOTE: time its steps against the profile (GET /load)
+                    engine.runner = MeteredRunner(model, engine.cache, connector, engine.loader, self._meter)
+                return updater.prepare(engine)
 
             if cfg.prefix_caching:  # NOTE: the router's prefix index follows this cache (GET /health: the ports)
                 self._events = KvEventPublisher(cfg.host, block_tokens=cfg.block_tokens).start()
@@ -153,6 +173,22 @@ class Worker:
             raise
         logger.info("worker %s (%s, %s) serving on %s", cfg.name, cfg.role, mc.name, self._http.base_url)
         return self
+
+    def _profile(self, model: Model, layout: KVLayout) -> None:
+        """Fit the cost model to this engine on this machine (see the module; mutates)."""
+        torch.set_num_threads(self.config.threads)  # NOTE: process-wide: as the engine thread will run
+        start = time.perf_counter()
+        # NOTE: by CPU time with one thread: the engine's own cost; GET /load's slowdown adds the machine's load
+        result = startup_profile(model, layout, self.config.max_batched_tokens, cpu=self.config.threads == 1)
+        fitted, seconds = result.model, time.perf_counter() - start
+        self.cost = CostProfile(fitted.prefill_coef, fitted.decode_coef, fitted.kv_bytes_per_token,
+                                result.max_relative_error, seconds)  # fmt: skip
+        self._meter = StepMeter(fitted)
+        logger.info(
+            "worker %s profiled in %.2f s: %.3f ms per prompt token, %.2f ms per decode step (fit within %.0f%%)",
+            self.config.name, seconds, 1e3 * fitted.prefill_s(512) / 512, 1e3 * fitted.decode_step_s(1, 64),
+            100 * result.max_relative_error,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Fail unfinished requests, stop serving, leave the store. Idempotent."""
@@ -199,12 +235,16 @@ class Worker:
         def get_health() -> Response:
             ports = (self._events.port, self._events.snapshot_port) if self._events is not None else (0, 0)
             health = Health("ok", cfg.name, cfg.role, mc.identity, mc.name, cfg.block_tokens, updater.weights_version,
-                            *ports)  # fmt: skip
+                            *ports, cost=self.cost)  # fmt: skip
             return Response(msgspec.json.encode(health), media_type="application/json")
 
         @app.get("/load")
         def get_load() -> Response:
-            return Response(msgspec.json.encode(engine.load), media_type="application/json")
+            load, meter = engine.load, self._meter
+            if meter is not None:
+                load = msgspec.structs.replace(load, prefill_slowdown=round(meter.prefill_slowdown, 4),
+                                               decode_slowdown=round(meter.decode_slowdown, 4))  # fmt: skip
+            return Response(msgspec.json.encode(load), media_type="application/json")
 
         @app.get("/metrics")
         def get_metrics() -> Response:

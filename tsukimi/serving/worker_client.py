@@ -3,7 +3,7 @@ worker is (`WorkerSpec`) and how the router sees it (`WorkerHandle`), and `Worke
 which makes every call to the workers over one `httpx.AsyncClient`:
 
     stream    POST /generate (GenerateRequest) -> TokenChunk, ...  (the last has a finish_reason)
-    refresh   GET /health (role, block_tokens; when discovering) + GET /load -> handle up or down
+    refresh   GET /health (role, block_tokens, cost profile; when discovering) + GET /load -> handle up or down
     discover  refresh every worker until all answer or startup_timeout_s passes (a Retry)
     poll      refresh every worker every poll_interval_s, for ever
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -37,6 +37,7 @@ from tsukimi.errors import ConfigError, WorkerError, WorkerUnavailable
 from tsukimi.retry import Retry
 from tsukimi.serving.protocol import (
     ROLES,
+    CostProfile,
     CppHealth,
     GenerateRequest,
     Health,
@@ -108,6 +109,7 @@ class WorkerHandle:
     requests: int = 0
     cpp: CppHealth | None = None
     misses: int = 0  # polls in a row that timed out
+    cost: CostProfile | None = None  # its start-up profile (None: none reported)
 
     def status(self) -> WorkerStatus:
         """The snapshot (pure)."""
@@ -261,15 +263,18 @@ class WorkerClient:
         if info is not None:
             worker.block_tokens = info.block_tokens
             worker.kv_events_ports = (info.kv_events_port, info.kv_snapshot_port)
-            worker.cpp = info.cpp
+            worker.cpp, worker.cost = info.cpp, info.cost
         worker.load, worker.healthy, worker.misses = load, True, 0
         return True
 
-    async def poll_forever(self, workers: Sequence[WorkerHandle]) -> None:
-        """Refreshes every worker every `poll_interval_s` until cancelled (mutates)."""
+    async def poll_forever(self, workers: Sequence[WorkerHandle], on_poll: Callable[[], None] | None = None) -> None:
+        """Refreshes every worker every `poll_interval_s` until cancelled, calling `on_poll`
+        after each round (mutates)."""
         while True:
             await asyncio.sleep(self._poll_interval_s)
             await asyncio.gather(*(self.refresh(w) for w in workers))
+            if on_poll is not None:
+                on_poll()
 
     async def _get(self, worker: WorkerHandle, path: str) -> bytes:
         response = await self._http.get(f"{worker.spec.url}{path}", timeout=self._probe_timeout_s)

@@ -60,6 +60,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     worker.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
     worker.add_argument("--layerwise-loading", action="store_true",
                         help="load pooled KV layer by layer during the forward, not whole before it")  # fmt: skip
+    worker.add_argument("--no-profile-on-start", action="store_true",
+                        help="skip the start-up profile (the router then uses its configured cost model)")  # fmt: skip
     worker.add_argument(
         "--metadata-url", default=d.metadata_url, help="the P2P store's metadata service, for live weight updates"
     )
@@ -86,7 +88,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         max_batched_tokens=args.max_batched_tokens,
         master=args.master, segment_bytes=args.segment_bytes, threads=args.threads, dtype=args.dtype,
         prefix_caching=not args.no_prefix_caching, metadata_url=args.metadata_url,
-        layerwise_loading=args.layerwise_loading,
+        layerwise_loading=args.layerwise_loading, profile_on_start=not args.no_profile_on_start,
     )  # fmt: skip
 
 
@@ -102,6 +104,7 @@ def worker_args(config: WorkerConfig) -> tuple[str, ...]:
         *(("--master", config.master) if config.master else ()),
         *(() if config.prefix_caching else ("--no-prefix-caching",)),
         *(("--layerwise-loading",) if config.layerwise_loading else ()),
+        *(() if config.profile_on_start else ("--no-profile-on-start",)),
         *(("--metadata-url", config.metadata_url) if config.metadata_url else ()),
     )  # fmt: skip
 
