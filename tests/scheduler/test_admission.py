@@ -91,3 +91,30 @@ def test_without_kv_wait_a_request_that_does_not_fit_is_rejected() -> None:
     conductor.schedule(_request(1), now=0.0)
     rejected = conductor.schedule(_request(2), now=0.0)
     assert not rejected.accepted and rejected.reason == "kv_memory"
+
+
+def test_a_cold_conductor_prices_decode_stages_with_the_cost_model_when_no_prior_is_fixed() -> None:
+    # NOTE: a burst of short-output requests (16 tokens: under 1 s in decode at this cost model's
+    # TBT, 10 ms per step + 1 ms per request) must not be priced with a fixed 10 s stage: with it,
+    # every request due in the next 10 s (prefills of 0.1 s) counts as in decode at once, and the
+    # TBT forecast misses the 30 ms SLO from the 20th on
+    cost = LinearCostModel(prefill_coef=(0.0, 1e-4, 0.0), decode_coef=(0.01, 1e-3, 0.0), kv_bytes_per_token=1)
+
+    def burst(prior_s: float) -> list[str]:
+        config = ConductorConfig(block_tokens=100, kv_bandwidth_bytes_s=1e12, tbt_slo_s=0.03,
+                                 decode_estimate_s=prior_s)  # fmt: skip
+        conductor = Conductor(config, cost, PrefixIndex(), ["p0"], ["d0"], 10**9)
+        decisions = [conductor.schedule(ScheduleRequest(i, 1000, [], max_tokens=16), now=0.0) for i in range(40)]
+        return [d.reason for d in decisions if not d.accepted]
+
+    assert set(burst(10.0)) == {"tbt_slo"}
+    assert burst(0.0) == []
+
+
+def test_a_table_that_sets_one_key_keeps_the_rest_of_its_fields_default() -> None:
+    from tsukimi.config import RouterFileConfig, load
+
+    # NOTE: `tsukimi router`'s Conductor prices cold decode stages with the cost model
+    # (decode_estimate_s 0), also when [conductor] sets another key
+    assert load(RouterFileConfig).conductor.decode_estimate_s == 0
+    assert load(RouterFileConfig, None, ["conductor.ttft_slo_s=2"]).conductor.decode_estimate_s == 0

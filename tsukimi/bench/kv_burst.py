@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import random
@@ -35,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from tsukimi import httpd
-from tsukimi.config import ConductorConfig, RouterConfig
+from tsukimi.config import RouterConfig, RouterFileConfig
 from tsukimi.scheduler.block_hash import hash_blocks
 from tsukimi.scheduler.conductor import Decision, ScheduleRequest
 from tsukimi.testing.deployments import TsukimiCluster
@@ -151,7 +152,8 @@ def run_burst(cfg: BurstConfig, urls: dict[str, str] | None = None) -> BurstResu
     specs = [WorkerSpec(role, role, url) for role, url in urls.items()]  # type: ignore[arg-type]
     # NOTE: the workers' start-up profiles by default; --prefill-token-s: the config's cost model
     costs = {"prefill_token_s": cfg.prefill_token_s, "cost_model": "config"} if cfg.prefill_token_s else {}
-    conductor = ConductorConfig(ttft_slo_s=cfg.ttft_slo_s, kv_wait=cfg.kv_wait)
+    # NOTE: `tsukimi router`'s Conductor defaults (RouterFileConfig), as `tsukimi up` runs it
+    conductor = dataclasses.replace(RouterFileConfig().conductor, ttft_slo_s=cfg.ttft_slo_s, kv_wait=cfg.kv_wait)
     router = Router(specs, RouterConfig(mode="pd", **costs), conductor)  # type: ignore[arg-type]
     handle: httpd.AppHandle = httpd.start_in_thread(create_app(router, load_tokenizer("tiny"), "tiny"))
     try:

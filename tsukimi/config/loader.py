@@ -94,11 +94,14 @@ def _parse_scalar(raw: str) -> object:
         return raw
 
 
-def build_dataclass(cls: type[T], data: Mapping[str, typing.Any], where: str) -> T:
+def build_dataclass(cls: type[T], data: Mapping[str, typing.Any], where: str, base: T | None = None) -> T:
     """Instantiates dataclass `cls` from a mapping, recursing into nested dataclasses (pure).
 
     Args:
         where: the dotted path of `data` in the file ("" at the top), for messages.
+        base: the values of the keys `data` does not give (None: the class's defaults); a nested
+            field's own default (its default_factory's) is its base, so a table that sets one key
+            keeps the others of that default, not of the class.
 
     Raises:
         ConfigError: `data` is not a table, an unknown key, a wrong type, an invalid value.
@@ -119,13 +122,15 @@ def build_dataclass(cls: type[T], data: Mapping[str, typing.Any], where: str) ->
             continue
         kind, dotted = hints[name], f"{where}.{name}" if where else name
         if dataclasses.is_dataclass(kind):
-            kwargs[name] = build_dataclass(typing.cast(type, kind), value, dotted)
+            field = next(f for f in fields if f.name == name)
+            default = field.default_factory() if field.default_factory is not dataclasses.MISSING else None
+            kwargs[name] = build_dataclass(typing.cast(type, kind), value, dotted, default)
         else:
             kwargs[name] = _coerce(kind, value, dotted)
     for name, values in nested.items():
         # NOTE: the inlined keys sit in this table, so their messages name it (workers.num_blocks)
         kwargs[name] = build_dataclass(typing.cast(type, hints[name]), values, where)
-    return cls(**kwargs)
+    return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)  # type: ignore[type-var]
 
 
 def _coerce(kind: object, value: object, where: str) -> object:

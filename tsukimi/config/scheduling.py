@@ -41,7 +41,9 @@ class ConductorConfig:
     prefill_chunk_tokens: prefill instances compute at most this many tokens per iteration.
     kv_bandwidth_bytes_s: KV transfer bandwidth between instances and the pool.
     decode_estimate_s: a request's decode stage length assumed before any has finished (then
-        the distribution of the observed ones is used).
+        the distribution of the observed ones is used); 0: its expected output at the decode
+        instance's predicted TBT (the cost model's; what `tsukimi router` uses: a fixed prior
+        fitted to one model misjudges another's cold start).
     ssd_read_bytes_s: read bandwidth of an instance's SSD tier (KV found only on SSD costs
         this to load, and the network bandwidth as well when it is another instance's).
     kv_wait: with "early" and the predicted modes, a request whose decode placement lacks KV
@@ -69,8 +71,9 @@ class ConductorConfig:
             f"conductor.rejection must be one of {', '.join(REJECTION_NAMES)}, got {self.rejection!r}",
         )
         require(self.block_tokens > 0, "conductor.block_tokens must be > 0")
-        for name in ("ttft_slo_s", "tbt_slo_s", "kv_bandwidth_bytes_s", "decode_estimate_s", "ssd_read_bytes_s"):
+        for name in ("ttft_slo_s", "tbt_slo_s", "kv_bandwidth_bytes_s", "ssd_read_bytes_s"):
             require(getattr(self, name) > 0, f"conductor.{name} must be > 0")
+        require(self.decode_estimate_s >= 0, "conductor.decode_estimate_s must be >= 0 (0: from the cost model)")
         require(self.reuse in ("global", "local"), f"conductor.reuse must be global or local, got {self.reuse!r}")
         require(self.balancing_threshold >= 1, "conductor.balancing_threshold must be >= 1")
         require(self.prefill_chunk_tokens > 0, "conductor.prefill_chunk_tokens must be > 0")

@@ -150,7 +150,7 @@ class RouterFileConfig:
     """What `tsukimi router --config` reads: `[router]` and the Conductor's `[conductor]`."""
 
     router: RouterConfig = field(default_factory=RouterConfig)
-    conductor: ConductorConfig = field(default_factory=ConductorConfig)
+    conductor: ConductorConfig = field(default_factory=lambda: ConductorConfig(decode_estimate_s=0.0))
 
 
 @dataclass(frozen=True, slots=True)

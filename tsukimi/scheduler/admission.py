@@ -107,6 +107,11 @@ class KvLedger:
         observed its output at the instance's TBT with one more request."""
         return self._stages.mean_s if self._stages.observed else output_tokens * self._tbt_s(name)
 
+    def cold_stage_s(self, output_tokens: int, exclude: Container[str]) -> float:
+        """A decode stage's length before any is observed: `output_tokens` at the TBT of the most
+        loaded instance not in `exclude` with one more request (what it is booked for now)."""
+        return max((output_tokens * self._tbt_s(name) for name in self._decode if name not in exclude), default=1.0)
+
     def prefill_end_s(self, prefill: str) -> float:
         """When the queued requests planned on `prefill` were predicted to finish prefill."""
         return max((q.prefill_end_s for q in self.queue if q.prefill == prefill), default=0.0)

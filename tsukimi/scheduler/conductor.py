@@ -121,7 +121,7 @@ class Conductor:
         self._local = {name: location(name, tier) for name in self._prefill}  # type: ignore[arg-type]
         self._ssd = {name: location(name, "ssd") for name in self._prefill}
         self._requests: dict[int, tuple[str, str, int]] = {}  # id -> (prefill, decode, input tokens)
-        self._stages = DecodeStagePredictor(config.decode_estimate_s)
+        self._stages = DecodeStagePredictor(config.decode_estimate_s or 1.0)
         self._kv = KvLedger(self._decode, self._stages, cost)
         self._released: list[Decision] = []
         self._waiting: dict[int, ScheduleRequest] = {}  # the queued requests
@@ -155,6 +155,8 @@ class Conductor:
             return self._reject(best, "ttft_slo")
         mode = cfg.rejection
         forecast = mode if mode in ("predicted", "predicted_uniform") else "now"
+        if cfg.decode_estimate_s == 0 and not self._stages.observed:  # NOTE: no fixed prior: the cost model's
+            self._stages.prior_s = max(1e-3, self._kv.cold_stage_s(self._output_reserve(request), exclude))
         decode, tbt_s, problem = self._best_decode(request.input_tokens, now, now + best.ttft_s, forecast)
         if cfg.kv_wait and mode in WAITING_MODES and problem != "tbt_slo":
             return self._place_or_queue(request, _replace(best, decode=decode, tbt_s=tbt_s), now)

@@ -71,7 +71,7 @@ class DecodeStagePredictor:
     def __init__(self, prior_s: float, window: int = 4096) -> None:
         if not prior_s > 0 or window < 1:
             raise ConfigError(f"the prior decode stage length must be > 0 and the window >= 1 ({prior_s}, {window})")
-        self._prior_s = prior_s
+        self.prior_s = prior_s  # NOTE: the Conductor may set it per decision until one is observed
         self._stages = SlidingWindow(window)
 
     @property
@@ -81,7 +81,7 @@ class DecodeStagePredictor:
     @property
     def mean_s(self) -> float:
         """The mean observed decode stage (the prior until one is observed)."""
-        return self._stages.mean() if len(self._stages) else self._prior_s
+        return self._stages.mean() if len(self._stages) else self.prior_s
 
     def observe(self, duration_s: float) -> None:
         """A request left decode after `duration_s` seconds (mutates)."""
@@ -92,7 +92,7 @@ class DecodeStagePredictor:
         if t < 0:
             return 1.0
         if not len(self._stages):
-            return 1.0 if t < self._prior_s else 0.0
+            return 1.0 if t < self.prior_s else 0.0
         return self._stages.count_above(t) / len(self._stages)
 
     def still_present(self, age_s: float, horizon_s: float) -> float:
