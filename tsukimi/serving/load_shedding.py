@@ -9,7 +9,7 @@ the Conductor alone cannot keep the loop responsive.
 
 `LoopLag` measures the lag: a task sleeps `interval_s` again and again and records how late it
 woke (an exponentially weighted mean with a half-life of `halflife_s`). While that mean is over
-`threshold_s`, `shed` answers new completion requests at once with 429 `overloaded` (the
+`threshold_s`, `Shedder` answers new completion requests at once with 429 `overloaded` (the
 OpenAI error body, `Retry-After: 1`) before their bodies are read, so that the requests in
 flight, /health and the dashboard get the loop back. Requests already admitted are never cut.
 It is a pure ASGI wrapper (no buffering of streamed responses) in front of the app.
@@ -76,14 +76,12 @@ class Shedder:
 
     def __init__(self, app: Asgi, lag: LoopLag, threshold_s: float, on_shed: Callable[[], None] = lambda: None) -> None:
         self.app, self.lag, self.threshold_s, self._on_shed = app, lag, threshold_s, on_shed
-        self.shed = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lagging = 0 < self.threshold_s < self.lag.mean_s
         if not (lagging and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in SHED_PATHS):
             await self.app(scope, receive, send)
             return
-        self.shed += 1
         self._on_shed()
         detail = f"the router is {self.lag.mean_s:.2f} s behind (over {self.threshold_s} s); retry in 1 s"
         status, body = error_body(Rejected("overloaded", detail))
