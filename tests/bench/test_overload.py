@@ -21,8 +21,9 @@ _REQUEST = OverloadRequest((5, 6, 7), 4, stream=False)
 _STREAMED = OverloadRequest((5,), 2, stream=True)
 
 
-def _send_to(response: bytes, request: OverloadRequest = _REQUEST, timeout_s: float = 5.0, delay_s: float = 0.0
-             ) -> Outcome:  # fmt: skip
+def _send_to(
+    response: bytes, request: OverloadRequest = _REQUEST, timeout_s: float = 5.0, delay_s: float = 0.0
+) -> Outcome:
     """`send` against a loopback server that answers `response` (raw HTTP) after `delay_s`."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -81,8 +82,11 @@ def test_a_whole_answer_needs_tokens() -> None:
 
 
 def test_a_stream_is_served_only_when_it_ends_with_done() -> None:
-    events = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
-              {"choices": [], "usage": {"completion_tokens": 2}}]  # fmt: skip
+    events = [
+        {"choices": [{"text": "a"}]},
+        {"choices": [{"text": "b"}]},
+        {"choices": [], "usage": {"completion_tokens": 2}},
+    ]
     whole = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
     served = _send_to(_chunked(whole + b"data: [DONE]\n\n"), _STREAMED)
     assert (served.kind, served.tokens, served.text) == ("served", 2, "ab") and served.ttft_s >= 0
@@ -117,18 +121,44 @@ def test_the_figures_account_for_every_request_and_judge_each_criterion() -> Non
     )
     probes = [Probe(0.0, 0.01, True), Probe(0.2, 0.15, True), Probe(0.4, 2.0, False, "ReadTimeout")]
     rss = {"router": [(0.0, 100 << 20), (5.0, 120 << 20), (10.0, 110 << 20)]}
-    run = LoadRun(2.0, 8.0, outcomes, 2.0, 4.0, 0.0, probes, (0.0, 10.0), {"router": 50.0}, 2.0, [], rss, served,
-                  [served, Outcome("served", 200, "", False, 0.2, tokens=3, text="abd")])  # fmt: skip
+    run = LoadRun(
+        2.0,
+        8.0,
+        outcomes,
+        2.0,
+        4.0,
+        0.0,
+        probes,
+        (0.0, 10.0),
+        {"router": 50.0},
+        2.0,
+        [],
+        rss,
+        served,
+        [served, Outcome("served", 200, "", False, 0.2, tokens=3, text="abd")],
+    )
     figures = summarize(run)
     assert (figures["sent"], figures["served"], figures["rejected"], figures["failed"]) == (10, 6, 3, 1)
     assert (figures["offered_rps"], figures["served_rps"], figures["throughput_rps"]) == (5.0, 3.0, 1.5)
     assert figures["rejected_by"] == {"429 ttft_slo": 3} and figures["failed_by"] == {"0 client timeout (1 s)": 1}
-    assert figures["health"] == {"probes": 3, "failed": 1, "p50_ms": 150.0, "p99_ms": 150.0, "max_ms": 150.0,
-                                 "over_100ms": 2}  # fmt: skip
-    assert figures["rss_mib"] == {"router": {"start": 100.0, "peak": 120.0, "end": 110.0, "late_growth": 0.0,
-                                             "bounded": True}}  # fmt: skip
-    assert figures["verdicts"] == {"health_under_100ms": False, "every_request_ended": False,
-                                   "tokens_or_429_503": False, "rss_bounded": True, "post_load_ok": False}  # fmt: skip
+    assert figures["health"] == {
+        "probes": 3,
+        "failed": 1,
+        "p50_ms": 150.0,
+        "p99_ms": 150.0,
+        "max_ms": 150.0,
+        "over_100ms": 2,
+    }
+    assert figures["rss_mib"] == {
+        "router": {"start": 100.0, "peak": 120.0, "end": 110.0, "late_growth": 0.0, "bounded": True}
+    }
+    assert figures["verdicts"] == {
+        "health_under_100ms": False,
+        "every_request_ended": False,
+        "tokens_or_429_503": False,
+        "rss_bounded": True,
+        "post_load_ok": False,
+    }
     assert "| verdict: rss_bounded | pass |" in render_markdown(figures)
 
 
@@ -146,5 +176,10 @@ def test_overload_against_a_tiny_cluster_accounts_for_every_request() -> None:
     post = result["post_load"]
     assert isinstance(post, dict) and post["ok"], post
     assert set(result["rss_mib"]) >= {"router", "prefill-0", "decode-0", "master", "up"}  # type: ignore[arg-type]
-    assert set(result["verdicts"]) == {"health_under_100ms", "every_request_ended", "tokens_or_429_503",  # type: ignore[arg-type]
-                                       "rss_bounded", "post_load_ok"}  # fmt: skip
+    assert set(result["verdicts"]) == {
+        "health_under_100ms",
+        "every_request_ended",
+        "tokens_or_429_503",  # type: ignore[arg-type]
+        "rss_bounded",
+        "post_load_ok",
+    }

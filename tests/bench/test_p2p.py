@@ -20,10 +20,29 @@ CKPT = 8 * MIB
 @pytest.mark.timeout(90)
 def test_bench_p2p_json_every_system_verified() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "tsukimi.cli", "bench", "p2p", "--json", "--receivers", "1,2",
-         "--size", "8MiB", "--shard", "1MiB", "--timeout", "60", "--repeats", "1"],
-        capture_output=True, text=True, timeout=85, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tsukimi.cli",
+            "bench",
+            "p2p",
+            "--json",
+            "--receivers",
+            "1,2",
+            "--size",
+            "8MiB",
+            "--shard",
+            "1MiB",
+            "--timeout",
+            "60",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=85,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     report = json.loads(out.stdout)
     runs = report["runs"]
@@ -55,11 +74,22 @@ def test_a_run_too_big_for_memory_is_refused_with_a_size_that_fits() -> None:
 def test_goals_are_ratios_at_the_largest_receiver_count() -> None:
     def row(system: str, n: int, seconds: float, origin: int) -> dict[str, object]:
         gbps = n * GIB / seconds / 1e9
-        return {"system": system, "transport": "tcp", "receivers": n, "checkpoint_bytes": GIB,
-                "seconds": seconds, "gbps": gbps, "origin_bytes": origin}  # fmt: skip
+        return {
+            "system": system,
+            "transport": "tcp",
+            "receivers": n,
+            "checkpoint_bytes": GIB,
+            "seconds": seconds,
+            "gbps": gbps,
+            "origin_bytes": origin,
+        }
 
-    runs = [row("tsukimi", 1, 1.0, GIB), row("tsukimi", 8, 4.0, 3 * GIB // 2), row("naive", 8, 10.0, 8 * GIB),
-            row("gloo", 8, 5.0, 8 * GIB)]  # fmt: skip
+    runs = [
+        row("tsukimi", 1, 1.0, GIB),
+        row("tsukimi", 8, 4.0, 3 * GIB // 2),
+        row("naive", 8, 10.0, 8 * GIB),
+        row("gloo", 8, 5.0, 8 * GIB),
+    ]
     found = {g["goal"]: (g["value"], g["met"]) for g in goals(runs)}
     assert found == {
         "origin_x_checkpoint <= 2.0": (1.5, True),

@@ -41,8 +41,14 @@ def _command() -> list[str]:
     ]
     if os.environ.get("MODE", "tsukimi") == "real":
         return [str(Path(sys.executable).parent / "mooncake_client"), *flags]
-    return [sys.executable, "-c", "import sys; from tsukimi.cli import main; sys.exit(main())",
-            "compat", "mooncake-client", *flags]  # fmt: skip
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from tsukimi.cli import main; sys.exit(main())",
+        "compat",
+        "mooncake-client",
+        *flags,
+    ]
 
 
 def _answers() -> bool:

@@ -33,13 +33,28 @@ def master() -> Iterator[MasterServer]:
 
 def flags(master: MasterServer, port: int, *extra: str) -> list[str]:
     address = master.endpoint.removeprefix("tcp://")
-    return ["--host=127.0.0.1", f"--port={port}", f"--master_server_address={address}",
-            "--metadata_server=P2PHANDSHAKE", "--global_segment_size=16MB", *extra]  # fmt: skip
+    return [
+        "--host=127.0.0.1",
+        f"--port={port}",
+        f"--master_server_address={address}",
+        "--metadata_server=P2PHANDSHAKE",
+        "--global_segment_size=16MB",
+        *extra,
+    ]
 
 
 def test_the_flags_are_mooncake_clients() -> None:
-    parsed = parse(["--host", "127.0.0.1", "--port=50099", "--global_segment_size=1 GB", "--threads=4",
-                    "--enable_http_server", "--master_server_address=m:1"])  # fmt: skip
+    parsed = parse(
+        [
+            "--host",
+            "127.0.0.1",
+            "--port=50099",
+            "--global_segment_size=1 GB",
+            "--threads=4",
+            "--enable_http_server",
+            "--master_server_address=m:1",
+        ]
+    )
     assert parsed.port == 50099 and parsed.setup.global_segment_size == 1 << 30 and parsed.setup.port == 0
     assert parsed.setup.master == "tcp://m:1" and parsed.ignored == ["threads", "enable_http_server"]
     assert parse([]).setup.global_segment_size == 4 << 30  # Mooncake's default

@@ -197,9 +197,7 @@ def test_with_a_metadata_server() -> None:
         assert initiator.get_first_buffer_address("127.0.0.1:12345") == dst  # fetched anew
         src = initiator.allocate_managed_buffer(MIB)
         assert initiator.write_bytes_to_buffer(src, b"md", 2) == 0
-        assert initiator.transfer_sync(
-            "127.0.0.1:12345", src, dst, 2, mc.Write, mc.TransferNotify("k", "v")
-        ) == 0  # fmt: skip
+        assert initiator.transfer_sync("127.0.0.1:12345", src, dst, 2, mc.Write, mc.TransferNotify("k", "v")) == 0
         assert target.read_bytes_from_buffer(dst, 2) == b"md" and target.get_notifies() == [mc.TransferNotify("k", "v")]
         assert initiator.send_probe("127.0.0.1:12345") == 0
         assert initiator.send_probe("unreachable_peer:9") == -200  # not published

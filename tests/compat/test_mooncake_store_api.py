@@ -49,16 +49,27 @@ def store_of(
 def test_setup_takes_mooncakes_dictionary_with_human_sizes(master: MasterServer) -> None:
     address = master.endpoint.removeprefix("tcp://")
     config: dict[str, object] = {
-        "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE", "global_segment_size": "16MB",
-        "local_buffer_size": "1.5 MB", "master_server_addr": address,
-    }  # fmt: skip
+        "local_hostname": "127.0.0.1",
+        "metadata_server": "P2PHANDSHAKE",
+        "global_segment_size": "16MB",
+        "local_buffer_size": "1.5 MB",
+        "master_server_addr": address,
+    }
     store = MooncakeDistributedStore()
     assert store.setup(config) == 0
     assert store.put("k", b"v" * (MIB + MIB // 2)) == 0 and store.put("k2", b"v" * (2 * MIB)) == -600
     assert store.close() == 0
-    for bad in ({"global_segment_size": "50%"}, {"global_segment_size": "1GiB"}, {"local_buffer_size": -1},
-                {"global_segment_size": 100}, {"local_hostname": 7}, {"device_name": "mlx5_0"},
-                {"protocol": "ib"}, {"tenant_id": "team-a"}, {"master_server_addr": "no-port"}):  # fmt: skip
+    for bad in (
+        {"global_segment_size": "50%"},
+        {"global_segment_size": "1GiB"},
+        {"local_buffer_size": -1},
+        {"global_segment_size": 100},
+        {"local_hostname": 7},
+        {"device_name": "mlx5_0"},
+        {"protocol": "ib"},
+        {"tenant_id": "team-a"},
+        {"master_server_addr": "no-port"},
+    ):
         assert MooncakeDistributedStore().setup({**config, **bad}) == -600, bad
     with pytest.raises(TypeError):
         MooncakeDistributedStore().setup(config, "P2PHANDSHAKE")  # type: ignore[arg-type]
@@ -78,8 +89,12 @@ def test_the_hostname_names_the_segment_and_binds_its_port(master: MasterServer)
     fixed = free_port()
     other = store_of(master, f"127.0.0.1:{fixed}")
     assert other.get_hostname() == f"127.0.0.1:{fixed}"
-    assert MooncakeDistributedStore().setup(f"127.0.0.1:{fixed}", "P2PHANDSHAKE", MIB, MIB, "tcp", "",
-                                            master.endpoint.removeprefix("tcp://")) == -600  # fmt: skip
+    assert (
+        MooncakeDistributedStore().setup(
+            f"127.0.0.1:{fixed}", "P2PHANDSHAKE", MIB, MIB, "tcp", "", master.endpoint.removeprefix("tcp://")
+        )
+        == -600
+    )
     assert MooncakeDistributedStore().get_hostname() == ""
     store.close()
     other.close()
@@ -88,8 +103,14 @@ def test_the_hostname_names_the_segment_and_binds_its_port(master: MasterServer)
 def test_replicate_config_checks_types_and_soft_pins_follow_mooncakes_codes(master: MasterServer) -> None:
     config = ReplicateConfig()
     assert (config.replica_num, config.soft_pin_action, config.soft_pin_ttl_ms) == (1, SoftPinAction.PRESERVE, None)
-    for name, value in [("soft_pin_ttl_ms", -1), ("soft_pin_ttl_ms", 1 << 64), ("soft_pin_action", 1),
-                        ("preferred_segment", 5), ("preferred_segments", "ab"), ("replica_num", -1)]:  # fmt: skip
+    for name, value in [
+        ("soft_pin_ttl_ms", -1),
+        ("soft_pin_ttl_ms", 1 << 64),
+        ("soft_pin_action", 1),
+        ("preferred_segment", 5),
+        ("preferred_segments", "ab"),
+        ("replica_num", -1),
+    ]:
         with pytest.raises(TypeError):
             setattr(config, name, value)
     with pytest.raises(AttributeError):
@@ -204,8 +225,9 @@ def test_get_into_ranges_writes_inside_registered_buffers_only(master: MasterSer
     buf = (ctypes.c_ubyte * 16)()
     ptr = ctypes.addressof(buf)
     assert store.register_buffer(ptr, 16) == 0 and store.register_buffer(ptr + 8, 4) == -600  # overlap
-    got = store.get_into_ranges([ptr], [["k1", "k2", "missing"]], [[[0, 4], [8], [14]]], [[[2, 8], [0], [0]]],
-                                [[[3, 2], [5], [1]]])  # fmt: skip
+    got = store.get_into_ranges(
+        [ptr], [["k1", "k2", "missing"]], [[[0, 4], [8], [14]]], [[[2, 8], [0], [0]]], [[[3, 2], [5], [1]]]
+    )
     assert got == [[[3, 2], [5], [-704]]] and bytes(buf[:13]) == b"234\x0089\0\0abcde"
     assert store.get_into_ranges([ptr], [["k1"]], [[[14]]], [[[0]]], [[[4]]]) == [[[-600]]]  # past the buffer
     assert store.get_into_ranges([ptr], [["k1"]], [[[0]]], [[[8]]], [[[4]]]) == [[[-600]]]  # past the object

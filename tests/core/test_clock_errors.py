@@ -31,10 +31,17 @@ def test_wall_clock_is_monotonic() -> None:
 @pytest.mark.parametrize(
     "cls",
     [
-        errors.OutOfBounds, errors.SegmentNotFound, errors.RpcTimeout, errors.ProtocolError, errors.ClosedError,
-        errors.WorkerError, errors.WorkerUnavailable, errors.KVFormatError, errors.ModelNotFound,
+        errors.OutOfBounds,
+        errors.SegmentNotFound,
+        errors.RpcTimeout,
+        errors.ProtocolError,
+        errors.ClosedError,
+        errors.WorkerError,
+        errors.WorkerUnavailable,
+        errors.KVFormatError,
+        errors.ModelNotFound,
     ],
-)  # fmt: skip
+)
 def test_errors_cross_the_wire_as_the_same_class(cls: type[errors.TsukimiError]) -> None:
     again = errors.error_from_code(cls.code, "message")
     assert type(again) is cls and str(again) == "message"

@@ -115,8 +115,16 @@ def test_cluster_workers_table_sets_the_shared_worker_config(tmp_path: Path) -> 
 def test_cluster_workers_bad_key_names_the_valid_ones() -> None:
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['prefil'\] in workers; valid: \[") as info:
         load(ClusterConfig, None, ["workers.prefil=1"])
-    valid = {"prefill", "decode", "colocated", "base_port", "cpp_groups", "cpp_stages", "cpp_chunk_tokens",
-             *SHARED_WORKER_KEYS}  # fmt: skip
+    valid = {
+        "prefill",
+        "decode",
+        "colocated",
+        "base_port",
+        "cpp_groups",
+        "cpp_stages",
+        "cpp_chunk_tokens",
+        *SHARED_WORKER_KEYS,
+    }
     assert str(info.value).endswith(str(sorted(valid)))
     # NOTE: the cluster sets each worker's name, role, port and master; the shared config is flat
     for key in ("name", "port", "master", "worker.num_blocks"):

@@ -17,9 +17,15 @@ TINY = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_tokens=16, dtyp
 
 @pytest.mark.parametrize(
     ("text", "budget"),
-    [("512MiB", MemoryBudget(512 << 20)), ("1G", MemoryBudget(1 << 30)), ("1.5gb", MemoryBudget(3 << 29)),
-     ("268435456", MemoryBudget(268435456)), ("0.1", MemoryBudget(fraction=0.1)), ("64 KiB", MemoryBudget(64 << 10))],
-)  # fmt: skip
+    [
+        ("512MiB", MemoryBudget(512 << 20)),
+        ("1G", MemoryBudget(1 << 30)),
+        ("1.5gb", MemoryBudget(3 << 29)),
+        ("268435456", MemoryBudget(268435456)),
+        ("0.1", MemoryBudget(fraction=0.1)),
+        ("64 KiB", MemoryBudget(64 << 10)),
+    ],
+)
 def test_budgets_parse_as_bytes_or_a_fraction(text: str, budget: MemoryBudget) -> None:
     assert MemoryBudget.parse(text) == budget
 

@@ -55,8 +55,10 @@ def test_pipeline_first_token_and_kv_equal_one_engine(num_stages: int) -> None:
     engine = LLMEngine(loaded.model, layout, 64, mc.eos_token_ids, chunk, engine_kv)  # type: ignore[arg-type]
     expected = engine.generate([prompt], SamplingParams(max_tokens=1))[0]
     recorder = _Recorder()
-    stages = [PipelineStage(loaded.model, spec, PagedKVCache(layout, 64), recorder)  # type: ignore[arg-type]
-              for spec in split_layers(mc.num_layers, num_stages)]  # fmt: skip
+    stages = [
+        PipelineStage(loaded.model, spec, PagedKVCache(layout, 64), recorder)  # type: ignore[arg-type]
+        for spec in split_layers(mc.num_layers, num_stages)
+    ]
     assert [run_pipeline_locally(stages, prompt, chunk)] == expected
     assert len(recorder.saved) == (len(prompt) // 16) * mc.num_layers
     assert recorder.saved == engine_kv.saved  # bit for bit: the pool holds one worker's KV

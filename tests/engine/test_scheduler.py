@@ -122,8 +122,11 @@ def test_a_chunked_prompt_fills_caches_and_publishes_exactly_its_full_prompt_blo
         assert entries[0].request is request and tokens == [token]
     assert engine.model.batch_tokens == [6, 4, 1, 1]  # type: ignore[attr-defined]
     assert [(layer, hashes, blocks) for layer, hashes, blocks in pool.saves] == [
-        (0, [h0], [1]), (1, [h0], [1]), (0, [h1], [0]), (1, [h1], [0]),
-    ]  # fmt: skip
+        (0, [h0], [1]),
+        (1, [h0], [1]),
+        (0, [h1], [0]),
+        (1, [h1], [0]),
+    ]
     assert not engine.has_work() and engine.cache.pool.lookup([h0, h1, h2]) == [1, 0, 2]
 
 
@@ -162,9 +165,12 @@ class EngineMachine(RuleBasedStateMachine):
     """Random adds, aborts and steps; exact state checked after each."""
 
     @initialize(
-        block_tokens=st.integers(1, 4), num_blocks=st.integers(4, 16), budget=st.integers(1, 12),
-        pool=st.booleans(), prefix_caching=st.booleans(),
-    )  # fmt: skip
+        block_tokens=st.integers(1, 4),
+        num_blocks=st.integers(4, 16),
+        budget=st.integers(1, 12),
+        pool=st.booleans(),
+        prefix_caching=st.booleans(),
+    )
     def start(self, block_tokens: int, num_blocks: int, budget: int, pool: bool, prefix_caching: bool) -> None:
         layout = KVLayout(LAYERS, 1, DIM, block_tokens, dtype=torch.float64)
         self.model, self.budget = TinyModel(), budget

@@ -123,8 +123,12 @@ def test_smollm2_streaming(smollm2: BpeTokenizer) -> None:
 
 def test_hf_tokenizer_json_matches_the_gguf_one(smollm2: BpeTokenizer, tmp_path: Path) -> None:
     smollm2.backend.save(str(tmp_path / "tokenizer.json"))
-    config = {"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}, "add_bos_token": False,
-              "chat_template": smollm2.chat_template.source}  # fmt: skip
+    config = {
+        "bos_token": "<|im_start|>",
+        "eos_token": {"content": "<|im_end|>"},
+        "add_bos_token": False,
+        "chat_template": smollm2.chat_template.source,
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     loaded = tokenizer_from_hf_dir(tmp_path)
     for text in [*TEXTS, SMOLLM2_PROMPT]:

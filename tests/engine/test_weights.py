@@ -64,10 +64,16 @@ def write_gguf(path: Path, loaded: LoadedModel, arch: str = "llama") -> None:
     writer.add_eos_token_id(2)
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
     layer_names = {
-        "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    }  # fmt: skip
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     for name, tensor in loaded.model.state_dict().items():
         array = tensor.float().numpy().copy()
         module = name.removesuffix(".weight")

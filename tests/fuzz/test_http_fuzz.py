@@ -53,13 +53,26 @@ def raw_requests(
     the query sometimes from `queries`, sometimes with one of the header lines `headers`."""
     method = draw(st.sampled_from([b"GET", b"GET", b"PUT", b"DELETE", b"POST", b"HEAD", b"OPTIONS", b"G\x00T"]))
     path = draw(st.one_of(st.sampled_from(paths), QUERY_BYTES.map(lambda b: b"/" + b)))
-    query = draw(st.one_of(
-        st.just(b""),
-        QUERY_BYTES.map(lambda b: b"?key=" + b),
-        st.sampled_from([b"?key=%FF%FE", b"?key=%ED%A0%80", b"?key=", b"?key=a&key=b", b"?key=" + b"x" * 70_000,
-                         b"?key=%00", b"?%%%", b"?key=" + b"%41" * 2000, b"?key=a%2Fb"]),
-        *([st.sampled_from(queries)] if queries else []),
-    ))  # fmt: skip
+    query = draw(
+        st.one_of(
+            st.just(b""),
+            QUERY_BYTES.map(lambda b: b"?key=" + b),
+            st.sampled_from(
+                [
+                    b"?key=%FF%FE",
+                    b"?key=%ED%A0%80",
+                    b"?key=",
+                    b"?key=a&key=b",
+                    b"?key=" + b"x" * 70_000,
+                    b"?key=%00",
+                    b"?%%%",
+                    b"?key=" + b"%41" * 2000,
+                    b"?key=a%2Fb",
+                ]
+            ),
+            *([st.sampled_from(queries)] if queries else []),
+        )
+    )
     header = draw(st.sampled_from([b"", *headers]))
     body = draw(st.binary(max_size=32))
     length = draw(st.sampled_from([str(len(body)).encode(), b"-1", b"abc", b"99999999999999999999", b"0"]))
@@ -113,15 +126,31 @@ def metadata_client(metadata_server: metadata_http.ServerHandle) -> Iterator[Htt
 
 
 METADATA_QUERIES = (
-    b"?key=k&ttl_s=1", b"?key=k&ttl_s=0", b"?key=k&ttl_s=nan", b"?key=k&ttl_s=1e999", b"?key=k&ttl_s=",
-    b"?key=k&ttl_s=-5", b"?key=k&ttl_s=%FF", b"?prefix=", b"?prefix=k", b"?prefix=%FF%FE", b"?prefix=a&prefix=b",
+    b"?key=k&ttl_s=1",
+    b"?key=k&ttl_s=0",
+    b"?key=k&ttl_s=nan",
+    b"?key=k&ttl_s=1e999",
+    b"?key=k&ttl_s=",
+    b"?key=k&ttl_s=-5",
+    b"?key=k&ttl_s=%FF",
+    b"?prefix=",
+    b"?prefix=k",
+    b"?prefix=%FF%FE",
+    b"?prefix=a&prefix=b",
     b"?prefix=" + b"p" * 2000,
-)  # fmt: skip
+)
 METADATA_HEADERS = (
-    b'If-Match: "1"\r\n', b"If-Match: 1\r\n", b"If-Match: *\r\n", b'If-Match: "0"\r\n', b"If-None-Match: *\r\n",
-    b'If-None-Match: "1"\r\n', b'If-Match: "' + b"9" * 40 + b'"\r\n', b'If-Match: "\xd9\xa1"\r\n',
-    b'If-Match: "1"\r\nIf-None-Match: *\r\n', b'If-Match: "1"\r\nIf-Match: "2"\r\n',
-)  # fmt: skip
+    b'If-Match: "1"\r\n',
+    b"If-Match: 1\r\n",
+    b"If-Match: *\r\n",
+    b'If-Match: "0"\r\n',
+    b"If-None-Match: *\r\n",
+    b'If-None-Match: "1"\r\n',
+    b'If-Match: "' + b"9" * 40 + b'"\r\n',
+    b'If-Match: "\xd9\xa1"\r\n',
+    b'If-Match: "1"\r\nIf-None-Match: *\r\n',
+    b'If-Match: "1"\r\nIf-Match: "2"\r\n',
+)
 
 
 @given(raw_requests([b"/metadata", b"/health", b"/metadata/", b"/metadata/list"], METADATA_QUERIES, METADATA_HEADERS))
@@ -199,10 +228,14 @@ def generate_bodies(draw: st.DrawFn) -> bytes:
         ),
     }
     optional = {
-        "max_tokens": MAX_TOKENS, "temperature": NUMBERS, "top_p": NUMBERS, "seed": NUMBERS,
-        "stop_token_ids": st.lists(NUMBERS, max_size=3), "ignore_eos": st.one_of(st.booleans(), values(3)),
+        "max_tokens": MAX_TOKENS,
+        "temperature": NUMBERS,
+        "top_p": NUMBERS,
+        "seed": NUMBERS,
+        "stop_token_ids": st.lists(NUMBERS, max_size=3),
+        "ignore_eos": st.one_of(st.booleans(), values(3)),
         "unknown": values(3),
-    }  # fmt: skip
+    }
     for name in draw(st.lists(st.sampled_from(sorted(optional)), unique=True, max_size=4)):
         body[name] = draw(optional[name])
     return json_or(draw, body)
@@ -257,11 +290,20 @@ def test_regression_worker_body_not_utf8_is_400(serving: Serving) -> None:
 def messages() -> st.SearchStrategy[object]:
     message = st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "system", "assistant", "", "x" * 1000])},
-        optional={"content": st.one_of(st.text(max_size=12), st.none(), values(3),
-                                       st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image"])},
-                                                                      optional={"text": st.text(max_size=8)}),
-                                                max_size=2))},
-    )  # fmt: skip
+        optional={
+            "content": st.one_of(
+                st.text(max_size=12),
+                st.none(),
+                values(3),
+                st.lists(
+                    st.fixed_dictionaries(
+                        {"type": st.sampled_from(["text", "image"])}, optional={"text": st.text(max_size=8)}
+                    ),
+                    max_size=2,
+                ),
+            )
+        },
+    )
     return st.one_of(st.lists(message, max_size=3), values(3))
 
 
@@ -280,13 +322,20 @@ def openai_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
         }
     )
     optional = {
-        "model": st.sampled_from(["tiny", "other", "", None, 3]), "max_tokens": MAX_TOKENS,
-        "max_completion_tokens": MAX_TOKENS, "temperature": NUMBERS, "top_p": NUMBERS, "seed": NUMBERS,
-        "n": st.sampled_from([1, 2, 0, -1, None]), "stream": st.one_of(st.booleans(), values(2)),
+        "model": st.sampled_from(["tiny", "other", "", None, 3]),
+        "max_tokens": MAX_TOKENS,
+        "max_completion_tokens": MAX_TOKENS,
+        "temperature": NUMBERS,
+        "top_p": NUMBERS,
+        "seed": NUMBERS,
+        "n": st.sampled_from([1, 2, 0, -1, None]),
+        "stream": st.one_of(st.booleans(), values(2)),
         "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3), values(3)),
         "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), values(2)),
-        "stop_token_ids": st.lists(NUMBERS, max_size=3), "ignore_eos": st.booleans(), "logprobs": values(2),
-    }  # fmt: skip
+        "stop_token_ids": st.lists(NUMBERS, max_size=3),
+        "ignore_eos": st.booleans(),
+        "logprobs": values(2),
+    }
     for name in draw(st.lists(st.sampled_from(sorted(optional)), unique=True, max_size=5)):
         body[name] = draw(optional[name])
     if "max_tokens" not in body and "max_completion_tokens" not in body:

@@ -43,11 +43,16 @@ from tsukimi.transfer.segment import SegmentDescriptor, decode_descriptor
 
 NAME = "peer"
 VALID_DESCRIPTOR = {
-    "name": NAME, "host_id": "host/boot", "pid": 42, "version": 3,
+    "name": NAME,
+    "host_id": "host/boot",
+    "pid": 42,
+    "version": 3,
     "endpoints": [{"host": "127.0.0.1", "port": 4000}, {"host": "node-1.example", "port": 4001}],
-    "buffers": [{"base": 8192, "length": 4096, "shm_name": "tsukimi-x", "shm_offset": 0},
-                {"base": 4096, "length": 4096}],
-}  # fmt: skip
+    "buffers": [
+        {"base": 8192, "length": 4096, "shm_name": "tsukimi-x", "shm_offset": 0},
+        {"base": 4096, "length": 4096},
+    ],
+}
 VALID = [json.dumps(VALID_DESCRIPTOR).encode(), msgspec.json.encode({**VALID_DESCRIPTOR, "buffers": []})]
 SPECIAL = (b"[" * 100_000 + b"]" * 100_000, b'{"name": "' + b"x" * 1_000_000 + b'"}', b"", b"null")  # deep, huge
 
@@ -61,10 +66,13 @@ def field_damage(draw: st.DrawFn) -> bytes:
     for _ in range(draw(st.integers(1, 3))):
         where = draw(st.sampled_from([desc, endpoint, buffer]))
         field = draw(st.sampled_from(sorted(where)))
-        where[field] = draw(st.one_of(
-            values(6), st.sampled_from(EDGE_INTS + HUGE_INTS),
-            st.sampled_from(["", "x" * 300, "a..b", "-" * 64, "::1", "é", "\x00", "1.2.3.4.5"]),
-        ))  # fmt: skip
+        where[field] = draw(
+            st.one_of(
+                values(6),
+                st.sampled_from(EDGE_INTS + HUGE_INTS),
+                st.sampled_from(["", "x" * 300, "a..b", "-" * 64, "::1", "é", "\x00", "1.2.3.4.5"]),
+            )
+        )
     if draw(st.booleans()) and isinstance(desc["buffers"], list):
         edge = st.sampled_from(EDGE_INTS + HUGE_INTS)
         desc["buffers"].append(draw(st.fixed_dictionaries({"base": edge, "length": edge})))
@@ -82,10 +90,13 @@ def not_utf8_inside(draw: st.DrawFn) -> bytes:
 
 def descriptor_payloads() -> st.SearchStrategy[bytes]:
     return st.one_of(
-        st.binary(max_size=64), mutated(VALID), field_damage(), not_utf8_inside(),
+        st.binary(max_size=64),
+        mutated(VALID),
+        field_damage(),
+        not_utf8_inside(),
         st.builds(msgspec.json.encode, values()),
         st.sampled_from(range(len(SPECIAL))).map(SPECIAL.__getitem__),
-    )  # fmt: skip
+    )
 
 
 def check_sound(desc: SegmentDescriptor) -> None:
@@ -213,9 +224,14 @@ HttpAnswer = tuple[int, bytes, str | None]  # status, body, ETag
 @st.composite
 def http_answers(draw: st.DrawFn) -> HttpAnswer:
     status = draw(st.sampled_from([200, 201, 204, 400, 404, 412, 413, 422, 500, 502, 503, 302, 418]))
-    body = draw(st.one_of(st.binary(max_size=32), st.builds(msgspec.json.encode, values()),
-                          st.builds(msgspec.msgpack.encode, values()),
-                          st.sampled_from([b'{"detail": 3}', b'{"detail": null}', b"[]", b"\xff\xfe"])))  # fmt: skip
+    body = draw(
+        st.one_of(
+            st.binary(max_size=32),
+            st.builds(msgspec.json.encode, values()),
+            st.builds(msgspec.msgpack.encode, values()),
+            st.sampled_from([b'{"detail": 3}', b'{"detail": null}', b"[]", b"\xff\xfe"]),
+        )
+    )
     etag = draw(st.sampled_from([None, '"7"', '"0"', "7", '"-1"', '"' + "9" * 30 + '"', '"\u0661"', ""]))
     return status, body, etag
 
@@ -224,10 +240,17 @@ def etcd_bodies() -> st.SearchStrategy[bytes]:
     good = {"kvs": [{"key": base64.b64encode(b"k").decode(), "value": base64.b64encode(b"v").decode()}]}
     weird_kvs = st.one_of(values(6), st.lists(st.dictionaries(st.sampled_from(["key", "value"]), values(4))))
     header = st.one_of(st.fixed_dictionaries({"revision": st.one_of(values(2), st.just("12"))}), values(3))
-    shaped = st.fixed_dictionaries({}, optional={  # the txn, lease grant and keepalive answers
-        "header": header, "succeeded": values(2), "ID": values(2), "TTL": values(2), "more": values(2),
-        "result": st.one_of(values(3), st.fixed_dictionaries({}, optional={"TTL": values(2)})),
-    })  # fmt: skip
+    shaped = st.fixed_dictionaries(
+        {},
+        optional={  # the txn, lease grant and keepalive answers
+            "header": header,
+            "succeeded": values(2),
+            "ID": values(2),
+            "TTL": values(2),
+            "more": values(2),
+            "result": st.one_of(values(3), st.fixed_dictionaries({}, optional={"TTL": values(2)})),
+        },
+    )
     return st.one_of(
         st.binary(max_size=32),
         st.builds(msgspec.json.encode, values()),

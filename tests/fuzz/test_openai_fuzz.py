@@ -67,16 +67,53 @@ def deployment() -> Iterator[Deployment]:
         urls = {}
         for name in WORKERS:
             port = free_port()
-            _start([sys.executable, "-m", "tsukimi.cli", "worker", "--name", name, "--role", name.split("-")[0],
-                    "--model", "tiny", "--port", str(port), "--master", store.master_addr, "--segment-bytes", "16M",
-                    "--num-blocks", "256"], procs, logs)  # fmt: skip
+            _start(
+                [
+                    sys.executable,
+                    "-m",
+                    "tsukimi.cli",
+                    "worker",
+                    "--name",
+                    name,
+                    "--role",
+                    name.split("-")[0],
+                    "--model",
+                    "tiny",
+                    "--port",
+                    str(port),
+                    "--master",
+                    store.master_addr,
+                    "--segment-bytes",
+                    "16M",
+                    "--num-blocks",
+                    "256",
+                ],
+                procs,
+                logs,
+            )
             urls[name] = f"http://127.0.0.1:{port}"
         for (name, url), log in zip(urls.items(), logs, strict=True):
             _wait_healthy(url, log, f"worker {name}")
         port = free_port()
         workers = ",".join(f"{name}={name.split('-')[0]}@{url}" for name, url in urls.items())
-        _start([sys.executable, "-m", "tsukimi.cli", "router", "--model", "tiny", "--port", str(port), "--workers",
-                workers, "--set", "conductor.rejection=none"], procs, logs)  # fmt: skip
+        _start(
+            [
+                sys.executable,
+                "-m",
+                "tsukimi.cli",
+                "router",
+                "--model",
+                "tiny",
+                "--port",
+                str(port),
+                "--workers",
+                workers,
+                "--set",
+                "conductor.rejection=none",
+            ],
+            procs,
+            logs,
+        )
         base_url = f"http://127.0.0.1:{port}"
         _wait_healthy(base_url, logs[-1], "router")
         with openai.OpenAI(base_url=base_url + "/v1", api_key="none", timeout=30.0, max_retries=0) as client:
@@ -91,8 +128,9 @@ def deployment() -> Iterator[Deployment]:
 # -- strategies: each parameter's valid values, and (mixed) its wrong ones -----------------------
 
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
-WRONG = st.sampled_from([None, True, "x", "", -1, 0, 2**63, 2**64, -(2**64), 10**30, 1e308, -1e-308, 0.5,
-                         [], [1, "a"], {}, {"a": [1]}])  # fmt: skip
+WRONG = st.sampled_from(
+    [None, True, "x", "", -1, 0, 2**63, 2**64, -(2**64), 10**30, 1e308, -1e-308, 0.5, [], [1, "a"], {}, {"a": [1]}]
+)
 VALID: dict[str, st.SearchStrategy[object]] = {
     "max_tokens": st.integers(1, 3),
     "temperature": st.sampled_from([0, 0.0, 1e-6, 0.7, 1, 2]),
@@ -130,8 +168,9 @@ EXTRA_BAD: dict[str, st.SearchStrategy[object]] = {
 }
 
 
-def _params(draw: st.DrawFn, bad: bool, valid: dict[str, st.SearchStrategy[object]],
-            wrong: dict[str, st.SearchStrategy[object]]) -> dict[str, object]:  # fmt: skip
+def _params(
+    draw: st.DrawFn, bad: bool, valid: dict[str, st.SearchStrategy[object]], wrong: dict[str, st.SearchStrategy[object]]
+) -> dict[str, object]:
     """Some of the parameters: valid values, or (when `bad`) sometimes wrong ones."""
     out = {}
     for name in draw(st.lists(st.sampled_from(sorted(valid)), unique=True, max_size=5)):
@@ -160,11 +199,18 @@ def messages(draw: st.DrawFn, bad: bool) -> object:
     good = st.lists(message, min_size=1, max_size=3).map(lambda m: [*m, {"role": "user", "content": "hi"}])
     if not (bad and draw(st.integers(0, 2)) == 2):
         return draw(good)
-    broken = st.sampled_from([
-        [], [{"role": "tool", "content": "x", "tool_call_id": "1"}], [{"role": "user"}], [{"content": "x"}],
-        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
-        [{"role": "user", "content": "x" * 5000}], [{"role": "user", "content": 3}], "hi",
-    ])  # fmt: skip
+    broken = st.sampled_from(
+        [
+            [],
+            [{"role": "tool", "content": "x", "tool_call_id": "1"}],
+            [{"role": "user"}],
+            [{"content": "x"}],
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+            [{"role": "user", "content": "x" * 5000}],
+            [{"role": "user", "content": 3}],
+            "hi",
+        ]
+    )
     return draw(st.one_of(broken, WRONG))
 
 
@@ -179,8 +225,12 @@ def requests(draw: st.DrawFn, bad: bool) -> tuple[bool, dict[str, object]]:
         kwargs["messages"] = draw(messages(bad))
         if draw(st.booleans()):
             kwargs["max_completion_tokens"] = kwargs.pop("max_tokens")
-        unsupported = {"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function":
-                       {"name": "f", "parameters": {}}}], "logprobs": True, "top_logprobs": 2}  # fmt: skip
+        unsupported = {
+            "response_format": {"type": "json_object"},
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
     else:
         kwargs["prompt"] = draw(prompts(bad))
         unsupported = {"logprobs": 1, "echo": True, "best_of": 2, "suffix": "x"}

@@ -57,11 +57,14 @@ VALID = [CODEC.encode(r) for r in VALID_REQUESTS]
 VALID_RESPONSES = [
     CODEC.encode(r)
     for r in (
-        p.Ok(), p.HeartbeatResult(True), p.PutStartResult([p.ReplicaLocation("te", 4096, 10)], 3),
-        p.GetReplicasResult([p.ReplicaLocation("te", 4096, 10)], 10, 5.0), p.BatchResult([p.Ok(), p.Failure("x", "y")]),
+        p.Ok(),
+        p.HeartbeatResult(True),
+        p.PutStartResult([p.ReplicaLocation("te", 4096, 10)], 3),
+        p.GetReplicasResult([p.ReplicaLocation("te", 4096, 10)], 10, 5.0),
+        p.BatchResult([p.Ok(), p.Failure("x", "y")]),
         ErrorReply("protocol", "bad"),
     )
-]  # fmt: skip
+]
 SPECIAL = (  # deep nesting, a str and an array claiming 2**31 elements, nothing
     deep_msgpack(100_000),
     b"\x82\xa4type\xa5Batch\xa3ops" + deep_msgpack(50_000),

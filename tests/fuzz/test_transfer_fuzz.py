@@ -84,8 +84,9 @@ def restore(t: Target) -> None:
 
 
 def descriptor_bytes() -> list[bytes]:
-    desc = SegmentDescriptor("127.0.0.1:1", "host/boot", 1, 1, [Endpoint("127.0.0.1", 1)],
-                             [BufferDescriptor(4096, 4096, "shm", 0)])  # fmt: skip
+    desc = SegmentDescriptor(
+        "127.0.0.1:1", "host/boot", 1, 1, [Endpoint("127.0.0.1", 1)], [BufferDescriptor(4096, 4096, "shm", 0)]
+    )
     return [encode_descriptor(desc)]
 
 
@@ -99,13 +100,30 @@ def requests(draw: st.DrawFn, bases: list[int]) -> tuple[bytes, list[tuple[int, 
             st.integers(-64, BUFFER_BYTES + GAP_BYTES + 64).map(lambda d: base + d).filter(lambda v: v >= 0),
         )
     )
-    length = draw(st.one_of(st.sampled_from([0, 1, 16, BUFFER_BYTES, BUFFER_BYTES + 1, MAX_SLICE, MAX_SLICE + 1,
-                                             wire.MAX_DESCRIPTOR_BYTES + 1, 2**63, 2**64 - 1]),
-                            st.integers(0, 2 * BUFFER_BYTES)))  # fmt: skip
+    length = draw(
+        st.one_of(
+            st.sampled_from(
+                [
+                    0,
+                    1,
+                    16,
+                    BUFFER_BYTES,
+                    BUFFER_BYTES + 1,
+                    MAX_SLICE,
+                    MAX_SLICE + 1,
+                    wire.MAX_DESCRIPTOR_BYTES + 1,
+                    2**63,
+                    2**64 - 1,
+                ]
+            ),
+            st.integers(0, 2 * BUFFER_BYTES),
+        )
+    )
     op = draw(st.sampled_from([1, 1, 2, 2, 2, 3, 0, 4, 255]))
     magic = draw(st.sampled_from([wire.MAGIC] * 8 + [0, wire.MAGIC ^ 1, 0xFFFF]))
-    head = wire.REQUEST.pack(magic, op, draw(st.integers(0, 255)), draw(st.integers(0, 2**32 - 1)),
-                             offset % (1 << 64), length)  # fmt: skip
+    head = wire.REQUEST.pack(
+        magic, op, draw(st.integers(0, 255)), draw(st.integers(0, 2**32 - 1)), offset % (1 << 64), length
+    )
     if op == wire.Op.HANDSHAKE:
         body = draw(st.one_of(st.binary(max_size=64), mutated(descriptor_bytes())))
         sent = body[:length]

@@ -76,8 +76,12 @@ class FakeVllm:
             tokens = prompt if isinstance(prompt, list) else [ord(c) for c in str(prompt or body.get("messages"))]
             reply: dict[str, Any] = {"id": "cmpl-1", "choices": [{"index": 0, "text": self.name}]}
             if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
-                reply["kv_transfer_params"] = {"do_remote_prefill": True, "remote_engine_id": self.name,
-                                               "remote_block_ids": [1, 2], "remote_host": "127.0.0.1"}  # fmt: skip
+                reply["kv_transfer_params"] = {
+                    "do_remote_prefill": True,
+                    "remote_engine_id": self.name,
+                    "remote_block_ids": [1, 2],
+                    "remote_host": "127.0.0.1",
+                }
             self.publish(tokens)
             if not body.get("stream"):
                 return JSONResponse(reply)
@@ -98,9 +102,11 @@ class FakeVllm:
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            text = (f'vllm:num_requests_running{{engine="0",model_name="m"}} 0.0\n'
-                    f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {float(self.waiting)}\n'
-                    f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} 0.25\n')  # fmt: skip
+            text = (
+                f'vllm:num_requests_running{{engine="0",model_name="m"}} 0.0\n'
+                f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {float(self.waiting)}\n'
+                f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} 0.25\n'
+            )
             return Response(text, media_type="text/plain")
 
         @app.get("/v1/models")

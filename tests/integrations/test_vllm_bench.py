@@ -23,8 +23,16 @@ def test_summarize_compares_tokens_with_the_reference() -> None:
     ref = {(0, 0): Turn(1.0, 0.01, 100, 50, [1, 2]), (0, 1): Turn(3.0, 0.03, 100, 0, [3])}
     same = {(0, 0): Turn(0.5, 0.02, 100, 100, [1, 2]), (0, 1): Turn(0.7, float("nan"), 100, 100, [3])}
     row = summarize("tsukimi", same, ref)
-    assert row == {"system": "tsukimi", "requests": 2, "errors": 0, "ttft_p50_s": 0.6, "ttft_p90_s": 0.7,
-                   "tbt_p50_ms": 20.0, "cached_ratio": 1.0, "tokens_equal": True}  # fmt: skip
+    assert row == {
+        "system": "tsukimi",
+        "requests": 2,
+        "errors": 0,
+        "ttft_p50_s": 0.6,
+        "ttft_p90_s": 0.7,
+        "tbt_p50_ms": 20.0,
+        "cached_ratio": 1.0,
+        "tokens_equal": True,
+    }
     differ = {**same, (0, 1): Turn(0.7, 0.0, 100, 0, [4])}
     assert summarize("x", differ, ref)["tokens_equal"] is False
     failed = {**same, (0, 1): Turn(error="HTTP 500")}
@@ -33,8 +41,11 @@ def test_summarize_compares_tokens_with_the_reference() -> None:
 
 
 def test_ratios_and_markdown() -> None:
-    runs: list[dict[str, object]] = [{"system": "vllm_rr", "ttft_p50_s": 0.4}, {"system": "tsukimi", "ttft_p50_s": 0.1},
-                                     {"system": "mooncake_store", "error": "no wheel"}]  # fmt: skip
+    runs: list[dict[str, object]] = [
+        {"system": "vllm_rr", "ttft_p50_s": 0.4},
+        {"system": "tsukimi", "ttft_p50_s": 0.1},
+        {"system": "mooncake_store", "error": "no wheel"},
+    ]
     assert ratios(runs) == {"tsukimi_over_vllm_rr": 0.25}
     table = markdown({"runs": runs, "ratios": ratios(runs)})
     assert "| mooncake_store | - | - | - | - | - | no wheel |" in table

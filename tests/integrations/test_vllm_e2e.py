@@ -51,8 +51,23 @@ def cluster(
     marker = request.node.get_closest_marker("up_args")
     extra = list(marker.args) if marker else ["--instances", "1"]
     state, port = tmp_path / "state.json", free_port()
-    cmd = [sys.executable, "-m", "tsukimi.cli", "up", "--engine", "vllm", "--model", str(model_dir), *extra,
-           "--port", str(port), "--state-file", str(state), "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tsukimi.cli",
+        "up",
+        "--engine",
+        "vllm",
+        "--model",
+        str(model_dir),
+        *extra,
+        "--port",
+        str(port),
+        "--state-file",
+        str(state),
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
     with (tmp_path / "up.log").open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -122,10 +137,20 @@ def test_pd_through_the_pool(cluster: tuple[str, dict[str, object], Callable[[],
     prompt's full blocks (all but the last token's block) instead of computing them."""
     api, info, _ = cluster
     prompt = list(range(100, 100 + 5 * 128))
-    body = {"model": str(model_dir), "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True,
-            "return_token_ids": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    events = [json.loads(line[6:]) for line in httpx.post(f"{api}/v1/completions", json=body, timeout=120).text
-              .splitlines() if line.startswith("data: {")]  # fmt: skip
+    body = {
+        "model": str(model_dir),
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = [
+        json.loads(line[6:])
+        for line in httpx.post(f"{api}/v1/completions", json=body, timeout=120).text.splitlines()
+        if line.startswith("data: {")
+    ]
     tokens = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
     usage = events[-1]["usage"]
     assert len(tokens) == 6 and usage["completion_tokens"] == 6

@@ -39,8 +39,11 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
             fake = fakes[name] = FakeVllm(name, context, waiting=options.get("waiting", 0))
             handle = stack.enter_context(start_in_thread(fake.app))
             instances.append(VllmInstance(name, role, handle.base_url, EventSource(fake.endpoint, "kv")))  # type: ignore[arg-type]
-        config = VllmRouterConfig(VllmHashConfig(block_size=BLOCK_SIZE), poll_interval_s=0.05,
-                                  max_waiting_requests=options.get("max_waiting", 0))  # fmt: skip
+        config = VllmRouterConfig(
+            VllmHashConfig(block_size=BLOCK_SIZE),
+            poll_interval_s=0.05,
+            max_waiting_requests=options.get("max_waiting", 0),
+        )
         backend = VllmBackend(instances, config, conductor=options.get("conductor"))
         router = stack.enter_context(start_in_thread(create_app(backend)))
         httpx.post(f"{router.base_url}/v1/completions", json={"prompt": [1], "max_tokens": 1}, timeout=10)
@@ -52,8 +55,9 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 
 
 def _complete(url: str, prompt: list[int] | str, **extra: object) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2, **extra},
-                      timeout=10)  # fmt: skip
+    return httpx.post(
+        f"{url}/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2, **extra}, timeout=10
+    )
 
 
 def _served_by(fakes: dict[str, FakeVllm], prompt: list[int]) -> list[str]:
@@ -65,8 +69,9 @@ def test_placement_follows_the_index(cluster: Cluster) -> None:
     prefixes = {name: list(range(100 * (i + 1), 100 * (i + 1) + 4 * BLOCK_SIZE)) for i, name in enumerate(fakes)}
     for name, prefix in prefixes.items():  # warm each instance's cache directly, not through the router
         assert httpx.post(f"{_url_of(backend, name)}/v1/completions", json={"prompt": prefix}).status_code == 200
-    wait_until(lambda: all(backend.index.match_at(f"{n}/hbm", backend.hasher.keys(p)) == 4
-                           for n, p in prefixes.items()), 5)  # fmt: skip
+    wait_until(
+        lambda: all(backend.index.match_at(f"{n}/hbm", backend.hasher.keys(p)) == 4 for n, p in prefixes.items()), 5
+    )
     for round_ in range(3):
         for name, prefix in prefixes.items():
             prompt = [*prefix, 7, round_]
@@ -100,17 +105,30 @@ def test_full_queues_are_429(cluster: Cluster) -> None:
 def test_pd_two_steps_with_kv_transfer_params(cluster: Cluster) -> None:
     url, fakes, _ = cluster
     prompt = list(range(50, 70))
-    with httpx.stream("POST", f"{url}/v1/completions", timeout=10,
-                      json={"model": "m", "prompt": prompt, "max_tokens": 3, "stream": True,
-                            "stream_options": {"include_usage": True}}) as response:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        timeout=10,
+        json={
+            "model": "m",
+            "prompt": prompt,
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as response:
         assert response.status_code == 200
         text = response.read().decode()
     [first] = [b for b in fakes["p0"].bodies if b.get("prompt") == prompt]
     assert (first["max_tokens"], first["stream"], first["kv_transfer_params"]["do_remote_decode"]) == (1, False, True)
     assert "stream_options" not in first
     [second] = [b for b in fakes["d0"].bodies if b.get("prompt") == prompt]
-    assert second["kv_transfer_params"] == {"do_remote_prefill": True, "remote_engine_id": "p0",
-                                            "remote_block_ids": [1, 2], "remote_host": "127.0.0.1"}  # fmt: skip
+    assert second["kv_transfer_params"] == {
+        "do_remote_prefill": True,
+        "remote_engine_id": "p0",
+        "remote_block_ids": [1, 2],
+        "remote_host": "127.0.0.1",
+    }
     assert (second["max_tokens"], second["stream"]) == (3, True)
     assert text == b"".join(fakes["d0"].chunks(second)).decode()
 

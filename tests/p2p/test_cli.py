@@ -36,10 +36,24 @@ def test_publish_fetch_and_list_a_file(server: ServerHandle, tmp_path: Path) -> 
     source.write_bytes(payload)
     url = server.url
     publisher = subprocess.Popen(
-        [sys.executable, "-m", "tsukimi.cli", "p2p", "publish", str(source), "--name", "w", "--metadata", url,
-         "--shard-bytes", "1000000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tsukimi.cli",
+            "p2p",
+            "publish",
+            str(source),
+            "--name",
+            "w",
+            "--metadata",
+            url,
+            "--shard-bytes",
+            "1000000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_until(lambda: "w" in tsukimi("p2p", "ls", "--metadata", url).stdout, timeout_s=30, interval_s=0.3)
         out = tmp_path / "copy.bin"

@@ -50,8 +50,13 @@ def test_requests_predicted_to_miss_the_slo_are_rejected_and_the_rest_queue_in_o
     conductor = _conductor(ttft_slo_s=10.0)
     decisions = [conductor.schedule(_request(rid), now=0.0) for rid in range(1, 6)]
     # TTFTs of 1 + 3.56 k s: the fourth (11.68 s) and the fifth (behind it) would miss 10 s
-    assert [(d.accepted, d.queued) for d in decisions] == [(True, False), (True, True), (True, True),
-                                                           (False, False), (False, False)]  # fmt: skip
+    assert [(d.accepted, d.queued) for d in decisions] == [
+        (True, False),
+        (True, True),
+        (True, True),
+        (False, False),
+        (False, False),
+    ]
     assert [round(d.ttft_s, 2) for d in decisions] == [1.0, 4.56, 8.12, 11.68, 11.68]
     assert decisions[3].reason == "ttft_slo" and "> the TTFT SLO 10 s" in decisions[3].message
     assert conductor.counters["queued"] == 2 and conductor.counters["rejected_ttft_slo"] == 2
@@ -101,8 +106,7 @@ def test_a_cold_conductor_prices_decode_stages_with_the_cost_model_when_no_prior
     cost = LinearCostModel(prefill_coef=(0.0, 1e-4, 0.0), decode_coef=(0.01, 1e-3, 0.0), kv_bytes_per_token=1)
 
     def burst(prior_s: float) -> list[str]:
-        config = ConductorConfig(block_tokens=100, kv_bandwidth_bytes_s=1e12, tbt_slo_s=0.03,
-                                 decode_estimate_s=prior_s)  # fmt: skip
+        config = ConductorConfig(block_tokens=100, kv_bandwidth_bytes_s=1e12, tbt_slo_s=0.03, decode_estimate_s=prior_s)
         conductor = Conductor(config, cost, PrefixIndex(), ["p0"], ["d0"], 10**9)
         decisions = [conductor.schedule(ScheduleRequest(i, 1000, [], max_tokens=16), now=0.0) for i in range(40)]
         return [d.reason for d in decisions if not d.accepted]

@@ -27,9 +27,13 @@ def _conductor(
 ) -> Conductor:
     config = ConductorConfig(block_tokens=BLOCK, kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=10_000, **cfg)  # type: ignore[arg-type]
     return Conductor(
-        config, COST, index or PrefixIndex(), [f"p{i}" for i in range(prefill)], [f"d{i}" for i in range(decode)],
+        config,
+        COST,
+        index or PrefixIndex(),
+        [f"p{i}" for i in range(prefill)],
+        [f"d{i}" for i in range(decode)],
         capacity,
-    )  # fmt: skip
+    )
 
 
 def _request(request_id: int = 1, blocks: list[int] = CHAIN, tokens: int = 1000) -> ScheduleRequest:
@@ -208,8 +212,9 @@ def test_uniform_prediction_drops_requests_older_than_the_mean_stage() -> None:
 def test_uniform_prediction_tests_the_average_over_decode_instances() -> None:
     conductors = []
     for mode in ("predicted", "predicted_uniform"):
-        conductor = _conductor(prefill=1, decode=2, rejection="none", tbt_slo_s=0.013, ttft_slo_s=100,
-                               decode_estimate_s=20.0)  # fmt: skip
+        conductor = _conductor(
+            prefill=1, decode=2, rejection="none", tbt_slo_s=0.013, ttft_slo_s=100, decode_estimate_s=20.0
+        )
         for request_id in (1, 2, 3):  # three 5000-token requests on d0 (d1 excluded), over the SLO
             assert conductor.schedule(_request(request_id, [], 5000), 0.0, exclude={"d1"}).accepted
         for request_id in (1, 2, 3):
@@ -225,8 +230,9 @@ def test_uniform_prediction_tests_the_average_over_decode_instances() -> None:
 
 def test_without_recheck_an_admitted_request_always_reaches_decode() -> None:
     for recheck, expected in ((True, None), (False, "d0")):
-        conductor = _conductor(prefill=1, decode=1, tbt_slo_s=0.0112, rejection="early", ttft_slo_s=100,
-                               recheck_decode=recheck)  # fmt: skip
+        conductor = _conductor(
+            prefill=1, decode=1, tbt_slo_s=0.0112, rejection="early", ttft_slo_s=100, recheck_decode=recheck
+        )
         assert conductor.schedule(_request(1, [], 1000), 0.0).accepted
         assert conductor.schedule(_request(2, [], 1000), 0.0).accepted  # d0 is still empty now
         assert conductor.admit_decode(1, 1.0) == "d0"

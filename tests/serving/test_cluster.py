@@ -63,14 +63,19 @@ def test_plan_pd_starts_master_then_workers_then_router() -> None:
     config = ClusterConfig(model="tiny")
     first, workers, router = plan(config, lambda: next(ports))
     assert [(s.name, s.role, s.url) for s in first] == [
-        ("master", "master", "http://127.0.0.1:7002"), ("metadata", "metadata", "http://127.0.0.1:7003")
-    ]  # fmt: skip
-    assert first[0].args[1:4] == ('--set=master.host="127.0.0.1"', "--set=master.rpc_port=7001",
-                                  "--set=master.http_port=7002")  # fmt: skip
+        ("master", "master", "http://127.0.0.1:7002"),
+        ("metadata", "metadata", "http://127.0.0.1:7003"),
+    ]
+    assert first[0].args[1:4] == (
+        '--set=master.host="127.0.0.1"',
+        "--set=master.rpc_port=7001",
+        "--set=master.http_port=7002",
+    )
     assert first[1].args == ("metadata-server", "--host", "127.0.0.1", "--port", "7003")
     assert [(s.name, s.role, s.url) for s in workers] == [
-        ("prefill-0", "prefill", "http://127.0.0.1:7004"), ("decode-0", "decode", "http://127.0.0.1:7005")
-    ]  # fmt: skip
+        ("prefill-0", "prefill", "http://127.0.0.1:7004"),
+        ("decode-0", "decode", "http://127.0.0.1:7005"),
+    ]
     args = workers[0].args
     assert args[:7] == ("worker", "--name", "prefill-0", "--role", "prefill", "--port", "7004")
     assert args[args.index("--master") + 1] == "tcp://127.0.0.1:7001" and args[args.index("--model") + 1] == "tiny"
@@ -110,10 +115,21 @@ def parse_worker(args: tuple[str, ...]) -> WorkerConfig:
 
 def test_worker_args_are_the_inverse_of_the_worker_command() -> None:
     config = WorkerConfig(
-        name="d1", role="decode", model="tiny", host="::1", port=9002, block_tokens=8, num_blocks=64,
-        max_batched_tokens=128, master="tcp://[::1]:1", segment_bytes=1 << 20, threads=2, dtype="bfloat16",
-        prefix_caching=False, metadata_url="http://127.0.0.1:1/metadata",
-    )  # fmt: skip
+        name="d1",
+        role="decode",
+        model="tiny",
+        host="::1",
+        port=9002,
+        block_tokens=8,
+        num_blocks=64,
+        max_batched_tokens=128,
+        master="tcp://[::1]:1",
+        segment_bytes=1 << 20,
+        threads=2,
+        dtype="bfloat16",
+        prefix_caching=False,
+        metadata_url="http://127.0.0.1:1/metadata",
+    )
     assert parse_worker(worker_args(config)) == config
     assert parse_worker(("worker",)) == WorkerConfig() == parse_worker(worker_args(WorkerConfig()))
 
@@ -123,8 +139,12 @@ def test_plan_gives_every_worker_the_shared_settings() -> None:
     config = load(ClusterConfig, None, overrides)
     ports = itertools.count(7001)
     _, workers, _ = plan(config, lambda: next(ports))
-    shared = dataclasses.replace(config.workers.worker, model="tiny", master="tcp://127.0.0.1:7001",
-                                 metadata_url="http://127.0.0.1:7003/metadata")  # fmt: skip
+    shared = dataclasses.replace(
+        config.workers.worker,
+        model="tiny",
+        master="tcp://127.0.0.1:7001",
+        metadata_url="http://127.0.0.1:7003/metadata",
+    )
     assert [parse_worker(s.args) for s in workers] == [
         dataclasses.replace(shared, name="prefill-0", role="prefill", port=7004),
         dataclasses.replace(shared, name="decode-0", role="decode", port=7005),
@@ -180,8 +200,10 @@ def alive(pid: int) -> bool:
 
 
 def tiny_cluster(tmp_path: Path, model: str = "tiny") -> str:
-    return (f'model = "{model}"\nlog_dir = "{tmp_path / "logs"}"\nstartup_timeout_s = 60\nstop_timeout_s = 5\n'
-            f"[workers]\nnum_blocks = 64\nsegment_bytes = {16 << 20}\n[router]\nport = {free_port()}\n")  # fmt: skip
+    return (
+        f'model = "{model}"\nlog_dir = "{tmp_path / "logs"}"\nstartup_timeout_s = 60\nstop_timeout_s = 5\n'
+        f"[workers]\nnum_blocks = 64\nsegment_bytes = {16 << 20}\n[router]\nport = {free_port()}\n"
+    )
 
 
 @pytest.mark.timeout(90)

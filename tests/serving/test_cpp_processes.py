@@ -34,16 +34,45 @@ def group() -> Iterator[dict[str, str]]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         head, tail, decode = free_port(), free_port(), free_port()
-        common = {"num_stages": 2, "model": "tiny", "master": store.master_addr, "chunk_tokens": CHUNK,
-                  "segment_bytes": 32 << 20}  # fmt: skip
-        stages = [PrefillStageConfig(name="cpp-1", stage=1, port=tail, **common),  # type: ignore[arg-type]
-                  PrefillStageConfig(name="cpp", stage=0, port=head, downstream=f"127.0.0.1:{tail}", **common)]  # type: ignore[arg-type]  # fmt: skip
+        common = {
+            "num_stages": 2,
+            "model": "tiny",
+            "master": store.master_addr,
+            "chunk_tokens": CHUNK,
+            "segment_bytes": 32 << 20,
+        }
+        stages = [
+            PrefillStageConfig(name="cpp-1", stage=1, port=tail, **common),  # type: ignore[arg-type]
+            PrefillStageConfig(name="cpp", stage=0, port=head, downstream=f"127.0.0.1:{tail}", **common),
+        ]  # type: ignore[arg-type]
         for cfg in stages:
-            procs.append(subprocess.Popen([sys.executable, "-m", "tsukimi.cli", *stage_args(cfg)],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
-        cmd = [sys.executable, "-m", "tsukimi.cli", "worker", "--name", "decode", "--role", "decode",
-               "--model", "tiny", "--port", str(decode), "--master", store.master_addr, "--segment-bytes", "16M",
-               "--num-blocks", "256"]  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tsukimi.cli", *stage_args(cfg)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        cmd = [
+            sys.executable,
+            "-m",
+            "tsukimi.cli",
+            "worker",
+            "--name",
+            "decode",
+            "--role",
+            "decode",
+            "--model",
+            "tiny",
+            "--port",
+            str(decode),
+            "--master",
+            store.master_addr,
+            "--segment-bytes",
+            "16M",
+            "--num-blocks",
+            "256",
+        ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         urls = {"prefill": f"http://127.0.0.1:{head}", "decode": f"http://127.0.0.1:{decode}"}
         for url in urls.values():

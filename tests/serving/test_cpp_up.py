@@ -32,8 +32,14 @@ NEW = 4
 
 
 def test_plan_starts_the_groups_stages_beside_the_workers() -> None:
-    overrides = ["model=tiny", "workers.cpp_groups=1", "workers.cpp_stages=2", "workers.cpp_chunk_tokens=64",
-                 "workers.num_blocks=32", "workers.base_port=9100"]  # fmt: skip
+    overrides = [
+        "model=tiny",
+        "workers.cpp_groups=1",
+        "workers.cpp_stages=2",
+        "workers.cpp_chunk_tokens=64",
+        "workers.num_blocks=32",
+        "workers.base_port=9100",
+    ]
     config = load(ClusterConfig, None, overrides)
     ports = itertools.count(7001)
     _, workers, router = plan(config, lambda: next(ports))
@@ -62,9 +68,11 @@ def test_groups_need_mode_pd_and_count_as_prefill_workers() -> None:
 
 
 def cluster_text(tmp_path: Path) -> str:
-    return (f'model = "tiny"\nlog_dir = "{tmp_path / "logs"}"\nstartup_timeout_s = 90\nstop_timeout_s = 5\n'
-            f"[workers]\nnum_blocks = 256\nsegment_bytes = {16 << 20}\ncpp_groups = 1\ncpp_stages = 2\n"
-            f"cpp_chunk_tokens = {CHUNK}\n[router]\nport = {free_port()}\n")  # fmt: skip
+    return (
+        f'model = "tiny"\nlog_dir = "{tmp_path / "logs"}"\nstartup_timeout_s = 90\nstop_timeout_s = 5\n'
+        f"[workers]\nnum_blocks = 256\nsegment_bytes = {16 << 20}\ncpp_groups = 1\ncpp_stages = 2\n"
+        f"cpp_chunk_tokens = {CHUNK}\n[router]\nport = {free_port()}\n"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +101,13 @@ def test_long_greedy_prompts_go_to_the_group_and_match_one_worker(cluster: str) 
     torch.set_num_threads(1)
     loaded = random_tiny(0)
     mc = loaded.config
-    one_worker = LLMEngine(loaded.model, KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, 16, mc.torch_dtype),
-                           256, mc.eos_token_ids, CHUNK)  # fmt: skip
+    one_worker = LLMEngine(
+        loaded.model,
+        KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, 16, mc.torch_dtype),
+        256,
+        mc.eos_token_ids,
+        CHUNK,
+    )
     tokenizer, params = load_tokenizer("tiny"), SamplingParams(max_tokens=NEW, ignore_eos=True)
     before = placed(cluster)
     assert complete(cluster, LONG) == tokenizer.decode(one_worker.generate([LONG], params)[0])

@@ -31,9 +31,18 @@ pytestmark = pytest.mark.timeout(180)
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "dashboard.png"
 # NOTE: the machine's network is closed: Chromium's background connections would be refused
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--window-size=1400,1200")  # fmt: skip
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1400,1200",
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +59,11 @@ def browser() -> Iterator[Any]:
     """A headless Chromium (Selenium WebDriver) with a fresh profile."""
     missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
     if missing:
-        pytest.fail(f"the dashboard's browser test needs {' and '.join(missing)}: "
-                    "apt-get install -y chromium chromium-driver (or `make system-deps`)", pytrace=False)  # fmt: skip
+        pytest.fail(
+            f"the dashboard's browser test needs {' and '.join(missing)}: "
+            "apt-get install -y chromium chromium-driver (or `make system-deps`)",
+            pytrace=False,
+        )
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service

@@ -33,8 +33,24 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     """A colocated worker process with the fault injection on; its base URL and log."""
     log = tmp_path_factory.mktemp("worker") / "worker.log"
     port = free_port()
-    cmd = [sys.executable, "-m", "tsukimi.cli", "worker", "--name", "colo", "--role", "colocated",
-           "--model", "tiny", "--port", str(port), "--num-blocks", "256", "--block-tokens", "16"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tsukimi.cli",
+        "worker",
+        "--name",
+        "colo",
+        "--role",
+        "colocated",
+        "--model",
+        "tiny",
+        "--port",
+        str(port),
+        "--num-blocks",
+        "256",
+        "--block-tokens",
+        "16",
+    ]
     env = {**os.environ, FAULT_TOKEN_ENV: str(POISON)}
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -89,6 +89,11 @@ def test_a_master_failover_fails_no_request(tmp_path: Path) -> None:
                 elected = time.monotonic() - killed
             assert time.monotonic() - killed < 60, "no new leader"
         recomputed = sum(p in PROMPTS and cached < cached_before[PROMPTS.index(p)] for p, cached, _ in results)
-        logger.warning("failover: a new leader within %.2f s; %d requests, all served; slowest %.2f s; %d with "
-                       "less cached KV than before", elected, len(results), max(r[2] for r in results),
-                       recomputed)  # fmt: skip
+        logger.warning(
+            "failover: a new leader within %.2f s; %d requests, all served; slowest %.2f s; %d with "
+            "less cached KV than before",
+            elected,
+            len(results),
+            max(r[2] for r in results),
+            recomputed,
+        )

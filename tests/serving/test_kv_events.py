@@ -135,8 +135,9 @@ def test_snapshot_on_subscribe_then_a_lost_batch_healed_by_a_snapshot(publisher:
         publisher.publish(stored)  # before anyone listens: only a snapshot can tell
         index, context = PrefixIndex(), zmq.asyncio.Context()
         events = InstanceEvents(index, "p0")
-        source = EventSource(f"tcp://127.0.0.1:{publisher.port}",
-                             snapshot_endpoint=f"tcp://127.0.0.1:{publisher.snapshot_port}")  # fmt: skip
+        source = EventSource(
+            f"tcp://127.0.0.1:{publisher.port}", snapshot_endpoint=f"tcp://127.0.0.1:{publisher.snapshot_port}"
+        )
         task = asyncio.create_task(EventSubscriber(events, source, context).run())
         try:
             await _until(lambda: events.stats.snapshots >= 1 and events.stats.applied > 0)  # heartbeats flow

@@ -34,9 +34,26 @@ def workers() -> Iterator[dict[str, str]]:
     try:
         for role in ("prefill", "decode"):
             port = free_port()
-            cmd = [sys.executable, "-m", "tsukimi.cli", "worker", "--name", role, "--role", role, "--model", "tiny",
-                   "--port", str(port), "--master", store.master_addr, "--segment-bytes", "32M",
-                   "--num-blocks", str(NUM_BLOCKS if role == "prefill" else 256)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "tsukimi.cli",
+                "worker",
+                "--name",
+                role,
+                "--role",
+                role,
+                "--model",
+                "tiny",
+                "--port",
+                str(port),
+                "--master",
+                store.master_addr,
+                "--segment-bytes",
+                "32M",
+                "--num-blocks",
+                str(NUM_BLOCKS if role == "prefill" else 256),
+            ]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             urls[role] = f"http://127.0.0.1:{port}"
         for url in urls.values():
@@ -59,8 +76,9 @@ def _worker_blocks(url: str) -> tuple[int, set[int]]:
 def test_index_follows_a_small_cache_with_evictions(workers: dict[str, str]) -> None:
     rng = random.Random(0)
     stems = [[rng.randrange(3, 250) for _ in range(48)] for _ in range(8)]  # 3 blocks each
-    prompts = [stems[rng.randrange(8)] + [rng.randrange(3, 250) for _ in range(rng.choice((5, 20, 40)))]
-               for _ in range(20)]  # fmt: skip
+    prompts = [
+        stems[rng.randrange(8)] + [rng.randrange(3, 250) for _ in range(rng.choice((5, 20, 40)))] for _ in range(20)
+    ]
     specs = [WorkerSpec("prefill", "prefill", workers["prefill"]), WorkerSpec("decode", "decode", workers["decode"])]
     router = Router(specs, FAST, ConductorConfig(rejection="none"))
 

@@ -152,12 +152,18 @@ def test_chat_completion(colo: Colo) -> None:
 
 def test_chat_completion_stream(colo: Colo) -> None:
     client, _ = colo(reply=ids("Hi!"))
-    chunks = sse(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                            "stream": True}))  # fmt: skip
+    chunks = sse(
+        client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": True})
+    )
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     deltas = [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in chunks]  # type: ignore[index]
-    assert deltas == [({"role": "assistant", "content": ""}, None), ({"content": "H"}, None), ({"content": "i"}, None),
-                      ({"content": "!"}, None), ({}, "length")]  # fmt: skip
+    assert deltas == [
+        ({"role": "assistant", "content": ""}, None),
+        ({"content": "H"}, None),
+        ({"content": "i"}, None),
+        ({"content": "!"}, None),
+        ({}, "length"),
+    ]
 
 
 def test_stop_string_cuts_text_and_closes_the_worker_stream(colo: Colo) -> None:
@@ -242,8 +248,13 @@ def test_pd_completion_through_the_api(serve: Serve) -> None:
     body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}).json()
     assert TOKENIZER.encode(body["choices"][0]["text"]) == [110, 111, 112]
     # NOTE: the fake prefill worker publishes no KV events: the router's index expected no reuse
-    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 4, "pool_tokens": 2, "expected_cached_tokens": 0,
-                                                      "expected_pool_tokens": 0, "expected_concurrent": 0}  # fmt: skip
+    assert body["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 4,
+        "pool_tokens": 2,
+        "expected_cached_tokens": 0,
+        "expected_pool_tokens": 0,
+        "expected_concurrent": 0,
+    }
     assert client.get("/health").json()["mode"] == "pd"
     assert "tsukimi_router_pool_prompt_tokens_total 2.0" in client.get("/metrics").text
 
@@ -253,8 +264,12 @@ def test_worker_failures_are_502_and_503(serve: Serve) -> None:
     assert error_of(client.post("/v1/completions", json={"prompt": "a"}), 502)["code"] == "worker_error"
     client = serve(WorkerSpec("dead", "colocated", dead_url()))
     for stream in (False, True):
-        error = error_of(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                                   "stream": stream}), 503)  # fmt: skip
+        error = error_of(
+            client.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": stream}
+            ),
+            503,
+        )
         assert error["code"] == "worker_unavailable"
     assert client.get("/health").json()["status"] == "degraded"
 

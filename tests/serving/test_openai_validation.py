@@ -174,8 +174,14 @@ def test_bad_parameter_is_an_openai_error_and_no_worker_is_contacted(
     content = body if isinstance(body, bytes) else httpx.Request("POST", "/", json=body).content
     response = client.post(path, content=content, headers={"content-type": "application/json"})
     assert response.status_code == status, response.text
-    assert response.json() == {"error": {"message": response.json()["error"]["message"], "param": param, "code": code,
-                                         "type": "invalid_request_error"}}  # fmt: skip
+    assert response.json() == {
+        "error": {
+            "message": response.json()["error"]["message"],
+            "param": param,
+            "code": code,
+            "type": "invalid_request_error",
+        }
+    }
     message = response.json()["error"]["message"]
     assert "decode-0" not in message and "$." not in message and "`$`" not in message, message
     assert fake.calls == []

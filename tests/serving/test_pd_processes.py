@@ -36,9 +36,26 @@ def workers() -> Iterator[dict[str, str]]:
     try:
         for role in ("prefill", "decode"):
             port = free_port()
-            cmd = [sys.executable, "-m", "tsukimi.cli", "worker", "--name", role, "--role", role, "--model", "tiny",
-                   "--port", str(port), "--master", store.master_addr, "--segment-bytes", "16M",
-                   "--num-blocks", "256"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "tsukimi.cli",
+                "worker",
+                "--name",
+                role,
+                "--role",
+                role,
+                "--model",
+                "tiny",
+                "--port",
+                str(port),
+                "--master",
+                store.master_addr,
+                "--segment-bytes",
+                "16M",
+                "--num-blocks",
+                "256",
+            ]
             logs.append(tempfile.TemporaryFile())  # noqa: SIM115 - closed below
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logs[-1]))
             urls[role] = f"http://127.0.0.1:{port}"
@@ -62,8 +79,16 @@ def _healthy(url: str) -> bool:
 
 
 def _generate(url: str, request_id: str, prompt: list[int], max_tokens: int) -> list[dict[str, object]]:
-    body = {"request_id": request_id, "prompt_ids": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "top_p": 1.0, "seed": None, "stop_token_ids": [], "ignore_eos": True}  # fmt: skip
+    body = {
+        "request_id": request_id,
+        "prompt_ids": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "seed": None,
+        "stop_token_ids": [],
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", url + "/generate", json=body, timeout=60) as response:
         assert response.status_code == 200
         return [json.loads(line) for line in response.iter_lines() if line]

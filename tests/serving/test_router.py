@@ -112,9 +112,15 @@ class FakeWorker:
 
         @app.get("/health")
         def health() -> dict[str, object]:
-            return {"status": "ok", "name": self.name, "role": self.reported_role, "model": "tiny",
-                    "block_tokens": BLOCK_TOKENS, **({"cpp": self.cpp} if self.cpp else {}),
-                    **({"cost": self.cost} if self.cost else {})}  # fmt: skip
+            return {
+                "status": "ok",
+                "name": self.name,
+                "role": self.reported_role,
+                "model": "tiny",
+                "block_tokens": BLOCK_TOKENS,
+                **({"cpp": self.cpp} if self.cpp else {}),
+                **({"cost": self.cost} if self.cost else {}),
+            }
 
         @app.get("/load")
         def load() -> dict[str, object]:
@@ -149,8 +155,12 @@ class FakeWorker:
                 stop = token in stops  # type: ignore[operator]
                 last = stop or i == len(tokens) - 1
                 reason = ("stop" if stop else "length") if last and not self.abort else None
-                line: dict[str, object] = {"token_ids": [] if stop else [token], "finish_reason": reason,
-                                           "cached_tokens": self.cached, "pool_tokens": self.cached // 2}  # fmt: skip
+                line: dict[str, object] = {
+                    "token_ids": [] if stop else [token],
+                    "finish_reason": reason,
+                    "cached_tokens": self.cached,
+                    "pool_tokens": self.cached // 2,
+                }
                 if last and self.abort:
                     line["error"] = msgspec.structs.asdict(ErrorReply("worker_error", "the engine failed: scripted"))
                 yield json.dumps(line).encode() + b"\n"
@@ -216,8 +226,14 @@ def test_parse_workers_and_modes() -> None:
     assert specs == [WorkerSpec("p0", "prefill", "http://127.0.0.1:1"), WorkerSpec("d0", "decode", "http://h:2")]
     assert Router(specs).mode == "pd"
     assert Router(parse_workers("a=colocated@http://h:1")).mode == "colocated"
-    for bad in ("p0=prefill", "x=cook@http://h:1", "a=colocated@ftp://h", "a=colocated@http://h:1,a=decode@http://h:2",
-                "", "pool=prefill@http://h:1"):  # fmt: skip
+    for bad in (
+        "p0=prefill",
+        "x=cook@http://h:1",
+        "a=colocated@ftp://h",
+        "a=colocated@http://h:1,a=decode@http://h:2",
+        "",
+        "pool=prefill@http://h:1",
+    ):
         with pytest.raises(ConfigError):
             parse_workers(bad)
     with pytest.raises(ConfigError, match="fit no pd mode"):
@@ -247,10 +263,27 @@ def test_router_file_reads_tables_and_overrides(tmp_path: object) -> None:
 def test_router_command_arguments() -> None:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["router", "--workers", "a=colocated@http://h:1", "--mode", "colocated",
-                              "--set", "router.policy=round_robin", "--set", "conductor.ttft_slo_s=5"])  # fmt: skip
+    args = parser.parse_args(
+        [
+            "router",
+            "--workers",
+            "a=colocated@http://h:1",
+            "--mode",
+            "colocated",
+            "--set",
+            "router.policy=round_robin",
+            "--set",
+            "conductor.ttft_slo_s=5",
+        ]
+    )
     assert (args.command, args.host, args.port, args.model, args.mode, args.config) == (
-        "router", "127.0.0.1", 8000, "tiny", "colocated", None)  # fmt: skip
+        "router",
+        "127.0.0.1",
+        8000,
+        "tiny",
+        "colocated",
+        None,
+    )
     settings = load(RouterFileConfig, args.config, args.set)
     assert (settings.router.policy, settings.conductor.ttft_slo_s) == ("round_robin", 5.0)
 
@@ -271,9 +304,17 @@ def test_colocated_least_load_follows_polled_loads(workers: list[FakeWorker]) ->
 
     run_with(router, body)
     assert (len(workers[0].calls), len(workers[1].calls)) == (0, 3)
-    assert workers[1].calls[0] == {"request_id": "r0", "prompt_ids": [10, 20, 30], "max_tokens": 4,
-                                   "temperature": 0.0, "top_p": 1.0, "seed": None, "stop_token_ids": [],
-                                   "ignore_eos": False, "weights_version": ""}  # fmt: skip
+    assert workers[1].calls[0] == {
+        "request_id": "r0",
+        "prompt_ids": [10, 20, 30],
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "seed": None,
+        "stop_token_ids": [],
+        "ignore_eos": False,
+        "weights_version": "",
+    }
 
 
 def test_colocated_least_load_counts_requests_in_flight(workers: list[FakeWorker]) -> None:

@@ -91,8 +91,9 @@ def test_a_child_stops_when_its_lifeline_closes() -> None:
 def test_a_foreign_command_under_the_wrapper_stops_with_the_lifeline() -> None:
     lifeline = Lifeline()
     cmd = [sys.executable, "-m", "tsukimi.lifeline", "sleep", "60"]
-    wrapper = subprocess.Popen(cmd, env={**os.environ, **lifeline.env()}, pass_fds=lifeline.pass_fds,
-                               start_new_session=True)  # fmt: skip
+    wrapper = subprocess.Popen(
+        cmd, env={**os.environ, **lifeline.env()}, pass_fds=lifeline.pass_fds, start_new_session=True
+    )
     try:
         wait_until(lambda: bool(children_of(wrapper.pid)), 30)
         [sleeper] = children_of(wrapper.pid)

@@ -182,8 +182,9 @@ def publisher(metadata_url: str) -> Iterator[P2PStore]:
 
 
 def start_worker(metadata_url: str) -> Worker:
-    config = WorkerConfig(name="colo", model="tiny", block_tokens=BLOCK_TOKENS, num_blocks=64,
-                          metadata_url=metadata_url)  # fmt: skip
+    config = WorkerConfig(
+        name="colo", model="tiny", block_tokens=BLOCK_TOKENS, num_blocks=64, metadata_url=metadata_url
+    )
     return Worker(config, random_tiny(0)).start()
 
 

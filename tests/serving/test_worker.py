@@ -68,9 +68,16 @@ def test_health_and_load(colocated: Worker, tiny: LoadedModel) -> None:
     assert all(port > 0 for port in events_ports)
     cost = health.pop("cost")  # NOTE: the start-up profile (tests/serving/test_worker_costs.py)
     assert len(cost["prefill_coef"]) == len(cost["decode_coef"]) == 3 and cost["seconds"] > 0
-    assert health == {"status": "ok", "name": "colo", "role": "colocated", "model": tiny.config.identity,
-                      "model_name": "random-tiny", "block_tokens": BLOCK_TOKENS,
-                      "weights_version": "initial", "cpp": None}  # fmt: skip
+    assert health == {
+        "status": "ok",
+        "name": "colo",
+        "role": "colocated",
+        "model": tiny.config.identity,
+        "model_name": "random-tiny",
+        "block_tokens": BLOCK_TOKENS,
+        "weights_version": "initial",
+        "cpp": None,
+    }
     load = httpx.get(colocated.base_url + "/load", timeout=5).json()
     assert load["waiting"] == load["running"] == 0 and load["total_blocks"] == 512
     assert 0 < load["free_blocks"] <= 512

@@ -49,8 +49,11 @@ def test_a_shared_prefix_is_reused_on_the_instance_that_holds_it() -> None:
 
 
 def test_global_reuse_fetches_a_prefix_held_by_a_busy_instance() -> None:
-    trace = [_req(0, 2048, 1, (1, 2, 3, 4)), _req(2100, 4096, 1, (5, 6, 7, 8, 9, 10, 11, 12)),
-             _req(2100, 2560, 1, (1, 2, 3, 4, 13))]  # fmt: skip
+    trace = [
+        _req(0, 2048, 1, (1, 2, 3, 4)),
+        _req(2100, 4096, 1, (5, 6, 7, 8, 9, 10, 11, 12)),
+        _req(2100, 2560, 1, (1, 2, 3, 4, 13)),
+    ]
     for reuse, cached, fetched in (("global", 2048, 2048), ("local", 0, 0)):
         config = ConductorConfig(rejection="none", kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=100_000, reuse=reuse)
         third = simulate(trace, SimConfig(num_prefill=2, num_decode=1), config, COST).jobs[2]
@@ -78,8 +81,9 @@ def test_colocated_chunked_prefill_interleaves_with_decode() -> None:
 
 def test_percentiles_and_decode_load() -> None:
     assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0 and percentile([1.0], 99) == 1.0
-    result = simulate([_req(0, 100, 50, (1,))], SimConfig(num_prefill=1, num_decode=1, sample_every_s=0.1),
-                      CONDUCTOR, COST)  # fmt: skip
+    result = simulate(
+        [_req(0, 100, 50, (1,))], SimConfig(num_prefill=1, num_decode=1, sample_every_s=0.1), CONDUCTOR, COST
+    )
     load = decode_load(result, 0.1)
     assert max(n for _, n in load) == 1 and load[-1][1] in (0, 1)
 
@@ -117,8 +121,9 @@ def test_one_token_outputs_end_at_prefill() -> None:
 
 def test_a_prefix_evicted_from_dram_is_read_back_from_the_ssd_tier() -> None:
     trace = [_req(0, 1024, 1, (1, 2)), _req(5000, 1024, 1, (3, 4)), _req(10000, 1536, 1, (1, 2, 5))]
-    config = ConductorConfig(rejection="none", kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=100_000,
-                             ssd_read_bytes_s=1e5)  # fmt: skip
+    config = ConductorConfig(
+        rejection="none", kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=100_000, ssd_read_bytes_s=1e5
+    )
     sim = SimConfig(num_prefill=1, num_decode=1, cache_blocks=2, ssd_blocks=10)
     result = simulate(trace, sim, config, COST)
     third = result.jobs[2]  # blocks 1 and 2 left DRAM for the second request; the SSD kept them
@@ -136,5 +141,8 @@ def test_the_report_has_vram_occupation() -> None:
     # prefill: 1024 tokens for 1.024 s; decode: 1024 + 3 reserved (p90 prior: the 2048 cap) tokens
     prefill = 1024 * 1.024 / 1e9
     decode = (1024 + 2048) * (job.finish_s - job.decode_join_s) / 1e9
-    assert vram == {"prefill": pytest.approx(prefill, abs=1e-6), "decode": pytest.approx(decode, abs=1e-6),
-                    "per_request": pytest.approx(prefill + decode, abs=1e-6)}  # fmt: skip
+    assert vram == {
+        "prefill": pytest.approx(prefill, abs=1e-6),
+        "decode": pytest.approx(decode, abs=1e-6),
+        "per_request": pytest.approx(prefill + decode, abs=1e-6),
+    }

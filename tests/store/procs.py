@@ -82,11 +82,15 @@ class Proc:
             if found is not None:
                 return found
             if not self.alive():
-                raise ProcessError(f"{self.name} (pid {self.pid}) exited with {self.popen.returncode} before "
-                                   f"printing {pattern.pattern!r}; log tail:\n{self.log_tail()}")  # fmt: skip
+                raise ProcessError(
+                    f"{self.name} (pid {self.pid}) exited with {self.popen.returncode} before "
+                    f"printing {pattern.pattern!r}; log tail:\n{self.log_tail()}"
+                )
             if time.monotonic() > deadline:
-                raise ProcessError(f"{self.name} (pid {self.pid}) printed no {pattern.pattern!r} within "
-                                   f"{timeout_s} s; log tail:\n{self.log_tail()}")  # fmt: skip
+                raise ProcessError(
+                    f"{self.name} (pid {self.pid}) printed no {pattern.pattern!r} within "
+                    f"{timeout_s} s; log tail:\n{self.log_tail()}"
+                )
             time.sleep(0.02)
 
     def _signal(self, signum: signal.Signals) -> None:
@@ -167,9 +171,13 @@ class ProcessGroup:
             log_path = self.log_dir / f"{name}.{suffix}.log"
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(
-                list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                list(argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
                 cwd=REPO_ROOT,
-            )  # fmt: skip
+            )
         proc = Proc(name, popen, log_path)
         self.procs.append(proc)
         return proc
@@ -228,9 +236,25 @@ class ProcessGroup:
     ) -> Proc:
         """`python -m tests.store.workload` appending acknowledged operations to `out`; waits
         until it connected. Raises ProcessError."""
-        argv = [sys.executable, "-m", "tests.store.workload", "--master", master_url, "--out", str(out),
-                "--seconds", str(seconds), "--seed", str(seed), "--keys", str(keys),
-                "--value-bytes", str(value_bytes), "--replicas", str(replicas)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "tests.store.workload",
+            "--master",
+            master_url,
+            "--out",
+            str(out),
+            "--seconds",
+            str(seconds),
+            "--seed",
+            str(seed),
+            "--keys",
+            str(keys),
+            "--value-bytes",
+            str(value_bytes),
+            "--replicas",
+            str(replicas),
+        ]
         argv += [f"--set={s}" for s in settings]
         proc = self.spawn(name or f"workload{seed}", argv)
         proc.wait_line(WORKLOAD_READY)
@@ -241,8 +265,20 @@ class ProcessGroup:
     ) -> tuple[Proc, list[Record]]:
         """A client that heartbeats, sends a raw PutStart for `key` and hangs before PutEnd.
         Returns it and the replicas the master placed. Raises ProcessError."""
-        argv = [sys.executable, "-m", "tests.store.workload", "put-start-and-hang", "--master", master_url,
-                "--key", key, "--bytes", str(nbytes), "--replicas", str(replicas)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "tests.store.workload",
+            "put-start-and-hang",
+            "--master",
+            master_url,
+            "--key",
+            key,
+            "--bytes",
+            str(nbytes),
+            "--replicas",
+            str(replicas),
+        ]
         argv += [f"--set={s}" for s in settings]
         proc = self.spawn(f"hang-{key}", argv)
         return proc, json.loads(proc.wait_line(HANG_READY)["replicas"])

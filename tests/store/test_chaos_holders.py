@@ -34,11 +34,13 @@ WRITE_GRACE_S = 0.5
 TICK_S = 0.05
 SLACK_S = 0.5  # scheduling on a loaded 2-CPU runner, and the poll interval
 MASTER_SETTINGS = (
-    f"master.client_ttl_s={CLIENT_TTL_S}", f"master.heartbeat_interval_s={HEARTBEAT_S}",
-    f"master.lease_ttl_s={LEASE_TTL_S}", f"master.write_grace_s={WRITE_GRACE_S}",
+    f"master.client_ttl_s={CLIENT_TTL_S}",
+    f"master.heartbeat_interval_s={HEARTBEAT_S}",
+    f"master.lease_ttl_s={LEASE_TTL_S}",
+    f"master.write_grace_s={WRITE_GRACE_S}",
     f"master.tick_interval_s={TICK_S}",
     "master.put_timeout_s=30",  # NOTE: abandoned puts must be reclaimed because their writer died
-)  # fmt: skip
+)
 CLIENT_SETTINGS = (f"client.heartbeat_interval_s={HEARTBEAT_S}", "client.rpc_timeout_s=2.0")
 TCP_SETTINGS = ("transfer.transport=tcp", "transfer.timeout_s=0.5")  # a partition needs a network; <= write_grace_s
 OP_BOUND_S = LEASE_TTL_S + SLACK_S  # no get may take longer: reads end within the lease
@@ -69,9 +71,12 @@ class Cluster:
 
 
 def start_cluster(
-    group: ProcessGroup, tmp_path: Path, settings: tuple[str, ...] = (), master_settings: tuple[str, ...] = (),
+    group: ProcessGroup,
+    tmp_path: Path,
+    settings: tuple[str, ...] = (),
+    master_settings: tuple[str, ...] = (),
     holder_settings: dict[int, tuple[str, ...]] | None = None,
-) -> Cluster:  # fmt: skip
+) -> Cluster:
     """A master and three holders of SEGMENT_BYTES; `holder_settings[i]`: holder i's extras."""
     common = CLIENT_SETTINGS + settings
     master = group.spawn_master([*MASTER_SETTINGS, *master_settings, *settings])
@@ -138,18 +143,29 @@ def test_holder_sigkilled_during_replicated_workload(group: ProcessGroup, tmp_pa
         keys = sorted(states)
         got = [r.value() for r in reader.batch_get(keys)]
     for key, data in zip(keys, got, strict=True):
-        version = None if data is None else next(
-            (v for v in {states[key].version, *states[key].maybe} if v is not None
-             and data == value_of(key, v, 64 << 10)), -1)  # fmt: skip
+        version = (
+            None
+            if data is None
+            else next(
+                (
+                    v
+                    for v in {states[key].version, *states[key].maybe}
+                    if v is not None and data == value_of(key, v, 64 << 10)
+                ),
+                -1,
+            )
+        )
         assert version != -1, f"{key}: bytes of no version it may hold"
         assert states[key].allows(version), f"{key}: holds version {version}, acknowledged {states[key]}"
     keys_lost = sum(1 for key, data in zip(keys, got, strict=True) if data is None and states[key].version is not None)
     assert keys_lost == 0
     assert victim not in {s["te_segment"] for s in cluster.master.segments()}
     worst_get = max(float(r["elapsed_s"]) for r in ops if r["op"] == "get")
-    print(f"\nchaos holder_sigkill: detection_s={detection_s:.3f} keys_lost={keys_lost} hangs={len(hangs)} "
-          f"mismatches={len(mismatches)} ops={len(ops)} failed_ops={len(failed)} worst_get_s={worst_get:.3f} "
-          f"keys_checked={len(keys)}")  # fmt: skip
+    print(
+        f"\nchaos holder_sigkill: detection_s={detection_s:.3f} keys_lost={keys_lost} hangs={len(hangs)} "
+        f"mismatches={len(mismatches)} ops={len(ops)} failed_ops={len(failed)} worst_get_s={worst_get:.3f} "
+        f"keys_checked={len(keys)}"
+    )
 
 
 # -- b. a holder SIGKILLed and restarted under the same name ------------------------------------
@@ -179,8 +195,9 @@ def test_holder_restarted_under_the_same_name(group: ProcessGroup, tmp_path: Pat
         old_client = {s["client_id"] for s in cluster.segments_of(victim)}
         killed_at = time.monotonic()
         holder_proc(cluster, 0).kill()
-        restarted = group.spawn_holder(cluster.master.rpc_url, SEGMENT_BYTES,
-                                       [*cluster.settings, f"transfer.port={port}"], "holder0")  # fmt: skip
+        restarted = group.spawn_holder(
+            cluster.master.rpc_url, SEGMENT_BYTES, [*cluster.settings, f"transfer.port={port}"], "holder0"
+        )
         restart_s = time.monotonic() - killed_at
         assert restarted.name == victim
         # at once: by the time the new incarnation printed its ready line, the old one is gone
@@ -197,9 +214,11 @@ def test_holder_restarted_under_the_same_name(group: ProcessGroup, tmp_path: Pat
         assert cluster.replica_holders("fresh") == [victim]
         assert client.get("fresh") == value_of("fresh", 1, 100_000)
         assert cluster.segments_of(victim)[0]["used"] > 0
-    print(f"\nchaos holder_restart_same_name: detection_s=0 (at the new mount; restart took {restart_s:.3f} s) "
-          f"keys_lost={len(only)} (only replica on it, now misses) keys_served_elsewhere={len(both)} "
-          f"wrong_bytes=0 hangs=0")  # fmt: skip
+    print(
+        f"\nchaos holder_restart_same_name: detection_s=0 (at the new mount; restart took {restart_s:.3f} s) "
+        f"keys_lost={len(only)} (only replica on it, now misses) keys_served_elsewhere={len(both)} "
+        f"wrong_bytes=0 hangs=0"
+    )
 
 
 # -- c. a client SIGKILLed between put_start and put_end -----------------------------------------
@@ -232,8 +251,10 @@ def test_client_sigkilled_between_put_start_and_put_end(group: ProcessGroup, tmp
         assert reclaim_s <= bound_s
         client.put("hung", value_of("hung", 2, MIB), replicas=2)
         assert client.get("hung") == value_of("hung", 2, MIB)
-    print(f"\nchaos client_sigkill_mid_put: detection_s={dropped_s:.3f} reclaim_s={reclaim_s:.3f} "
-          f"(bound {bound_s:.2f}) keys_lost=0 visible_partial=0 hangs=0")  # fmt: skip
+    print(
+        f"\nchaos client_sigkill_mid_put: detection_s={dropped_s:.3f} reclaim_s={reclaim_s:.3f} "
+        f"(bound {bound_s:.2f}) keys_lost=0 visible_partial=0 hangs=0"
+    )
 
 
 # -- d. a holder SIGSTOPped (a partition) past client_ttl, then SIGCONTed -------------------------
@@ -308,9 +329,11 @@ def test_holder_sigstopped_past_client_ttl_then_resumed(group: ProcessGroup, tmp
         client.put("fresh", value_of("fresh", 1, 100_000), replicas=1, preferred=[victim])
         assert cluster.replica_holders("fresh") == [victim]
         assert client.get("fresh") == value_of("fresh", 1, 100_000)
-    print(f"\nchaos holder_sigstop_partition: detection_s={detection_s:.3f} remount_s={remount_s:.3f} "
-          f"keys_lost={len(only)} (only replica on it) reads_while_stopped={sum(r.count for r in readers)} "
-          f"worst_get_s={worst_get_s:.3f} wrong_bytes=0 hangs=0")  # fmt: skip
+    print(
+        f"\nchaos holder_sigstop_partition: detection_s={detection_s:.3f} remount_s={remount_s:.3f} "
+        f"keys_lost={len(only)} (only replica on it) reads_while_stopped={sum(r.count for r in readers)} "
+        f"worst_get_s={worst_get_s:.3f} wrong_bytes=0 hangs=0"
+    )
 
 
 # -- e. a replica corrupted in a holder's memory, with client.checksum ----------------------------

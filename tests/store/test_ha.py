@@ -24,8 +24,14 @@ from tsukimi.store.master.server import MasterServer
 from tsukimi.store.protocol import CODEC
 from tsukimi.transfer.metadata.etcd_kv import EtcdKV
 
-HA_MASTER = ("master.heartbeat_interval_s=0.2", "master.client_ttl_s=1.5", "master.lease_ttl_s=1.0",
-             "master.write_grace_s=0.5", "master.ha_lease_ttl_s=2", "master.tick_interval_s=0.05")  # fmt: skip
+HA_MASTER = (
+    "master.heartbeat_interval_s=0.2",
+    "master.client_ttl_s=1.5",
+    "master.lease_ttl_s=1.0",
+    "master.write_grace_s=0.5",
+    "master.ha_lease_ttl_s=2",
+    "master.tick_interval_s=0.05",
+)
 HA_CLIENT = ("client.heartbeat_interval_s=0.2", "client.failover_timeout_s=10")
 VALUE_BYTES = 16 << 10
 
@@ -73,8 +79,12 @@ def test_leader_sigkilled_during_a_mixed_workload_loses_no_acknowledged_put(
     masters = start_masters(group, etcd, 3)
     group.spawn_holders(etcd.url, 32 << 20, 3, settings=HA_CLIENT)
     outs = [tmp_path / f"acks{i}.jsonl" for i in range(3)]
-    workloads = [group.spawn_workload(etcd.url, out, 7.0, seed=i, keys=24, value_bytes=VALUE_BYTES, replicas=2,
-                                      settings=HA_CLIENT) for i, out in enumerate(outs)]  # fmt: skip
+    workloads = [
+        group.spawn_workload(
+            etcd.url, out, 7.0, seed=i, keys=24, value_bytes=VALUE_BYTES, replicas=2, settings=HA_CLIENT
+        )
+        for i, out in enumerate(outs)
+    ]
     time.sleep(2.5)
     first = leader_of(etcd.url)
     assert first is not None
@@ -110,8 +120,10 @@ def test_leader_sigkilled_during_a_mixed_workload_loses_no_acknowledged_put(
     assert lost == 0 and checked > 0
     ops = sum(1 for rec in records if rec.get("ok"))
     kinds = sorted({f"{rec['op']}:{rec['error']}" for rec in errors})
-    print(f"\nchaos leader-kill: failover_s={failover_s:.2f} acked_keys={checked} keys_lost={lost} mismatches=0 "
-          f"ops_ok={ops} op_errors={len(errors)} {kinds} max_op_s={max_op_s:.2f} hangs=0")  # fmt: skip
+    print(
+        f"\nchaos leader-kill: failover_s={failover_s:.2f} acked_keys={checked} keys_lost={lost} mismatches=0 "
+        f"ops_ok={ops} op_errors={len(errors)} {kinds} max_op_s={max_op_s:.2f} hangs=0"
+    )
 
 
 @pytest.mark.timeout(120)
@@ -140,8 +152,9 @@ def test_a_paused_leader_is_fenced_and_a_new_one_takes_over(etcd: EtcdProcess, g
 
 @pytest.mark.timeout(60)
 def test_snapshots_and_the_log_rebuild_every_object_on_the_next_leader(etcd: EtcdProcess) -> None:
-    config = MasterConfig(rpc_port=0, http_port=0, ha_etcd=etcd.url, ha_snapshot_records=100,
-                          heartbeat_interval_s=0.2, client_ttl_s=2.0)  # fmt: skip
+    config = MasterConfig(
+        rpc_port=0, http_port=0, ha_etcd=etcd.url, ha_snapshot_records=100, heartbeat_interval_s=0.2, client_ttl_s=2.0
+    )
     first = MasterServer(config)
     wait_for(lambda: first.role == "leader", 10, "the first master leads")
     second = MasterServer(config)

@@ -49,8 +49,14 @@ class JournalMachine(RuleBasedStateMachine):
         records = journal.records_of(self.state, self.state.take_changes())
         self.tables.apply(journal.decode(journal.encode(records)))
 
-    @rule(client=CLIENTS, key=KEYS, size=st.integers(1, 20_000), replicas=st.integers(1, 3), upsert=st.booleans(),
-          end=st.sampled_from(["end", "revoke", "leave"]))  # fmt: skip
+    @rule(
+        client=CLIENTS,
+        key=KEYS,
+        size=st.integers(1, 20_000),
+        replicas=st.integers(1, 3),
+        upsert=st.booleans(),
+        end=st.sampled_from(["end", "revoke", "leave"]),
+    )
     def put(self, client: str, key: str, size: int, replicas: int, upsert: bool, end: str) -> None:
         self._apply(lambda: self.state.put_start(client, key, size, ReplicaConfig(replicas=replicas), upsert))
         if end == "end":

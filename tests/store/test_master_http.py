@@ -36,10 +36,19 @@ def test_summary_keys_pages_and_batch_queries(tmp_path: Path) -> None:
             assert httpx.get(f"{url}/get_all_keys", params={"limit": 0}).status_code == 422
             reply = httpx.get(f"{url}/batch_query_keys", params={"keys": "a,zz"}).json()
             a, zz = reply["data"]["a"], reply["data"]["zz"]
-            assert reply["success"] and a["ok"] and zz == {
-                "ok": False, "error": "OBJECT_NOT_FOUND", "values": None, "disk_values": None,
-                "local_disk_values": None, "nof_values": None,
-            }  # fmt: skip
+            assert (
+                reply["success"]
+                and a["ok"]
+                and zz
+                == {
+                    "ok": False,
+                    "error": "OBJECT_NOT_FOUND",
+                    "values": None,
+                    "disk_values": None,
+                    "local_disk_values": None,
+                    "nof_values": None,
+                }
+            )
             assert [v["size_"] for v in a["values"]] == [1000] and a["values"][0][
                 "transport_endpoint_"
             ] == holder.engine.name

@@ -50,14 +50,26 @@ class MasterModel(RuleBasedStateMachine):
             op = MountSegment(f"client{i % 2}", f"seg{i}", f"te{i % 2}", (i + 1) << 32, kib * 1024)
             self.state.registry.mount(op, self.clock.now())
 
-    @rule(key=KEYS, kib=st.integers(1, 3), replicas=st.integers(1, 3), pin=PINS, upsert=st.booleans(), writer=SEGMENTS,
-          ttl=SOFT_TTLS)  # fmt: skip
+    @rule(
+        key=KEYS,
+        kib=st.integers(1, 3),
+        replicas=st.integers(1, 3),
+        pin=PINS,
+        upsert=st.booleans(),
+        writer=SEGMENTS,
+        ttl=SOFT_TTLS,
+    )
     def put_start(
         self, key: str, kib: int, replicas: int, pin: str, upsert: bool, writer: int, ttl: float | None
     ) -> None:
         soft = pin == "soft"
-        config = ReplicaConfig(replicas=replicas, soft_pin=soft, hard_pin=pin == "hard",
-                               soft_pin_ttl_s=ttl if soft else None, keep_soft_pin=pin == "keep")  # fmt: skip
+        config = ReplicaConfig(
+            replicas=replicas,
+            soft_pin=soft,
+            hard_pin=pin == "hard",
+            soft_pin_ttl_s=ttl if soft else None,
+            keep_soft_pin=pin == "keep",
+        )
         try:
             locations = self.state.put_start(f"client{writer % 2}", key, kib * 1024, config, upsert)
         except (ObjectExists, OutOfSpace):

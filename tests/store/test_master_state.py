@@ -252,8 +252,14 @@ def test_a_retried_put_start_and_put_end_with_the_same_put_id_are_the_same_put()
 
 def test_put_start_rejects_out_of_range_numbers() -> None:
     state, _ = make_state()
-    for size, put_id, checksum in ((0, 0, None), (1 << 41, 0, None), (KIB, -1, None), (KIB, 1 << 63, None),
-                                   (KIB, 0, 1 << 32), (KIB, 0, -5)):  # fmt: skip
+    for size, put_id, checksum in (
+        (0, 0, None),
+        (1 << 41, 0, None),
+        (KIB, -1, None),
+        (KIB, 1 << 63, None),
+        (KIB, 0, 1 << 32),
+        (KIB, 0, -5),
+    ):
         with pytest.raises(InvalidArgument):
             state.put_start("c0", "k", size, ReplicaConfig(), upsert=False, put_id=put_id, checksum=checksum)
     assert state.pending == {}

@@ -44,8 +44,13 @@ class TaskModel(RuleBasedStateMachine):
     def _existing(self, data: st.DataObject) -> str:
         return data.draw(st.sampled_from(sorted(self.state.objects) or ["a"]))
 
-    @rule(key=KEYS, kib=st.integers(1, 3), replicas=st.integers(1, 2), upsert=st.booleans(),
-          pin=st.sampled_from(["", "soft", "keep", "hard"]))  # fmt: skip
+    @rule(
+        key=KEYS,
+        kib=st.integers(1, 3),
+        replicas=st.integers(1, 2),
+        upsert=st.booleans(),
+        pin=st.sampled_from(["", "soft", "keep", "hard"]),
+    )
     def put(self, key: str, kib: int, replicas: int, upsert: bool, pin: str) -> None:
         config = ReplicaConfig(replicas, soft_pin=pin == "soft", hard_pin=pin == "hard", keep_soft_pin=pin == "keep")
         try:

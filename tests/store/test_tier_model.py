@@ -47,10 +47,18 @@ class TierModel(RuleBasedStateMachine):
         super().__init__()
         self.clock = VirtualClock()
         cfg = MasterConfig(
-            client_ttl_s=3.0, heartbeat_interval_s=1.0, lease_ttl_s=1.0, put_timeout_s=5.0, write_grace_s=0.5,
-            offload_watermark=0.3, high_watermark=0.9, evict_ratio=0.1, disk_task_timeout_s=2.0,
-            disk_inflight_bytes=8 * KIB, disk_high_watermark=0.9,
-        )  # fmt: skip
+            client_ttl_s=3.0,
+            heartbeat_interval_s=1.0,
+            lease_ttl_s=1.0,
+            put_timeout_s=5.0,
+            write_grace_s=0.5,
+            offload_watermark=0.3,
+            high_watermark=0.9,
+            evict_ratio=0.1,
+            disk_task_timeout_s=2.0,
+            disk_inflight_bytes=8 * KIB,
+            disk_high_watermark=0.9,
+        )
         self.state = MasterState(cfg, self.clock)
         self.memory: dict[int, Tag] = {}  # address -> tag
         self.files: dict[str, dict[Tag, Tag]] = {"d0": {}, "d1": {}}  # disk -> version -> content
@@ -71,8 +79,9 @@ class TierModel(RuleBasedStateMachine):
     def _start_holder(self, i: int) -> None:
         """A (re)started holder: its segment (a new incarnation), its disk and its files."""
         client = self._client(i)
-        self.state.mount(MountSegment(client, f"seg{i}-{self.gen[i]}", f"te{i}", (i + 1) << 32, SEGMENT,
-                                      f"inc{self.gen[i]}"))  # fmt: skip
+        self.state.mount(
+            MountSegment(client, f"seg{i}-{self.gen[i]}", f"te{i}", (i + 1) << 32, SEGMENT, f"inc{self.gen[i]}")
+        )
         disk_ops.mount(self.state.tiers, dp.MountDisk(client, f"d{i}", f"tcp://h{i}:1", 6 * KIB), self.clock.now())
         files = [dp.DiskFile(key, put_id, self.sizes[(key, put_id)], 0) for key, put_id in self.files[f"d{i}"]]
         accepted = disk_ops.register(self.state.tiers, dp.RegisterDiskFiles(client, f"d{i}", files), self.clock.now())
@@ -116,8 +125,12 @@ class TierModel(RuleBasedStateMachine):
         tag = (key, record.put_id)
         copies = self.state.tiers.locations(record, self.clock.now())
         assert replicas or copies, f"{key}: a hit with nothing to read"
-        read = Read(tag, [r.address for r in replicas], [(c.disk_id, key, c.put_id) for c in copies],
-                    self.clock.now() + self.state.config.lease_ttl_s)  # fmt: skip
+        read = Read(
+            tag,
+            [r.address for r in replicas],
+            [(c.disk_id, key, c.put_id) for c in copies],
+            self.clock.now() + self.state.config.lease_ttl_s,
+        )
         self._check_read(read)
         self.reads.append(read)
 
@@ -206,8 +219,17 @@ class TierModel(RuleBasedStateMachine):
         self.state.tick()
 
     def teardown(self) -> None:
-        for name in ("offloads", "memory_freed_to_disk", "promotions", "disk_evictions", "disk_adopted",
-                     "disk_tasks_expired", "offloads_discarded", "promotions_discarded", "evictions"):  # fmt: skip
+        for name in (
+            "offloads",
+            "memory_freed_to_disk",
+            "promotions",
+            "disk_evictions",
+            "disk_adopted",
+            "disk_tasks_expired",
+            "offloads_discarded",
+            "promotions_discarded",
+            "evictions",
+        ):
             if self.state.counters[name]:
                 event(name)
 

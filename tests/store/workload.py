@@ -142,8 +142,15 @@ class Workload:
             self.possible[key].add(self.pending_version)
         self.counts[f"{op}_error"] = self.counts.get(f"{op}_error", 0) + 1
         elapsed = round(time.monotonic() - started, 4)
-        self.record.write(op=op, key=key, version=self.pending_version, error=type(exc).__name__,
-                          retriable=isinstance(exc, RETRIABLE), ambiguous=ambiguous, elapsed_s=elapsed)  # fmt: skip
+        self.record.write(
+            op=op,
+            key=key,
+            version=self.pending_version,
+            error=type(exc).__name__,
+            retriable=isinstance(exc, RETRIABLE),
+            ambiguous=ambiguous,
+            elapsed_s=elapsed,
+        )
 
     def _count(self, outcome: dict[str, object]) -> None:
         name = "mismatch" if outcome.get("mismatch") else "lost" if outcome.get("lost") else "ok"

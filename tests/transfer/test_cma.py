@@ -37,10 +37,13 @@ def test_numpy_and_torch_memory_go_over_cma_byte_exact(engines: tuple[TransferEn
     a, t = owner.register(array), owner.register(tensor)
     assert user.transport_for("owner", a) == user.transport_for("owner", t) == "cma"  # shm cannot reach them
     data = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
-    statuses = user.transfer([
-        TransferRequest(OpCode.WRITE, "owner", a + i * (1 << 18), data[i * (1 << 18) : (i + 1) * (1 << 18)])
-        for i in range(4)
-    ] + [TransferRequest(OpCode.WRITE, "owner", t, data)])  # fmt: skip
+    statuses = user.transfer(
+        [
+            TransferRequest(OpCode.WRITE, "owner", a + i * (1 << 18), data[i * (1 << 18) : (i + 1) * (1 << 18)])
+            for i in range(4)
+        ]
+        + [TransferRequest(OpCode.WRITE, "owner", t, data)]
+    )
     assert [s.state for s in statuses] == [RequestState.COMPLETED] * 5
     assert np.array_equal(array, data) and np.array_equal(tensor.numpy().view(np.uint8), data)
     back = np.zeros(1 << 20, np.uint8)

@@ -55,13 +55,18 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> list[RecordingTransport]:
 def test_a_registered_transport_is_built_ranked_and_forced(recording: list[RecordingTransport]) -> None:
     assert [n for n in base.transport_names() if n != "nixl"] == ["recording", "shm", "cma", "tcp"]  # nixl: optional
     cfg = Config(metadata=MetadataConfig(url=f"memory://{uuid.uuid4().hex}"))
-    with TransferEngine("chosen-target", cfg) as chosen, TransferEngine("other-target", cfg) as other, \
-            TransferEngine("initiator", cfg) as initiator:  # fmt: skip
+    with (
+        TransferEngine("chosen-target", cfg) as chosen,
+        TransferEngine("other-target", cfg) as other,
+        TransferEngine("initiator", cfg) as initiator,
+    ):
         a, b = chosen.allocate(1 << 16), other.allocate(1 << 16)
-        statuses = initiator.transfer([
-            TransferRequest(OpCode.WRITE, "chosen-target", a.base, b"x" * 3000),  # auto: rank 1 first
-            TransferRequest(OpCode.WRITE, "other-target", b.base, b"y" * 3000),  # it refuses: shm serves
-        ])  # fmt: skip
+        statuses = initiator.transfer(
+            [
+                TransferRequest(OpCode.WRITE, "chosen-target", a.base, b"x" * 3000),  # auto: rank 1 first
+                TransferRequest(OpCode.WRITE, "other-target", b.base, b"y" * 3000),  # it refuses: shm serves
+            ]
+        )
         assert [s.state for s in statuses] == [RequestState.COMPLETED] * 2
         mine = recording[-1]
         assert mine.slices == [("chosen-target", 1024), ("chosen-target", 1024), ("chosen-target", 952)]

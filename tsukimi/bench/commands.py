@@ -139,14 +139,23 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     sv.add_argument("--shared", type=float, default=0.9, help="skewed: the fraction sharing the system prompt")
     sv.add_argument("--seed", type=int, default=0, help="skewed: prompts and arrival times")
     sv.add_argument("--prefill", type=int, default=1, help="prefill workers of each `tsukimi up` (mode pd)")
-    sv.add_argument("--compare-hot", type=float, default=0.0, metavar="THRESHOLD",
-                    help="run with the master's hot-key replication off, then on at THRESHOLD reads/s")  # fmt: skip
+    sv.add_argument(
+        "--compare-hot",
+        type=float,
+        default=0.0,
+        metavar="THRESHOLD",
+        help="run with the master's hot-key replication off, then on at THRESHOLD reads/s",
+    )
     sv.add_argument("--trace", default=sim_commands.DEFAULT_TRACE)
     sv.add_argument("--speed", type=float, default=1.0, help="trace: replay this many times faster")
     sv.add_argument("--trace-limit", type=int, default=200)
     sv.add_argument("--no-compare", action="store_true", help="one run with reuse only")
-    sv.add_argument("--num-blocks", type=int, default=0,
-                    help="each worker's KV cache, in blocks (default 4096; overload: 512, as tsukimi up)")  # fmt: skip
+    sv.add_argument(
+        "--num-blocks",
+        type=int,
+        default=0,
+        help="each worker's KV cache, in blocks (default 4096; overload: 512, as tsukimi up)",
+    )
     sv.add_argument("--duration", type=float, default=60.0, help="overload: seconds of load at --factor x")
     sv.add_argument("--factor", type=float, default=4.0, help="overload: times the measured sustainable rate")
     sv.add_argument("--quick", action="store_true", help="overload: 10 s of load after a 6 s calibration")

@@ -54,16 +54,33 @@ def _start(cfg: CppBenchConfig, stages: int) -> tuple[str, list[subprocess.Popen
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     ports = [free_port() for _ in range(max(1, stages))]
     if stages == 0:
-        args = ["worker", "--model", cfg.model, "--port", str(ports[0]), "--threads", "1", "--num-blocks", "512",
-                "--max-batched-tokens", str(cfg.chunk_tokens), "--no-prefix-caching"]  # fmt: skip
+        args = [
+            "worker",
+            "--model",
+            cfg.model,
+            "--port",
+            str(ports[0]),
+            "--threads",
+            "1",
+            "--num-blocks",
+            "512",
+            "--max-batched-tokens",
+            str(cfg.chunk_tokens),
+            "--no-prefix-caching",
+        ]
         return f"http://127.0.0.1:{ports[0]}", [subprocess.Popen([*cli, *args], **quiet)]  # type: ignore[call-overload]
     procs = []
     for stage in reversed(range(stages)):  # NOTE: the last stage first: each connects downstream
         downstream = f"127.0.0.1:{ports[stage + 1]}" if stage + 1 < stages else ""
         stage_cfg = PrefillStageConfig(
-            name=f"cpp-{stage}", stage=stage, num_stages=stages, model=cfg.model, port=ports[stage],
-            downstream=downstream, chunk_tokens=cfg.chunk_tokens,
-        )  # fmt: skip
+            name=f"cpp-{stage}",
+            stage=stage,
+            num_stages=stages,
+            model=cfg.model,
+            port=ports[stage],
+            downstream=downstream,
+            chunk_tokens=cfg.chunk_tokens,
+        )
         procs.append(subprocess.Popen([*cli, *stage_args(stage_cfg)], **quiet))  # type: ignore[call-overload]
     return f"http://127.0.0.1:{ports[0]}", procs
 
@@ -86,8 +103,13 @@ def run(cfg: CppBenchConfig) -> dict[str, object]:
         rows[f"cpp_k{k}"] = measure(cfg, k)
     medians = {name: statistics.median(times) for name, times in rows.items()}
     base = medians.get("cpp_k1", medians["worker"])
-    return {"config": asdict(cfg), "git_rev": _git_rev(), "ttft_s": rows, "median_s": medians,
-            "ratio_to_k1": {name: m / base for name, m in medians.items()}}  # fmt: skip
+    return {
+        "config": asdict(cfg),
+        "git_rev": _git_rev(),
+        "ttft_s": rows,
+        "median_s": medians,
+        "ratio_to_k1": {name: m / base for name, m in medians.items()},
+    }
 
 
 def dumps(result: dict[str, object]) -> str:
@@ -97,9 +119,13 @@ def dumps(result: dict[str, object]) -> str:
 def markdown(result: dict[str, object]) -> str:
     cfg, medians, ratios = result["config"], result["median_s"], result["ratio_to_k1"]
     assert isinstance(cfg, dict) and isinstance(medians, dict) and isinstance(ratios, dict)
-    lines = [f"TTFT of a {cfg['prompt_tokens']}-token prompt, chunks of {cfg['chunk_tokens']} tokens, "
-             f"median of {cfg['repeats']}, git {result['git_rev']}.", "",
-             "| shape | TTFT | vs CPP k = 1 |", "|---|---|---|"]  # fmt: skip
+    lines = [
+        f"TTFT of a {cfg['prompt_tokens']}-token prompt, chunks of {cfg['chunk_tokens']} tokens, "
+        f"median of {cfg['repeats']}, git {result['git_rev']}.",
+        "",
+        "| shape | TTFT | vs CPP k = 1 |",
+        "|---|---|---|",
+    ]
     for name, median in medians.items():
         lines.append(f"| {name} | {median * 1000:.0f} ms | {ratios[name]:.2f}x |")
     return "\n".join(lines)

@@ -92,17 +92,23 @@ class BurstResult:
         slo = self.config.ttft_slo_s
         errors = [o.ttft_s - o.predicted_ttft_s for o in served]
         return {
-            "requests": len(self.outcomes), "served": len(served), "rejected": len(rejected),
-            "queued": sum(o.queued for o in self.outcomes), "other_errors": len(self.outcomes) - len(served)
-            - len(rejected), "decode_capacity_tokens": self.decode_capacity_tokens,
+            "requests": len(self.outcomes),
+            "served": len(served),
+            "rejected": len(rejected),
+            "queued": sum(o.queued for o in self.outcomes),
+            "other_errors": len(self.outcomes) - len(served) - len(rejected),
+            "decode_capacity_tokens": self.decode_capacity_tokens,
             "rejected_predicted_to_miss": sum(o.predicted_ttft_s > slo for o in rejected),
             "served_met_slo": sum(o.ttft_s <= slo for o in served),
             "served_predicted_to_meet": sum(o.predicted_ttft_s <= slo for o in served),
             "ttft_max_s": round(max((o.ttft_s for o in served), default=0.0), 3),
-            "prediction_error_s": {"mean": round(sum(errors) / len(errors), 3) if errors else 0.0,
-                                   "max_late": round(max(errors, default=0.0), 3)},
-            "same_tokens_as_sequential": self.same_tokens_as_sequential, "wall_s": round(self.wall_s, 2),
-        }  # fmt: skip
+            "prediction_error_s": {
+                "mean": round(sum(errors) / len(errors), 3) if errors else 0.0,
+                "max_late": round(max(errors, default=0.0), 3),
+            },
+            "same_tokens_as_sequential": self.same_tokens_as_sequential,
+            "wall_s": round(self.wall_s, 2),
+        }
 
 
 @contextlib.contextmanager
@@ -115,9 +121,26 @@ def pd_workers(cfg: BurstConfig) -> Iterator[dict[str, str]]:
         for role in ("prefill", "decode"):
             port = free_port()
             blocks = cfg.decode_num_blocks if role == "decode" else 0
-            cmd = [sys.executable, "-m", "tsukimi.cli", "worker", "--name", role, "--role", role, "--model", "tiny",
-                   "--port", str(port), "--master", store.master_addr, "--kv-cache-memory", cfg.kv_cache_memory,
-                   "--num-blocks", str(blocks)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "tsukimi.cli",
+                "worker",
+                "--name",
+                role,
+                "--role",
+                role,
+                "--model",
+                "tiny",
+                "--port",
+                str(port),
+                "--master",
+                store.master_addr,
+                "--kv-cache-memory",
+                cfg.kv_cache_memory,
+                "--num-blocks",
+                str(blocks),
+            ]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=tempfile.TemporaryFile()))  # noqa: SIM115
             urls[role] = f"http://127.0.0.1:{port}"
         for url in urls.values():
@@ -197,8 +220,14 @@ async def _burst(api: str, prompts: list[list[int]], max_tokens: int) -> list[Ou
 
 async def _complete(api: str, index: int, prompt: list[int], max_tokens: int, outcome: Outcome) -> Outcome:
     """One streaming greedy completion: its status, TTFT (to the first text) and text."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     start = time.perf_counter()
     async with (
         httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0)) as client,
@@ -230,17 +259,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-num-blocks", type=int, default=d.decode_num_blocks)
     parser.add_argument("--no-kv-wait", action="store_true", help="reject at once what lacks decode KV memory")
     parser.add_argument("--warm-up", action="store_true", help="one short request before the burst")
-    parser.add_argument("--prefill-token-s", type=float, default=0.0,
-                        help="the router's prefill s per prompt token (0: its default)")  # fmt: skip
+    parser.add_argument(
+        "--prefill-token-s", type=float, default=0.0, help="the router's prefill s per prompt token (0: its default)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    cfg = BurstConfig(args.requests, args.prompt_tokens, args.max_tokens, args.ttft_slo, args.kv_cache_memory,
-                      args.decode_num_blocks, kv_wait=not args.no_kv_wait, warm_up=args.warm_up,
-                      prefill_token_s=args.prefill_token_s)  # fmt: skip
+    cfg = BurstConfig(
+        args.requests,
+        args.prompt_tokens,
+        args.max_tokens,
+        args.ttft_slo,
+        args.kv_cache_memory,
+        args.decode_num_blocks,
+        kv_wait=not args.no_kv_wait,
+        warm_up=args.warm_up,
+        prefill_token_s=args.prefill_token_s,
+    )
     result = run_burst(cfg)
     if args.json:
-        print(json.dumps({"config": asdict(cfg), "figures": result.summary(),
-                          "outcomes": [asdict(o) for o in result.outcomes]}))  # fmt: skip
+        print(
+            json.dumps(
+                {"config": asdict(cfg), "figures": result.summary(), "outcomes": [asdict(o) for o in result.outcomes]}
+            )
+        )
     else:
         for key, value in result.summary().items():
             print(f"{key:28} {value}")

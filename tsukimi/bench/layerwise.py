@@ -66,8 +66,15 @@ class _Bench:
     def engine(self, client: StoreClient | None, layerwise: bool) -> LLMEngine:
         connector = None if client is None else StoreKVConnector(client, self.format)
         mc = self.loaded.config
-        return LLMEngine(self.loaded.model, self.layout, self.num_blocks, mc.eos_token_ids, 512, connector,
-                         layerwise_loading=layerwise)  # fmt: skip
+        return LLMEngine(
+            self.loaded.model,
+            self.layout,
+            self.num_blocks,
+            mc.eos_token_ids,
+            512,
+            connector,
+            layerwise_loading=layerwise,
+        )
 
     def new_suffix(self) -> list[int]:
         self._serial += 1
@@ -161,9 +168,13 @@ def markdown(result: dict[str, object]) -> str:
         "| TTFT | median | min | vs whole |",
         "|---|---|---|---|",
     ]
-    names = {"layerwise": "pooled prefix, layer-wise loading", "whole": "pooled prefix, loaded whole first (default)",
-             "compute": "no pool: whole prompt computed (1 run)", "load_only": "(load only: every block, no forward)",
-             "compute_only": "(compute only: prefix in the local cache)"}  # fmt: skip
+    names = {
+        "layerwise": "pooled prefix, layer-wise loading",
+        "whole": "pooled prefix, loaded whole first (default)",
+        "compute": "no pool: whole prompt computed (1 run)",
+        "load_only": "(load only: every block, no forward)",
+        "compute_only": "(compute only: prefix in the local cache)",
+    }
     for mode, name in names.items():
         lines.append(f"| {name} | {median[mode]:.1f} ms | {low[mode]:.1f} ms | {median[mode] / whole:.2f}x |")
     return "\n".join(lines)

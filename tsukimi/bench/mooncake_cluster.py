@@ -210,8 +210,12 @@ class MooncakeCluster:
         hostname = unique_hostname()
         args = ["tsukimi.bench.mooncake_cluster", "holder", self.master_addr, hostname, str(self.holder_bytes)]
         env = {**MOONCAKE_ENV, **offload_env(self.offload_dir)} if self.offload_dir else MOONCAKE_ENV
-        worker = JsonWorker(f"mooncake holder {index}", [*args, *(["--offload"] if self.offload_dir else [])],
-                            _HOLDER_STARTUP_TIMEOUT_S, env=env)  # fmt: skip
+        worker = JsonWorker(
+            f"mooncake holder {index}",
+            [*args, *(["--offload"] if self.offload_dir else [])],
+            _HOLDER_STARTUP_TIMEOUT_S,
+            env=env,
+        )
         self._holders.append(worker)
         logger.info("mooncake holder %d up: pid %d, segment %s", index, worker.pid, hostname)
 
@@ -255,8 +259,11 @@ def protocol_stream() -> IO[str]:
 
 def offload_env(directory: str) -> dict[str, str]:
     """The client environment of Mooncake's SSD offload into `directory`."""
-    return {"MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": directory, "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "10",
-            "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES": str(10 << 20)}  # fmt: skip
+    return {
+        "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": directory,
+        "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "10",
+        "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES": str(10 << 20),
+    }
 
 
 def _holder(master_addr: str, hostname: str, segment_bytes: int, offload: bool) -> int:

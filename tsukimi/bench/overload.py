@@ -103,8 +103,9 @@ def cluster_pids(state_file: Path) -> dict[str, int]:
     return pids
 
 
-async def _run(cfg: OverloadConfig, url: str, pids: dict[str, int], progress: Callable[[str], None]
-               ) -> dict[str, object]:  # fmt: skip
+async def _run(
+    cfg: OverloadConfig, url: str, pids: dict[str, int], progress: Callable[[str], None]
+) -> dict[str, object]:
     rss = RssSampler(pids)
     baseline = await send(url, cfg.model, _BASELINE, cfg.request_timeout_s)
     if baseline.kind != "served":
@@ -117,16 +118,25 @@ async def _run(cfg: OverloadConfig, url: str, pids: dict[str, int], progress: Ca
         sustainable = max(step.served_rps for step in steps)
         if sustainable <= 0:
             raise PeerError(f"the cluster served nothing in the closed loop: {steps}")
-        progress(f"sustainable {sustainable:.2f} req/s; offering {cfg.factor * sustainable:.2f} req/s "
-                 f"for {cfg.duration_s:g} s")  # fmt: skip
+        progress(
+            f"sustainable {sustainable:.2f} req/s; offering {cfg.factor * sustainable:.2f} req/s "
+            f"for {cfg.duration_s:g} s"
+        )
         load = await _overload(url, cfg, cfg.factor * sustainable, rss)
         progress(f"{len(load.outcomes)} requests ended; checking that the cluster serves normally")
         after = await _post_load(url, cfg)
     finally:
         samples = rss.stop()
     calibration = [asdict(s) | {"served_rps": round(s.served_rps, 3)} for s in steps]
-    run = dataclasses.replace(load, sustainable_rps=sustainable, calibration=calibration, rss=samples,
-                              baseline=baseline, after=after, idle_probes=idle_probes)  # fmt: skip
+    run = dataclasses.replace(
+        load,
+        sustainable_rps=sustainable,
+        calibration=calibration,
+        rss=samples,
+        baseline=baseline,
+        after=after,
+        idle_probes=idle_probes,
+    )
     return summarize(run)
 
 
@@ -141,8 +151,7 @@ async def _idle_probes(url: str, cfg: OverloadConfig) -> list[Probe]:
     return probes
 
 
-async def _overload(url: str, cfg: OverloadConfig, rate: float, rss: RssSampler
-                    ) -> LoadRun:  # fmt: skip
+async def _overload(url: str, cfg: OverloadConfig, rate: float, rss: RssSampler) -> LoadRun:
     """The open loop at `rate`, with /health probed and each process's CPU time noted."""
     health = HealthProbe(url, cfg.health_interval_s)
     try:
@@ -152,8 +161,11 @@ async def _overload(url: str, cfg: OverloadConfig, rate: float, rss: RssSampler
         load_to, cpu_to = time.perf_counter() - rss.origin, rss.cpu_mark() | {"bench": time.process_time()}
     finally:
         probes = health.stop()
-    cpu = {name: round(100 * (cpu_to[name] - cpu_from[name]) / (load_to - load_from), 1)
-           for name in cpu_to if name in cpu_from}  # fmt: skip
+    cpu = {
+        name: round(100 * (cpu_to[name] - cpu_from[name]) / (load_to - load_from), 1)
+        for name in cpu_to
+        if name in cpu_from
+    }
     return LoadRun(cfg.duration_s, rate, outcomes, sending_s, wall_s, lag_s, probes, (load_from, load_to), cpu)
 
 
@@ -164,8 +176,9 @@ async def _calibrate(url: str, cfg: OverloadConfig) -> list[Calibration]:
     return [await _closed_loop(url, cfg, n, seconds, requests) for n in cfg.concurrency]
 
 
-async def _closed_loop(url: str, cfg: OverloadConfig, concurrency: int, seconds: float,
-                       requests: Iterator[OverloadRequest]) -> Calibration:  # fmt: skip
+async def _closed_loop(
+    url: str, cfg: OverloadConfig, concurrency: int, seconds: float, requests: Iterator[OverloadRequest]
+) -> Calibration:
     outcomes: list[Outcome] = []
     start = time.perf_counter()
 
@@ -183,8 +196,7 @@ async def _closed_loop(url: str, cfg: OverloadConfig, concurrency: int, seconds:
     return Calibration(concurrency, round(elapsed, 3), served, rejected, len(kinds) - served - rejected)
 
 
-async def _open_loop(url: str, cfg: OverloadConfig, rate: float
-                     ) -> tuple[list[Outcome], float, float, float]:  # fmt: skip
+async def _open_loop(url: str, cfg: OverloadConfig, rate: float) -> tuple[list[Outcome], float, float, float]:
     """Poisson arrivals at `rate` for cfg.duration_s, then every request drained. Returns the
     outcomes (one per request sent), the seconds spent sending, the seconds until the last
     request ended, and the latest a request was sent after its arrival time (how far the load

@@ -79,8 +79,13 @@ async def send(url: str, model: str, request: OverloadRequest, timeout_s: float)
 
 
 async def _send(url: str, model: str, request: OverloadRequest, start: float) -> Outcome:
-    body: dict[str, object] = {"model": model, "prompt": list(request.prompt), "max_tokens": request.max_tokens,
-                               "temperature": 0, "stream": request.stream}  # fmt: skip
+    body: dict[str, object] = {
+        "model": model,
+        "prompt": list(request.prompt),
+        "max_tokens": request.max_tokens,
+        "temperature": 0,
+        "stream": request.stream,
+    }
     if request.stream:
         body["stream_options"] = {"include_usage": True}
     async with post_json(f"{url}/v1/completions", json.dumps(body).encode()) as answer:

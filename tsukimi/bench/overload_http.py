@@ -63,8 +63,12 @@ async def post_json(url: str, body: bytes) -> AsyncIterator[Answer]:
     reader, writer = await asyncio.open_connection(parts.hostname, parts.port, limit=_READ_BYTES)
     try:
         conn = h11.Connection(h11.CLIENT)
-        headers = [("Host", parts.netloc), ("Content-Type", "application/json"), ("Content-Length", str(len(body))),
-                   ("Connection", "close")]  # fmt: skip
+        headers = [
+            ("Host", parts.netloc),
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(body))),
+            ("Connection", "close"),
+        ]
         writer.write(conn.send(h11.Request(method="POST", target=parts.path or "/", headers=headers)) or b"")
         writer.write(conn.send(h11.Data(data=body)) or b"")
         writer.write(conn.send(h11.EndOfMessage()) or b"")

@@ -79,8 +79,10 @@ def _probe_loop(url: str, interval_s: float, timeout_s: float, out_path: str) ->
 
     threading.Thread(target=wait_for_eof, daemon=True).start()
     origin = time.perf_counter()
-    with httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=1)) as client, \
-            open(out_path, "w", encoding="utf-8") as out:  # fmt: skip
+    with (
+        httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=1)) as client,
+        open(out_path, "w", encoding="utf-8") as out,
+    ):
         while not stop.is_set():
             begin = time.perf_counter()
             try:

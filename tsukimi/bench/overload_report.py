@@ -61,22 +61,35 @@ def summarize(run: LoadRun) -> dict[str, object]:
     post_ok = bool(after) and all(_same_answer(o, baseline) for o in after)
     health = _health(run.probes)
     figures: dict[str, object] = {
-        "sustainable_rps": round(run.sustainable_rps, 3), "target_rps": round(run.target_rps, 3),
-        "calibration": run.calibration, "sent": len(outcomes), "sending_s": round(run.sending_s, 3),
-        "drain_s": round(run.wall_s - run.sending_s, 3), "generator_lag_s": round(run.lag_s, 3),
+        "sustainable_rps": round(run.sustainable_rps, 3),
+        "target_rps": round(run.target_rps, 3),
+        "calibration": run.calibration,
+        "sent": len(outcomes),
+        "sending_s": round(run.sending_s, 3),
+        "drain_s": round(run.wall_s - run.sending_s, 3),
+        "generator_lag_s": round(run.lag_s, 3),
         "throughput_rps": round(kinds.get("served", 0) / run.wall_s, 3) if run.wall_s else 0.0,
         "offered_rps": round(len(outcomes) / duration_s, 3),
         **{kind: kinds.get(kind, 0) for kind in _KINDS},
         **{f"{kind}_rps": round(kinds.get(kind, 0) / duration_s, 3) for kind in _KINDS},
-        "rejected_by": _by_reason(outcomes, "rejected"), "errors_by": _by_reason(outcomes, "error"),
-        "failed_by": _by_reason(outcomes, "failed"), "examples": _examples(outcomes),
+        "rejected_by": _by_reason(outcomes, "rejected"),
+        "errors_by": _by_reason(outcomes, "error"),
+        "failed_by": _by_reason(outcomes, "failed"),
+        "examples": _examples(outcomes),
         "ttft_s": _quantiles([o.ttft_s for o in served if o.stream]),
         "latency_s": _quantiles([o.latency_s for o in served if not o.stream]),
-        "health": health, "health_idle": _health(run.idle_probes), "rss_mib": memory, "cpu_percent": run.cpu_percent,
-        "post_load": {"ok": post_ok, "baseline_tokens": baseline.tokens,
-                      "answers": [f"{o.kind} {o.status} {o.reason} tokens={o.tokens} same={_same_answer(o, baseline)}"
-                                  for o in after]},
-    }  # fmt: skip
+        "health": health,
+        "health_idle": _health(run.idle_probes),
+        "rss_mib": memory,
+        "cpu_percent": run.cpu_percent,
+        "post_load": {
+            "ok": post_ok,
+            "baseline_tokens": baseline.tokens,
+            "answers": [
+                f"{o.kind} {o.status} {o.reason} tokens={o.tokens} same={_same_answer(o, baseline)}" for o in after
+            ],
+        },
+    }
     figures["verdicts"] = {
         "health_under_100ms": bool(health["probes"]) and health["failed"] == 0 and health["over_100ms"] == 0,
         "every_request_ended": kinds.get("failed", 0) == 0 and sum(kinds.values()) == len(outcomes),
@@ -108,9 +121,14 @@ def _examples(outcomes: Sequence[Outcome]) -> dict[str, str]:
 def _health(probes: Sequence[Probe]) -> dict[str, object]:
     answered = [p.latency_s * 1e3 for p in probes if p.ok]
     q = _quantiles([p.latency_s for p in probes if p.ok])
-    return {"probes": len(probes), "failed": sum(not p.ok for p in probes),
-            "p50_ms": _ms(q["p50"]), "p99_ms": _ms(q["p99"]), "max_ms": round(max(answered), 1) if answered else None,
-            "over_100ms": sum(not p.ok or p.latency_s > HEALTH_LIMIT_S for p in probes)}  # fmt: skip
+    return {
+        "probes": len(probes),
+        "failed": sum(not p.ok for p in probes),
+        "p50_ms": _ms(q["p50"]),
+        "p99_ms": _ms(q["p99"]),
+        "max_ms": round(max(answered), 1) if answered else None,
+        "over_100ms": sum(not p.ok or p.latency_s > HEALTH_LIMIT_S for p in probes),
+    }
 
 
 def _rss_figures(points: list[tuple[float, int]], window: tuple[float, float]) -> dict[str, object]:
@@ -121,8 +139,13 @@ def _rss_figures(points: list[tuple[float, int]], window: tuple[float, float]) -
     at_end = max((b for t, b in points if t <= window[1]), default=start)
     late = at_end - at_mid
     bounded = peak <= 2 * start + 256 * MIB and late <= 64 * MIB + at_mid // 10
-    return {"start": round(start / MIB, 1), "peak": round(peak / MIB, 1), "end": round(end / MIB, 1),
-            "late_growth": round(late / MIB, 1), "bounded": bounded}  # fmt: skip
+    return {
+        "start": round(start / MIB, 1),
+        "peak": round(peak / MIB, 1),
+        "end": round(end / MIB, 1),
+        "late_growth": round(late / MIB, 1),
+        "bounded": bounded,
+    }
 
 
 def _quantiles(values: list[float]) -> dict[str, float | None]:
@@ -144,21 +167,25 @@ def rows(result: Mapping[str, object]) -> list[tuple[str, str]]:
     out = [
         ("sustainable rate (closed loop)", f"{r['sustainable_rps']} req/s"),
         ("offered (target)", f"{r['offered_rps']} req/s ({r['target_rps']}), {r['sent']} requests"),
-        ("served / rejected / error / failed",
-         f"{r['served_rps']} / {r['rejected_rps']} / {r['error_rps']} / {r['failed_rps']} req/s "
-         f"({r['served']} / {r['rejected']} / {r['error']} / {r['failed']})"),
+        (
+            "served / rejected / error / failed",
+            f"{r['served_rps']} / {r['rejected_rps']} / {r['error_rps']} / {r['failed_rps']} req/s "
+            f"({r['served']} / {r['rejected']} / {r['error']} / {r['failed']})",
+        ),
         ("rejected by status and reason", _counts(r["rejected_by"])),
         ("errors / failures by reason", f"{_counts(r['errors_by'])} / {_counts(r['failed_by'])}"),
         ("what the server said (first of each)", _said(r.get("examples") or {})),
         ("TTFT p50 / p99 (served, streamed)", f"{_ms(ttft['p50'])} / {_ms(ttft['p99'])} ms"),
         ("latency p50 / p99 (served, whole)", f"{_ms(lat['p50'])} / {_ms(lat['p99'])} ms"),
         ("/health p50 / p99 / max", f"{health['p50_ms']} / {health['p99_ms']} / {health['max_ms']} ms"),
-        ("/health idle p50 / p99 / max (before the load)",
-         f"{idle.get('p50_ms')} / {idle.get('p99_ms')} / {idle.get('max_ms')} ms"),
+        (
+            "/health idle p50 / p99 / max (before the load)",
+            f"{idle.get('p50_ms')} / {idle.get('p99_ms')} / {idle.get('max_ms')} ms",
+        ),
         ("/health probes over 100 ms or failed", f"{health['over_100ms']} of {health['probes']}"),
         ("served throughput (load + drain)", f"{r['throughput_rps']} req/s; drain {r['drain_s']} s"),
         ("load generator lag (max)", f"{r['generator_lag_s']} s"),
-    ]  # fmt: skip
+    ]
     memory = r["rss_mib"]
     assert isinstance(memory, dict)
     for name, m in memory.items():

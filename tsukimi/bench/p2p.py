@@ -145,8 +145,15 @@ def _te_round(cfg: P2PBenchConfig, cell: tuple[str, str, int, int], origin: Json
     """N receivers pull the origin's checkpoint (naive: its buffer; tsukimi: a payload);
     `cell` is (system, transport, N, round)."""
     system, transport, n, rep = cell
-    args = {"system": system, "transport": transport, "metadata_url": url, "checkpoint_bytes": cfg.checkpoint_bytes,
-            "shard_bytes": cfg.shard_bytes, "inflight": cfg.inflight, "timeout_s": cfg.timeout_s}  # fmt: skip
+    args = {
+        "system": system,
+        "transport": transport,
+        "metadata_url": url,
+        "checkpoint_bytes": cfg.checkpoint_bytes,
+        "shard_bytes": cfg.shard_bytes,
+        "inflight": cfg.inflight,
+        "timeout_s": cfg.timeout_s,
+    }
     payload = f"bench-p2p-{transport}-{n}-{rep}"
     if system == "tsukimi":
         origin.call(cfg.timeout_s, cmd="publish", payload=payload)
@@ -171,9 +178,14 @@ def _te_round(cfg: P2PBenchConfig, cell: tuple[str, str, int, int], origin: Json
 
 def _gloo_round(cfg: P2PBenchConfig, n: int) -> Row:
     """N+1 fresh processes; rank 0 broadcasts the checkpoint, shard by shard."""
-    args = {"checkpoint_bytes": cfg.checkpoint_bytes, "shard_bytes": cfg.shard_bytes, "seed": cfg.seed,
-            "timeout_s": cfg.timeout_s, "world_size": n + 1,
-            "init_method": f"tcp://127.0.0.1:{free_port()}"}  # fmt: skip
+    args = {
+        "checkpoint_bytes": cfg.checkpoint_bytes,
+        "shard_bytes": cfg.shard_bytes,
+        "seed": cfg.seed,
+        "timeout_s": cfg.timeout_s,
+        "world_size": n + 1,
+        "init_method": f"tcp://127.0.0.1:{free_port()}",
+    }
     env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     with ExitStack() as stack:
         specs = [(f"gloo rank {r}", ["gloo", json.dumps({**args, "rank": r})], env) for r in range(n + 1)]
@@ -216,8 +228,13 @@ def run(cfg: P2PBenchConfig, progress: Callable[[str], None] = lambda _: None) -
             origin = None
             if cfg.te_systems:
                 progress("starting the origin")
-                origin_args = {"transport": "auto", "metadata_url": server.url, "seed": cfg.seed,
-                               "checkpoint_bytes": cfg.checkpoint_bytes, "shard_bytes": cfg.shard_bytes}  # fmt: skip
+                origin_args = {
+                    "transport": "auto",
+                    "metadata_url": server.url,
+                    "seed": cfg.seed,
+                    "checkpoint_bytes": cfg.checkpoint_bytes,
+                    "shard_bytes": cfg.shard_bytes,
+                }
                 origin = _start(stack, [("origin", ["origin", json.dumps(origin_args)], {})], cfg.timeout_s)[0]
             for n in cfg.receivers:
                 for rep in range(cfg.repeats):

@@ -49,8 +49,15 @@ def goals(runs: list[Row]) -> list[Row]:
             if value is None:
                 continue
             met = value <= target if op == "<=" else value >= target
-            out.append({"transport": row["transport"], "receivers": n, "goal": f"{name} {op} {target}",
-                        "value": round(value, 3), "met": met})  # fmt: skip
+            out.append(
+                {
+                    "transport": row["transport"],
+                    "receivers": n,
+                    "goal": f"{name} {op} {target}",
+                    "value": round(value, 3),
+                    "met": met,
+                }
+            )
     return out
 
 
@@ -61,11 +68,15 @@ def _size(nbytes: float) -> str:
 def _cells(row: Row) -> list[str]:
     ckpt = _num(row, "checkpoint_bytes")
     return [
-        str(row["system"]), str(row["transport"]), str(row["receivers"]), f"{_num(row, 'seconds'):.2f}",
-        f"{_num(row, 'gbps'):.2f}", f"{_num(row, 'origin_bytes') / ckpt:.2f}",
+        str(row["system"]),
+        str(row["transport"]),
+        str(row["receivers"]),
+        f"{_num(row, 'seconds'):.2f}",
+        f"{_num(row, 'gbps'):.2f}",
+        f"{_num(row, 'origin_bytes') / ckpt:.2f}",
         f"{_num(row, 'replica_bytes') / ckpt:.2f}",
         "yes" if row["verified"] else "NO",
-    ]  # fmt: skip
+    ]
 
 
 def _goal_line(goal: Row) -> str:

@@ -170,9 +170,12 @@ def run_gloo(args: dict[str, Any]) -> None:
     for cmd in _commands():
         if cmd["cmd"] == "init":
             dist.init_process_group(
-                "gloo", init_method=args["init_method"], rank=rank, world_size=args["world_size"],
+                "gloo",
+                init_method=args["init_method"],
+                rank=rank,
+                world_size=args["world_size"],
                 timeout=datetime.timedelta(seconds=args["timeout_s"]),
-            )  # fmt: skip
+            )
             child_reply({})
         elif cmd["cmd"] == "go":
             dist.barrier()

@@ -63,8 +63,13 @@ def _bench_store(args: argparse.Namespace, console: Console) -> None:
 Report = dict[str, object]
 
 
-def _print_report(args: argparse.Namespace, console: Console, report: Report,
-                  markdown: Callable[[Report], str], table: Callable[[Report], object]) -> None:  # fmt: skip
+def _print_report(
+    args: argparse.Namespace,
+    console: Console,
+    report: Report,
+    markdown: Callable[[Report], str],
+    table: Callable[[Report], object],
+) -> None:
     """A bench's report as JSON (--json), Markdown (--markdown) or a rich table."""
     if args.json:
         print(json.dumps(report))
@@ -100,9 +105,21 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> None:
     chat = serve.ChatWorkload(args.conversations, args.turns, args.prefix_tokens, rate=args.rate)
     skewed = SkewedWorkload(args.requests, args.shared, args.prefix_tokens, rate=args.rate, seed=args.seed)
     cfg = serve.ServeBenchConfig(
-        args.url, args.model, args.mode, args.workload, chat, args.trace, args.speed, args.trace_limit,
-        not args.no_compare, args.num_blocks or 4096, skewed, args.prefill, args.compare_hot > 0, args.compare_hot,
-    )  # fmt: skip
+        args.url,
+        args.model,
+        args.mode,
+        args.workload,
+        chat,
+        args.trace,
+        args.speed,
+        args.trace_limit,
+        not args.no_compare,
+        args.num_blocks or 4096,
+        skewed,
+        args.prefill,
+        args.compare_hot > 0,
+        args.compare_hot,
+    )
     result = serve.run_bench(cfg, lambda text: console.print(text, highlight=False))
     print(json.dumps(result) if args.json else serve.markdown(result))
 
@@ -111,9 +128,15 @@ def _bench_overload(args: argparse.Namespace, console: Console) -> None:
     from tsukimi.bench import overload, overload_report
 
     cfg = overload.OverloadConfig(
-        args.url, args.model, args.mode, duration_s=10.0 if args.quick else args.duration, factor=args.factor,
-        calibrate_s=6.0 if args.quick else 16.0, num_blocks=args.num_blocks or 512, seed=args.seed,
-    )  # fmt: skip
+        args.url,
+        args.model,
+        args.mode,
+        duration_s=10.0 if args.quick else args.duration,
+        factor=args.factor,
+        calibrate_s=6.0 if args.quick else 16.0,
+        num_blocks=args.num_blocks or 512,
+        seed=args.seed,
+    )
     report = overload.run_bench(cfg, lambda text: console.print(text, highlight=False))
     _print_report(args, console, report, overload_report.render_markdown, overload_report.render_table)
 

@@ -52,9 +52,13 @@ def decision_latency(trace: Sequence[TraceRequest], cfg: SchedulerBenchConfig) -
         seen.update(request.hash_ids)
     cost = RooflineCostModel()
     conductor = Conductor(
-        ConductorConfig(rejection="predicted", ttft_slo_s=1e9, tbt_slo_s=1e9), cost, index, prefill,
-        [f"decode-{i}" for i in range(cfg.num_decode)], cost.kv_capacity_tokens(),
-    )  # fmt: skip
+        ConductorConfig(rejection="predicted", ttft_slo_s=1e9, tbt_slo_s=1e9),
+        cost,
+        index,
+        prefill,
+        [f"decode-{i}" for i in range(cfg.num_decode)],
+        cost.kv_capacity_tokens(),
+    )
     times: list[float] = []
     clock = time.perf_counter
     now = 0.0

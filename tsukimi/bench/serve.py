@@ -99,8 +99,14 @@ class ServeReport:
 async def complete(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> Sample:
     """One streamed completion; never raises for HTTP or network errors (they are recorded)."""
     sample = Sample(prompt_tokens=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     stamps: list[float] = []
     try:
@@ -187,9 +193,14 @@ def trace_prompts(trace: Sequence[TraceRequest], block_tokens: int, max_prompt: 
 
 
 async def run_trace(
-    url: str, model: str, trace: Sequence[TraceRequest], block_tokens: int, speed: float, max_prompt: int,
+    url: str,
+    model: str,
+    trace: Sequence[TraceRequest],
+    block_tokens: int,
+    speed: float,
+    max_prompt: int,
     max_tokens: int,
-) -> ServeReport:  # fmt: skip
+) -> ServeReport:
     """The trace workload (see the module): open loop at the trace's pace times `speed`."""
     prompts = trace_prompts(trace, block_tokens, max_prompt)
     report = ServeReport()
@@ -219,8 +230,11 @@ def _index_accuracy(samples: list[Sample]) -> dict[str, object]:
     if not known:
         return {"index_exact_ratio": None, "index_up_to_date_ratio": None, "index_mismatches": misses}
     behind = misses["over_behind"] + misses["under_behind"]
-    return {"index_exact_ratio": round(1 - sum(misses.values()) / len(known), 4),
-            "index_up_to_date_ratio": round(1 - behind / len(known), 4), "index_mismatches": misses}  # fmt: skip
+    return {
+        "index_exact_ratio": round(1 - sum(misses.values()) / len(known), 4),
+        "index_up_to_date_ratio": round(1 - behind / len(known), 4),
+        "index_mismatches": misses,
+    }
 
 
 def _quantiles(values: list[float]) -> dict[str, float | None]:
@@ -260,18 +274,42 @@ class ServeBenchConfig:
 class LocalCluster:
     """`tsukimi up` in a subprocess, for one benchmark run; `api` once it is up."""
 
-    def __init__(self, model: str, mode: str, prefix_caching: bool, workdir: str, num_blocks: int = 4096,
-                 extra: Sequence[str] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: str,
+        mode: str,
+        prefix_caching: bool,
+        workdir: str,
+        num_blocks: int = 4096,
+        extra: Sequence[str] = (),
+    ) -> None:
         """extra: more `--set` settings of the cluster (`workers.prefill=2`, `master.hot_threshold=5`)."""
         from pathlib import Path
 
         self._state = Path(workdir) / "state.json"
         log = (Path(workdir) / "up.log").open("wb")
-        settings = [f"workers.prefix_caching={'true' if prefix_caching else 'false'}",
-                    f"workers.num_blocks={num_blocks}", f"workers.segment_bytes={512 << 20}",
-                    f'log_dir="{workdir}/logs"', *extra]  # fmt: skip
-        cmd = [sys.executable, "-m", "tsukimi.cli", "up", "--model", model, "--mode", mode, "--port", str(free_port()),
-               "--state-file", str(self._state), *(f"--set={s}" for s in settings)]  # fmt: skip
+        settings = [
+            f"workers.prefix_caching={'true' if prefix_caching else 'false'}",
+            f"workers.num_blocks={num_blocks}",
+            f"workers.segment_bytes={512 << 20}",
+            f'log_dir="{workdir}/logs"',
+            *extra,
+        ]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tsukimi.cli",
+            "up",
+            "--model",
+            model,
+            "--mode",
+            mode,
+            "--port",
+            str(free_port()),
+            "--state-file",
+            str(self._state),
+            *(f"--set={s}" for s in settings),
+        ]
         self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + 300
@@ -323,8 +361,10 @@ def run_bench(cfg: ServeBenchConfig, progress: Callable[[str], None]) -> dict[st
                 if cluster is not None:
                     cluster.close()
     result: dict[str, object] = {"config": _plain(cfg), "runs": runs}
-    for key, (a, b, q) in {"ttft_p50_ratio": ("reuse", "no_reuse", "p50"),
-                           "ttft_p90_ratio": ("hot_on", "hot_off", "p90")}.items():  # fmt: skip
+    for key, (a, b, q) in {
+        "ttft_p50_ratio": ("reuse", "no_reuse", "p50"),
+        "ttft_p90_ratio": ("hot_on", "hot_off", "p90"),
+    }.items():
         if a in runs and b in runs:
             first, second = runs[a]["ttft_s"], runs[b]["ttft_s"]
             assert isinstance(first, dict) and isinstance(second, dict)
@@ -347,14 +387,18 @@ async def _workload(cfg: ServeBenchConfig, url: str) -> ServeReport:
 def markdown(result: dict[str, object]) -> str:
     runs = result["runs"]
     assert isinstance(runs, dict)
-    header = ("| run | requests | done | rejected | TTFT p50 / p90 / p99 s | TBT p50 / p90 ms | cached | from pool "
-              "| index exact |")  # fmt: skip
+    header = (
+        "| run | requests | done | rejected | TTFT p50 / p90 / p99 s | TBT p50 / p90 ms | cached | from pool "
+        "| index exact |"
+    )
     lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for label, run in runs.items():
         ttft, tbt = run["ttft_s"], run["tbt_s"]
-        lines.append(f"| {label} | {run['requests']} | {run['completed']} | {run['rejected']} | "
-                     f"{ttft['p50']} / {ttft['p90']} / {ttft['p99']} | {_ms(tbt['p50'])} / {_ms(tbt['p90'])} | "
-                     f"{run['cached_ratio']} | {run['pool_prompt_tokens']} | {run['index_exact_ratio']} |")  # fmt: skip
+        lines.append(
+            f"| {label} | {run['requests']} | {run['completed']} | {run['rejected']} | "
+            f"{ttft['p50']} / {ttft['p90']} / {ttft['p99']} | {_ms(tbt['p50'])} / {_ms(tbt['p90'])} | "
+            f"{run['cached_ratio']} | {run['pool_prompt_tokens']} | {run['index_exact_ratio']} |"
+        )
     if "ttft_p50_ratio" in result:
         lines.append(f"\nmedian TTFT with reuse / without: {result['ttft_p50_ratio']}")
     if "ttft_p90_ratio" in result:

@@ -201,8 +201,10 @@ def run(cfg: StoreBenchConfig, progress: object = None) -> dict[str, object]:
             for round_no in range(cfg.repeats):
                 for cell in cells(cfg, tier):
                     for system in [s for s in systems if s.name not in errors or tier == "memory"]:
-                        say(f"round {round_no + 1}/{cfg.repeats}: {system.name} {tier} {cell.api} "
-                            f"{cell.value_bytes} B x{cell.replicas}")  # fmt: skip
+                        say(
+                            f"round {round_no + 1}/{cfg.repeats}: {system.name} {tier} {cell.api} "
+                            f"{cell.value_bytes} B x{cell.replicas}"
+                        )
                         try:
                             measured = system.measure(cell, round_no)
                             samples.setdefault((system.name, cell), []).append(measured)
@@ -221,8 +223,13 @@ def run(cfg: StoreBenchConfig, progress: object = None) -> dict[str, object]:
         figures = DISK_FIGURES if cell.tier == "disk" else FIGURES
         row.update({k: round(statistics.median(r[k] for r in runs), 4) for k in figures})
         results.append(row)
-    return {"results": results, "small_ops": small, "disk_errors": errors, "git_rev": git_rev(),
-            "config": {**asdict(cfg), "unit": "GB/s (1e9 bytes/s), us"}}  # fmt: skip
+    return {
+        "results": results,
+        "small_ops": small,
+        "disk_errors": errors,
+        "git_rev": git_rev(),
+        "config": {**asdict(cfg), "unit": "GB/s (1e9 bytes/s), us"},
+    }
 
 
 def _cell_key(row: dict[str, object]) -> tuple[object, ...]:
@@ -256,8 +263,20 @@ def _figure(row: dict[str, object], name: str, fmt: str) -> str:
 
 def render_table(report: dict[str, object]) -> Table:
     table = Table(title="tsukimi bench store (medians; GB/s = 1e9 B/s; tier disk: objects only on a holder's disk)")
-    for col in ("system", "mode", "tier", "api", "value", "repl", "put GB/s", "get GB/s", "put p50 us",
-                "get p50 us", "put x MC", "get x MC"):  # fmt: skip
+    for col in (
+        "system",
+        "mode",
+        "tier",
+        "api",
+        "value",
+        "repl",
+        "put GB/s",
+        "get GB/s",
+        "put p50 us",
+        "get p50 us",
+        "put x MC",
+        "get x MC",
+    ):
         table.add_column(col)
     rows = report["results"]
     assert isinstance(rows, list)
@@ -265,11 +284,19 @@ def render_table(report: dict[str, object]) -> Table:
     for row in rows:
         extra = by_key.get(_cell_key(row), {}) if row["system"] == "tsukimi" else {}
         table.add_row(
-            str(row["system"]), str(row["mode"]), str(row.get("tier", "memory")), str(row["api"]),
-            _label(int(row["value_bytes"])), str(row["replicas"]), _figure(row, "put_gbps", ".3f"),
-            _figure(row, "get_gbps", ".3f"), _figure(row, "put_p50_us", ".0f"), _figure(row, "get_p50_us", ".0f"),
-            str(extra.get("put_x_mooncake", "-")), str(extra.get("get_x_mooncake", "-")),
-        )  # fmt: skip
+            str(row["system"]),
+            str(row["mode"]),
+            str(row.get("tier", "memory")),
+            str(row["api"]),
+            _label(int(row["value_bytes"])),
+            str(row["replicas"]),
+            _figure(row, "put_gbps", ".3f"),
+            _figure(row, "get_gbps", ".3f"),
+            _figure(row, "put_p50_us", ".0f"),
+            _figure(row, "get_p50_us", ".0f"),
+            str(extra.get("put_x_mooncake", "-")),
+            str(extra.get("get_x_mooncake", "-")),
+        )
     table.caption = _caption(report)
     return table
 
@@ -302,8 +329,10 @@ def render_markdown(report: dict[str, object]) -> str:
         vs = "- | - | -"
         if mc:
             put_x = f"{float(row['put_gbps']) / float(mc['put_gbps']):.2f}" if put else "-"
-            vs = (f"{_figure(mc, 'put_gbps', '.2f')} / {float(mc['get_gbps']):.2f} | {put_x} | "
-                  f"{float(row['get_gbps']) / float(mc['get_gbps']):.2f}")  # fmt: skip
+            vs = (
+                f"{_figure(mc, 'put_gbps', '.2f')} / {float(mc['get_gbps']):.2f} | {put_x} | "
+                f"{float(row['get_gbps']) / float(mc['get_gbps']):.2f}"
+            )
         put_lat = f"{row['put_p50_us']:.0f} / {row['put_p99_us']:.0f}" if put else "-"
         lines.append(
             f"| {row['mode']} | {row.get('tier', 'memory')} | {row['api']} | {_label(int(row['value_bytes']))} | "

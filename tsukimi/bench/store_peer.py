@@ -148,8 +148,12 @@ def measure_disk(store: StoreAdapter, cmd: dict[str, Any]) -> dict[str, float]:
     get_s = _timed_gets(store, groups, size, cmd["duration_s"])
     stayed = all(store.on_disk_only(keys[0]) for keys in groups)
     store.remove_all()
-    return {"get_gbps": size * batch * len(get_s) / sum(get_s) / 1e9, "get_p50_us": _pct(get_s, 50),
-            "get_p99_us": _pct(get_s, 99), "stayed_on_disk": float(stayed)}  # fmt: skip
+    return {
+        "get_gbps": size * batch * len(get_s) / sum(get_s) / 1e9,
+        "get_p50_us": _pct(get_s, 50),
+        "get_p99_us": _pct(get_s, 99),
+        "stayed_on_disk": float(stayed),
+    }
 
 
 def _timed_gets(store: StoreAdapter, groups: list[list[str]], size: int, duration_s: float) -> list[float]:

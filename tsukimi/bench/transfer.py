@@ -181,10 +181,15 @@ class NixlPair:
 
     def measure(self, cell: Cell, duration_s: float, warmup_s: float) -> float:
         reply = self.initiator.call(
-            duration_s + warmup_s + _CALL_MARGIN_S, metadata=self.target.ready["metadata"],
-            base=self.target.ready["base"], op=cell.op, block_bytes=cell.block_bytes, batch=cell.batch,
-            duration_s=duration_s, warmup_s=warmup_s,
-        )  # fmt: skip
+            duration_s + warmup_s + _CALL_MARGIN_S,
+            metadata=self.target.ready["metadata"],
+            base=self.target.ready["base"],
+            op=cell.op,
+            block_bytes=cell.block_bytes,
+            batch=cell.batch,
+            duration_s=duration_s,
+            warmup_s=warmup_s,
+        )
         return float(reply["gbps"])
 
     def close(self) -> None:
@@ -271,8 +276,11 @@ def ratios(result: TransferBenchResult) -> list[dict[str, object]]:
         base = result.socket_gbps if row["transport"] == "tcp" else result.memcpy_gbps
         entry: dict[str, object] = {**row, "vs_baseline": round(gbps / base, 3) if base else None}
         same_host = row["transport"] != "tcp"
-        for key, peer, applies in (("vs_nixl", "nixl", same_host), ("vs_cma_raw", "cma-raw", same_host),
-                                   ("vs_mooncake", "mooncake", not same_host)):  # fmt: skip
+        for key, peer, applies in (
+            ("vs_nixl", "nixl", same_host),
+            ("vs_cma_raw", "cma-raw", same_host),
+            ("vs_mooncake", "mooncake", not same_host),
+        ):
             theirs = peers.get((peer, *cell))
             if applies and theirs:
                 entry[key] = round(gbps / theirs, 3)
@@ -307,10 +315,17 @@ COLUMNS = ("transport", "op", "block", "batch", "conns", "GB/s", "x baseline", "
 def _cells(row: dict[str, object]) -> list[str]:
     baseline = "socket" if row["transport"] == "tcp" else "memcpy"
     return [
-        str(row["transport"]), str(row["op"]), _size(int(str(row["block_bytes"]))), str(row["batch"]),
-        str(row["connections"]), f"{float(str(row['gbps'])):.2f}", f"{_x(row, 'vs_baseline')} ({baseline})",
-        _x(row, "vs_nixl"), _x(row, "vs_cma_raw"), _x(row, "vs_mooncake"),
-    ]  # fmt: skip
+        str(row["transport"]),
+        str(row["op"]),
+        _size(int(str(row["block_bytes"]))),
+        str(row["batch"]),
+        str(row["connections"]),
+        f"{float(str(row['gbps'])):.2f}",
+        f"{_x(row, 'vs_baseline')} ({baseline})",
+        _x(row, "vs_nixl"),
+        _x(row, "vs_cma_raw"),
+        _x(row, "vs_mooncake"),
+    ]
 
 
 def render_table(result: TransferBenchResult) -> Table:
@@ -322,9 +337,9 @@ def render_table(result: TransferBenchResult) -> Table:
     peers = [*result.peers, *(result.mooncake or [])]
     table.caption = (
         f"baselines: socket stream {result.socket_gbps:.2f} GB/s (tcp rows), memcpy {result.memcpy_gbps:.2f} GB/s; "
-        + "peers: " + ", ".join(f"{r['transport']} {r['op']} {_size(int(str(r['block_bytes'])))} {r['gbps']}"
-                                for r in peers)
-    )  # fmt: skip
+        + "peers: "
+        + ", ".join(f"{r['transport']} {r['op']} {_size(int(str(r['block_bytes'])))} {r['gbps']}" for r in peers)
+    )
     return table
 
 

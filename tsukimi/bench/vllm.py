@@ -132,8 +132,11 @@ class BenchCluster:
                 self.supervisor.groups.pop()
                 port = spec.args[spec.args.index("--port") + 1]
                 fresh = str(free_port())
-                spec = replace(spec, args=tuple(fresh if a == port else a for a in spec.args),
-                               url=spec.url.rsplit(":", 1)[0] + f":{fresh}")  # fmt: skip
+                spec = replace(
+                    spec,
+                    args=tuple(fresh if a == port else a for a in spec.args),
+                    url=spec.url.rsplit(":", 1)[0] + f":{fresh}",
+                )
         raise AssertionError("unreachable")
 
     def close(self) -> None:
@@ -155,8 +158,16 @@ def conversations(cfg: VllmBenchConfig) -> list[tuple[list[int], list[list[int]]
 async def complete(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> Turn:
     """One greedy streamed completion; errors are recorded, never raised."""
     turn = Turn(prompt_tokens=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
     start, stamps = time.perf_counter(), []
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=_TIMEOUT) as response:
@@ -187,8 +198,9 @@ async def run_workload(cfg: VllmBenchConfig, url: str) -> dict[tuple[int, int], 
     """The chat workload against `url`; the outcome of every (conversation, turn)."""
     results: dict[tuple[int, int], Turn] = {}
 
-    async def conversation(index: int, parts: tuple[list[int], list[list[int]], list[list[int]]],
-                           client: httpx.AsyncClient) -> None:  # fmt: skip
+    async def conversation(
+        index: int, parts: tuple[list[int], list[list[int]], list[list[int]]], client: httpx.AsyncClient
+    ) -> None:
         await asyncio.sleep(index / cfg.rate)
         prefix, users, replies = parts
         history = list(prefix)
@@ -213,23 +225,29 @@ async def _warm(cfg: VllmBenchConfig, instances: list[str]) -> None:
                 await complete(client, url, cfg.model, prompt, 2)
 
 
-def summarize(system: str, turns: dict[tuple[int, int], Turn], reference: dict[tuple[int, int], Turn] | None
-              ) -> dict[str, object]:  # fmt: skip
+def summarize(
+    system: str, turns: dict[tuple[int, int], Turn], reference: dict[tuple[int, int], Turn] | None
+) -> dict[str, object]:
     """One row of the result (pure)."""
     ok = [t for t in turns.values() if not t.error]
     ttft = sorted(t.ttft_s for t in ok if t.ttft_s == t.ttft_s)
     tbt = [t.tbt_s for t in ok if t.tbt_s == t.tbt_s]
     prompt = sum(t.prompt_tokens for t in ok)
-    equal = None if reference is None else all(
-        key in reference and not t.error and t.tokens == reference[key].tokens for key, t in turns.items())  # fmt: skip
+    equal = (
+        None
+        if reference is None
+        else all(key in reference and not t.error and t.tokens == reference[key].tokens for key, t in turns.items())
+    )
     row: dict[str, object] = {
-        "system": system, "requests": len(turns), "errors": len(turns) - len(ok),
+        "system": system,
+        "requests": len(turns),
+        "errors": len(turns) - len(ok),
         "ttft_p50_s": round(statistics.median(ttft), 4) if ttft else None,
         "ttft_p90_s": round(ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))], 4) if ttft else None,
         "tbt_p50_ms": round(statistics.median(tbt) * 1e3, 2) if tbt else None,
         "cached_ratio": round(sum(t.cached_tokens for t in ok) / prompt, 4) if prompt else 0.0,
         "tokens_equal": equal if reference is not None else not (len(turns) - len(ok)),
-    }  # fmt: skip
+    }
     first_error = next((t.error for t in turns.values() if t.error), "")
     if first_error:
         row["error"] = first_error
@@ -274,8 +292,10 @@ def ratios(runs: list[dict[str, object]]) -> dict[str, float]:
 
 def markdown(result: dict[str, object]) -> str:
     """The result as the Markdown table docs/benchmarks.md holds (pure)."""
-    lines = ["| system | TTFT p50 s | TTFT p90 s | TBT p50 ms | cached | tokens equal to (a) | note |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| system | TTFT p50 s | TTFT p90 s | TBT p50 ms | cached | tokens equal to (a) | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
     runs = result["runs"]
     assert isinstance(runs, list)
     for r in runs:

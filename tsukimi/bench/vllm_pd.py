@@ -82,9 +82,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with TsukimiCluster(512 << 20, num_holders=1) as cluster:
         extra: dict[str, object] = {"master": cluster.master_addr, "save_per_layer": args.save_per_layer}
         producer_cfg = VllmServerConfig(
-            model=args.model, cpus="0", env=env,
+            model=args.model,
+            cpus="0",
+            env=env,
             connector=connector_config("kv_producer", pd_port=free_port(), **extra),
-        )  # fmt: skip
+        )
         consumer_cfg = VllmServerConfig(
             model=args.model, cpus="1", env=env, connector=connector_config("kv_consumer", master=cluster.master_addr)
         )
@@ -95,8 +97,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 pd_handover(producer, consumer, warm, 1, "direct")
                 pd_handover(producer, consumer, _prompt(950 + seed, args.prompt_tokens), 1, "pool")
             rows: dict[str, list[float]] = {
-                "alone": [], "direct": [], "pool": [], "prefill_direct": [], "prefill_pool": []
-            }  # fmt: skip
+                "alone": [],
+                "direct": [],
+                "pool": [],
+                "prefill_direct": [],
+                "prefill_pool": [],
+            }
             equal = True
             loaded = {"direct": 0, "pool": 0}
             for i in range(args.num_prompts):
@@ -114,12 +120,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             saves = _stat_sums(producer.log_text(), ("num_puts", "put_objects", "put_s", "save_wait_s"))
     expected = args.num_prompts * ((args.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE)
     return {
-        "model": str(args.model), "prompt_tokens": args.prompt_tokens, "num_prompts": args.num_prompts,
-        "save_per_layer": args.save_per_layer, "git": _git_revision(),
+        "model": str(args.model),
+        "prompt_tokens": args.prompt_tokens,
+        "num_prompts": args.num_prompts,
+        "save_per_layer": args.save_per_layer,
+        "git": _git_revision(),
         "decode_p50_ms": {k: round(1000 * statistics.median(v), 2) for k, v in rows.items() if v},
-        "tokens_equal": equal, "loaded_tokens": loaded, "expected_loaded_tokens_per_mode": expected,
-        "consumer_load_ms_p50": load_ms, "producer_saves": saves,
-    }  # fmt: skip
+        "tokens_equal": equal,
+        "loaded_tokens": loaded,
+        "expected_loaded_tokens_per_mode": expected,
+        "consumer_load_ms_p50": load_ms,
+        "producer_saves": saves,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

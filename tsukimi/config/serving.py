@@ -29,9 +29,17 @@ ClusterMode = Literal["pd", "colocated"]
 SHARED_MASTER_KEYS = ("hot_threshold", "hot_max_replicas", "hot_window_s", "hot_cool_ratio", "hot_cool_down_s")
 # NOTE: what `[workers]` may set of each worker's `WorkerConfig`; the cluster sets the rest
 SHARED_WORKER_KEYS = (
-    "block_tokens", "num_blocks", "kv_cache_memory", "max_batched_tokens", "segment_bytes", "threads", "dtype",
-    "prefix_caching", "layerwise_loading", "profile_on_start",
-)  # fmt: skip
+    "block_tokens",
+    "num_blocks",
+    "kv_cache_memory",
+    "max_batched_tokens",
+    "segment_bytes",
+    "threads",
+    "dtype",
+    "prefix_caching",
+    "layerwise_loading",
+    "profile_on_start",
+)
 CostModelSource = Literal["workers", "config"]
 
 
@@ -86,17 +94,26 @@ class WorkerConfig:
             raise ConfigError(f"worker dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"worker port must be in 0..65535, got {self.port}")
-        for name, low in (("block_tokens", 1), ("num_blocks", 0), ("max_batched_tokens", 1), ("threads", 1),
-                          ("segment_bytes", 0)):  # fmt: skip
+        for name, low in (
+            ("block_tokens", 1),
+            ("num_blocks", 0),
+            ("max_batched_tokens", 1),
+            ("threads", 1),
+            ("segment_bytes", 0),
+        ):
             if getattr(self, name) < low:
                 raise ConfigError(f"worker {name} must be >= {low}, got {getattr(self, name)}")
         MemoryBudget.parse(self.kv_cache_memory)  # NOTE: raises ConfigError when malformed
         if self.metadata_url and not self.metadata_url.startswith(("http://", "etcd://", "memory://")):
-            raise ConfigError(f"worker metadata_url must be http://..., etcd://... or memory://NAME (tests), "
-                              f"got {self.metadata_url!r}")  # fmt: skip
+            raise ConfigError(
+                f"worker metadata_url must be http://..., etcd://... or memory://NAME (tests), "
+                f"got {self.metadata_url!r}"
+            )
         if self.role != "colocated" and not self.master.startswith(("tcp://", "etcd://")):
-            raise ConfigError(f"a {self.role} worker needs the store master as tcp://HOST:PORT or "
-                              f"etcd://HOST:PORT[,...], got {self.master!r}")  # fmt: skip
+            raise ConfigError(
+                f"a {self.role} worker needs the store master as tcp://HOST:PORT or "
+                f"etcd://HOST:PORT[,...], got {self.master!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +152,14 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "colocated", "pd") or self.policy not in ("least_load", "round_robin"):
-            raise ConfigError(f"router.mode must be auto, colocated or pd and router.policy least_load or round_robin, "
-                              f"got {self.mode!r} and {self.policy!r}")  # fmt: skip
-        require(self.cost_model in ("workers", "config"), f"router.cost_model must be workers or config, "
-                f"got {self.cost_model!r}")  # fmt: skip
+            raise ConfigError(
+                f"router.mode must be auto, colocated or pd and router.policy least_load or round_robin, "
+                f"got {self.mode!r} and {self.policy!r}"
+            )
+        require(
+            self.cost_model in ("workers", "config"),
+            f"router.cost_model must be workers or config, got {self.cost_model!r}",
+        )
         for f in dataclasses.fields(self):
             value, positive = getattr(self, f.name), f.name.endswith(("timeout_s", "interval_s", "per_token"))
             if isinstance(value, (int, float)) and (value <= 0 if positive else value < 0):

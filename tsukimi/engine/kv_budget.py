@@ -49,6 +49,11 @@ def kv_cache_blocks(config: WorkerConfig, layout: KVLayout, available_bytes: int
     if budget.fraction and available_bytes is None:
         available_bytes = available_memory_bytes()
     blocks = max(1, budget.bytes_of(available_bytes or 0) // block_bytes(layout))
-    logger.info("KV cache of %s: %d blocks of %d bytes (%d tokens)", config.kv_cache_memory, blocks,
-                block_bytes(layout), blocks * layout.block_tokens)  # fmt: skip
+    logger.info(
+        "KV cache of %s: %d blocks of %d bytes (%d tokens)",
+        config.kv_cache_memory,
+        blocks,
+        block_bytes(layout),
+        blocks * layout.block_tokens,
+    )
     return blocks

@@ -259,9 +259,13 @@ class BatchAttention:
             query = q[start : start + count].transpose(0, 1)
             causal = count > 1 and mask is None
             attended = F.scaled_dot_product_attention(
-                query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, is_causal=causal,
+                query,
+                keys.to(q.dtype),
+                values.to(q.dtype),
+                attn_mask=mask,
+                is_causal=causal,
                 enable_gqa=heads != kv_heads,
-            )  # fmt: skip
+            )
             out[start : start + count] = attended.transpose(0, 1)
         return out
 

@@ -64,8 +64,15 @@ class KVFormat:
 
     @classmethod
     def of(cls, model_identity: str, layout: KVLayout, weights_version: str = INITIAL_WEIGHTS) -> KVFormat:
-        return cls(model_identity, str(layout.dtype).removeprefix("torch."), layout.num_layers,
-                   layout.num_kv_heads, layout.head_dim, layout.block_tokens, weights_version)  # fmt: skip
+        return cls(
+            model_identity,
+            str(layout.dtype).removeprefix("torch."),
+            layout.num_layers,
+            layout.num_kv_heads,
+            layout.head_dim,
+            layout.block_tokens,
+            weights_version,
+        )
 
     @property
     def digest(self) -> bytes:

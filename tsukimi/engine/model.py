@@ -124,9 +124,13 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     if num_new > 1 and num_keys > num_new:  # causal, aligned to the end of the keys
         mask = torch.arange(num_keys)[None, :] <= torch.arange(num_keys - num_new, num_keys)[:, None]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-        is_causal=num_new > 1 and mask is None, enable_gqa=q.shape[1] != k.shape[1],
-    )  # fmt: skip
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=num_new > 1 and mask is None,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
     return out.transpose(0, 1)
 
 

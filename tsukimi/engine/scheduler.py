@@ -208,9 +208,13 @@ class Scheduler:
         start = request.seq.num_tokens
         filled = self.blocks.filling(request, count)
         return ScheduledRequest(
-            request, start, tuple(request.tokens[start : start + count]), filled,
-            self.blocks.num_prompt_blocks(request, filled), start + count == request.num_tokens,
-        )  # fmt: skip
+            request,
+            start,
+            tuple(request.tokens[start : start + count]),
+            filled,
+            self.blocks.num_prompt_blocks(request, filled),
+            start + count == request.num_tokens,
+        )
 
     def _preempt(self, request: EngineRequest) -> None:
         """Out of blocks: `request` gives up its KV and recomputes (prompt + output so far) later."""

@@ -77,9 +77,13 @@ class MeteredRunner(ModelRunner):
     """A `ModelRunner` whose every step is timed into a `StepMeter`."""
 
     def __init__(
-        self, model: Model, cache: PagedKVCache, connector: KVConnector | None, loader: LayerLoader | None,
+        self,
+        model: Model,
+        cache: PagedKVCache,
+        connector: KVConnector | None,
+        loader: LayerLoader | None,
         meter: StepMeter,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(model, cache, connector, loader)
         self.meter = meter
 

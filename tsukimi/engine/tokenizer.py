@@ -89,9 +89,11 @@ class ChatTemplate:
                 raise InvalidArgument(f"chat message {message!r} needs string 'role' and 'content'")
         try:
             return self._template.render(
-                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos_token, eos_token=self._eos_token,
-            )  # fmt: skip
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token,
+                eos_token=self._eos_token,
+            )
         except TemplateError as e:
             raise InvalidArgument(f"chat template failed: {e}") from e
 
@@ -100,9 +102,13 @@ class BpeTokenizer:
     """A `tokenizers.Tokenizer` (byte-level BPE) with the model's special tokens and chat template."""
 
     def __init__(
-        self, backend: HFTokenizer, bos_token_id: int | None, eos_token_ids: tuple[int, ...], add_bos: bool,
+        self,
+        backend: HFTokenizer,
+        bos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
+        add_bos: bool,
         chat_template: str | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.backend = backend
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id, self.eos_token_ids, self.add_bos = bos_token_id, eos_token_ids, add_bos  # eos first
@@ -167,10 +173,12 @@ def tokenizer_from_gguf(path: Path | str) -> BpeTokenizer:
     bos = _gguf_get(reader, "tokenizer.ggml.bos_token_id")
     template = _gguf_get(reader, "tokenizer.chat_template")
     return BpeTokenizer(
-        backend, bos if isinstance(bos, int) else None, gguf_eos_token_ids(reader),
+        backend,
+        bos if isinstance(bos, int) else None,
+        gguf_eos_token_ids(reader),
         add_bos=bool(_gguf_get(reader, "tokenizer.ggml.add_bos_token")),
         chat_template=template if isinstance(template, str) else None,
-    )  # fmt: skip
+    )
 
 
 def _token_text(value: object) -> str | None:

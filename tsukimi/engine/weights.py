@@ -51,10 +51,21 @@ class LoadedModel(NamedTuple):
 
 
 TINY_CONFIG = ModelConfig(
-    name="random-tiny", vocab_size=32000, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
-    head_dim=32, intermediate_size=688, rope_theta=10000.0, rms_norm_eps=1e-5, max_position=4096,
-    tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,),
-)  # fmt: skip
+    name="random-tiny",
+    vocab_size=32000,
+    hidden_size=256,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
+    intermediate_size=688,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    max_position=4096,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
 
 
 def _finish(config: ModelConfig, state: dict[str, torch.Tensor], what: str) -> LoadedModel:
@@ -136,16 +147,26 @@ def save_hf_dir(loaded: LoadedModel, path: Path) -> None:
     config = loaded.config
     path.mkdir(parents=True, exist_ok=True)
     hf_config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "_name_or_path": config.name,
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
-        "intermediate_size": config.intermediate_size, "rope_theta": config.rope_theta,
-        "rms_norm_eps": config.rms_norm_eps, "max_position_embeddings": config.max_position,
-        "tie_word_embeddings": config.tie_word_embeddings, "bos_token_id": config.bos_token_id,
-        "eos_token_id": list(config.eos_token_ids), "torch_dtype": config.dtype, "rope_scaling": None,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "_name_or_path": config.name,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(config.eos_token_ids),
+        "torch_dtype": config.dtype,
+        "rope_scaling": None,
         "hidden_act": "silu",
-    }  # fmt: skip
+    }
     (path / "config.json").write_text(json.dumps(hf_config, indent=2))
     state = {"model." + name: t.contiguous() for name, t in loaded.model.state_dict().items()}
     if "model.lm_head.weight" in state:
@@ -173,16 +194,23 @@ def _hf_config(raw: dict[str, object], what: str, dtype: DTypeName, source: str)
     eos_ids = tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,)
     bos = raw.get("bos_token_id")
     return ModelConfig(
-        name=str(raw.get("_name_or_path") or what), vocab_size=int(num("vocab_size")),
-        hidden_size=int(num("hidden_size")), num_layers=int(num("num_hidden_layers")), num_heads=heads,
+        name=str(raw.get("_name_or_path") or what),
+        vocab_size=int(num("vocab_size")),
+        hidden_size=int(num("hidden_size")),
+        num_layers=int(num("num_hidden_layers")),
+        num_heads=heads,
         num_kv_heads=int(num("num_key_value_heads", heads)),
         head_dim=int(num("head_dim", num("hidden_size") // heads)),
-        intermediate_size=int(num("intermediate_size")), rope_theta=float(num("rope_theta", 10000.0)),
-        rms_norm_eps=float(num("rms_norm_eps", 1e-6)), max_position=int(num("max_position_embeddings", 2048)),
+        intermediate_size=int(num("intermediate_size")),
+        rope_theta=float(num("rope_theta", 10000.0)),
+        rms_norm_eps=float(num("rms_norm_eps", 1e-6)),
+        max_position=int(num("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=bos if isinstance(bos, int) else None,
-        eos_token_ids=tuple(int(e) for e in eos_ids if isinstance(e, int)), dtype=dtype, source=source,
-    )  # fmt: skip
+        eos_token_ids=tuple(int(e) for e in eos_ids if isinstance(e, int)),
+        dtype=dtype,
+        source=source,
+    )
 
 
 def load_hf_dir(path: Path | str, dtype: DTypeName = "float32") -> LoadedModel:
@@ -225,10 +253,16 @@ def _check_dtype(dtype: str) -> DTypeName:
 
 
 _GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}  # fmt: skip
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 _GGUF_GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 _EOG_TOKEN_TEXTS = frozenset({"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "</s>"})
 
@@ -301,17 +335,23 @@ def _gguf_config(fields: _GGUFFields, tensor_names: set[str], dtype: DTypeName, 
         raise ConfigError(f"{fields.what}: partial rotary embedding is not supported")
     bos = fields.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
-        name=str(fields.get("general.name", fields.what)), vocab_size=len(tokens), hidden_size=hidden,
-        num_layers=int(fields.number("llama.block_count")), num_heads=heads,
-        num_kv_heads=int(fields.number("llama.attention.head_count_kv", heads)), head_dim=head_dim,
+        name=str(fields.get("general.name", fields.what)),
+        vocab_size=len(tokens),
+        hidden_size=hidden,
+        num_layers=int(fields.number("llama.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(fields.number("llama.attention.head_count_kv", heads)),
+        head_dim=head_dim,
         intermediate_size=int(fields.number("llama.feed_forward_length")),
         rope_theta=float(fields.number("llama.rope.freq_base", 10000.0)),
         rms_norm_eps=float(fields.number("llama.attention.layer_norm_rms_epsilon")),
         max_position=int(fields.number("llama.context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=bos if isinstance(bos, int) else None,
-        eos_token_ids=gguf_eos_token_ids(fields.reader), dtype=dtype, source=source,
-    )  # fmt: skip
+        eos_token_ids=gguf_eos_token_ids(fields.reader),
+        dtype=dtype,
+        source=source,
+    )
 
 
 def _hf_name(gguf_name: str) -> str | None:

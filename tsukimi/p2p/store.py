@@ -137,9 +137,13 @@ class P2PStore:
             ]
             registration = uuid.uuid4().hex
             record = PayloadRecord(
-                name=name, registration=registration, origin=self.engine.name,
-                total_bytes=sum(e.length for e in extents), shards=shards, meta=bytes(meta),
-            )  # fmt: skip
+                name=name,
+                registration=registration,
+                origin=self.engine.name,
+                total_bytes=sum(e.length for e in extents),
+                shards=shards,
+                meta=bytes(meta),
+            )
             self._opened(name, _Open("origin", registration, extents, registered))
             self._metadata.compare_and_set(key, encode(record), 0)
         except RevisionConflict:
@@ -351,6 +355,9 @@ class _Announcer:
             if batch:
                 store = self._store
                 add_replicas(
-                    store._metadata, self._name, self._registration, {i: self._locations[i] for i in batch},
+                    store._metadata,
+                    self._name,
+                    self._registration,
+                    {i: self._locations[i] for i in batch},
                     store.config.cas_attempts,
-                )  # fmt: skip
+                )

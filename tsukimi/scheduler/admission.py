@@ -69,8 +69,9 @@ class KvLedger:
     def used_tokens(self, name: str) -> int:
         """Tokens reserved on decode instance `name` by the requests booked there."""
         load = self._decode[name]
-        return sum(self.reserved.get(rid, tokens) for rid, (_, tokens) in (*load.active.items(),
-                                                                          *load.incoming.items()))  # fmt: skip
+        return sum(
+            self.reserved.get(rid, tokens) for rid, (_, tokens) in (*load.active.items(), *load.incoming.items())
+        )
 
     def room(self, tokens: int, exclude: Container[str]) -> str | None:
         """The instance with the most free KV among those `tokens` fit in now, or None."""

@@ -116,8 +116,9 @@ class Conductor:
         self.groups = dict(groups or {})
         self._prefill = {name: _PrefillLoad() for name in sorted(prefill)}
         capacity = decode_capacity_tokens
-        self._decode = {name: DecodeLoad(capacity if isinstance(capacity, int) else capacity[name])
-                        for name in sorted(decode)}  # fmt: skip
+        self._decode = {
+            name: DecodeLoad(capacity if isinstance(capacity, int) else capacity[name]) for name in sorted(decode)
+        }
         self._local = {name: location(name, tier) for name in self._prefill}  # type: ignore[arg-type]
         self._ssd = {name: location(name, "ssd") for name in self._prefill}
         self._requests: dict[int, tuple[str, str, int]] = {}  # id -> (prefill, decode, input tokens)
@@ -285,12 +286,20 @@ class Conductor:
         if ttft > slo:
             return self._reject(_replace(best, ttft_s=ttft, wait_s=wait), "ttft_slo", f"{why}> the TTFT SLO {slo:g} s")
         depart = end + self._kv.stage_s(plan.decode, out)
-        self._kv.queue.append(QueuedRequest(request.request_id, now, tokens, plan.decode, plan.release_s, best.prefill,
-                                            end, depart, ttft))  # fmt: skip
+        self._kv.queue.append(
+            QueuedRequest(request.request_id, now, tokens, plan.decode, plan.release_s, best.prefill, end, depart, ttft)
+        )
         self._waiting[request.request_id] = request
         self.counters["queued"] += 1
-        return _replace(best, decode=plan.decode, queued=True, wait_s=wait, queue_s=start - now, ttft_s=ttft,
-                        message=f"{why}<= the TTFT SLO {slo:g} s")  # fmt: skip
+        return _replace(
+            best,
+            decode=plan.decode,
+            queued=True,
+            wait_s=wait,
+            queue_s=start - now,
+            ttft_s=ttft,
+            message=f"{why}<= the TTFT SLO {slo:g} s",
+        )
 
     def _output_reserve(self, request: ScheduleRequest) -> int:
         """The output tokens a request's KV reservation counts: the mean observed, capped by its max_tokens."""
@@ -346,10 +355,18 @@ class Conductor:
             if best is None or ttft_s < best.ttft_s:
                 fetch_from, fetch_blocks = option[2], option[3]
                 best = Decision(
-                    request.request_id, True, prefill=name, local_blocks=local, fetch_from=fetch_from,
-                    fetch_blocks=fetch_blocks, cached_tokens=option[4], queue_s=queue_s, prefill_s=option[0],
-                    transfer_s=option[1], ttft_s=ttft_s,
-                )  # fmt: skip
+                    request.request_id,
+                    True,
+                    prefill=name,
+                    local_blocks=local,
+                    fetch_from=fetch_from,
+                    fetch_blocks=fetch_blocks,
+                    cached_tokens=option[4],
+                    queue_s=queue_s,
+                    prefill_s=option[0],
+                    transfer_s=option[1],
+                    ttft_s=ttft_s,
+                )
         assert best is not None
         return best
 
@@ -357,8 +374,14 @@ class Conductor:
         """See `best_decode` (tsukimi/scheduler/placement.py), over the instances not excluded."""
         mean_out = self._output_sum / self._output_n if self._output_n else _INITIAL_OUTPUT_TOKENS
         loads = {name: load for name, load in self._decode.items() if name not in self._exclude}
-        return best_decode(loads, DecodeForecast(self._stages, self.cost, self.config.tbt_slo_s, mean_out),
-                           input_tokens, now, at, forecast)  # fmt: skip
+        return best_decode(
+            loads,
+            DecodeForecast(self._stages, self.cost, self.config.tbt_slo_s, mean_out),
+            input_tokens,
+            now,
+            at,
+            forecast,
+        )
 
     def _book(self, decision: Decision, request: ScheduleRequest, now: float, reserve_tokens: int = 0) -> None:
         assert decision.prefill is not None and decision.decode is not None

@@ -118,9 +118,13 @@ class InstanceEvents:
     """
 
     def __init__(
-        self, index: PrefixIndex, instance: str, block_size: int = 0, pool: str | None = None,
+        self,
+        index: PrefixIndex,
+        instance: str,
+        block_size: int = 0,
+        pool: str | None = None,
         key: Callable[[bytes | int], int] = event_key,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.index, self.instance, self.block_size, self.pool, self.key = index, instance, block_size, pool, key
         self.next_seq: int | None = None  # None until the first batch or snapshot
         self.stats = EventStats()
@@ -183,5 +187,10 @@ class InstanceEvents:
     def _check_block_size(self, block_size: int) -> None:
         if self.block_size and block_size and block_size != self.block_size and not self._warned_block_size:
             self._warned_block_size = True
-            logger.warning("instance %s stores %d-token blocks but the router hashes %d-token ones: "
-                           "its prefix hits will not be seen", self.instance, block_size, self.block_size)  # fmt: skip
+            logger.warning(
+                "instance %s stores %d-token blocks but the router hashes %d-token ones: "
+                "its prefix hits will not be seen",
+                self.instance,
+                block_size,
+                self.block_size,
+            )

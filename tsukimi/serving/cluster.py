@@ -98,8 +98,14 @@ def plan(
     else:
         counts = [("colocated", w.colocated)]
     meta_port = config.metadata_port or pick()
-    groups[-1].append(ProcessSpec("metadata", "metadata", ("metadata-server", "--host", h, "--port", str(meta_port)),
-                                  f"http://{url_host}:{meta_port}"))  # fmt: skip
+    groups[-1].append(
+        ProcessSpec(
+            "metadata",
+            "metadata",
+            ("metadata-server", "--host", h, "--port", str(meta_port)),
+            f"http://{url_host}:{meta_port}",
+        )
+    )
     metadata = groups[-1][-1]
     roles = [role for role, count in counts for _ in range(count)]
     workers = []
@@ -121,17 +127,32 @@ def plan(
     groups.append(workers)
     listed = ",".join(f"{s.name}={s.role}@{s.url}" for s in workers if s.role in ROLES)
     router_port = config.router.port or pick()
-    args = ("router", "--host", h, "--port", str(router_port), "--model", config.model, "--workers", listed,
-            "--mode", config.mode, "--served-model-name", config.router.served_model_name or config.model,
-            *(("--master", master, "--master-http", master_http) if master else ()))  # fmt: skip
+    args = (
+        "router",
+        "--host",
+        h,
+        "--port",
+        str(router_port),
+        "--model",
+        config.model,
+        "--workers",
+        listed,
+        "--mode",
+        config.mode,
+        "--served-model-name",
+        config.router.served_model_name or config.model,
+        *(("--master", master, "--master-http", master_http) if master else ()),
+    )
     groups.append([ProcessSpec("router", "router", args, f"http://{url_host}:{router_port}")])
     return groups
 
 
 def _state_of(supervisor: Supervisor, api_url: str) -> dict[str, object]:
     """What `--state-file` holds: the API's URL, the log directory and every child."""
-    processes = [{"name": c.spec.name, "role": c.spec.role, "pid": c.proc.pid, "url": c.spec.url,
-                  "log": str(c.log)} for c in supervisor.children]  # fmt: skip
+    processes = [
+        {"name": c.spec.name, "role": c.spec.role, "pid": c.proc.pid, "url": c.spec.url, "log": str(c.log)}
+        for c in supervisor.children
+    ]
     return {"api": api_url, "log_dir": str(supervisor.log_dir), "processes": processes}
 
 
@@ -185,9 +206,13 @@ def run_cluster(config: ClusterConfig, console: Console, state_file: str | None 
 
 
 def supervise(
-    supervisor: Supervisor, groups: Sequence[Sequence[ProcessSpec]], model: str, startup_timeout_s: float,
-    console: Console, state_file: str | None = None,
-) -> None:  # fmt: skip
+    supervisor: Supervisor,
+    groups: Sequence[Sequence[ProcessSpec]],
+    model: str,
+    startup_timeout_s: float,
+    console: Console,
+    state_file: str | None = None,
+) -> None:
     """Starts `groups` in order (the last one's first process serves the API) and supervises
     them until Ctrl-C or SIGTERM; stops every process on the way out. Raises as run_cluster."""
     stop = threading.Event()
@@ -215,9 +240,12 @@ def supervise(
 
 
 def _start(
-    supervisor: Supervisor, groups: Sequence[Sequence[ProcessSpec]], timeout_s: float, stop: threading.Event,
+    supervisor: Supervisor,
+    groups: Sequence[Sequence[ProcessSpec]],
+    timeout_s: float,
+    stop: threading.Event,
     console: Console,
-) -> bool:  # fmt: skip
+) -> bool:
     """Start the groups in order, each once the previous is healthy; False when interrupted."""
     deadline = WallClock().now() + timeout_s
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())

@@ -40,13 +40,24 @@ def stage_configs(config: ClusterConfig, master: str, port: Callable[[int], int]
         host = f"[{config.host}]" if ":" in config.host else config.host
         for s in range(w.cpp_stages):
             downstream = f"{host}:{ports[s + 1]}" if s + 1 < w.cpp_stages else ""
-            stages.append(PrefillStageConfig(
-                name=f"cpp-{g}" if s == 0 else f"cpp-{g}-s{s}", stage=s, num_stages=w.cpp_stages, model=config.model,
-                dtype=shared.dtype, host=config.host, port=ports[s], downstream=downstream, master=master,
-                segment_bytes=shared.segment_bytes, block_tokens=shared.block_tokens,
-                num_blocks=shared.num_blocks or 512,  # NOTE: 0 = sized from memory, which a stage does not do
-                chunk_tokens=w.cpp_chunk_tokens, threads=shared.threads,
-            ))  # fmt: skip
+            stages.append(
+                PrefillStageConfig(
+                    name=f"cpp-{g}" if s == 0 else f"cpp-{g}-s{s}",
+                    stage=s,
+                    num_stages=w.cpp_stages,
+                    model=config.model,
+                    dtype=shared.dtype,
+                    host=config.host,
+                    port=ports[s],
+                    downstream=downstream,
+                    master=master,
+                    segment_bytes=shared.segment_bytes,
+                    block_tokens=shared.block_tokens,
+                    num_blocks=shared.num_blocks or 512,  # NOTE: 0 = sized from memory, which a stage does not do
+                    chunk_tokens=w.cpp_chunk_tokens,
+                    threads=shared.threads,
+                )
+            )
     return stages
 
 

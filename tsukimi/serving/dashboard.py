@@ -66,8 +66,9 @@ class Dashboard:
         config: intervals.
     """
 
-    def __init__(self, server: OpenAIServer, probe: StoreProbe | None = None,
-                 config: DashboardConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, server: OpenAIServer, probe: StoreProbe | None = None, config: DashboardConfig | None = None
+    ) -> None:
         self.config = config or DashboardConfig()
         self._server, self._probe = server, probe
         self._series = Series(window=max(1, round(10 / self.config.interval_s)))
@@ -136,17 +137,27 @@ class Dashboard:
         summary, rejections = totals(counters)
         ttft, tbt = metrics.ttft.take(), metrics.tbt.take()
         wall_s = time.time()  # NOTE: calendar seconds for the charts' time axis; the Clock is monotonic
-        self._series.add(wall_s, ttft, tbt, summary.requests_ok + summary.requests_failed,
-                                 summary.completion_tokens)  # fmt: skip
+        self._series.add(wall_s, ttft, tbt, summary.requests_ok + summary.requests_failed, summary.completion_tokens)
         ttft_window, tbt_window, samples = self._series.window()
         cfg = self.config
         latency = Latency(self._series.window_intervals * cfg.interval_s, samples, ttft_window, tbt_window)
         self._seq, points = self._seq + 1, list(self._series.points)
         snapshot = Snapshot(
-            self._seq, wall_s, router.clock.now(), cfg.interval_s, router.mode, server.model_name,
-            worker_rows(router.workers()), self._store, summary, rejections, latency, points,
-            router.decisions.recent(cfg.decisions), router.decisions.total,
-        )  # fmt: skip
+            self._seq,
+            wall_s,
+            router.clock.now(),
+            cfg.interval_s,
+            router.mode,
+            server.model_name,
+            worker_rows(router.workers()),
+            self._store,
+            summary,
+            rejections,
+            latency,
+            points,
+            router.decisions.recent(cfg.decisions),
+            router.decisions.total,
+        )
         self._latest = snapshot
         event = msgspec.structs.replace(snapshot, series=points[-EVENT_POINTS:])
         self._event = b"event: snapshot\ndata: " + msgspec.json.encode(event) + b"\n\n"

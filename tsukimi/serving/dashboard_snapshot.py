@@ -83,10 +83,20 @@ class Snapshot(msgspec.Struct, frozen=True):
 def worker_rows(workers: list[WorkerStatus]) -> list[WorkerRow]:
     """The workers' rows (pure)."""
     return [
-        WorkerRow(w.name, w.role, w.healthy, w.waiting, w.running, w.in_flight, w.requests,
-                  max(0, w.total_blocks - w.free_blocks), w.free_blocks, w.total_blocks)
+        WorkerRow(
+            w.name,
+            w.role,
+            w.healthy,
+            w.waiting,
+            w.running,
+            w.in_flight,
+            w.requests,
+            max(0, w.total_blocks - w.free_blocks),
+            w.free_blocks,
+            w.total_blocks,
+        )
         for w in workers
-    ]  # fmt: skip
+    ]
 
 
 def read_counters(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -118,6 +128,14 @@ def totals(counters: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> tu
             rejections[fields.get("reason", "")] = int(value)
     prompt = one("prompt_tokens_total")
     cached, pool = one("cached_prompt_tokens_total"), one("pool_prompt_tokens_total")
-    summary = Totals(ok, failed, prompt, one("completion_tokens_total"), cached, pool,
-                     cached / prompt if prompt else 0.0, pool / prompt if prompt else 0.0)  # fmt: skip
+    summary = Totals(
+        ok,
+        failed,
+        prompt,
+        one("completion_tokens_total"),
+        cached,
+        pool,
+        cached / prompt if prompt else 0.0,
+        pool / prompt if prompt else 0.0,
+    )
     return summary, rejections

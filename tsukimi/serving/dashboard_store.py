@@ -68,8 +68,9 @@ class StoreProbe:
         timeout_s: bounds each call.
     """
 
-    def __init__(self, master: str = "", master_http: str = "", secret: bytes | None = None,
-                 timeout_s: float = 2.0) -> None:  # fmt: skip
+    def __init__(
+        self, master: str = "", master_http: str = "", secret: bytes | None = None, timeout_s: float = 2.0
+    ) -> None:
         self._http_url, self._timeout_s = master_http.rstrip("/"), timeout_s
         self.address = master or self._http_url  # what the view names
         config = ClientConfig(master=master, rpc_timeout_s=timeout_s, failover_timeout_s=timeout_s) if master else None

@@ -54,12 +54,20 @@ class DecisionLog:
         """Records a Conductor decision (PD mode; mutates)."""
         self._entries.append(
             DecisionRecord(
-                self.total, now, request_id, "pd", decision.accepted, prompt_tokens, decision.prefill or "",
-                decision.decode or "", decision.cached_tokens, decision.ttft_s,
+                self.total,
+                now,
+                request_id,
+                "pd",
+                decision.accepted,
+                prompt_tokens,
+                decision.prefill or "",
+                decision.decode or "",
+                decision.cached_tokens,
+                decision.ttft_s,
                 decision.reason or (f"queued for KV memory ({decision.wait_s:.1f} s)" if decision.queued else ""),
                 decision.fetch_from or "",
             )
-        )  # fmt: skip
+        )
         self.total += 1
 
     def picked(self, request_id: str, prompt_tokens: int, worker: str, now: float) -> None:

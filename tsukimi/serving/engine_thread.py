@@ -146,9 +146,13 @@ class EngineThread:
     """
 
     def __init__(
-        self, make_engine: Callable[[], LLMEngine], metrics: WorkerMetrics, threads: int, name: str,
+        self,
+        make_engine: Callable[[], LLMEngine],
+        metrics: WorkerMetrics,
+        threads: int,
+        name: str,
         events: KvEventPublisher | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._make_engine, self._metrics, self._threads, self._events = make_engine, metrics, threads, events
         fault = os.environ.get(FAULT_TOKEN_ENV, "")
         self._fault_token = int(fault) if fault.lstrip("-").isdigit() else None
@@ -221,8 +225,11 @@ class EngineThread:
         if self._engine.has_work():
             if self._clock.now() < self._pause_deadline:
                 return
-            logger.warning("pausing: %d requests still running after %.1f s: failing them",
-                           len(self._active), pause.drain_timeout_s)  # fmt: skip
+            logger.warning(
+                "pausing: %d requests still running after %.1f s: failing them",
+                len(self._active),
+                pause.drain_timeout_s,
+            )
             self._fail_all(WorkerUnavailable("aborted: the worker paused for a weight update"))
         self._pause = None
         try:

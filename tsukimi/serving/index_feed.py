@@ -54,8 +54,14 @@ class ExpectedReuse:
     concurrent: bool = False
 
 
-def expected_reuse(index: PrefixIndex, prefill: str, blocks: Sequence[int], prompt_tokens: int,
-                   block_tokens: int, in_flight: Sequence[Sequence[int]] = ()) -> ExpectedReuse:  # fmt: skip
+def expected_reuse(
+    index: PrefixIndex,
+    prefill: str,
+    blocks: Sequence[int],
+    prompt_tokens: int,
+    block_tokens: int,
+    in_flight: Sequence[Sequence[int]] = (),
+) -> ExpectedReuse:
     """What `prefill` would reuse of a prompt of `prompt_tokens` tokens with these full-block
     hashes, by the index now and the prefills already running on that worker (`in_flight`: their
     full-block hashes), pure. A running prefill finishes, caches and pools its blocks before the
@@ -109,8 +115,9 @@ class IndexFeed:
         assert self._context is not None
         name, host = worker.spec.name, httpx.URL(worker.spec.url).host
         port, snapshot_port = worker.kv_events_ports
-        source = EventSource(f"tcp://{host}:{port}", replay_timeout_s=self.timeout_s,
-                             snapshot_endpoint=f"tcp://{host}:{snapshot_port}")  # fmt: skip
+        source = EventSource(
+            f"tcp://{host}:{port}", replay_timeout_s=self.timeout_s, snapshot_endpoint=f"tcp://{host}:{snapshot_port}"
+        )
         if name not in self.instances:
             self.instances[name] = InstanceEvents(self.index, name, self.block_tokens, POOL_LOCATION)
         subscriber = EventSubscriber(self.instances[name], source, self._context)
@@ -128,8 +135,9 @@ class IndexFeed:
                 name = worker.spec.name
                 if name not in self._subscribers or worker.kv_events_ports in (self._subscribers[name][0], (0, 0)):
                     continue
-                logger.warning("prefill worker %s restarted: following its KV events to ports %s", name,
-                               worker.kv_events_ports)  # fmt: skip
+                logger.warning(
+                    "prefill worker %s restarted: following its KV events to ports %s", name, worker.kv_events_ports
+                )
                 await stop_subscribers([self._subscribers.pop(name)[1]], None)
                 self.instances[name].resync(0)
                 self._subscribe(worker)

@@ -84,8 +84,11 @@ class EventLog:
         for n, (stored, block_hash) in enumerate(entries):
             run.append(block_hash)
             if n + 1 == len(entries) or entries[n + 1][0] != stored:
-                events.append(BlockStored(run, block_size=self.block_tokens, medium=self.medium) if stored
-                              else BlockRemoved(run, medium=self.medium))  # fmt: skip
+                events.append(
+                    BlockStored(run, block_size=self.block_tokens, medium=self.medium)
+                    if stored
+                    else BlockRemoved(run, medium=self.medium)
+                )
                 run = []
             if stored:
                 self.blocks.add(block_hash)
@@ -104,8 +107,14 @@ class KvEventPublisher:
     sockets on `host` (ephemeral ports: `port` and `snapshot_port`) and starts the thread
     that answers snapshots and sends heartbeats; `close` stops it."""
 
-    def __init__(self, host: str = "127.0.0.1", medium: str = "CPU", block_tokens: int = 0,
-                 heartbeat_s: float = 0.5, topic: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        medium: str = "CPU",
+        block_tokens: int = 0,
+        heartbeat_s: float = 0.5,
+        topic: str = "",
+    ) -> None:
         self.heartbeat_s, self._topic = heartbeat_s, topic.encode()
         self._log = EventLog(medium, block_tokens)
         self._context = zmq.Context()

@@ -38,18 +38,28 @@ def master_groups(
     client_port, peer_port = m.etcd_port or pick(), pick()
     etcd_url = f"etcd://{url_host}:{client_port}"
     masters = [
-        _master(f"master-{i}", config, (i == 0 and m.rpc_port) or pick(), (i == 0 and m.http_port) or pick(),
-                (f'master.ha_etcd="{etcd_url}"',))
+        _master(
+            f"master-{i}",
+            config,
+            (i == 0 and m.rpc_port) or pick(),
+            (i == 0 and m.http_port) or pick(),
+            (f'master.ha_etcd="{etcd_url}"',),
+        )
         for i in range(m.ha)
-    ]  # fmt: skip
+    ]
     return [[_etcd(url_host, client_port, peer_port, data_dir)], masters], etcd_url
 
 
 def _master(name: str, config: ClusterConfig, rpc: int, http: int, extra: tuple[str, ...]) -> ProcessSpec:
     h = config.host
     url_host = f"[{h}]" if ":" in h else h
-    sets = (f'master.host="{h}"', f"master.rpc_port={rpc}", f"master.http_port={http}", *config.master.settings(),
-            *extra)  # fmt: skip
+    sets = (
+        f'master.host="{h}"',
+        f"master.rpc_port={rpc}",
+        f"master.http_port={http}",
+        *config.master.settings(),
+        *extra,
+    )
     return ProcessSpec(name, "master", ("master", *(f"--set={s}" for s in sets)), f"http://{url_host}:{http}")
 
 
@@ -59,9 +69,15 @@ def _etcd(url_host: str, client_port: int, peer_port: int, data_dir: Path) -> Pr
         raise ConfigError("master.ha needs etcd on PATH: apt-get install etcd-server (or `make`)")
     client, peer = f"http://{url_host}:{client_port}", f"http://{url_host}:{peer_port}"
     argv = (
-        binary, "--name=tsukimi-up", f"--data-dir={data_dir / 'etcd-data'}",
-        f"--listen-client-urls={client}", f"--advertise-client-urls={client}", f"--listen-peer-urls={peer}",
-        f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=tsukimi-up={peer}",
-        "--initial-cluster-state=new", "--log-level=warn",
-    )  # fmt: skip
+        binary,
+        "--name=tsukimi-up",
+        f"--data-dir={data_dir / 'etcd-data'}",
+        f"--listen-client-urls={client}",
+        f"--advertise-client-urls={client}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster=tsukimi-up={peer}",
+        "--initial-cluster-state=new",
+        "--log-level=warn",
+    )
     return ProcessSpec("etcd", "etcd", (), client, argv=argv, health="http")

@@ -127,8 +127,11 @@ class StopText:
         if hits:
             self.stopped, self._held = True, ""
             return buf[: min(hits)]
-        keep = 0 if final else max((k for s in self._stops for k in range(len(s) - 1, 0, -1) if buf.endswith(s[:k])),
-                                   default=0)  # fmt: skip
+        keep = (
+            0
+            if final
+            else max((k for s in self._stops for k in range(len(s) - 1, 0, -1) if buf.endswith(s[:k])), default=0)
+        )
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep]
 
@@ -173,9 +176,11 @@ class OpenAIServer:
     def health(self) -> dict[str, object]:
         workers = self.router.workers()
         return {
-            "status": "ok" if all(w.healthy for w in workers) else "degraded", "mode": self.router.mode,
-            "model": self.model_name, "workers": [dataclasses.asdict(w) for w in workers],
-        }  # fmt: skip
+            "status": "ok" if all(w.healthy for w in workers) else "degraded",
+            "mode": self.router.mode,
+            "model": self.model_name,
+            "workers": [dataclasses.asdict(w) for w in workers],
+        }
 
     async def complete(self, raw: bytes, chat: bool, request_id: str | None = None) -> Response:
         """Answers one (chat) completion request; never raises a TsukimiError (error bodies).
@@ -265,8 +270,12 @@ class OpenAIServer:
                     yield sse_event({**head, "choices": [delta_choice({"role": "assistant", "content": ""}, None)]})
                 async for delta, finish in self._texts(job, events, first, usage):
                     if not job.chat:
-                        yield sse_event({**head, "choices": [{"index": 0, "text": delta, "logprobs": None,
-                                                           "finish_reason": finish}]})  # fmt: skip
+                        yield sse_event(
+                            {
+                                **head,
+                                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}],
+                            }
+                        )
                         continue
                     if delta:
                         yield sse_event({**head, "choices": [delta_choice({"content": delta}, None)]})
@@ -352,8 +361,9 @@ def create_app(
             return _reply(*error_reply(InvalidArgument(f"invalid request body: {exc}")))
         outcome = await router.update_weights(body, secret)
         failed = [http_status(r) for r in outcome.values() if isinstance(r, TsukimiError)]
-        workers = {name: r if isinstance(r, UpdateWeightsReply) else ErrorReply(r.code, str(r))
-                   for name, r in outcome.items()}  # fmt: skip
+        workers = {
+            name: r if isinstance(r, UpdateWeightsReply) else ErrorReply(r.code, str(r)) for name, r in outcome.items()
+        }
         return _reply(max(failed, default=200), msgspec.json.encode({"workers": workers}))
 
     @app.get("/metrics")

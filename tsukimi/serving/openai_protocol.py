@@ -103,9 +103,11 @@ class Usage:
             details["expected_pool_tokens"] = self.expected.pool_tokens
             details["expected_concurrent"] = int(self.expected.concurrent)
         return {
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens, "prompt_tokens_details": details,
-        }  # fmt: skip
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": details,
+        }
 
 
 def delta_choice(delta: dict[str, str], finish: str | None) -> dict[str, object]:
@@ -131,6 +133,12 @@ def error_body(exc: TsukimiError) -> tuple[int, dict[str, object]]:
 
 
 def outcome_of(status: int) -> str:
-    outcomes = {400: "bad_request", 404: "bad_request", 409: "bad_request", 429: "rejected", 502: "worker_error",
-                503: "unavailable"}  # fmt: skip
+    outcomes = {
+        400: "bad_request",
+        404: "bad_request",
+        409: "bad_request",
+        429: "rejected",
+        502: "worker_error",
+        503: "unavailable",
+    }
     return outcomes.get(status, "error")

@@ -49,13 +49,24 @@ def _off(*values: object) -> Callable[[object], bool]:
 
 # NOTE: parameter -> whether its value asks for nothing tsukimi lacks (None: not given)
 UNSUPPORTED: dict[str, Callable[[object], bool]] = {
-    "logprobs": _off(False), "top_logprobs": _off(0), "echo": _off(False), "best_of": _off(1), "suffix": _off(""),
-    "presence_penalty": _off(0.0), "frequency_penalty": _off(0.0), "logit_bias": _off({}),
+    "logprobs": _off(False),
+    "top_logprobs": _off(0),
+    "echo": _off(False),
+    "best_of": _off(1),
+    "suffix": _off(""),
+    "presence_penalty": _off(0.0),
+    "frequency_penalty": _off(0.0),
+    "logit_bias": _off({}),
     "response_format": lambda v: v is None or getattr(v, "type", None) == "text",
-    "tools": _off([]), "tool_choice": _off("none", "auto"), "functions": _off([]),
+    "tools": _off([]),
+    "tool_choice": _off("none", "auto"),
+    "functions": _off([]),
     "function_call": _off("none", "auto"),
-    "top_k": _off(-1, 0), "min_p": _off(0.0), "repetition_penalty": _off(1.0), "min_tokens": _off(0),
-}  # fmt: skip
+    "top_k": _off(-1, 0),
+    "min_p": _off(0.0),
+    "repetition_penalty": _off(1.0),
+    "min_tokens": _off(0),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,8 +140,18 @@ class RequestChecker:
             given, default, param = req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens"
         max_tokens = self._max_tokens(len(prompt), given, default, param, prompt_param)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return CheckedRequest(tuple(prompt), max_tokens, temperature, top_p, req.seed, stops, stop_token_ids,
-                              req.ignore_eos, bool(req.stream), include_usage)  # fmt: skip
+        return CheckedRequest(
+            tuple(prompt),
+            max_tokens,
+            temperature,
+            top_p,
+            req.seed,
+            stops,
+            stop_token_ids,
+            req.ignore_eos,
+            bool(req.stream),
+            include_usage,
+        )
 
     def _check_ids(self, ids: Sequence[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.limits.vocab_size), None)
@@ -150,8 +171,10 @@ class RequestChecker:
         if not all(isinstance(t, int) for t in prompt):
             kinds = {type(t).__name__ for t in prompt}
             if kinds <= {"str", "list"}:
-                raise InvalidArgument(f"batched prompts ({len(prompt)} in one request) are not supported: send one "
-                                      "request per prompt", "prompt")  # fmt: skip
+                raise InvalidArgument(
+                    f"batched prompts ({len(prompt)} in one request) are not supported: send one request per prompt",
+                    "prompt",
+                )
             raise InvalidArgument("prompt must be a string, a list of token ids, or a list of one of them", "prompt")
         ids = [t for t in prompt if isinstance(t, int)]
         self._check_ids(ids, "prompt")
@@ -171,15 +194,21 @@ class RequestChecker:
         context = self.limits.max_context_tokens
         room = min(context - prompt_tokens, MAX_TOKENS_LIMIT)
         if room < 1:
-            raise InvalidArgument(f"the prompt ({prompt_tokens} tokens) leaves no room for output in the model's "
-                                  f"context of {context} tokens", prompt_param)  # fmt: skip
+            raise InvalidArgument(
+                f"the prompt ({prompt_tokens} tokens) leaves no room for output in the model's "
+                f"context of {context} tokens",
+                prompt_param,
+            )
         if given is None:
             return min(default, room)
         if given < 1:
             raise InvalidArgument(f"{param} must be >= 1, got {given}", param)
         if prompt_tokens + given > context:
-            raise InvalidArgument(f"this model's context is {context} tokens; the prompt ({prompt_tokens} tokens) "
-                                  f"and {param} ({given}) ask for {prompt_tokens + given}", param)  # fmt: skip
+            raise InvalidArgument(
+                f"this model's context is {context} tokens; the prompt ({prompt_tokens} tokens) "
+                f"and {param} ({given}) ask for {prompt_tokens + given}",
+                param,
+            )
         if given > MAX_TOKENS_LIMIT:  # NOTE: the engine's own bound, below the context of large models
             raise InvalidArgument(f"{param} must be at most {MAX_TOKENS_LIMIT}, got {given}", param)
         return given
@@ -231,8 +260,9 @@ def _check_sampling(req: Params) -> tuple[float, float]:
         raise InvalidArgument(f"n must be 1 (one choice per request), got {req.n}", "n")
     temperature = 1.0 if req.temperature is None else req.temperature
     if not (temperature == 0 or MIN_SAMPLING_VALUE <= temperature <= MAX_TEMPERATURE):
-        raise InvalidArgument(f"temperature must be 0 or in [{MIN_SAMPLING_VALUE}, 2], got {temperature}",
-                              "temperature")  # fmt: skip
+        raise InvalidArgument(
+            f"temperature must be 0 or in [{MIN_SAMPLING_VALUE}, 2], got {temperature}", "temperature"
+        )
     top_p = 1.0 if req.top_p is None else req.top_p
     if not MIN_SAMPLING_VALUE <= top_p <= 1:
         raise InvalidArgument(f"top_p must be in [{MIN_SAMPLING_VALUE}, 1], got {top_p}", "top_p")
@@ -269,8 +299,9 @@ def _text(content: str | list[ContentPart] | None, i: int) -> str:
     texts = []
     for j, part in enumerate(content):
         if part.type != "text":
-            raise InvalidArgument(f"content part type {part.type!r} is not supported (only text)",
-                                  f"messages[{i}].content[{j}].type")  # fmt: skip
+            raise InvalidArgument(
+                f"content part type {part.type!r} is not supported (only text)", f"messages[{i}].content[{j}].type"
+            )
         if part.text is None:
             raise InvalidArgument("a text content part needs text", f"messages[{i}].content[{j}].text")
         texts.append(part.text)

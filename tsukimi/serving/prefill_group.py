@@ -89,8 +89,9 @@ class StageProcess:
         except BaseException:
             self.close()
             raise
-        logger.info("CPP stage %d/%d (layers %d..%d) ready", cfg.stage, cfg.num_stages, spec.first_layer,
-                    spec.end_layer - 1)  # fmt: skip
+        logger.info(
+            "CPP stage %d/%d (layers %d..%d) ready", cfg.stage, cfg.num_stages, spec.first_layer, spec.end_layer - 1
+        )
         return self
 
     def close(self) -> None:

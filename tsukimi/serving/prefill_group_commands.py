@@ -18,8 +18,24 @@ from rich.console import Console
 from tsukimi.config import DTYPE_NAMES
 from tsukimi.config.pipeline import PrefillStageConfig
 
-_FLAGS = ("name", "stage", "num_stages", "model", "dtype", "host", "port", "downstream", "master", "segment_bytes",
-          "block_tokens", "num_blocks", "chunk_tokens", "threads", "link_bytes_s", "hop_latency_s")  # fmt: skip
+_FLAGS = (
+    "name",
+    "stage",
+    "num_stages",
+    "model",
+    "dtype",
+    "host",
+    "port",
+    "downstream",
+    "master",
+    "segment_bytes",
+    "block_tokens",
+    "num_blocks",
+    "chunk_tokens",
+    "threads",
+    "link_bytes_s",
+    "hop_latency_s",
+)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -40,8 +56,10 @@ def stage_config(args: argparse.Namespace) -> PrefillStageConfig:
 
 def stage_args(config: PrefillStageConfig) -> tuple[str, ...]:
     """The `tsukimi prefill-stage ...` arguments of `config` (pure)."""
-    return ("prefill-stage", *(part for flag in _FLAGS
-                               for part in ("--" + flag.replace("_", "-"), str(getattr(config, flag)))))  # fmt: skip
+    return (
+        "prefill-stage",
+        *(part for flag in _FLAGS for part in ("--" + flag.replace("_", "-"), str(getattr(config, flag)))),
+    )
 
 
 def run(args: argparse.Namespace, console: Console) -> None:

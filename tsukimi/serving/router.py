@@ -107,9 +107,12 @@ class Router:
     """
 
     def __init__(
-        self, workers: Sequence[WorkerSpec], config: RouterConfig | None = None,
-        conductor: ConductorConfig | None = None, clock: Clock | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        workers: Sequence[WorkerSpec],
+        config: RouterConfig | None = None,
+        conductor: ConductorConfig | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         self.config = config or RouterConfig()
         self.mode = _resolve_mode(self.config.mode, workers)
         self.clock: Clock = clock or WallClock()
@@ -176,8 +179,9 @@ class Router:
         await self.start()
         assert self._client is not None
         client, workers = self._client, list(self._workers.values())
-        results = await asyncio.gather(*(client.update_weights(w, request, secret) for w in workers),
-                                       return_exceptions=True)  # fmt: skip
+        results = await asyncio.gather(
+            *(client.update_weights(w, request, secret) for w in workers), return_exceptions=True
+        )
         outcome: dict[str, UpdateWeightsReply | TsukimiError] = {}
         for worker, result in zip(workers, results, strict=True):
             if isinstance(result, BaseException) and not isinstance(result, TsukimiError):
@@ -249,9 +253,11 @@ class Router:
             return
         decode, generated = self._admit_decode(conductor, rid), len(first.token_ids)
         follow = msgspec.structs.replace(  # NOTE: on the first token's weights (a live update may intervene)
-            request, prompt_ids=(*prompt, *first.token_ids), max_tokens=request.max_tokens - generated,
+            request,
+            prompt_ids=(*prompt, *first.token_ids),
+            max_tokens=request.max_tokens - generated,
             weights_version=first.weights_version,
-        )  # fmt: skip
+        )
         try:
             yield dataclasses.replace(first, finish_reason=None)
             async with contextlib.aclosing(self._events(decode, follow)) as events:
@@ -260,9 +266,11 @@ class Router:
                     # NOTE: the decode worker loads the prompt's KV from the pool too: its pool
                     # tokens add to the prefill's; the cached ones are the prefill's
                     yield dataclasses.replace(
-                        event, cached_tokens=first.cached_tokens, pool_tokens=first.pool_tokens + event.pool_tokens,
+                        event,
+                        cached_tokens=first.cached_tokens,
+                        pool_tokens=first.pool_tokens + event.pool_tokens,
                         expected=first.expected,
-                    )  # fmt: skip
+                    )
         finally:
             conductor.decode_finished(rid, self.clock.now(), generated)
             self._wake()
@@ -292,8 +300,9 @@ class Router:
             assert decision.prefill is not None
             prefill = self._workers[decision.prefill]
             running = self._running_prefills.setdefault(decision.prefill, {})
-            expected = expected_reuse(self.index, decision.prefill, blocks, len(request.prompt_ids), self.block_tokens,
-                                      list(running.values()))  # fmt: skip
+            expected = expected_reuse(
+                self.index, decision.prefill, blocks, len(request.prompt_ids), self.block_tokens, list(running.values())
+            )
             running[rid] = blocks
             try:
                 return dataclasses.replace(await self._prefill(prefill, request), expected=expected)
@@ -345,8 +354,15 @@ class Router:
                 async for chunk in chunks:
                     now = self.clock.now()
                     ids = tuple(chunk.token_ids)
-                    yield TokenEvent(ids, chunk.finish_reason, chunk.cached_tokens, chunk.pool_tokens, now,
-                                     worker.spec.name, chunk.weights_version)  # fmt: skip
+                    yield TokenEvent(
+                        ids,
+                        chunk.finish_reason,
+                        chunk.cached_tokens,
+                        chunk.pool_tokens,
+                        now,
+                        worker.spec.name,
+                        chunk.weights_version,
+                    )
         finally:
             worker.in_flight -= 1
 
@@ -365,14 +381,16 @@ class Router:
         self.block_tokens = seen.pop() if seen else self._conductor_config.block_tokens
         # NOTE: each decode worker's own KV memory (its /load total_blocks), unless the config sets one for all
         fixed = self.config.decode_capacity_tokens
-        capacity = {w.spec.name: fixed or w.load.total_blocks * self.block_tokens or DEFAULT_DECODE_CAPACITY_TOKENS
-                    for w in self._workers.values() if w.spec.role == "decode"}  # fmt: skip
+        capacity = {
+            w.spec.name: fixed or w.load.total_blocks * self.block_tokens or DEFAULT_DECODE_CAPACITY_TOKENS
+            for w in self._workers.values()
+            if w.spec.role == "decode"
+        }
         conductor = dataclasses.replace(self._conductor_config, block_tokens=self.block_tokens)
         names = {role: [w.spec.name for w in self._workers.values() if w.spec.role == role] for role in ROLES}
         groups = conductor_groups(self._workers.values())  # NOTE: priced with the pipeline estimate
         cost = conductor_cost(self.config, self._workers.values())  # NOTE: the workers' profiles, or the config's
-        return Conductor(conductor, cost, self.index, names["prefill"], names["decode"], capacity,
-                         groups=groups)  # fmt: skip
+        return Conductor(conductor, cost, self.index, names["prefill"], names["decode"], capacity, groups=groups)
 
 
 def _resolve_mode(mode: str, workers: Sequence[WorkerSpec]) -> Literal["colocated", "pd"]:
@@ -381,5 +399,7 @@ def _resolve_mode(mode: str, workers: Sequence[WorkerSpec]) -> Literal["colocate
         return "colocated"
     if mode in ("auto", "pd") and roles == {"prefill", "decode"}:
         return "pd"
-    raise ConfigError(f"workers with roles {sorted(roles) or 'none'} fit no {mode} mode: colocated needs colocated "
-                      "workers only, pd prefill and decode workers only")  # fmt: skip
+    raise ConfigError(
+        f"workers with roles {sorted(roles) or 'none'} fit no {mode} mode: colocated needs colocated "
+        "workers only, pd prefill and decode workers only"
+    )

@@ -43,9 +43,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     p.add_argument("--backend", choices=("tsukimi", "vllm"), default="tsukimi", help="the workers' engine")
     p.add_argument("--master", default="", help="the store master (tcp://HOST:PORT or etcd://...), for /dashboard")
     p.add_argument("--master-http", default="", help="the master's http://HOST:PORT: /dashboard counts its objects")
-    p.add_argument("--shed-lag-ms", type=float, default=250.0,
-                   help="answer new completions 429 overloaded while the router's event loop lags more than this "
-                        "on average (0: never)")  # fmt: skip
+    p.add_argument(
+        "--shed-lag-ms",
+        type=float,
+        default=250.0,
+        help="answer new completions 429 overloaded while the router's event loop lags more than this "
+        "on average (0: never)",
+    )
     return p
 
 
@@ -75,8 +79,11 @@ def run(args: argparse.Namespace, console: Console) -> None:
     shed = app.state.server.metrics.rejections.labels("overloaded").inc
     load_shedding.install(app, max(0.0, args.shed_lag_ms) / 1000, shed)
     roles = ", ".join(f"{w.name} ({w.role})" for w in workers)
-    console.print(f"router ({router.mode}) for {name} on http://{args.host}:{args.port} over {roles}; "
-                  f"dashboard: http://{args.host}:{args.port}/dashboard", highlight=False)  # fmt: skip
+    console.print(
+        f"router ({router.mode}) for {name} on http://{args.host}:{args.port} over {roles}; "
+        f"dashboard: http://{args.host}:{args.port}/dashboard",
+        highlight=False,
+    )
     httpd.serve(app, args.host, args.port, log_level="warning")
 
 

@@ -92,9 +92,14 @@ class Supervisor:
             # NOTE: a session of its own: the terminal's Ctrl-C reaches the supervisor only,
             # which stops the children in order (router first, master last).
             proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, pass_fds=self._lifeline.pass_fds,
-            )  # fmt: skip
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                pass_fds=self._lifeline.pass_fds,
+            )
         logger.info("started %s (pid %d): %s", spec.name, proc.pid, " ".join(spec.args))
         return proc, log
 
@@ -142,8 +147,13 @@ class Supervisor:
                 if len(child.restarts) >= policy.max_restarts:
                     self._check_alive(child, f" ({len(child.restarts)} restarts in {policy.window_s:.0f} s)")
                 child.restart_at = now + policy.backoff_s(len(child.restarts))
-                logger.warning("%s (pid %d) exited with code %s; restarting it in %.1f s", child.spec.name,
-                               child.proc.pid, child.proc.returncode, child.restart_at - now)  # fmt: skip
+                logger.warning(
+                    "%s (pid %d) exited with code %s; restarting it in %.1f s",
+                    child.spec.name,
+                    child.proc.pid,
+                    child.proc.returncode,
+                    child.restart_at - now,
+                )
             elif now >= child.restart_at:
                 index = next(i for i, group in enumerate(self.groups) if child in group)
                 child.proc, child.log = self._spawn(child.spec, "ab", index)

@@ -83,12 +83,33 @@ def render(s: Snapshot) -> Group:
 
 
 def _workers(s: Snapshot) -> Table:
-    table = Table("worker", "role", "up", "waiting", "running", "in flight", "sent", "KV used", "KV free",
-                  title="workers", title_justify="left", expand=False)  # fmt: skip
+    table = Table(
+        "worker",
+        "role",
+        "up",
+        "waiting",
+        "running",
+        "in flight",
+        "sent",
+        "KV used",
+        "KV free",
+        title="workers",
+        title_justify="left",
+        expand=False,
+    )
     for w in sorted(s.workers, key=lambda w: (w.role, w.name)):
         up = "yes" if w.healthy else "[red]DOWN[/red]"
-        table.add_row(w.name, w.role, up, str(w.waiting), str(w.running), str(w.in_flight), str(w.requests),
-                      f"{w.used_blocks}/{w.total_blocks}", str(w.free_blocks))  # fmt: skip
+        table.add_row(
+            w.name,
+            w.role,
+            up,
+            str(w.waiting),
+            str(w.running),
+            str(w.in_flight),
+            str(w.requests),
+            f"{w.used_blocks}/{w.total_blocks}",
+            str(w.free_blocks),
+        )
     return table
 
 
@@ -97,19 +118,43 @@ def _store(s: Snapshot) -> Table | Text:
     if not store.master:
         return Text("KV pool: no master given (colocated, or the router was started without --master)", style="dim")
     stats = "  ".join(f"{k} {v:g}" for k, v in store.stats.items())
-    table = Table("segment", "client", "used", "capacity", "use", "up", expand=False, title_justify="left",
-                  title=f"KV pool at {store.master}   {stats}", caption=store.error or None)  # fmt: skip
+    table = Table(
+        "segment",
+        "client",
+        "used",
+        "capacity",
+        "use",
+        "up",
+        expand=False,
+        title_justify="left",
+        title=f"KV pool at {store.master}   {stats}",
+        caption=store.error or None,
+    )
     for seg in store.segments:
         use = seg.used_bytes / seg.capacity_bytes if seg.capacity_bytes else 0.0
-        table.add_row(seg.segment_id, seg.client_id, _size(seg.used_bytes), _size(seg.capacity_bytes), f"{use:.1%}",
-                      "yes" if seg.healthy else "[red]no[/red]")  # fmt: skip
+        table.add_row(
+            seg.segment_id,
+            seg.client_id,
+            _size(seg.used_bytes),
+            _size(seg.capacity_bytes),
+            f"{use:.1%}",
+            "yes" if seg.healthy else "[red]no[/red]",
+        )
     return table
 
 
 def _latency(s: Snapshot) -> Table:
     lat = s.latency
-    table = Table("", "p50", "p90", "p99", f"last {lat.window_s:g} s ({lat.samples} requests)", expand=False,
-                  title="latency", title_justify="left")  # fmt: skip
+    table = Table(
+        "",
+        "p50",
+        "p90",
+        "p99",
+        f"last {lat.window_s:g} s ({lat.samples} requests)",
+        expand=False,
+        title="latency",
+        title_justify="left",
+    )
     recent = s.series[-_SPARK_POINTS:]
     table.add_row("TTFT", *(_ms(x) for x in lat.ttft_s), _spark([p.ttft_p90_s or 0.0 for p in recent]) + " p90")
     table.add_row("TBT", *(_ms(x) for x in lat.tbt_s), _spark([p.tokens_per_s for p in recent]) + " tokens/s")
@@ -120,13 +165,32 @@ def _latency(s: Snapshot) -> Table:
 
 def _decisions(s: Snapshot) -> Table:
     title = f"decisions ({s.decisions_total} in all, newest first)"
-    table = Table("#", "request", "prompt", "prefill / worker", "decode", "exp. cached", "est. TTFT", "outcome",
-                  expand=False, title=title, title_justify="left")  # fmt: skip
+    table = Table(
+        "#",
+        "request",
+        "prompt",
+        "prefill / worker",
+        "decode",
+        "exp. cached",
+        "est. TTFT",
+        "outcome",
+        expand=False,
+        title=title,
+        title_justify="left",
+    )
     for d in s.decisions[:10]:
         outcome = "accepted" if d.accepted else f"[red]rejected: {d.reason}[/red]"
         est = _ms(d.ttft_s) if d.mode == "pd" else "-"
-        table.add_row(str(d.seq), d.request_id[-12:], str(d.prompt_tokens), d.prefill, d.decode or "-",
-                      str(d.cached_tokens) if d.mode == "pd" else "-", est, outcome)  # fmt: skip
+        table.add_row(
+            str(d.seq),
+            d.request_id[-12:],
+            str(d.prompt_tokens),
+            d.prefill,
+            d.decode or "-",
+            str(d.cached_tokens) if d.mode == "pd" else "-",
+            est,
+            outcome,
+        )
     return table
 
 

@@ -156,9 +156,15 @@ class Worker:
 
             def make_engine() -> LLMEngine:
                 engine = LLMEngine(
-                    model, layout, num_blocks, mc.eos_token_ids, cfg.max_batched_tokens, connector,
-                    prefix_caching=cfg.prefix_caching, layerwise_loading=cfg.layerwise_loading,
-                )  # fmt: skip
+                    model,
+                    layout,
+                    num_blocks,
+                    mc.eos_token_ids,
+                    cfg.max_batched_tokens,
+                    connector,
+                    prefix_caching=cfg.prefix_caching,
+                    layerwise_loading=cfg.layerwise_loading,
+                )
                 if self._meter is not None:  # NOTE: time its steps against the profile (GET /load)
                     engine.runner = MeteredRunner(model, engine.cache, connector, engine.loader, self._meter)
                 return updater.prepare(engine)
@@ -181,14 +187,18 @@ class Worker:
         # NOTE: by CPU time with one thread: the engine's own cost; GET /load's slowdown adds the machine's load
         result = startup_profile(model, layout, self.config.max_batched_tokens, cpu=self.config.threads == 1)
         fitted, seconds = result.model, time.perf_counter() - start
-        self.cost = CostProfile(fitted.prefill_coef, fitted.decode_coef, fitted.kv_bytes_per_token,
-                                result.max_relative_error, seconds)  # fmt: skip
+        self.cost = CostProfile(
+            fitted.prefill_coef, fitted.decode_coef, fitted.kv_bytes_per_token, result.max_relative_error, seconds
+        )
         self._meter = StepMeter(fitted)
         logger.info(
             "worker %s profiled in %.2f s: %.3f ms per prompt token, %.2f ms per decode step (fit within %.0f%%)",
-            self.config.name, seconds, 1e3 * fitted.prefill_s(512) / 512, 1e3 * fitted.decode_step_s(1, 64),
+            self.config.name,
+            seconds,
+            1e3 * fitted.prefill_s(512) / 512,
+            1e3 * fitted.decode_step_s(1, 64),
             100 * result.max_relative_error,
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         """Fail unfinished requests, stop serving, leave the store. Idempotent."""
@@ -220,8 +230,9 @@ class Worker:
         if not all(0 <= t < mc.vocab_size for t in body.prompt_ids):
             raise InvalidArgument(f"prompt token ids must be in 0..{mc.vocab_size - 1}")
         max_tokens = 1 if self.config.role == "prefill" else body.max_tokens
-        params = SamplingParams(max_tokens, body.temperature, body.top_p, tuple(body.stop_token_ids),
-                                body.ignore_eos, body.seed)  # fmt: skip
+        params = SamplingParams(
+            max_tokens, body.temperature, body.top_p, tuple(body.stop_token_ids), body.ignore_eos, body.seed
+        )
         if len(body.prompt_ids) + params.max_tokens > mc.max_position:
             raise InvalidArgument(f"prompt + max_tokens exceed the model's context of {mc.max_position} tokens")
         return params
@@ -234,16 +245,28 @@ class Worker:
         @app.get("/health")
         def get_health() -> Response:
             ports = (self._events.port, self._events.snapshot_port) if self._events is not None else (0, 0)
-            health = Health("ok", cfg.name, cfg.role, mc.identity, mc.name, cfg.block_tokens, updater.weights_version,
-                            *ports, cost=self.cost)  # fmt: skip
+            health = Health(
+                "ok",
+                cfg.name,
+                cfg.role,
+                mc.identity,
+                mc.name,
+                cfg.block_tokens,
+                updater.weights_version,
+                *ports,
+                cost=self.cost,
+            )
             return Response(msgspec.json.encode(health), media_type="application/json")
 
         @app.get("/load")
         def get_load() -> Response:
             load, meter = engine.load, self._meter
             if meter is not None:
-                load = msgspec.structs.replace(load, prefill_slowdown=round(meter.prefill_slowdown, 4),
-                                               decode_slowdown=round(meter.decode_slowdown, 4))  # fmt: skip
+                load = msgspec.structs.replace(
+                    load,
+                    prefill_slowdown=round(meter.prefill_slowdown, 4),
+                    decode_slowdown=round(meter.decode_slowdown, 4),
+                )
             return Response(msgspec.json.encode(load), media_type="application/json")
 
         @app.get("/metrics")

@@ -115,8 +115,18 @@ class WorkerHandle:
         """The snapshot (pure)."""
         s, stages = self.spec, self.cpp.stages if self.cpp is not None else 0
         load = self.load
-        return WorkerStatus(s.name, s.role, self.healthy, load.waiting, load.running, self.in_flight, self.requests,
-                            stages, load.free_blocks, load.total_blocks)  # fmt: skip
+        return WorkerStatus(
+            s.name,
+            s.role,
+            self.healthy,
+            load.waiting,
+            load.running,
+            self.in_flight,
+            self.requests,
+            stages,
+            load.free_blocks,
+            load.total_blocks,
+        )
 
 
 class WorkerClient:
@@ -171,8 +181,9 @@ class WorkerClient:
             finally:
                 await response.aclose()
         except httpx.ConnectTimeout as exc:  # NOTE: maybe our own loop lagging: the polls decide
-            raise WorkerUnavailable(f"worker {name} at {worker.spec.url} did not accept in time "
-                                    f"({CONNECT_TRIES} tries): {exc}") from exc  # fmt: skip
+            raise WorkerUnavailable(
+                f"worker {name} at {worker.spec.url} did not accept in time ({CONNECT_TRIES} tries): {exc}"
+            ) from exc
         except httpx.ConnectError as exc:
             worker.healthy = False
             raise WorkerUnavailable(f"worker {name} at {worker.spec.url} is unreachable: {exc}") from exc
@@ -195,8 +206,9 @@ class WorkerClient:
             except httpx.ConnectTimeout:
                 if attempt == CONNECT_TRIES:
                     raise
-                logger.info("worker %s did not accept in time; trying again (%d/%d)", worker.spec.name, attempt,
-                            CONNECT_TRIES)  # fmt: skip
+                logger.info(
+                    "worker %s did not accept in time; trying again (%d/%d)", worker.spec.name, attempt, CONNECT_TRIES
+                )
         raise AssertionError("unreachable")
 
     async def update_weights(
@@ -210,8 +222,9 @@ class WorkerClient:
         """
         name = worker.spec.name
         timeout = httpx.Timeout(self._read_timeout_s + request.drain_timeout_s, connect=self._probe_timeout_s)
-        built = self._http.build_request("POST", f"{worker.spec.url}/admin/update_weights",
-                                         content=msgspec.json.encode(request), timeout=timeout)  # fmt: skip
+        built = self._http.build_request(
+            "POST", f"{worker.spec.url}/admin/update_weights", content=msgspec.json.encode(request), timeout=timeout
+        )
         try:
             response = await self._http.send(httpd.sign_request(built, secret))
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:

@@ -43,10 +43,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     worker.add_argument("--host", default=d.host)
     worker.add_argument("--port", type=int, default=d.port, help="0 = an ephemeral port (printed once serving)")
     worker.add_argument("--block-tokens", type=int, default=d.block_tokens, help="tokens per KV block")
-    worker.add_argument("--num-blocks", type=int, default=d.num_blocks,
-                        help="KV cache size in blocks (0 = from --kv-cache-memory)")  # fmt: skip
-    worker.add_argument("--kv-cache-memory", default=d.kv_cache_memory,  # NOTE: a share: e.g. 0.1
-                        help="KV cache memory: bytes (512MiB, 1G) or a share of memory available (0.1)")  # fmt: skip
+    worker.add_argument(
+        "--num-blocks", type=int, default=d.num_blocks, help="KV cache size in blocks (0 = from --kv-cache-memory)"
+    )
+    worker.add_argument(
+        "--kv-cache-memory",
+        default=d.kv_cache_memory,  # NOTE: a share: e.g. 0.1
+        help="KV cache memory: bytes (512MiB, 1G) or a share of memory available (0.1)",
+    )
     worker.add_argument(
         "--max-batched-tokens", type=int, default=d.max_batched_tokens, help="tokens per forward at most"
     )
@@ -58,10 +62,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     worker.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads")
     worker.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
-    worker.add_argument("--layerwise-loading", action="store_true",
-                        help="load pooled KV layer by layer during the forward, not whole before it")  # fmt: skip
-    worker.add_argument("--no-profile-on-start", action="store_true",
-                        help="skip the start-up profile (the router then uses its configured cost model)")  # fmt: skip
+    worker.add_argument(
+        "--layerwise-loading",
+        action="store_true",
+        help="load pooled KV layer by layer during the forward, not whole before it",
+    )
+    worker.add_argument(
+        "--no-profile-on-start",
+        action="store_true",
+        help="skip the start-up profile (the router then uses its configured cost model)",
+    )
     worker.add_argument(
         "--metadata-url", default=d.metadata_url, help="the P2P store's metadata service, for live weight updates"
     )
@@ -83,30 +93,61 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         ConfigError: an invalid combination (e.g. a prefill worker without --master).
     """
     return WorkerConfig(
-        name=args.name, role=args.role, model=args.model, host=args.host, port=args.port,
-        block_tokens=args.block_tokens, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
+        name=args.name,
+        role=args.role,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        block_tokens=args.block_tokens,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory,
         max_batched_tokens=args.max_batched_tokens,
-        master=args.master, segment_bytes=args.segment_bytes, threads=args.threads, dtype=args.dtype,
-        prefix_caching=not args.no_prefix_caching, metadata_url=args.metadata_url,
-        layerwise_loading=args.layerwise_loading, profile_on_start=not args.no_profile_on_start,
-    )  # fmt: skip
+        master=args.master,
+        segment_bytes=args.segment_bytes,
+        threads=args.threads,
+        dtype=args.dtype,
+        prefix_caching=not args.no_prefix_caching,
+        metadata_url=args.metadata_url,
+        layerwise_loading=args.layerwise_loading,
+        profile_on_start=not args.no_profile_on_start,
+    )
 
 
 def worker_args(config: WorkerConfig) -> tuple[str, ...]:
     """The `tsukimi worker ...` arguments that start a worker of `config` (pure; the inverse of
     `worker_config`): name, role and port first, --master only when set."""
     return (
-        "worker", "--name", config.name, "--role", config.role, "--port", str(config.port),
-        "--model", config.model, "--dtype", config.dtype, "--host", config.host, "--threads", str(config.threads),
-        "--block-tokens", str(config.block_tokens), "--num-blocks", str(config.num_blocks),
-        "--kv-cache-memory", config.kv_cache_memory,
-        "--max-batched-tokens", str(config.max_batched_tokens), "--segment-bytes", str(config.segment_bytes),
+        "worker",
+        "--name",
+        config.name,
+        "--role",
+        config.role,
+        "--port",
+        str(config.port),
+        "--model",
+        config.model,
+        "--dtype",
+        config.dtype,
+        "--host",
+        config.host,
+        "--threads",
+        str(config.threads),
+        "--block-tokens",
+        str(config.block_tokens),
+        "--num-blocks",
+        str(config.num_blocks),
+        "--kv-cache-memory",
+        config.kv_cache_memory,
+        "--max-batched-tokens",
+        str(config.max_batched_tokens),
+        "--segment-bytes",
+        str(config.segment_bytes),
         *(("--master", config.master) if config.master else ()),
         *(() if config.prefix_caching else ("--no-prefix-caching",)),
         *(("--layerwise-loading",) if config.layerwise_loading else ()),
         *(() if config.profile_on_start else ("--no-profile-on-start",)),
         *(("--metadata-url", config.metadata_url) if config.metadata_url else ()),
-    )  # fmt: skip
+    )
 
 
 def _worker(args: argparse.Namespace, console: Console) -> None:

@@ -72,8 +72,12 @@ class WorkerCostModel:
                 coefs.append(w.cost.prefill_coef if role == "prefill" else w.cost.decode_coef)
                 factors.append(w.load.prefill_slowdown if role == "prefill" else w.load.decode_slowdown)
         if warn and silent:
-            logger.warning("%s workers %s report no cost profile: using %s", role, ", ".join(silent),
-                           "the others'" if coefs else f"router.{role}_* of the config")  # fmt: skip
+            logger.warning(
+                "%s workers %s report no cost profile: using %s",
+                role,
+                ", ".join(silent),
+                "the others'" if coefs else f"router.{role}_* of the config",
+            )
         if not coefs:
             self.source[role] = "config"
             return fallback
@@ -102,6 +106,10 @@ def conductor_cost(config: RouterConfig, workers: Iterable[WorkerHandle]) -> Cos
         return cost_model(config)
     cost = WorkerCostModel(config)
     cost.refresh(workers, warn=True)
-    logger.info("the Conductor's cost model: prefill from %s, decode from %s: %s",
-                cost.source["prefill"], cost.source["decode"], cost.model)  # fmt: skip
+    logger.info(
+        "the Conductor's cost model: prefill from %s, decode from %s: %s",
+        cost.source["prefill"],
+        cost.source["decode"],
+        cost.model,
+    )
     return cost

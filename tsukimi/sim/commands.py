@@ -45,8 +45,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     run.add_argument("--reservation", choices=RESERVATION_NAMES, default="p90", help="decode KV reserved per output")
     run.add_argument("--ttft-slo", type=float, default=30.0)
     run.add_argument("--tbt-slo", type=float, default=0.1)
-    run.add_argument("--no-kv-wait", action="store_true",
-                     help="reject when decode KV lacks (default: wait if the TTFT SLO allows)")  # fmt: skip
+    run.add_argument(
+        "--no-kv-wait", action="store_true", help="reject when decode KV lacks (default: wait if the TTFT SLO allows)"
+    )
     run.add_argument("--json", action="store_true")
     run.add_argument("--plot", help="write decode load over time to this PNG")
     cpp = sim.add_parser("cpp", help="long-prompt TTFT with and without chunked pipeline parallelism")
@@ -83,10 +84,17 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     if len(cache) != 1:
         raise ConfigError("--cache-blocks takes one value")
     sim = SimConfig(
-        shape=args.shape, num_prefill=args.prefill, num_decode=args.decode, num_colocated=args.colocated,
-        router=args.router, speed=args.speed, policy=args.policy, cache_blocks=cache[0],
-        ssd_blocks=args.ssd_blocks, reservation=args.reservation,
-    )  # fmt: skip
+        shape=args.shape,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        num_colocated=args.colocated,
+        router=args.router,
+        speed=args.speed,
+        policy=args.policy,
+        cache_blocks=cache[0],
+        ssd_blocks=args.ssd_blocks,
+        reservation=args.reservation,
+    )
     conductor = ConductorConfig(
         rejection=args.rejection,
         reuse=args.reuse,
@@ -143,9 +151,14 @@ def _experiment(args: argparse.Namespace, console: Console) -> None:
 
 def _progress(console: Console, visible: bool) -> Progress:
     return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, disable=not visible, transient=True,
-    )  # fmt: skip
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not visible,
+        transient=True,
+    )
 
 
 def _plain(sim: SimConfig) -> dict[str, object]:

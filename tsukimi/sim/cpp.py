@@ -113,9 +113,15 @@ def ttft_curve(trace: Sequence[TraceRequest], cfg: CppSimConfig, cost: CostModel
         for low, high in zip(LENGTH_BINS, (*LENGTH_BINS[1:], math.inf), strict=True):
             mine = [t for t, n in zip(ttfts, lengths, strict=True) if low <= n < high]
             if mine:
-                rows.append({"stages": stages, "min_tokens": low, "requests": len(mine),
-                             "ttft_mean_s": round(sum(mine) / len(mine), 4),
-                             "ttft_p90_s": round(percentile(mine, 90), 4)})  # fmt: skip
+                rows.append(
+                    {
+                        "stages": stages,
+                        "min_tokens": low,
+                        "requests": len(mine),
+                        "ttft_mean_s": round(sum(mine) / len(mine), 4),
+                        "ttft_p90_s": round(percentile(mine, 90), 4),
+                    }
+                )
     return {"config": asdict(cfg), "rows": rows}
 
 

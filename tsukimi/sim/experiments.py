@@ -81,10 +81,20 @@ def global_vs_local(trace: Sequence[TraceRequest], out_dir: Path, progress: Prog
             cfg = ConductorConfig(rejection="none", reuse="local" if setting == "local" else "global")
             sim = SimConfig(cache_blocks=capacity, ssd_blocks=ssd)
             report = summarize(simulate(trace, sim, cfg), Slo(TTFT_SLO_S, 0.1))
-            rows.append({"cache_blocks": capacity, "reuse": setting, **_pick(report, "token_hit_ratio",
-                         "fetched_token_ratio", "ssd_token_ratio", "prefill_s_mean", "ttft_s")})  # fmt: skip
-    lines = ["| cache per instance (blocks) | hit ratio global / local / +SSD | mean prefill s global / local / +SSD "
-             "| TTFT p50 s global / local / +SSD | from SSD |", "|---|---|---|---|---|"]  # fmt: skip
+            rows.append(
+                {
+                    "cache_blocks": capacity,
+                    "reuse": setting,
+                    **_pick(
+                        report, "token_hit_ratio", "fetched_token_ratio", "ssd_token_ratio", "prefill_s_mean", "ttft_s"
+                    ),
+                }
+            )
+    lines = [
+        "| cache per instance (blocks) | hit ratio global / local / +SSD | mean prefill s global / local / +SSD "
+        "| TTFT p50 s global / local / +SSD | from SSD |",
+        "|---|---|---|---|---|",
+    ]
     for g, loc, ssd_row in zip(rows[::3], rows[1::3], rows[2::3], strict=True):
         runs = (g, loc, ssd_row)
         hits = " / ".join(f"{r['token_hit_ratio']:.3f}" for r in runs)
@@ -120,16 +130,28 @@ def effective_capacity(trace: Sequence[TraceRequest], out_dir: Path, progress: P
                 speed = _max_speed(trace, sim, slo, runs)
                 if speed > best[0]:
                     best = (speed, sim)
-            rows.append({"tbt_slo_s": tbt, "system": system, "config": _label(best[1]),
-                         "speed": round(best[0], 4), "requests_per_s": round(best[0] * rate, 3)})  # fmt: skip
-    lines = ["| TBT SLO | Mooncake req/s (config) | colocated, chunked prefill | colocated, whole-prompt prefill "
-             "| gain vs chunked / whole | paper |", "|---|---|---|---|---|---|"]  # fmt: skip
+            rows.append(
+                {
+                    "tbt_slo_s": tbt,
+                    "system": system,
+                    "config": _label(best[1]),
+                    "speed": round(best[0], 4),
+                    "requests_per_s": round(best[0] * rate, 3),
+                }
+            )
+    lines = [
+        "| TBT SLO | Mooncake req/s (config) | colocated, chunked prefill | colocated, whole-prompt prefill "
+        "| gain vs chunked / whole | paper |",
+        "|---|---|---|---|---|---|",
+    ]
     for i, paper in enumerate(("+498%", "+157%", "+59%")):
         moon, chunked, whole = rows[3 * i : 3 * i + 3]
         gains = f"{_gain(moon, chunked)} / {_gain(moon, whole)}"
-        lines.append(f"| {float(str(moon['tbt_slo_s'])) * 1e3:.0f} ms | {moon['requests_per_s']} ({moon['config']}) "
-                     f"| {chunked['requests_per_s']} ({chunked['config']}) | {whole['requests_per_s']} "
-                     f"| {gains} | {paper} |")  # fmt: skip
+        lines.append(
+            f"| {float(str(moon['tbt_slo_s'])) * 1e3:.0f} ms | {moon['requests_per_s']} ({moon['config']}) "
+            f"| {chunked['requests_per_s']} ({chunked['config']}) | {whole['requests_per_s']} "
+            f"| {gains} | {paper} |"
+        )
     plot = plots.capacity(rows, out_dir / "exp3_effective_capacity.png")
     return Outcome("effective_capacity", {"results": rows, "ttft_slo_s": TTFT_SLO_S}, "\n".join(lines), [plot])
 
@@ -147,15 +169,27 @@ class OverloadShape:
 
 OVERLOAD_SHAPES = (
     OverloadShape("paper shape: 8P+8D x2, TBT SLO 100 ms", SimConfig(speed=2.0, sample_every_s=5.0), 0.1),
-    OverloadShape("decode-bound: 8P+1D x2, TBT SLO 30 ms", SimConfig(num_decode=1, speed=2.0,
-                  sample_every_s=5.0), 0.03),
-    OverloadShape("both saturated: 4P+1D x2, TBT SLO 30 ms", SimConfig(num_prefill=4, num_decode=1, speed=2.0,
-                  sample_every_s=5.0), 0.03),
-    OverloadShape("both saturated, no recheck: 4P+1D x2", SimConfig(num_prefill=4, num_decode=1, speed=2.0,
-                  sample_every_s=5.0), 0.03, recheck_decode=False),
-    OverloadShape("prefill-bound, no recheck: 3P+1D x1.5", SimConfig(num_prefill=3, num_decode=1, speed=1.5,
-                  sample_every_s=5.0), 0.03, recheck_decode=False),
-)  # fmt: skip
+    OverloadShape(
+        "decode-bound: 8P+1D x2, TBT SLO 30 ms", SimConfig(num_decode=1, speed=2.0, sample_every_s=5.0), 0.03
+    ),
+    OverloadShape(
+        "both saturated: 4P+1D x2, TBT SLO 30 ms",
+        SimConfig(num_prefill=4, num_decode=1, speed=2.0, sample_every_s=5.0),
+        0.03,
+    ),
+    OverloadShape(
+        "both saturated, no recheck: 4P+1D x2",
+        SimConfig(num_prefill=4, num_decode=1, speed=2.0, sample_every_s=5.0),
+        0.03,
+        recheck_decode=False,
+    ),
+    OverloadShape(
+        "prefill-bound, no recheck: 3P+1D x1.5",
+        SimConfig(num_prefill=3, num_decode=1, speed=1.5, sample_every_s=5.0),
+        0.03,
+        recheck_decode=False,
+    ),
+)
 OVERLOAD_MODES: tuple[RejectionName, ...] = ("baseline", "early", "predicted", "predicted_uniform")
 
 
@@ -165,8 +199,11 @@ def overload(trace: Sequence[TraceRequest], out_dir: Path, progress: Progress) -
     arrival to decode and the decode residence (docs/reproduction.md explains the regimes)."""
     paper = {"baseline": "4183", "early": "3771", "predicted": "3589", "predicted_uniform": "3589"}
     rows: list[dict[str, object]] = []
-    lines = ["| cluster | rejection policy | rejected | at arrival | after prefill (wasted) | completed | TBT p90 ms "
-             "| load swing | lag / residence s | paper |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| cluster | rejection policy | rejected | at arrival | after prefill (wasted) | completed | TBT p90 ms "
+        "| load swing | lag / residence s | paper |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     plot_files: list[str] = []
     for n, shape in enumerate(OVERLOAD_SHAPES):
         loads: dict[str, list[tuple[float, int]]] = {}
@@ -179,15 +216,22 @@ def overload(trace: Sequence[TraceRequest], out_dir: Path, progress: Progress) -
             report = summarize(result, Slo(TTFT_SLO_S, shape.tbt_slo_s))
             loads[mode] = decode_load(result, shape.sim.sample_every_s)
             lag, residence = _lag_and_residence(result.jobs)
-            row = {"cluster": shape.label, "rejection": mode, "load_swing": load_swing(loads[mode]),
-                   "lag_s": lag, "residence_s": residence, **_pick(report, "rejected", "rejected_by_reason",
-                   "wasted_prefills", "completed", "ttft_s", "tbt_s")}  # fmt: skip
+            row = {
+                "cluster": shape.label,
+                "rejection": mode,
+                "load_swing": load_swing(loads[mode]),
+                "lag_s": lag,
+                "residence_s": residence,
+                **_pick(report, "rejected", "rejected_by_reason", "wasted_prefills", "completed", "ttft_s", "tbt_s"),
+            }
             rows.append(row)
             wasted, tbt = int(str(row["wasted_prefills"])), row["tbt_s"]
             assert isinstance(tbt, dict)
-            lines.append(f"| {shape.label} | {mode} | {row['rejected']} | {int(str(row['rejected'])) - wasted} "
-                         f"| {wasted} | {row['completed']} | {1e3 * tbt['p90']:.1f} | {row['load_swing']:.3f} "
-                         f"| {lag:.1f} / {residence:.1f} | {paper[mode]} |")  # fmt: skip
+            lines.append(
+                f"| {shape.label} | {mode} | {row['rejected']} | {int(str(row['rejected'])) - wasted} "
+                f"| {wasted} | {row['completed']} | {1e3 * tbt['p90']:.1f} | {row['load_swing']:.3f} "
+                f"| {lag:.1f} / {residence:.1f} | {paper[mode]} |"
+            )
         plot_files.append(plots.decode_load(loads, out_dir / f"exp4_overload_{n}.png", shape.label))
     return Outcome("overload", {"results": rows}, "\n".join(lines), plot_files)
 

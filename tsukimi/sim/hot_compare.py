@@ -67,9 +67,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=1, help="hot system prompts in use at once")
     args = parser.parse_args(argv)
     workload = SkewedWorkload(
-        requests=args.requests, rate_rps=args.rate, shared=args.shared, prefix_blocks=args.prefix_blocks,
-        phase_s=args.phase_s, seed=args.seed, ramp_s=args.ramp_s, prompts=args.prompts,
-    )  # fmt: skip
+        requests=args.requests,
+        rate_rps=args.rate,
+        shared=args.shared,
+        prefix_blocks=args.prefix_blocks,
+        phase_s=args.phase_s,
+        seed=args.seed,
+        ramp_s=args.ramp_s,
+        prompts=args.prompts,
+    )
     sim = SimConfig(num_prefill=args.prefill, num_decode=args.prefill, cache_blocks=args.cache_blocks)
     conductor = ConductorConfig(rejection="none", reuse=args.reuse, kv_bandwidth_bytes_s=args.kv_bandwidth)
     hot = HotSpotConfig(evict_hot_last=not args.no_evict_hot_last)

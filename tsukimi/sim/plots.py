@@ -59,8 +59,12 @@ def capacity(rows: Sequence[dict[str, object]], path: Path) -> str:
     )
     for n, (system, label) in enumerate(systems):
         offset = (n - 1) * width
-        values = [float(str(r["requests_per_s"])) for s in slos for r in rows
-                  if r["system"] == system and float(str(r["tbt_slo_s"])) == s]  # fmt: skip
+        values = [
+            float(str(r["requests_per_s"]))
+            for s in slos
+            for r in rows
+            if r["system"] == system and float(str(r["tbt_slo_s"])) == s
+        ]
         ax.bar([i + offset for i in range(len(slos))], values, width, label=label)
     ax.set_xticks(range(len(slos)), [f"{s * 1e3:.0f} ms" for s in slos])
     ax.set_xlabel("TBT SLO (TTFT SLO 30 s)")

@@ -143,10 +143,15 @@ def table(title: str, rows: Sequence[tuple[str, dict[str, object]]]) -> str:
         ttft, tbt, vram = report["ttft_s"], report["tbt_s"], report["vram_gb_s"]
         assert isinstance(ttft, dict) and isinstance(tbt, dict) and isinstance(vram, dict)
         grid.add_row(
-            name, str(report["completed"]), str(report["rejected"]),
-            f"{ttft['p50']:.2f} / {ttft['p90']:.2f}", f"{1e3 * tbt['p50']:.0f} / {1e3 * tbt['p90']:.0f}",
-            f"{report['token_hit_ratio']:.3f}", f"{report['slo_attainment']:.3f}", f"{vram['per_request']:.1f}",
-        )  # fmt: skip
+            name,
+            str(report["completed"]),
+            str(report["rejected"]),
+            f"{ttft['p50']:.2f} / {ttft['p90']:.2f}",
+            f"{1e3 * tbt['p50']:.0f} / {1e3 * tbt['p90']:.0f}",
+            f"{report['token_hit_ratio']:.3f}",
+            f"{report['slo_attainment']:.3f}",
+            f"{vram['per_request']:.1f}",
+        )
     out = io.StringIO()
     Console(file=out, width=140, color_system=None).print(grid)
     return out.getvalue()

@@ -270,9 +270,16 @@ class _ColocatedRun:
     def _instance(self, name: str, capacity: int) -> ColocatedInstance:
         cache = BlockCache(location(name, "dram"), self.sim.cache_blocks, make_policy(self.sim.policy), self.index)
         return ColocatedInstance(
-            name, self.cost, capacity, self._finished, self.sim.sample_every_s, self.reservation,
-            cache=cache, chunk_tokens=self.sim.colocated_chunk_tokens, on_first_token=_ignore,
-        )  # fmt: skip
+            name,
+            self.cost,
+            capacity,
+            self._finished,
+            self.sim.sample_every_s,
+            self.reservation,
+            cache=cache,
+            chunk_tokens=self.sim.colocated_chunk_tokens,
+            on_first_token=_ignore,
+        )
 
     def run(self, jobs: list[Job], progress: Callable[[int], None] | None) -> SimResult:
         for n, job in enumerate(jobs, 1):

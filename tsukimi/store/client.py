@@ -90,9 +90,13 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
                 buf = self._segment = self.engine.allocate(cfg.segment_bytes)
                 self._segment_base = buf.base
                 mount = p.MountSegment(
-                    self.client_id, f"{self.engine.name}/{buf.base:x}", self.engine.name, buf.base, buf.length,
+                    self.client_id,
+                    f"{self.engine.name}/{buf.base:x}",
+                    self.engine.name,
+                    buf.base,
+                    buf.length,
                     INCARNATION,
-                )  # fmt: skip
+                )
                 self._call(mount)
                 self._mounts.append(mount)
             self._call(p.Heartbeat(self.client_id))
@@ -109,8 +113,16 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
         """Serve `store` as this holder's disk (closes it on failure)."""
         try:
             host = self.config.transfer.bind_hosts[0]
-            return DiskHolder(self.client_id, store, self._rpc, self.engine, self._local_view, host=host,
-                              poll_s=self.config.client.disk_poll_s, secret=self.config.security.secret())  # fmt: skip
+            return DiskHolder(
+                self.client_id,
+                store,
+                self._rpc,
+                self.engine,
+                self._local_view,
+                host=host,
+                poll_s=self.config.client.disk_poll_s,
+                secret=self.config.security.secret(),
+            )
         except BaseException:
             store.close()
             raise
@@ -138,9 +150,16 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
     # -- writes ------------------------------------------------------------------------
 
     def put(
-        self, key: str, data: object, replicas: int = 1, pin: PinName = "", preferred: Sequence[str] = (),
-        *, upsert: bool = False, config: p.ReplicaConfig | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        key: str,
+        data: object,
+        replicas: int = 1,
+        pin: PinName = "",
+        preferred: Sequence[str] = (),
+        *,
+        upsert: bool = False,
+        config: p.ReplicaConfig | None = None,
+    ) -> None:
         """Store `data` (any buffer; written from it, zero-copy) under `key`; with `upsert`,
         replacing any object of that key. `config`, when given, replaces `replicas`, `pin`
         and `preferred` (soft pin TTLs, keeping a soft pin across an upsert).
@@ -152,18 +171,31 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
         self._raise(self.batch_put([(key, data)], replicas, pin, preferred, upsert=upsert, config=config)[0])
 
     def put_parts(
-        self, key: str, parts: Sequence[object], replicas: int = 1, pin: PinName = "", preferred: Sequence[str] = (),
-        *, upsert: bool = False, config: p.ReplicaConfig | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        key: str,
+        parts: Sequence[object],
+        replicas: int = 1,
+        pin: PinName = "",
+        preferred: Sequence[str] = (),
+        *,
+        upsert: bool = False,
+        config: p.ReplicaConfig | None = None,
+    ) -> None:
         """`put` of the concatenation of `parts` (buffers), each written from its own buffer
         (parts.py). Raises as `put`; InvalidBufferError for a part that is no buffer, or none."""
         config = config or replica_config(replicas, pin, preferred)
         self._raise(self.batch_put_parts([(key, parts)], config, upsert=upsert)[0])
 
     def batch_put(
-        self, items: Sequence[tuple[str, object]], replicas: int = 1, pin: PinName = "",
-        preferred: Sequence[str] = (), *, upsert: bool = False, config: p.ReplicaConfig | None = None,
-    ) -> list[TsukimiError | None]:  # fmt: skip
+        self,
+        items: Sequence[tuple[str, object]],
+        replicas: int = 1,
+        pin: PinName = "",
+        preferred: Sequence[str] = (),
+        *,
+        upsert: bool = False,
+        config: p.ReplicaConfig | None = None,
+    ) -> list[TsukimiError | None]:
         """Put several objects; each key's error, or None where it succeeded. Raises only
         for the whole call (InvalidArgument, RpcTimeout / MasterUnavailable)."""
         config = config or replica_config(replicas, pin, preferred)
@@ -191,11 +223,14 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
 
     def _put_chunk(self, puts: list[PutItem]) -> list[TsukimiError | None]:
         checksum = self.config.client.checksum
-        started = self._call_batch([
-            p.PutStart(self.client_id, u.key, u.size, u.config, u.upsert, _new_put_id(),
-                       u.crc32c() if checksum else None)
-            for u in puts
-        ])  # fmt: skip
+        started = self._call_batch(
+            [
+                p.PutStart(
+                    self.client_id, u.key, u.size, u.config, u.upsert, _new_put_id(), u.crc32c() if checksum else None
+                )
+                for u in puts
+            ]
+        )
         errors: list[TsukimiError | None] = [_error(r) for r in started]
         written = False
         try:
@@ -245,9 +280,12 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
         return None if data is None else len(data)
 
     def batch_get(
-        self, keys: Sequence[str], into: Sequence[object] | None = None,
-        *, allocate: Callable[[int], bytearray] = bytearray,
-    ) -> list[GetResult]:  # fmt: skip
+        self,
+        keys: Sequence[str],
+        into: Sequence[object] | None = None,
+        *,
+        allocate: Callable[[int], bytearray] = bytearray,
+    ) -> list[GetResult]:
         """Each key's `GetResult`, read into `into[i]` when given (zero-copy into your
         memory), else into a new `allocate(size)` (a bytearray or a subclass of it). Raises
         only for the whole call (InvalidArgument: a buffer count that does not match;

@@ -111,8 +111,9 @@ class DiskStore:
             old = self._index.pop((key, put_id), None)
             self._used -= old[0] if old else 0
             if self._used + size > self.capacity_bytes:
-                raise OutOfSpace(f"disk {self.disk_id}: {size} bytes do not fit ({self._used} of "
-                                 f"{self.capacity_bytes} used)")  # fmt: skip
+                raise OutOfSpace(
+                    f"disk {self.disk_id}: {size} bytes do not fit ({self._used} of {self.capacity_bytes} used)"
+                )
             self._used += size  # NOTE: reserved while the file is written
         try:
             crc = self._write_file(key, put_id, data)

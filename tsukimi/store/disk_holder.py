@@ -41,9 +41,17 @@ class DiskHolder:
     """Runs until `close()`. `local_view` maps addresses of this holder's segment to memory."""
 
     def __init__(
-        self, client_id: str, store: DiskStore, link: MasterLink, engine: TransferEngine, local_view: LocalView,
-        *, host: str, poll_s: float, secret: bytes | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        client_id: str,
+        store: DiskStore,
+        link: MasterLink,
+        engine: TransferEngine,
+        local_view: LocalView,
+        *,
+        host: str,
+        poll_s: float,
+        secret: bytes | None = None,
+    ) -> None:
         """Mount and register the disk, then start serving it. Raises what the master raises
         (RpcTimeout, MasterUnavailable, ...) or ConfigError (the host cannot be bound)."""
         self.client_id = client_id

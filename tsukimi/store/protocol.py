@@ -373,13 +373,44 @@ Response = (
     | TaskInfo
 )
 REQUEST_TYPES: tuple[type[msgspec.Struct], ...] = (
-    Heartbeat, MountSegment, UnmountSegment, PutStart, PutEnd, PutRevoke, GetReplicas, Exists, Remove,
-    RemoveAll, Batch, QueryKey, ListSegments, ClearReplicas, RemoveMatching, DescribeKeys, CreateCopyTask,
-    CreateMoveTask, QueryTask, FinishTask, *disk.DISK_REQUESTS,
-)  # fmt: skip
+    Heartbeat,
+    MountSegment,
+    UnmountSegment,
+    PutStart,
+    PutEnd,
+    PutRevoke,
+    GetReplicas,
+    Exists,
+    Remove,
+    RemoveAll,
+    Batch,
+    QueryKey,
+    ListSegments,
+    ClearReplicas,
+    RemoveMatching,
+    DescribeKeys,
+    CreateCopyTask,
+    CreateMoveTask,
+    QueryTask,
+    FinishTask,
+    *disk.DISK_REQUESTS,
+)
 RESPONSE_TYPES: tuple[type[msgspec.Struct], ...] = (
-    Ok, HeartbeatResult, PutStartResult, GetReplicasResult, ExistsResult, RemoveAllResult, BatchResult,
-    ObjectInfo, SegmentsResult, Failure, KeysResult, DescribeResult, TaskCreated, TaskInfo, *disk.DISK_RESULTS,
-)  # fmt: skip
+    Ok,
+    HeartbeatResult,
+    PutStartResult,
+    GetReplicasResult,
+    ExistsResult,
+    RemoveAllResult,
+    BatchResult,
+    ObjectInfo,
+    SegmentsResult,
+    Failure,
+    KeysResult,
+    DescribeResult,
+    TaskCreated,
+    TaskInfo,
+    *disk.DISK_RESULTS,
+)
 CODEC = Codec(REQUEST_TYPES, RESPONSE_TYPES)
 """The master's RPC codec: the server and every client use this one."""

@@ -102,8 +102,9 @@ class RangeReads:
             requests = []
             for i in order:
                 loc = pending[i].replicas[pending[i].attempt]
-                requests.append(TransferRequest(OpCode.READ, loc.te_segment, loc.address + pending[i].offset,
-                                                pending[i].view))  # fmt: skip
+                requests.append(
+                    TransferRequest(OpCode.READ, loc.te_segment, loc.address + pending[i].offset, pending[i].view)
+                )
             timeout_s = max(MIN_READ_S, lease_end - self._clock.now())
             for i, status in zip(order, self.engine.transfer(requests, timeout_s=timeout_s), strict=True):
                 target = pending[i]

@@ -71,8 +71,9 @@ class TaskRunner:
             else:
                 return reason
             writes = [TransferRequest(OpCode.WRITE, t.te_segment, t.address, staging) for t in task.targets]
-            for target, status in zip(task.targets, self._engine.transfer(writes, timeout_s=self._timeout_s),
-                                      strict=True):  # fmt: skip
+            for target, status in zip(
+                task.targets, self._engine.transfer(writes, timeout_s=self._timeout_s), strict=True
+            ):
                 if status.state is not RequestState.COMPLETED:
                     return str(transfer_error(status, f"writing {task.key!r} to {target.te_segment}"))
         except TsukimiError as exc:

@@ -38,9 +38,24 @@ assert _HEADER.size == HEADER_BYTES
 
 # NOTE: codes are part of the stored format: append, never renumber.
 _DTYPE_NAMES = (
-    "float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool",
-    "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
-)  # fmt: skip
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+    "complex64",
+    "complex128",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
 _CODE_OF: dict[torch.dtype, int] = {}
 _DTYPE_OF: dict[int, torch.dtype] = {}
 for _code, _name in enumerate(_DTYPE_NAMES, start=1):
@@ -94,8 +109,20 @@ class TensorHeader:
         """Write the header at the start of `buffer` (mutates it)."""
         shape = list(self.shape) + [0] * (MAX_DIMS - len(self.shape))
         s = self.shard
-        _HEADER.pack_into(buffer, 0, MAGIC, VERSION, _CODE_OF[self.dtype], len(self.shape), 0,
-                          self.payload_bytes, *shape, s.rank, s.size, s.split_dim)  # fmt: skip
+        _HEADER.pack_into(
+            buffer,
+            0,
+            MAGIC,
+            VERSION,
+            _CODE_OF[self.dtype],
+            len(self.shape),
+            0,
+            self.payload_bytes,
+            *shape,
+            s.rank,
+            s.size,
+            s.split_dim,
+        )
 
     @classmethod
     def unpack(cls, data: memoryview) -> TensorHeader:
@@ -119,8 +146,9 @@ class TensorHeader:
         rank, size, split_dim = fields[6 + MAX_DIMS :]
         header = cls(_DTYPE_OF[code], tuple(dims[:ndim]), ShardPlacement(rank, size, split_dim))
         if header.payload_bytes != payload_bytes:
-            raise KVFormatError(f"tensor header says {payload_bytes} bytes, its shape {header.shape} needs "
-                                f"{header.payload_bytes}")  # fmt: skip
+            raise KVFormatError(
+                f"tensor header says {payload_bytes} bytes, its shape {header.shape} needs {header.payload_bytes}"
+            )
         return header
 
 
@@ -177,6 +205,7 @@ def deserialize(data: memoryview | bytearray, exact: bool = True) -> tuple[Tenso
 def _payload_view(header: TensorHeader, buffer: memoryview) -> torch.Tensor:
     if header.payload_bytes == 0:  # NOTE: torch.frombuffer refuses empty ranges
         return torch.empty(header.shape, dtype=header.dtype)
-    flat = torch.frombuffer(buffer, dtype=header.dtype, count=header.payload_bytes // header.dtype.itemsize,
-                            offset=HEADER_BYTES)  # fmt: skip
+    flat = torch.frombuffer(
+        buffer, dtype=header.dtype, count=header.payload_bytes // header.dtype.itemsize, offset=HEADER_BYTES
+    )
     return flat.view(header.shape)

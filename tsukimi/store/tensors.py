@@ -198,17 +198,25 @@ def split_uniform(tensor: torch.Tensor, size: int, split_dim: int) -> list[torch
 
 
 def put_tensor_with_tp(
-    client: StoreClient, key: str, tensor: torch.Tensor, tp_size: int, split_dim: int = 0,
+    client: StoreClient,
+    key: str,
+    tensor: torch.Tensor,
+    tp_size: int,
+    split_dim: int = 0,
     options: PutOptions = DEFAULT_PUT,
-) -> None:  # fmt: skip
+) -> None:
     """Store every TP shard of `tensor`. Raises as `put_tensor` (the first shard's error)."""
     _raise(batch_put_tensors_with_tp(client, [key], [tensor], tp_size, split_dim, options)[0])
 
 
 def batch_put_tensors_with_tp(
-    client: StoreClient, keys: Sequence[str], tensors: Sequence[torch.Tensor], tp_size: int, split_dim: int = 0,
+    client: StoreClient,
+    keys: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    tp_size: int,
+    split_dim: int = 0,
     options: PutOptions = DEFAULT_PUT,
-) -> list[PutError]:  # fmt: skip
+) -> list[PutError]:
     """Store every TP shard of every tensor in one batch; each key's first error or None
     (InvalidArgument where the tensor does not split evenly: none of its shards is put)."""
     _same_length(keys, tensors)

@@ -33,12 +33,24 @@ _STARTUP_S = 30.0
 DEPLOYMENT_KINDS = ("inprocess", "multiprocess")
 HOLDER_BYTES = 4 << 20
 MASTER = MasterConfig(
-    rpc_port=0, http_port=0, lease_ttl_s=1.0, client_ttl_s=2.0, heartbeat_interval_s=0.5, put_timeout_s=1.0,
-    write_grace_s=0.5, tick_interval_s=0.05,
-)  # fmt: skip
+    rpc_port=0,
+    http_port=0,
+    lease_ttl_s=1.0,
+    client_ttl_s=2.0,
+    heartbeat_interval_s=0.5,
+    put_timeout_s=1.0,
+    write_grace_s=0.5,
+    tick_interval_s=0.05,
+)
 CLIENT_SETTINGS = ("client.heartbeat_interval_s=0.5",)
-MASTER_SETTINGS = ["lease_ttl_s=1.0", "client_ttl_s=2.0", "heartbeat_interval_s=0.5", "put_timeout_s=1.0",
-                   "write_grace_s=0.5", "tick_interval_s=0.05"]  # fmt: skip
+MASTER_SETTINGS = [
+    "lease_ttl_s=1.0",
+    "client_ttl_s=2.0",
+    "heartbeat_interval_s=0.5",
+    "put_timeout_s=1.0",
+    "write_grace_s=0.5",
+    "tick_interval_s=0.05",
+]
 
 
 class TsukimiCluster:
@@ -47,9 +59,13 @@ class TsukimiCluster:
     `disk_dir`: each holder gets a disk of `disk_bytes` in its own directory under it."""
 
     def __init__(
-        self, holder_bytes: int, num_holders: int = 2, settings: tuple[str, ...] = (), disk_dir: str = "",
+        self,
+        holder_bytes: int,
+        num_holders: int = 2,
+        settings: tuple[str, ...] = (),
+        disk_dir: str = "",
         disk_bytes: int = 1 << 30,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.rpc_port, self.http_port = free_port(), free_port()
         self.master_addr = f"tcp://127.0.0.1:{self.rpc_port}"
         self.http_url = f"http://127.0.0.1:{self.http_port}"

@@ -52,19 +52,24 @@ FILES = (
     SuiteFile("test_put_get_tensor.py"),
     SuiteFile("test_dummy_client.py", plugins=("tests.compat.mooncake_dummy_client",)),
     SuiteFile("test_offload_on_eviction.py", _OFFLOAD + " --offload_on_evict=true"),
-    SuiteFile("test_promotion_on_hit.py",
-              _OFFLOAD + " --offload_on_evict=true --promotion_on_hit=true --promotion_admission_threshold=1",
-              env={"MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "10", "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES": "10485760"}),
+    SuiteFile(
+        "test_promotion_on_hit.py",
+        _OFFLOAD + " --offload_on_evict=true --promotion_on_hit=true --promotion_admission_threshold=1",
+        env={"MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "10", "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES": "10485760"},
+    ),
     SuiteFile("test_ssd_offload_in_evict.py", _OFFLOAD),
     SuiteFile("transfer_engine_initiator_test.py", plugins=("tests.compat.mooncake_te_target",)),
     SuiteFile("scripts/test_upsert_api.py"),
-)  # fmt: skip
+)
 
 
 def tests_dir() -> Path | None:
     """Where Mooncake's tests are: $MOONCAKE_TESTS, ../shared/mooncake-tests, /work/shared/..."""
-    for candidate in (os.environ.get("MOONCAKE_TESTS", ""), ROOT.parent / "shared" / "mooncake-tests",
-                      "/work/shared/mooncake-tests"):  # fmt: skip
+    for candidate in (
+        os.environ.get("MOONCAKE_TESTS", ""),
+        ROOT.parent / "shared" / "mooncake-tests",
+        "/work/shared/mooncake-tests",
+    ):
         if candidate and (Path(candidate) / "run.sh").exists():
             return Path(candidate)
     return None
@@ -74,9 +79,17 @@ def run_file(suite: Path, spec: SuiteFile, mode: str, logs: Path) -> tuple[dict[
     """Run one file in `mode`: ({test id: passed | failed | error | skipped}, seconds)."""
     disk = tempfile.mkdtemp(prefix="mooncake-suite-disk-")
     report = logs / f"{mode}-{spec.name.replace('/', '_')}.xml"
-    env = dict(os.environ, MODE=mode, PYTHONPATH=str(ROOT), RPC_PORT=str(free_port()), MD_PORT=str(free_port()),
-               METRICS_PORT=str(free_port()), MASTER_EXTRA=spec.master_flags.format(disk=disk),
-               MOONCAKE_OFFLOAD_FILE_STORAGE_PATH=disk, **spec.env)  # fmt: skip
+    env = dict(
+        os.environ,
+        MODE=mode,
+        PYTHONPATH=str(ROOT),
+        RPC_PORT=str(free_port()),
+        MD_PORT=str(free_port()),
+        METRICS_PORT=str(free_port()),
+        MASTER_EXTRA=spec.master_flags.format(disk=disk),
+        MOONCAKE_OFFLOAD_FILE_STORAGE_PATH=disk,
+        **spec.env,
+    )
     args = ["bash", str(suite / "run.sh"), spec.name, f"--junitxml={report}", "-p", "no:randomly"]
     for plugin in spec.plugins:
         args += ["-p", plugin]
@@ -95,8 +108,15 @@ def _outcomes(report: Path) -> dict[str, str]:
     out: dict[str, str] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         kinds = {child.tag for child in case}
-        outcome = ("failed" if "failure" in kinds else "error" if "error" in kinds
-                   else "skipped" if "skipped" in kinds else "passed")  # fmt: skip
+        outcome = (
+            "failed"
+            if "failure" in kinds
+            else "error"
+            if "error" in kinds
+            else "skipped"
+            if "skipped" in kinds
+            else "passed"
+        )
         out[f"{case.get('classname')}::{case.get('name')}"] = outcome
     return out
 
@@ -123,8 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.record and "real" in results:
             reference[spec.name] = sorted(t for t, o in results["real"][0].items() if o == "passed")
         expected = set(reference.get(spec.name, []))
-        missing = sorted(expected - {t for t, o in results["tsukimi"][0].items() if o == "passed"}) if (
-            "tsukimi" in results) else []  # fmt: skip
+        missing = (
+            sorted(expected - {t for t, o in results["tsukimi"][0].items() if o == "passed"})
+            if ("tsukimi" in results)
+            else []
+        )
         missing_all += [f"{spec.name}: {test}" for test in missing]
         cells = [f"{sum(o == 'passed' for o in r.values())}/{len(r)}" for r, _ in results.values()]
         seconds = " ".join(f"{s:.0f}" for _, s in results.values())

@@ -93,18 +93,33 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
         args = [
-            str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model),
-            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-            "--max-model-len", str(config.max_model_len), "--enable-prompt-tokens-details",
+            str(VLLM_PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(config.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(config.max_model_len),
+            "--enable-prompt-tokens-details",
             "--enable-prefix-caching" if config.prefix_caching else "--no-enable-prefix-caching",
             *config.extra_args,
-        ]  # fmt: skip
+        ]
         if config.connector is not None:
             args += ["--kv-transfer-config", json.dumps(config.connector)]
         env = {
-            **os.environ, "VLLM_CPU_OMP_THREADS_BIND": config.cpus, "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
-            "PYTHONUNBUFFERED": "1", "VLLM_LOGGING_LEVEL": "INFO", **config.env,
-        }  # fmt: skip
+            **os.environ,
+            "VLLM_CPU_OMP_THREADS_BIND": config.cpus,
+            "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
+            "PYTHONUNBUFFERED": "1",
+            "VLLM_LOGGING_LEVEL": "INFO",
+            **config.env,
+        }
         # NOTE: a session of its own: close() signals the whole group, the engine core included
         self.proc = subprocess.Popen(
             args, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True
@@ -133,9 +148,13 @@ class VllmServer:
     ) -> Completion:
         """Greedy completion of a token-id prompt. Raises httpx.HTTPError on a failed request."""
         body: dict[str, Any] = {
-            "model": str(self.config.model), "prompt": prompt_token_ids, "max_tokens": max_tokens,
-            "temperature": 0.0, "return_token_ids": True, "ignore_eos": True,
-        }  # fmt: skip
+            "model": str(self.config.model),
+            "prompt": prompt_token_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
         reply = self._http.post("/v1/completions", json=body)

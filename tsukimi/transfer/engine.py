@@ -101,9 +101,14 @@ class TransferEngine:
         self._control = ControlChannel(self._directory, self._clock, self.config.connect_timeout_s, secret)
         self._shm = SharedMemoryAllocator(self.config.shm_dir)
         context = TransportContext(
-            self.config, self._clock, self._host_id, secret, self._directory.invalidate, self._directory.fetch,
+            self.config,
+            self._clock,
+            self._host_id,
+            secret,
+            self._directory.invalidate,
+            self._directory.fetch,
             self._segment.version_address,
-        )  # fmt: skip
+        )
         try:
             self._transports = build_transports(context)  # in the order "auto" tries them; checks the name
         except BaseException:

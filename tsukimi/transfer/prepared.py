@@ -23,9 +23,13 @@ class PreparedTransfer:
     """Requests ready to run many times (see the module). Keeps their buffers alive."""
 
     def __init__(
-        self, requests: Sequence[TransferRequest], sizes: Sequence[int], timeout_s: float | None,
-        transfer: Transfer, fast: Callable[[], bool] | None,
-    ) -> None:  # fmt: skip
+        self,
+        requests: Sequence[TransferRequest],
+        sizes: Sequence[int],
+        timeout_s: float | None,
+        transfer: Transfer,
+        fast: Callable[[], bool] | None,
+    ) -> None:
         self.requests = list(requests)
         self._timeout_s, self._transfer, self._fast = timeout_s, transfer, fast
         self._completed = [RequestStatus(RequestState.COMPLETED, size) for size in sizes]

@@ -29,9 +29,14 @@ def test_digest_is_stable_and_names_every_field() -> None:
     assert FORMAT.digest() == KVFormat("m@", "float32", 128, (2, 128, 64), 4, "cpu:x86_64:vec").digest()
     assert len(FORMAT.digest()) == 16 and int(FORMAT.digest(), 16) >= 0
     changes = {
-        "model": "other@", "dtype": "bfloat16", "block_size": 16, "block_shape": (2, 128, 128), "num_layers": 30,
-        "kernel": "cpu:x86_64:amx", "hash_algo": "xxhash",
-    }  # fmt: skip
+        "model": "other@",
+        "dtype": "bfloat16",
+        "block_size": 16,
+        "block_shape": (2, 128, 128),
+        "num_layers": 30,
+        "kernel": "cpu:x86_64:amx",
+        "hash_algo": "xxhash",
+    }
     digests = {dataclasses.replace(FORMAT, **{name: value}).digest() for name, value in changes.items()}
     assert len(digests) == len(changes) and FORMAT.digest() not in digests
 

@@ -69,8 +69,14 @@ A, B = _prompts()
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **extra}  # fmt: skip
+    return {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        **extra,
+    }
 
 
 class _Group:
@@ -125,13 +131,21 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def master(group: _Group) -> dict[str, str]:
     """A tsukimi master with Mooncake's flags, its HTTP metadata server and admin HTTP port."""
     rpc, meta, http = free_port(), free_port(), free_port()
-    flags = [f"--rpc_port={rpc}", "--rpc_address=127.0.0.1", f"--metrics_port={http}",
-             "--enable_http_metadata_server=true", f"--http_metadata_server_port={meta}",
-             "--http_metadata_server_host=127.0.0.1"]  # fmt: skip
+    flags = [
+        f"--rpc_port={rpc}",
+        "--rpc_address=127.0.0.1",
+        f"--metrics_port={http}",
+        "--enable_http_metadata_server=true",
+        f"--http_metadata_server_port={meta}",
+        "--http_metadata_server_host=127.0.0.1",
+    ]
     group.start("master", [str(TSUKIMI), "compat", "mooncake-master", *flags], dict(os.environ))
     wait_until(lambda: httpx.get(f"http://127.0.0.1:{http}/health", timeout=1).status_code == 200, 30)
-    return {"rpc": f"127.0.0.1:{rpc}", "metadata": f"http://127.0.0.1:{meta}/metadata",
-            "http": f"http://127.0.0.1:{http}"}  # fmt: skip
+    return {
+        "rpc": f"127.0.0.1:{rpc}",
+        "metadata": f"http://127.0.0.1:{meta}/metadata",
+        "http": f"http://127.0.0.1:{http}",
+    }
 
 
 def _drive(group: _Group, name: str, args: dict[str, object], env: dict[str, str]) -> dict[str, Any]:
@@ -157,8 +171,12 @@ def test_under_the_hook_mooncake_is_tsukimi_even_beside_the_real_wheel() -> None
         "import mooncake.engine, mooncake.store; "
         "print(mooncake.engine.TransferEngine.__module__, mooncake.store.MooncakeDistributedStore.__module__)"
     )
-    out = subprocess.run([str(TSUKIMI), "compat", "exec", "--", str(VLLM_PYTHON), "-c", probe],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [str(TSUKIMI), "compat", "exec", "--", str(VLLM_PYTHON), "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.stdout.split() == ["tsukimi.compat.mooncake.engine", "tsukimi.compat.mooncake.store"], out.stderr[-2000:]
 
 
@@ -166,13 +184,27 @@ def test_mooncake_store_connector_loads_the_prefix_from_tsukimis_pool(
     group: _Group, model: Path, master: dict[str, str], baseline: list[list[int]]
 ) -> None:
     config = group.logs / "mooncake.json"
-    config.write_text(json.dumps({
-        "metadata_server": master["metadata"], "master_server_address": master["rpc"], "protocol": "tcp",
-        "device_name": "", "global_segment_size": "256MB", "local_buffer_size": "64MB",
-    }))  # fmt: skip
+    config.write_text(
+        json.dumps(
+            {
+                "metadata_server": master["metadata"],
+                "master_server_address": master["rpc"],
+                "protocol": "tcp",
+                "device_name": "",
+                "global_segment_size": "256MB",
+                "local_buffer_size": "64MB",
+            }
+        )
+    )
     num_blocks = PREFIX_TOKENS // BLOCK_SIZE  # A's full blocks; its 40-token tail is never saved
-    args = {"model": str(model), "connector": True, "prompts": [A, B, A], "max_tokens": MAX_TOKENS,
-            "master_http": master["http"], "min_keys": num_blocks}  # fmt: skip
+    args = {
+        "model": str(model),
+        "connector": True,
+        "prompts": [A, B, A],
+        "max_tokens": MAX_TOKENS,
+        "master_http": master["http"],
+        "min_keys": num_blocks,
+    }
     result = _drive(group, "store", args, _env(MOONCAKE_CONFIG_PATH=str(config)))
     runs = result["runs"]
     assert result["store_module"] == "tsukimi.compat.mooncake.store"
@@ -197,12 +229,37 @@ def _server(group: _Group, name: str, model: Path, role: str, bootstrap_port: in
     shim = group.logs / "cpu-shim"
     shim.mkdir(exist_ok=True)
     (shim / "sitecustomize.py").write_text(CPU_ACCELERATOR_SHIM)
-    kv = {"kv_connector": "MooncakeConnector", "kv_role": role,
-          "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}  # fmt: skip
-    cmd = [str(TSUKIMI), "compat", "exec", "--", str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-           "--model", str(model), "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
-           "--skip-tokenizer-init", "--no-enable-prefix-caching", "--max-model-len", "2048", "--max-num-seqs", "4",
-           "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv)]  # fmt: skip
+    kv = {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+    }
+    cmd = [
+        str(TSUKIMI),
+        "compat",
+        "exec",
+        "--",
+        str(VLLM_PYTHON),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        "float32",
+        "--skip-tokenizer-init",
+        "--no-enable-prefix-caching",
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "4",
+        "--enable-prompt-tokens-details",
+        "--kv-transfer-config",
+        json.dumps(kv),
+    ]
     # NOTE: the prefill's worker serves the bootstrap registry on this port (the decode asks it
     # where the prefill's workers are); setting bootstrap_server_address instead expects one
     # run by the proxy.
@@ -226,8 +283,15 @@ def _server(group: _Group, name: str, model: Path, role: str, bootstrap_port: in
 
 
 def _complete(url: str, model: Path, prompt: list[int], max_tokens: int, params: dict[str, object]) -> dict[str, Any]:
-    body = {"model": str(model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True, "kv_transfer_params": params}  # fmt: skip
+    body = {
+        "model": str(model),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "kv_transfer_params": params,
+    }
     reply = httpx.post(url + "/v1/completions", json=body, timeout=300)
     assert reply.status_code == 200, reply.text
     return reply.json()  # type: ignore[no-any-return]
@@ -239,19 +303,35 @@ def test_mooncake_connector_pd_hands_kv_over_with_tsukimis_transfer_engine(
     bootstrap_port = free_port()
     bootstrap = f"127.0.0.1:{bootstrap_port}"
     with ThreadPoolExecutor(2) as pool:  # NOTE: the two start side by side
-        starting = [pool.submit(_server, group, "prefill", model, "kv_producer", bootstrap_port, "0"),
-                    pool.submit(_server, group, "decode", model, "kv_consumer", bootstrap_port, "1")]  # fmt: skip
+        starting = [
+            pool.submit(_server, group, "prefill", model, "kv_producer", bootstrap_port, "0"),
+            pool.submit(_server, group, "decode", model, "kv_consumer", bootstrap_port, "1"),
+        ]
         prefill, decode = (future.result() for future in starting)
     engines = httpx.get(f"http://{bootstrap}/query", timeout=10).json()
     engine_id = next(iter(engines.values()))["engine_id"]
     for prompt, expected in ((A, baseline[0]), (B, baseline[1])):
         transfer_id = uuid.uuid4().hex
-        _complete(prefill, model, prompt, 1, {"do_remote_decode": True, "do_remote_prefill": False,
-                                              "transfer_id": transfer_id})  # fmt: skip
-        got = _complete(decode, model, prompt, MAX_TOKENS, {
-            "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
-            "remote_engine_id": engine_id, "remote_bootstrap_addr": f"http://{bootstrap}",
-        })  # fmt: skip
+        _complete(
+            prefill,
+            model,
+            prompt,
+            1,
+            {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id},
+        )
+        got = _complete(
+            decode,
+            model,
+            prompt,
+            MAX_TOKENS,
+            {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "transfer_id": transfer_id,
+                "remote_engine_id": engine_id,
+                "remote_bootstrap_addr": f"http://{bootstrap}",
+            },
+        )
         choice = got["choices"][0]
         assert choice["token_ids"] == expected, group.tail("decode")
         # the decode computed none of the prompt: every token's KV came from the prefill

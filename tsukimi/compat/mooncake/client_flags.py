@@ -17,13 +17,45 @@ from tsukimi.compat.mooncake.setup_args import StoreSetup, from_args
 from tsukimi.errors import ConfigError
 
 PROGRAM = "mooncake_client"
-BOOLEANS = frozenset(["enable_offload", "enable_http_server", "start_offload_rpc_server", "use_mmap_arena_allocator",
-                      "logtostderr", "alsologtostderr"])  # fmt: skip
-IGNORED = frozenset(["threads", "enable_http_server", "http_port", "start_offload_rpc_server", "mmap_arena_pool_size",
-                     "use_mmap_arena_allocator", "device_names", "logtostderr", "alsologtostderr", "v",
-                     "minloglevel", "log_dir"])  # fmt: skip
-MAPPED = frozenset(["host", "port", "master_server_address", "metadata_server", "global_segment_size",
-                    "local_buffer_size", "protocol", "enable_offload", "tenant_id"])  # fmt: skip
+BOOLEANS = frozenset(
+    [
+        "enable_offload",
+        "enable_http_server",
+        "start_offload_rpc_server",
+        "use_mmap_arena_allocator",
+        "logtostderr",
+        "alsologtostderr",
+    ]
+)
+IGNORED = frozenset(
+    [
+        "threads",
+        "enable_http_server",
+        "http_port",
+        "start_offload_rpc_server",
+        "mmap_arena_pool_size",
+        "use_mmap_arena_allocator",
+        "device_names",
+        "logtostderr",
+        "alsologtostderr",
+        "v",
+        "minloglevel",
+        "log_dir",
+    ]
+)
+MAPPED = frozenset(
+    [
+        "host",
+        "port",
+        "master_server_address",
+        "metadata_server",
+        "global_segment_size",
+        "local_buffer_size",
+        "protocol",
+        "enable_offload",
+        "tenant_id",
+    ]
+)
 
 
 @dataclass(slots=True)
@@ -43,10 +75,16 @@ def parse(argv: Sequence[str]) -> ClientFlags:
         ConfigError: an unknown flag, a flag without its value, a bad value (naming it).
     """
     values: dict[str, str] = {
-        "host": "0.0.0.0", "port": "50052", "master_server_address": "127.0.0.1:50051",
-        "metadata_server": "http://127.0.0.1:8080/metadata", "global_segment_size": "4 GB",
-        "local_buffer_size": "0", "protocol": "tcp", "enable_offload": "false", "tenant_id": "default",
-    }  # fmt: skip
+        "host": "0.0.0.0",
+        "port": "50052",
+        "master_server_address": "127.0.0.1:50051",
+        "metadata_server": "http://127.0.0.1:8080/metadata",
+        "global_segment_size": "4 GB",
+        "local_buffer_size": "0",
+        "protocol": "tcp",
+        "enable_offload": "false",
+        "tenant_id": "default",
+    }
     ignored: list[str] = []
     args = list(argv)
     while args:
@@ -63,7 +101,13 @@ def parse(argv: Sequence[str]) -> ClientFlags:
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{PROGRAM} flag --port={port}: not a port")
     setup = from_args(
-        values["host"], values["metadata_server"], values["global_segment_size"], values["local_buffer_size"],
-        values["protocol"], "", values["master_server_address"], tenant_id=values["tenant_id"],
-    )  # fmt: skip
+        values["host"],
+        values["metadata_server"],
+        values["global_segment_size"],
+        values["local_buffer_size"],
+        values["protocol"],
+        "",
+        values["master_server_address"],
+        tenant_id=values["tenant_id"],
+    )
     return ClientFlags(setup, int(port), ignored)

@@ -32,8 +32,9 @@ class ClientService:
     def __init__(self, setup: StoreSetup, port: int) -> None:
         """Raises ConfigError (the port is taken), and what StoreClient raises."""
         self.client = connect(setup)
-        self._welcome = dummy.Welcome(setup.master, setup.metadata_url, setup.transport, setup.nixl,
-                                      self.client.engine.name)  # fmt: skip
+        self._welcome = dummy.Welcome(
+            setup.master, setup.metadata_url, setup.transport, setup.nixl, self.client.engine.name
+        )
         try:
             self.rpc = RpcServer(dummy.CODEC, self._handle, bind=f"tcp://{setup.host}:{port}", name="mooncake-client")
         except BaseException:

@@ -71,8 +71,9 @@ def hello(server_address: str) -> Welcome:
 def dummy_setup(welcome: Welcome, server_address: str, local_buffer_size: int) -> StoreSetup:
     """The setup of a dummy client: no segment, its TE bound on the standalone client's host."""
     host = server_address.rpartition(":")[0].strip("[]")
-    return StoreSetup(host, 0, welcome.metadata_url, 0, local_buffer_size, welcome.master,
-                      welcome.transport, welcome.nixl)  # fmt: skip
+    return StoreSetup(
+        host, 0, welcome.metadata_url, 0, local_buffer_size, welcome.master, welcome.transport, welcome.nixl
+    )
 
 
 class MemPool:

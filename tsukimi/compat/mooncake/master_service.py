@@ -30,8 +30,12 @@ def serve(argv: Sequence[str], console: Console) -> None:
         logger.warning("mooncake_master flags with no meaning in tsukimi, ignored: %s", ", ".join(flags.ignored))
     settings = flags.master
     if settings.offload != "off":
-        logger.info("SSD offload %s (promotion on hit: %s), client disks under %r", settings.offload,
-                    settings.promotion_on_hit, settings.disk_root or "their own directories")  # fmt: skip
+        logger.info(
+            "SSD offload %s (promotion on hit: %s), client disks under %r",
+            settings.offload,
+            settings.promotion_on_hit,
+            settings.disk_root or "their own directories",
+        )
     stop = threading.Event()
     previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)}
     metadata = None

@@ -111,8 +111,12 @@ class QueryTaskResponse:
     message: str
 
 
-_STATUS = {"pending": TaskStatus.PENDING, "processing": TaskStatus.PROCESSING, "succeeded": TaskStatus.SUCCESS,
-           "failed": TaskStatus.FAILED}  # fmt: skip
+_STATUS = {
+    "pending": TaskStatus.PENDING,
+    "processing": TaskStatus.PROCESSING,
+    "succeeded": TaskStatus.SUCCESS,
+    "failed": TaskStatus.FAILED,
+}
 
 
 class ReplicaMethods(StoreBase):
@@ -191,10 +195,14 @@ class ReplicaMethods(StoreBase):
         now_ms = wall_time() * 1000
         executor = int(info.executor, 16) if info.executor else 0
         response = QueryTaskResponse(
-            _pair(info.task_id), TaskType.REPLICA_COPY if info.kind == "copy" else TaskType.REPLICA_MOVE,
-            _STATUS[info.status], int(now_ms - info.age_s * 1000), int(now_ms - info.updated_s * 1000),
-            _pair(executor), info.message,
-        )  # fmt: skip
+            _pair(info.task_id),
+            TaskType.REPLICA_COPY if info.kind == "copy" else TaskType.REPLICA_MOVE,
+            _STATUS[info.status],
+            int(now_ms - info.age_s * 1000),
+            int(now_ms - info.updated_s * 1000),
+            _pair(executor),
+            info.message,
+        )
         return response, OK
 
     def _task(self, start: Callable[[StoreClient], int], what: str) -> tuple[TaskId, int]:

@@ -38,9 +38,20 @@ class ReplicateConfig:
     """Mooncake's put options; attributes are type-checked on assignment (TypeError), as
     Mooncake's bindings do, and unknown attributes are refused (AttributeError)."""
 
-    __slots__ = ("_preferred_segment", "_preferred_segments", "_replica_num", "_soft_pin_action", "_soft_pin_ttl_ms",
-                 "_with_hard_pin", "data_type", "dfs_replica_num", "group_ids", "nof_replica_num",
-                 "prefer_alloc_in_same_node", "preferred_nof_segments")  # fmt: skip
+    __slots__ = (
+        "_preferred_segment",
+        "_preferred_segments",
+        "_replica_num",
+        "_soft_pin_action",
+        "_soft_pin_ttl_ms",
+        "_with_hard_pin",
+        "data_type",
+        "dfs_replica_num",
+        "group_ids",
+        "nof_replica_num",
+        "prefer_alloc_in_same_node",
+        "preferred_nof_segments",
+    )
 
     def __init__(self) -> None:
         self._replica_num = 1

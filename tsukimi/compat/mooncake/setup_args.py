@@ -30,12 +30,34 @@ MAX_SIZE = 1 << 40
 MIN_SEGMENT = 1024
 PORT_RANGE = (12300, 14300)
 PORT_TRIES = 32
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30,
-          "T": 1 << 40, "TB": 1 << 40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "T": 1 << 40,
+    "TB": 1 << 40,
+}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*")
-DICT_KEYS = ("local_hostname", "metadata_server", "global_segment_size", "local_buffer_size", "protocol",
-             "rdma_devices", "master_server_addr", "ipc_socket_path", "enable_ssd_offload", "ssd_offload_path",
-             "tenant_id", "enable_client_http_server", "client_http_port")  # fmt: skip
+DICT_KEYS = (
+    "local_hostname",
+    "metadata_server",
+    "global_segment_size",
+    "local_buffer_size",
+    "protocol",
+    "rdma_devices",
+    "master_server_addr",
+    "ipc_socket_path",
+    "enable_ssd_offload",
+    "ssd_offload_path",
+    "tenant_id",
+    "enable_client_http_server",
+    "client_http_port",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +149,15 @@ def from_args(
     client_http_port: int = 9300,
 ) -> StoreSetup:
     """The positional / keyword form (the engine aside). Raises ConfigError."""
-    for name, value in (("local_hostname", local_hostname), ("metadata_server", metadata_server),
-                        ("protocol", protocol), ("rdma_devices", rdma_devices),
-                        ("master_server_addr", master_server_addr), ("ssd_offload_path", ssd_offload_path),
-                        ("tenant_id", tenant_id)):  # fmt: skip
+    for name, value in (
+        ("local_hostname", local_hostname),
+        ("metadata_server", metadata_server),
+        ("protocol", protocol),
+        ("rdma_devices", rdma_devices),
+        ("master_server_addr", master_server_addr),
+        ("ssd_offload_path", ssd_offload_path),
+        ("tenant_id", tenant_id),
+    ):
         if not isinstance(value, str):
             raise ConfigError(f"{name} must be a str, got {value!r}")
     if tenant_id != "default":
@@ -142,9 +169,18 @@ def from_args(
         raise ConfigError(f"global_segment_size must be 0 or at least {MIN_SEGMENT} bytes, got {segment}")
     host, port = _host_port("local_hostname", local_hostname, port_optional=True)
     transport, nixl = _protocol(protocol)
-    return StoreSetup(host, port, _metadata_url(metadata_server), segment,
-                      parse_size("local_buffer_size", local_buffer_size), master_url(master_server_addr),
-                      transport, nixl, bool(enable_ssd_offload), ssd_offload_path)  # fmt: skip
+    return StoreSetup(
+        host,
+        port,
+        _metadata_url(metadata_server),
+        segment,
+        parse_size("local_buffer_size", local_buffer_size),
+        master_url(master_server_addr),
+        transport,
+        nixl,
+        bool(enable_ssd_offload),
+        ssd_offload_path,
+    )
 
 
 def master_url(address: str) -> str:

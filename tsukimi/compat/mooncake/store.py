@@ -52,10 +52,19 @@ from tsukimi.transfer.segment import byte_view
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "BufferHandle", "Descriptor", "DiskDescriptor", "MemoryDescriptor", "MooncakeDistributedStore",
-    "QueryTaskResponse", "ReplicaDescriptor", "ReplicaStatus", "ReplicateConfig", "SoftPinAction", "TaskStatus",
+    "BufferHandle",
+    "Descriptor",
+    "DiskDescriptor",
+    "MemoryDescriptor",
+    "MooncakeDistributedStore",
+    "QueryTaskResponse",
+    "ReplicaDescriptor",
+    "ReplicaStatus",
+    "ReplicateConfig",
+    "SoftPinAction",
+    "TaskStatus",
     "TaskType",
-]  # fmt: skip
+]
 _SIZE = setup_args.DEFAULT_SIZE
 
 
@@ -71,12 +80,21 @@ class MooncakeDistributedStore(TensorMethods, ReplicaMethods, RangeMethods, Mult
         self._finalizer: weakref.finalize[[], MooncakeDistributedStore] | None = None
 
     def setup(
-        self, local_hostname: str | Mapping[str, object], metadata_server: str | None = None,
-        global_segment_size: int | str = _SIZE, local_buffer_size: int | str = _SIZE, protocol: str = "tcp",
-        rdma_devices: str = "", master_server_addr: str = "127.0.0.1:50051", engine: object = None,
-        enable_ssd_offload: bool = False, ssd_offload_path: str = "", tenant_id: str = "default",
-        enable_client_http_server: bool = False, client_http_port: int = 9300,
-    ) -> int:  # fmt: skip
+        self,
+        local_hostname: str | Mapping[str, object],
+        metadata_server: str | None = None,
+        global_segment_size: int | str = _SIZE,
+        local_buffer_size: int | str = _SIZE,
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+        master_server_addr: str = "127.0.0.1:50051",
+        engine: object = None,
+        enable_ssd_offload: bool = False,
+        ssd_offload_path: str = "",
+        tenant_id: str = "default",
+        enable_client_http_server: bool = False,
+        client_http_port: int = 9300,
+    ) -> int:
         """Connect to the master and mount `global_segment_size` bytes; or `setup(config)`
         with Mooncake's dictionary (sizes may be "16MB"). `local_hostname` "host:port" names
         this client's segment (`get_hostname()`); a bare host gets a port in 12300..14300.
@@ -88,10 +106,19 @@ class MooncakeDistributedStore(TensorMethods, ReplicaMethods, RangeMethods, Mult
                 parsed = setup_args.from_dict(local_hostname)
             else:
                 parsed = setup_args.from_args(
-                    local_hostname, metadata_server, global_segment_size, local_buffer_size,  # type: ignore[arg-type]
-                    protocol, rdma_devices, master_server_addr, enable_ssd_offload, ssd_offload_path, tenant_id,
-                    enable_client_http_server, client_http_port,
-                )  # fmt: skip
+                    local_hostname,
+                    metadata_server,  # type: ignore[arg-type]
+                    global_segment_size,
+                    local_buffer_size,
+                    protocol,
+                    rdma_devices,
+                    master_server_addr,
+                    enable_ssd_offload,
+                    ssd_offload_path,
+                    tenant_id,
+                    enable_client_http_server,
+                    client_http_port,
+                )
             if enable_client_http_server:
                 logger.warning("setup: the client HTTP server is not served by tsukimi (the master's /metrics is)")
             self._start(parsed, _shared_engine(engine))

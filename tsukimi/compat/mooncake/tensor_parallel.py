@@ -47,66 +47,113 @@ class ParallelTensorMethods(TensorCalls):
     """The with_parallelism methods; mixed into `MooncakeDistributedStore` with TensorMethods."""
 
     def put_tensor_with_parallelism(
-        self, key: str, tensor: torch.Tensor, parallelism: object = None, config: Config = None,
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        parallelism: object = None,
+        config: Config = None,
         writer_partition: object = None,
-    ) -> int:  # fmt: skip
+    ) -> int:
         return self._put_parallel([key], lambda: [tensor], [parallelism], [writer_partition], config, upsert=False)[0]
 
     def upsert_tensor_with_parallelism(
-        self, key: str, tensor: torch.Tensor, parallelism: object = None, config: Config = None,
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        parallelism: object = None,
+        config: Config = None,
         writer_partition: object = None,
-    ) -> int:  # fmt: skip
+    ) -> int:
         return self._put_parallel([key], lambda: [tensor], [parallelism], [writer_partition], config, upsert=True)[0]
 
     def batch_put_tensor_with_parallelism(
-        self, keys: list[str], tensors_list: list[torch.Tensor], parallelisms: object = None, config: Config = None,
+        self,
+        keys: list[str],
+        tensors_list: list[torch.Tensor],
+        parallelisms: object = None,
+        config: Config = None,
         writer_partitions: object = None,
-    ) -> list[int]:  # fmt: skip
+    ) -> list[int]:
         return self._put_parallel(keys, lambda: tensors_list, parallelisms, writer_partitions, config, upsert=False)
 
     def batch_upsert_tensor_with_parallelism(
-        self, keys: list[str], tensors_list: list[torch.Tensor], parallelisms: object = None, config: Config = None,
+        self,
+        keys: list[str],
+        tensors_list: list[torch.Tensor],
+        parallelisms: object = None,
+        config: Config = None,
         writer_partitions: object = None,
-    ) -> list[int]:  # fmt: skip
+    ) -> list[int]:
         return self._put_parallel(keys, lambda: tensors_list, parallelisms, writer_partitions, config, upsert=True)
 
     def put_tensor_with_parallelism_from(
-        self, key: str, buffer_ptr: int, size: int, parallelism: object = None, config: Config = None,
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        parallelism: object = None,
+        config: Config = None,
         writer_partition: object = None,
-    ) -> int:  # fmt: skip
+    ) -> int:
         return self._put_parallel_from([key], [buffer_ptr], [size], [parallelism], [writer_partition], config, False)[0]
 
     def upsert_tensor_with_parallelism_from(
-        self, key: str, buffer_ptr: int, size: int, parallelism: object = None, config: Config = None,
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        parallelism: object = None,
+        config: Config = None,
         writer_partition: object = None,
-    ) -> int:  # fmt: skip
+    ) -> int:
         return self._put_parallel_from([key], [buffer_ptr], [size], [parallelism], [writer_partition], config, True)[0]
 
     def batch_put_tensor_with_parallelism_from(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], parallelisms: object = None,
-        config: Config = None, writer_partitions: object = None,
-    ) -> list[int]:  # fmt: skip
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        parallelisms: object = None,
+        config: Config = None,
+        writer_partitions: object = None,
+    ) -> list[int]:
         return self._put_parallel_from(keys, buffer_ptrs, sizes, parallelisms, writer_partitions, config, False)
 
     def batch_upsert_tensor_with_parallelism_from(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], parallelisms: object = None,
-        config: Config = None, writer_partitions: object = None,
-    ) -> list[int]:  # fmt: skip
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        parallelisms: object = None,
+        config: Config = None,
+        writer_partitions: object = None,
+    ) -> list[int]:
         return self._put_parallel_from(keys, buffer_ptrs, sizes, parallelisms, writer_partitions, config, True)
 
     def _put_parallel_from(
-        self, keys: list[str], ptrs: list[int], sizes: list[int], parallelisms: object, partitions: object,
-        config: Config, upsert: bool,
-    ) -> list[int]:  # fmt: skip
+        self,
+        keys: list[str],
+        ptrs: list[int],
+        sizes: list[int],
+        parallelisms: object,
+        partitions: object,
+        config: Config,
+        upsert: bool,
+    ) -> list[int]:
         """The whole tensors held in `[header][payload]` buffers, put as `_put_parallel`."""
         return self._put_parallel(
             keys, lambda: [tensor_in(b) for b in address_buffers(ptrs, sizes)], parallelisms, partitions, config, upsert
         )
 
     def _put_parallel(
-        self, keys: list[str], load: Callable[[], Sequence[torch.Tensor]], parallelisms: object, partitions: object,
-        config: Config, upsert: bool,
-    ) -> list[int]:  # fmt: skip
+        self,
+        keys: list[str],
+        load: Callable[[], Sequence[torch.Tensor]],
+        parallelisms: object,
+        partitions: object,
+        config: Config,
+        upsert: bool,
+    ) -> list[int]:
         options = put_options(config, upsert)
 
         def run(client: StoreClient) -> list[PutError]:

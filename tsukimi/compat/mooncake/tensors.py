@@ -116,21 +116,35 @@ class TensorMethods(ParallelTensorMethods):
         return self.batch_pub_tensor_with_tp([key], [tensor], None, tp_rank, tp_size, split_dim)[0]
 
     def pub_tensor_with_tp(
-        self, key: str, tensor: torch.Tensor, config: Config = None, tp_rank: int = 0, tp_size: int = 1,
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        config: Config = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
         split_dim: int = 0,
-    ) -> int:  # fmt: skip
+    ) -> int:
         return self.batch_pub_tensor_with_tp([key], [tensor], config, tp_rank, tp_size, split_dim)[0]
 
     def batch_put_tensor_with_tp(
-        self, base_keys: list[str], tensors_list: list[torch.Tensor], tp_rank: int = 0, tp_size: int = 1,
+        self,
+        base_keys: list[str],
+        tensors_list: list[torch.Tensor],
+        tp_rank: int = 0,
+        tp_size: int = 1,
         split_dim: int = 0,
-    ) -> list[int]:  # fmt: skip
+    ) -> list[int]:
         return self.batch_pub_tensor_with_tp(base_keys, tensors_list, None, tp_rank, tp_size, split_dim)
 
     def batch_pub_tensor_with_tp(
-        self, base_keys: list[str], tensors_list: list[torch.Tensor], config: Config = None, tp_rank: int = 0,
-        tp_size: int = 1, split_dim: int = 0,
-    ) -> list[int]:  # fmt: skip
+        self,
+        base_keys: list[str],
+        tensors_list: list[torch.Tensor],
+        config: Config = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> list[int]:
         """Every shard of every tensor; -600 for a tensor that does not split evenly."""
         options = put_options(config, upsert=False)
 
@@ -146,9 +160,14 @@ class TensorMethods(ParallelTensorMethods):
         return self.batch_put_tensor_with_tp_from([key], [buffer_ptr], [size], tp_rank, tp_size, split_dim)[0]
 
     def batch_put_tensor_with_tp_from(
-        self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int], tp_rank: int = 0, tp_size: int = 1,
+        self,
+        base_keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        tp_rank: int = 0,
+        tp_size: int = 1,
         split_dim: int = 0,
-    ) -> list[int]:  # fmt: skip
+    ) -> list[int]:
         """The whole tensors held in `[header][payload]` buffers, cut and stored as with_tp."""
 
         def run(client: StoreClient) -> list[t.PutError]:

@@ -44,8 +44,11 @@ from tsukimi.serving.router import cost_model
 logger = logging.getLogger(__name__)
 
 POOL_LOCATION = "pool/dram"
-_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-           "vllm:kv_cache_usage_perc": "kv_usage"}  # fmt: skip
+_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +118,13 @@ class VllmBackend:
     """
 
     def __init__(
-        self, instances: Sequence[VllmInstance], config: VllmRouterConfig | None = None,
-        router: RouterConfig | None = None, conductor: ConductorConfig | None = None, clock: Clock | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        instances: Sequence[VllmInstance],
+        config: VllmRouterConfig | None = None,
+        router: RouterConfig | None = None,
+        conductor: ConductorConfig | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         self.config = config or VllmRouterConfig()
         roles = {i.role for i in instances}
         if roles not in ({"colocated"}, {"prefill", "decode"}):
@@ -135,8 +142,9 @@ class VllmBackend:
         base = conductor or ConductorConfig()
         # NOTE: without the pool a vLLM instance can reuse only its own cache: "global" would
         # let the Conductor count on fetching another instance's blocks, which nothing does.
-        cfg = dataclasses.replace(base, block_tokens=self.hasher.block_size,
-                                  reuse=base.reuse if self.config.pool else "local")  # fmt: skip
+        cfg = dataclasses.replace(
+            base, block_tokens=self.hasher.block_size, reuse=base.reuse if self.config.pool else "local"
+        )
         prefill = [i.name for i in instances if i.role in ("prefill", "colocated")]
         decode = [i.name for i in instances if i.role in ("decode", "colocated")]
         self.conductor = Conductor(
@@ -145,8 +153,9 @@ class VllmBackend:
         self._ids, self._rr = itertools.count(), itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._zmq: zmq.asyncio.Context | None = None
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.read_timeout_s,
-                                                              connect=self.config.connect_timeout_s))  # fmt: skip
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.config.read_timeout_s, connect=self.config.connect_timeout_s)
+        )
 
     async def start(self) -> None:
         """Subscribes to every instance's events and starts polling loads (idempotent; mutates)."""
@@ -192,8 +201,13 @@ class VllmBackend:
                 raise WorkerUnavailable("no vLLM instance is reachable: all are marked down")
             raise Rejected(decision.reason)
         assert decision.prefill is not None
-        logger.debug("request %d -> %s (%d cached tokens expected, TTFT %.3f s)", rid, decision.prefill,
-                     decision.cached_tokens, decision.ttft_s)  # fmt: skip
+        logger.debug(
+            "request %d -> %s (%d cached tokens expected, TTFT %.3f s)",
+            rid,
+            decision.prefill,
+            decision.cached_tokens,
+            decision.ttft_s,
+        )
         return Placement(rid, self.instances[decision.prefill], len(tokens), decision.cached_tokens)
 
     def prefill_done(self, placement: Placement) -> InstanceState | None:
@@ -271,13 +285,22 @@ class VllmBackend:
 
     def stats(self) -> dict[str, object]:
         """The instances' loads and event counts and the index's size (pure), for /stats."""
-        out: dict[str, object] = {"mode": self.mode, "policy": self.config.policy, "index_blocks": {
-            loc: self.index.num_blocks(loc) for loc in self.index.locations()}}  # fmt: skip
+        out: dict[str, object] = {
+            "mode": self.mode,
+            "policy": self.config.policy,
+            "index_blocks": {loc: self.index.num_blocks(loc) for loc in self.index.locations()},
+        }
         out["instances"] = {
-            name: {"role": s.spec.role, "healthy": s.healthy, "running": s.running, "waiting": s.waiting,
-                   "kv_usage": s.kv_usage, "in_flight": s.in_flight,
-                   "events": dataclasses.asdict(s.events.stats) if s.events else None}
+            name: {
+                "role": s.spec.role,
+                "healthy": s.healthy,
+                "running": s.running,
+                "waiting": s.waiting,
+                "kv_usage": s.kv_usage,
+                "in_flight": s.in_flight,
+                "events": dataclasses.asdict(s.events.stats) if s.events else None,
+            }
             for name, s in self.instances.items()
-        }  # fmt: skip
+        }
         out["counters"] = dict(self.conductor.counters)
         return out

@@ -97,12 +97,16 @@ class TsukimiConnectorConfig:
         return replace(
             base,
             client=replace(
-                base.client, master=self.master, segment_bytes=self.segment_bytes,
-                rpc_timeout_s=self.rpc_timeout_s, checksum=self.checksum, failover_timeout_s=self.rpc_timeout_s,
+                base.client,
+                master=self.master,
+                segment_bytes=self.segment_bytes,
+                rpc_timeout_s=self.rpc_timeout_s,
+                checksum=self.checksum,
+                failover_timeout_s=self.rpc_timeout_s,
             ),
             transfer=replace(base.transfer, transport=self.transport, timeout_s=max(5.0, 5 * self.rpc_timeout_s)),
             metadata=replace(base.metadata, url=self.metadata, timeout_s=self.rpc_timeout_s),
-        )  # fmt: skip
+        )
 
 
 class _OncePerOutage(logging.Filter):

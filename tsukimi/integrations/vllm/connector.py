@@ -79,8 +79,9 @@ class TsukimiConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unt
             self._scheduler = ConnectorScheduler(self._config, fmt, kv_role, str(transfer.engine_id))
         else:
             self._worker = ConnectorWorker(self._config, fmt, kv_role)
-        logger.info("TsukimiConnector %s (%s), master %s, format %s", kv_role, role.name, self._config.master,
-                    fmt.digest())  # fmt: skip
+        logger.info(
+            "TsukimiConnector %s (%s), master %s, format %s", kv_role, role.name, self._config.master, fmt.digest()
+        )
 
     # -- scheduler side ----------------------------------------------------------------
 

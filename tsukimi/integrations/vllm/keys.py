@@ -53,10 +53,17 @@ class KVFormat:
 
     def digest(self) -> str:
         """16 hex digits naming this format (stable across processes and hosts)."""
-        text = "|".join([
-            self.model, self.dtype, str(self.block_size), ",".join(map(str, self.block_shape)),
-            str(self.num_layers), self.kernel, self.hash_algo,
-        ])  # fmt: skip
+        text = "|".join(
+            [
+                self.model,
+                self.dtype,
+                str(self.block_size),
+                ",".join(map(str, self.block_shape)),
+                str(self.num_layers),
+                self.kernel,
+                self.hash_algo,
+            ]
+        )
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 

@@ -91,11 +91,19 @@ def _connector_config(config: VllmClusterConfig, role: str, master: str) -> dict
     if config.connector == "tsukimi":
         kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(role, "kv_both")
         extra = {"master": master, "segment_bytes": config.pool_segment_bytes}
-        return {"kv_connector": "TsukimiConnector", "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": kv_role,
-                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}  # fmt: skip
+        return {
+            "kv_connector": "TsukimiConnector",
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": kv_role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
     if config.connector == "mooncake_store":
-        return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"load_async": True}}  # fmt: skip
+        return {
+            "kv_connector": "MooncakeStoreConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"load_async": True},
+        }
     return None
 
 
@@ -109,22 +117,55 @@ def vllm_process(
     # NOTE: vLLM binds its PUB socket only to "tcp://*:P" (every interface) or ipc://, and
     # connects it to anything else: an ipc socket in the log folder stays on this host.
     events, replay = f"ipc://{workdir.resolve()}/{name}-events", f"ipc://{workdir.resolve()}/{name}-replay"
-    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events, "replay_endpoint": replay,
-                 "topic": "kv"}  # fmt: skip
-    argv = [str(config.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model_path()),
-            "--served-model-name", config.model, "--host", h, "--port", str(port), "--dtype", "float32",
-            "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events)]  # fmt: skip
+    kv_events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": events,
+        "replay_endpoint": replay,
+        "topic": "kv",
+    }
+    argv = [
+        str(config.python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(config.model_path()),
+        "--served-model-name",
+        config.model,
+        "--host",
+        h,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enable-prompt-tokens-details",
+        "--kv-events-config",
+        json.dumps(kv_events),
+    ]
     argv += ["--max-model-len", str(config.max_model_len)] if config.max_model_len else []
     argv += [] if config.prefix_caching else ["--no-enable-prefix-caching"]
     transfer = _connector_config(config, role, master)
     argv += ["--kv-transfer-config", json.dumps(transfer)] if transfer else []
-    env = {"VLLM_CPU_OMP_THREADS_BIND": str(index % max(1, os.cpu_count() or 1)),
-           "VLLM_CPU_KVCACHE_SPACE": f"{config.kv_cache_gib:g}", "VLLM_HOST_IP": h, **MOONCAKE_ENV}  # fmt: skip
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": str(index % max(1, os.cpu_count() or 1)),
+        "VLLM_CPU_KVCACHE_SPACE": f"{config.kv_cache_gib:g}",
+        "VLLM_HOST_IP": h,
+        **MOONCAKE_ENV,
+    }
     if config.connector == "mooncake_store":
         path = workdir / f"{name}-mooncake.json"
-        path.write_text(json.dumps({"metadata_server": "P2PHANDSHAKE", "master_server_address": master,
-                                    "protocol": "tcp", "device_name": "", "global_segment_size":
-                                    config.pool_segment_bytes, "local_buffer_size": 64 << 20}))  # fmt: skip
+        path.write_text(
+            json.dumps(
+                {
+                    "metadata_server": "P2PHANDSHAKE",
+                    "master_server_address": master,
+                    "protocol": "tcp",
+                    "device_name": "",
+                    "global_segment_size": config.pool_segment_bytes,
+                    "local_buffer_size": 64 << 20,
+                }
+            )
+        )
         env |= {"MOONCAKE_CONFIG_PATH": str(path), "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": f"{h}:{pick()}"}
     spec = ProcessSpec(name, role, (), f"http://{h}:{port}", tuple(argv), tuple(env.items()), "http")
     return spec, f"{name}={events}+{replay}"
@@ -152,17 +193,41 @@ def plan_vllm(
         if not binary.exists():
             raise ConfigError(f"{binary} is missing: pip install mooncake-transfer-engine-non-cuda into {config.venv}")
         metrics = port()
-        argv = (str(binary), f"--rpc_port={rpc}", f"--rpc_address={h}", f"--metrics_host={h}",
-                f"--metrics_port={metrics}", "--logtostderr")  # fmt: skip
-        groups.append([ProcessSpec("mooncake-master", "master", (), f"http://{h}:{metrics}", argv,
-                                   tuple(MOONCAKE_ENV.items()), "http")])  # fmt: skip
+        argv = (
+            str(binary),
+            f"--rpc_port={rpc}",
+            f"--rpc_address={h}",
+            f"--metrics_host={h}",
+            f"--metrics_port={metrics}",
+            "--logtostderr",
+        )
+        groups.append(
+            [
+                ProcessSpec(
+                    "mooncake-master", "master", (), f"http://{h}:{metrics}", argv, tuple(MOONCAKE_ENV.items()), "http"
+                )
+            ]
+        )
         master = f"{h}:{rpc}"
     roles = ["prefill", "decode"] if config.mode == "pd" else ["colocated"] * config.instances
     made = [vllm_process(config, i, role, master, port, workdir) for i, role in enumerate(roles)]
     groups.append([spec for spec, _ in made])
     workers = ",".join(f"{s.name}={s.role}@{s.url}" for s, _ in made)
-    args = ["router", "--backend", "vllm", "--host", h, "--port", str(config.router_port or port()),
-            "--workers", workers, "--kv-events", ",".join(e for _, e in made), "--policy", config.policy]  # fmt: skip
+    args = [
+        "router",
+        "--backend",
+        "vllm",
+        "--host",
+        h,
+        "--port",
+        str(config.router_port or port()),
+        "--workers",
+        workers,
+        "--kv-events",
+        ",".join(e for _, e in made),
+        "--policy",
+        config.policy,
+    ]
     args += ["--pool"] if config.connector != "none" else []
     groups.append([ProcessSpec("router", "router", tuple(args), f"http://{h}:{args[args.index('--port') + 1]}")])
     return groups
@@ -191,10 +256,15 @@ def run_vllm_cluster(args: argparse.Namespace, console: Console) -> None:
     from tsukimi.serving.supervisor import Supervisor
 
     config = VllmClusterConfig(
-        model=args.model or "tiny", mode=args.mode or "colocated", instances=args.instances,
-        connector=args.connector, prefix_caching=not args.no_prefix_caching, policy=args.policy,
-        router_port=args.port or 8000, log_dir=args.log_dir,
-    )  # fmt: skip
+        model=args.model or "tiny",
+        mode=args.mode or "colocated",
+        instances=args.instances,
+        connector=args.connector,
+        prefix_caching=not args.no_prefix_caching,
+        policy=args.policy,
+        router_port=args.port or 8000,
+        log_dir=args.log_dir,
+    )
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="tsukimi-up-vllm-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     groups = plan_vllm(config, log_dir)

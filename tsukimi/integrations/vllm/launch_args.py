@@ -41,8 +41,10 @@ def parse_event_sources(text: str, topic: str) -> dict[str, EventSource]:
         endpoint, _, replay = rest.partition("+")
         schemes = ("tcp://", "ipc://")
         if not eq or not endpoint.startswith(schemes) or (replay and not replay.startswith(schemes)):
-            raise ConfigError(f"a KV event source must look like NAME=ENDPOINT[+REPLAY_ENDPOINT] with tcp:// or "
-                              f"ipc:// endpoints, got {item!r}")  # fmt: skip
+            raise ConfigError(
+                f"a KV event source must look like NAME=ENDPOINT[+REPLAY_ENDPOINT] with tcp:// or "
+                f"ipc:// endpoints, got {item!r}"
+            )
         out[name.strip()] = EventSource(endpoint.strip(), topic, replay.strip() or None)
     return out
 
@@ -59,10 +61,13 @@ def backend_from_args(args: argparse.Namespace) -> VllmBackend:
         raise ConfigError(f"--kv-events names instances that --workers does not: {sorted(unknown)}")
     settings = load(RouterFileConfig, args.config, list(args.set))
     config = VllmRouterConfig(
-        hash=VllmHashConfig(block_size=args.vllm_block_size, algo=args.vllm_hash_algo), pool=args.pool,
-        policy=args.policy, max_waiting_requests=args.max_waiting,
-        poll_interval_s=settings.router.poll_interval_s, connect_timeout_s=settings.router.connect_timeout_s,
-    )  # fmt: skip
+        hash=VllmHashConfig(block_size=args.vllm_block_size, algo=args.vllm_hash_algo),
+        pool=args.pool,
+        policy=args.policy,
+        max_waiting_requests=args.max_waiting,
+        poll_interval_s=settings.router.poll_interval_s,
+        connect_timeout_s=settings.router.connect_timeout_s,
+    )
     instances = [VllmInstance(w.name, w.role, w.url, sources.get(w.name)) for w in workers]
     return VllmBackend(instances, config, settings.router, settings.conductor)
 
@@ -74,6 +79,7 @@ def run_vllm(args: argparse.Namespace, console: Console) -> None:
 
     backend = backend_from_args(args)
     roles = ", ".join(f"{s.spec.name} ({s.spec.role})" for s in backend.instances.values())
-    console.print(f"router (vllm, {backend.mode}, {args.policy}) on http://{args.host}:{args.port} over {roles}",
-                  highlight=False)  # fmt: skip
+    console.print(
+        f"router (vllm, {backend.mode}, {args.policy}) on http://{args.host}:{args.port} over {roles}", highlight=False
+    )
     httpd.serve(create_app(backend), args.host, args.port, log_level="warning")

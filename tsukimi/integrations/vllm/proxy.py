@@ -34,8 +34,14 @@ from tsukimi.serving.openai_protocol import error_body
 logger = logging.getLogger(__name__)
 
 Body = dict[str, Any]
-REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                 "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def _error(exc: TsukimiError) -> JSONResponse:
@@ -61,8 +67,11 @@ async def prompt_tokens(backend: VllmBackend, body: Body, chat: bool) -> list[in
     else:
         if not isinstance(body.get("messages"), list):
             raise InvalidArgument("messages must be a list")
-        query = {"model": body.get("model"), "messages": body["messages"],
-                 "add_generation_prompt": body.get("add_generation_prompt", True)}  # fmt: skip
+        query = {
+            "model": body.get("model"),
+            "messages": body["messages"],
+            "add_generation_prompt": body.get("add_generation_prompt", True),
+        }
     for state in backend.instances.values():
         if not state.healthy:
             continue
@@ -77,9 +86,13 @@ async def prompt_tokens(backend: VllmBackend, body: Body, chat: bool) -> list[in
 
 
 async def forward(
-    backend: VllmBackend, state: InstanceState, path: str, body: Body, placement: Placement,
+    backend: VllmBackend,
+    state: InstanceState,
+    path: str,
+    body: Body,
+    placement: Placement,
     on_first: Callable[[], object],
-) -> Response:  # fmt: skip
+) -> Response:
     """POSTs `body` to `state` and relays the answer (streamed as it comes when `stream`);
     `on_first` runs when the first bytes arrive (or the answer is complete), and the
     placement is finished when the relay ends, normally or not."""

@@ -176,8 +176,12 @@ class ConnectorScheduler:
         meta.saves.append(SaveSpec(req_id, tuple(tracker.block_ids[span.start : end]), hashes))
         logger.debug(
             "saving %s blocks %d-%d, format %s, hashes %s",
-            req_id, span.start, end, self._digest, ",".join(h.hex() for h in hashes),
-        )  # fmt: skip
+            req_id,
+            span.start,
+            end,
+            self._digest,
+            ",".join(h.hex() for h in hashes),
+        )
         tracker.num_saved = end
 
     # -- finish ------------------------------------------------------------------------

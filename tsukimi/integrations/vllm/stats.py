@@ -14,9 +14,16 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 COUNTERS = (
-    "num_loads", "load_blocks", "load_failed_blocks", "load_errors_reported",
-    "num_puts", "put_objects", "put_failed_objects", "put_s", "save_wait_s",
-)  # fmt: skip
+    "num_loads",
+    "load_blocks",
+    "load_failed_blocks",
+    "load_errors_reported",
+    "num_puts",
+    "put_objects",
+    "put_failed_objects",
+    "put_s",
+    "save_wait_s",
+)
 SOURCES = ("pool", "direct")
 
 

@@ -89,14 +89,21 @@ class ConnectorWorker:
         block_bytes = self._layers[0][0].numel() * self._layers[0].element_size()
         logger.info(
             "TsukimiConnector: %d KV layers in %d registered buffer(s), %d blocks of %d bytes per layer, format %s",
-            len(self._layers), len(storages), self._layers[0].shape[0], block_bytes, self._digest,
-        )  # fmt: skip
+            len(self._layers),
+            len(storages),
+            self._layers[0].shape[0],
+            block_bytes,
+            self._digest,
+        )
         self._peers = PeerReader(self._engine, self._layers, self._config.rpc_timeout_s)
         if self._role == "kv_producer" and self._config.pd_port:
             layout = KVLayout(
-                self._engine.name, [layer.data_ptr() for layer in self._layers], block_bytes,
-                int(self._layers[0].shape[0]), self._digest,
-            )  # fmt: skip
+                self._engine.name,
+                [layer.data_ptr() for layer in self._layers],
+                block_bytes,
+                int(self._layers[0].shape[0]),
+                self._digest,
+            )
             self._side = SideChannel(layout, self._config.pd_host, self._config.pd_port)
 
     # -- loads -------------------------------------------------------------------------
@@ -131,8 +138,12 @@ class ConnectorWorker:
         self.stats.loaded(source, len(spec.block_ids), len(failed), seconds)
         logger.debug(
             "loaded %s: %d blocks from %s in %.3f ms, %d failed",
-            spec.req_id, len(spec.block_ids), source, 1000 * seconds, len(failed),
-        )  # fmt: skip
+            spec.req_id,
+            len(spec.block_ids),
+            source,
+            1000 * seconds,
+            len(failed),
+        )
         return failed
 
     def _load_from_pool(self, spec: LoadSpec) -> set[int]:

@@ -121,8 +121,9 @@ def snapshot_of(state: MasterState) -> list[Record]:
     """Every row of the state as records: replayed into empty tables, they rebuild it (pure)."""
     out: list[Record] = []
     for seg in state.registry.segments.values():
-        out.append(SegmentUp(seg.segment_id, seg.te_segment, seg.client_id, seg.base, seg.allocator.capacity,
-                             seg.incarnation))  # fmt: skip
+        out.append(
+            SegmentUp(seg.segment_id, seg.te_segment, seg.client_id, seg.base, seg.allocator.capacity, seg.incarnation)
+        )
         out.extend(BlockUp(seg.segment_id, offset, size) for offset, size in seg.allocator.blocks())
     out.extend(_object_up(COMPLETE, r) for r in state.objects.values())
     out.extend(_object_up(PENDING, r) for r in state.pending.values())
@@ -192,8 +193,17 @@ def restore(tables: Tables, config: MasterConfig, clock: Clock, epoch: int) -> M
         if not placements:
             continue
         owned.update((p.segment_id, p.offset) for p in placements)
-        record = ObjectRecord(key, obj.size, obj.config, placements, obj.writer, now + config.put_timeout_s,
-                              now + config.lease_ttl_s, obj.put_id, obj.checksum)  # fmt: skip
+        record = ObjectRecord(
+            key,
+            obj.size,
+            obj.config,
+            placements,
+            obj.writer,
+            now + config.put_timeout_s,
+            now + config.lease_ttl_s,
+            obj.put_id,
+            obj.checksum,
+        )
         if slot == COMPLETE:
             state.objects[key] = record
             state.policy.insert(key)

@@ -163,8 +163,13 @@ class HAController:
         with self._cond:
             self.term = result.revision
         self.takeovers += 1
-        logger.warning("master %s is the leader (term %d): replayed %d records in %.3f s",
-                       self.info.name, self.term, tables.num_records, self._clock.now() - started)  # fmt: skip
+        logger.warning(
+            "master %s is the leader (term %d): replayed %d records in %.3f s",
+            self.info.name,
+            self.term,
+            tables.num_records,
+            self._clock.now() - started,
+        )
         return True
 
     def _lead(self) -> None:

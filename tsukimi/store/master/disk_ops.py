@@ -34,8 +34,10 @@ def mount(tiers: Tiering, op: dp.MountDisk, now: float) -> None:
     disks = tiers.registry
     old = disks.disks.get(op.disk_id)
     if old is not None and (old.client_id, old.endpoint, old.capacity) == (
-        op.client_id, op.endpoint, op.capacity_bytes
-    ):  # fmt: skip
+        op.client_id,
+        op.endpoint,
+        op.capacity_bytes,
+    ):
         return
     if old is not None:
         tiers.drop_disk(old, now)
@@ -86,8 +88,9 @@ def _adopt(tiers: Tiering, disk: Disk, file: dp.DiskFile) -> bool:
         adoptable = tiers.adopt_unknown if lost is None else lost.get(file.key) == file.put_id
         if not adoptable or file.size <= 0:
             return False
-        record = ObjectRecord(file.key, file.size, ReplicaConfig(), [], disk.client_id, 0.0, put_id=file.put_id,
-                              checksum=file.checksum)  # fmt: skip
+        record = ObjectRecord(
+            file.key, file.size, ReplicaConfig(), [], disk.client_id, 0.0, put_id=file.put_id, checksum=file.checksum
+        )
     record.disks.append(disk.disk_id)
     objects[file.key] = record
     disk.keys.insert(file.key)
@@ -119,8 +122,9 @@ def sync(tiers: Tiering, op: dp.DiskSync, now: float) -> dp.DiskSyncResult:
         if task.kind == "offload":
             out.append(dp.OffloadTask(task.task_id, task.key, task.put_id, task.size, address, timeout_s))
         else:
-            out.append(dp.PromoteTask(task.task_id, task.key, task.put_id, task.size, seg.te_segment, address,
-                                      timeout_s))  # fmt: skip
+            out.append(
+                dp.PromoteTask(task.task_id, task.key, task.put_id, task.size, seg.te_segment, address, timeout_s)
+            )
     return dp.DiskSyncResult(known=True, tasks=out)
 
 

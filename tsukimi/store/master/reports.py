@@ -76,14 +76,30 @@ def batch_query(state: MasterState, keys: list[str]) -> dict[str, dict[str, obje
     for key in keys[:MAX_BATCH]:
         record = state.objects.get(key)
         if record is None:
-            out[key] = {"ok": False, "error": "OBJECT_NOT_FOUND", "values": None, "disk_values": None,
-                        "local_disk_values": None, "nof_values": None}  # fmt: skip
+            out[key] = {
+                "ok": False,
+                "error": "OBJECT_NOT_FOUND",
+                "values": None,
+                "disk_values": None,
+                "local_disk_values": None,
+                "nof_values": None,
+            }
             continue
         info = state.describe(key)
-        values = [{"size_": r.size, "buffer_address_": r.address, "protocol_": "tcp",
-                   "transport_endpoint_": r.te_segment} for r in info.replicas]  # fmt: skip
-        disk = [{"size_": d.size, "transport_endpoint_": d.endpoint, "disk_id": d.disk_id, "put_id": d.put_id}
-                for d in state.tiers.locations(record, now)]  # fmt: skip
-        out[key] = {"ok": True, "error": None, "values": values or None, "disk_values": None,
-                    "local_disk_values": disk or None, "nof_values": None}  # fmt: skip
+        values = [
+            {"size_": r.size, "buffer_address_": r.address, "protocol_": "tcp", "transport_endpoint_": r.te_segment}
+            for r in info.replicas
+        ]
+        disk = [
+            {"size_": d.size, "transport_endpoint_": d.endpoint, "disk_id": d.disk_id, "put_id": d.put_id}
+            for d in state.tiers.locations(record, now)
+        ]
+        out[key] = {
+            "ok": True,
+            "error": None,
+            "values": values or None,
+            "disk_values": None,
+            "local_disk_values": disk or None,
+            "nof_values": None,
+        }
     return out

@@ -37,11 +37,34 @@ from tsukimi.store.master.state import MasterState
 
 logger = logging.getLogger(__name__)
 
-COUNTERS = ("hits", "misses", "evictions", "evicted_bytes", "puts_started", "puts_completed", "puts_revoked",
-            "puts_reclaimed", "removes", "objects_lost", "offloads", "offloaded_bytes", "offloads_failed",
-            "offloads_discarded", "promotions", "promoted_bytes", "promotions_failed", "promotions_discarded",
-            "promotions_skipped", "memory_freed_to_disk", "disk_evictions", "disk_adopted",
-            "disk_tasks_expired", "hot_replications", "hot_drops", "hot_sheds")  # fmt: skip
+COUNTERS = (
+    "hits",
+    "misses",
+    "evictions",
+    "evicted_bytes",
+    "puts_started",
+    "puts_completed",
+    "puts_revoked",
+    "puts_reclaimed",
+    "removes",
+    "objects_lost",
+    "offloads",
+    "offloaded_bytes",
+    "offloads_failed",
+    "offloads_discarded",
+    "promotions",
+    "promoted_bytes",
+    "promotions_failed",
+    "promotions_discarded",
+    "promotions_skipped",
+    "memory_freed_to_disk",
+    "disk_evictions",
+    "disk_adopted",
+    "disk_tasks_expired",
+    "hot_replications",
+    "hot_drops",
+    "hot_sheds",
+)
 
 
 class MasterServer:
@@ -61,9 +84,12 @@ class MasterServer:
         self.metrics = CollectorRegistry()
         self.metrics.register(_StateCollector(self))
         self._latency = Histogram(
-            "tsukimi_master_op_seconds", "Master operation latency", ["op"], registry=self.metrics,
+            "tsukimi_master_op_seconds",
+            "Master operation latency",
+            ["op"],
+            registry=self.metrics,
             buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
-        )  # fmt: skip
+        )
         self.rpc = RpcServer(
             p.CODEC,
             self._handle,
@@ -170,8 +196,9 @@ class MasterServer:
                 return
             target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             try:
-                auth.verify_headers(self._secret, request.method, target, await request.body(), request.headers,
-                                    auth.wall_time())  # fmt: skip
+                auth.verify_headers(
+                    self._secret, request.method, target, await request.body(), request.headers, auth.wall_time()
+                )
             except AuthError as exc:
                 raise HTTPException(401, str(exc)) from exc
 
@@ -282,10 +309,12 @@ def _tier_metrics(disks: list[tuple[str, int, int]], rates: reports.TierRates) -
     yield used
     yield capacity
     yield GaugeMetricFamily(
-        "tsukimi_master_offload_bytes_per_second", "Holders' offload bandwidth (bytes per second of copying)",
+        "tsukimi_master_offload_bytes_per_second",
+        "Holders' offload bandwidth (bytes per second of copying)",
         value=rates.offload_bytes_per_s,
-    )  # fmt: skip
+    )
     yield GaugeMetricFamily(
-        "tsukimi_master_promotion_bytes_per_second", "Holders' promotion bandwidth (bytes per second of copying)",
+        "tsukimi_master_promotion_bytes_per_second",
+        "Holders' promotion bandwidth (bytes per second of copying)",
         value=rates.promotion_bytes_per_s,
-    )  # fmt: skip
+    )

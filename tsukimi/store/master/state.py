@@ -26,7 +26,7 @@ from tsukimi.errors import (
     OffloadPending,
     OutOfSpace,
     Recovering,
-)  # fmt: skip
+)
 from tsukimi.eviction import EvictionPolicy, make_policy
 from tsukimi.store.master import pins
 from tsukimi.store.master.changes import Changes, TrackedDict
@@ -69,9 +69,11 @@ class MasterState:
         objects, pending = self.objects, self.pending
         assert isinstance(objects, TrackedDict) and isinstance(pending, TrackedDict)
         changes = Changes(
-            registry.changed_segments or set(), registry.changed_blocks or set(),
-            objects.changed or set(), pending.changed or set(),
-        )  # fmt: skip
+            registry.changed_segments or set(),
+            registry.changed_blocks or set(),
+            objects.changed or set(),
+            pending.changed or set(),
+        )
         registry.changed_segments, registry.changed_blocks = set(), set()
         objects.changed, pending.changed = set(), set()
         return changes

@@ -31,8 +31,19 @@ def start(state: TaskHost, kind: TaskKind, record: ObjectRecord, source: str, ta
     now = state.clock.now()
     executor = state.registry.segments[placed[0].segment_id].client_id if placed else ""
     deadline = now + state.config.put_timeout_s
-    task = Task(task_id or state.tasks.next_id(), kind, record.key, record.put_id, source, placed, executor,
-                deadline, record.lease_until, now, now)  # fmt: skip
+    task = Task(
+        task_id or state.tasks.next_id(),
+        kind,
+        record.key,
+        record.put_id,
+        source,
+        placed,
+        executor,
+        deadline,
+        record.lease_until,
+        now,
+        now,
+    )
     if not placed:
         task.status, task.message = "succeeded", "every target holds a replica already"
     else:

@@ -56,8 +56,16 @@ class Task:
         return self.status in ("pending", "processing")
 
     def info(self, now: float) -> TaskInfo:
-        return TaskInfo(self.task_id, self.kind, self.key, self.status, self.executor, self.message,
-                        now - self.created_at, now - self.updated_at)  # fmt: skip
+        return TaskInfo(
+            self.task_id,
+            self.kind,
+            self.key,
+            self.status,
+            self.executor,
+            self.message,
+            now - self.created_at,
+            now - self.updated_at,
+        )
 
 
 class TaskTable:

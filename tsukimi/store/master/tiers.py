@@ -198,8 +198,10 @@ class Tiering:
     def _promote(self, record: ObjectRecord, now: float) -> None:
         """Queue a copy of disk-only `record` back into memory, if there is room (mutates)."""
         registry = self.state.registry
-        disk = next((self.registry.disks[d] for d in record.disks
-                     if registry.healthy(self.registry.disks[d].client_id, now)), None)  # fmt: skip
+        disk = next(
+            (self.registry.disks[d] for d in record.disks if registry.healthy(self.registry.disks[d].client_id, now)),
+            None,
+        )
         if disk is None:
             return
         own = [s.te_segment for s in registry.segments.values() if s.client_id == disk.client_id]
@@ -359,5 +361,6 @@ class Tiering:
         for disk in self.registry.disks.values():
             assert disk.used == used[disk.disk_id], f"{disk.disk_id}: used {disk.used} != {used[disk.disk_id]}"
             assert set(disk.keys.victims()) == keys[disk.disk_id], f"{disk.disk_id}: LRU disagrees with the copies"
-            assert disk.inflight == sum(t.size for t in self.registry.tasks.values()
-                                        if t.kind == "offload" and t.disk_id == disk.disk_id)  # fmt: skip
+            assert disk.inflight == sum(
+                t.size for t in self.registry.tasks.values() if t.kind == "offload" and t.disk_id == disk.disk_id
+            )

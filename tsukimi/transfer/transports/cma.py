@@ -58,8 +58,14 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _CALLS = {}
 for _op, _name in ((OpCode.READ, "process_vm_readv"), (OpCode.WRITE, "process_vm_writev")):
     _call = getattr(_libc, _name)
-    _call.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                      ctypes.c_ulong]  # fmt: skip
+    _call.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     _call.restype = ctypes.c_ssize_t
     _CALLS[_op] = _call
 _READ = _CALLS[OpCode.READ]
@@ -96,9 +102,11 @@ class CmaTransport:
         self._refused: str = ""  # why the kernel refused CMA (then every peer is declined)
         self._peers: PeerTable[_CmaPeer] = PeerTable("cma", _CmaPeer)
         self._workers: CopyWorkers[tuple[_CmaPeer, list[Slice]]] = CopyWorkers(
-            config.num_shm_workers, "tsukimi-cma", lambda item: self._run(*item),
+            config.num_shm_workers,
+            "tsukimi-cma",
+            lambda item: self._run(*item),
             lambda item: self._fail(item[1], ClosedError("cma transport is closed")),
-        )  # fmt: skip
+        )
 
     def can_serve(self, peer: SegmentDescriptor, buffer: BufferDescriptor) -> bool:
         if self._refused or peer.host_id != self._host_id:

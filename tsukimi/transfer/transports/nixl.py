@@ -89,9 +89,11 @@ class NixlTransport:
         self._clock: Clock = context.clock
         self._host_id, self._fetch = context.host_id, context.fetch
         config = nixl_agent_config(
-            enable_prog_thread=False, enable_listen_thread=False, backends=[],
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            backends=[],
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-        )  # fmt: skip
+        )
         self._agent = nixl_agent(f"tsukimi-{uuid.uuid4().hex}", config)
         self._agent.create_backend("UCX", {})
         self._lock = threading.Lock()

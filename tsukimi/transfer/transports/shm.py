@@ -77,9 +77,11 @@ class ShmTransport:
         self._host_id = local_host_id
         self._peers: PeerTable[_ShmPeer] = PeerTable("shm", lambda desc: _ShmPeer(desc, config.shm_dir))
         self._workers: CopyWorkers[tuple[_ShmPeer, Slice]] = CopyWorkers(
-            config.num_shm_workers, "tsukimi-shm", lambda item: self._run(*item),
+            config.num_shm_workers,
+            "tsukimi-shm",
+            lambda item: self._run(*item),
             lambda item: item[1].record.slice_failed("shm transport is closed", ClosedError.code),
-        )  # fmt: skip
+        )
 
     def can_serve(self, peer: SegmentDescriptor, buffer: BufferDescriptor) -> bool:
         if not buffer.shm_name or peer.host_id != self._host_id or not valid_shm_name(buffer.shm_name):
