@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from tsukimi.testing.processes import free_port
+from tsukimi.netio import free_port
 
 logger = logging.getLogger(__name__)
 

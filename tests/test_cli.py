@@ -69,7 +69,7 @@ def test_demo_moves_bytes_both_ways() -> None:
 
 
 def test_metadata_server_command_serves_and_stops_on_sigterm() -> None:
-    from tsukimi.testing.processes import free_port
+    from tsukimi.netio import free_port
     from tsukimi.transfer.metadata.http_client import HttpMetadata
 
     port = free_port()

@@ -20,7 +20,11 @@ from tsukimi.errors import TsukimiError
 from tsukimi.integrations.vllm import launch as vllm_launch
 from tsukimi.integrations.vllm import launch_args as vllm_launch_args
 from tsukimi.p2p import commands as p2p_commands
-from tsukimi.serving import cluster, prefill_group_commands, router_commands, top, worker_commands
+from tsukimi.serving.cluster import up as cluster
+from tsukimi.serving.dashboard import top
+from tsukimi.serving.prefill_group import commands as prefill_group_commands
+from tsukimi.serving.router import commands as router_commands
+from tsukimi.serving.worker import commands as worker_commands
 from tsukimi.sim import commands as sim_commands
 
 logger = logging.getLogger(__name__)

@@ -13,6 +13,10 @@ raised again as the same class on the other side (`error_from_code`).
 from __future__ import annotations
 
 import builtins
+from collections.abc import Sequence
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
 class TsukimiError(Exception):
@@ -283,3 +287,23 @@ def error_from_code(code: str, message: str) -> TsukimiError:
         if cls.code == code:
             return cls(message)
     return PeerError(f"[{code}] {message}")
+
+
+class ErrorTable(Generic[T]):
+    """Errors mapped onto another code space (HTTP statuses, Mooncake's return codes): rows of
+    (class, value), the first class the error is an instance of wins, `default` when none is.
+
+    Built once at import; a row that an earlier row's base class shadows (it could never be
+    chosen) is a ConfigError at construction, so subclasses must come before their bases. Pure.
+    """
+
+    def __init__(self, rows: Sequence[tuple[type[BaseException], T]], default: T) -> None:
+        for i, (cls, _) in enumerate(rows):
+            shadow = next((earlier for earlier, _ in rows[:i] if issubclass(cls, earlier)), None)
+            if shadow is not None:
+                raise ConfigError(f"{cls.__name__} comes after its base {shadow.__name__}: it would never match")
+        self.rows, self.default = tuple(rows), default
+
+    def lookup(self, error: BaseException) -> T:
+        """The value of the first row whose class `error` is an instance of, else `default`."""
+        return next((value for cls, value in self.rows if isinstance(error, cls)), self.default)

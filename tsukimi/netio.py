@@ -78,3 +78,14 @@ def send_all(
             views[0] = views[0][sent:]
         if views and expired is not None and expired():
             raise TimeoutError("timed out while sending")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago (bind port 0, close).
+
+    NOTE: racy by nature (another process may take it before the caller binds); callers that
+    can, bind port 0 themselves, and the others retry on a clash.
+    """
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])

@@ -15,7 +15,7 @@ from tsukimi.bench.overload import OverloadConfig, run_bench
 from tsukimi.bench.overload_client import Outcome, OverloadRequest, mixed_requests, send
 from tsukimi.bench.overload_monitor import Probe
 from tsukimi.bench.overload_report import LoadRun, render_markdown, summarize
-from tsukimi.testing.processes import free_port
+from tsukimi.netio import free_port
 
 _REQUEST = OverloadRequest((5, 6, 7), 4, stream=False)
 _STREAMED = OverloadRequest((5,), 2, stream=True)

@@ -17,8 +17,8 @@ from tsukimi.compat.mooncake.client_service import ClientService
 from tsukimi.compat.mooncake.store import MooncakeDistributedStore
 from tsukimi.config import MasterConfig
 from tsukimi.errors import ConfigError
+from tsukimi.netio import free_port
 from tsukimi.store.master.server import MasterServer
-from tsukimi.testing.processes import free_port
 
 pytestmark = pytest.mark.timeout(60)
 MIB = 1 << 20

@@ -23,8 +23,9 @@ from tsukimi.compat.mooncake.store import (
     TaskType,
 )
 from tsukimi.config import MasterConfig
+from tsukimi.netio import free_port
 from tsukimi.store.master.server import MasterServer
-from tsukimi.testing.processes import free_port, wait_until
+from tsukimi.testing.processes import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 MIB = 1 << 20

@@ -34,9 +34,9 @@ from tsukimi import httpd
 from tsukimi.config import MasterConfig, RouterConfig, WorkerConfig
 from tsukimi.engine.tokenizer import ByteTokenizer
 from tsukimi.engine.weights import load_model
-from tsukimi.serving.openai_api import create_app
-from tsukimi.serving.router import Router, WorkerSpec
-from tsukimi.serving.worker import Worker
+from tsukimi.serving.openai.app import create_app
+from tsukimi.serving.router.router import Router, WorkerSpec
+from tsukimi.serving.worker.server import Worker
 from tsukimi.store.master.server import MasterServer
 from tsukimi.transfer.metadata import http as metadata_http
 from tsukimi.transfer.metadata.http_client import HttpMetadata

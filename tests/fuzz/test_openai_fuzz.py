@@ -30,8 +30,9 @@ from hypothesis import strategies as st
 
 from tests.fuzz.conftest import FUZZ_EXAMPLES, fuzz_input, fuzz_settings
 from tsukimi.errors import PeerError
+from tsukimi.netio import free_port
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.processes import free_port, stop_processes, wait_until
+from tsukimi.testing.processes import stop_processes, wait_until
 
 WORKERS = ("prefill-0", "decode-0")
 VOCAB = 32000

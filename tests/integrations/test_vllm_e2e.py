@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.integrations.vllm_env import ROOT, vllm_python
-from tsukimi.testing.processes import free_port
+from tsukimi.netio import free_port
 
 pytestmark = pytest.mark.timeout(600)
 

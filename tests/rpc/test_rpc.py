@@ -27,10 +27,10 @@ from tsukimi.errors import (
     RpcTimeout,
     TsukimiError,
 )
+from tsukimi.netio import free_port
 from tsukimi.rpc import NO_RETRY, UNSENT_RETRY, Codec, ErrorReply, RpcClient, RpcServer
 from tsukimi.rpc import server as rpc_server
 from tsukimi.rpc.frame import HEADER, FrameReader, format_endpoint, parse_endpoint
-from tsukimi.testing.processes import free_port
 
 CLOCK = WallClock()
 

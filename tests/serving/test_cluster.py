@@ -20,9 +20,10 @@ import pytest
 
 from tsukimi.config import ClusterConfig, Config, WorkerConfig, load
 from tsukimi.errors import ConfigError
-from tsukimi.serving.cluster import plan
-from tsukimi.serving.worker_commands import add_parser, worker_args, worker_config
-from tsukimi.testing.processes import free_port, wait_until
+from tsukimi.netio import free_port
+from tsukimi.serving.cluster.up import plan
+from tsukimi.serving.worker.commands import add_parser, worker_args, worker_config
+from tsukimi.testing.processes import wait_until
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -19,9 +19,10 @@ from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import random_tiny
-from tsukimi.serving.prefill_group_commands import stage_args
+from tsukimi.netio import free_port
+from tsukimi.serving.prefill_group.commands import stage_args
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.processes import free_port, stop_processes, wait_until
+from tsukimi.testing.processes import stop_processes, wait_until
 
 CHUNK = 128
 PROMPTS = [[1, *((37 * i) % 31000 + 3 for i in range(700))], [1, *range(900, 1000)], [1, 2, 3]]

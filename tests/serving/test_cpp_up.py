@@ -22,8 +22,8 @@ from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.tokenizer import load_tokenizer
 from tsukimi.engine.weights import random_tiny
 from tsukimi.errors import ConfigError
-from tsukimi.serving.cluster import plan
-from tsukimi.testing.processes import free_port
+from tsukimi.netio import free_port
+from tsukimi.serving.cluster.up import plan
 
 CHUNK = 128
 LONG = [1, *((37 * i) % 31000 + 3 for i in range(2100))]

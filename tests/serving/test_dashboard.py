@@ -20,19 +20,20 @@ from tests.serving.test_router import FAST, FakeWorker, close_all
 from tsukimi import cli, httpd
 from tsukimi.config import ClientConfig, ClusterConfig, ConductorConfig, Config, load
 from tsukimi.engine.tokenizer import ByteTokenizer
+from tsukimi.netio import free_port
 from tsukimi.scheduler.conductor import Decision
-from tsukimi.serving import dashboard
-from tsukimi.serving.cluster import plan
-from tsukimi.serving.dashboard_series import MAX_SAMPLES, SampledHistogram, Series, percentiles
-from tsukimi.serving.dashboard_snapshot import Snapshot, Totals, read_counters, totals
-from tsukimi.serving.dashboard_store import StoreProbe, StoreView
-from tsukimi.serving.decision_log import DecisionLog, DecisionRecord
-from tsukimi.serving.openai_api import ApiMetrics, create_app
-from tsukimi.serving.router import Router
+from tsukimi.serving.cluster.up import plan
+from tsukimi.serving.dashboard import app as dashboard
+from tsukimi.serving.dashboard.series import MAX_SAMPLES, SampledHistogram, Series, percentiles
+from tsukimi.serving.dashboard.snapshot import Snapshot, Totals, read_counters, totals
+from tsukimi.serving.dashboard.store_probe import StoreProbe, StoreView
+from tsukimi.serving.openai.app import ApiMetrics, create_app
+from tsukimi.serving.router.decision_log import DecisionLog, DecisionRecord
+from tsukimi.serving.router.router import Router
 from tsukimi.store.client import StoreClient
 from tsukimi.store.master.server import MasterServer
 from tsukimi.testing.deployments import MASTER
-from tsukimi.testing.processes import free_port, wait_until
+from tsukimi.testing.processes import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 QUICK = dashboard.DashboardConfig(interval_s=0.05, store_interval_s=0.05, stream_s=0.5)

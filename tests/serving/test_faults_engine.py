@@ -20,8 +20,9 @@ import pytest
 
 from tests.serving.test_worker import PROMPT, reference
 from tsukimi.engine.weights import LoadedModel, load_model
-from tsukimi.serving.engine_thread import FAULT_TOKEN_ENV
-from tsukimi.testing.processes import free_port, wait_until
+from tsukimi.netio import free_port
+from tsukimi.serving.worker.engine_thread import FAULT_TOKEN_ENV
+from tsukimi.testing.processes import wait_until
 
 POISON = 31999
 MAX_TOKENS = 64

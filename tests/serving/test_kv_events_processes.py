@@ -15,12 +15,13 @@ import httpx
 import pytest
 
 from tsukimi.config import ConductorConfig, RouterConfig
+from tsukimi.netio import free_port
 from tsukimi.serving.kv_events import request_snapshot
 from tsukimi.serving.protocol import GenerateRequest, Health
-from tsukimi.serving.router import Router, TokenEvent
-from tsukimi.serving.worker_client import WorkerSpec
+from tsukimi.serving.router.router import Router, TokenEvent
+from tsukimi.serving.router.worker_client import WorkerSpec
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.processes import free_port, stop_processes, wait_until
+from tsukimi.testing.processes import stop_processes, wait_until
 
 NUM_BLOCKS = 24
 FAST = RouterConfig(poll_interval_s=0.05, connect_timeout_s=2.0, read_timeout_s=30.0, startup_timeout_s=30.0)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from tsukimi.config import ClusterConfig, WorkerConfig, load
-from tsukimi.serving.worker_commands import add_parser, worker_args, worker_config
+from tsukimi.serving.worker.commands import add_parser, worker_args, worker_config
 
 
 def _parse_worker(args: tuple[str, ...]) -> WorkerConfig:

@@ -1,5 +1,5 @@
 """The router's waiting room for requests the Conductor queued for decode KV memory
-(tsukimi/serving/kv_wait.py): released on wake, rejected past the deadline, out of the queue
+(tsukimi/serving/router/kv_wait.py): released on wake, rejected past the deadline, out of the queue
 when the client leaves, given back when released onto a worker it must not use."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tsukimi.errors import Rejected
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import LinearCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex
-from tsukimi.serving.kv_wait import ReleaseWaits
+from tsukimi.serving.router.kv_wait import ReleaseWaits
 
 COST = LinearCostModel(prefill_coef=(0.0, 1e-4, 0.0), decode_coef=(0.001, 0.0, 0.0), kv_bytes_per_token=1)
 

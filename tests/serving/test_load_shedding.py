@@ -1,4 +1,4 @@
-"""Load shedding on the router's event-loop lag (tsukimi/serving/load_shedding.py): while the
+"""Load shedding on the router's event-loop lag (tsukimi/serving/router/load_shedding.py): while the
 loop lags, new completions get 429 `overloaded` at once; /health and the rest still answer."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 import httpx
 from fastapi import FastAPI
 
-from tsukimi.serving.load_shedding import LoopLag, install
+from tsukimi.serving.router.load_shedding import LoopLag, install
 
 
 def test_the_lag_mean_halves_its_distance_to_a_new_level_in_one_half_life() -> None:

@@ -1,4 +1,4 @@
-"""The store masters `tsukimi up` plans (tsukimi/serving/master_plan.py): one master, or etcd
+"""The store masters `tsukimi up` plans (tsukimi/serving/cluster/master_plan.py): one master, or etcd
 and `[master] ha` masters electing a leader, which the workers follow through etcd://."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 from pathlib import Path
 
 from tsukimi.config import ClusterConfig, load
-from tsukimi.serving.cluster import plan
+from tsukimi.serving.cluster.up import plan
 
 
 def test_one_master_without_ha() -> None:

@@ -16,9 +16,9 @@ from tests.serving.test_router import FAST, PROMPT, FakeWorker, close_all, dead_
 from tsukimi import httpd
 from tsukimi.config import ConductorConfig
 from tsukimi.engine.tokenizer import ByteTokenizer
-from tsukimi.serving.openai_api import StopText, create_app
-from tsukimi.serving.router import Router
-from tsukimi.serving.worker_client import WorkerSpec
+from tsukimi.serving.openai.app import StopText, create_app
+from tsukimi.serving.router.router import Router
+from tsukimi.serving.router.worker_client import WorkerSpec
 
 TOKENIZER = ByteTokenizer()
 MODEL = "tiny"
@@ -280,7 +280,7 @@ def test_regression_a_duplicate_request_id_is_409_not_502() -> None:
     ids outside the vocabulary are answered 400 by the API (tests/serving/test_openai_validation.py)."""
     from tsukimi.engine.tokenizer import load_tokenizer
     from tsukimi.engine.weights import load_model
-    from tsukimi.serving.worker import Worker, WorkerConfig
+    from tsukimi.serving.worker.server import Worker, WorkerConfig
 
     with Worker(WorkerConfig(name="colo", model="tiny", num_blocks=512), load_model("tiny")).start() as worker:
         router = Router([WorkerSpec("colo", "colocated", worker.base_url)], FAST)
@@ -327,7 +327,7 @@ def test_real_workers_pd_matches_colocated() -> None:
     gives the colocated worker's text, and the prompt's blocks are then reused."""
     from tsukimi.config import WorkerConfig
     from tsukimi.engine.weights import load_model
-    from tsukimi.serving.worker import Worker
+    from tsukimi.serving.worker.server import Worker
     from tsukimi.testing.deployments import TsukimiCluster
 
     tiny = load_model("tiny")

@@ -16,9 +16,9 @@ from tests.serving.test_router import FAST, FakeWorker, close_all
 from tsukimi import httpd
 from tsukimi.engine.tokenizer import ByteTokenizer
 from tsukimi.errors import ConfigError, InvalidArgument
-from tsukimi.serving.openai_api import create_app
-from tsukimi.serving.openai_validation import ModelLimits, RequestChecker, decode_body, model_context_tokens
-from tsukimi.serving.router import Router
+from tsukimi.serving.openai.app import create_app
+from tsukimi.serving.openai.validation import ModelLimits, RequestChecker, decode_body, model_context_tokens
+from tsukimi.serving.router.router import Router
 
 CONTEXT = 4096  # the tiny model's
 USER = [{"role": "user", "content": "hi"}]

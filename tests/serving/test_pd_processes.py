@@ -19,8 +19,9 @@ import torch
 from tsukimi.engine.model import generate_greedy_reference
 from tsukimi.engine.weights import random_tiny
 from tsukimi.errors import PeerError
+from tsukimi.netio import free_port
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.processes import free_port, stop_processes, wait_until
+from tsukimi.testing.processes import stop_processes, wait_until
 
 SHARED = list(range(300, 340))  # 40 tokens: 2 full 16-token blocks
 PROMPTS = [[1, *SHARED, 5, 6, 7], [1, *SHARED, 8, 9], [1, 2, 3], [1, *SHARED, *range(500, 540)]]

@@ -33,13 +33,13 @@ from tsukimi.errors import (
     WorkerError,
     WorkerUnavailable,
 )
+from tsukimi.netio import free_port
 from tsukimi.scheduler.block_hash import hash_blocks
-from tsukimi.serving.index_feed import ExpectedReuse
 from tsukimi.serving.protocol import ErrorReply, GenerateRequest, error_reply
-from tsukimi.serving.router import Router, TokenEvent, cost_model
-from tsukimi.serving.router_commands import add_parser, parse_workers
-from tsukimi.serving.worker_client import WorkerSpec
-from tsukimi.testing.processes import free_port
+from tsukimi.serving.router.commands import add_parser, parse_workers
+from tsukimi.serving.router.index_feed import ExpectedReuse
+from tsukimi.serving.router.router import Router, TokenEvent, cost_model
+from tsukimi.serving.router.worker_client import WorkerSpec
 
 T = TypeVar("T")
 SCRIPTED: dict[int, Callable[[str], TsukimiError]] = {

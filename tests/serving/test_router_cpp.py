@@ -12,7 +12,7 @@ from tsukimi.config import ConductorConfig
 from tsukimi.errors import InvalidArgument
 from tsukimi.scheduler.cpp import CppGroup
 from tsukimi.serving.protocol import GenerateRequest
-from tsukimi.serving.router import Router
+from tsukimi.serving.router.router import Router
 
 GROUP = {"stages": 2, "chunk_tokens": 32, "hop_s_per_token": 1e-6, "hop_latency_s": 1e-3}
 LONG, SHORT = list(range(3, 1003)), [5, 6, 7]

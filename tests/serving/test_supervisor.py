@@ -1,4 +1,4 @@
-"""The supervisor of `tsukimi up` (tsukimi/serving/supervisor.py) and the children's lifeline
+"""The supervisor of `tsukimi up` (tsukimi/serving/cluster/supervisor.py) and the children's lifeline
 (tsukimi/lifeline.py), on tiny real processes: a child that dies is restarted with a doubling,
 capped backoff until a crash loop stops it; a child whose parent's lifeline closes stops."""
 
@@ -17,8 +17,8 @@ from tests.serving.test_cluster import alive, children_of
 from tsukimi.config import ClusterRestartConfig
 from tsukimi.errors import ConfigError, PeerError
 from tsukimi.lifeline import Lifeline
-from tsukimi.serving.process_spec import ProcessSpec
-from tsukimi.serving.supervisor import Supervisor
+from tsukimi.serving.cluster.process_spec import ProcessSpec
+from tsukimi.serving.cluster.supervisor import Supervisor
 from tsukimi.testing.processes import wait_until
 
 

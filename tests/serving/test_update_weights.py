@@ -1,4 +1,4 @@
-"""Live weight updates (tsukimi/serving/weight_update.py): the weights version in the KV format
+"""Live weight updates (tsukimi/serving/worker/weight_update.py): the weights version in the KV format
 and the block hashes, the engine's prefix cache dropped, the engine thread's pause, and a
 colocated worker in this process updated through a P2P store on an in-process metadata service
 (unknown payload 404, another model's manifest 400 with the old weights kept, bad bodies 400,
@@ -27,8 +27,15 @@ from tsukimi.errors import ClosedError, InvalidArgument, WorkerUnavailable
 from tsukimi.p2p import P2PStore
 from tsukimi.p2p.weights import publish_state_dict
 from tsukimi.scheduler.block_hash import BlockHash
-from tsukimi.serving.engine_thread import AddCommand, EngineThread, PauseCommand, RequestStream, Verdict, WorkerMetrics
-from tsukimi.serving.worker import Worker
+from tsukimi.serving.worker.engine_thread import (
+    AddCommand,
+    EngineThread,
+    PauseCommand,
+    RequestStream,
+    Verdict,
+    WorkerMetrics,
+)
+from tsukimi.serving.worker.server import Worker
 
 BLOCK_TOKENS = 16
 PROMPT = list(range(1000, 1040))  # two full blocks and a partial one

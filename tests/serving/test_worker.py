@@ -18,7 +18,7 @@ from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import LoadedModel, load_model
 from tsukimi.errors import ConfigError
-from tsukimi.serving.worker import Worker
+from tsukimi.serving.worker.server import Worker
 from tsukimi.testing.deployments import TsukimiCluster
 from tsukimi.testing.processes import wait_until
 

@@ -13,7 +13,13 @@ import pytest
 from tsukimi.clock import WallClock
 from tsukimi.errors import WorkerUnavailable
 from tsukimi.serving.protocol import GenerateRequest, Health, Load, TokenChunk
-from tsukimi.serving.worker_client import CONNECT_TRIES, DOWN_AFTER_MISSES, WorkerClient, WorkerHandle, WorkerSpec
+from tsukimi.serving.router.worker_client import (
+    CONNECT_TRIES,
+    DOWN_AFTER_MISSES,
+    WorkerClient,
+    WorkerHandle,
+    WorkerSpec,
+)
 
 
 def _client(outcomes: list[str]) -> WorkerClient:

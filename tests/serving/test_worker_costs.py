@@ -1,7 +1,7 @@
 """The Conductor's cost model from the workers: a worker profiles itself at start-up and reports
 the fit in GET /health, its steps' slowdown against the fit in GET /load (tsukimi/engine/
 step_meter.py); the router builds its Conductor's cost model from them, falls back to the
-config's, and follows the slowdowns as polls arrive (tsukimi/serving/worker_costs.py)."""
+config's, and follows the slowdowns as polls arrive (tsukimi/serving/router/worker_costs.py)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from tsukimi.engine.step_meter import MeteredRunner, StepMeter
 from tsukimi.engine.weights import LoadedModel, load_model
 from tsukimi.scheduler.cost_model import LinearCostModel
 from tsukimi.serving.protocol import CostProfile, Health, Load
-from tsukimi.serving.router import Router
-from tsukimi.serving.worker import Worker
-from tsukimi.serving.worker_client import WorkerHandle, WorkerSpec
-from tsukimi.serving.worker_costs import WorkerCostModel, conductor_cost
+from tsukimi.serving.router.router import Router
+from tsukimi.serving.router.worker_client import WorkerHandle, WorkerSpec
+from tsukimi.serving.router.worker_costs import WorkerCostModel, conductor_cost
+from tsukimi.serving.worker.server import Worker
 from tsukimi.testing.processes import wait_until
 
 PREFILL = {"prefill_coef": [0.001, 0.0002, 0.0], "decode_coef": [1.0, 1.0, 1.0], "kv_bytes_per_token": 4096}

@@ -19,8 +19,8 @@ from tests.store.procs import Master, Proc, ProcessGroup, Record, key_states, pr
 from tests.store.workload import value_of
 from tsukimi.config import Config, load
 from tsukimi.errors import ChecksumMismatch, TransferError, TsukimiError
+from tsukimi.netio import free_port
 from tsukimi.store.client import StoreClient
-from tsukimi.testing.processes import free_port
 from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
 
 pytestmark = pytest.mark.timeout(120)

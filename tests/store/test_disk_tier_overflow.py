@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from tsukimi.config import ClientConfig, Config
+from tsukimi.netio import free_port
 from tsukimi.store.client import StoreClient
 from tsukimi.store.master.server import MasterServer
 from tsukimi.testing.deployments import MASTER
-from tsukimi.testing.processes import free_port
 
 pytestmark = pytest.mark.timeout(120)
 MIB = 1 << 20

@@ -10,10 +10,11 @@ import httpx
 import pytest
 
 from tsukimi.config import ClientConfig, Config
+from tsukimi.netio import free_port
 from tsukimi.store.client import StoreClient
 from tsukimi.store.master.server import MasterServer
 from tsukimi.testing.deployments import MASTER
-from tsukimi.testing.processes import free_port, wait_until
+from tsukimi.testing.processes import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 MIB = 1 << 20

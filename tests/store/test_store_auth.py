@@ -13,9 +13,9 @@ import pytest
 from tsukimi import auth
 from tsukimi.config import ClientConfig, Config, MasterConfig, SecurityConfig
 from tsukimi.errors import AuthError
+from tsukimi.netio import free_port
 from tsukimi.store.client import StoreClient
 from tsukimi.store.master.server import MasterServer
-from tsukimi.testing.processes import free_port
 
 SECRET = b"0123456789abcdef-cluster-secret"
 

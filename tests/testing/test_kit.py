@@ -10,9 +10,10 @@ import httpx
 import pytest
 
 from tsukimi.errors import ConfigError, PeerError
+from tsukimi.netio import free_port
 from tsukimi.testing.assertions import check_name, raises, run_checks
 from tsukimi.testing.deployments import start_deployment
-from tsukimi.testing.processes import free_port, wait_until
+from tsukimi.testing.processes import wait_until
 
 
 def test_raises_accepts_the_expected_error_and_a_matching_message() -> None:

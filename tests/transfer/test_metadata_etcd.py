@@ -15,7 +15,7 @@ from etcd3gw.exceptions import ConnectionFailedError
 
 from tests.etcd_server import EtcdProcess, run_etcd
 from tsukimi.errors import ConfigError, MetadataError
-from tsukimi.testing.processes import free_port
+from tsukimi.netio import free_port
 from tsukimi.transfer.metadata.base import SEGMENT_PREFIX
 from tsukimi.transfer.metadata.etcd import EtcdMetadata, lease_ttl_s
 from tsukimi.transfer.metadata.etcd_kv import EtcdKV, parse_etcd_url

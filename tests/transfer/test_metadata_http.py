@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from tsukimi.errors import ConfigError, MetadataError, RevisionConflict
-from tsukimi.testing.processes import free_port
+from tsukimi.netio import free_port
 from tsukimi.transfer.metadata.base import MAX_KEY_BYTES, MAX_VALUE_BYTES, SEGMENT_PREFIX
 from tsukimi.transfer.metadata.http import ServerHandle, _listen, parse_etag, start_in_thread
 from tsukimi.transfer.metadata.http_client import HttpMetadata

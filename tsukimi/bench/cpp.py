@@ -1,5 +1,5 @@
 """`tsukimi bench cpp`: time to first token of one long prompt, on one worker and on a chunked
-pipeline parallel (CPP) prefill group of k stage processes (tsukimi/serving/prefill_group.py).
+pipeline parallel (CPP) prefill group of k stage processes (tsukimi/serving/prefill_group/stage.py).
 
 Each shape runs in fresh processes with one torch thread each (on a 2-CPU machine, two stage
 processes truly run in parallel): a plain colocated worker (prefill chunked at
@@ -22,8 +22,9 @@ import httpx
 from tsukimi.bench.scheduler import _git_rev
 from tsukimi.clock import WallClock
 from tsukimi.config.pipeline import PrefillStageConfig
-from tsukimi.serving.prefill_group_commands import stage_args
-from tsukimi.testing.processes import free_port, stop_processes, wait_until
+from tsukimi.netio import free_port
+from tsukimi.serving.prefill_group.commands import stage_args
+from tsukimi.testing.processes import stop_processes, wait_until
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,10 +37,11 @@ import httpx
 
 from tsukimi import httpd
 from tsukimi.config import RouterConfig, RouterFileConfig
+from tsukimi.netio import free_port
 from tsukimi.scheduler.block_hash import hash_blocks
 from tsukimi.scheduler.conductor import Decision, ScheduleRequest
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.processes import free_port, stop_processes, wait_until
+from tsukimi.testing.processes import stop_processes, wait_until
 
 WARM_UP = list(range(100, 164))
 BLOCK_TOKENS = 16  # the workers' (the router hashes prompts with it)
@@ -165,9 +166,9 @@ def run_burst(cfg: BurstConfig, urls: dict[str, str] | None = None) -> BurstResu
         with pd_workers(cfg) as started:
             return run_burst(cfg, started)
     from tsukimi.engine.tokenizer import load_tokenizer
-    from tsukimi.serving.openai_api import create_app
-    from tsukimi.serving.router import Router
-    from tsukimi.serving.worker_client import WorkerSpec
+    from tsukimi.serving.openai.app import create_app
+    from tsukimi.serving.router.router import Router
+    from tsukimi.serving.router.worker_client import WorkerSpec
 
     rng = random.Random(cfg.seed)
     prompts = [[rng.randrange(1000, 30000) for _ in range(cfg.prompt_tokens)] for _ in range(cfg.requests)]

@@ -42,7 +42,8 @@ from typing import IO, Protocol, cast
 from tsukimi.bench.mooncake_te import MOONCAKE_ENV
 from tsukimi.clock import WallClock
 from tsukimi.errors import ConfigError
-from tsukimi.testing.processes import JsonWorker, WorkerError, child_reply, free_port
+from tsukimi.netio import free_port
+from tsukimi.testing.processes import JsonWorker, WorkerError, child_reply
 
 logger = logging.getLogger(__name__)
 

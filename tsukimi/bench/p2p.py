@@ -35,7 +35,8 @@ from tsukimi.bench.p2p_report import Row, goals
 from tsukimi.bench.transfer import git_rev
 from tsukimi.config import P2PConfig
 from tsukimi.errors import ConfigError, PeerError
-from tsukimi.testing.processes import JsonWorker, Reply, WorkerError, free_port, gather
+from tsukimi.netio import free_port
+from tsukimi.testing.processes import JsonWorker, Reply, WorkerError, gather
 from tsukimi.transfer.metadata.http import start_in_thread
 
 logger = logging.getLogger(__name__)

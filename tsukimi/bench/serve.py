@@ -40,8 +40,8 @@ import numpy as np
 
 from tsukimi.bench.skewed import SkewedWorkload, skewed_requests
 from tsukimi.errors import PeerError
+from tsukimi.netio import free_port
 from tsukimi.sim.trace import TraceRequest
-from tsukimi.testing.processes import free_port
 
 _TIMEOUT = httpx.Timeout(120.0, connect=5.0)
 

@@ -40,10 +40,10 @@ import numpy as np
 
 from tsukimi.errors import ConfigError, PeerError
 from tsukimi.integrations.vllm.launch import ROOT, VllmClusterConfig, plan_vllm
-from tsukimi.testing.processes import free_port
+from tsukimi.netio import free_port
 
 if TYPE_CHECKING:
-    from tsukimi.serving.process_spec import ProcessSpec
+    from tsukimi.serving.cluster.process_spec import ProcessSpec
 
 SYSTEMS = ("vllm_rr", "tsukimi", "mooncake_store", "tsukimi_routing")
 _TIMEOUT = httpx.Timeout(300.0, connect=5.0)
@@ -100,7 +100,7 @@ class BenchCluster:
     """A `tsukimi up --engine vllm` cluster supervised from this process; `api` once up."""
 
     def __init__(self, config: VllmClusterConfig, workdir: Path) -> None:
-        from tsukimi.serving.supervisor import Supervisor
+        from tsukimi.serving.cluster.supervisor import Supervisor
 
         groups = plan_vllm(config, workdir)
         self.instances = [s.url for s in groups[-2]]

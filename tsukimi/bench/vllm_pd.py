@@ -28,8 +28,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from tsukimi.netio import free_port
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.processes import free_port
 from tsukimi.testing.vllm_server import (
     MODELS_DIR,
     VllmServer,

@@ -1,5 +1,5 @@
 """Chunked pipeline parallelism: one stage process of a prefill group (`PrefillStageConfig`,
-`tsukimi prefill-stage`; tsukimi/serving/prefill_group.py)."""
+`tsukimi prefill-stage`; tsukimi/serving/prefill_group/stage.py)."""
 
 from __future__ import annotations
 

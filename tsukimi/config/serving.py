@@ -129,7 +129,7 @@ class RouterConfig:
         (GET /health), scaled by the slowdowns they measure online (GET /load); a worker that
         reports none falls back to this config's, with a warning. "config": the coefficients below.
     prefill_*_s / decode_*_s / kv_bytes_per_token: the `LinearCostModel` the Conductor
-        estimates with under "config" (tsukimi/serving/worker_costs.py builds it); the defaults
+        estimates with under "config" (tsukimi/serving/router/worker_costs.py builds it); the defaults
         suit SmolLM2 on this CPU (0.5 ms per prompt token, 20 ms per decode step).
     """
 
@@ -209,7 +209,7 @@ class ClusterWorkersConfig:
     worker: the settings every worker shares, written flat in `[workers]` (SHARED_WORKER_KEYS:
         `num_blocks = 64`, not a table); its name, role, model, host, port and master are set
         per worker by `tsukimi up`. segment_bytes: memory each PD worker gives the KV pool.
-    cpp_groups: CPP prefill groups (mode "pd"; tsukimi/serving/cpp_cluster.py) started beside
+    cpp_groups: CPP prefill groups (mode "pd"; tsukimi/serving/cluster/cpp_plan.py) started beside
         the prefill workers, each of `cpp_stages` processes computing chunks of
         `cpp_chunk_tokens`; the router sends them the long greedy prompts.
     """
@@ -245,7 +245,7 @@ class ClusterRouterConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClusterRestartConfig:
-    """When `tsukimi up` starts a child that died again (tsukimi/serving/supervisor.py): after
+    """When `tsukimi up` starts a child that died again (tsukimi/serving/cluster/supervisor.py): after
     initial_backoff_s, doubling up to max_backoff_s; more than max_restarts within window_s is a
     crash loop and stops the cluster. max_restarts 0: any child's death stops the cluster."""
 
@@ -265,7 +265,7 @@ class ClusterRestartConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """`tsukimi up` (tsukimi/serving/cluster.py). log_dir "" = a new temporary directory.
+    """`tsukimi up` (tsukimi/serving/cluster/up.py). log_dir "" = a new temporary directory.
     metadata_port: the metadata server's (the P2P store's records, for live weight updates;
     0 = a free port)."""
 

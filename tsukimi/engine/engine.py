@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 class InjectedFault(RuntimeError):
     """A step failed on purpose (a test's fault injection: `LLMEngine.fault_token` is set, and
     a request whose prompt holds that token was scheduled): a bug's stand-in, so not a
-    TsukimiError. Set only by tests (tsukimi/serving/engine_thread.py: TSUKIMI_TEST_FAULT_TOKEN)."""
+    TsukimiError. Set only by tests (tsukimi/serving/worker/engine_thread.py: TSUKIMI_TEST_FAULT_TOKEN)."""
 
 
 class LLMEngine:

@@ -4,7 +4,7 @@ computes and how any instance loads a prefix that is already there.
 One store object per (full block, layer), keyed by the block's chained hash and the layer under
 a prefix that digests the KV format (model identity, weights version, dtype, layer count, KV
 heads, head size, block size), so instances of different models or layouts never read each
-other's blocks, nor an instance whose weights were updated live (tsukimi/serving/weight_update.py)
+other's blocks, nor an instance whose weights were updated live (tsukimi/serving/worker/weight_update.py)
 the blocks computed with its old weights: `StoreKVConnector.use_format` moves it to the new
 prefix, and the old one's objects, unreachable from then on, age out of the pool by eviction
 (they stay readable for workers still on the old weights during a rolling update).

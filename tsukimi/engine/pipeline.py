@@ -21,7 +21,7 @@ layer in each key and trailer), at the price of (k - 1) / k of the cache unused.
 The arithmetic is the engine's own, op for op (the same embedding, layers, norm and logits on
 the same chunk boundaries as `LLMEngine` with `max_batched_tokens = chunk_tokens`), so the first
 token and the KV are those of one worker. Moving the hidden states between stages is the
-serving side's job (tsukimi/serving/prefill_group.py). Not thread-safe.
+serving side's job (tsukimi/serving/prefill_group/stage.py). Not thread-safe.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ steps of `batch` sequences holding `context` tokens in total. Each point is the 
 are what a router gives its Conductor for this model.
 
 `startup_profile` is the short version a worker runs on itself before it reports healthy
-(tsukimi/serving/worker.py): a few prefill sizes within its `max_batched_tokens` (one after as
+(tsukimi/serving/worker/server.py): a few prefill sizes within its `max_batched_tokens` (one after as
 many cached tokens, for the attention term) and a few decode batches, one warm-up forward in
 all, so that the router's Conductor estimates with this machine's numbers (GET /health).
 """

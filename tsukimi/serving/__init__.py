@@ -1,3 +1,5 @@
-"""Serving: inference workers behind an internal HTTP API (worker.py), the OpenAI-compatible
-router in front of them (openai_api.py, router.py), and `tsukimi up`, which starts a whole
-local cluster as processes and supervises it (cluster.py)."""
+"""Serving, a folder per process: `worker/` (an inference worker behind the internal HTTP API of
+`protocol.py`), `prefill_group/` (a CPP prefill group's stages), `router/` (placement over the
+workers, with `openai/` its OpenAI-compatible front and `dashboard/` its live view) and
+`cluster/` (`tsukimi up`: the plan of processes and their supervisor). `kv_events.py` is the KV
+event wire that workers publish and routers subscribe to."""

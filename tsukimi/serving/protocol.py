@@ -12,7 +12,7 @@ last `TokenChunk.error` once streaming started), with the HTTP status `http_stat
 class, and is raised again as the same class on the router (`raise_error`). `http_status`
 is the one error -> status table: the worker answers with it and the OpenAI API too.
 
-The worker (tsukimi/serving/worker.py) and the router's client (worker_client.py) both import
+The worker (tsukimi/serving/worker/server.py) and the router's client (router/worker_client.py) both import
 these types; neither defines its own.
 """
 
@@ -27,6 +27,7 @@ from tsukimi.config import ROLES, Role
 from tsukimi.errors import (
     ClosedError,
     DuplicateRequest,
+    ErrorTable,
     InvalidArgument,
     ModelNotFound,
     ObjectNotFound,
@@ -59,23 +60,26 @@ __all__ = [
 
 FinishReason = Literal["stop", "length"]
 
-# NOTE: the first class that matches wins: subclasses before their bases.
-_STATUS: tuple[tuple[type[Exception], int], ...] = (
-    (ModelNotFound, 404),
-    (ObjectNotFound, 404),  # PayloadNotFound: no such weights to update to
-    (DuplicateRequest, 409),
-    (Rejected, 429),
-    (WorkerUnavailable, 503),
-    (ClosedError, 503),
-    (ValueError, 400),  # InvalidArgument, ConfigError: the input's fault
-    (PeerError, 502),  # WorkerError and every other failure of an upstream peer
-    (RpcTimeout, 502),
+# NOTE: the first class that matches wins: subclasses before their bases (ErrorTable checks).
+_STATUS: ErrorTable[int] = ErrorTable(
+    [
+        (ModelNotFound, 404),
+        (ObjectNotFound, 404),  # PayloadNotFound: no such weights to update to
+        (DuplicateRequest, 409),
+        (Rejected, 429),
+        (WorkerUnavailable, 503),
+        (ClosedError, 503),
+        (ValueError, 400),  # InvalidArgument, ConfigError: the input's fault
+        (PeerError, 502),  # WorkerError and every other failure of an upstream peer
+        (RpcTimeout, 502),
+    ],
+    default=500,
 )
 
 
 def http_status(error: TsukimiError) -> int:
     """The HTTP status that answers `error` (500 for anything unexpected). Pure."""
-    return next((status for cls, status in _STATUS if isinstance(error, cls)), 500)
+    return _STATUS.lookup(error)
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -108,7 +112,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class UpdateWeightsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """POST /admin/update_weights: swap in the weights published as `name` in the P2P store
-    (tsukimi/serving/weight_update.py); requests still running after `drain_timeout_s` fail."""
+    (tsukimi/serving/worker/weight_update.py); requests still running after `drain_timeout_s` fail."""
 
     name: str
     drain_timeout_s: float = 30.0
@@ -174,7 +178,7 @@ class CostProfile(msgspec.Struct, frozen=True):
 
 
 class CppHealth(msgspec.Struct, frozen=True):
-    """What a CPP prefill group's head (tsukimi/serving/prefill_head.py) says of its group in
+    """What a CPP prefill group's head (tsukimi/serving/prefill_group/head.py) says of its group in
     /health: the fields of `tsukimi.scheduler.cpp.CppGroup`, for the router's Conductor. The
     group serves greedy requests only, one prompt at a time."""
 

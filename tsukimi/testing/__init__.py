@@ -3,7 +3,7 @@ the benchmarks and anyone embedding tsukimi share one set of helpers and conform
 
 Modules (import what you need from each; nothing is re-exported here, so that
 `python -m tsukimi.testing.layers` stays light):
-    processes         free loopback ports, polling, stopping children, the JSON-lines child handle
+    processes         polling, stopping children, the JSON-lines child handle
     deployments       the store deployed: TsukimiCluster (master + holders as real processes),
                       and the shapes the store suite runs on (in-process, real processes)
     assertions        `raises`, and running a list of named checks

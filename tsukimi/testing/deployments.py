@@ -25,9 +25,10 @@ import httpx
 
 from tsukimi.config import ClientConfig, Config, MasterConfig
 from tsukimi.errors import ConfigError, PeerError
+from tsukimi.netio import free_port
 from tsukimi.store.client import StoreClient
 from tsukimi.store.master.server import MasterServer
-from tsukimi.testing.processes import free_port, stop_processes, wait_until
+from tsukimi.testing.processes import stop_processes, wait_until
 
 _STARTUP_S = 30.0
 DEPLOYMENT_KINDS = ("inprocess", "multiprocess")

@@ -28,7 +28,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tsukimi.testing.processes import free_port
+from tsukimi.netio import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "tests" / "compat" / "mooncake_reference.json"

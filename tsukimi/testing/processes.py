@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import selectors
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,17 +35,6 @@ _EXIT_TIMEOUT_S = 2.0
 _KILL_TIMEOUT_S = 5.0
 _STDERR_TAIL_BYTES = 2000
 _GATHER_POLL_S = 0.02
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that was free a moment ago (bind port 0, close).
-
-    NOTE: racy by nature (another process may take it before the caller binds); callers that
-    can, bind port 0 themselves, and the others retry on a clash.
-    """
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, interval_s: float = 0.02) -> None:

@@ -28,7 +28,8 @@ from typing import Any
 import httpx
 
 from tsukimi.errors import PeerError
-from tsukimi.testing.processes import free_port, wait_until
+from tsukimi.netio import free_port
+from tsukimi.testing.processes import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"

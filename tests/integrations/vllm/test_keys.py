@@ -20,7 +20,7 @@ from tsukimi.integrations.vllm.keys import (
     leading_hits,
     max_loadable_blocks,
 )
-from tsukimi.testing.processes import free_port
+from tsukimi.netio import free_port
 
 FORMAT = KVFormat("m@", "float32", 128, (2, 128, 64), 4, "cpu:x86_64:vec")
 

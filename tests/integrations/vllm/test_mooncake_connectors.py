@@ -35,7 +35,8 @@ import httpx
 import pytest
 
 from tsukimi.errors import PeerError
-from tsukimi.testing.processes import free_port, wait_until
+from tsukimi.netio import free_port
+from tsukimi.testing.processes import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

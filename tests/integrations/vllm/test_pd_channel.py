@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tsukimi.integrations.vllm.pd import KVLayout, PeerReader, SideChannel
-from tsukimi.testing.processes import free_port
+from tsukimi.netio import free_port
 from tsukimi.transfer import TransferEngine
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SHAPE = 3, 8, (2, 16, 8)

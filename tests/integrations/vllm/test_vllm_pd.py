@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.integrations.vllm.conftest import loadable_tokens, needs_vllm, prompt
+from tsukimi.netio import free_port
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.processes import free_port
 from tsukimi.testing.vllm_server import VllmServer, VllmServerConfig, connector_config, pd_handover, start_servers
 
 pytestmark = [needs_vllm, pytest.mark.timeout(1200)]

@@ -39,7 +39,7 @@ from tsukimi.integrations.vllm.kv_events import EventSource, EventSubscriber, In
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.prefix_index import PrefixIndex
 from tsukimi.serving.kv_events import stop_subscribers
-from tsukimi.serving.router import cost_model
+from tsukimi.serving.router.router import cost_model
 
 logger = logging.getLogger(__name__)
 

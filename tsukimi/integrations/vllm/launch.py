@@ -1,6 +1,6 @@
 """`tsukimi up --engine vllm`: vLLM API servers from `.venv-vllm`, the KV pool's master when
 a connector needs one, and `tsukimi router --backend vllm` in front, supervised like
-`tsukimi up` (tsukimi/serving/cluster.py: started in groups, each once the previous answers
+`tsukimi up` (tsukimi/serving/cluster/up.py: started in groups, each once the previous answers
 /health; Ctrl-C, SIGTERM or a dead child stops them all, each child's whole session).
 
     [master]        tsukimi master (connector "tsukimi") or mooncake_master ("mooncake_store")
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Literal
 from rich.console import Console
 
 from tsukimi.errors import ConfigError
-from tsukimi.testing.processes import free_port
+from tsukimi.netio import free_port
 
 if TYPE_CHECKING:
-    from tsukimi.serving.process_spec import ProcessSpec
+    from tsukimi.serving.cluster.process_spec import ProcessSpec
 
 ROOT = Path(__file__).resolve().parents[3]
 Connector = Literal["none", "tsukimi", "mooncake_store"]
@@ -111,7 +111,7 @@ def vllm_process(
     config: VllmClusterConfig, index: int, role: str, master: str, pick: Callable[[], int], workdir: Path
 ) -> tuple[ProcessSpec, str]:
     """One vLLM API server's process and its `--kv-events` item (pure but for `pick`)."""
-    from tsukimi.serving.process_spec import ProcessSpec
+    from tsukimi.serving.cluster.process_spec import ProcessSpec
 
     name, h, port = f"vllm-{index}", config.host, pick()
     # NOTE: vLLM binds its PUB socket only to "tcp://*:P" (every interface) or ipc://, and
@@ -175,7 +175,7 @@ def plan_vllm(
     config: VllmClusterConfig, workdir: Path, pick: Callable[[], int] | None = None
 ) -> list[list[ProcessSpec]]:
     """The cluster's processes in start order. Raises ConfigError (venv or model missing)."""
-    from tsukimi.serving.process_spec import ProcessSpec
+    from tsukimi.serving.cluster.process_spec import ProcessSpec
 
     h = config.host
     port = pick or (lambda: free_port(h))
@@ -252,8 +252,8 @@ def run_vllm_cluster(args: argparse.Namespace, console: Console) -> None:
     """
     import tempfile
 
-    from tsukimi.serving.cluster import supervise
-    from tsukimi.serving.supervisor import Supervisor
+    from tsukimi.serving.cluster.supervisor import Supervisor
+    from tsukimi.serving.cluster.up import supervise
 
     config = VllmClusterConfig(
         model=args.model or "tiny",

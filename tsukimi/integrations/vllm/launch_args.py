@@ -52,7 +52,7 @@ def parse_event_sources(text: str, topic: str) -> dict[str, EventSource]:
 def backend_from_args(args: argparse.Namespace) -> VllmBackend:
     """The `VllmBackend` the flags describe. Raises ConfigError."""
     from tsukimi.integrations.vllm.backend import VllmBackend, VllmInstance, VllmRouterConfig
-    from tsukimi.serving.router_commands import parse_workers
+    from tsukimi.serving.router.commands import parse_workers
 
     workers = parse_workers(args.workers)
     sources = parse_event_sources(args.kv_events, args.kv_events_topic)

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tsukimi.errors import InvalidArgument, TsukimiError, WorkerUnavailable
 from tsukimi.integrations.vllm.backend import InstanceState, Placement, VllmBackend
-from tsukimi.serving.openai_protocol import error_body
+from tsukimi.serving.openai.protocol import error_body
 
 logger = logging.getLogger(__name__)
 

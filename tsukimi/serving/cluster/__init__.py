@@ -1,0 +1,1 @@
+"""`tsukimi up`: the cluster's plan of processes and their supervisor."""

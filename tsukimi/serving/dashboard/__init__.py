@@ -1,0 +1,1 @@
+"""The router's live dashboard (`/dashboard`) and `tsukimi top`."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible front of the router process: request checks, wire shapes, the endpoints."""

@@ -1,0 +1,1 @@
+"""The CPP prefill group: `tsukimi prefill-stage` processes, stage 0 the head the router sees."""

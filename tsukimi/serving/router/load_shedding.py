@@ -1,0 +1,116 @@
+"""Load shedding at the router's door, on its own event loop's lag.
+
+Everything the router does runs on one asyncio loop: the Conductor, every stream it relays,
+/health, /metrics and the dashboard. Under overload that loop falls behind, and a health check
+waits behind thousands of relayed tokens (`tsukimi bench serve --workload overload`: /health
+p99 1.2 s at 4x the sustainable rate, while the router got a third of a core of a busy host).
+Requests the Conductor queues or rejects still cost the loop their parsing and bookkeeping, so
+the Conductor alone cannot keep the loop responsive.
+
+`LoopLag` measures the lag: a task sleeps `interval_s` again and again and records how late it
+woke (an exponentially weighted mean with a half-life of `halflife_s`). While that mean is over
+`threshold_s`, `Shedder` answers new completion requests at once with 429 `overloaded` (the
+OpenAI error body, `Retry-After: 1`) before their bodies are read, so that the requests in
+flight, /health and the dashboard get the loop back. Requests already admitted are never cut.
+It is a pure ASGI wrapper (no buffering of streamed responses) in front of the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI
+
+from tsukimi.errors import Rejected
+from tsukimi.serving.openai.protocol import error_body
+
+logger = logging.getLogger(__name__)
+
+SHED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+DEFAULT_THRESHOLD_S = 0.25
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class LoopLag:
+    """How late this event loop runs (see the module). Mutable; `run` on the loop it measures."""
+
+    def __init__(self, interval_s: float = 0.05, halflife_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self._keep = math.exp(-math.log(2) * interval_s / halflife_s)  # weight of the mean per sample
+        self.mean_s = 0.0
+        self.max_s = 0.0  # the largest lag seen
+
+    def observe(self, lag_s: float) -> None:
+        """Takes one sample (also how tests drive it; mutates)."""
+        self.mean_s = self._keep * self.mean_s + (1 - self._keep) * lag_s
+        self.max_s = max(self.max_s, lag_s)
+
+    async def run(self) -> None:
+        """Samples until cancelled."""
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(self.interval_s)
+            self.observe(max(0.0, time.monotonic() - start - self.interval_s))
+
+
+class Shedder:
+    """The ASGI wrapper: 429 `overloaded` for new completion requests while the loop lags.
+
+    Args:
+        app: the wrapped application. lag: the loop's lag. threshold_s: the mean lag from which
+            requests are shed (0: never). on_shed: called once per shed request (metrics).
+    """
+
+    def __init__(self, app: Asgi, lag: LoopLag, threshold_s: float, on_shed: Callable[[], None] = lambda: None) -> None:
+        self.app, self.lag, self.threshold_s, self._on_shed = app, lag, threshold_s, on_shed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lagging = 0 < self.threshold_s < self.lag.mean_s
+        if not (lagging and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in SHED_PATHS):
+            await self.app(scope, receive, send)
+            return
+        self._on_shed()
+        detail = f"the router is {self.lag.mean_s:.2f} s behind (over {self.threshold_s} s); retry in 1 s"
+        status, body = error_body(Rejected("overloaded", detail))
+        headers = [(b"content-type", b"application/json"), (b"retry-after", b"1")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": msgspec.json.encode(body)})
+
+
+def install(
+    app: FastAPI, threshold_s: float = DEFAULT_THRESHOLD_S, on_shed: Callable[[], None] = lambda: None
+) -> LoopLag:
+    """Puts a `Shedder` in front of `app` and runs its `LoopLag` with the app's lifespan
+    (mutates `app`; call before it serves). threshold_s 0 turns shedding off (the lag is still
+    measured: `app.state.loop_lag`)."""
+    lag = app.state.loop_lag = LoopLag()
+    app.add_middleware(Shedder, lag=lag, threshold_s=threshold_s, on_shed=on_shed)
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a: FastAPI) -> AsyncIterator[None]:
+        context: AbstractAsyncContextManager[None] = inner(a)  # type: ignore[assignment]
+        async with context:
+            task = asyncio.create_task(lag.run(), name="router-loop-lag")
+            try:
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    app.router.lifespan_context = lifespan
+    return lag
