@@ -115,7 +115,7 @@ def test_the_page_follows_the_cluster(browser: Any, api: str, tmp_path: Path) ->
     wait_until(lambda: number(browser, "requests-ok") == ok + len(ids), 30)
     wait_until(lambda: number(browser, "completion-tokens") == generated + len(ids) * 5, 10)
     decisions = rows(browser, "decisions")
-    assert any("cmpl-dash-" in row and "prefill-0" in row and "decode-0" in row for row in decisions), decisions
+    assert any("dash-" in row and "prefill-0" in row and "decode-0" in row for row in decisions), decisions
     assert {r.split()[0] for r in rows(browser, "workers")} == {"prefill-0", "decode-0"}
     assert all("\tup\t" in r for r in rows(browser, "workers")), rows(browser, "workers")
     assert len(rows(browser, "segments")) == 2  # the two workers' memory in the pool
