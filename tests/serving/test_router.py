@@ -486,6 +486,20 @@ def test_pd_closing_early_aborts_decode_and_frees_the_conductor(workers: list[Fa
     assert workers[1].disconnected.wait(2.0)
 
 
+def test_pd_round_robin_is_a_baseline_without_the_conductor(workers: list[FakeWorker]) -> None:
+    workers += [FakeWorker("p0", "prefill"), FakeWorker("p1", "prefill"), FakeWorker("d0", "decode")]
+    router = Router([w.spec for w in workers], dataclasses.replace(FAST, policy="round_robin"))
+
+    async def body(router: Router) -> list[str]:
+        return [(await collect(router, request(PROMPT, 2, f"rr{i}")))[0].worker for i in range(3)]
+
+    assert run_with(router, body) == ["p0", "p1", "p0"]
+    assert router.conductor is None and len(workers[2].calls) == 3
+    [record] = router.decisions.get(["rr1"])
+    assert (record.prefill, record.decode, record.conductor_id, record.predicted_ttft_s) == ("p1", "d0", None, None)
+    assert record.expected_cached_tokens == 0  # NOTE: the index is read in PD mode all the same
+
+
 # -- failures -------------------------------------------------------------------------------
 
 

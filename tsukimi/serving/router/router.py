@@ -149,7 +149,8 @@ class Router:
         self.block_tokens = cfg.block_tokens
         self._conductor_config = conductor or ROUTER_CONDUCTOR
         self._workers = {w.name: WorkerHandle(w) for w in workers}
-        self._pick = make_router(self.policy) if self.policy != "conductor" else None
+        # NOTE: the baselines' picks, one per role (a round robin's turn is its own role's)
+        self._picks = {role: make_router(self.policy) for role in ROLES} if self.policy != "conductor" else {}
         self._liveness = Liveness(self.backend, self.clock, cfg.poll_interval_s)
         self._poller: asyncio.Task[None] | None = None
         self._feed: IndexFeed | None = None
@@ -462,13 +463,12 @@ class Router:
     def _pick_worker(self, role: str, skip: dict[str, WorkerUnavailable] | set[str]) -> WorkerHandle:
         """The baseline's pick among the reachable workers of `role` not in `skip` (pure but
         for the round robin's turn). Raises WorkerUnavailable when there is none."""
-        assert self._pick is not None
         candidates = [w for w in self._workers.values() if w.spec.role == role and w.healthy and w.name not in skip]
         if not candidates:
             why = "; ".join(str(e) for e in skip.values()) if isinstance(skip, dict) else ""
             raise WorkerUnavailable(f"no {role} worker is reachable: {why or 'all are marked down'}")
         loads = [max(w.in_flight, w.load.waiting + w.load.running) for w in candidates]
-        return candidates[self._pick.route(loads)]
+        return candidates[self._picks[role].route(loads)]
 
     def _check_queues(self) -> None:
         """Raises Rejected("queue_full") when every reachable worker that could take the prompt
