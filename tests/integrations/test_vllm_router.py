@@ -216,3 +216,8 @@ def test_the_backend_factory_checks_its_config(tmp_path: Path) -> None:
         vllm_backend(RouterAppConfig(model=str(tmp_path), vllm=bad), workers, WallClock())
     backend = vllm_backend(RouterAppConfig(model=str(tmp_path), vllm=events), workers, WallClock())
     assert isinstance(backend, VllmBackend) and backend._sources["v0"].replay_endpoint == "tcp://h:3"
+
+
+def test_vllm_instances_take_no_live_weight_update(cluster: Cluster) -> None:
+    response = httpx.post(f"{cluster.url}/admin/update_weights", json={"name": "w1"}, timeout=10)
+    assert response.status_code == 400 and "vllm workers take no live weight update" in response.text

@@ -393,7 +393,10 @@ def create_app(
             body = msgspec.json.decode(raw, type=UpdateWeightsRequest)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
             return _reply(*error_reply(InvalidArgument(f"invalid request body: {exc}")))
-        outcome = await router.update_weights(body, secret)
+        try:
+            outcome = await router.update_weights(body, secret)
+        except InvalidArgument as exc:  # NOTE: the backend's workers take none (vLLM)
+            return _reply(*error_reply(exc))
         failed = [http_status(r) for r in outcome.values() if isinstance(r, TsukimiError)]
         workers = {
             name: r if isinstance(r, UpdateWeightsReply) else ErrorReply(r.code, str(r)) for name, r in outcome.items()
