@@ -255,6 +255,23 @@ def add_vllm_up_arguments(up: argparse.ArgumentParser) -> None:
     )
 
 
+def cluster_config(args: argparse.Namespace) -> VllmClusterConfig:
+    """The cluster `tsukimi up --engine vllm`'s flags describe (reads the environment for the
+    venv and models the flags do not give). Raises ConfigError."""
+    return VllmClusterConfig(
+        model=args.model or "tiny",
+        mode=args.mode or "colocated",
+        instances=args.instances,
+        connector=args.connector,
+        prefix_caching=not args.no_prefix_caching,
+        policy=args.policy,
+        router_port=args.port or 8000,
+        log_dir=args.log_dir,
+        venv=args.vllm_venv or str(paths.vllm_venv()),
+        models_dir=args.models_dir or str(paths.models_dir()),
+    )
+
+
 def run_vllm_cluster(args: argparse.Namespace, console: Console) -> None:
     """`tsukimi up --engine vllm` in the foreground until Ctrl-C or SIGTERM.
 
@@ -267,18 +284,7 @@ def run_vllm_cluster(args: argparse.Namespace, console: Console) -> None:
     from tsukimi.serving.cluster.supervisor import Supervisor
     from tsukimi.serving.cluster.up import supervise
 
-    config = VllmClusterConfig(
-        model=args.model or "tiny",
-        mode=args.mode or "colocated",
-        instances=args.instances,
-        connector=args.connector,
-        prefix_caching=not args.no_prefix_caching,
-        policy=args.policy,
-        router_port=args.port or 8000,
-        log_dir=args.log_dir,
-        venv=args.vllm_venv or str(paths.vllm_venv()),
-        models_dir=args.models_dir or str(paths.models_dir()),
-    )
+    config = cluster_config(args)
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="tsukimi-up-vllm-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     groups = plan_vllm(config, log_dir)
