@@ -13,7 +13,7 @@ TransferEngine, which does the work:
 | get_first_buffer_address                              | lookup(name, fresh=True)             |
 | transfer_sync[_read/_write], batch_transfer_sync[...] | transfer(requests), then notify      |
 | TransferNotify, get_notifies                          | Notification, notify / notifications |
-|                                                       | (those two rows: engine_transfers.py)|
+|                                                       | (both rows: engine_transfers.py)     |
 | batch_transfer_async[...], transfer_submit_write,     | submit, through compat.BatchTable    |
 | get_batch_transfer_status, transfer_check_status      | (engine_batches.py)                  |
 | send_probe                                            | probe                                |
@@ -76,7 +76,7 @@ class TransferEngine:
 
     def _attach(self, engine: _Engine | None) -> None:
         """Make the parts over `engine` (None: before initialize, after close). Mutates."""
-        self._engine = engine
+        self._engine: _Engine | None = engine
         self._memory = LocalMemory(engine)
         self._transfers = SyncTransfers(engine)
         self._batches = BatchTransfers(engine)
