@@ -8,6 +8,7 @@ STAMP  := $(VENV)/.installed
 NIXL_STAMP := $(VENV)/.nixl
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+MOONCAKE_TESTS ?= ../shared/mooncake-tests
 
 .PHONY: demo test lint bench bench-store mooncake mooncake-tests nixl vllm system-deps clean
 
@@ -18,7 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP) $(NIXL_STAMP) system-deps lint vllm
 	$(BIN)/python -m pytest -q
-	$(BIN)/python -m tsukimi.testing.mooncake_suite --modes tsukimi
+	$(BIN)/python -m tsukimi.testing.mooncake_suite --tests-dir $(MOONCAKE_TESTS) --modes tsukimi
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -42,18 +43,23 @@ $(NIXL_STAMP): $(STAMP)
 	$(BIN)/pip install -q --no-deps 'nixl==1.5.1' 'nixl-cu12==1.5.1'
 	touch $(NIXL_STAMP)
 
-# Mooncake's own Python tests (../shared/mooncake-tests) against the real wheel and tsukimi;
-# `--record` refreshes tests/compat/mooncake_reference.json from the real wheel's passes.
+# Mooncake's own Python tests (MOONCAKE_TESTS: a folder with their run.sh, beside the checkout by
+# default) against the real wheel and tsukimi; `--record` refreshes
+# tests/compat/mooncake_reference.json from the real wheel's passes.
 mooncake-tests: mooncake
-	$(BIN)/python -m tsukimi.testing.mooncake_suite --modes real,tsukimi
+	$(BIN)/python -m tsukimi.testing.mooncake_suite --tests-dir $(MOONCAKE_TESTS) --modes real,tsukimi
 
 # vLLM (CPU build) in a venv of its own, and the models its tests serve (docs/vllm.md). Its own
 # venv: installed into .venv it would downgrade fastapi and numpy. The vLLM tests
-# (tests/integrations/vllm) skip, saying so, until this has run.
+# (tests/integrations/vllm) skip, saying so, until this has run. tsukimi finds both through
+# TSUKIMI_VLLM_VENV and TSUKIMI_MODELS_DIR (else .venv-vllm and .models in the current
+# directory): exported here, so that `make test VLLM_VENV=...` tests the venv it built.
 VLLM_VENV   ?= .venv-vllm
 VLLM_STAMP  := $(VLLM_VENV)/.installed
 MODELS_DIR  ?= .models
 MODELS_STAMP := $(MODELS_DIR)/.built
+export TSUKIMI_VLLM_VENV  := $(abspath $(VLLM_VENV))
+export TSUKIMI_MODELS_DIR := $(abspath $(MODELS_DIR))
 
 vllm: $(VLLM_STAMP) $(MODELS_STAMP)
 

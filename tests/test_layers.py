@@ -1,5 +1,6 @@
-"""The structure check (`python -m tsukimi.testing.layers`): the real tree has no import cycle and
-no upward import; on small made-up packages, each rule catches what it should."""
+"""The structure check (`python -m tsukimi.testing.layers`): the real tree has no import cycle, no
+upward import, and no product module importing the tooling (testing, bench); on small made-up
+packages, each rule catches what it should."""
 
 from __future__ import annotations
 
@@ -103,3 +104,49 @@ def test_a_name_in_no_layer_is_reported(tmp_path: Path, capsys: pytest.CaptureFi
     assert "'gadgets' is in no layer" in problems[0].message and "LAYERS" in problems[0].message
     assert main([str(package)]) == 1
     assert capsys.readouterr().out.splitlines()[1].startswith("  unknown: 'gadgets' is in no layer")
+
+
+TOOLED = {  # the real order: integrations below testing, the tooling above the product
+    **CLEAN,
+    "__main__.py": "from pkg.cli import main\n",
+    "cli.py": "from pkg.bench import run\nfrom pkg.testing.kit import check\n\ndef main() -> None: ...\n",
+    "demo.py": "from pkg.bench import run\n",
+    "serving/__init__.py": "",
+    "serving/worker.py": "from pkg.transfer.engine import Engine\n",
+    "integrations/__init__.py": "from pkg.serving import worker\n",
+    "testing/__init__.py": "",
+    "testing/kit.py": "from pkg.integrations import worker\n\ndef check() -> None: ...\n",
+    "testing/ports.py": "import socket\n",
+    "bench/__init__.py": "from pkg.testing.kit import check\n\ndef run() -> None: ...\n",
+    "bench/clock.py": "import time\n",
+}
+NEVER = "(the product never imports {}: only bench, cli, demo, testing may)"
+
+
+def test_the_tooling_uses_the_product_and_cli_and_demo_dispatch_to_it(tmp_path: Path) -> None:
+    assert check_layers(_package(tmp_path, TOOLED)) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "problem"),
+    [
+        (  # a lower layer: an upward import too, reported once, as the product importing the tooling
+            "serving/worker.py",
+            "import os\nfrom pkg.testing.ports import free\n",
+            "pkg/serving/worker.py:2 pkg.serving.worker imports pkg.testing.ports " + NEVER.format("testing"),
+        ),
+        (  # inside a function
+            "integrations/__init__.py",
+            "def f():\n    from pkg.bench import clock\n",
+            "pkg/integrations/__init__.py:2 pkg.integrations imports pkg.bench.clock " + NEVER.format("bench"),
+        ),
+        (  # the top layer is no licence: the package's own __init__ is the product
+            "__init__.py",
+            "from pkg.cli import main\nimport pkg.testing.ports\n",
+            "pkg/__init__.py:2 pkg imports pkg.testing.ports " + NEVER.format("testing"),
+        ),
+    ],
+)
+def test_the_product_importing_the_tooling_is_reported(tmp_path: Path, name: str, text: str, problem: str) -> None:
+    problems = check_layers(_package(tmp_path, {**TOOLED, name: text}))
+    assert [str(p) for p in problems] == [f"tooling: {problem}"]

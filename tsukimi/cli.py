@@ -10,8 +10,9 @@ import sys
 import threading
 
 from rich.console import Console
+from rich.markup import escape
 
-from tsukimi import lifeline
+from tsukimi import extras, lifeline
 from tsukimi.bench import commands as bench_commands
 from tsukimi.bench import runners as bench_runners
 from tsukimi.bench.commands import parse_sizes
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
             demo.run(console, args.seconds)
         elif args.command == "bench":
+            extras.require("bench", "tsukimi bench")
             bench_runners.run(args, console)
         elif args.command == "profile":
             _profile(args, console)
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "p2p":
             return p2p_commands.run(args, console)
     except TsukimiError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")  # NOTE: not markup: "tsukimi[plots]" stays
         return 2
     except KeyboardInterrupt:
         return 130

@@ -4,7 +4,7 @@ Mooncake's `transfer_engine_initiator_test.py` expects a target engine to be run
 (Mooncake's CI starts `transfer_engine_target.py` in the background first); the shared
 `run.sh` starts only the master. Load this plugin on run.sh's pytest command line:
 
-    PYTHONPATH=$PWD MODE=tsukimi bash /work/shared/mooncake-tests/run.sh \\
+    PYTHONPATH=$PWD MODE=tsukimi bash ../shared/mooncake-tests/run.sh \\
         transfer_engine_initiator_test.py -p tests.compat.mooncake_te_target
 
 Before collection it starts the target with this interpreter and this environment (under

@@ -7,7 +7,6 @@ import ctypes
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,20 +14,12 @@ from tsukimi.compat.mooncake import dummy as dummy_module
 from tsukimi.compat.mooncake.client_flags import parse
 from tsukimi.compat.mooncake.client_service import ClientService
 from tsukimi.compat.mooncake.store import MooncakeDistributedStore
-from tsukimi.config import MasterConfig
 from tsukimi.errors import ConfigError
 from tsukimi.netio import free_port
 from tsukimi.store.master.server import MasterServer
 
 pytestmark = pytest.mark.timeout(60)
 MIB = 1 << 20
-
-
-@pytest.fixture
-def master() -> Iterator[MasterServer]:
-    server = MasterServer(MasterConfig(rpc_port=0, http_port=0))
-    yield server
-    server.close()
 
 
 def flags(master: MasterServer, port: int, *extra: str) -> list[str]:

@@ -2,7 +2,7 @@
 negative code, batch ids with 0 for failure), over p2p and over a metadata backend.
 
 Mooncake's own transfer_engine_initiator_test.py runs against this facade through
-/work/shared/mooncake-tests/run.sh (with -p tests.compat.mooncake_te_target)."""
+../shared/mooncake-tests/run.sh beside the checkout (with -p tests.compat.mooncake_te_target)."""
 
 from __future__ import annotations
 

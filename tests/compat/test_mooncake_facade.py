@@ -6,22 +6,13 @@ hands it tsukimi's classes instead of `mooncake.store`'s."""
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
 
 import pytest
 
 from tsukimi.compat import mooncake as compat
-from tsukimi.config import MasterConfig
 from tsukimi.store.master.server import MasterServer
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def master() -> Iterator[MasterServer]:
-    server = MasterServer(MasterConfig(rpc_port=0, http_port=0))
-    yield server
-    server.close()
 
 
 def mooncake_style_script(MooncakeDistributedStore, ReplicateConfig, master_server_addr: str) -> None:  # type: ignore[no-untyped-def]

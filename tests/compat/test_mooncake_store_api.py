@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-from collections.abc import Iterator
 
 import pytest
 
@@ -22,20 +21,12 @@ from tsukimi.compat.mooncake.store import (
     TaskStatus,
     TaskType,
 )
-from tsukimi.config import MasterConfig
 from tsukimi.netio import free_port
 from tsukimi.store.master.server import MasterServer
 from tsukimi.testing.processes import wait_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.master(lease_ttl_s=0.2)]
 MIB = 1 << 20
-
-
-@pytest.fixture
-def master() -> Iterator[MasterServer]:
-    server = MasterServer(MasterConfig(rpc_port=0, http_port=0, lease_ttl_s=0.2))
-    yield server
-    server.close()
 
 
 def store_of(

@@ -3,26 +3,17 @@ batching, chunked prefill, prefix caching, preemption, sampling and stopping."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch
 
 from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.model import generate_greedy_reference
 from tsukimi.engine.sampling import SamplingParams
-from tsukimi.engine.weights import LoadedModel, random_tiny
+from tsukimi.engine.weights import LoadedModel
 from tsukimi.errors import InvalidArgument
 
 PROMPTS = [[1, 5, 9, 200, 3000] * 7, [1, 7, 7, 100], [1, 5, 9, 200, 3000] * 7 + [42, 43], [1, *range(300, 360)]]
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny() -> Iterator[LoadedModel]:
-    torch.set_num_threads(1)
-    yield random_tiny(0)
 
 
 @pytest.fixture(scope="module")

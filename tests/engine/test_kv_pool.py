@@ -7,14 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import pytest
-import torch
 
 from tsukimi.engine.engine import LLMEngine, StepOutput
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.kv_pool import KVFormat, StoreKVConnector
 from tsukimi.engine.model import generate_greedy_reference
 from tsukimi.engine.sampling import SamplingParams
-from tsukimi.engine.weights import LoadedModel, random_tiny
+from tsukimi.engine.weights import LoadedModel
 from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
 from tsukimi.store.client import StoreClient
 from tsukimi.testing.deployments import Deployment, start_deployment
@@ -22,12 +21,6 @@ from tsukimi.testing.deployments import Deployment, start_deployment
 BLOCK = 8
 PROMPTS = [[1, *range(100, 140)], [1, *range(100, 132), 7, 7, 7], [1, 2, 3]]  # the 2nd shares 4 blocks
 NEW = 8
-
-
-@pytest.fixture(scope="module")
-def tiny() -> Iterator[LoadedModel]:
-    torch.set_num_threads(1)
-    yield random_tiny(0)
 
 
 @pytest.fixture

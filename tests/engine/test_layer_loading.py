@@ -6,7 +6,7 @@ recomputed (the tokens, sampled ones too, equal a run without the failure)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -15,18 +15,12 @@ from tsukimi.engine.engine import LLMEngine, StepOutput
 from tsukimi.engine.kv_cache import KVLayout, PagedKVCache
 from tsukimi.engine.model import generate_greedy_reference
 from tsukimi.engine.sampling import SamplingParams
-from tsukimi.engine.weights import LoadedModel, random_tiny
+from tsukimi.engine.weights import LoadedModel
 from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
 
 BLOCK = 8
 PROMPT = [1, *range(200, 240)]  # 5 full blocks, all from the pool; the 41st token is computed
 DELAY_S = 0.1
-
-
-@pytest.fixture(scope="module")
-def tiny() -> Iterator[LoadedModel]:
-    torch.set_num_threads(1)
-    yield random_tiny(0)
 
 
 class SlowPool:

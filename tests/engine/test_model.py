@@ -29,11 +29,6 @@ torch.set_num_threads(1)
 PROMPT = [1, 76, 105, 112, 112, 115, 36, 123, 115, 118, 112, 104, 4, 40, 41]
 
 
-@pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
-    return random_tiny(0)
-
-
 def hidden_of(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor(tokens), torch.arange(len(tokens)), DenseAttend())

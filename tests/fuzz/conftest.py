@@ -23,6 +23,9 @@ from contextlib import contextmanager
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tsukimi.config import MasterConfig
+from tsukimi.store.master.server import MasterServer
+
 FUZZ_EXAMPLES = int(os.environ.get("TSUKIMI_FUZZ_EXAMPLES", "200"))
 DERANDOMIZE = os.environ.get("TSUKIMI_FUZZ_RANDOM", "") != "1"
 
@@ -81,3 +84,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(figures, f, indent=2, sort_keys=True)
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[MasterServer]:
+    """One store master per module (the fuzz targets share it; tests/conftest.py's is per test)."""
+    with MasterServer(MasterConfig(rpc_port=0, http_port=0)) as server:
+        yield server

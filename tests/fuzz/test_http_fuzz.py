@@ -31,7 +31,7 @@ from tests.fuzz.conftest import fuzz_input, fuzz_settings
 from tests.fuzz.raw_clients import http_status
 from tests.fuzz.strategies import EDGE_INTS, HUGE_INTS, NOT_UTF8, mutated, values
 from tsukimi import httpd
-from tsukimi.config import MasterConfig, RouterConfig, WorkerConfig
+from tsukimi.config import RouterConfig, WorkerConfig
 from tsukimi.engine.tokenizer import ByteTokenizer
 from tsukimi.engine.weights import load_model
 from tsukimi.serving.openai.app import create_app
@@ -88,12 +88,6 @@ def raw_requests(
         + b"\r\n\r\n"
         + body
     )
-
-
-@pytest.fixture(scope="module")
-def master() -> Iterator[MasterServer]:
-    with MasterServer(MasterConfig(rpc_port=0, http_port=0)) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

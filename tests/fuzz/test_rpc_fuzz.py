@@ -138,12 +138,6 @@ def test_regression_codec_strings_that_are_not_utf8_are_protocol_errors(raw: byt
 
 
 @pytest.fixture(scope="module")
-def master() -> Iterator[MasterServer]:
-    with MasterServer(MasterConfig(rpc_port=0, http_port=0)) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def greeter(master: MasterServer) -> Greeter:
     return Greeter(*parse_endpoint(master.endpoint))
 

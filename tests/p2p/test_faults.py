@@ -20,6 +20,7 @@ from tsukimi.transfer.metadata.http import ServerHandle, start_in_thread
 
 pytestmark = pytest.mark.timeout(120)
 MIB = 1 << 20
+CHECKOUT = Path(__file__).resolve().parents[2]  # NOTE: first on the peers' path: they run the code under test
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def peers(server: ServerHandle) -> Iterator[list[JsonWorker]]:
 
 
 def spawn(peers: list[JsonWorker], url: str, label: str, *extra: str) -> JsonWorker:
-    worker = JsonWorker(label, ["tsukimi.testing.p2p_peer", url, "--transport", "tcp", *extra])
+    worker = JsonWorker(label, ["tsukimi.testing.p2p_peer", url, "--transport", "tcp", *extra], pythonpath=[CHECKOUT])
     peers.append(worker)
     return worker
 

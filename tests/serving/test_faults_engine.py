@@ -1,11 +1,13 @@
 """One bad request fails only itself: a real `tsukimi worker` process (colocated, the tiny
-model) whose engine fails every step that schedules a prompt holding POISON (the test setting
-TSUKIMI_TEST_FAULT_TOKEN), with three greedy requests streaming when the bad one arrives. The
-bad one ends with an error line; the others go on and produce exactly the tokens of a plain
-engine; the worker serves on."""
+model) whose engine fails every step that schedules a prompt holding POISON (its engine factory
+is tests/serving/faulty_engine.py), with three greedy requests streaming when the bad one
+arrives. The bad one ends with an error line; the others go on and produce exactly the tokens of
+a plain engine; the worker serves on. And a factory that cannot be loaded stops the worker at
+start-up, naming the problem."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -18,22 +20,25 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.serving.faulty_engine import POISON, FaultyEngine
 from tests.serving.test_worker import PROMPT, reference
+from tsukimi.config import WorkerConfig
+from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.weights import LoadedModel, load_model
+from tsukimi.errors import ConfigError
 from tsukimi.netio import free_port
-from tsukimi.serving.worker.engine_thread import FAULT_TOKEN_ENV
+from tsukimi.serving.worker.commands import add_parser, worker_args, worker_config
+from tsukimi.serving.worker.engine_factory import load_engine_factory
 from tsukimi.testing.processes import wait_until
 
-POISON = 31999
+CHECKOUT = Path(__file__).resolve().parents[2]  # NOTE: on the worker's path: it imports the factory from tests/
+FAULTY = "tests.serving.faulty_engine:FaultyEngine"
 MAX_TOKENS = 64
 GOOD = [PROMPT, list(range(200, 230)), list(range(5000, 5021))]
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """A colocated worker process with the fault injection on; its base URL and log."""
-    log = tmp_path_factory.mktemp("worker") / "worker.log"
-    port = free_port()
+def worker_command(port: int, engine_factory: str) -> tuple[list[str], dict[str, str]]:
+    """`tsukimi worker` (colocated, tiny) on `port` with `engine_factory`, and its environment."""
     cmd = [
         sys.executable,
         "-m",
@@ -51,8 +56,19 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
         "256",
         "--block-tokens",
         "16",
+        "--engine-factory",
+        engine_factory,
     ]
-    env = {**os.environ, FAULT_TOKEN_ENV: str(POISON)}
+    path = os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))
+    return cmd, {**os.environ, "PYTHONPATH": path}
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A colocated worker process whose engine is FaultyEngine; its base URL and log."""
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    port = free_port()
+    cmd, env = worker_command(port, FAULTY)
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -118,3 +134,35 @@ def test_a_request_failing_the_engine_step_fails_alone(worker: tuple[str, Path],
 async def _one(url: str) -> list[dict[str, object]]:
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         return await stream(client, "after", PROMPT, asyncio.Event())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("factory", "problem"),
+    [
+        ("tests.serving.nothing_here:Engine", "module tests.serving.nothing_here does not import"),
+        ("tests.serving.faulty_engine:Missing", "tests.serving.faulty_engine has no Missing"),
+        ("tests.serving.faulty_engine:InjectedFault", "InjectedFault is a class but not an LLMEngine"),
+    ],
+)
+def test_an_engine_factory_that_does_not_load_stops_the_worker(tmp_path: Path, factory: str, problem: str) -> None:
+    cmd, env = worker_command(free_port(), factory)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"worker engine_factory {factory!r}: {problem}" in " ".join(done.stdout.split())
+
+
+@pytest.mark.parametrize("spec", ["faulty_engine", "tests.serving.faulty_engine:", ":FaultyEngine", "a-b:C", "a:b c"])
+def test_an_engine_factory_not_shaped_module_callable_is_a_config_error(spec: str) -> None:
+    with pytest.raises(ConfigError, match=r"worker engine_factory must be MODULE:CALLABLE .*, got "):
+        WorkerConfig(engine_factory=spec)
+
+
+def test_the_engine_factory_goes_from_config_to_flags_and_back() -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    config = WorkerConfig(model="tiny", engine_factory=FAULTY)
+    assert "--engine-factory" not in worker_args(WorkerConfig())
+    assert worker_config(parser.parse_args(list(worker_args(config)))) == config
+    assert load_engine_factory("") is LLMEngine
+    assert load_engine_factory(FAULTY) is FaultyEngine

@@ -1,14 +1,17 @@
 """Tests of `tsukimi.sim.cache_replay`: hit ratios of hand-built traces computed by hand, the
-shipped sample against brute-force references, determinism, and the full trace when present."""
+shipped sample against brute-force references, determinism, and the full trace when present
+($TSUKIMI_FULL_TRACE, else ../shared/traces/conversation_trace.jsonl beside the checkout)."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from tsukimi import cli
 from tsukimi.errors import ConfigError, InvalidArgument
 from tsukimi.eviction import EvictionPolicy, make_policy
 from tsukimi.sim.cache_replay import (
@@ -20,8 +23,11 @@ from tsukimi.sim.cache_replay import (
 )
 from tsukimi.sim.trace import TraceRequest, block_tokens, load_trace
 
-SAMPLE = Path(__file__).resolve().parents[2] / "data" / "traces" / "conversation_sample.jsonl"
-FULL_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE = REPO / "data" / "traces" / "conversation_sample.jsonl"
+FULL_TRACE = Path(
+    os.environ.get("TSUKIMI_FULL_TRACE") or REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
+)
 POLICIES = ["lru", "lfu", "length-aware"]
 
 
@@ -220,6 +226,17 @@ def test_command_errors(tmp_path: Path) -> None:
         run_cache_command(str(tmp_path / "missing.jsonl"), ["lru"], [0], as_json=True)
     with pytest.raises(InvalidArgument):
         run_cache_command(str(tmp_path / "missing.jsonl"), ["lru"], [None], as_json=True)
+
+
+def test_the_default_trace_outside_a_checkout_is_an_error_naming_the_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)  # NOTE: the default is relative to a checkout (an installed wheel has none)
+    assert cli.main(["sim", "cache", "--json"]) == 2
+    assert " ".join(capsys.readouterr().err.split()) == (
+        "error: the default trace data/traces/conversation_sample.jsonl is not here (it is relative to a tsukimi "
+        "checkout): give one with --trace FILE (a Mooncake JSONL trace)"
+    )
 
 
 @pytest.mark.skipif(not FULL_TRACE.exists(), reason="the full conversation trace is not available")

@@ -5,6 +5,7 @@ tests/transfer/test_conformance.py and tests/store/test_semantics.py.)"""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,7 +14,7 @@ from tsukimi.errors import ConfigError, PeerError
 from tsukimi.netio import free_port
 from tsukimi.testing.assertions import check_name, raises, run_checks
 from tsukimi.testing.deployments import start_deployment
-from tsukimi.testing.processes import wait_until
+from tsukimi.testing.processes import JsonWorker, WorkerError, wait_until
 
 
 def test_raises_accepts_the_expected_error_and_a_matching_message() -> None:
@@ -75,3 +76,16 @@ def test_wait_until_polls_tolerates_http_errors_and_gives_up() -> None:
 def test_an_unknown_deployment_shape_is_refused() -> None:
     with pytest.raises(ConfigError, match="inprocess, multiprocess"):
         start_deployment("cloud")
+
+
+def test_a_json_worker_child_gets_the_callers_path_first(tmp_path: Path) -> None:
+    (tmp_path / "echo_child.py").write_text(
+        "import json, sys\nprint(json.dumps({'ok': True, 'path': sys.path}), flush=True)\nsys.stdin.read()\n"
+    )
+    worker = JsonWorker("echo", ["echo_child"], pythonpath=[tmp_path])
+    try:
+        assert str(tmp_path) in worker.ready["path"]
+    finally:
+        worker.stop()
+    with pytest.raises(WorkerError, match="No module named echo_child"):
+        JsonWorker("echo", ["echo_child"], startup_timeout_s=10)

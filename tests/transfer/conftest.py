@@ -5,6 +5,7 @@ etcd, an embedded HTTP metadata server), one per test module."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,8 @@ from tests.etcd_server import EtcdProcess, run_etcd
 from tsukimi.testing.engine_pairs import MIB, TRANSPORT_CASES, EnginePair, engine_pair
 from tsukimi.testing.processes import JsonWorker
 from tsukimi.transfer.metadata.http import ServerHandle, start_in_thread
+
+CHECKOUT = Path(__file__).resolve().parents[2]  # NOTE: first on the peers' path: they run the code under test
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +32,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[EnginePair]:
 @pytest.fixture
 def target_process() -> Iterator[JsonWorker]:
     """A Transfer Engine in another process (p2p), owning a shared-memory buffer."""
-    worker = JsonWorker("test target", ["tsukimi.bench.peer", "target", str(64 * MIB)])
+    worker = JsonWorker("test target", ["tsukimi.bench.peer", "target", str(64 * MIB)], pythonpath=[CHECKOUT])
     try:
         yield worker
     finally:

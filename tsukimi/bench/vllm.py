@@ -39,7 +39,8 @@ import httpx
 import numpy as np
 
 from tsukimi.errors import ConfigError, PeerError
-from tsukimi.integrations.vllm.launch import ROOT, VllmClusterConfig, plan_vllm
+from tsukimi.integrations.vllm import paths
+from tsukimi.integrations.vllm.launch import VllmClusterConfig, plan_vllm
 from tsukimi.netio import free_port
 
 if TYPE_CHECKING:
@@ -63,8 +64,8 @@ class VllmBenchConfig:
     max_tokens: int = 16
     rate: float = 2.0
     seed: int = 0
-    models_dir: str = str(ROOT / ".models")
-    venv: str = str(ROOT / ".venv-vllm")
+    models_dir: str = field(default_factory=lambda: str(paths.models_dir()))
+    venv: str = field(default_factory=lambda: str(paths.vllm_venv()))
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(SYSTEMS)

@@ -28,10 +28,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from tsukimi.integrations.vllm import paths
 from tsukimi.netio import free_port
 from tsukimi.testing.deployments import TsukimiCluster
 from tsukimi.testing.vllm_server import (
-    MODELS_DIR,
     VllmServer,
     VllmServerConfig,
     connector_config,
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="PD hand-over through tsukimi: direct vs pool vs recompute")
-    parser.add_argument("--model", type=Path, default=MODELS_DIR / "tiny")
+    parser.add_argument("--model", type=Path, default=paths.models_dir() / "tiny")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--no-save-per-layer", dest="save_per_layer", action="store_false")

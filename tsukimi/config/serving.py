@@ -49,6 +49,11 @@ VllmHashAlgo = Literal["sha256", "sha256_cbor"]
 VLLM_HASH_ALGOS: tuple[str, ...] = get_args(VllmHashAlgo)
 
 
+def _dotted(name: str) -> bool:
+    """Whether `name` is a dotted Python name ("a.b_c.D")."""
+    return bool(name) and all(part.isidentifier() for part in name.split("."))
+
+
 def _check_port(port: int, where: str) -> None:
     require(0 <= port <= 65535, f"{where} must be in 0..65535 (0 = a free port), got {port}")
 
@@ -73,6 +78,10 @@ class WorkerConfig:
     profile_on_start: before it reports healthy, time a few prefills and decode steps of its own
     engine and fit the Conductor's cost model to them (tsukimi/engine/profile.py; about 1 s for
     tiny, a few for SmolLM2), reported in GET /health for the router.
+
+    engine_factory: "MODULE:CALLABLE" that builds the worker's engines with `LLMEngine`'s
+    arguments ("" = `LLMEngine`; tsukimi/serving/worker/engine_factory.py), e.g. a test's
+    engine that fails on purpose; imported when the worker starts.
     """
 
     name: str = "worker-0"
@@ -92,6 +101,7 @@ class WorkerConfig:
     metadata_url: str = ""
     layerwise_loading: bool = False  # read pooled KV layer by layer, overlapped with the forward
     profile_on_start: bool = True
+    engine_factory: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -110,6 +120,12 @@ class WorkerConfig:
             if getattr(self, name) < low:
                 raise ConfigError(f"worker {name} must be >= {low}, got {getattr(self, name)}")
         MemoryBudget.parse(self.kv_cache_memory)  # NOTE: raises ConfigError when malformed
+        module, colon, name = self.engine_factory.partition(":")
+        if self.engine_factory and not (colon and _dotted(module) and _dotted(name)):
+            raise ConfigError(
+                f"worker engine_factory must be MODULE:CALLABLE (e.g. tsukimi.engine.engine:LLMEngine), "
+                f"got {self.engine_factory!r}"
+            )
         if self.metadata_url and not self.metadata_url.startswith(("http://", "etcd://", "memory://")):
             raise ConfigError(
                 f"worker metadata_url must be http://..., etcd://... or memory://NAME (tests), "

@@ -37,15 +37,9 @@ from tsukimi.engine.scheduler import Scheduler
 from tsukimi.errors import DuplicateRequest, InvalidArgument
 
 # NOTE: KVConnector, Model and StepOutput are re-exported from their new homes for importers
-__all__ = ["InjectedFault", "KVConnector", "LLMEngine", "Model", "StepOutput"]
+__all__ = ["KVConnector", "LLMEngine", "Model", "StepOutput"]
 
 logger = logging.getLogger(__name__)
-
-
-class InjectedFault(RuntimeError):
-    """A step failed on purpose (a test's fault injection: `LLMEngine.fault_token` is set, and
-    a request whose prompt holds that token was scheduled): a bug's stand-in, so not a
-    TsukimiError. Set only by tests (tsukimi/serving/worker/engine_thread.py: TSUKIMI_TEST_FAULT_TOKEN)."""
 
 
 class LLMEngine:
@@ -88,7 +82,6 @@ class LLMEngine:
         blocks = BlockManager(self.cache, connector, prefix_caching, self.loader)
         self.scheduler = Scheduler(blocks, max_batched_tokens, eos_ids)
         self.runner = ModelRunner(model, self.cache, connector, self.loader)
-        self.fault_token: int | None = None  # NOTE: tests only: see `step` and InjectedFault
 
     def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
         """Queue a request (mutates). Raises InvalidArgument for an empty prompt, a duplicate
@@ -129,8 +122,6 @@ class LLMEngine:
         """Run one iteration (mutates); the tokens it produced, per request. Raises OutOfSpace
         when requests wait, none runs, and the first cannot get its blocks."""
         batch = self.scheduler.schedule()
-        if self.fault_token is not None and any(self.fault_token in s.request.prompt for s in batch.requests):
-            raise InjectedFault(f"a request with token {self.fault_token} in its prompt was scheduled")
         tokens = self.runner.run(batch)
         return self.scheduler.postprocess(batch, tokens, recompute=self.runner.failed)
 

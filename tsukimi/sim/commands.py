@@ -1,5 +1,12 @@
 """The `tsukimi sim ...` commands: `cache` (one global pool, the issue's exact semantics),
-`run` (one simulation of the whole cluster) and `experiment` (the paper's experiments)."""
+`run` (one simulation of the whole cluster) and `experiment` (the paper's experiments).
+
+`--trace` defaults to the 1,000-request sample kept in a tsukimi checkout
+(data/traces/conversation_sample.jsonl, relative to the current directory); the wheel does not
+ship it, so elsewhere a command without `--trace` is an error that says to give one
+(`checked_trace`). Plots need matplotlib (the `plots` extra): a command asked to draw checks
+for it before it simulates.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from tsukimi import extras
 from tsukimi.config import REJECTION_NAMES, RESERVATION_NAMES, SIMULATOR_CONDUCTOR, SimConfig
 from tsukimi.errors import ConfigError
 from tsukimi.eviction import POLICY_NAMES
@@ -19,7 +27,7 @@ from tsukimi.sim.report import Slo, decode_load, summarize, table
 from tsukimi.sim.simulator import simulate
 from tsukimi.sim.trace import load_trace
 
-DEFAULT_TRACE = "data/traces/conversation_sample.jsonl"
+DEFAULT_TRACE = "data/traces/conversation_sample.jsonl"  # NOTE: in a checkout, relative to the current directory
 _EXPERIMENTS = {"1": "cache_policies", "2": "global_vs_local", "3": "effective_capacity", "4": "overload"}
 
 
@@ -66,7 +74,32 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     exp.add_argument("--json", action="store_true", help="print the figures as JSON instead of Markdown")
 
 
+def checked_trace(path: str) -> str:
+    """`path`, unless it is the default trace and that is not here (see the module).
+
+    Raises:
+        ConfigError: the default trace is missing; the message says to give `--trace FILE`.
+    """
+    if path == DEFAULT_TRACE and not Path(path).is_file():
+        raise ConfigError(
+            f"the default trace {DEFAULT_TRACE} is not here (it is relative to a tsukimi checkout): "
+            "give one with --trace FILE (a Mooncake JSONL trace)"
+        )
+    return path
+
+
 def run(args: argparse.Namespace, console: Console) -> None:
+    """Run `tsukimi sim ...` (prints its report).
+
+    Raises:
+        ConfigError: bad flags, the default trace missing, or a plot asked for without matplotlib.
+        InvalidArgument: the trace cannot be read or is malformed.
+    """
+    args.trace = checked_trace(args.trace)
+    if args.sim == "experiment":  # NOTE: before it simulates: minutes lost otherwise
+        extras.require("plots", "tsukimi sim experiment (it draws the paper's figures)")
+    elif getattr(args, "plot", None):
+        extras.require("plots", f"tsukimi sim {args.sim} --plot")
     if args.sim == "cache":
         policies = [p.strip() for p in args.policy.split(",") if p.strip()]
         text = run_cache_command(args.trace, policies, parse_capacities(args.capacity_blocks), args.json)
@@ -109,7 +142,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         result = simulate(trace, sim, conductor, progress=lambda n: bar.update(task, completed=n))
     report = summarize(result, Slo(args.ttft_slo, args.tbt_slo))
     if args.plot:
-        from tsukimi.sim import plots  # NOTE: matplotlib only when asked for
+        from tsukimi.sim import plots
 
         every_s = sim.sample_every_s * max(1, int(result.end_s / sim.sample_every_s / 500))
         plots.decode_load({args.shape: decode_load(result, every_s)}, Path(args.plot), Path(args.trace).name)
@@ -131,7 +164,7 @@ def _cpp(args: argparse.Namespace) -> None:
 
 
 def _experiment(args: argparse.Namespace, console: Console) -> None:
-    from tsukimi.sim import experiments  # NOTE: pulls in matplotlib, which only this needs
+    from tsukimi.sim import experiments
 
     trace = load_trace(args.trace)
     numbers = list(_EXPERIMENTS) if args.number == "all" else [args.number]

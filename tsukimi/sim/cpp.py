@@ -141,11 +141,9 @@ def markdown(curve: dict[str, object]) -> str:
 
 def plot(curve: dict[str, object], path: Path, trace_name: str) -> str:
     """Mean TTFT against prompt length, one line per group size; writes a PNG, returns its path."""
-    import matplotlib
+    from tsukimi.sim.plots import pyplot  # NOTE: matplotlib (the plots extra) only when a plot is drawn
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = curve["rows"]
     assert isinstance(rows, list)
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -1,21 +1,40 @@
 """PNG plots of the experiments (matplotlib, headless Agg backend). Each function writes one
-file and returns its path."""
+file and returns its path.
+
+matplotlib is an optional dependency (the `plots` extra, tsukimi/extras.py): it is imported when
+a plot is drawn, never with this module, so the simulator's tables run without it; drawing
+without it raises ConfigError naming `pip install 'tsukimi[plots]'`.
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import matplotlib
+from tsukimi import extras
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from matplotlib.figure import Figure
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-from tsukimi.sim.cache_replay import CacheResult
+    from tsukimi.sim.cache_replay import CacheResult
+
+
+def pyplot() -> ModuleType:
+    """`matplotlib.pyplot` on the headless Agg backend (imports matplotlib on first use).
+
+    Raises:
+        ConfigError: matplotlib is not installed (the message names the `plots` extra).
+    """
+    matplotlib = extras.load("matplotlib", "plots", "drawing the simulator's plots")
+    matplotlib.use("Agg")
+    return importlib.import_module("matplotlib.pyplot")
 
 
 def hit_ratio_vs_capacity(results: Sequence[CacheResult], path: Path) -> str:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     finite = sorted({r.capacity_blocks for r in results if r.capacity_blocks is not None})
     for policy in dict.fromkeys(r.policy for r in results):
@@ -32,6 +51,7 @@ def hit_ratio_vs_capacity(results: Sequence[CacheResult], path: Path) -> str:
 
 
 def global_vs_local(rows: Sequence[dict[str, object]], path: Path) -> str:
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for reuse in dict.fromkeys(str(r["reuse"]) for r in rows):
         mine = [r for r in rows if r["reuse"] == reuse]
@@ -49,6 +69,7 @@ def global_vs_local(rows: Sequence[dict[str, object]], path: Path) -> str:
 
 
 def capacity(rows: Sequence[dict[str, object]], path: Path) -> str:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     slos = sorted({float(str(r["tbt_slo_s"])) for r in rows})
     width = 0.27
@@ -74,6 +95,7 @@ def capacity(rows: Sequence[dict[str, object]], path: Path) -> str:
 
 
 def decode_load(loads: dict[str, list[tuple[float, int]]], path: Path, title: str) -> str:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     for mode, points in loads.items():
         ax.plot([t for t, _ in points], [n for _, n in points], label=mode, linewidth=1)
@@ -88,5 +110,5 @@ def _save(fig: Figure, path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110, metadata={"Software": None})
-    plt.close(fig)
+    pyplot().close(fig)
     return str(path)

@@ -11,16 +11,32 @@ object with no readable memory replica reads a disk copy from its holder (disk_s
 
 The API is a batch core with thin single-key helpers: `batch_put` / `put`, `batch_get` /
 `get` / `get_into`, `batch_exists` / `exists`, `size_of`, `remove`, `remove_all`; objects
-made of several buffers: `batch_put_parts` / `put_parts`, `batch_get_parts` (parts.py). A batch
-costs one master round trip and one Transfer Engine batch per phase, whatever its size (it
-is cut into `MAX_BATCH` operations per round trip). A get's result is a `GetResult`; a miss
-is never an error. `AsyncStoreClient` (async_client.py) wraps a client for asyncio.
+made of several buffers: `batch_put_parts` / `put_parts`, `batch_get_parts`; byte ranges:
+`get_ranges`; replica sets and tasks: `clear_replicas`, `remove_matching`, `describe`, `copy`,
+`move`, `task`, `wait_task`. A batch costs one master round trip and one Transfer Engine
+batch per phase, whatever its size (it is cut into `MAX_BATCH` operations per round trip). A
+get's result is a `GetResult`; a miss is never an error. `AsyncStoreClient`
+(async_client.py) wraps a client for asyncio.
+
+The client owns the connection: the master link, the Transfer Engine, its segment and mounts,
+the heartbeat, the disk holder, the task runner. The rest is done by parts it makes in
+`__init__`, each given exactly what it needs and keeping no state of its own:
+
+| part                            | does                                                          |
+|---------------------------------|---------------------------------------------------------------|
+| puts.py `PutPath`               | every put: PutStart -> WRITE -> PutEnd / PutRevoke, waits     |
+| parts.py `PartsIO`              | objects made of several buffers (puts through `PutPath`)      |
+| ranges.py `RangeReads`          | byte ranges of objects into the caller's buffers              |
+| replica_admin.py `ReplicaAdmin` | replica clears, removal by pattern, describe, copy/move tasks |
+
+Whole-object gets (a master batch, then replica_io.py) and the metadata calls (one master
+call each) stay here. The parts share the client's link, engine and clock; none reads the
+client's private state or another part's (PartsIO puts through `PutPath.put`).
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -30,23 +46,18 @@ import msgspec
 
 from tsukimi.clock import WallClock
 from tsukimi.config import Config
-from tsukimi.errors import (
-    InvalidArgument,
-    InvalidBufferError,
-    ObjectNotFound,
-    OffloadPending,
-    TransferError,
-    TsukimiError,
-)
+from tsukimi.errors import InvalidArgument, InvalidBufferError, ObjectNotFound, TsukimiError
 from tsukimi.store import protocol as p
 from tsukimi.store.disk import DiskStore
 from tsukimi.store.disk_holder import DiskHolder
 from tsukimi.store.disk_server import DiskReader
+from tsukimi.store.master_batch import call_batch
 from tsukimi.store.master_link import MasterLink
-from tsukimi.store.parts import PartsIO
-from tsukimi.store.ranges import RangeReads
+from tsukimi.store.parts import PartsIO, PartsPut
+from tsukimi.store.puts import PutPath
+from tsukimi.store.ranges import RangeRead, RangeReads
 from tsukimi.store.replica_admin import ReplicaAdmin
-from tsukimi.store.replica_io import GetResult, PutItem, read_disk_copies, read_replicas, write_replicas
+from tsukimi.store.replica_io import GetResult, PartsResult, PutItem, read_disk_copies, read_replicas
 from tsukimi.store.task_runner import TaskRunner
 from tsukimi.transfer import TransferEngine
 from tsukimi.transfer.segment import RegisteredBuffer, byte_view
@@ -67,9 +78,9 @@ def replica_config(replicas: int = 1, pin: PinName = "", preferred: Sequence[str
     return p.ReplicaConfig(replicas, pin == "soft", pin == "hard", tuple(preferred))
 
 
-class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
-    """A connection to the store. Thread-safe; `close()` when done. Mixins: ranges.py, replica_admin.py,
-    parts.py."""
+class StoreClient:
+    """A connection to the store. Thread-safe; `close()` when done. Delegates to its parts
+    (see the module)."""
 
     def __init__(self, config: Config | None = None, engine: TransferEngine | None = None) -> None:
         self.config = config or Config()
@@ -78,7 +89,7 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
         self._clock = WallClock()
         self._owns_engine = engine is None
         self.engine = engine or TransferEngine(config=self.config)
-        self._rpc = MasterLink(cfg, p.CODEC, self.config.security.secret())
+        self._link = MasterLink(cfg, p.CODEC, self.config.security.secret())
         self._mounts: list[p.MountSegment] = []
         self._segment_base = 0
         self._segment: RegisteredBuffer | None = None
@@ -105,7 +116,11 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
         except BaseException:
             self._close_transport()
             raise
-        self._tasks = TaskRunner(self.engine, self._rpc, self.client_id, self.config.transfer.timeout_s)
+        self._tasks = TaskRunner(self.engine, self._link, self.client_id, self.config.transfer.timeout_s)
+        self._puts = PutPath(self.client_id, self._link, self.engine, self._clock, cfg)
+        self._parts = PartsIO(self._puts, self._link, self.engine, self._clock, self._disk_reader, cfg.checksum)
+        self._ranges = RangeReads(self._link, self.engine, self._clock)
+        self._replicas = ReplicaAdmin(self._link, self._clock)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="tsukimi-store-heartbeat", daemon=True)
         self._heartbeat.start()
 
@@ -116,7 +131,7 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
             return DiskHolder(
                 self.client_id,
                 store,
-                self._rpc,
+                self._link,
                 self.engine,
                 self._local_view,
                 host=host,
@@ -199,70 +214,14 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
         """Put several objects; each key's error, or None where it succeeded. Raises only
         for the whole call (InvalidArgument, RpcTimeout / MasterUnavailable)."""
         config = config or replica_config(replicas, pin, preferred)
-        return self._put_items([PutItem(key, (_view(data),), config, upsert) for key, data in items])
+        return self._puts.put([PutItem(key, (_view(data),), config, upsert) for key, data in items])
 
-    def _put_items(self, puts: list[PutItem]) -> list[TsukimiError | None]:
-        errors: list[TsukimiError | None] = []
-        for start in range(0, len(puts), p.MAX_BATCH):
-            errors += self._put_waiting(puts[start : start + p.MAX_BATCH])
-        return errors
-
-    def _put_waiting(self, puts: list[PutItem]) -> list[TsukimiError | None]:
-        """`_put_chunk`, putting again for up to `client.put_wait_s` the objects refused while
-        memory was being copied to disk to make room (OffloadPending)."""
-        errors = self._put_chunk(puts)
-        deadline, delay_s = self._clock.now() + self.config.client.put_wait_s, 0.002
-        while True:
-            waiting = [i for i, error in enumerate(errors) if isinstance(error, OffloadPending)]
-            if not waiting or self._clock.now() + delay_s > deadline:
-                return errors
-            self._clock.sleep(delay_s)
-            delay_s = min(2 * delay_s, 0.05)
-            for i, error in zip(waiting, self._put_chunk([puts[i] for i in waiting]), strict=True):
-                errors[i] = error
-
-    def _put_chunk(self, puts: list[PutItem]) -> list[TsukimiError | None]:
-        checksum = self.config.client.checksum
-        started = self._call_batch(
-            [
-                p.PutStart(
-                    self.client_id, u.key, u.size, u.config, u.upsert, _new_put_id(), u.crc32c() if checksum else None
-                )
-                for u in puts
-            ]
-        )
-        errors: list[TsukimiError | None] = [_error(r) for r in started]
-        written = False
-        try:
-            write_replicas(self.engine, puts, started, errors)
-            written = True
-        finally:  # NOTE: even when the writes raised, never leave a started put pending
-            if not written:
-                for i, result in enumerate(started):
-                    if isinstance(result, p.PutStartResult):
-                        errors[i] = errors[i] or TransferError(f"writing {puts[i].key!r} was interrupted")
-            self._end_puts(puts, started, errors)
-        return errors
-
-    def _end_puts(
-        self, puts: list[PutItem], started: list[p.BatchResultItem], errors: list[TsukimiError | None]
-    ) -> None:
-        """PutEnd where every replica was written, PutRevoke elsewhere (mutates `errors`)."""
-        live = [i for i, r in enumerate(started) if isinstance(r, p.PutStartResult)]
-        ends: list[p.PutEnd | p.PutRevoke] = []
-        for i in live:
-            result = started[i]
-            assert isinstance(result, p.PutStartResult)
-            end = p.PutEnd if errors[i] is None else p.PutRevoke
-            ends.append(end(self.client_id, puts[i].key, result.put_id))
-        try:
-            ended = self._call_batch(ends)
-        except TsukimiError as exc:  # ambiguous: the master may or may not have applied them
-            for i in live:
-                errors[i] = errors[i] or exc
-            return
-        for i, result in zip(live, ended, strict=True):
-            errors[i] = errors[i] or _error(result)
+    def batch_put_parts(
+        self, items: Sequence[PartsPut], config: p.ReplicaConfig | None = None, *, upsert: bool = False
+    ) -> list[TsukimiError | None]:
+        """Put each key as the concatenation of its buffers, zero-copy (`PartsIO.batch_put_parts`,
+        parts.py); `config` defaults to one replica, no pins. Each key's error, or None."""
+        return self._parts.batch_put_parts(items, config, upsert=upsert)
 
     # -- reads -------------------------------------------------------------------------
 
@@ -296,12 +255,24 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
         results: list[GetResult] = []
         for start in range(0, len(keys), p.MAX_BATCH):
             chunk = list(keys[start : start + p.MAX_BATCH])
-            found = self._call_batch([p.GetReplicas(k) for k in chunk])
+            found = call_batch(self._link, [p.GetReplicas(k) for k in chunk])
             dests = None if views is None else views[start : start + p.MAX_BATCH]
             checksum = self.config.client.checksum
             got = read_replicas(self.engine, self._clock, chunk, found, dests, checksum, allocate)
             results += read_disk_copies(self._disk_reader, chunk, found, dests, got, checksum, allocate)
         return results
+
+    def batch_get_parts(self, keys: Sequence[str], into: Sequence[Sequence[object]]) -> list[PartsResult]:
+        """Read each object into its writable buffers `into[i]`, in order; each key's
+        `PartsResult` (`PartsIO.batch_get_parts`, parts.py). Raises InvalidBufferError for a
+        list of buffers per key that does not match `keys`; RpcTimeout / MasterUnavailable."""
+        return self._parts.batch_get_parts(keys, into)
+
+    def get_ranges(self, reads: Sequence[RangeRead]) -> list[GetResult]:
+        """Read byte ranges of objects straight into each read's `dest`; each read's
+        `GetResult`, in order (`RangeReads.get_ranges`, ranges.py). Raises only for the whole
+        call (RpcTimeout / MasterUnavailable)."""
+        return self._ranges.get_ranges(reads)
 
     # -- metadata ----------------------------------------------------------------------
 
@@ -311,7 +282,7 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key exists. Raises the first key's error (e.g. InvalidArgument)."""
-        results = self._call_batch([p.Exists(k) for k in keys])
+        results = call_batch(self._link, [p.Exists(k) for k in keys])
         out = []
         for result in results:
             if isinstance(result, p.Failure):
@@ -323,7 +294,7 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
     def size_of(self, key: str) -> int | None:
         """The size of a complete object, or None (grants no lease)."""
         try:
-            info = self._rpc.call_as(p.QueryKey(key), p.ObjectInfo)
+            info = self._link.call_as(p.QueryKey(key), p.ObjectInfo)
         except ObjectNotFound:
             return None
         return info.size if info.complete else None
@@ -343,22 +314,51 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
         assert isinstance(result, p.RemoveAllResult)
         return result.removed
 
+    # -- replica sets and tasks (replica_admin.py) --------------------------------------
+
+    def clear_replicas(self, keys: Sequence[str], te_segment: str = "") -> list[str]:
+        """Drop the replicas (all, or those on TE segment `te_segment`) of those `keys` whose
+        read leases have ended; the keys cleared. Raises InvalidArgument (a bad key: nothing
+        cleared), RpcTimeout / MasterUnavailable. See `ReplicaAdmin.clear_replicas`."""
+        return self._replicas.clear_replicas(keys, te_segment)
+
+    def remove_matching(self, pattern: str, force: bool = False) -> int:
+        """Remove every object whose key matches the regular expression `pattern`; how many.
+        Raises InvalidArgument (not a regular expression). See `ReplicaAdmin.remove_matching`."""
+        return self._replicas.remove_matching(pattern, force)
+
+    def describe(self, keys: Sequence[str]) -> list[p.ObjectInfo | None]:
+        """What the master knows of each key, or None; grants no lease. Raises InvalidArgument."""
+        return self._replicas.describe(keys)
+
+    def copy(self, key: str, targets: Sequence[str]) -> int:
+        """Start copying `key` onto the TE segments `targets`; the task's id. Raises
+        InvalidArgument, ObjectNotFound, TaskInFlight, OutOfSpace (`ReplicaAdmin.copy`)."""
+        return self._replicas.copy(key, targets)
+
+    def move(self, key: str, source: str, target: str) -> int:
+        """Start moving the replica of `key` on TE segment `source` to `target`; the task's
+        id. Raises as `copy` (`ReplicaAdmin.move`)."""
+        return self._replicas.move(key, source, target)
+
+    def task(self, task_id: int) -> p.TaskInfo:
+        """A task's state. Raises TaskNotFound (unknown, or forgotten after many others)."""
+        return self._replicas.task(task_id)
+
+    def wait_task(self, task_id: int, timeout_s: float = 30.0) -> p.TaskInfo:
+        """Poll a task until it has succeeded or failed; its final state. Raises
+        TaskNotFound, RpcTimeout (still in flight after `timeout_s`), InvalidArgument."""
+        return self._replicas.wait_task(task_id, timeout_s)
+
     # -- plumbing ----------------------------------------------------------------------
 
     def _call(self, request: msgspec.Struct) -> msgspec.Struct:
-        return self._rpc.call(request)
-
-    def _call_batch(self, ops: Sequence[msgspec.Struct]) -> list[p.BatchResultItem]:
-        """One master round trip for `ops` (at most MAX_BATCH; callers cut larger batches)."""
-        if not ops:
-            return []
-        result = self._rpc.call_as(p.Batch(list(ops)), p.BatchResult)  # type: ignore[arg-type]
-        return list(result.results)
+        return self._link.call(request)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.config.client.heartbeat_interval_s):
             try:
-                beat = self._rpc.call_as(p.Heartbeat(self.client_id), p.HeartbeatResult, self._heartbeat_s())
+                beat = self._link.call_as(p.Heartbeat(self.client_id), p.HeartbeatResult, self._heartbeat_s())
                 if beat.tasks:
                     self._tasks.submit(beat.tasks)
                 if not beat.known and self._mounts:  # the master restarted: mount again
@@ -379,7 +379,7 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
 
     def _close_transport(self) -> None:
         self._disk_reader.close()
-        self._rpc.close()
+        self._link.close()
         if self._owns_engine:
             self.engine.close()
         elif self._segment_base:  # a shared engine lives on: give our segment back
@@ -408,16 +408,7 @@ class StoreClient(ReplicaAdmin, RangeReads, PartsIO):
         self.close()
 
 
-def _new_put_id() -> int:
-    """A random non-zero put id: a PutStart retried after a lost reply is recognised as the same put."""
-    return secrets.randbits(62) | 1
-
-
 def _view(data: object, writable: bool = False) -> memoryview:
     if isinstance(data, str):
         raise InvalidBufferError("store values are bytes-like, not str (encode it first)")
     return byte_view(data, writable=writable, with_address=False)[0]
-
-
-def _error(result: p.BatchResultItem) -> TsukimiError | None:
-    return p.error_of(result) if isinstance(result, p.Failure) else None

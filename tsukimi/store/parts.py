@@ -1,7 +1,8 @@
-"""Objects made of several buffers (`batch_put_parts` / `batch_get_parts`, a mixin of
-client.py's `StoreClient`): an object's bytes are the concatenation of its parts, each part
-written straight from its buffer into every replica at its offset, and read straight from a
-replica into its buffer. Nothing is gathered into a staging copy.
+"""`PartsIO`: objects made of several buffers (`batch_put_parts` / `batch_get_parts`), a part
+of client.py's `StoreClient` (which delegates to it): an object's bytes are the concatenation
+of its parts, each part written straight from its buffer into every replica at its offset
+(through the client's put path, puts.py), and read straight from a replica into its buffer.
+Nothing is gathered into a staging copy.
 
     key "block-7", parts (layer 0 K|V, layer 1 K|V):  [buf_a: 100 B] [buf_b: 50 B]
     replica at A:  | buf_a's bytes | buf_b's bytes |
@@ -19,15 +20,14 @@ is on a holder's disk is read whole into a staging buffer, then scattered into t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-import msgspec
 
 from tsukimi.clock import Clock
-from tsukimi.config import Config
 from tsukimi.errors import InvalidBufferError, TransferError, TsukimiError
 from tsukimi.store import protocol as p
 from tsukimi.store.disk_server import DiskReader
+from tsukimi.store.master_batch import call_batch
+from tsukimi.store.master_link import MasterLink
+from tsukimi.store.puts import PutPath
 from tsukimi.store.replica_io import GetResult, PartsResult, PutItem, read_disk_copies, read_parts
 from tsukimi.transfer import TransferEngine
 from tsukimi.transfer.segment import byte_view
@@ -36,18 +36,25 @@ PartsPut = tuple[str, Sequence[object]]  # a key and its buffers, in order
 
 
 class PartsIO:
-    """Mixed into `StoreClient`, which provides the engine, the master calls and the put path."""
+    """Puts through the client's put path, gets with its master link, engine and disk reader;
+    keeps no state of its own between calls (thread-safe)."""
 
-    config: Config
-    engine: TransferEngine
-    _clock: Clock
-    _disk_reader: DiskReader
-
-    if TYPE_CHECKING:
-
-        def _put_items(self, puts: list[PutItem]) -> list[TsukimiError | None]: ...
-
-        def _call_batch(self, ops: Sequence[msgspec.Struct]) -> list[p.BatchResultItem]: ...
+    def __init__(
+        self,
+        puts: PutPath,
+        link: MasterLink,
+        engine: TransferEngine,
+        clock: Clock,
+        disk_reader: DiskReader,
+        checksum: bool,
+    ) -> None:
+        """`checksum`: verify each object read against the crc32c its writer stored."""
+        self._puts = puts
+        self._link = link
+        self._engine = engine
+        self._clock = clock
+        self._disk_reader = disk_reader
+        self._checksum = checksum
 
     def batch_put_parts(
         self, items: Sequence[PartsPut], config: p.ReplicaConfig | None = None, *, upsert: bool = False
@@ -73,7 +80,7 @@ class PartsIO:
                 errors[i] = exc
                 continue
             slots.append(i)
-        for i, error in zip(slots, self._put_items(puts), strict=True):
+        for i, error in zip(slots, self._puts.put(puts), strict=True):
             errors[i] = error
         return errors
 
@@ -111,9 +118,8 @@ class PartsIO:
                 continue
             slots.append(i)
         chunk = [keys[i] for i in slots]
-        found = self._call_batch([p.GetReplicas(k) for k in chunk])
-        checksum = self.config.client.checksum
-        got = read_parts(self.engine, self._clock, chunk, found, views, checksum)
+        found = call_batch(self._link, [p.GetReplicas(k) for k in chunk])
+        got = read_parts(self._engine, self._clock, chunk, found, views, self._checksum)
         for j, (result, located) in enumerate(zip(got, found, strict=True)):
             if _needs_disk(result, located):
                 got[j] = self._from_disk(chunk[j], located, views[j])
@@ -128,8 +134,8 @@ class PartsIO:
         if total != located.size:
             return PartsResult(error=InvalidBufferError(f"{key!r} is {located.size} bytes; its buffers hold {total}"))
         staging = bytearray(located.size)
-        checksum = self.config.client.checksum
-        result = read_disk_copies(self._disk_reader, [key], [located], [memoryview(staging)], [GetResult()], checksum)
+        views = [memoryview(staging)]
+        result = read_disk_copies(self._disk_reader, [key], [located], views, [GetResult()], self._checksum)
         if result[0].error is not None or not result[0].found:
             return PartsResult(error=result[0].error)
         offset = 0

@@ -1,5 +1,5 @@
-"""Range reads: byte ranges of objects straight into the caller's buffers (`get_ranges`, a
-mixin of client.py's `StoreClient`).
+"""`RangeReads`: byte ranges of objects straight into the caller's buffers (`get_ranges`), a
+part of client.py's `StoreClient` (which delegates to it).
 
     client.get_ranges([RangeRead("a", 128, view[0:64]), RangeRead("b", 0, view[64:96])])
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from tsukimi.clock import Clock
 from tsukimi.errors import InvalidArgument, TsukimiError
 from tsukimi.store import protocol as p
+from tsukimi.store.master_batch import call_batch
 from tsukimi.store.master_link import MasterLink
 from tsukimi.store.replica_io import LEASE_SHARE, MIN_READ_S, GetResult, transfer_error
 from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
@@ -43,11 +44,13 @@ class _Pending:
 
 
 class RangeReads:
-    """Mixed into `StoreClient`, which provides the master link, the engine and the clock."""
+    """Range reads with the client's master link and Transfer Engine; keeps no state of its
+    own between calls (thread-safe)."""
 
-    _rpc: MasterLink
-    _clock: Clock
-    engine: TransferEngine
+    def __init__(self, link: MasterLink, engine: TransferEngine, clock: Clock) -> None:
+        self._link = link
+        self._engine = engine
+        self._clock = clock
 
     def get_ranges(self, reads: Sequence[RangeRead]) -> list[GetResult]:
         """Each read's `GetResult`, in order: `data` a view of its `dest` holding the bytes;
@@ -74,8 +77,7 @@ class RangeReads:
         found: dict[str, p.BatchResultItem] = {}
         for start in range(0, len(keys), p.MAX_BATCH):
             chunk = keys[start : start + p.MAX_BATCH]
-            batch = self._rpc.call_as(p.Batch([p.GetReplicas(k) for k in chunk]), p.BatchResult)
-            found.update(zip(chunk, batch.results, strict=True))
+            found.update(zip(chunk, call_batch(self._link, [p.GetReplicas(k) for k in chunk]), strict=True))
         return found
 
     @staticmethod
@@ -106,7 +108,7 @@ class RangeReads:
                     TransferRequest(OpCode.READ, loc.te_segment, loc.address + pending[i].offset, pending[i].view)
                 )
             timeout_s = max(MIN_READ_S, lease_end - self._clock.now())
-            for i, status in zip(order, self.engine.transfer(requests, timeout_s=timeout_s), strict=True):
+            for i, status in zip(order, self._engine.transfer(requests, timeout_s=timeout_s), strict=True):
                 target = pending[i]
                 target.attempt += 1
                 if status.state is RequestState.COMPLETED:

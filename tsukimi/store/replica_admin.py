@@ -1,6 +1,7 @@
-"""`StoreClient`'s calls on many keys and on replica sets, a mixin of client.py's class:
-clearing replicas, removing by pattern, describing keys (where each replica is), and copying
-or moving an object's replicas with master-tracked tasks.
+"""`ReplicaAdmin`: a store client's calls on many keys and on replica sets, a part of
+client.py's `StoreClient` (which delegates to it): clearing replicas, removing by pattern,
+describing keys (where each replica is), and copying or moving an object's replicas with
+master-tracked tasks.
 
     client.clear_replicas(["a", "b"], te_segment="node1:12345")   # keys cleared
     client.remove_matching(r"^session-17/")                     # how many removed
@@ -31,10 +32,11 @@ def _new_task_id() -> int:
 
 
 class ReplicaAdmin:
-    """Mixed into `StoreClient`, which provides the master link and the clock."""
+    """Replica calls over the client's master link; keeps no state of its own (thread-safe)."""
 
-    _rpc: MasterLink
-    _clock: Clock
+    def __init__(self, link: MasterLink, clock: Clock) -> None:
+        self._link = link
+        self._clock = clock
 
     def clear_replicas(self, keys: Sequence[str], te_segment: str = "") -> list[str]:
         """Drop the replicas of those `keys` whose read leases have ended: all of them
@@ -50,14 +52,14 @@ class ReplicaAdmin:
         cleared: list[str] = []
         for start in range(0, len(keys), p.MAX_BATCH):
             chunk = list(keys[start : start + p.MAX_BATCH])
-            cleared += self._rpc.call_as(p.ClearReplicas(chunk, te_segment), p.KeysResult).keys
+            cleared += self._link.call_as(p.ClearReplicas(chunk, te_segment), p.KeysResult).keys
         return list(dict.fromkeys(cleared))
 
     def remove_matching(self, pattern: str, force: bool = False) -> int:
         """Remove every object whose key matches the regular expression `pattern` (Python's
         `re.search`, run by the master: keep it simple); leased ones only with `force`.
         Returns how many were removed. Raises InvalidArgument (not a regular expression)."""
-        return self._rpc.call_as(p.RemoveMatching(pattern, force), p.RemoveAllResult).removed
+        return self._link.call_as(p.RemoveMatching(pattern, force), p.RemoveAllResult).removed
 
     def describe(self, keys: Sequence[str]) -> list[p.ObjectInfo | None]:
         """What the master knows of each key (its replicas, size, pins; `complete` False
@@ -65,7 +67,7 @@ class ReplicaAdmin:
         infos: list[p.ObjectInfo | None] = []
         for start in range(0, len(keys), p.MAX_BATCH):
             chunk = list(keys[start : start + p.MAX_BATCH])
-            infos += self._rpc.call_as(p.DescribeKeys(chunk), p.DescribeResult).infos
+            infos += self._link.call_as(p.DescribeKeys(chunk), p.DescribeResult).infos
         return infos
 
     def copy(self, key: str, targets: Sequence[str]) -> int:
@@ -79,20 +81,20 @@ class ReplicaAdmin:
             OutOfSpace: a target has no room (tasks do not evict).
         """
         request = p.CreateCopyTask(key, list(targets), _new_task_id())
-        return self._rpc.call_as(request, p.TaskCreated).task_id
+        return self._link.call_as(request, p.TaskCreated).task_id
 
     def move(self, key: str, source: str, target: str) -> int:
         """Start moving the replica of `key` that TE segment `source` holds to `target`;
         returns the task's id. Raises as `copy`, and InvalidArgument when `source` holds no
         replica or `target` holds one already."""
         request = p.CreateMoveTask(key, source, target, _new_task_id())
-        return self._rpc.call_as(request, p.TaskCreated).task_id
+        return self._link.call_as(request, p.TaskCreated).task_id
 
     def task(self, task_id: int) -> p.TaskInfo:
         """A task's state. Raises TaskNotFound (unknown, or forgotten after many others)."""
         if not isinstance(task_id, int) or not 0 < task_id < 1 << 63:
             raise TaskNotFound(f"no task {task_id!r}: task ids are in 1..2**63-1")
-        return self._rpc.call_as(p.QueryTask(task_id), p.TaskInfo)
+        return self._link.call_as(p.QueryTask(task_id), p.TaskInfo)
 
     def wait_task(self, task_id: int, timeout_s: float = 30.0) -> p.TaskInfo:
         """Poll a task until it has succeeded or failed; its final state.

@@ -168,6 +168,14 @@ class Deployment:
         """The master's `/segments` listing (name, size, used...)."""
         return httpx.get(self.http_url + "/segments", timeout=5).json()  # type: ignore[no-any-return]
 
+    def copies(self, key: str) -> tuple[int, int]:
+        """(memory replicas, disk copies) of `key` by the master's /query_key; (0, 0) if absent."""
+        reply = httpx.get(self.http_url + "/query_key", params={"key": key}, timeout=5)
+        if reply.status_code == 404:
+            return 0, 0
+        info = reply.json()
+        return len(info["replicas"]), len(info["disk_replicas"])
+
     def kill_holder(self, index: int) -> None:
         """SIGKILL a holder process (multi-process deployments only)."""
         assert self.cluster is not None, "faults need real processes"

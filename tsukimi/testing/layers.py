@@ -5,15 +5,21 @@ Layers, bottom (0) up, by the top-level module or package under tsukimi/; a modu
 from its own layer or any lower one, never from a higher one:
 
     0  clock, errors, eviction, config,     (foundation: no tsukimi imports above it)
-       retry
+       retry, lifeline, extras
     1  netio, auth, netserver, rpc, httpd   (sockets, the greeting, the control plane)
     2  transfer                             (the Transfer Engine)
     3  store, scheduler, p2p
     4  engine, sim
     5  serving, compat
-    6  testing                              (this kit)
-    7  bench
-    8  cli, demo, __main__, __init__        (__init__: tsukimi/__init__.py itself)
+    6  integrations                         (vLLM and SGLang plug-ins)
+    7  testing                              (this kit)                  } tooling
+    8  bench                                                            }
+    9  cli, demo, __main__, __init__        (__init__: tsukimi/__init__.py itself)
+
+The product and its tooling are apart: no module outside testing/ and bench/ imports them,
+except the top-level `cli` and `demo`, which dispatch to them (TOOLING, DISPATCHERS). The layers
+already keep every lower layer off them; this rule says so for the top layer too (`__init__`,
+`__main__`), whatever the order of LAYERS becomes.
 
 Every import statement counts: at module level, inside functions, and under
 `if TYPE_CHECKING:` (a cycle hidden there is still a cycle between the two modules' designs).
@@ -39,25 +45,27 @@ from pathlib import Path
 from typing import Literal
 
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"clock", "errors", "eviction", "config", "retry", "lifeline"}),
+    frozenset({"clock", "errors", "eviction", "config", "retry", "lifeline", "extras"}),
     frozenset({"netio", "auth", "netserver", "rpc", "httpd"}),
     frozenset({"transfer"}),
     frozenset({"store", "scheduler", "p2p"}),
     frozenset({"engine", "sim"}),
     frozenset({"serving", "compat"}),
-    frozenset({"testing"}),
     frozenset({"integrations"}),
+    frozenset({"testing"}),
     frozenset({"bench"}),
     frozenset({"cli", "demo", "__main__", "__init__"}),
 )
 RANK: dict[str, int] = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+TOOLING = frozenset({"testing", "bench"})  # the test kit and the benchmarks: never imported by the product
+DISPATCHERS = frozenset({"cli", "demo"})  # the commands that run them (`tsukimi bench`, `tsukimi demo`)
 
 
 @dataclass(frozen=True, slots=True)
 class Problem:
     """One finding: `kind` says which rule; `message` names the modules, files and lines."""
 
-    kind: Literal["cycle", "layer", "unknown"]
+    kind: Literal["cycle", "layer", "tooling", "unknown"]
     message: str
 
     def __str__(self) -> str:
@@ -243,14 +251,41 @@ def _layer_problems(graph: ImportGraph) -> list[Problem]:
         low, high = layer_of(edge.importer), layer_of(edge.imported)
         if low in unknown or high in unknown or RANK[low] >= RANK[high] or (edge.importer, edge.imported) in seen:
             continue
+        if _imports_tooling(edge):  # NOTE: reported once, by the tooling rule, which says why
+            continue
         seen.add((edge.importer, edge.imported))
         ranks = f"{low}, layer {RANK[low]} -> {high}, layer {RANK[high]}"
         problems.append(Problem("layer", f"{edge.path}:{edge.line} {edge.importer} imports {edge.imported} ({ranks})"))
     return problems
 
 
+def _imports_tooling(edge: ImportEdge) -> bool:
+    """Whether `edge` is the product importing testing or bench."""
+    return layer_of(edge.imported) in TOOLING and layer_of(edge.importer) not in TOOLING | DISPATCHERS
+
+
+def _tooling_problems(graph: ImportGraph) -> list[Problem]:
+    """Every import of testing or bench by a module of the product (see the module)."""
+    problems: list[Problem] = []
+    seen: set[tuple[str, str]] = set()
+    for edge in graph.edges:
+        if not _imports_tooling(edge) or (edge.importer, edge.imported) in seen:
+            continue
+        seen.add((edge.importer, edge.imported))
+        imported = layer_of(edge.imported)
+        problems.append(
+            Problem(
+                "tooling",
+                f"{edge.path}:{edge.line} {edge.importer} imports {edge.imported} "
+                f"(the product never imports {imported}: only {', '.join(sorted(TOOLING | DISPATCHERS))} may)",
+            )
+        )
+    return problems
+
+
 def check_layers(root: Path | None = None) -> list[Problem]:
-    """Every import cycle, upward import and unplaced top-level name in the package.
+    """Every import cycle, upward import, import of the tooling by the product and unplaced
+    top-level name in the package.
 
     Args:
         root: the package directory (default: the tsukimi/ this module belongs to).
@@ -261,8 +296,9 @@ def check_layers(root: Path | None = None) -> list[Problem]:
 
 
 def problems_in(graph: ImportGraph) -> list[Problem]:
-    """The cycles, upward imports and unplaced names of an import graph, cycles first."""
-    return _cycle_problems(graph) + _layer_problems(graph)
+    """The cycles, upward imports, imports of the tooling and unplaced names of an import
+    graph, cycles first."""
+    return _cycle_problems(graph) + _layer_problems(graph) + _tooling_problems(graph)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     graph = build_graph(root)
     problems = problems_in(graph)
     if not problems:
-        print(f"layers OK: {len(graph.modules)} modules, {len(graph.edges)} imports, no cycle, no upward import")
+        print(
+            f"layers OK: {len(graph.modules)} modules, {len(graph.edges)} imports, no cycle, no upward import, "
+            "no import of the tooling by the product"
+        )
         return 0
     print(f"{len(problems)} structure problems in {root} ({len(graph.modules)} modules):")
     for problem in problems:

@@ -5,7 +5,9 @@ child that speaks line-delimited JSON (with `child_reply`, the child's half).
 The JSON-lines protocol: the parent writes one JSON command per line on the child's stdin and
 reads one JSON reply per line; a reply is `{"ok": true, ...}` or `{"ok": false, "error": "..."}`.
 Every read has a deadline; stderr goes to a temporary file whose tail is quoted in errors;
-`stop()` closes stdin (the child's signal to exit), then kills, each wait bounded.
+`stop()` closes stdin (the child's signal to exit), then kills, each wait bounded. The child
+imports tsukimi as this environment does (installed, or $PYTHONPATH), with the caller's
+`pythonpath` entries first (tests pass their checkout, so children run the code under test).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from tsukimi.errors import PeerError
 logger = logging.getLogger(__name__)
 
 Reply = dict[str, Any]  # one JSON reply line
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 _EXIT_TIMEOUT_S = 2.0
 _KILL_TIMEOUT_S = 5.0
 _STDERR_TAIL_BYTES = 2000
@@ -85,16 +86,23 @@ class JsonWorker:
         module_args: what follows `python -m`.
         startup_timeout_s: how long to wait for the child's first (ready) reply.
         env: extra environment variables.
+        pythonpath: entries put first on the child's PYTHONPATH (e.g. a checkout).
     """
 
     def __init__(
-        self, label: str, module_args: list[str], startup_timeout_s: float = 30.0, env: dict[str, str] | None = None
+        self,
+        label: str,
+        module_args: list[str],
+        startup_timeout_s: float = 30.0,
+        env: dict[str, str] | None = None,
+        pythonpath: Sequence[str | Path] = (),
     ) -> None:
         self.label = label
         self._clock = WallClock()
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         full_env = {**os.environ, **(env or {})}
-        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), full_env.get("PYTHONPATH")) if p)
+        entries = [*map(str, pythonpath), full_env.get("PYTHONPATH", "")]
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in entries if p)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", *module_args],
             stdin=subprocess.PIPE,

@@ -144,15 +144,6 @@ def regression_closing_a_client_on_a_shared_engine_returns_its_segment(make_depl
         assert engine.describe().buffers == []
 
 
-def _where(dep: Deployment, key: str) -> tuple[int, int]:
-    """(memory replicas, disk copies) of `key` by the master's /query_key; (0, 0) if absent."""
-    reply = httpx.get(dep.http_url + "/query_key", params={"key": key}, timeout=5)
-    if reply.status_code == 404:
-        return 0, 0
-    info = reply.json()
-    return len(info["replicas"]), len(info["disk_replicas"])
-
-
 def disk_tier_offload_read_promote_invalidate_restart(make_deployment: DeploymentMaker) -> None:
     """An object pushed out of memory moves to its holder's disk and any client reads it there
     byte-exact; a hit brings it back to memory; an upsert or a remove is never answered with
@@ -167,16 +158,16 @@ def disk_tier_offload_read_promote_invalidate_restart(make_deployment: Deploymen
             client.put("kept", kept, preferred=here)
             for i in range(48):  # 12 MiB: more than the pool
                 client.put(f"hot{i}", bytes(256 << 10), upsert=True)
-            wait_until(lambda: _where(dep, "cold") == (0, 1) and _where(dep, "kept") == (0, 1))
+            wait_until(lambda: dep.copies("cold") == (0, 1) and dep.copies("kept") == (0, 1))
             assert client.get("cold") == bytearray(value)  # from the holder's disk...
-            wait_until(lambda: _where(dep, "cold") == (1, 1))  # ...and promoted by that hit
+            wait_until(lambda: dep.copies("cold") == (1, 1))  # ...and promoted by that hit
             assert client.get("cold") == bytearray(value) and client.disk_reads == 1
             client.put("cold", b"new", upsert=True)
-            assert client.get("cold") == bytearray(b"new") and _where(dep, "cold") == (1, 0)
+            assert client.get("cold") == bytearray(b"new") and dep.copies("cold") == (1, 0)
             holder.close()  # the disk goes with it...
             assert client.get("kept") is None
             again = dep.client(MIB, ssd_dir=ssd, ssd_bytes=64 * MIB)  # ...and comes back
-            assert again.disk is not None and _where(dep, "kept") == (0, 1)
+            assert again.disk is not None and dep.copies("kept") == (0, 1)
             assert client.get("kept") == bytearray(kept)
             assert client.remove("kept", force=True) and client.get("kept") is None
             assert again.disk is not None

@@ -16,7 +16,6 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 from tsukimi.errors import ChecksumMismatch, InvalidArgument, InvalidBufferError, ObjectExists
@@ -121,19 +120,11 @@ def a_parts_get_reads_a_disk_copy(make_deployment: DeploymentMaker) -> None:
             client.put_parts("cold", [value[:60_000], value[60_000:]], preferred=(holder.engine.name,))
             for i in range(48):  # 12 MiB: more than the pool
                 client.put(f"hot{i}", bytes(256 << 10), upsert=True)
-            wait_until(lambda: _where(dep, "cold") == (0, 1))
+            wait_until(lambda: dep.copies("cold") == (0, 1))
             dests = [bytearray(30_000), bytearray(70_000)]
             assert client.batch_get_parts(["cold"], [dests]) == [PartsResult(True, 100_000)]
             assert dests[0] + dests[1] == value and client.disk_reads == 1
         holder.close()
-
-
-def _where(dep: Deployment, key: str) -> tuple[int, int]:
-    reply = httpx.get(dep.http_url + "/query_key", params={"key": key}, timeout=5)
-    if reply.status_code == 404:
-        return 0, 0
-    info = reply.json()
-    return len(info["replicas"]), len(info["disk_replicas"])
 
 
 PARTS_CHECKS: tuple[Callable[[DeploymentMaker], None], ...] = (

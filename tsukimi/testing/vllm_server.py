@@ -10,6 +10,12 @@ reply says how many prompt tokens came from a cache. Its output goes to a log fi
 is quoted when it fails to start. `pd_handover` is vLLM's toy proxy in one function: the
 prompt to the producer with `do_remote_decode` and one token, then to the consumer with the
 `kv_transfer_params` the producer returned.
+
+The venv and the models are `make vllm`'s, found as `tsukimi up --engine vllm` finds them
+($TSUKIMI_VLLM_VENV / $TSUKIMI_MODELS_DIR, else .venv-vllm / .models in the current directory:
+tsukimi/integrations/vllm/paths.py), or given in `VllmServerConfig`. The server runs in the
+current directory, so a tsukimi checkout it is started from is importable there (the
+connector's module) ahead of the venv's own.
 """
 
 from __future__ import annotations
@@ -28,24 +34,30 @@ from typing import Any
 import httpx
 
 from tsukimi.errors import PeerError
+from tsukimi.integrations.vllm import paths
 from tsukimi.netio import free_port
 from tsukimi.testing.processes import wait_until
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
-MODELS_DIR = REPO_ROOT / ".models"
 STARTUP_TIMEOUT_S = 420.0  # NOTE: 40-90 s alone; minutes on a busy 2-CPU host
 REQUEST_TIMEOUT_S = 120.0
 CONNECTOR_CLASS = "TsukimiConnector"
 CONNECTOR_MODULE = "tsukimi.integrations.vllm.connector"
 
 
-def missing_reason(model: str = "tiny") -> str:
-    """Why vLLM tests cannot run here ("" when they can): the venv or the model is absent."""
-    if not VLLM_PYTHON.exists():
-        return f"{VLLM_PYTHON} is missing (make vllm)"
-    if not (MODELS_DIR / model / ".complete").exists():
-        return f"{MODELS_DIR / model} is missing (make vllm)"
+def missing_reason(model: str = "tiny", venv: Path | None = None, models: Path | None = None) -> str:
+    """Why vLLM tests cannot run here ("" when they can): the venv or the model is absent.
+
+    Args:
+        model: the model folder's name under `models`.
+        venv / models: the vLLM venv and the models' folder (default: paths.vllm_venv() and
+            paths.models_dir(): the environment, else the current directory).
+    """
+    python = paths.venv_python(venv or paths.vllm_venv())
+    if not python.exists():
+        return f"{python} is missing (make vllm, or set ${paths.VENV_ENV})"
+    folder = (models or paths.models_dir()) / model
+    if not (folder / ".complete").exists():
+        return f"{folder} is missing (make vllm, or set ${paths.MODELS_ENV})"
     return ""
 
 
@@ -62,9 +74,11 @@ def connector_config(role: str = "kv_both", **extra: object) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class VllmServerConfig:
-    """One API server. cpus: VLLM_CPU_OMP_THREADS_BIND ("0", "1", "0-1")."""
+    """One API server. model: its folder (default: tiny under paths.models_dir()). venv: the
+    vLLM virtualenv (default: paths.vllm_venv()). cpus: VLLM_CPU_OMP_THREADS_BIND ("0", "1", "0-1")."""
 
-    model: Path = MODELS_DIR / "tiny"
+    model: Path = field(default_factory=lambda: paths.models_dir() / "tiny")
+    venv: Path = field(default_factory=paths.vllm_venv)
     connector: dict[str, Any] | None = None
     cpus: str = "1"
     kv_cache_gib: int = 1
@@ -94,7 +108,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
         args = [
-            str(VLLM_PYTHON),
+            str(paths.venv_python(config.venv)),
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
@@ -122,9 +136,7 @@ class VllmServer:
             **config.env,
         }
         # NOTE: a session of its own: close() signals the whole group, the engine core included
-        self.proc = subprocess.Popen(
-            args, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True
-        )
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._http = httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S)
         try:
             wait_until(self._ready, STARTUP_TIMEOUT_S, 0.5)

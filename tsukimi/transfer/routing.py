@@ -48,22 +48,6 @@ class Routes:
         )
         return handle, req.op, view[req.local_offset : req.local_offset + length], req.remote_offset
 
-    def _choose(self, handle: SegmentHandle, desc: SegmentDescriptor, buffer: BufferDescriptor) -> Transport | None:
-        """The first transport (in rank order) that can serve the buffer, or the one forced.
-        A choice is remembered for this very descriptor object (a peer that changes publishes
-        a new one); a refusal is not, so a peer that becomes reachable is found."""
-        key = (handle.transport, id(desc), buffer.base)
-        known = self._choices.get(key)
-        if known is not None and known[0] is desc:
-            return known[1]
-        for transport in self._transports:
-            if handle.transport in ("auto", transport.name) and transport.can_serve(desc, buffer):
-                if len(self._choices) >= MAX_CHOICES:
-                    self._choices.clear()
-                self._choices[key] = (desc, transport)
-                return transport
-        return None
-
     def dispatch(self, records: list[RequestRecord], plans: list[Plan]) -> None:
         """Route every request and hand each transport its slices, one hand-off per peer."""
         refreshed: set[str] = set()

@@ -9,6 +9,10 @@ Code written for Mooncake runs unchanged under `tsukimi compat exec -- CMD` (whi
 |---------------------------|---------------------------|
 | `store`                   | store.py                  |
 | `engine`                  | engine.py                 |
+
+Each of the two classes is Mooncake's API surface over parts that own their state (a store's
+connection, objects, replicas, ranges, tensors...; an engine's local memory, synchronous and
+batch transfers): the facade makes its parts and delegates every call (see each module).
 """
 
 from tsukimi.compat.mooncake.codes import code_of

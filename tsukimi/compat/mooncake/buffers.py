@@ -64,6 +64,12 @@ class RegisteredBuffers:
             del self._sizes[address]
             self._starts.remove(address)
 
+    def clear(self) -> None:
+        """Forget every buffer (the store closed). Mutates."""
+        with self._lock:
+            self._starts.clear()
+            self._sizes.clear()
+
     def size_at(self, address: int) -> int:
         """The size of the buffer registered at `address`. Raises InvalidBufferError."""
         with self._lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tsukimi.errors import (
     ConfigError,
+    ErrorTable,
     InvalidArgument,
     InvalidBufferError,
     LeaseHeld,
@@ -28,26 +29,26 @@ OBJECT_HAS_REPLICATION_TASK = -708
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
 TASK_NOT_FOUND = -1400
-_CODES: list[tuple[type[TsukimiError], int]] = [
-    (TaskNotFound, TASK_NOT_FOUND),  # NOTE: before ObjectNotFound, its base class
-    (TaskInFlight, OBJECT_HAS_REPLICATION_TASK),
-    (OutOfSpace, NO_SPACE),
-    (InvalidArgument, INVALID_PARAMS),
-    (ConfigError, INVALID_PARAMS),
-    (InvalidBufferError, INVALID_PARAMS),
-    (OutOfBounds, INVALID_PARAMS),
-    (ObjectNotFound, OBJECT_NOT_FOUND),
-    (ObjectExists, OBJECT_ALREADY_EXISTS),
-    (LeaseHeld, OBJECT_HAS_LEASE),
-    (TransferError, TRANSFER_FAIL),
-]
+# NOTE: the first class that matches wins: subclasses before their bases (ErrorTable checks).
+_CODES: ErrorTable[int] = ErrorTable(
+    [
+        (TaskNotFound, TASK_NOT_FOUND),  # an ObjectNotFound
+        (TaskInFlight, OBJECT_HAS_REPLICATION_TASK),
+        (OutOfSpace, NO_SPACE),
+        (InvalidArgument, INVALID_PARAMS),
+        (ConfigError, INVALID_PARAMS),
+        (InvalidBufferError, INVALID_PARAMS),
+        (OutOfBounds, INVALID_PARAMS),
+        (ObjectNotFound, OBJECT_NOT_FOUND),
+        (ObjectExists, OBJECT_ALREADY_EXISTS),
+        (LeaseHeld, OBJECT_HAS_LEASE),
+        (TransferError, TRANSFER_FAIL),
+    ],
+    default=RPC_FAIL,  # network and master failures
+)
 
 
 def code_of(error: TsukimiError | None) -> int:
-    """Mooncake's error code for a tsukimi error (RPC_FAIL for network and master failures)."""
-    if error is None:
-        return OK
-    for cls, code in _CODES:
-        if isinstance(error, cls):
-            return code
-    return RPC_FAIL
+    """Mooncake's error code for a tsukimi error (OK for None; RPC_FAIL for network and
+    master failures). Pure."""
+    return OK if error is None else _CODES.lookup(error)

@@ -1,6 +1,6 @@
-"""Mooncake's dummy clients on tsukimi: `setup_dummy` and `alloc_from_mem_pool` (a mixin of
-store.py's class), and the handshake with the standalone client (`tsukimi compat
-mooncake-client`, client_service.py) that holds the pool's memory.
+"""Mooncake's dummy clients on tsukimi: the handshake of `setup_dummy` with the standalone
+client (`tsukimi compat mooncake-client`, client_service.py) that holds the store's memory,
+and the dummy's own `MemPool`, which serves `alloc_from_mem_pool`.
 
     mooncake-client process                     application process
     StoreClient, global segment (the memory)    MooncakeDistributedStore.setup_dummy(pool, buf, "h:50052")
@@ -23,7 +23,6 @@ import threading
 import msgspec
 
 from tsukimi.compat.mooncake.setup_args import StoreSetup
-from tsukimi.compat.mooncake.store_base import StoreBase
 from tsukimi.errors import ConfigError
 from tsukimi.rpc import Codec, RpcClient
 from tsukimi.store.master.allocator import OffsetAllocator
@@ -87,26 +86,13 @@ class MemPool:
         self._lock = threading.Lock()
 
     def alloc(self, size: int) -> int:
-        """The address of `size` fresh bytes, or 0 when the pool has no room."""
-        if size <= 0:
-            return 0
-        with self._lock:
-            offset = self._allocator.allocate(size)
-        return 0 if offset is None else self._buffer.base + offset
-
-
-class DummyMethods(StoreBase):
-    """Mixed into `MooncakeDistributedStore`: the pool of a dummy client."""
-
-    _pool: MemPool | None
-
-    def alloc_from_mem_pool(self, size: int) -> int:
-        """The address of `size` bytes of the dummy's shared-memory pool; 0 on failure (not
-        a dummy client, or no room)."""
-        if not isinstance(size, int) or self._pool is None:
-            logger.error("alloc_from_mem_pool: needs setup_dummy with a mem_pool_size, and a size in bytes")
-            return 0
-        address = self._pool.alloc(size)
-        if not address:
+        """The address of `size` fresh bytes, or 0 when the pool has no room (logged).
+        Mutates: the bytes are the caller's for the pool's life."""
+        offset = None
+        if size > 0:
+            with self._lock:
+                offset = self._allocator.allocate(size)
+        if offset is None:
             logger.error("alloc_from_mem_pool: no room for %d bytes", size)
-        return address
+            return 0
+        return self._buffer.base + offset

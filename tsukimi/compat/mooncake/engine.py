@@ -12,10 +12,16 @@ TransferEngine, which does the work:
 |                                                       | (those three rows: engine_memory.py) |
 | get_first_buffer_address                              | lookup(name, fresh=True)             |
 | transfer_sync[_read/_write], batch_transfer_sync[...] | transfer(requests), then notify      |
+| TransferNotify, get_notifies                          | Notification, notify / notifications |
+|                                                       | (both rows: engine_transfers.py)     |
 | batch_transfer_async[...], transfer_submit_write,     | submit, through compat.BatchTable    |
 | get_batch_transfer_status, transfer_check_status      | (engine_batches.py)                  |
 | send_probe                                            | probe                                |
-| TransferNotify, get_notifies                          | Notification, notify / notifications |
+
+The class is Mooncake's API surface: `initialize` starts tsukimi's engine and hands it to the
+parts, which own their state (`LocalMemory`: the managed buffers; `BatchTransfers`: the batch
+table; `SyncTransfers`), and every call is delegated to one of them. `close` replaces them
+with parts over no engine, whose calls fail as before initialize.
 
 Return conventions are Mooncake's: 0 or a negative code (engine_codes.py), a batch id (0 on
 failure) from an asynchronous submit, addresses as ints (0 on failure). Where tsukimi differs:
@@ -30,13 +36,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from tsukimi.compat.batches import BatchTable
-from tsukimi.compat.mooncake.engine_batches import BatchTransfers, TransferOpcode, build_requests, with_opcode
+from tsukimi.compat.mooncake.engine_batches import BatchTransfers
 from tsukimi.compat.mooncake.engine_codes import ERR_INVALID_ARGUMENT, FAILED, OK, failed
 from tsukimi.compat.mooncake.engine_memory import LocalMemory
-from tsukimi.compat.mooncake.engine_setup import EngineSetup, engine_setup
+from tsukimi.compat.mooncake.engine_setup import EngineSetup, engine_setup, started
+from tsukimi.compat.mooncake.engine_transfers import SyncTransfers, TransferBatch, TransferNotify, TransferOpcode
 from tsukimi.errors import TsukimiError
-from tsukimi.transfer import Notification, RegisteredBuffer, first_error
 from tsukimi.transfer import TransferEngine as _Engine
 
 __all__ = [
@@ -61,41 +66,22 @@ Write = TransferOpcode.Write
 SUPPORT_CUDA = SUPPORT_EFA = SUPPORT_HIP = SUPPORT_INTRA_NVLINK = SUPPORT_MNNVL = SUPPORT_MUSA = False
 
 
-class TransferNotify:
-    """A notification sent with a transfer (`transfer_sync(..., notify=)`) and what
-    `get_notifies` returns: `name` and `msg`, strings (bytes are taken as UTF-8)."""
-
-    __slots__ = ("msg", "name")
-
-    def __init__(self, name: str | bytes = "", msg: str | bytes = "") -> None:
-        self.name = _text(name)
-        self.msg = _text(msg)
-
-    def __repr__(self) -> str:
-        return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, TransferNotify) and (self.name, self.msg) == (other.name, other.msg)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, like Mooncake's
-
-
-def _text(value: str | bytes) -> str:
-    # NOTE: surrogateescape: bytes that are not UTF-8 still round-trip through a notification
-    return value if isinstance(value, str) else value.decode("utf-8", "surrogateescape")
-
-
-class TransferEngine(LocalMemory, BatchTransfers):
+class TransferEngine:
     """`mooncake.engine.TransferEngine` on tsukimi (see the module). Once initialized, its
     calls may come from several threads; `close()` (not in Mooncake) frees it before the
     process ends."""
 
     def __init__(self) -> None:
-        self._engine: _Engine | None = None
-        self._batches: BatchTable | None = None
-        self._managed: dict[int, RegisteredBuffer] = {}
+        self._attach(None)
 
-    # -- setup -------------------------------------------------------------------------------
+    def _attach(self, engine: _Engine | None) -> None:
+        """Make the parts over `engine` (None: before initialize, after close). Mutates."""
+        self._engine: _Engine | None = engine
+        self._memory = LocalMemory(engine)
+        self._transfers = SyncTransfers(engine)
+        self._batches = BatchTransfers(engine)
+
+    # -- setup ---------------------------------------------------------------------------------
 
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int:
         """Start the engine: 0, or -1 (bad arguments, no metadata server, already initialized)."""
@@ -119,40 +105,76 @@ class TransferEngine(LocalMemory, BatchTransfers):
         except OSError as exc:  # the segment server cannot bind
             logger.error("initialize failed: %s", exc)
             return FAILED
-        self._engine, self._batches = engine, BatchTable(engine)
+        self._attach(engine)
         return OK
 
     def get_rpc_port(self) -> int:
         """The port of this engine's segment server (in p2p mode, part of its name)."""
-        return self._require().describe().endpoints[0].port
+        return started(self._engine).describe().endpoints[0].port
 
     def get_local_hostname(self) -> str:
         """This engine's segment name (not in Mooncake's API)."""
-        return self._require().name
+        return started(self._engine).name
 
     def get_engine(self) -> _Engine:
-        """The tsukimi TransferEngine underneath (Mooncake returns its C++ engine)."""
-        return self._require()
+        """The tsukimi TransferEngine underneath (Mooncake returns its C++ engine). Raises
+        ConfigError before initialize."""
+        return started(self._engine)
 
     def close(self) -> int:
         """Not in Mooncake's API (its engine lives as long as the process); frees ours."""
         if self._engine is not None:
             self._engine.close()
-            self._engine, self._batches = None, None
-            self._managed.clear()
+            self._attach(None)
         return OK
+
+    # -- local memory --------------------------------------------------------------------------
+
+    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
+        """Register [buffer_addr, +capacity) of CPU memory for peers: 0, -1, -7 (overlaps)."""
+        return self._memory.register(buffer_addr, capacity, location)
+
+    def unregister_memory(self, buffer_addr: int) -> int:
+        """0, or -3 when nothing is registered at `buffer_addr`."""
+        return self._memory.unregister(buffer_addr)
+
+    def batch_register_memory(self, buffer_addresses: list[int], capacities: list[int], location: str = "*") -> int:
+        """Register each buffer; all or none (the first failure's code)."""
+        return self._memory.register_all(buffer_addresses, capacities, location)
+
+    def batch_unregister_memory(self, buffer_addresses: list[int]) -> int:
+        """Unregister each buffer that is registered; the first failure's code."""
+        return self._memory.unregister_all(buffer_addresses)
+
+    def allocate_managed_buffer(self, length: int) -> int:
+        """A registered buffer of `length` bytes owned by the engine (shared memory, which
+        peers on this host reach without a copy); its address, 0 on failure."""
+        return self._memory.allocate(length)
+
+    def free_managed_buffer(self, buffer_addr: int, length: int) -> int:
+        """0, or -3 when `buffer_addr` is not a managed buffer of this engine."""
+        return self._memory.free(buffer_addr)
+
+    def read_bytes_from_buffer(self, buffer_addr: int, length: int) -> bytes:
+        """A copy of registered memory. Raises OutOfBounds outside it, ConfigError before initialize."""
+        return self._memory.read(buffer_addr, length)
+
+    def write_bytes_to_buffer(self, buffer_addr: int, src_data: bytes | str, length: int) -> int:
+        """Copy the first `length` bytes of `src_data` into registered memory: 0, -1 (more
+        bytes asked than given), -3 (not registered memory)."""
+        return self._memory.write(buffer_addr, src_data, length)
 
     def get_first_buffer_address(self, segment_name: str) -> int:
         """The lowest registered address of segment `segment_name` (fetched anew; this
         engine's own included); 0 when it has none or cannot be found."""
         try:
-            buffers = self._require().lookup(segment_name, fresh=True).buffers
+            buffers = started(self._engine).lookup(segment_name, fresh=True).buffers
         except TsukimiError as exc:
             failed(f"get_first_buffer_address({segment_name})", exc)
             return 0
         return buffers[0].base if buffers else 0
 
-    # -- synchronous transfers, notifications, probes -----------------------------------------
+    # -- synchronous transfers, notifications, probes ------------------------------------------
 
     def transfer_sync_write(
         self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = ""
@@ -179,9 +201,31 @@ class TransferEngine(LocalMemory, BatchTransfers):
             target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify, transport_hint
         )
 
-    batch_transfer_sync_write = with_opcode("batch_transfer_sync", TransferOpcode.Write)
+    def batch_transfer_sync_write(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
+        """`batch_transfer_sync` with opcode Write."""
+        return self.batch_transfer_sync(
+            target_hostname, buffers, peer_buffer_addresses, lengths, Write, transport_hint=transport_hint
+        )
 
-    batch_transfer_sync_read = with_opcode("batch_transfer_sync", TransferOpcode.Read)
+    def batch_transfer_sync_read(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
+        """`batch_transfer_sync` with opcode Read."""
+        return self.batch_transfer_sync(
+            target_hostname, buffers, peer_buffer_addresses, lengths, Read, transport_hint=transport_hint
+        )
 
     def batch_transfer_sync(
         self,
@@ -195,30 +239,78 @@ class TransferEngine(LocalMemory, BatchTransfers):
     ) -> int:
         """Every transfer, waited for (each bounded by transfer.timeout_s), then `notify`: 0
         when all completed and the notification (if any) was delivered, -1 otherwise."""
-        try:
-            engine = self._require()
-            requests = build_requests(
-                engine, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint
-            )
-            error = first_error(engine.transfer(requests))
-            if error is not None:
-                raise error
-            if notify is not None:
-                engine.notify(target_hostname, Notification(notify.name, notify.msg.encode("utf-8", "surrogateescape")))
-        except TsukimiError as exc:
-            return failed(f"transfer to {target_hostname}", exc, FAILED)
-        return OK
+        batch = TransferBatch(target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint)
+        return self._transfers.transfer(batch, notify)
 
     def get_notifies(self) -> list[TransferNotify]:
         """The notifications peers sent here since the last call, oldest first."""
-        taken = self._require().notifications()
-        return [TransferNotify(n.name, n.message) for n in taken]
+        return self._transfers.notifies()
 
     def send_probe(self, peer_server_name: str) -> int:
         """0 when the peer's engine answers a probe; otherwise a negative code (-200: no such
         segment; -101 / -102: a p2p name that does not resolve / a refused or broken connection)."""
         try:
-            self._require().probe(peer_server_name)
+            started(self._engine).probe(peer_server_name)
         except TsukimiError as exc:
             return failed(f"send_probe({peer_server_name})", exc)
         return OK
+
+    # -- asynchronous transfers (batch ids) ----------------------------------------------------
+
+    def batch_transfer_async(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        opcode: int,
+        transport_hint: str = "",
+    ) -> int:
+        """Start the transfers; their batch id, or 0 when nothing was started (an unknown
+        peer, bad arguments, not initialized)."""
+        batch = TransferBatch(target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint)
+        return self._batches.submit(batch)
+
+    def batch_transfer_async_write(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
+        """`batch_transfer_async` with opcode Write."""
+        return self.batch_transfer_async(
+            target_hostname, buffers, peer_buffer_addresses, lengths, Write, transport_hint=transport_hint
+        )
+
+    def batch_transfer_async_read(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
+        """`batch_transfer_async` with opcode Read."""
+        return self.batch_transfer_async(
+            target_hostname, buffers, peer_buffer_addresses, lengths, Read, transport_hint=transport_hint
+        )
+
+    def transfer_submit_write(
+        self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, transport_hint: str = ""
+    ) -> int:
+        """One asynchronous write; its batch id (0 when not started): see transfer_check_status."""
+        return self.batch_transfer_async(
+            target_hostname, [buffer], [peer_buffer_address], [length], Write, transport_hint
+        )
+
+    def get_batch_transfer_status(self, batch_ids: list[int]) -> int:
+        """Wait for every batch (each bounded by its requests' deadline) and free it: 0 when
+        every request of every batch completed, -1 otherwise (an unknown id included)."""
+        return self._batches.wait(batch_ids)
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        """0 while the batch is pending; once it ended (the id is then freed) 1 when every
+        request completed, -1 when one failed; -1 for an unknown id."""
+        return self._batches.check(batch_id)

@@ -14,6 +14,7 @@ import socket
 from tsukimi.errors import (
     AuthError,
     BrokenConnectionError,
+    ErrorTable,
     MetadataError,
     ProtocolError,
     RpcTimeout,
@@ -34,14 +35,18 @@ ERR_MALFORMED_JSON = -103
 ERR_REJECT_HANDSHAKE = -104
 ERR_METADATA = -200
 
-_CODES: list[tuple[type[TsukimiError], int]] = [
-    (SegmentNotFound, ERR_METADATA),
-    (MetadataError, ERR_METADATA),
-    (AuthError, ERR_REJECT_HANDSHAKE),
-    (ProtocolError, ERR_MALFORMED_JSON),
-    (BrokenConnectionError, ERR_SOCKET),
-    (RpcTimeout, ERR_SOCKET),
-]
+# NOTE: the first class that matches wins: subclasses before their bases (ErrorTable checks).
+_CODES: ErrorTable[int] = ErrorTable(
+    [
+        (SegmentNotFound, ERR_METADATA),
+        (MetadataError, ERR_METADATA),
+        (AuthError, ERR_REJECT_HANDSHAKE),
+        (ProtocolError, ERR_MALFORMED_JSON),
+        (BrokenConnectionError, ERR_SOCKET),
+        (RpcTimeout, ERR_SOCKET),
+    ],
+    default=ERR_INVALID_ARGUMENT,  # Mooncake's generic failure
+)
 
 
 def code_of(error: TsukimiError) -> int:
@@ -50,10 +55,7 @@ def code_of(error: TsukimiError) -> int:
     name does not resolve, or its address refuses, gives ERR_DNS_FAIL / ERR_SOCKET, as Mooncake."""
     if isinstance(error, SegmentNotFound) and isinstance(error.__cause__, OSError):
         return ERR_DNS_FAIL if isinstance(error.__cause__, socket.gaierror) else ERR_SOCKET
-    for cls, code in _CODES:
-        if isinstance(error, cls):
-            return code
-    return ERR_INVALID_ARGUMENT
+    return _CODES.lookup(error)
 
 
 def failed(what: str, error: TsukimiError, code: int | None = None) -> int:

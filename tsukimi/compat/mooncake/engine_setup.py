@@ -14,6 +14,8 @@ its segment name, the address it serves on, where it publishes, and which transp
 |                                         | this host, tcp otherwise                               |
 | protocol "rdma"                         | auto with the nixl transport on (`make nixl`)          |
 | device_name                             | unused (NIXL/UCX choose the NICs)                      |
+
+`started(engine)` is how every part of the facade asks for the engine `initialize` started.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from tsukimi.config import Config, MetadataConfig, TransferConfig
 from tsukimi.errors import ConfigError
+from tsukimi.transfer import TransferEngine
 
 P2P = "P2PHANDSHAKE"
 DEFAULT_HOST = "127.0.0.1"
@@ -69,3 +72,11 @@ def _url(metadata_server: str, metadata_type: str) -> str:
     if "://" in metadata_server:
         return metadata_server
     return f"{metadata_type.strip().lower() or 'etcd'}://{metadata_server}"
+
+
+def started(engine: TransferEngine | None) -> TransferEngine:
+    """`engine`, the one `initialize` started. Raises ConfigError when there is none (before
+    initialize, after close)."""
+    if engine is None:
+        raise ConfigError("TransferEngine: call initialize() first")
+    return engine

@@ -1,5 +1,5 @@
 """`MooncakeDistributedStore.batch_put_from_multi_buffers` / `batch_get_into_multi_buffers`
-(a mixin of store.py's class), on tsukimi's `StoreClient.batch_put_parts` / `batch_get_parts`:
+(`MultiBufferCalls`), on tsukimi's `StoreClient.batch_put_parts` / `batch_get_parts`:
 each key's value is the concatenation of several buffers, given as parallel lists of
 addresses and sizes, moved straight from and into those buffers (what vLLM's
 MooncakeStoreConnector does with one KV block of every layer under one key).
@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 
 from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, RPC_FAIL, code_of
+from tsukimi.compat.mooncake.connection import StoreConnection
 from tsukimi.compat.mooncake.replicate import ReplicateConfig
-from tsukimi.compat.mooncake.store_base import StoreBase
 from tsukimi.errors import InvalidBufferError, ObjectExists, TsukimiError
 
 logger = logging.getLogger(__name__)
@@ -31,29 +31,30 @@ logger = logging.getLogger(__name__)
 Buffers = list[tuple[int, int]]  # (address, size) of each part of one key
 
 
-class MultiBufferMethods(StoreBase):
-    """Mixed into `MooncakeDistributedStore`."""
+class MultiBufferCalls:
+    """Puts and gets of objects made of several caller buffers (zero-copy)."""
 
-    _hostname: str
+    def __init__(self, connection: StoreConnection) -> None:
+        self._connection = connection
 
-    def batch_put_from_multi_buffers(
+    def put(
         self,
         keys: list[str],
         all_buffer_ptrs: list[list[int]],
         all_sizes: list[list[int]],
-        config: ReplicateConfig | None = None,
+        config: ReplicateConfig | None,
     ) -> list[int]:
         """Put each key from its buffers (zero-copy): 0 or a negative code per key (an
         existing key answers 0 and keeps its value, as Mooncake's puts do)."""
         if config is not None and not isinstance(config, ReplicateConfig):
             raise TypeError(f"config must be a ReplicateConfig, got {type(config).__name__}")
         plan = _plan(keys, all_buffer_ptrs, all_sizes, "put")
-        client = self._ready()
+        client = self._connection.ready()
         if client is None:
             return [RPC_FAIL] * len(keys)
         codes, slots, parts = _split(plan)
         try:
-            replica = (config or ReplicateConfig()).to_tsukimi(self._hostname)
+            replica = (config or ReplicateConfig()).to_tsukimi(self._connection.hostname)
             errors = client.batch_put_parts([(keys[i], p) for i, p in zip(slots, parts, strict=True)], replica)
         except TsukimiError as exc:
             logger.error("batch_put_from_multi_buffers failed: %s", exc)
@@ -64,19 +65,11 @@ class MultiBufferMethods(StoreBase):
             codes[i] = OK if isinstance(error, ObjectExists) else code_of(error)
         return codes
 
-    def batch_get_into_multi_buffers(
-        self,
-        keys: list[str],
-        all_buffer_ptrs: list[list[int]],
-        all_sizes: list[list[int]],
-        prefer_alloc_in_same_node: bool = False,
-    ) -> list[int]:
+    def get(self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]]) -> list[int]:
         """Read each key into its buffers, in order: the bytes read, or a negative code per
-        key (-704 missing, -600 buffers that do not add up to the object, -800 unreadable).
-        `prefer_alloc_in_same_node` is accepted and has no effect (tsukimi reads a replica
-        on this host through shared memory or CMA whichever way)."""
+        key (-704 missing, -600 buffers that do not add up to the object, -800 unreadable)."""
         plan = _plan(keys, all_buffer_ptrs, all_sizes, "get")
-        client = self._ready()
+        client = self._connection.ready()
         if client is None:
             return [RPC_FAIL] * len(keys)
         codes, slots, parts = _split(plan)

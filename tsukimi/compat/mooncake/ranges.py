@@ -1,5 +1,6 @@
-"""`MooncakeDistributedStore.get_into_ranges` (a mixin of store.py's class): byte ranges of
-several objects into several registered buffers, on tsukimi's `StoreClient.get_ranges`.
+"""`MooncakeDistributedStore.get_into_ranges`: byte ranges of several objects into several
+registered buffers, on tsukimi's `StoreClient.get_ranges`. `RangeReads` is given the store's
+registered buffers (buffers.py) and refuses a range that leaves its buffer.
 
 The arguments are buffer-major: for buffer b, keys[b] lists the objects read into it and,
 per key, parallel lists of destination offsets (in the buffer), source offsets (in the
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import logging
 
+from tsukimi.compat.mooncake.buffers import RegisteredBuffers
 from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, RPC_FAIL, code_of
-from tsukimi.compat.mooncake.store_base import StoreBase
+from tsukimi.compat.mooncake.connection import StoreConnection
 from tsukimi.errors import InvalidBufferError, TsukimiError
 from tsukimi.store.ranges import RangeRead
 
@@ -25,27 +27,24 @@ logger = logging.getLogger(__name__)
 Ranges = list[list[list[int]]]
 
 
-class RangeMethods(StoreBase):
-    """Mixed into `MooncakeDistributedStore`."""
+class RangeReads:
+    """Range reads into the buffers registered with the store."""
 
-    def get_into_ranges(
-        self,
-        buffer_ptrs: list[int],
-        all_keys: list[list[str]],
-        all_dst_offsets: Ranges,
-        all_src_offsets: Ranges,
-        all_sizes: Ranges,
-    ) -> Ranges:
+    def __init__(self, connection: StoreConnection, buffers: RegisteredBuffers) -> None:
+        self._connection = connection
+        self._buffers = buffers
+
+    def read(self, buffer_ptrs: list[int], keys: list[list[str]], dsts: Ranges, srcs: Ranges, sizes: Ranges) -> Ranges:
         """Per buffer, per key, per range: bytes read or a negative code (see the module)."""
-        client = self._ready()
-        if not len(buffer_ptrs) == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes):
-            logger.error("get_into_ranges: %d buffers but %d key lists", len(buffer_ptrs), len(all_keys))
+        client = self._connection.ready()
+        if not len(buffer_ptrs) == len(keys) == len(dsts) == len(srcs) == len(sizes):
+            logger.error("get_into_ranges: %d buffers but %d key lists", len(buffer_ptrs), len(keys))
             return [[[INVALID_PARAMS]] for _ in buffer_ptrs]
         results: Ranges = []
         reads: list[RangeRead] = []
         slots: list[tuple[int, int, int]] = []  # (buffer, key, range) of each read
         for b, ptr in enumerate(buffer_ptrs):
-            plan = (all_keys[b], all_dst_offsets[b], all_src_offsets[b], all_sizes[b])
+            plan = (keys[b], dsts[b], srcs[b], sizes[b])
             results.append(self._plan_buffer(b, ptr, plan, reads, slots))
         if client is None:
             return [[[RPC_FAIL] * len(r) for r in per_key] for per_key in results]

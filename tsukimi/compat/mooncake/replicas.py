@@ -1,11 +1,10 @@
-"""Replica-level calls of `MooncakeDistributedStore` (a mixin of store.py's class) and their
-types: where an object's replicas are (`get_replica_desc`, `ReplicaDescriptor`), clearing
-them (`batch_replica_clear`), removing by pattern (`remove_by_regex`), and copy / move
-tasks (`create_copy_task`, `create_move_task`, `query_task`, `QueryTaskResponse`).
+"""The replica-level part of `MooncakeDistributedStore` and its types: where an object's
+replicas are (`ReplicaDescriptor`), clearing them, removing by pattern, and copy / move tasks
+(`QueryTaskResponse`).
 
-Each maps onto tsukimi's `StoreClient` (replica_admin.py). Segment names are Transfer Engine
-segment names, what `get_hostname()` returns. Task ids are Mooncake's (high, low) pairs of
-tsukimi's integer ids; times are milliseconds since the epoch, as Mooncake's.
+`ReplicaAdmin` maps each onto tsukimi's `StoreClient` (replica_admin.py). Segment names are
+Transfer Engine segment names, what `get_hostname()` returns. Task ids are Mooncake's (high,
+low) pairs of tsukimi's integer ids; times are milliseconds since the epoch, as Mooncake's.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field
 
 from tsukimi.auth import wall_time
 from tsukimi.compat.mooncake.codes import OK, RPC_FAIL, code_of
-from tsukimi.compat.mooncake.store_base import StoreBase
+from tsukimi.compat.mooncake.connection import StoreConnection
 from tsukimi.errors import InvalidArgument, TsukimiError
 from tsukimi.store import protocol as p
 from tsukimi.store.client import StoreClient
@@ -119,16 +118,16 @@ _STATUS = {
 }
 
 
-class ReplicaMethods(StoreBase):
-    """Mixed into `MooncakeDistributedStore`."""
+class ReplicaAdmin:
+    """Replica sets, pattern removal and copy / move tasks (answers Mooncake's codes, logged;
+    raises TypeError for arguments of the wrong type, as Mooncake's bindings)."""
 
-    def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
-        """The replicas of `key` ([] when there is none, or on error, logged)."""
-        return self.batch_get_replica_desc([key]).get(key, [])
+    def __init__(self, connection: StoreConnection) -> None:
+        self._connection = connection
 
-    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
-        """The replicas of each key that has an object (others are left out)."""
-        client = self._ready()
+    def describe(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
+        """The replicas of each key that has an object (others are left out; {} on error)."""
+        client = self._connection.ready()
         if client is None:
             return {}
         try:
@@ -140,10 +139,10 @@ class ReplicaMethods(StoreBase):
             info.key: _descriptors(info) for info in infos if info is not None and (info.replicas or info.disk_replicas)
         }
 
-    def batch_replica_clear(self, keys: list[str], segment_name: str = "") -> list[str]:
+    def clear(self, keys: list[str], segment_name: str) -> list[str]:
         """Clear the replicas (all, or those in `segment_name`) of the keys whose leases have
         ended; the keys cleared. Invalid keys are logged and skipped."""
-        client = self._ready()
+        client = self._connection.ready()
         if client is None:
             return []
         valid = []
@@ -159,9 +158,9 @@ class ReplicaMethods(StoreBase):
             logger.error("batch_replica_clear failed: %s", exc)
             return []
 
-    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+    def remove_matching(self, regex_pattern: str, force: bool) -> int:
         """How many objects whose keys match were removed, or a negative code."""
-        client = self._ready()
+        client = self._connection.ready()
         if client is None:
             return RPC_FAIL
         try:
@@ -170,21 +169,21 @@ class ReplicaMethods(StoreBase):
             logger.error("remove_by_regex(%r) failed: %s", regex_pattern, exc)
             return code_of(exc)
 
-    def create_copy_task(self, key: str, targets: list[str]) -> tuple[TaskId, int]:
+    def copy(self, key: str, targets: list[str]) -> tuple[TaskId, int]:
         """(task id, 0), or ((0, 0), a negative code). TypeError for targets not a list of str."""
         if isinstance(targets, str) or not all(isinstance(t, str) for t in targets):
             raise TypeError(f"targets must be a list of segment names, got {targets!r}")
         return self._task(lambda client: client.copy(key, list(targets)), f"copy of {key!r}")
 
-    def create_move_task(self, key: str, source: str, target: str) -> tuple[TaskId, int]:
+    def move(self, key: str, source: str, target: str) -> tuple[TaskId, int]:
         """(task id, 0), or ((0, 0), a negative code)."""
         return self._task(lambda client: client.move(key, source, target), f"move of {key!r}")
 
-    def query_task(self, task_id: TaskId) -> tuple[QueryTaskResponse | None, int]:
+    def query(self, task_id: TaskId) -> tuple[QueryTaskResponse | None, int]:
         """(the task's state, 0), or (None, a negative code: -1400 for an unknown task)."""
         if not (isinstance(task_id, tuple) and len(task_id) == 2 and all(isinstance(v, int) for v in task_id)):
             raise TypeError(f"task_id must be a (high, low) pair of ints, got {task_id!r}")
-        client = self._ready()
+        client = self._connection.ready()
         if client is None:
             return None, RPC_FAIL
         try:
@@ -206,7 +205,7 @@ class ReplicaMethods(StoreBase):
         return response, OK
 
     def _task(self, start: Callable[[StoreClient], int], what: str) -> tuple[TaskId, int]:
-        client = self._ready()
+        client = self._connection.ready()
         if client is None:
             return (0, 0), RPC_FAIL
         try:

@@ -1,19 +1,30 @@
 """`mooncake.store` on tsukimi: `MooncakeDistributedStore` and the types its calls take and
-return, over tsukimi's `StoreClient` (the facade stores nothing itself).
+return, over tsukimi's `StoreClient` (the facade stores no object itself).
 
 Method names, positional signatures and return conventions follow Mooncake's (0.3.x): 0 or a
 size on success, negative codes on failure (codes.py), `b""` for a missing key in `get`.
 Errors are logged, not raised, as Mooncake does; arguments of the wrong type raise
-TypeError, as Mooncake's bindings do. The class is assembled from parts:
+TypeError, as Mooncake's bindings do.
 
-| part                       | calls                                                              |
-|----------------------------|--------------------------------------------------------------------|
-| here                       | setup (positional or dict), puts, upserts, gets, buffers, removes   |
-| replicas.py                | get_replica_desc, batch_replica_clear, remove_by_regex, copy/move   |
-| ranges.py                  | get_into_ranges                                                     |
-| multi_buffers.py           | batch_put_from_multi_buffers, batch_get_into_multi_buffers          |
-| dummy.py                   | setup_dummy's pool: alloc_from_mem_pool                             |
-| tensors.py                 | the tensor family                                                   |
+The class is Mooncake's API surface and nothing else: `setup` connects, and every other call
+is delegated to the part that owns what it works on. Each part is given what it needs when the
+store makes it (the connection, the registered buffers) and keeps its own state:
+
+| part                                 | owns / does                                                   |
+|--------------------------------------|---------------------------------------------------------------|
+| connection.py `StoreConnection`      | the StoreClient, the segment name, closing on collection      |
+| objects.py `ObjectCalls`             | the local buffer; puts, upserts, gets, sizes, exists, removes |
+| buffers.py `RegisteredBuffers`       | the ranges given to register_buffer                           |
+| replicas.py `ReplicaAdmin`           | replica descriptors, replica clear, remove_by_regex, tasks    |
+| ranges.py `RangeReads`               | get_into_ranges (inside the registered buffers)               |
+| multi_buffers.py `MultiBufferCalls`  | batch_put_from_multi_buffers, batch_get_into_multi_buffers    |
+| dummy.py `MemPool`                   | setup_dummy's pool: alloc_from_mem_pool                       |
+| tensors.py `Tensors`                 | the tensor family, with_tp included                           |
+| tensor_parallel.py `ParallelTensors` | the with_parallelism family                                   |
+
+Parts never reach into one another; the facade makes them in `__init__` (and a new
+`ObjectCalls` per setup, with that setup's local buffer size) and owns nothing else but
+setup_dummy's `MemPool`.
 
 A store whose object is garbage-collected is closed (its segment unmounted).
 """
@@ -21,33 +32,39 @@ A store whose object is garbage-collected is closed (its segment unmounted).
 from __future__ import annotations
 
 import logging
-import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+
+import torch
 
 from tsukimi.compat.mooncake import dummy, setup_args
 from tsukimi.compat.mooncake.buffers import BufferHandle, LocalBuffer, RegisteredBuffers
-from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, RPC_FAIL, code_of
-from tsukimi.compat.mooncake.dummy import DummyMethods, MemPool
-from tsukimi.compat.mooncake.multi_buffers import MultiBufferMethods
-from tsukimi.compat.mooncake.ranges import RangeMethods
+from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OK, code_of
+from tsukimi.compat.mooncake.connection import StoreConnection
+from tsukimi.compat.mooncake.dummy import MemPool
+from tsukimi.compat.mooncake.engine import TransferEngine as EngineFacade
+from tsukimi.compat.mooncake.multi_buffers import MultiBufferCalls
+from tsukimi.compat.mooncake.objects import ObjectCalls, joined
+from tsukimi.compat.mooncake.ranges import RangeReads, Ranges
 from tsukimi.compat.mooncake.replicas import (
     Descriptor,
     DiskDescriptor,
     MemoryDescriptor,
     QueryTaskResponse,
+    ReplicaAdmin,
     ReplicaDescriptor,
-    ReplicaMethods,
     ReplicaStatus,
+    TaskId,
     TaskStatus,
     TaskType,
 )
 from tsukimi.compat.mooncake.replicate import ReplicateConfig, SoftPinAction
+from tsukimi.compat.mooncake.tensor_calls import ReplicaSettings
+from tsukimi.compat.mooncake.tensor_parallel import ParallelTensors
 from tsukimi.compat.mooncake.tensor_types import ParallelAxis, ReadTarget, TensorParallelism  # noqa: F401 (re-exported)
-from tsukimi.compat.mooncake.tensors import TensorMethods
-from tsukimi.errors import ConfigError, ObjectExists, TsukimiError
+from tsukimi.compat.mooncake.tensors import Tensors
+from tsukimi.errors import ConfigError, TsukimiError
 from tsukimi.store.client import StoreClient
 from tsukimi.transfer import TransferEngine
-from tsukimi.transfer.segment import byte_view
 
 logger = logging.getLogger(__name__)
 
@@ -66,18 +83,22 @@ __all__ = [
     "TaskType",
 ]
 _SIZE = setup_args.DEFAULT_SIZE
+Config = ReplicaSettings | None  # a tensor call's ReplicateConfig
 
 
-class MooncakeDistributedStore(TensorMethods, ReplicaMethods, RangeMethods, MultiBufferMethods, DummyMethods):
-    """`mooncake.store.MooncakeDistributedStore` on a `StoreClient`."""
+class MooncakeDistributedStore:
+    """`mooncake.store.MooncakeDistributedStore` on a `StoreClient` (see the module)."""
 
     def __init__(self) -> None:
-        self._client: StoreClient | None = None
+        self._connection = StoreConnection()
         self._buffers = RegisteredBuffers()
-        self._local = LocalBuffer(0)
+        self._objects = ObjectCalls(self._connection, LocalBuffer(0))
         self._pool: MemPool | None = None
-        self._hostname = ""
-        self._finalizer: weakref.finalize[[], MooncakeDistributedStore] | None = None
+        self._replicas = ReplicaAdmin(self._connection)
+        self._ranges = RangeReads(self._connection, self._buffers)
+        self._multi_buffers = MultiBufferCalls(self._connection)
+        self._tensors = Tensors(self._connection)
+        self._parallel = ParallelTensors(self._connection)
 
     def setup(
         self,
@@ -136,47 +157,51 @@ class MooncakeDistributedStore(TensorMethods, ReplicaMethods, RangeMethods, Mult
                 if not isinstance(value, int) or not 0 <= value <= setup_args.MAX_SIZE:
                     raise ConfigError(f"{name} must be a number of bytes in 0..1 TB, got {value!r}")
             welcome = dummy.hello(server_address)
-            self._start(dummy.dummy_setup(welcome, server_address, local_buffer_size), None)
-            assert self._client is not None
-            self._hostname = ""  # NOTE: a dummy holds no segment, as in Mooncake
-            self._pool = MemPool(self._client.engine, mem_pool_size) if mem_pool_size else None
+            # NOTE: a dummy holds no segment, as in Mooncake: its hostname is ""
+            setup = dummy.dummy_setup(welcome, server_address, local_buffer_size)
+            client = self._start(setup, None, holds_segment=False)
+            self._pool = MemPool(client.engine, mem_pool_size) if mem_pool_size else None
         except (TsukimiError, OSError) as exc:
             logger.error("setup_dummy failed: %s", exc)
             self.close()
             return code_of(exc) if isinstance(exc, TsukimiError) else INVALID_PARAMS
         return OK
 
-    def _start(self, parsed: setup_args.StoreSetup, engine: TransferEngine | None) -> None:
-        if self._client is not None:  # NOTE: Mooncake answers a second setup with 0: it replaces the first
+    def _start(
+        self, parsed: setup_args.StoreSetup, engine: TransferEngine | None, holds_segment: bool = True
+    ) -> StoreClient:
+        """Connect (closing a previous client first) and give the object calls this setup's
+        local buffer. Raises what `StoreConnection.open` raises."""
+        if self._connection.client is not None:  # NOTE: Mooncake answers a second setup with 0: it replaces the first
             logger.info("setup again: closing the previous client first")
             self.close()
-        client = setup_args.connect(parsed, engine)
-        self._client, self._local, self._hostname = client, LocalBuffer(parsed.local_buffer_size), client.engine.name
-        self._finalizer = weakref.finalize(self, client.close)
+        client = self._connection.open(parsed, engine, holds_segment)
+        self._objects = ObjectCalls(self._connection, LocalBuffer(parsed.local_buffer_size))
+        return client
 
     def init_all(self, protocol: str, device_name: str, mount_segment_size: int = 16 << 20) -> int:
         return self.setup("localhost", "P2PHANDSHAKE", mount_segment_size, _SIZE, protocol, device_name)
 
-    # -- puts --------------------------------------------------------------------------
+    # -- puts ------------------------------------------------------------------------------
 
     def put(self, key: str, value: object, config: ReplicateConfig | None = None) -> int:
-        return self._put([(key, value)], config, upsert=False, copy=True)[0]
+        return self._objects.put([(key, value)], config, upsert=False, copy=True)[0]
 
     def upsert(self, key: str, value: object, config: ReplicateConfig | None = None) -> int:
-        return self._put([(key, value)], config, upsert=True, copy=True)[0]
+        return self._objects.put([(key, value)], config, upsert=True, copy=True)[0]
 
     def put_batch(self, keys: list[str], values: list[object], config: ReplicateConfig | None = None) -> int:
-        return self._batch(keys, values, config, upsert=False)
+        return self._objects.put_batch(keys, values, config, upsert=False)
 
     def upsert_batch(self, keys: list[str], values: list[object], config: ReplicateConfig | None = None) -> int:
-        return self._batch(keys, values, config, upsert=True)
+        return self._objects.put_batch(keys, values, config, upsert=True)
 
     def put_parts(self, key: str, *parts: object, config: ReplicateConfig | None = None) -> int:
         """One object from the concatenated `parts` (buffers)."""
-        return self._put([(key, _joined(parts))], config, upsert=False, copy=True)[0]
+        return self._objects.put([(key, joined(parts))], config, upsert=False, copy=True)[0]
 
     def upsert_parts(self, key: str, *parts: object, config: ReplicateConfig | None = None) -> int:
-        return self._put([(key, _joined(parts))], config, upsert=True, copy=True)[0]
+        return self._objects.put([(key, joined(parts))], config, upsert=True, copy=True)[0]
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         return self.batch_put_from([key], [buffer_ptr], [size], config)[0]
@@ -187,170 +212,129 @@ class MooncakeDistributedStore(TensorMethods, ReplicaMethods, RangeMethods, Mult
     def batch_put_from(
         self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: ReplicateConfig | None = None
     ) -> list[int]:
-        return self._put_buffers(keys, buffer_ptrs, sizes, config, upsert=False)
+        return self._objects.put_buffers(keys, buffer_ptrs, sizes, config, upsert=False)
 
     def batch_upsert_from(
         self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: ReplicateConfig | None = None
     ) -> list[int]:
-        return self._put_buffers(keys, buffer_ptrs, sizes, config, upsert=True)
+        return self._objects.put_buffers(keys, buffer_ptrs, sizes, config, upsert=True)
 
-    def _batch(self, keys: list[str], values: list[object], config: ReplicateConfig | None, upsert: bool) -> int:
-        if len(keys) != len(values):
-            logger.error("%d keys but %d values", len(keys), len(values))
-            return INVALID_PARAMS
-        codes = self._put(list(zip(keys, values, strict=True)), config, upsert, copy=True)
-        return next((c for c in codes if c != OK), OK)
-
-    def _put_buffers(
-        self, keys: list[str], ptrs: list[int], sizes: list[int], config: ReplicateConfig | None, upsert: bool
+    def batch_put_from_multi_buffers(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        config: ReplicateConfig | None = None,
     ) -> list[int]:
-        if not len(keys) == len(ptrs) == len(sizes):
-            logger.error("%d keys, %d buffers, %d sizes", len(keys), len(ptrs), len(sizes))
-            return [INVALID_PARAMS] * len(keys)
-        return self._put([(k, (ptr, n)) for k, ptr, n in zip(keys, ptrs, sizes, strict=True)], config, upsert, False)
+        """Put each key from its buffers, concatenated (zero-copy): 0 or a negative code per
+        key (multi_buffers.py)."""
+        return self._multi_buffers.put(keys, all_buffer_ptrs, all_sizes, config)
 
-    def _put(
-        self, items: Sequence[tuple[str, object]], config: ReplicateConfig | None, upsert: bool, copy: bool
-    ) -> list[int]:
-        """Each item's code; `copy`: the bytes are Python's, staged within local_buffer_size."""
-        if config is not None and not isinstance(config, ReplicateConfig):
-            raise TypeError(f"config must be a ReplicateConfig, got {type(config).__name__}")
-        client = self._ready()
-        if client is None:
-            return [RPC_FAIL] * len(items)
-        codes = [OK] * len(items)
-        views: list[tuple[str, memoryview]] = []
-        slots: list[int] = []
-        try:
-            replica = (config or ReplicateConfig()).to_tsukimi(self._hostname)
-            for i, (key, value) in enumerate(items):
-                try:
-                    view = byte_view(value, writable=False, with_address=False)[0]
-                    if copy:
-                        self._local.check(key, len(view))
-                except TsukimiError as exc:
-                    logger.error("put %r: %s", key, exc)
-                    codes[i] = code_of(exc)
-                    continue
-                views.append((key, view))
-                slots.append(i)
-            errors = client.batch_put(views, upsert=upsert, config=replica)
-        except TsukimiError as exc:
-            logger.error("put failed: %s", exc)
-            return [code_of(exc)] * len(items)
-        for i, error in zip(slots, errors, strict=True):
-            # NOTE: Mooncake answers a put of an existing key with success and keeps the old value
-            codes[i] = OK if isinstance(error, ObjectExists) else code_of(error)
-        return codes
-
-    # -- gets --------------------------------------------------------------------------
+    # -- gets ------------------------------------------------------------------------------
 
     def get(self, key: str) -> bytes:
         """The value, or b"" when the key is missing or unreadable."""
         return self.get_batch([key])[0]
 
     def get_batch(self, keys: list[str]) -> list[bytes]:
-        return [b"" if data is None else bytes(data) for data in self._copies(keys, bytearray)]
+        return self._objects.get_bytes(keys)
 
     def get_buffer(self, key: str) -> BufferHandle | None:
         """The value in a `BufferHandle`, or None (missing, unreadable)."""
         return self.batch_get_buffer([key])[0]
 
     def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
-        return [data if isinstance(data, BufferHandle) else None for data in self._copies(keys, BufferHandle)]
-
-    def _copies(self, keys: list[str], allocate: type[bytearray]) -> list[bytearray | memoryview | None]:
-        """Each value read into a new `allocate(size)` (None: missing, unreadable, or larger
-        than the local buffer copies are staged in)."""
-        client = self._ready()
-        if client is None:
-            return [None] * len(keys)
-        try:
-            results = client.batch_get(keys, allocate=allocate)
-        except TsukimiError as exc:
-            logger.error("get failed: %s", exc)
-            return [None] * len(keys)
-        out: list[bytearray | memoryview | None] = []
-        for key, result in zip(keys, results, strict=True):
-            try:
-                data = result.value()
-                if data is not None:
-                    self._local.check(key, len(data))
-            except TsukimiError as exc:
-                logger.error("get %r: %s", key, exc)
-                data = None
-            out.append(data)
-        return out
+        return self._objects.get_handles(keys)
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         return self.batch_get_into([key], [buffer_ptr], [size])[0]
 
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
         """Bytes read per key, or a negative code (-704 missing, -800 unreadable, -600 too small)."""
-        client = self._ready()
-        if client is None or not len(keys) == len(buffer_ptrs) == len(sizes):
-            return [RPC_FAIL if client is None else INVALID_PARAMS] * len(keys)
-        try:
-            buffers = [byte_view((ptr, n))[0] for ptr, n in zip(buffer_ptrs, sizes, strict=True)]
-            results = client.batch_get(keys, buffers)
-        except TsukimiError as exc:
-            logger.error("get failed: %s", exc)
-            return [code_of(exc)] * len(keys)
-        return [code_of(r.error) if r.error else r.size if r.found else OBJECT_NOT_FOUND for r in results]
+        return self._objects.get_into(keys, buffer_ptrs, sizes)
+
+    def batch_get_into_multi_buffers(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        prefer_alloc_in_same_node: bool = False,
+    ) -> list[int]:
+        """Read each key into its buffers, in order: the bytes read, or a negative code per
+        key (multi_buffers.py). `prefer_alloc_in_same_node` is accepted and has no effect
+        (tsukimi reads a replica on this host through shared memory or CMA whichever way)."""
+        return self._multi_buffers.get(keys, all_buffer_ptrs, all_sizes)
+
+    def get_into_ranges(
+        self,
+        buffer_ptrs: list[int],
+        all_keys: list[list[str]],
+        all_dst_offsets: Ranges,
+        all_src_offsets: Ranges,
+        all_sizes: Ranges,
+    ) -> Ranges:
+        """Per buffer, per key, per range: bytes read or a negative code (ranges.py)."""
+        return self._ranges.read(buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes)
 
     def get_size(self, key: str) -> int:
-        client = self._ready()
-        if client is None:
-            return RPC_FAIL
-        try:
-            size = client.size_of(key)
-        except TsukimiError as exc:
-            return code_of(exc)
-        return size if size is not None else OBJECT_NOT_FOUND
+        return self._objects.size_of(key)
 
-    # -- metadata ----------------------------------------------------------------------
+    # -- metadata and removal --------------------------------------------------------------
 
     def is_exist(self, key: str) -> int:
         """1 if the key exists, 0 if not, a negative code on error."""
         return self.batch_is_exist([key])[0]
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
-        client = self._ready()
-        if client is None:
-            return [RPC_FAIL] * len(keys)
-        try:
-            return [int(found) for found in client.batch_exists(keys)]
-        except TsukimiError as exc:
-            return [code_of(exc)] * len(keys)
+        return self._objects.exist(keys)
 
     def remove(self, key: str, force: bool = False) -> int:
         return self.batch_remove([key], force)[0]
 
     def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
-        client = self._ready()
-        if client is None:
-            return [RPC_FAIL] * len(keys)
-        codes = []
-        for key in keys:
-            try:
-                codes.append(OK if client.remove(key, force) else OBJECT_NOT_FOUND)
-            except TsukimiError as exc:
-                codes.append(code_of(exc))
-        return codes
+        return self._objects.remove(keys, force)
 
     def remove_all(self, force: bool = False) -> int:
         """How many objects were removed, or a negative code."""
-        client = self._ready()
-        if client is None:
-            return RPC_FAIL
-        try:
-            return client.remove_all(force)
-        except TsukimiError as exc:
-            return code_of(exc)
+        return self._objects.remove_all(force)
+
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        """How many objects whose keys match were removed, or a negative code."""
+        return self._replicas.remove_matching(regex_pattern, force)
 
     def get_offload_rpc_read_count(self) -> int:
         """How many objects this client read from a holder's disk."""
-        return self._client.disk_reads if self._client is not None else 0
+        client = self._connection.client
+        return client.disk_reads if client is not None else 0
+
+    # -- replicas and tasks ----------------------------------------------------------------
+
+    def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
+        """The replicas of `key` ([] when there is none, or on error, logged)."""
+        return self.batch_get_replica_desc([key]).get(key, [])
+
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
+        """The replicas of each key that has an object (others are left out)."""
+        return self._replicas.describe(keys)
+
+    def batch_replica_clear(self, keys: list[str], segment_name: str = "") -> list[str]:
+        """Clear the replicas (all, or those in `segment_name`) of the keys whose leases have
+        ended; the keys cleared. Invalid keys are logged and skipped."""
+        return self._replicas.clear(keys, segment_name)
+
+    def create_copy_task(self, key: str, targets: list[str]) -> tuple[TaskId, int]:
+        """(task id, 0), or ((0, 0), a negative code). TypeError for targets not a list of str."""
+        return self._replicas.copy(key, targets)
+
+    def create_move_task(self, key: str, source: str, target: str) -> tuple[TaskId, int]:
+        """(task id, 0), or ((0, 0), a negative code)."""
+        return self._replicas.move(key, source, target)
+
+    def query_task(self, task_id: TaskId) -> tuple[QueryTaskResponse | None, int]:
+        """(the task's state, 0), or (None, a negative code: -1400 for an unknown task)."""
+        return self._replicas.query(task_id)
+
+    # -- buffers ---------------------------------------------------------------------------
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         """Record a buffer (get_into_ranges writes inside registered buffers only; any other
@@ -370,50 +354,292 @@ class MooncakeDistributedStore(TensorMethods, ReplicaMethods, RangeMethods, Mult
             return INVALID_PARAMS
         return OK
 
+    def alloc_from_mem_pool(self, size: int) -> int:
+        """The address of `size` bytes of the dummy's shared-memory pool; 0 on failure (not
+        a dummy client, or no room)."""
+        if not isinstance(size, int) or self._pool is None:
+            logger.error("alloc_from_mem_pool: needs setup_dummy with a mem_pool_size, and a size in bytes")
+            return 0
+        return self._pool.alloc(size)
+
+    # -- tensors ---------------------------------------------------------------------------
+
+    def put_tensor(self, key: str, tensor: torch.Tensor) -> int:
+        return self.batch_pub_tensor([key], [tensor])[0]
+
+    def upsert_tensor(self, key: str, tensor: torch.Tensor) -> int:
+        return self.batch_upsert_pub_tensor([key], [tensor])[0]
+
+    def pub_tensor(self, key: str, tensor: torch.Tensor, config: Config = None) -> int:
+        return self.batch_pub_tensor([key], [tensor], config)[0]
+
+    def upsert_pub_tensor(self, key: str, tensor: torch.Tensor, config: Config = None) -> int:
+        return self.batch_upsert_pub_tensor([key], [tensor], config)[0]
+
+    def batch_put_tensor(self, keys: list[str], tensors_list: list[torch.Tensor]) -> list[int]:
+        return self.batch_pub_tensor(keys, tensors_list)
+
+    def batch_upsert_tensor(self, keys: list[str], tensors_list: list[torch.Tensor]) -> list[int]:
+        return self.batch_upsert_pub_tensor(keys, tensors_list)
+
+    def batch_pub_tensor(self, keys: list[str], tensors_list: list[torch.Tensor], config: Config = None) -> list[int]:
+        return self._tensors.put(keys, tensors_list, config, upsert=False)
+
+    def batch_upsert_pub_tensor(
+        self, keys: list[str], tensors_list: list[torch.Tensor], config: Config = None
+    ) -> list[int]:
+        return self._tensors.put(keys, tensors_list, config, upsert=True)
+
+    def get_tensor(self, key: str) -> torch.Tensor | None:
+        return self.batch_get_tensor([key])[0]
+
+    def batch_get_tensor(self, keys: list[str]) -> list[torch.Tensor | None]:
+        return self._tensors.get(keys)
+
+    def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> torch.Tensor | None:
+        got = self.batch_get_tensor_into([key], [buffer_ptr], [size])[0]
+        return None if isinstance(got, int) else got
+
+    def batch_get_tensor_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[torch.Tensor | None] | list[int]:
+        """Each tensor read into its buffer (a view of it), or None (miss, too small, ...);
+        as Mooncake, a negative code per key when the lists differ in length."""
+        return self._tensors.get_into(keys, buffer_ptrs, sizes)
+
+    def put_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
+        return self.batch_put_tensor_from([key], [buffer_ptr], [size])[0]
+
+    def upsert_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
+        return self.batch_upsert_tensor_from([key], [buffer_ptr], [size])[0]
+
+    def batch_put_tensor_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
+        """Store `[header][payload]` buffers as they are (zero-copy)."""
+        return self._tensors.put_from(keys, buffer_ptrs, sizes, upsert=False)
+
+    def batch_upsert_tensor_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
+        return self._tensors.put_from(keys, buffer_ptrs, sizes, upsert=True)
+
+    # -- tensor parallelism: TP shards -----------------------------------------------------
+
+    def put_tensor_with_tp(
+        self, key: str, tensor: torch.Tensor, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ) -> int:
+        return self.batch_pub_tensor_with_tp([key], [tensor], None, tp_rank, tp_size, split_dim)[0]
+
+    def pub_tensor_with_tp(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        config: Config = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> int:
+        return self.batch_pub_tensor_with_tp([key], [tensor], config, tp_rank, tp_size, split_dim)[0]
+
+    def batch_put_tensor_with_tp(
+        self,
+        base_keys: list[str],
+        tensors_list: list[torch.Tensor],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> list[int]:
+        return self.batch_pub_tensor_with_tp(base_keys, tensors_list, None, tp_rank, tp_size, split_dim)
+
+    def batch_pub_tensor_with_tp(
+        self,
+        base_keys: list[str],
+        tensors_list: list[torch.Tensor],
+        config: Config = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> list[int]:
+        """Every shard of every tensor; -600 for a tensor that does not split evenly."""
+        return self._tensors.put_with_tp(base_keys, tensors_list, config, tp_rank, tp_size, split_dim)
+
+    def put_tensor_with_tp_from(
+        self, key: str, buffer_ptr: int, size: int, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ) -> int:
+        return self.batch_put_tensor_with_tp_from([key], [buffer_ptr], [size], tp_rank, tp_size, split_dim)[0]
+
+    def batch_put_tensor_with_tp_from(
+        self,
+        base_keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> list[int]:
+        """The whole tensors held in `[header][payload]` buffers, cut and stored as with_tp."""
+        return self._tensors.put_with_tp_from(base_keys, buffer_ptrs, sizes, tp_rank, tp_size, split_dim)
+
+    def get_tensor_with_tp(
+        self, key: str, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ) -> torch.Tensor | None:
+        return self.batch_get_tensor_with_tp([key], tp_rank, tp_size)[0]
+
+    def batch_get_tensor_with_tp(
+        self, base_keys: list[str], tp_rank: int = 0, tp_size: int = 1
+    ) -> list[torch.Tensor | None]:
+        return self._tensors.get_with_tp(base_keys, tp_rank, tp_size)
+
+    def get_tensor_with_tp_into(
+        self, key: str, buffer_ptr: int, size: int, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ) -> torch.Tensor | None:
+        return self.batch_get_tensor_with_tp_into([key], [buffer_ptr], [size], tp_rank, tp_size)[0]
+
+    def batch_get_tensor_with_tp_into(
+        self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int], tp_rank: int = 0, tp_size: int = 1
+    ) -> list[torch.Tensor | None]:
+        return self._tensors.get_with_tp_into(base_keys, buffer_ptrs, sizes, tp_rank, tp_size)
+
+    # -- tensor parallelism: layouts and writer partitions ---------------------------------
+
+    def put_tensor_with_parallelism(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        parallelism: object = None,
+        config: Config = None,
+        writer_partition: object = None,
+    ) -> int:
+        return self._parallel.put([key], lambda: [tensor], [parallelism], [writer_partition], config, upsert=False)[0]
+
+    def upsert_tensor_with_parallelism(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        parallelism: object = None,
+        config: Config = None,
+        writer_partition: object = None,
+    ) -> int:
+        return self._parallel.put([key], lambda: [tensor], [parallelism], [writer_partition], config, upsert=True)[0]
+
+    def batch_put_tensor_with_parallelism(
+        self,
+        keys: list[str],
+        tensors_list: list[torch.Tensor],
+        parallelisms: object = None,
+        config: Config = None,
+        writer_partitions: object = None,
+    ) -> list[int]:
+        return self._parallel.put(keys, lambda: tensors_list, parallelisms, writer_partitions, config, upsert=False)
+
+    def batch_upsert_tensor_with_parallelism(
+        self,
+        keys: list[str],
+        tensors_list: list[torch.Tensor],
+        parallelisms: object = None,
+        config: Config = None,
+        writer_partitions: object = None,
+    ) -> list[int]:
+        return self._parallel.put(keys, lambda: tensors_list, parallelisms, writer_partitions, config, upsert=True)
+
+    def put_tensor_with_parallelism_from(
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        parallelism: object = None,
+        config: Config = None,
+        writer_partition: object = None,
+    ) -> int:
+        return self._parallel.put_from([key], [buffer_ptr], [size], [parallelism], [writer_partition], config, False)[0]
+
+    def upsert_tensor_with_parallelism_from(
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        parallelism: object = None,
+        config: Config = None,
+        writer_partition: object = None,
+    ) -> int:
+        return self._parallel.put_from([key], [buffer_ptr], [size], [parallelism], [writer_partition], config, True)[0]
+
+    def batch_put_tensor_with_parallelism_from(
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        parallelisms: object = None,
+        config: Config = None,
+        writer_partitions: object = None,
+    ) -> list[int]:
+        return self._parallel.put_from(keys, buffer_ptrs, sizes, parallelisms, writer_partitions, config, False)
+
+    def batch_upsert_tensor_with_parallelism_from(
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        parallelisms: object = None,
+        config: Config = None,
+        writer_partitions: object = None,
+    ) -> list[int]:
+        return self._parallel.put_from(keys, buffer_ptrs, sizes, parallelisms, writer_partitions, config, True)
+
+    # -- tensor parallelism: reads of layouts ----------------------------------------------
+
+    def get_tensor_with_parallelism(self, key: str, target: object = None) -> torch.Tensor | None:
+        return self.batch_get_tensor_with_parallelism([key], None if target is None else [target])[0]
+
+    def batch_get_tensor_with_parallelism(self, keys: list[str], targets: object = None) -> list[torch.Tensor | None]:
+        return self._parallel.get(keys, targets)
+
+    def get_tensor_with_parallelism_into(
+        self, key: str, buffer_ptr: int, size: int, target: object = None
+    ) -> torch.Tensor | None:
+        targets = None if target is None else [target]
+        return self.batch_get_tensor_with_parallelism_into([key], [buffer_ptr], [size], targets)[0]
+
+    def batch_get_tensor_with_parallelism_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], targets: object = None
+    ) -> list[torch.Tensor | None]:
+        """Each key read as its target asks, into its buffer (a view of it)."""
+        return self._parallel.get_into(keys, buffer_ptrs, sizes, targets)
+
+    # -- the client ------------------------------------------------------------------------
+
     def get_hostname(self) -> str:
         """This client's segment name, "host:port" ("" before setup, and for a dummy client)."""
-        return self._hostname
+        return self._connection.hostname
 
     def health_check(self) -> int:
         """0 healthy, 1 not set up (or closed), 2 the master does not answer (as Mooncake)."""
-        if self._client is None:
+        client = self._connection.client
+        if client is None:
             return 1
         try:
-            self._client.exists("__tsukimi_health_check__")
+            client.exists("__tsukimi_health_check__")
         except TsukimiError:
             return 2
         return 0
 
     def close(self) -> int:
         """Unmount this client's segment (its objects are gone) and disconnect."""
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-        self._pool, self._hostname, self._buffers = None, "", RegisteredBuffers()
+        self._connection.close()
+        self._pool = None
+        self._buffers.clear()
         return OK
 
     def _ready(self) -> StoreClient | None:
-        if self._client is None:
-            logger.error("MooncakeDistributedStore: call setup() first")
-        return self._client
-
-
-def _joined(parts: Sequence[object]) -> object:
-    """The parts as one buffer (one copy), or the offending part itself (refused later)."""
-    try:
-        return bytearray().join(parts)  # type: ignore[arg-type]
-    except TypeError:
-        return next((p for p in parts if not isinstance(p, bytes | bytearray | memoryview)), b"")
+        """The client, or None (logged) before setup / after close."""
+        return self._connection.ready()
 
 
 def _shared_engine(engine: object) -> TransferEngine | None:
     """tsukimi's engine inside a `mooncake.engine.TransferEngine` (None: none given)."""
     if engine is None:
         return None
-    inner = getattr(engine, "_engine", None)
-    if not isinstance(inner, TransferEngine):
-        raise ConfigError("engine must be an initialized mooncake.engine.TransferEngine")
-    return inner
+    wrong = ConfigError("engine must be an initialized mooncake.engine.TransferEngine")
+    if not isinstance(engine, EngineFacade):
+        raise wrong
+    try:
+        return engine.get_engine()
+    except ConfigError:
+        raise wrong from None

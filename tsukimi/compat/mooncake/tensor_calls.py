@@ -1,6 +1,7 @@
-"""The plumbing every tensor method of the Mooncake facade shares: reaching the client,
-`ReplicateConfig` to `PutOptions`, Mooncake's return conventions (0 or a negative code per
-key for puts, a tensor or None per key for gets) and logging what failed."""
+"""The plumbing both tensor parts of the Mooncake facade (tensors.py, tensor_parallel.py)
+share: reaching the client through the store's connection, `ReplicateConfig` to
+`PutOptions`, Mooncake's return conventions (0 or a negative code per key for puts, a tensor
+or None per key for gets) and logging what failed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Protocol
 import torch
 
 from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OK, RPC_FAIL, code_of
+from tsukimi.compat.mooncake.connection import StoreConnection
 from tsukimi.errors import InvalidArgument, KVFormatError, ObjectExists, TsukimiError
 from tsukimi.store import protocol as p
 from tsukimi.store.client import StoreClient
@@ -45,46 +47,43 @@ def tensor_code(error: TsukimiError) -> int:
     return INVALID_PARAMS if isinstance(error, KVFormatError) else code_of(error)
 
 
-class TensorCalls:
-    """Base of the tensor mixins: `_ready()` is `MooncakeDistributedStore`'s."""
+def put_codes(
+    connection: StoreConnection, what: str, count: int, run: Callable[[StoreClient], list[PutError]]
+) -> list[int]:
+    """Mooncake codes for `count` keys put by `run`: 0 per stored (or already present) key,
+    else the error's code; the same code for every key when the call failed (logged)."""
+    client = connection.ready()
+    if client is None:
+        return [RPC_FAIL] * count
+    try:
+        errors = run(client)
+    except TsukimiError as exc:
+        logger.error("%s failed: %s", what, exc)
+        return [tensor_code(exc)] * count
+    codes = []
+    for error in errors:
+        # NOTE: Mooncake answers a put of an existing key with success and keeps the old value
+        if error is None or isinstance(error, ObjectExists):
+            codes.append(OK)
+            continue
+        logger.error("%s failed: %s", what, error)
+        codes.append(tensor_code(error))
+    return codes
 
-    def _ready(self) -> StoreClient | None:
-        raise NotImplementedError  # NOTE: provided by the class this is mixed into
 
-    def _put_codes(self, what: str, count: int, run: Callable[[StoreClient], list[PutError]]) -> list[int]:
-        """Mooncake codes for `count` keys put by `run`: 0 per stored (or already present)
-        key, else the error's code; the same code for every key when the call failed."""
-        client = self._ready()
-        if client is None:
-            return [RPC_FAIL] * count
-        try:
-            errors = run(client)
-        except TsukimiError as exc:
-            logger.error("%s failed: %s", what, exc)
-            return [tensor_code(exc)] * count
-        codes = []
-        for error in errors:
-            # NOTE: Mooncake answers a put of an existing key with success and keeps the old value
-            if error is None or isinstance(error, ObjectExists):
-                codes.append(OK)
-                continue
-            logger.error("%s failed: %s", what, error)
-            codes.append(tensor_code(error))
-        return codes
-
-    def _get_tensors(
-        self, what: str, count: int, run: Callable[[StoreClient], list[TensorResult]]
-    ) -> list[torch.Tensor | None]:
-        """The tensors `run` read for `count` keys, None for a miss or a failure (logged)."""
-        client = self._ready()
-        if client is None:
-            return [None] * count
-        try:
-            results = run(client)
-        except TsukimiError as exc:
-            logger.error("%s failed: %s", what, exc)
-            return [None] * count
-        for result in results:
-            if result.error is not None:
-                logger.error("%s failed: %s", what, result.error)
-        return [r.tensor for r in results]
+def get_tensors(
+    connection: StoreConnection, what: str, count: int, run: Callable[[StoreClient], list[TensorResult]]
+) -> list[torch.Tensor | None]:
+    """The tensors `run` read for `count` keys, None for a miss or a failure (logged)."""
+    client = connection.ready()
+    if client is None:
+        return [None] * count
+    try:
+        results = run(client)
+    except TsukimiError as exc:
+        logger.error("%s failed: %s", what, exc)
+        return [None] * count
+    for result in results:
+        if result.error is not None:
+            logger.error("%s failed: %s", what, result.error)
+    return [r.tensor for r in results]

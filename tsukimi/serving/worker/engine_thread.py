@@ -20,8 +20,8 @@ and those still running at `drain_timeout_s` end with WorkerUnavailable (vLLM's
 A failing step fails only the request that made it fail: the engine is replaced (its state may
 be inconsistent), each request is stepped alone to find the culprit, which ends with the error,
 and the others go on where they stopped (tsukimi/serving/worker/step_isolation.py). The thread keeps
-serving. Closing fails every unfinished request. TSUKIMI_TEST_FAULT_TOKEN=ID (tests only) makes
-every step that schedules a request whose prompt holds token ID fail (`LLMEngine.fault_token`).
+serving. Closing fails every unfinished request. Engines come from `make_engine`, the worker's
+engine factory (tsukimi/serving/worker/engine_factory.py: fault tests give it one whose step fails).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -48,8 +47,6 @@ from tsukimi.serving.protocol import Load
 from tsukimi.serving.worker.step_isolation import Admitted, find_culprits, resume
 
 logger = logging.getLogger(__name__)
-
-FAULT_TOKEN_ENV = "TSUKIMI_TEST_FAULT_TOKEN"
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +151,6 @@ class EngineThread:
         events: KvEventPublisher | None = None,
     ) -> None:
         self._make_engine, self._metrics, self._threads, self._events = make_engine, metrics, threads, events
-        fault = os.environ.get(FAULT_TOKEN_ENV, "")
-        self._fault_token = int(fault) if fault.lstrip("-").isdigit() else None
         self._engine = self._new_engine()
         self._cond = threading.Condition()
         self._inbox: deque[Command] = deque()
@@ -310,7 +305,6 @@ class EngineThread:
     def _new_engine(self) -> LLMEngine:
         """A fresh engine whose block pool journals its cache changes when events are published."""
         engine = self._make_engine()
-        engine.fault_token = self._fault_token
         if self._events is not None:
             engine.cache.pool.journal = []
         return engine

@@ -73,6 +73,7 @@ from tsukimi.serving.protocol import (
     UpdateWeightsRequest,
     error_reply,
 )
+from tsukimi.serving.worker.engine_factory import load_engine_factory
 from tsukimi.serving.worker.engine_thread import (
     AbortCommand,
     AddCommand,
@@ -144,9 +145,11 @@ class Worker:
         return self._http.base_url
 
     def start(self) -> Worker:
-        """Raises ConfigError (model spec, dtype), PeerError/RpcTimeout (store), OSError (port)."""
+        """Raises ConfigError (model spec, dtype, engine factory), PeerError/RpcTimeout (store),
+        OSError (port)."""
         cfg = self.config
         try:
+            factory = load_engine_factory(cfg.engine_factory)  # NOTE: before the model loads: fail fast
             if self._loaded is None:
                 self._loaded = load_model(cfg.model, cfg.dtype)
             mc = self._loaded.config
@@ -162,7 +165,7 @@ class Worker:
                 self._profile(model, layout)
 
             def make_engine() -> LLMEngine:
-                engine = LLMEngine(
+                engine = factory(
                     model,
                     layout,
                     num_blocks,
