@@ -1,8 +1,12 @@
-"""A fake vLLM API server for the router's tests: /v1/completions (JSON or SSE, slow on
-purpose), /tokenize, /metrics and /v1/models as vLLM 0.32 answers them, recording every body
-it gets; it publishes vLLM-shaped KV events (BlockStored of the prompt's full blocks, hashed
-as vLLM does) on a ZMQ PUB socket after each completion, and answers vLLM's PD protocol: a
-request with kv_transfer_params.do_remote_decode gets back kv_transfer_params naming it."""
+"""A fake vLLM API server for the router's tests: /v1/completions (token-id prompts, JSON or SSE
+with `return_token_ids`, slow on purpose, usage with the cached prompt tokens at the end),
+/health and /metrics as vLLM 0.32 answers them, recording every body it gets. Each token is
+the one before plus 1; a stop token ends the output and, as vLLM's, is among the ids. It caches
+every full block of the prompts it served and publishes them as vLLM-shaped KV events
+(BlockStored, hashed as vLLM does) on a ZMQ PUB socket; a later prompt reuses its cached
+leading blocks (all but the last token's). It answers vLLM's PD protocol: a request with
+kv_transfer_params.do_remote_decode gets back kv_transfer_params naming it, one with
+do_remote_prefill "loads" every full block of its prompt."""
 
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ class FakeVllm:
         self.name, self.waiting = name, waiting
         self.bodies: list[dict[str, Any]] = []
         self.hasher = VllmBlockHasher(VllmHashConfig(block_size=BLOCK_SIZE))
+        self.cached: set[int] = set()
         self.pub = context.socket(zmq.PUB)
         self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
         self._seq = itertools.count()
@@ -53,52 +58,72 @@ class FakeVllm:
 
     def publish(self, tokens: list[int]) -> None:
         keys = self.hasher.keys(tokens)
+        self.cached.update(keys)
         if keys:
             stored = _Stored(keys, None, tokens[: len(keys) * BLOCK_SIZE], BLOCK_SIZE, None, "GPU", None)
             payload = msgspec.msgpack.encode(_Batch(0.0, [stored]))
             self.pub.send_multipart([b"kv", next(self._seq).to_bytes(8, "big"), payload])
 
-    def chunks(self, body: dict[str, Any]) -> list[bytes]:
-        """The SSE chunks a streamed answer to `body` consists of (pure)."""
-        count = int(body.get("max_tokens") or 16)
-        out = [{"id": "cmpl-1", "choices": [{"index": 0, "text": f"{self.name}-{i}"}]} for i in range(count)]
-        return [f"data: {json.dumps(c)}\n\n".encode() for c in out] + [b"data: [DONE]\n\n"]
+    def reused(self, tokens: list[int], remote: bool) -> int:
+        """The prompt tokens whose KV it reuses: its cached leading blocks (or, handed over by
+        a prefill instance, every one), never the last token's."""
+        usable = self.hasher.keys(tokens)[: (len(tokens) - 1) // BLOCK_SIZE]
+        hits = len(usable) if remote else next((i for i, k in enumerate(usable) if k not in self.cached), len(usable))
+        return hits * BLOCK_SIZE
+
+    @staticmethod
+    def output(body: dict[str, Any]) -> tuple[list[int], str]:
+        """The token ids it generates for `body` (a stop token included) and why it ended (pure)."""
+        prompt, stops = body["prompt"], set(body.get("stop_token_ids") or ())
+        out: list[int] = []
+        for i in range(int(body.get("max_tokens") or 16)):
+            out.append(prompt[-1] + 1 + i)
+            if out[-1] in stops:
+                return out, "stop"
+        return out, "length"
 
     def _build(self) -> FastAPI:
         app = FastAPI()
 
         @app.post("/v1/completions")
-        @app.post("/v1/chat/completions")
         async def complete(request: Request) -> Response:
             body = await request.json()
             self.bodies.append(body)
-            prompt = body.get("prompt")
-            tokens = prompt if isinstance(prompt, list) else [ord(c) for c in str(prompt or body.get("messages"))]
-            reply: dict[str, Any] = {"id": "cmpl-1", "choices": [{"index": 0, "text": self.name}]}
-            if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
-                reply["kv_transfer_params"] = {
-                    "do_remote_prefill": True,
-                    "remote_engine_id": self.name,
-                    "remote_block_ids": [1, 2],
-                    "remote_host": "127.0.0.1",
-                }
-            self.publish(tokens)
+            prompt: list[int] = body["prompt"]
+            params = body.get("kv_transfer_params") or {}
+            cached = self.reused(prompt, bool(params.get("do_remote_prefill")))
+            ids, finish = self.output(body)
+            usage = {"prompt_tokens": len(prompt), "prompt_tokens_details": {"cached_tokens": cached}}
+            self.publish(prompt)
             if not body.get("stream"):
+                reply: dict[str, Any] = {
+                    "id": "cmpl-1",
+                    "choices": [{"index": 0, "text": "?", "token_ids": ids, "finish_reason": finish}],
+                    "usage": usage,
+                }
+                if params.get("do_remote_decode"):
+                    reply["kv_transfer_params"] = {
+                        "do_remote_prefill": True,
+                        "remote_engine_id": self.name,
+                        "remote_block_ids": [1, 2],
+                        "remote_host": "127.0.0.1",
+                    }
                 return JSONResponse(reply)
 
             async def sse() -> AsyncIterator[bytes]:
-                for chunk in self.chunks(body):
+                for i, token in enumerate(ids):
                     await asyncio.sleep(CHUNK_DELAY_S)
-                    yield chunk
+                    last = i == len(ids) - 1
+                    choice = {"index": 0, "text": "?", "token_ids": [token], "finish_reason": finish if last else None}
+                    yield f"data: {json.dumps({'id': 'cmpl-1', 'choices': [choice]})}\n\n".encode()
+                yield f"data: {json.dumps({'id': 'cmpl-1', 'choices': [], 'usage': usage})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream")
 
-        @app.post("/tokenize")
-        async def tokenize(request: Request) -> JSONResponse:
-            body = await request.json()
-            text = body.get("prompt") if "prompt" in body else json.dumps(body.get("messages"))
-            tokens = [ord(c) for c in str(text)]
-            return JSONResponse({"count": len(tokens), "max_model_len": 8192, "tokens": tokens})
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(b"", status_code=200)
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -106,11 +131,8 @@ class FakeVllm:
                 f'vllm:num_requests_running{{engine="0",model_name="m"}} 0.0\n'
                 f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {float(self.waiting)}\n'
                 f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} 0.25\n'
+                f'vllm:cache_config_info{{block_size="{BLOCK_SIZE}",engine="0",num_gpu_blocks="1000"}} 1.0\n'
             )
             return Response(text, media_type="text/plain")
-
-        @app.get("/v1/models")
-        async def models() -> JSONResponse:
-            return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
 
         return app

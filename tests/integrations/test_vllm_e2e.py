@@ -114,11 +114,13 @@ def test_completion_events_and_cache_hit(
     while httpx.get(f"{api}/stats").json()["index_blocks"].get("vllm-0/hbm", 0) < 3:
         assert time.monotonic() < deadline, httpx.get(f"{api}/stats").text
         time.sleep(0.1)
-    second = httpx.post(f"{api}/v1/completions", json=body, timeout=120)
+    second = httpx.post(f"{api}/v1/completions", json=body, timeout=120, headers={"X-Request-Id": "again"})
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * 128
     assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    [record] = httpx.get(f"{api}/decisions", params={"request_id": "again"}).json()["decisions"]
+    assert (record["prefill"], record["cached_tokens"], record["accepted"]) == ("vllm-0", 3 * 128, True)
     stats = httpx.get(f"{api}/stats").json()
-    assert stats["instances"]["vllm-0"]["events"]["gaps"] == 0
+    assert stats["backend"] == "vllm" and stats["kv_events"]["vllm-0"]["gaps"] == 0
     streamed = httpx.post(f"{api}/v1/completions", json={**body, "stream": True}, timeout=120)
     assert streamed.text.rstrip().endswith("data: [DONE]")
     processes = info["processes"]
@@ -133,8 +135,9 @@ def test_completion_events_and_cache_hit(
 
 @pytest.mark.up_args("--mode", "pd", "--connector", "tsukimi")
 def test_pd_through_the_pool(cluster: tuple[str, dict[str, object], Callable[[], None]], model_dir: Path) -> None:
-    """The router's two steps on real vLLM + TsukimiConnector: the decode instance loads the
-    prompt's full blocks (all but the last token's block) instead of computing them."""
+    """The router's two steps on real vLLM + TsukimiConnector: the prefill instance makes the
+    first token, the decode instance continues from it, loading the prompt's full blocks from
+    the pool instead of computing them."""
     api, info, _ = cluster
     prompt = list(range(100, 100 + 5 * 128))
     body = {
@@ -146,17 +149,18 @@ def test_pd_through_the_pool(cluster: tuple[str, dict[str, object], Callable[[],
         "return_token_ids": True,
         "stream_options": {"include_usage": True},
     }
-    events = [
-        json.loads(line[6:])
-        for line in httpx.post(f"{api}/v1/completions", json=body, timeout=120).text.splitlines()
-        if line.startswith("data: {")
-    ]
+    response = httpx.post(f"{api}/v1/completions", json=body, timeout=120)
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
     tokens = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
     usage = events[-1]["usage"]
     assert len(tokens) == 6 and usage["completion_tokens"] == 6
-    assert usage["prompt_tokens_details"]["cached_tokens"] == 4 * 128  # loaded, at most (n - 1) // 128 blocks
+    asked = {"request_id": response.headers["x-request-id"]}
+    [record] = httpx.get(f"{api}/decisions", params=asked).json()["decisions"]
+    assert (record["mode"], record["prefill"], record["decode"]) == ("pd", "vllm-0", "vllm-1")
+    # NOTE: the decode instance's prompt is the 640 tokens and the first one: all 5 blocks load
+    assert record["pool_tokens"] >= 4 * 128, record
     stats = httpx.get(f"{api}/stats").json()
-    assert stats["mode"] == "pd" and stats["counters"]["accepted"] == 1
+    assert stats["mode"] == "pd" and stats["conductor"]["accepted"] == 1
     assert stats["index_blocks"]["vllm-0/hbm"] == 5 and stats["index_blocks"]["pool/dram"] >= 5
     assert {p["name"] for p in info["processes"]} == {"master", "vllm-0", "vllm-1", "router"}  # type: ignore[union-attr]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tsukimi.errors import ConfigError
+from tsukimi.integrations.vllm.backend import parse_event_sources
 from tsukimi.integrations.vllm.launch import VllmClusterConfig, plan_vllm
-from tsukimi.integrations.vllm.launch_args import parse_event_sources
 
 
 def _config(tmp_path: Path, **kw: object) -> VllmClusterConfig:
@@ -40,6 +40,10 @@ def test_colocated_plan(tmp_path: Path) -> None:
     assert "--kv-transfer-config" not in v0.argv
     router = groups[1][0].args
     assert _flag(router, "--backend") == "vllm" and "--pool" not in router
+    assert (_flag(router, "--model"), _flag(router, "--served-model-name")) == (
+        str(tmp_path / "models" / "tiny"),
+        "tiny",
+    )
     assert _flag(router, "--workers") == f"vllm-0=colocated@{v0.url},vllm-1=colocated@{v1.url}"
     sources = parse_event_sources(_flag(router, "--kv-events"), "kv")
     assert sources["vllm-1"].replay_endpoint == f"ipc://{tmp_path.resolve()}/vllm-1-replay"
@@ -68,3 +72,18 @@ def test_bad_configs(tmp_path: Path) -> None:
         VllmClusterConfig(mode="pd", connector="tsukimi", instances=3)
     with pytest.raises(ConfigError, match="tcp:// or ipc://"):
         parse_event_sources("v0=http://x", "kv")
+
+
+def test_the_planned_router_arguments_are_the_routers_config(tmp_path: Path) -> None:
+    """`tsukimi up --engine vllm` runs `tsukimi router` with flags that map onto its config,
+    the vLLM backend offered by the CLI (`args.backends`)."""
+    from tsukimi.cli import build_parser
+    from tsukimi.serving.router.commands import settings
+
+    groups = plan_vllm(_config(tmp_path, mode="pd", connector="tsukimi"), tmp_path)
+    args = build_parser().parse_args(list(groups[-1][0].args))
+    config = settings(args)
+    assert (config.backend, config.model, config.served_model_name) == ("vllm", str(tmp_path / "models/tiny"), "tiny")
+    assert (config.router.policy, config.router.read_timeout_s, config.vllm.pool) == ("conductor", 300.0, True)
+    assert set(parse_event_sources(config.vllm.kv_events, config.vllm.kv_events_topic)) == {"vllm-0", "vllm-1"}
+    assert "vllm" in args.backends

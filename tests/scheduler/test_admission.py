@@ -8,9 +8,11 @@ reservation counts 256 output tokens, the mean assumed before any request finish
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from tsukimi.config import ConductorConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import LinearCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex
@@ -19,7 +21,7 @@ COST = LinearCostModel(prefill_coef=(0.0, 1e-3, 0.0), decode_coef=(0.01, 0.0, 0.
 
 
 def _conductor(capacity: int | dict[str, int] = 2500, decode: int = 1, **cfg: object) -> Conductor:
-    config = ConductorConfig(block_tokens=100, kv_bandwidth_bytes_s=1e12, **cfg)  # type: ignore[arg-type]
+    config = dataclasses.replace(SIMULATOR_CONDUCTOR, block_tokens=100, kv_bandwidth_bytes_s=1e12, **cfg)  # type: ignore[arg-type]
     return Conductor(config, COST, PrefixIndex(), ["p0"], [f"d{i}" for i in range(decode)], capacity)
 
 
@@ -106,7 +108,9 @@ def test_a_cold_conductor_prices_decode_stages_with_the_cost_model_when_no_prior
     cost = LinearCostModel(prefill_coef=(0.0, 1e-4, 0.0), decode_coef=(0.01, 1e-3, 0.0), kv_bytes_per_token=1)
 
     def burst(prior_s: float) -> list[str]:
-        config = ConductorConfig(block_tokens=100, kv_bandwidth_bytes_s=1e12, tbt_slo_s=0.03, decode_estimate_s=prior_s)
+        config = dataclasses.replace(
+            SIMULATOR_CONDUCTOR, block_tokens=100, kv_bandwidth_bytes_s=1e12, tbt_slo_s=0.03, decode_estimate_s=prior_s
+        )
         conductor = Conductor(config, cost, PrefixIndex(), ["p0"], ["d0"], 10**9)
         decisions = [conductor.schedule(ScheduleRequest(i, 1000, [], max_tokens=16), now=0.0) for i in range(40)]
         return [d.reason for d in decisions if not d.accepted]
@@ -116,9 +120,9 @@ def test_a_cold_conductor_prices_decode_stages_with_the_cost_model_when_no_prior
 
 
 def test_a_table_that_sets_one_key_keeps_the_rest_of_its_fields_default() -> None:
-    from tsukimi.config import RouterFileConfig, load
+    from tsukimi.config import ROUTER_CONDUCTOR, RouterAppConfig, load
 
     # NOTE: `tsukimi router`'s Conductor prices cold decode stages with the cost model
     # (decode_estimate_s 0), also when [conductor] sets another key
-    assert load(RouterFileConfig).conductor.decode_estimate_s == 0
-    assert load(RouterFileConfig, None, ["conductor.ttft_slo_s=2"]).conductor.decode_estimate_s == 0
+    assert load(RouterAppConfig).conductor == ROUTER_CONDUCTOR and ROUTER_CONDUCTOR.decode_estimate_s == 0
+    assert load(RouterAppConfig, None, ["conductor.ttft_slo_s=2"]).conductor.decode_estimate_s == 0

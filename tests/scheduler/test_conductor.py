@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from tsukimi.config import ConductorConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR
 from tsukimi.errors import ConfigError, InvalidArgument
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import LinearCostModel
@@ -25,7 +25,9 @@ CHAIN = list(range(1, 11))  # a 10-block, 1000-token prompt
 def _conductor(
     index: PrefixIndex | None = None, prefill: int = 2, decode: int = 2, capacity: int = 100_000, **cfg: object
 ) -> Conductor:
-    config = ConductorConfig(block_tokens=BLOCK, kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=10_000, **cfg)  # type: ignore[arg-type]
+    config = dataclasses.replace(
+        SIMULATOR_CONDUCTOR, block_tokens=BLOCK, kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=10_000, **cfg
+    )  # type: ignore[arg-type]
     return Conductor(
         config,
         COST,
@@ -155,11 +157,11 @@ def test_bad_requests_and_configs_are_refused() -> None:
     with pytest.raises(InvalidArgument):
         _conductor().schedule(ScheduleRequest(1, 0, []), 0.0)
     with pytest.raises(InvalidArgument):
-        Conductor(ConductorConfig(), COST, PrefixIndex(), [], ["d0"], 10)
+        Conductor(SIMULATOR_CONDUCTOR, COST, PrefixIndex(), [], ["d0"], 10)
     with pytest.raises(ConfigError, match="rejection"):
-        ConductorConfig(rejection="sometimes")  # type: ignore[arg-type]
+        dataclasses.replace(SIMULATOR_CONDUCTOR, rejection="sometimes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="reuse"):
-        ConductorConfig(reuse="everywhere")  # type: ignore[arg-type]
+        dataclasses.replace(SIMULATOR_CONDUCTOR, reuse="everywhere")  # type: ignore[arg-type]
 
 
 def test_regression_queue_estimates_follow_each_finished_job_once() -> None:

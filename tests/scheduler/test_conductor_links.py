@@ -5,9 +5,11 @@ loaded source is chosen. Same hand-computable cost model as tests/scheduler/test
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from tsukimi.config import ConductorConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import LinearCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
@@ -27,7 +29,9 @@ class _Busy:
 
 
 def _conductor(index: PrefixIndex, links: _Busy | None) -> Conductor:
-    config = ConductorConfig(block_tokens=100, kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=10_000)
+    config = dataclasses.replace(
+        SIMULATOR_CONDUCTOR, block_tokens=100, kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=10_000
+    )
     return Conductor(config, COST, index, ["p0", "p1", "p2"], ["d0"], 100_000, links=links)
 
 

@@ -3,9 +3,11 @@ the chunked prefill, and the Conductor sending long prompts (only) to a prefill 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from tsukimi.config import ConductorConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import LinearCostModel, RooflineCostModel, chunked_prefill_s
 from tsukimi.scheduler.cpp import (
@@ -62,7 +64,7 @@ def test_a_group_pays_off_above_a_length_only() -> None:
 def test_the_conductor_sends_long_prompts_to_the_group() -> None:
     cost = RooflineCostModel()
     groups = {"cpp": CppGroup(4, hop_latency_s=1e-3)}
-    config = ConductorConfig(rejection="none")
+    config = dataclasses.replace(SIMULATOR_CONDUCTOR, rejection="none")
     conductor = Conductor(config, cost, PrefixIndex(), ["p0", "cpp"], ["d0"], 1 << 20, groups=groups)
     short = conductor.schedule(ScheduleRequest(1, 600, []), 0.0)
     long = conductor.schedule(ScheduleRequest(2, 64_000, []), 0.0)

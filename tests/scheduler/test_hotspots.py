@@ -5,11 +5,12 @@ Costs as in test_conductor.py: prefill 1 ms per uncached token, KV at 1,000 toke
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
 
-from tsukimi.config import ConductorConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR
 from tsukimi.errors import ConfigError
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import LinearCostModel
@@ -54,7 +55,9 @@ def _burst(holders: list[str]) -> Counter[str]:
     index = PrefixIndex()
     for name in holders:
         index.stored(LOCS[name], PREFIX)
-    config = ConductorConfig(block_tokens=100, kv_bandwidth_bytes_s=1e6, reuse="local", rejection="none")
+    config = dataclasses.replace(
+        SIMULATOR_CONDUCTOR, block_tokens=100, kv_bandwidth_bytes_s=1e6, reuse="local", rejection="none"
+    )
     conductor = Conductor(config, COST, index, NAMES, ["d0"], 1 << 30)
     placed = [conductor.schedule(ScheduleRequest(i, 900, [*PREFIX, 1000 + i]), now=0.0) for i in range(40)]
     return Counter(d.prefill for d in placed if d.prefill)

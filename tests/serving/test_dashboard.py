@@ -7,6 +7,7 @@ test_dashboard_browser.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 from collections.abc import Callable, Iterator
@@ -18,7 +19,7 @@ import pytest
 
 from tests.serving.test_router import FAST, FakeWorker, close_all
 from tsukimi import cli, httpd
-from tsukimi.config import ClientConfig, ClusterConfig, ConductorConfig, Config, load
+from tsukimi.config import ROUTER_CONDUCTOR, ClientConfig, ClusterConfig, ConductorConfig, Config, load
 from tsukimi.engine.tokenizer import ByteTokenizer
 from tsukimi.netio import free_port
 from tsukimi.scheduler.conductor import Decision
@@ -39,19 +40,24 @@ pytestmark = pytest.mark.timeout(60)
 QUICK = dashboard.DashboardConfig(interval_s=0.05, store_interval_s=0.05, stream_s=0.5)
 
 
-def test_decision_log_keeps_the_newest_and_counts_them_all() -> None:
+def test_decision_log_keeps_the_newest_by_request_id_and_counts_them_all() -> None:
     log = DecisionLog(capacity=3)
-    log.picked("r0", 5, "w0", 1.0)
-    log.conductor("r1", 40, Decision(1, True, prefill="p0", decode="d0", cached_tokens=32, ttft_s=0.25), 2.0)
-    log.conductor("r2", 40, Decision(2, False, "ttft_slo", prefill="p0", ttft_s=9.0), 3.0)
-    log.picked("r3", 7, "w1", 4.0)
+    log.open("r0", 1.0, "colocated", 5).picked("w0")
+    log.open("r1", 2.0, "pd", 40).placed(Decision(1, True, prefill="p0", decode="d0", cached_tokens=32, ttft_s=0.25))
+    log.open("r2", 3.0, "pd", 40).placed(Decision(2, False, "ttft_slo", prefill="p0", ttft_s=9.0, message="9 s > 1 s"))
+    log.open("r3", 4.0, "colocated", 7).picked("w1")
     assert log.total == 4
     assert log.recent() == [
-        DecisionRecord(3, 4.0, "r3", "colocated", True, 7, "w1"),
-        DecisionRecord(2, 3.0, "r2", "pd", False, 40, "p0", "", 0, 9.0, "ttft_slo"),
-        DecisionRecord(1, 2.0, "r1", "pd", True, 40, "p0", "d0", 32, 0.25),
+        DecisionRecord("r3", 4.0, "colocated", 7, prefill="w1", seq=3),
+        DecisionRecord(
+            "r2", 3.0, "pd", 40, False, "ttft_slo", "9 s > 1 s", predicted_ttft_s=9.0, conductor_id=2, seq=2
+        ),
+        DecisionRecord("r1", 2.0, "pd", 40, predicted_ttft_s=0.25, prefill="p0", decode="d0", conductor_id=1, seq=1),
     ]
     assert [r.seq for r in log.recent(2)] == [3, 2]
+    assert [r.request_id for r in log.get(["r1", "r0", "r3"])] == ["r1", "r3"]  # r0 is gone
+    again = log.open("r1", 5.0, "pd", 8)  # NOTE: an id seen again: the newer request's record
+    assert log.get(["r1"]) == [again] and [r.request_id for r in log.recent()] == ["r1", "r3", "r2"]
 
 
 def test_percentiles_are_nearest_rank() -> None:
@@ -171,7 +177,7 @@ def test_colocated_snapshot_events_page_and_top(
     snap = snapshot_when(client, lambda s: s.totals.requests_ok == 2 and s.workers[0].used_blocks == 40)
     assert snap.mode == "colocated" and snap.store.master == ""
     decisions = [(d.request_id, d.prefill, d.mode) for d in snap.decisions]
-    assert decisions == [("cmpl-b", "w", "colocated"), ("cmpl-a", "w", "colocated")]
+    assert decisions == [("b", "w", "colocated"), ("a", "w", "colocated")]
     assert snap.totals.completion_tokens == 6 and snap.latency.samples == 2
     with client.stream("GET", "/dashboard/api/events") as stream:  # ends by itself after stream_s
         events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
@@ -187,12 +193,12 @@ def test_colocated_snapshot_events_page_and_top(
 
 
 def test_pd_decisions_and_rejections(router_app: Callable[..., tuple[httpx.Client, dashboard.Dashboard]]) -> None:
-    slo = ConductorConfig(rejection="baseline", ttft_slo_s=1e-6)
+    slo = dataclasses.replace(ROUTER_CONDUCTOR, rejection="baseline", ttft_slo_s=1e-6)
     client, _ = router_app(FakeWorker("p0", "prefill"), FakeWorker("d0", "decode"), conductor=slo)
     assert client.post("/v1/completions", json={"prompt": "abc"}, headers={"X-Request-Id": "r"}).status_code == 429
     snap = snapshot_when(client, lambda s: s.rejections == {"ttft_slo": 1})
     (d,) = snap.decisions
-    assert (d.request_id, d.mode, d.accepted, d.reason, d.prefill) == ("cmpl-r", "pd", False, "ttft_slo", "p0")
+    assert (d.request_id, d.mode, d.accepted, d.reason, d.prefill) == ("r", "pd", False, "ttft_slo", "")
     assert snap.totals.requests_failed == 1 and snap.decisions_total == 1
 
 

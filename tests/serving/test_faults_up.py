@@ -113,8 +113,9 @@ def restart_and_follow_the_prefill_worker(tmp_path: Path, api: str) -> None:
     def details() -> tuple[int, int]:
         response = httpx.post(api + "/v1/completions", json=body, timeout=30)
         assert response.status_code == 200, response.text
-        usage = response.json()["usage"]["prompt_tokens_details"]
-        return usage["cached_tokens"], usage["expected_cached_tokens"]
+        asked = {"request_id": response.headers["x-request-id"]}
+        [record] = httpx.get(api + "/decisions", params=asked, timeout=30).json()["decisions"]
+        return record["cached_tokens"], record["expected_cached_tokens"]
 
     assert details() == (0, 0)
     wait_until(lambda: details() == (32, 32), 30, interval_s=0.2)  # the index heard of its blocks

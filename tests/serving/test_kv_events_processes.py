@@ -6,6 +6,7 @@ placement and prefill), and at the end the index holds exactly the worker's bloc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import subprocess
 import sys
@@ -14,12 +15,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tsukimi.config import ConductorConfig, RouterConfig
+from tsukimi.config import ROUTER_CONDUCTOR, RouterConfig
 from tsukimi.netio import free_port
 from tsukimi.serving.kv_events import request_snapshot
 from tsukimi.serving.protocol import GenerateRequest, Health
 from tsukimi.serving.router.router import Router, TokenEvent
-from tsukimi.serving.router.worker_client import WorkerSpec
+from tsukimi.serving.router.workers import WorkerSpec
 from tsukimi.testing.deployments import TsukimiCluster
 from tsukimi.testing.processes import stop_processes, wait_until
 
@@ -81,7 +82,7 @@ def test_index_follows_a_small_cache_with_evictions(workers: dict[str, str]) -> 
         stems[rng.randrange(8)] + [rng.randrange(3, 250) for _ in range(rng.choice((5, 20, 40)))] for _ in range(20)
     ]
     specs = [WorkerSpec("prefill", "prefill", workers["prefill"]), WorkerSpec("decode", "decode", workers["decode"])]
-    router = Router(specs, FAST, ConductorConfig(rejection="none"))
+    router = Router(specs, FAST, dataclasses.replace(ROUTER_CONDUCTOR, rejection="none"))
 
     async def main() -> list[TokenEvent]:
         firsts = []
@@ -108,9 +109,10 @@ def test_index_follows_a_small_cache_with_evictions(workers: dict[str, str]) -> 
         return firsts
 
     firsts = asyncio.run(main())
-    for event in firsts:
-        assert event.expected is not None and not event.expected.concurrent
-        assert event.expected.cached_tokens == event.cached_tokens
+    records = router.decisions.get([f"r{n}" for n in range(len(prompts))])
+    assert len(records) == len(firsts)
+    for event, record in zip(firsts, records, strict=True):
+        assert record.expected_cached_tokens == event.cached_tokens and not record.expected_concurrent
     stored_blocks = sum(len(p) // 16 for p in prompts)
     assert stored_blocks > 2 * NUM_BLOCKS  # NOTE: the cache turned over: evictions happened
     assert any(e.cached_tokens for e in firsts) and any(e.pool_tokens for e in firsts)

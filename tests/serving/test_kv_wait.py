@@ -5,11 +5,12 @@ when the client leaves, given back when released onto a worker it must not use."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from tsukimi.clock import WallClock
-from tsukimi.config import ConductorConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR
 from tsukimi.errors import Rejected
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import LinearCostModel
@@ -23,7 +24,9 @@ def _setup() -> tuple[Conductor, ReleaseWaits, WallClock]:
     """A conductor whose one decode instance holds one 1,000-token request (+ 16 output) at a time;
     request 1 placed, request 2 queued behind it."""
     clock = WallClock()
-    conductor = Conductor(ConductorConfig(block_tokens=100), COST, PrefixIndex(), ["p0", "p1"], ["d0"], 1500)
+    conductor = Conductor(
+        dataclasses.replace(SIMULATOR_CONDUCTOR, block_tokens=100), COST, PrefixIndex(), ["p0", "p1"], ["d0"], 1500
+    )
     assert not conductor.schedule(ScheduleRequest(1, 1000, [], 16), clock.now()).queued
     assert conductor.schedule(ScheduleRequest(2, 1000, [], 16), clock.now()).queued
     return conductor, ReleaseWaits(clock), clock

@@ -1,24 +1,27 @@
-"""The OpenAI-compatible API over a router and FAKE workers (see test_router.py), with the
-byte-level tokenizer: completions and chat completions, streamed and not, usage, stop
-strings (cut text, the worker stream closed), multi-byte characters, errors with OpenAI
-bodies (400, 404, 429 with the Conductor's reason, 502, 503), /v1/models, /health, /metrics.
+"""The OpenAI-compatible API over a router and FAKE workers (see test_router.py), the router's
+app as `tsukimi router` builds it (`build_router_app`), with the byte-level tokenizer:
+completions and chat completions, streamed and not, usage, stop strings (cut text, the worker
+stream closed), multi-byte characters, errors with OpenAI bodies (400, 404, 429 with the
+Conductor's reason, 502, 503), /v1/models, /health, /metrics, X-Request-Id on every answer and
+the decision log behind /decisions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 
-from tests.serving.test_router import FAST, PROMPT, FakeWorker, close_all, dead_url
+from tests.serving.test_router import PROMPT, FakeWorker, close_all, dead_url, router_app
 from tsukimi import httpd
-from tsukimi.config import ConductorConfig
+from tsukimi.config import ROUTER_CONDUCTOR, ConductorConfig
 from tsukimi.engine.tokenizer import ByteTokenizer
-from tsukimi.serving.openai.app import StopText, create_app
+from tsukimi.serving.openai.app import StopText
 from tsukimi.serving.router.router import Router
-from tsukimi.serving.router.worker_client import WorkerSpec
+from tsukimi.serving.router.workers import WorkerSpec
 
 TOKENIZER = ByteTokenizer()
 MODEL = "tiny"
@@ -38,8 +41,7 @@ def serve() -> Iterator[Serve]:
     def start(*workers: FakeWorker | WorkerSpec, conductor: ConductorConfig | None = None) -> httpx.Client:
         specs = [w.spec if isinstance(w, FakeWorker) else w for w in workers]
         cleanup.extend(w.close for w in workers if isinstance(w, FakeWorker))
-        app = create_app(Router(specs, FAST, conductor), TOKENIZER, MODEL)
-        handle: httpd.AppHandle = httpd.start_in_thread(app)
+        handle: httpd.AppHandle = httpd.start_in_thread(router_app(*specs, conductor=conductor))
         client = httpx.Client(base_url=handle.base_url, timeout=10.0)
 
         def stop() -> None:
@@ -57,7 +59,7 @@ def serve() -> Iterator[Serve]:
 def shared() -> Iterator[tuple[httpx.Client, FakeWorker]]:
     """One colocated fake worker behind one router app, for the tests that need no other."""
     fake = FakeWorker("w")
-    handle: httpd.AppHandle = httpd.start_in_thread(create_app(Router([fake.spec], FAST), TOKENIZER, MODEL))
+    handle: httpd.AppHandle = httpd.start_in_thread(router_app(fake.spec))
     with httpx.Client(base_url=handle.base_url, timeout=10.0) as client:
         yield client, fake
     close_all([lambda: handle.stop(2.0), fake.close])
@@ -96,16 +98,26 @@ def test_models_health_and_completion(colo: Colo) -> None:
     client, _ = colo(cached=2)
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
-    body = client.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 3}).json()
-    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == MODEL
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 3})
+    body, request_id = response.json(), response.headers["x-request-id"]
+    assert body["object"] == "text_completion" and body["id"] == f"cmpl-{request_id}" and body["model"] == MODEL
     assert body["choices"] == [{"index": 0, "text": "def", "logprobs": None, "finish_reason": "length"}]
+    # NOTE: OpenAI's fields only: the router's diagnostics are in its decision log
     usage = {
         "prompt_tokens": 3,
         "completion_tokens": 3,
         "total_tokens": 6,
-        "prompt_tokens_details": {"cached_tokens": 2, "pool_tokens": 1},
+        "prompt_tokens_details": {"cached_tokens": 2},
     }
     assert body["usage"] == usage
+    [record] = client.get("/decisions", params={"request_id": request_id}).json()["decisions"]
+    assert (record["request_id"], record["mode"], record["prefill"], record["accepted"]) == (
+        request_id,
+        "colocated",
+        "w",
+        True,
+    )
+    assert (record["cached_tokens"], record["pool_tokens"], record["expected_cached_tokens"]) == (2, 1, None)
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["mode"] == "colocated"
     assert [(w["name"], w["role"], w["healthy"]) for w in health["workers"]] == [("w", "colocated", True)]
@@ -236,25 +248,45 @@ def test_bad_json_unknown_model_and_bad_chat_are_rejected(colo: Colo) -> None:
 
 def test_rejection_is_429_with_the_reason(serve: Serve) -> None:
     workers = FakeWorker("p0", "prefill"), FakeWorker("d0", "decode")
-    client = serve(*workers, conductor=ConductorConfig(rejection="baseline", ttft_slo_s=1e-6))
+    client = serve(*workers, conductor=dataclasses.replace(ROUTER_CONDUCTOR, rejection="baseline", ttft_slo_s=1e-6))
     for stream in (False, True):
-        error = error_of(client.post("/v1/completions", json={"prompt": "abc", "stream": stream}), 429)
+        response = client.post(
+            "/v1/completions", json={"prompt": "abc", "stream": stream}, headers={"X-Request-Id": f"slo-{stream}"}
+        )
+        error = error_of(response, 429)
         assert (error["type"], error["code"]) == ("rate_limit_error", "ttft_slo")
+        assert response.headers["x-request-id"] == f"slo-{stream}"
     assert 'tsukimi_router_rejections_total{reason="ttft_slo"} 2.0' in client.get("/metrics").text
+    records = client.get("/decisions?request_id=slo-True&request_id=nothing&request_id=slo-False").json()["decisions"]
+    assert [(r["request_id"], r["accepted"], r["reason"]) for r in records] == [
+        ("slo-True", False, "ttft_slo"),
+        ("slo-False", False, "ttft_slo"),
+    ]
+    assert all("TTFT" in r["message"] and r["predicted_ttft_s"] > 1e-6 for r in records)
+    assert [r["request_id"] for r in client.get("/decisions").json()["decisions"]] == ["slo-True", "slo-False"]
 
 
 def test_pd_completion_through_the_api(serve: Serve) -> None:
     client = serve(FakeWorker("p0", "prefill", cached=4), FakeWorker("d0", "decode"))
-    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}).json()
+    response = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, headers={"X-Request-Id": "pd"})
+    body = response.json()
     assert TOKENIZER.encode(body["choices"][0]["text"]) == [110, 111, 112]
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
     # NOTE: the fake prefill worker publishes no KV events: the router's index expected no reuse
-    assert body["usage"]["prompt_tokens_details"] == {
+    [record] = client.get("/decisions", params={"request_id": "pd"}).json()["decisions"]
+    assert {k: record[k] for k in ("mode", "prefill", "decode", "cached_tokens", "pool_tokens", "queued")} == {
+        "mode": "pd",
+        "prefill": "p0",
+        "decode": "d0",
         "cached_tokens": 4,
         "pool_tokens": 2,
-        "expected_cached_tokens": 0,
-        "expected_pool_tokens": 0,
-        "expected_concurrent": 0,
+        "queued": False,
     }
+    assert (record["expected_cached_tokens"], record["expected_pool_tokens"], record["expected_concurrent"]) == (
+        0,
+        0,
+        False,
+    )
     assert client.get("/health").json()["mode"] == "pd"
     assert "tsukimi_router_pool_prompt_tokens_total 2.0" in client.get("/metrics").text
 
@@ -278,13 +310,11 @@ def test_regression_a_duplicate_request_id_is_409_not_502() -> None:
     """A request id already running at the worker (the engine's one check) used to be turned
     into a generic worker error on its way back and reach the API client as 502. Also: token
     ids outside the vocabulary are answered 400 by the API (tests/serving/test_openai_validation.py)."""
-    from tsukimi.engine.tokenizer import load_tokenizer
     from tsukimi.engine.weights import load_model
     from tsukimi.serving.worker.server import Worker, WorkerConfig
 
     with Worker(WorkerConfig(name="colo", model="tiny", num_blocks=512), load_model("tiny")).start() as worker:
-        router = Router([WorkerSpec("colo", "colocated", worker.base_url)], FAST)
-        handle: httpd.AppHandle = httpd.start_in_thread(create_app(router, load_tokenizer("tiny"), MODEL))
+        handle: httpd.AppHandle = httpd.start_in_thread(router_app(WorkerSpec("colo", "colocated", worker.base_url)))
         try:
             with httpx.Client(base_url=handle.base_url, timeout=30.0) as client:
                 long = {"prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True, "stream": True}
@@ -343,20 +373,48 @@ def test_real_workers_pd_matches_colocated() -> None:
             texts = []
             pd = [WorkerSpec("p0", "prefill", prefill.base_url), WorkerSpec("d0", "decode", decode.base_url)]
             for specs in ([WorkerSpec("colo", "colocated", colo.base_url)], pd):
-                router = Router(specs, FAST, ConductorConfig(rejection="none"))
-                handle: httpd.AppHandle = httpd.start_in_thread(create_app(router, TOKENIZER, MODEL))
+                app = router_app(*specs, conductor=dataclasses.replace(ROUTER_CONDUCTOR, rejection="none"))
+                router: Router = app.state.server.router
+                handle: httpd.AppHandle = httpd.start_in_thread(app)
                 try:
                     with httpx.Client(base_url=handle.base_url, timeout=30.0) as client:
                         first = client.post("/v1/completions", json=payload).json()
-                        again = client.post("/v1/completions", json=payload).json()
+                        again = client.post("/v1/completions", json=payload, headers={"X-Request-Id": "again"}).json()
+                        [record] = client.get("/decisions?request_id=again").json()["decisions"]
                 finally:
                     handle.stop(2.0)
                 assert first["choices"][0]["text"] == again["choices"][0]["text"]
                 assert first["usage"]["completion_tokens"] == 12
-                assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
+                assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == record["cached_tokens"] == 80
                 if router.mode == "pd":  # NOTE: the router's index heard of the blocks from p0's KV events
-                    assert again["usage"]["prompt_tokens_details"]["expected_cached_tokens"] == 80
+                    assert record["expected_cached_tokens"] == 80
                 texts.append(first["choices"][0]["text"])
             assert texts[0] == texts[1]
             assert router.block_tokens == 16
             assert router.index.locations() == ["p0/dram", "pool/dram"]
+
+
+def test_every_answer_carries_the_request_id(colo: Colo) -> None:
+    client, _ = colo()
+    mine = client.post("/v1/completions", json={"prompt": "a", "n": 2}, headers={"X-Request-Id": "bad-1"})
+    assert error_of(mine, 400) and mine.headers["x-request-id"] == "bad-1"
+    theirs = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": True})
+    assert theirs.status_code == 200 and len(theirs.headers["x-request-id"]) == 32
+    assert sse(theirs)[0]["id"] == f"chatcmpl-{theirs.headers['x-request-id']}"
+    # a request turned away before placement leaves no record; one placed does
+    ids = ["bad-1", theirs.headers["x-request-id"]]
+    assert [r["request_id"] for r in client.get("/decisions", params={"request_id": ids}).json()["decisions"]] == [
+        theirs.headers["x-request-id"]
+    ]
+
+
+def test_return_token_ids(colo: Colo) -> None:
+    """vLLM's extension: each choice carries its token ids too (streamed: each chunk's)."""
+    client, _ = colo()
+    body = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3, "return_token_ids": True}).json()
+    assert body["choices"][0]["token_ids"] == ids("bcd")
+    payload = {"prompt": "a", "max_tokens": 3, "return_token_ids": True, "stream": True}
+    chunks = sse(client.post("/v1/completions", json=payload))
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids("bcd")  # type: ignore[index]
+    plain = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3}).json()
+    assert "token_ids" not in plain["choices"][0]

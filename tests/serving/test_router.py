@@ -1,7 +1,8 @@
 """The router over FAKE workers (tiny FastAPI apps implementing the worker API
 deterministically): colocated least-load placement, the PD flow through the Conductor
-(prefill with max_tokens=1, decode with prompt + first token), rejections, failing workers
-answered promptly with typed errors, and the prefix index after prefill.
+(the prefill worker makes one token by its role, decode with prompt + first token), rejections,
+failing workers answered promptly with typed errors, the prefix index after prefill, and the
+decision log keyed by the client's request id.
 
 `FakeWorker` is shared with test_openai_api.py.
 """
@@ -23,7 +24,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from tsukimi import httpd
-from tsukimi.config import ConductorConfig, RouterConfig, RouterFileConfig, load
+from tsukimi.config import ROUTER_CONDUCTOR, ConductorConfig, RouterAppConfig, RouterConfig, load
 from tsukimi.errors import (
     ConfigError,
     DuplicateRequest,
@@ -35,11 +36,12 @@ from tsukimi.errors import (
 )
 from tsukimi.netio import free_port
 from tsukimi.scheduler.block_hash import hash_blocks
+from tsukimi.scheduler.cost_model import LinearCostModel
 from tsukimi.serving.protocol import ErrorReply, GenerateRequest, error_reply
-from tsukimi.serving.router.commands import add_parser, parse_workers
-from tsukimi.serving.router.index_feed import ExpectedReuse
-from tsukimi.serving.router.router import Router, TokenEvent, cost_model
-from tsukimi.serving.router.worker_client import WorkerSpec
+from tsukimi.serving.router.app import build_router_app
+from tsukimi.serving.router.commands import add_parser, settings
+from tsukimi.serving.router.router import Router, TokenEvent
+from tsukimi.serving.router.workers import WorkerSpec, parse_workers
 
 T = TypeVar("T")
 SCRIPTED: dict[int, Callable[[str], TsukimiError]] = {
@@ -194,6 +196,17 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"
 
 
+def router_app(
+    *specs: WorkerSpec, router: RouterConfig = FAST, conductor: ConductorConfig | None = None, **keys: object
+) -> FastAPI:
+    """`build_router_app` over `specs` as `tsukimi router` runs it (the tiny model's byte
+    tokenizer; no load shedding unless `keys` says: a loaded CI host must not shed tests)."""
+    workers = ",".join(f"{s.name}={s.role}@{s.url}" for s in specs)
+    settings = {"shed_lag_ms": 0.0, **keys}
+    config = RouterAppConfig(workers, router=router, conductor=conductor or ROUTER_CONDUCTOR, **settings)  # type: ignore[arg-type]
+    return build_router_app(config)
+
+
 def request(prompt: Sequence[int], max_tokens: int, rid: str = "r", **extra: object) -> GenerateRequest:
     return GenerateRequest(rid, tuple(prompt), max_tokens, 0.0, **extra)  # type: ignore[arg-type]
 
@@ -248,19 +261,32 @@ def test_router_file_reads_tables_and_overrides(tmp_path: object) -> None:
     from pathlib import Path
 
     path = Path(str(tmp_path)) / "router.toml"
-    path.write_text('[router]\nmode = "pd"\ndecode_step_s = 0.05\n[conductor]\nttft_slo_s = 2\n')
-    settings = load(RouterFileConfig, path, ["router.poll_interval_s=0.25", "conductor.rejection=early"])
+    path.write_text(
+        'workers = "a=colocated@http://h:1"\nshed_lag_ms = 100\n[router]\nmode = "pd"\n'
+        "[router.cost]\ndecode_step_s = 0.05\n[conductor]\nttft_slo_s = 2\n"
+    )
+    settings = load(RouterAppConfig, path, ["router.poll_interval_s=0.25", "conductor.rejection=early"])
     router, conductor = settings.router, settings.conductor
-    assert (router.mode, router.decode_step_s, router.poll_interval_s) == ("pd", 0.05, 0.25)
+    assert (settings.workers, settings.shed_lag_ms, settings.backend) == ("a=colocated@http://h:1", 100.0, "tsukimi")
+    assert (router.mode, router.cost.decode_step_s, router.poll_interval_s) == ("pd", 0.05, 0.25)
     assert (conductor.ttft_slo_s, conductor.rejection) == (2.0, "early")
-    assert cost_model(router).decode_step_s(1, 0) == pytest.approx(0.05)
+    assert conductor.decode_estimate_s == ROUTER_CONDUCTOR.decode_estimate_s == 0  # the live router's defaults
+    assert LinearCostModel.from_config(router.cost).decode_step_s(1, 0) == pytest.approx(0.05)
     with pytest.raises(ConfigError, match="unknown key"):
-        load(RouterFileConfig, None, ["router.nope=1"])
+        load(RouterAppConfig, None, ["router.nope=1"])
     with pytest.raises(ConfigError, match="must be > 0"):
-        load(RouterFileConfig, None, ["router.read_timeout_s=0"])
+        load(RouterAppConfig, None, ["router.read_timeout_s=0"])
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        load(RouterAppConfig, None, ["router.cost.prefill_token_s=-1"])
 
 
-def test_router_command_arguments() -> None:
+def test_a_router_built_in_code_gets_the_live_routers_conductor() -> None:
+    """The simulator's 10 s decode-stage prior once reached a `Router` built in code (1095f22)."""
+    router = Router(parse_workers("p=prefill@http://h:1,d=decode@http://h:2"))
+    assert router._conductor_config == ROUTER_CONDUCTOR
+
+
+def test_router_command_flags_map_onto_the_config() -> None:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(
@@ -270,22 +296,27 @@ def test_router_command_arguments() -> None:
             "a=colocated@http://h:1",
             "--mode",
             "colocated",
+            "--shed-lag-ms",
+            "0",
+            "--master-http",
+            "http://m:1",
             "--set",
             "router.policy=round_robin",
             "--set",
             "conductor.ttft_slo_s=5",
         ]
     )
-    assert (args.command, args.host, args.port, args.model, args.mode, args.config) == (
-        "router",
-        "127.0.0.1",
-        8000,
-        "tiny",
+    config = settings(args)
+    assert (config.host, config.port, config.model, config.backend) == ("127.0.0.1", 8000, "tiny", "tsukimi")
+    assert (config.workers, config.router.mode, config.shed_lag_ms, config.master_http) == (
+        "a=colocated@http://h:1",
         "colocated",
-        None,
+        0.0,
+        "http://m:1",
     )
-    settings = load(RouterFileConfig, args.config, args.set)
-    assert (settings.router.policy, settings.conductor.ttft_slo_s) == ("round_robin", 5.0)
+    assert (config.router.policy, config.conductor.ttft_slo_s) == ("round_robin", 5.0)
+    vllm = settings(parser.parse_args(["router", "--backend", "vllm", "--pool", "--vllm-block-size", "16"]))
+    assert (vllm.backend, vllm.vllm.pool, vllm.vllm.block_size) == ("vllm", True, 16)
 
 
 # -- colocated ------------------------------------------------------------------------------
@@ -304,6 +335,9 @@ def test_colocated_least_load_follows_polled_loads(workers: list[FakeWorker]) ->
 
     run_with(router, body)
     assert (len(workers[0].calls), len(workers[1].calls)) == (0, 3)
+    [record] = router.decisions.get(["r1"])
+    assert (record.mode, record.prefill, record.decode, record.predicted_ttft_s) == ("colocated", "b", "", None)
+    assert (record.expected_cached_tokens, record.conductor_id, record.cached_tokens) == (None, None, 0)
     assert workers[1].calls[0] == {
         "request_id": "r0",
         "prompt_ids": [10, 20, 30],
@@ -350,9 +384,10 @@ def test_colocated_round_robin(workers: list[FakeWorker]) -> None:
 
 def pd_router(workers: list[FakeWorker], conductor: ConductorConfig | None = None, **knobs: object) -> Router:
     workers += [FakeWorker("p0", "prefill", cached=4, **knobs), FakeWorker("d0", "decode")]
-    return Router([w.spec for w in workers], FAST, conductor or ConductorConfig(rejection="none"))
+    return Router([w.spec for w in workers], FAST, conductor or NO_REJECTION)
 
 
+NO_REJECTION = dataclasses.replace(ROUTER_CONDUCTOR, rejection="none")
 PROMPT = list(range(100, 110))  # two full blocks of 4 and a partial one
 
 
@@ -360,7 +395,11 @@ def test_pd_flow_prefill_then_decode(workers: list[FakeWorker]) -> None:
     router = pd_router(workers)
 
     async def body(router: Router) -> list[TokenEvent]:
-        return await collect(router, request(PROMPT, 5, "pd-1", seed=7, stop_token_ids=(999,)))
+        events = [
+            event
+            async for event in router.generate(request(PROMPT, 5, "cmpl-pd-1", seed=7, stop_token_ids=(999,)), "pd-1")
+        ]
+        return events
 
     events = run_with(router, body)
     prefill, decode = workers
@@ -369,13 +408,18 @@ def test_pd_flow_prefill_then_decode(workers: list[FakeWorker]) -> None:
     assert events[0].finish_reason is None and events[-1].finish_reason == "length"
     assert (events[0].cached_tokens, events[0].pool_tokens) == (4, 2)
     [p_call], [d_call] = prefill.calls, decode.calls
-    assert (p_call["prompt_ids"], p_call["max_tokens"], p_call["seed"]) == (PROMPT, 1, 7)
+    # NOTE: the request as it is: the prefill worker makes one token by its role (the one place)
+    assert (p_call["prompt_ids"], p_call["max_tokens"], p_call["seed"]) == (PROMPT, 5, 7)
     assert (d_call["prompt_ids"], d_call["max_tokens"]) == ([*PROMPT, 110], 4)
-    assert d_call["stop_token_ids"] == [999] and d_call["request_id"] == p_call["request_id"] == "pd-1"
+    assert d_call["stop_token_ids"] == [999] and d_call["request_id"] == p_call["request_id"] == "cmpl-pd-1"
     # The router records nothing itself: its index learns from the workers' KV events only (a
     # fake worker publishes none), so it expected no reuse at all.
     assert router.index.match(hash_blocks(PROMPT, BLOCK_TOKENS)) == {}
-    assert {e.expected for e in events} == {ExpectedReuse(0, 0)}
+    [record] = router.decisions.get(["pd-1"])  # NOTE: the client's id, not the workers'
+    assert (record.mode, record.accepted, record.prefill, record.decode) == ("pd", True, "p0", "d0")
+    assert (record.expected_cached_tokens, record.expected_pool_tokens, record.expected_concurrent) == (0, 0, False)
+    assert (record.cached_tokens, record.pool_tokens, record.prompt_tokens) == (4, 2, len(PROMPT))
+    assert record.conductor_id == 0 and record.predicted_ttft_s is not None and not record.queued
     assert router.block_tokens == BLOCK_TOKENS
     conductor = router.conductor
     assert conductor is not None and conductor.counters["accepted"] == 1
@@ -397,7 +441,7 @@ def test_pd_finishes_at_prefill(workers: list[FakeWorker]) -> None:
 
 
 def test_pd_rejection_is_typed_with_reason(workers: list[FakeWorker]) -> None:
-    router = pd_router(workers, ConductorConfig(rejection="baseline", ttft_slo_s=1e-6))
+    router = pd_router(workers, dataclasses.replace(ROUTER_CONDUCTOR, rejection="baseline", ttft_slo_s=1e-6))
 
     async def body(router: Router) -> None:
         with pytest.raises(Rejected) as info:
@@ -406,10 +450,13 @@ def test_pd_rejection_is_typed_with_reason(workers: list[FakeWorker]) -> None:
 
     run_with(router, body)
     assert workers[0].calls == [] and workers[1].calls == []
+    [record] = router.decisions.get(["r"])
+    assert (record.accepted, record.reason, record.prefill, record.cached_tokens) == (False, "ttft_slo", "", None)
+    assert "TTFT" in record.message and record.predicted_ttft_s is not None and record.predicted_ttft_s > 1e-6
 
 
 def test_pd_rejection_at_decode_comes_after_the_prefill(workers: list[FakeWorker]) -> None:
-    router = pd_router(workers, ConductorConfig(rejection="baseline", tbt_slo_s=1e-6))
+    router = pd_router(workers, dataclasses.replace(ROUTER_CONDUCTOR, rejection="baseline", tbt_slo_s=1e-6))
 
     async def body(router: Router) -> None:
         with pytest.raises(Rejected) as info:
@@ -418,6 +465,8 @@ def test_pd_rejection_at_decode_comes_after_the_prefill(workers: list[FakeWorker
 
     run_with(router, body)
     assert len(workers[0].calls) == 1 and workers[1].calls == []  # the prefill was wasted (baseline mode)
+    [record] = router.decisions.get(["r"])
+    assert (record.accepted, record.reason, record.prefill, record.decode) == (False, "rejected_at_decode", "p0", "")
 
 
 def test_pd_closing_early_aborts_decode_and_frees_the_conductor(workers: list[FakeWorker]) -> None:
@@ -435,6 +484,20 @@ def test_pd_closing_early_aborts_decode_and_frees_the_conductor(workers: list[Fa
 
     run_with(router, body)
     assert workers[1].disconnected.wait(2.0)
+
+
+def test_pd_round_robin_is_a_baseline_without_the_conductor(workers: list[FakeWorker]) -> None:
+    workers += [FakeWorker("p0", "prefill"), FakeWorker("p1", "prefill"), FakeWorker("d0", "decode")]
+    router = Router([w.spec for w in workers], dataclasses.replace(FAST, policy="round_robin"))
+
+    async def body(router: Router) -> list[str]:
+        return [(await collect(router, request(PROMPT, 2, f"rr{i}")))[0].worker for i in range(3)]
+
+    assert run_with(router, body) == ["p0", "p1", "p0"]
+    assert router.conductor is None and len(workers[2].calls) == 3
+    [record] = router.decisions.get(["rr1"])
+    assert (record.prefill, record.decode, record.conductor_id, record.predicted_ttft_s) == ("p1", "d0", None, None)
+    assert record.expected_cached_tokens == 0  # NOTE: the index is read in PD mode all the same
 
 
 # -- failures -------------------------------------------------------------------------------
@@ -565,7 +628,7 @@ def test_role_mismatch_is_a_config_error(workers: list[FakeWorker]) -> None:
 
 def test_pd_places_again_when_a_prefill_worker_is_down(workers: list[FakeWorker]) -> None:
     workers += [FakeWorker("p0", "prefill"), FakeWorker("p1", "prefill"), FakeWorker("d0", "decode")]
-    router = Router([w.spec for w in workers], FAST, ConductorConfig(rejection="none"))
+    router = Router([w.spec for w in workers], FAST, dataclasses.replace(ROUTER_CONDUCTOR, rejection="none"))
 
     async def body(router: Router) -> None:
         await router.start()

@@ -5,10 +5,12 @@ never goes to a group, and with groups only it is refused with a clear error."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.serving.test_router import FAST, FakeWorker, collect, run_with, workers  # noqa: F401
-from tsukimi.config import ConductorConfig
+from tsukimi.config import ROUTER_CONDUCTOR
 from tsukimi.errors import InvalidArgument
 from tsukimi.scheduler.cpp import CppGroup
 from tsukimi.serving.protocol import GenerateRequest
@@ -26,7 +28,7 @@ def cpp_router(workers: list[FakeWorker], ordinary: bool = True) -> Router:  # n
     workers += [FakeWorker("g0", "prefill", cpp=GROUP), FakeWorker("d0", "decode")]
     if ordinary:
         workers.append(FakeWorker("p0", "prefill"))
-    return Router([w.spec for w in workers], FAST, ConductorConfig(rejection="none"))
+    return Router([w.spec for w in workers], FAST, dataclasses.replace(ROUTER_CONDUCTOR, rejection="none"))
 
 
 def test_the_router_builds_its_groups_from_health(workers: list[FakeWorker]) -> None:  # noqa: F811

@@ -51,12 +51,16 @@ def complete(api: str) -> str:
 
 
 def prompt_details(api: str) -> tuple[int, int]:
-    """One completion's cached prompt tokens and those the router's index expected."""
+    """One completion's cached prompt tokens and those the router's index expected (its
+    decision record, by the request's X-Request-Id)."""
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
     response = httpx.post(api + "/v1/completions", json=body, timeout=30)
     assert response.status_code == 200, response.text
-    details = response.json()["usage"]["prompt_tokens_details"]
-    return details["cached_tokens"], details["expected_cached_tokens"]
+    [record] = httpx.get(api + "/decisions", params={"request_id": response.headers["x-request-id"]}).json()[
+        "decisions"
+    ]
+    assert record["cached_tokens"] == response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return record["cached_tokens"], record["expected_cached_tokens"]
 
 
 @pytest.mark.timeout(120)

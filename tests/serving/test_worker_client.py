@@ -1,6 +1,7 @@
-"""How the router's WorkerClient decides a worker is down: a refused connection at once, polls
-that time out only after DOWN_AFTER_MISSES in a row (an overloaded router's own event loop lags,
-and one late answer must not mark every worker down), and an answer marks it up again."""
+"""How the router decides a tsukimi worker is down (WorkerClient's probes under `Liveness`): a
+refused connection at once, polls that time out only after DOWN_AFTER_MISSES in a row (an
+overloaded router's own event loop lags, and one late answer must not mark every worker down),
+and an answer marks it up again; a stream's connect that timed out is tried again (`Retry`)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,10 @@ import pytest
 from tsukimi.clock import WallClock
 from tsukimi.errors import WorkerUnavailable
 from tsukimi.serving.protocol import GenerateRequest, Health, Load, TokenChunk
-from tsukimi.serving.router.worker_client import (
-    CONNECT_TRIES,
-    DOWN_AFTER_MISSES,
-    WorkerClient,
-    WorkerHandle,
-    WorkerSpec,
-)
+from tsukimi.serving.router.liveness import DOWN_AFTER_MISSES, Liveness
+from tsukimi.serving.router.worker_client import WorkerClient
+from tsukimi.serving.router.worker_http import CONNECT_TRIES
+from tsukimi.serving.router.workers import WorkerHandle, WorkerSpec
 
 
 def _client(outcomes: list[str]) -> WorkerClient:
@@ -35,15 +33,13 @@ def _client(outcomes: list[str]) -> WorkerClient:
             return httpx.Response(200, content=msgspec.json.encode(Health("ok", "decode-0", "decode", block_tokens=16)))
         return httpx.Response(200, content=msgspec.json.encode(Load(1, 2)))
 
-    client = WorkerClient(WallClock(), 1.0, 5.0, 0.5)
-    client._http = httpx.AsyncClient(transport=httpx.MockTransport(handler))  # NOTE: no sockets
-    return client
+    return WorkerClient(WallClock(), 1.0, 5.0, 0.5, httpx.MockTransport(handler))  # NOTE: no sockets
 
 
 async def _refreshes(client: WorkerClient, worker: WorkerHandle, n: int) -> list[bool]:
-    healthy = []
+    liveness, healthy = Liveness(client, WallClock(), 0.5), []
     for _ in range(n):
-        await client.refresh(worker)
+        await liveness.refresh(worker)
         healthy.append(worker.healthy)
     await client.aclose()
     return healthy
@@ -77,11 +73,10 @@ def _stream_after(late_connects: int) -> tuple[list[TokenChunk], int]:
         return httpx.Response(200, content=msgspec.json.encode(chunk) + b"\n")
 
     async def run() -> list[TokenChunk]:
-        client = WorkerClient(WallClock(), 1.0, 5.0, 0.5)
-        client._http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        client = WorkerClient(WallClock(), 1.0, 5.0, 0.5, httpx.MockTransport(handler))
         worker = WorkerHandle(WorkerSpec("decode-0", "decode", "http://127.0.0.1:1"))
         try:
-            return [c async for c in client.stream(worker, GenerateRequest("r", (1, 2), 1))]
+            return [c.chunk async for c in client.stream(worker, GenerateRequest("r", (1, 2), 1), "decode")]
         finally:
             await client.aclose()
             assert worker.healthy  # NOTE: a late connect leaves the verdict to the polls

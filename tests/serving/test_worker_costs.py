@@ -6,6 +6,7 @@ config's, and follows the slowdowns as polls arrive (tsukimi/serving/router/work
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from tests.serving.test_router import FAST, FakeWorker, close_all, run_with
-from tsukimi.config import ConductorConfig, RouterConfig, WorkerConfig
+from tsukimi.config import ROUTER_CONDUCTOR, LinearCostConfig, RouterConfig, WorkerConfig
 from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.sampling import SamplingParams
@@ -24,8 +25,8 @@ from tsukimi.engine.weights import LoadedModel, load_model
 from tsukimi.scheduler.cost_model import LinearCostModel
 from tsukimi.serving.protocol import CostProfile, Health, Load
 from tsukimi.serving.router.router import Router
-from tsukimi.serving.router.worker_client import WorkerHandle, WorkerSpec
 from tsukimi.serving.router.worker_costs import WorkerCostModel, conductor_cost
+from tsukimi.serving.router.workers import WorkerHandle, WorkerSpec
 from tsukimi.serving.worker.server import Worker
 from tsukimi.testing.processes import wait_until
 
@@ -126,9 +127,9 @@ def test_cost_comes_from_the_prefill_and_decode_workers_profiles() -> None:
 
 
 def test_cost_falls_back_to_the_config_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    config = RouterConfig(prefill_token_s=0.003)
+    config = RouterConfig(cost=LinearCostConfig(prefill_token_s=0.003))
     cost = conductor_cost(config, [_handle("p", "prefill", None), _handle("d", "decode", DECODE)])
-    assert cost.prefill_s(100) == pytest.approx(config.prefill_base_s + 0.3)
+    assert cost.prefill_s(100) == pytest.approx(config.cost.prefill_base_s + 0.3)
     assert cost.decode_step_s(1, 0) == pytest.approx(0.0045)
     assert "prefill workers p report no cost profile" in caplog.text
     explicit = conductor_cost(RouterConfig(cost_model="config"), [_handle("p", "prefill", PREFILL)])
@@ -137,7 +138,7 @@ def test_cost_falls_back_to_the_config_with_a_warning(caplog: pytest.LogCaptureF
 
 def test_the_online_slowdown_scales_the_estimate() -> None:
     prefill = _handle("p", "prefill", PREFILL)
-    cost = WorkerCostModel(RouterConfig())
+    cost = WorkerCostModel(LinearCostConfig())
     cost.refresh([prefill])
     before = cost.prefill_s(1500)
     prefill.load = Load(0, 0, prefill_slowdown=2.5)
@@ -150,7 +151,7 @@ def test_the_online_slowdown_scales_the_estimate() -> None:
 
 def test_router_builds_the_conductor_from_workers_and_follows_their_polls(workers: list[FakeWorker]) -> None:
     workers += [FakeWorker("p0", "prefill", cost=PREFILL), FakeWorker("d0", "decode", cost=DECODE)]
-    router = Router([w.spec for w in workers], FAST, ConductorConfig(rejection="none"))
+    router = Router([w.spec for w in workers], FAST, dataclasses.replace(ROUTER_CONDUCTOR, rejection="none"))
 
     async def body(router: Router) -> tuple[float, float]:
         await router.start()

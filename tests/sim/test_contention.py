@@ -5,11 +5,12 @@ run stays deterministic."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from tsukimi.config import ConductorConfig, SimConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR, SimConfig
 from tsukimi.scheduler.cost_model import RooflineCostModel, chunked_prefill_s
 from tsukimi.scheduler.hotspots import HotSpotConfig
 from tsukimi.sim.hotspots import SkewedWorkload, skewed_trace
@@ -20,12 +21,12 @@ from tsukimi.sim.trace import TraceRequest
 
 COST = RooflineCostModel()
 BANDWIDTH = 50e9  # bytes/s per source link: the 8,192-token prefix (2.7 GB of LLaMA2-70B KV) takes 54 ms
-CONDUCTOR = ConductorConfig(rejection="none", kv_bandwidth_bytes_s=BANDWIDTH)
+CONDUCTOR = dataclasses.replace(SIMULATOR_CONDUCTOR, rejection="none", kv_bandwidth_bytes_s=BANDWIDTH)
 SIM = SimConfig(num_prefill=3, num_decode=1)
 PREFIX = tuple(range(1, 17))  # 16 blocks of 512 tokens
 RAMPING = SkewedWorkload(requests=300, rate_rps=20.0, shared=0.95, phase_s=5.0, ramp_s=3.0)
 RAMPING_SIM = SimConfig(num_prefill=6, num_decode=2)
-RAMPING_CONDUCTOR = ConductorConfig(rejection="none", kv_bandwidth_bytes_s=25e9)
+RAMPING_CONDUCTOR = dataclasses.replace(SIMULATOR_CONDUCTOR, rejection="none", kv_bandwidth_bytes_s=25e9)
 HOT = HotSpotConfig(threshold_rps=1.0)
 
 

@@ -5,9 +5,11 @@ p90 TTFT with replication on (docs/reproduction.md section 5c)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from tsukimi.config import ConductorConfig, SimConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR, SimConfig
 from tsukimi.eviction import LruPolicy
 from tsukimi.scheduler.hotspots import HotSpotConfig
 from tsukimi.scheduler.prefix_index import PrefixIndex
@@ -51,7 +53,7 @@ def test_hot_blocks_go_when_nothing_cold_is_left() -> None:
 
 
 SIM = SimConfig(num_prefill=16, num_decode=4, cache_blocks=48)  # room for ~2.5 of 3 prompts
-CONDUCTOR = ConductorConfig(rejection="none", kv_bandwidth_bytes_s=25e9)
+CONDUCTOR = dataclasses.replace(SIMULATOR_CONDUCTOR, rejection="none", kv_bandwidth_bytes_s=25e9)
 
 
 def _shared_p90(seed: int, hot: HotSpotConfig | None) -> float:

@@ -3,9 +3,10 @@ prefill instances' caches, and the run stays deterministic."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
-from tsukimi.config import ConductorConfig, SimConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR, SimConfig
 from tsukimi.scheduler.cost_model import RooflineCostModel
 from tsukimi.scheduler.hotspots import HotSpotConfig
 from tsukimi.scheduler.prefix_index import location
@@ -16,7 +17,7 @@ from tsukimi.sim.simulator import _PdRun, simulate
 
 WORKLOAD = SkewedWorkload(requests=200, rate_rps=2.0, prefix_blocks=16, phase_s=1000.0)
 SIM = SimConfig(num_prefill=4, num_decode=2)
-CONDUCTOR = ConductorConfig(rejection="none", reuse="local")
+CONDUCTOR = dataclasses.replace(SIMULATOR_CONDUCTOR, rejection="none", reuse="local")
 HOT = HotSpotConfig(threshold_rps=0.5, max_replicas=4)
 
 

@@ -7,9 +7,10 @@ instance holds 5,000 KV tokens, so two of these 2,000-token requests fit at a ti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
-from tsukimi.config import ConductorConfig, SimConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR, SimConfig
 from tsukimi.scheduler.cost_model import LinearCostModel
 from tsukimi.sim.report import Slo, summarize
 from tsukimi.sim.simulator import simulate
@@ -21,7 +22,7 @@ TRACE = [TraceRequest(10 * n, 2000, 100, (n * 10 + 1, n * 10 + 2)) for n in rang
 
 
 def _run(**cfg: object) -> dict[str, object]:
-    conductor = ConductorConfig(kv_bandwidth_bytes_s=1e9, **cfg)  # type: ignore[arg-type]
+    conductor = dataclasses.replace(SIMULATOR_CONDUCTOR, kv_bandwidth_bytes_s=1e9, **cfg)  # type: ignore[arg-type]
     return summarize(simulate(TRACE, SIM, conductor, COST), Slo(conductor.ttft_slo_s, conductor.tbt_slo_s))
 
 
@@ -35,7 +36,7 @@ def test_a_kv_bound_trace_queues_instead_of_rejecting_and_is_deterministic() -> 
 
 
 def test_with_a_tight_ttft_slo_only_those_predicted_to_miss_it_are_rejected() -> None:
-    conductor = ConductorConfig(kv_bandwidth_bytes_s=1e9, ttft_slo_s=8.0)
+    conductor = dataclasses.replace(SIMULATOR_CONDUCTOR, kv_bandwidth_bytes_s=1e9, ttft_slo_s=8.0)
     result = simulate(TRACE, SIM, conductor, COST)
     assert set(result.rejected.values()) == {"ttft_slo"} and 0 < len(result.rejected) < len(TRACE) - 2
     assert all(ttft <= 8.0 for ttft in result.queued.values())  # every queued one was predicted to meet it

@@ -3,6 +3,7 @@ and its determinism on the shipped sample."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tsukimi.config import ConductorConfig, SimConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR, SimConfig
 from tsukimi.scheduler.cost_model import LinearCostModel
 from tsukimi.sim.report import Slo, decode_load, percentile, summarize
 from tsukimi.sim.simulator import simulate
@@ -18,7 +19,9 @@ from tsukimi.sim.trace import TraceRequest
 
 # prefill 1 ms per token; decode step 10 ms + 1 us per context token; KV: 1 byte per token
 COST = LinearCostModel(prefill_coef=(0.0, 1e-3, 0.0), decode_coef=(0.01, 0.0, 1e-6), kv_bytes_per_token=1)
-CONDUCTOR = ConductorConfig(rejection="none", kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=100_000)
+CONDUCTOR = dataclasses.replace(
+    SIMULATOR_CONDUCTOR, rejection="none", kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=100_000
+)
 SAMPLE = Path(__file__).parents[2] / "data" / "traces" / "conversation_sample.jsonl"
 
 
@@ -55,7 +58,9 @@ def test_global_reuse_fetches_a_prefix_held_by_a_busy_instance() -> None:
         _req(2100, 2560, 1, (1, 2, 3, 4, 13)),
     ]
     for reuse, cached, fetched in (("global", 2048, 2048), ("local", 0, 0)):
-        config = ConductorConfig(rejection="none", kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=100_000, reuse=reuse)
+        config = dataclasses.replace(
+            SIMULATOR_CONDUCTOR, rejection="none", kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=100_000, reuse=reuse
+        )
         third = simulate(trace, SimConfig(num_prefill=2, num_decode=1), config, COST).jobs[2]
         # the second request holds prefill-0 (which cached blocks 1-4): the third goes to prefill-1
         assert third.instances[0] == "prefill-1"
@@ -121,8 +126,12 @@ def test_one_token_outputs_end_at_prefill() -> None:
 
 def test_a_prefix_evicted_from_dram_is_read_back_from_the_ssd_tier() -> None:
     trace = [_req(0, 1024, 1, (1, 2)), _req(5000, 1024, 1, (3, 4)), _req(10000, 1536, 1, (1, 2, 5))]
-    config = ConductorConfig(
-        rejection="none", kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=100_000, ssd_read_bytes_s=1e5
+    config = dataclasses.replace(
+        SIMULATOR_CONDUCTOR,
+        rejection="none",
+        kv_bandwidth_bytes_s=1e6,
+        prefill_chunk_tokens=100_000,
+        ssd_read_bytes_s=1e5,
     )
     sim = SimConfig(num_prefill=1, num_decode=1, cache_blocks=2, ssd_blocks=10)
     result = simulate(trace, sim, config, COST)

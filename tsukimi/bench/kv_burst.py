@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from tsukimi import httpd
-from tsukimi.config import RouterConfig, RouterFileConfig
+from tsukimi.config import ROUTER_CONDUCTOR, LinearCostConfig, RouterConfig
 from tsukimi.netio import free_port
 from tsukimi.scheduler.block_hash import hash_blocks
 from tsukimi.scheduler.conductor import Decision, ScheduleRequest
@@ -168,17 +168,16 @@ def run_burst(cfg: BurstConfig, urls: dict[str, str] | None = None) -> BurstResu
     from tsukimi.engine.tokenizer import load_tokenizer
     from tsukimi.serving.openai.app import create_app
     from tsukimi.serving.router.router import Router
-    from tsukimi.serving.router.worker_client import WorkerSpec
+    from tsukimi.serving.router.workers import WorkerSpec
 
     rng = random.Random(cfg.seed)
     prompts = [[rng.randrange(1000, 30000) for _ in range(cfg.prompt_tokens)] for _ in range(cfg.requests)]
     result = BurstResult(cfg)
     specs = [WorkerSpec(role, role, url) for role, url in urls.items()]  # type: ignore[arg-type]
     # NOTE: the workers' start-up profiles by default; --prefill-token-s: the config's cost model
-    costs = {"prefill_token_s": cfg.prefill_token_s, "cost_model": "config"} if cfg.prefill_token_s else {}
-    # NOTE: `tsukimi router`'s Conductor defaults (RouterFileConfig), as `tsukimi up` runs it
-    conductor = dataclasses.replace(RouterFileConfig().conductor, ttft_slo_s=cfg.ttft_slo_s, kv_wait=cfg.kv_wait)
-    router = Router(specs, RouterConfig(mode="pd", **costs), conductor)  # type: ignore[arg-type]
+    costs = RouterConfig(mode="pd", cost_model="config", cost=LinearCostConfig(prefill_token_s=cfg.prefill_token_s))
+    conductor = dataclasses.replace(ROUTER_CONDUCTOR, ttft_slo_s=cfg.ttft_slo_s, kv_wait=cfg.kv_wait)
+    router = Router(specs, costs if cfg.prefill_token_s else RouterConfig(mode="pd"), conductor)
     handle: httpd.AppHandle = httpd.start_in_thread(create_app(router, load_tokenizer("tiny"), "tiny"))
     try:
         api = handle.base_url

@@ -17,10 +17,10 @@ import subprocess
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from tsukimi.config import ConductorConfig, SimConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR, SimConfig
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import RooflineCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
@@ -52,7 +52,7 @@ def decision_latency(trace: Sequence[TraceRequest], cfg: SchedulerBenchConfig) -
         seen.update(request.hash_ids)
     cost = RooflineCostModel()
     conductor = Conductor(
-        ConductorConfig(rejection="predicted", ttft_slo_s=1e9, tbt_slo_s=1e9),
+        replace(SIMULATOR_CONDUCTOR, rejection="predicted", ttft_slo_s=1e9, tbt_slo_s=1e9),
         cost,
         index,
         prefill,
@@ -88,7 +88,7 @@ def simulation_time(trace: Sequence[TraceRequest]) -> dict[str, float]:
     figures: dict[str, float] = {"requests": float(len(trace))}
     for name, sim in (("pd_s", SimConfig()), ("colocated_s", SimConfig(shape="colocated"))):
         start = time.perf_counter()
-        simulate(trace, sim, ConductorConfig())
+        simulate(trace, sim, SIMULATOR_CONDUCTOR)
         figures[name] = time.perf_counter() - start
     return figures
 

@@ -5,8 +5,8 @@ per subsystem, and one loader for every settings file.
     transfer.py    TransferConfig, MetadataConfig, SecurityConfig
     p2p.py         P2PConfig
     store.py       MasterConfig, ClientConfig
-    scheduling.py  ConductorConfig, SimConfig
-    serving.py     WorkerConfig, RouterConfig (+ RouterFileConfig), ClusterConfig (+ its tables)
+    scheduling.py  ConductorConfig (SIMULATOR_CONDUCTOR, ROUTER_CONDUCTOR), LinearCostConfig, SimConfig
+    serving.py     WorkerConfig, RouterAppConfig (RouterConfig, VllmBackendConfig), ClusterConfig (+ its tables)
 
 `Config` composes the tables the store and transfer commands read (`tsukimi master`,
 `holder`, `metadata-server`). Unknown sections and keys are errors, and each dataclass
@@ -23,15 +23,21 @@ from tsukimi.config.p2p import P2PConfig
 from tsukimi.config.scheduling import (
     REJECTION_NAMES,
     RESERVATION_NAMES,
+    ROUTER_CONDUCTOR,
+    SIMULATOR_CONDUCTOR,
     ConductorConfig,
+    LinearCostConfig,
     RejectionName,
     ReservationName,
     SimConfig,
 )
 from tsukimi.config.serving import (
+    BACKEND_KINDS,
     DTYPE_NAMES,
+    POLICY_NAMES,
     ROLES,
     SHARED_WORKER_KEYS,
+    VLLM_HASH_ALGOS,
     ClusterConfig,
     ClusterMasterConfig,
     ClusterMode,
@@ -39,9 +45,12 @@ from tsukimi.config.serving import (
     ClusterRouterConfig,
     ClusterWorkersConfig,
     DTypeName,
+    PolicyName,
     Role,
+    RouterAppConfig,
     RouterConfig,
-    RouterFileConfig,
+    VllmBackendConfig,
+    VllmHashAlgo,
     WorkerConfig,
 )
 from tsukimi.config.store import PLACEMENT_NAMES, ClientConfig, MasterConfig, PlacementName
@@ -55,16 +64,21 @@ from tsukimi.config.transfer import (
 )
 
 __all__ = [
+    "BACKEND_KINDS",
     "DTYPE_NAMES",
     "INLINE_KEYS",
     "MIB",
     "MIN_SECRET_BYTES",
     "PLACEMENT_NAMES",
+    "POLICY_NAMES",
     "REJECTION_NAMES",
     "RESERVATION_NAMES",
     "ROLES",
+    "ROUTER_CONDUCTOR",
     "SECRET_ENV",
     "SHARED_WORKER_KEYS",
+    "SIMULATOR_CONDUCTOR",
+    "VLLM_HASH_ALGOS",
     "ClientConfig",
     "ClusterConfig",
     "ClusterMasterConfig",
@@ -75,18 +89,22 @@ __all__ = [
     "ConductorConfig",
     "Config",
     "DTypeName",
+    "LinearCostConfig",
     "MasterConfig",
     "MetadataConfig",
     "P2PConfig",
     "PlacementName",
+    "PolicyName",
     "RejectionName",
     "ReservationName",
     "Role",
+    "RouterAppConfig",
     "RouterConfig",
-    "RouterFileConfig",
     "SecurityConfig",
     "SimConfig",
     "TransferConfig",
+    "VllmBackendConfig",
+    "VllmHashAlgo",
     "WorkerConfig",
     "build_dataclass",
     "load",
@@ -102,6 +120,6 @@ class Config:
     metadata: MetadataConfig = field(default_factory=MetadataConfig)
     master: MasterConfig = field(default_factory=MasterConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
-    conductor: ConductorConfig = field(default_factory=ConductorConfig)
+    conductor: ConductorConfig = field(default_factory=lambda: SIMULATOR_CONDUCTOR)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     p2p: P2PConfig = field(default_factory=P2PConfig)

@@ -1,9 +1,23 @@
 """How requests are scheduled: the Conductor (`ConductorConfig`, the `[conductor]` table of
-`Config` and of the router's file) and the cluster the simulator replays traces through
-(`SimConfig`)."""
+`Config` and of the router's file), the linear cost model it estimates with (`LinearCostConfig`,
+the router's `[router.cost]` table) and the cluster the simulator replays traces through
+(`SimConfig`).
+
+The Conductor has two uses, each with its own complete defaults, named here and nowhere else:
+
+    SIMULATOR_CONDUCTOR   the paper's set-up: 512-token blocks of the traces, a 10 s decode-stage
+                          prior (tsukimi/sim/*, `tsukimi sim`, the `[conductor]` table of `Config`)
+    ROUTER_CONDUCTOR      the live router (`tsukimi router`, a `Router` built in code): the
+                          workers' 16-token blocks, the decode stage from the cost model
+
+`ConductorConfig` itself has no defaults: every caller starts from one of the two
+(`dataclasses.replace(ROUTER_CONDUCTOR, rejection="none")`), so no code path gets the other
+use's prior by accident (a `Router` built in code once got the simulator's; commit 1095f22).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -16,11 +30,13 @@ ReservationName = Literal["oracle", "max_tokens", "mean", "p90"]
 RESERVATION_NAMES: tuple[str, ...] = get_args(ReservationName)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ConductorConfig:
-    """The Conductor (tsukimi/scheduler/conductor.py).
+    """The Conductor (tsukimi/scheduler/conductor.py). No defaults: start from
+    `SIMULATOR_CONDUCTOR` or `ROUTER_CONDUCTOR` (see the module).
 
-    block_tokens: tokens per KV block (the traces' 512).
+    block_tokens: tokens per KV block (the traces' 512; the router asks its workers and uses
+        this only when none reports one).
     ttft_slo_s / tbt_slo_s: the service-level objectives a placement must meet.
     rejection: "none" admits everything; "baseline" checks TTFT at arrival and the decode
         load only when prefill is done (a request rejected then wasted its prefill); "early"
@@ -52,18 +68,18 @@ class ConductorConfig:
         (the paper's policies, which the simulator's overload experiments reproduce).
     """
 
-    block_tokens: int = 512
-    ttft_slo_s: float = 30.0
-    tbt_slo_s: float = 0.1
-    rejection: RejectionName = "predicted"
-    recheck_decode: bool = True
-    reuse: Literal["global", "local"] = "global"
-    balancing_threshold: float = 1.0
-    prefill_chunk_tokens: int = 8192
-    kv_bandwidth_bytes_s: float = 100e9
-    decode_estimate_s: float = 10.0
-    ssd_read_bytes_s: float = 8e9
-    kv_wait: bool = True
+    block_tokens: int
+    ttft_slo_s: float
+    tbt_slo_s: float
+    rejection: RejectionName
+    recheck_decode: bool
+    reuse: Literal["global", "local"]
+    balancing_threshold: float
+    prefill_chunk_tokens: int
+    kv_bandwidth_bytes_s: float
+    decode_estimate_s: float
+    ssd_read_bytes_s: float
+    kv_wait: bool
 
     def __post_init__(self) -> None:
         require(
@@ -77,6 +93,68 @@ class ConductorConfig:
         require(self.reuse in ("global", "local"), f"conductor.reuse must be global or local, got {self.reuse!r}")
         require(self.balancing_threshold >= 1, "conductor.balancing_threshold must be >= 1")
         require(self.prefill_chunk_tokens > 0, "conductor.prefill_chunk_tokens must be > 0")
+
+
+SIMULATOR_CONDUCTOR = ConductorConfig(
+    block_tokens=512,
+    ttft_slo_s=30.0,
+    tbt_slo_s=0.1,
+    rejection="predicted",
+    recheck_decode=True,
+    reuse="global",
+    balancing_threshold=1.0,
+    prefill_chunk_tokens=8192,
+    kv_bandwidth_bytes_s=100e9,
+    decode_estimate_s=10.0,
+    ssd_read_bytes_s=8e9,
+    kv_wait=True,
+)
+"""The simulator's Conductor: the paper's set-up (LLaMA2-70B on 8xA800 instances, the traces'
+512-token blocks), a 10 s decode-stage prior until stages are observed."""
+
+ROUTER_CONDUCTOR = ConductorConfig(
+    block_tokens=16,
+    ttft_slo_s=30.0,
+    tbt_slo_s=0.1,
+    rejection="predicted",
+    recheck_decode=True,
+    reuse="global",
+    balancing_threshold=1.0,
+    prefill_chunk_tokens=8192,
+    kv_bandwidth_bytes_s=100e9,
+    decode_estimate_s=0.0,
+    ssd_read_bytes_s=8e9,
+    kv_wait=True,
+)
+"""The live router's Conductor: no fixed decode-stage prior (a request's expected output at the
+decode instance's predicted TBT: a prior fitted to one model misjudges another's cold start);
+block_tokens only when no worker reports its own (the workers' default, `WorkerConfig`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LinearCostConfig:
+    """A `LinearCostModel`'s coefficients (tsukimi/scheduler/cost_model.py), in seconds:
+    prefill = prefill_base_s + prefill_token_s x new tokens + prefill_pair_s x attention pairs;
+    decode step = decode_step_s + decode_request_s x batch + decode_context_token_s x context
+    tokens; kv_bytes_per_token: the KV of one token. The router's `[router.cost]` table (what
+    the Conductor estimates with under `router.cost_model = "config"`, and for any part no
+    worker profiles); the defaults suit SmolLM2 on this CPU (0.5 ms per prompt token, 20 ms per
+    decode step)."""
+
+    prefill_base_s: float = 0.005
+    prefill_token_s: float = 0.0005
+    prefill_pair_s: float = 0.0
+    decode_step_s: float = 0.02
+    decode_request_s: float = 0.0
+    decode_context_token_s: float = 0.0
+    kv_bytes_per_token: int = 2048
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value, positive = getattr(self, f.name), f.name == "kv_bytes_per_token"
+            require(
+                value > 0 if positive else value >= 0, f"{f.name} must be {'> 0' if positive else '>= 0'}, got {value}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

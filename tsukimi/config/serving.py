@@ -1,7 +1,7 @@
-"""Serving: one inference worker (`WorkerConfig`, `tsukimi worker`), the router (`RouterConfig`;
-`RouterFileConfig` is the file `tsukimi router --config` reads) and a whole local cluster
-(`ClusterConfig`, the file `tsukimi up --config` reads), with the worker roles and dtypes
-they name.
+"""Serving: one inference worker (`WorkerConfig`, `tsukimi worker`), the router (`RouterAppConfig`,
+everything `tsukimi router` runs and the file its `--config` reads: `[router]` placement,
+`[conductor]`, `[vllm]` for vLLM instances) and a whole local cluster (`ClusterConfig`, the
+file `tsukimi up --config` reads), with the worker roles and dtypes they name.
 
 `[workers]` of a cluster file lists the counts per role and, flat beside them, the settings
 every worker shares: they build `ClusterWorkersConfig.worker`, a `WorkerConfig` that
@@ -16,7 +16,7 @@ from typing import Literal, get_args
 
 from tsukimi.config.loader import INLINE_KEYS, require
 from tsukimi.config.memory import MemoryBudget
-from tsukimi.config.scheduling import ConductorConfig
+from tsukimi.config.scheduling import ROUTER_CONDUCTOR, ConductorConfig, LinearCostConfig
 from tsukimi.config.store import MasterConfig
 from tsukimi.errors import ConfigError
 
@@ -41,6 +41,12 @@ SHARED_WORKER_KEYS = (
     "profile_on_start",
 )
 CostModelSource = Literal["workers", "config"]
+PolicyName = Literal["auto", "conductor", "least_load", "round_robin"]
+POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
+BackendKind = Literal["tsukimi", "vllm"]
+BACKEND_KINDS: tuple[str, ...] = get_args(BackendKind)
+VllmHashAlgo = Literal["sha256", "sha256_cbor"]
+VLLM_HASH_ALGOS: tuple[str, ...] = get_args(VllmHashAlgo)
 
 
 def _dotted(name: str) -> bool:
@@ -134,42 +140,43 @@ class WorkerConfig:
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    """The router (`[router]` in the TOML file).
+    """The router's placement (`[router]` in the TOML file).
 
     mode: "auto" (colocated when every worker is colocated, pd when they are prefill and
-        decode workers), "colocated" or "pd". policy: the colocated baseline router.
+        decode workers), "colocated" or "pd".
+    policy: who places the requests. "conductor": the Conductor (tsukimi/scheduler/conductor.py:
+        the prefix index, the SLOs, KV memory); "least_load" / "round_robin": the baselines
+        (tsukimi/scheduler/baselines.py; in pd mode the prefill and the decode worker are each
+        picked so). "auto": the Conductor in pd mode; in colocated mode least_load over
+        tsukimi workers and the Conductor over vLLM instances (their KV events feed its index).
     block_tokens: 0 = ask the workers (/health). decode_capacity_tokens: the KV tokens of every
         decode instance; 0 = each decode worker's own (its /load total_blocks x block_tokens).
+    max_waiting_requests: 429 "queue_full" when every worker that could take a new prompt has
+        more than this waiting (polled) or in flight from this router (0: no limit).
     cost_model: where the Conductor's cost model comes from: "workers" (the default): the
         coefficients the prefill (and decode) workers fitted to themselves at start-up
         (GET /health), scaled by the slowdowns they measure online (GET /load); a worker that
-        reports none falls back to this config's, with a warning. "config": the coefficients below.
-    prefill_*_s / decode_*_s / kv_bytes_per_token: the `LinearCostModel` the Conductor
-        estimates with under "config" (tsukimi/serving/router/worker_costs.py builds it); the defaults
-        suit SmolLM2 on this CPU (0.5 ms per prompt token, 20 ms per decode step).
+        reports none falls back to `cost`, with a warning. "config": `cost` alone.
+    cost: the `[router.cost]` table, a `LinearCostConfig` (tsukimi/serving/router/worker_costs.py
+        builds the model from it).
     """
 
     mode: Literal["auto", "colocated", "pd"] = "auto"
-    policy: Literal["least_load", "round_robin"] = "least_load"
+    policy: PolicyName = "auto"
     poll_interval_s: float = 0.5
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 60.0
     startup_timeout_s: float = 10.0
     block_tokens: int = 0
     decode_capacity_tokens: int = 0
+    max_waiting_requests: int = 0
     cost_model: CostModelSource = "workers"
-    prefill_base_s: float = 0.005
-    prefill_token_s: float = 0.0005
-    prefill_pair_s: float = 0.0
-    decode_step_s: float = 0.02
-    decode_request_s: float = 0.0
-    decode_context_token_s: float = 0.0
-    kv_bytes_per_token: int = 2048
+    cost: LinearCostConfig = field(default_factory=LinearCostConfig)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("auto", "colocated", "pd") or self.policy not in ("least_load", "round_robin"):
+        if self.mode not in ("auto", "colocated", "pd") or self.policy not in POLICY_NAMES:
             raise ConfigError(
-                f"router.mode must be auto, colocated or pd and router.policy least_load or round_robin, "
+                f"router.mode must be auto, colocated or pd and router.policy one of {', '.join(POLICY_NAMES)}, "
                 f"got {self.mode!r} and {self.policy!r}"
             )
         require(
@@ -177,17 +184,72 @@ class RouterConfig:
             f"router.cost_model must be workers or config, got {self.cost_model!r}",
         )
         for f in dataclasses.fields(self):
-            value, positive = getattr(self, f.name), f.name.endswith(("timeout_s", "interval_s", "per_token"))
+            value, positive = getattr(self, f.name), f.name.endswith(("timeout_s", "interval_s"))
             if isinstance(value, (int, float)) and (value <= 0 if positive else value < 0):
                 raise ConfigError(f"router.{f.name} must be {'> 0' if positive else '>= 0'}, got {value}")
 
 
 @dataclass(frozen=True, slots=True)
-class RouterFileConfig:
-    """What `tsukimi router --config` reads: `[router]` and the Conductor's `[conductor]`."""
+class VllmBackendConfig:
+    """vLLM API servers as the router's workers (`[vllm]`, `tsukimi router --backend vllm`;
+    tsukimi/integrations/vllm/backend.py).
 
+    block_size / hash_algo: how the instances hash their blocks (`--block-size`,
+        `--prefix-caching-hash-algo`): the router's keys must be theirs.
+    kv_events: "NAME=ENDPOINT[+REPLAY_ENDPOINT],..." per instance (tcp:// or ipc://), on
+        `kv_events_topic`; an instance named nowhere feeds the prefix index nothing.
+    pool: the instances share tsukimi's KV pool (TsukimiConnector saves every full block there).
+    """
+
+    block_size: int = 128
+    hash_algo: VllmHashAlgo = "sha256"
+    kv_events: str = ""
+    kv_events_topic: str = "kv"
+    pool: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.block_size > 0, f"vllm.block_size must be > 0, got {self.block_size}")
+        require(
+            self.hash_algo in VLLM_HASH_ALGOS,
+            f"vllm.hash_algo must be one of {', '.join(VLLM_HASH_ALGOS)}, got {self.hash_algo!r}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RouterAppConfig:
+    """Everything `tsukimi router` runs (`build_router_app`, tsukimi/serving/router/app.py): the
+    file `tsukimi router --config` reads, its flags mapped onto these keys.
+
+    workers: "NAME=ROLE@URL,..." (ROLE colocated, prefill or decode). backend: what they are,
+        "tsukimi" workers or "vllm" API servers (`[vllm]`).
+    model: the model spec whose tokenizer the router loads (tiny, smollm2, PATH.gguf, a Hugging
+        Face folder: a vLLM model's folder for the vllm backend); served_model_name: the id
+        /v1/models lists ("" = `model`).
+    master / master_http: the store master, for the dashboard's store view ("" = none).
+    shed_lag_ms: answer new completions 429 "overloaded" while the router's event loop lags
+        more than this on average (0: never; tsukimi/serving/router/load_shedding.py).
+    """
+
+    workers: str = ""
+    backend: BackendKind = "tsukimi"
+    model: str = "tiny"
+    served_model_name: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    master: str = ""
+    master_http: str = ""
+    shed_lag_ms: float = 250.0
     router: RouterConfig = field(default_factory=RouterConfig)
-    conductor: ConductorConfig = field(default_factory=lambda: ConductorConfig(decode_estimate_s=0.0))
+    conductor: ConductorConfig = field(default_factory=lambda: ROUTER_CONDUCTOR)
+    vllm: VllmBackendConfig = field(default_factory=VllmBackendConfig)
+
+    def __post_init__(self) -> None:
+        require(
+            self.backend in BACKEND_KINDS,
+            f"backend must be one of {', '.join(BACKEND_KINDS)}, got {self.backend!r}",
+        )
+        require(self.shed_lag_ms >= 0, f"shed_lag_ms must be >= 0 (0: never shed), got {self.shed_lag_ms}")
+        _check_port(self.port, "port")
 
 
 @dataclass(frozen=True, slots=True)

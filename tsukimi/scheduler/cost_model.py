@@ -8,7 +8,9 @@ Two models behind one protocol:
   fraction of memory bandwidth, plus a fixed per-step overhead. The shipped default
   (`llama2_70b_8xa800`) is the paper's set-up.
 - `LinearCostModel`: coefficients fitted by least squares from measured profiles
-  (`fit_linear`); the serving issue fits the built-in engine with it.
+  (`fit_linear`); the serving issue fits the built-in engine with it. A configured one is
+  built from its settings, `LinearCostConfig` (the router's `[router.cost]` table):
+  `LinearCostModel.from_config`.
 
 Prefill of `n` new tokens after `c` cached ones: the linear layers cost 2 * params FLOPs per
 token and causal attention 4 * layers * q_dim FLOPs per (query, key) pair, with
@@ -25,6 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
+from tsukimi.config import LinearCostConfig
 from tsukimi.errors import ConfigError, InvalidArgument
 
 
@@ -161,6 +164,16 @@ class LinearCostModel:
     prefill_coef: tuple[float, float, float]
     decode_coef: tuple[float, float, float]
     kv_bytes_per_token: int
+
+    @classmethod
+    def from_config(cls, config: LinearCostConfig) -> LinearCostModel:
+        """The model of `config`'s coefficients (pure)."""
+        c = config
+        return cls(
+            (c.prefill_base_s, c.prefill_token_s, c.prefill_pair_s),
+            (c.decode_step_s, c.decode_request_s, c.decode_context_token_s),
+            c.kv_bytes_per_token,
+        )
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         if new_tokens <= 0:

@@ -11,6 +11,7 @@ for it before it simulates.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tsukimi import extras
-from tsukimi.config import REJECTION_NAMES, RESERVATION_NAMES, ConductorConfig, SimConfig
+from tsukimi.config import REJECTION_NAMES, RESERVATION_NAMES, SIMULATOR_CONDUCTOR, SimConfig
 from tsukimi.errors import ConfigError
 from tsukimi.eviction import POLICY_NAMES
 from tsukimi.sim.cache_replay import parse_capacities, run_cache_command
@@ -128,7 +129,8 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         ssd_blocks=args.ssd_blocks,
         reservation=args.reservation,
     )
-    conductor = ConductorConfig(
+    conductor = dataclasses.replace(
+        SIMULATOR_CONDUCTOR,
         rejection=args.rejection,
         reuse=args.reuse,
         ttft_slo_s=args.ttft_slo,

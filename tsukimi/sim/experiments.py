@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tsukimi.config import ConductorConfig, RejectionName, SimConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR, RejectionName, SimConfig
 from tsukimi.errors import InvalidArgument
 from tsukimi.sim import plots
 from tsukimi.sim.cache_replay import sweep_cache
@@ -78,7 +78,9 @@ def global_vs_local(trace: Sequence[TraceRequest], out_dir: Path, progress: Prog
     for capacity in (500, 1000, 2000, 4000, 8000):
         for setting, ssd in REUSE_SETTINGS:
             progress(f"experiment 2: {setting} caches of {capacity} blocks")
-            cfg = ConductorConfig(rejection="none", reuse="local" if setting == "local" else "global")
+            cfg = dataclasses.replace(
+                SIMULATOR_CONDUCTOR, rejection="none", reuse="local" if setting == "local" else "global"
+            )
             sim = SimConfig(cache_blocks=capacity, ssd_blocks=ssd)
             report = summarize(simulate(trace, sim, cfg), Slo(TTFT_SLO_S, 0.1))
             rows.append(
@@ -209,8 +211,12 @@ def overload(trace: Sequence[TraceRequest], out_dir: Path, progress: Progress) -
         loads: dict[str, list[tuple[float, int]]] = {}
         for mode in OVERLOAD_MODES:
             progress(f"experiment 4: {shape.label}, rejection {mode}")
-            cfg = ConductorConfig(
-                rejection=mode, tbt_slo_s=shape.tbt_slo_s, recheck_decode=shape.recheck_decode, kv_wait=False
+            cfg = dataclasses.replace(
+                SIMULATOR_CONDUCTOR,
+                rejection=mode,
+                tbt_slo_s=shape.tbt_slo_s,
+                recheck_decode=shape.recheck_decode,
+                kv_wait=False,
             )  # NOTE: the paper's policies reject at once
             result = simulate(trace, shape.sim, cfg)
             report = summarize(result, Slo(TTFT_SLO_S, shape.tbt_slo_s))
@@ -260,7 +266,9 @@ def _max_speed(
     def meets(speed: float) -> bool:
         key = (_label(sim), speed)
         if key not in runs:
-            result = simulate(trace, dataclasses.replace(sim, speed=speed), ConductorConfig(rejection="none"))
+            result = simulate(
+                trace, dataclasses.replace(sim, speed=speed), dataclasses.replace(SIMULATOR_CONDUCTOR, rejection="none")
+            )
             runs[key] = summarize(result, Slo(math.inf, math.inf))
         report = runs[key]
         ttft, tbt = report["ttft_s"], report["tbt_s"]

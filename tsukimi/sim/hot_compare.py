@@ -6,11 +6,12 @@ first token, and the replicas made. `--contention`: KV transfers share their sou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from tsukimi.config import ConductorConfig, SimConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR, ConductorConfig, SimConfig
 from tsukimi.scheduler.hotspots import HotSpotConfig
 from tsukimi.sim.hotspots import SkewedWorkload, p90_ttft_s, skewed_trace
 from tsukimi.sim.simulator import SimResult, simulate
@@ -77,7 +78,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         prompts=args.prompts,
     )
     sim = SimConfig(num_prefill=args.prefill, num_decode=args.prefill, cache_blocks=args.cache_blocks)
-    conductor = ConductorConfig(rejection="none", reuse=args.reuse, kv_bandwidth_bytes_s=args.kv_bandwidth)
+    conductor = dataclasses.replace(
+        SIMULATOR_CONDUCTOR, rejection="none", reuse=args.reuse, kv_bandwidth_bytes_s=args.kv_bandwidth
+    )
     hot = HotSpotConfig(evict_hot_last=not args.no_evict_hot_last)
     print(json.dumps(compare(workload, sim, conductor, hot, args.contention)))
 

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tsukimi.config import ConductorConfig, SimConfig
+from tsukimi.config import SIMULATOR_CONDUCTOR, ConductorConfig, SimConfig
 from tsukimi.eviction import make_policy
 from tsukimi.scheduler.baselines import make_router
 from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest, fetch_bandwidth_bytes_s
@@ -75,7 +75,7 @@ def simulate(
         for i, r in enumerate(trace)
     ]
     runner = (
-        _PdRun(sim, conductor or ConductorConfig(), cost, hot, contention)
+        _PdRun(sim, conductor or SIMULATOR_CONDUCTOR, cost, hot, contention)
         if sim.shape == "pd"
         else _ColocatedRun(sim, cost)
     )

@@ -1,2 +1,2 @@
 """vLLM on tsukimi: a KV connector on the store (tsukimi.integrations.vllm.connector), PD disaggregation,
-the models, and the Conductor routing vLLM instances (backend.py, proxy.py, launch.py)."""
+the models, and vLLM instances as the router's workers (backend.py, launch.py)."""

@@ -1,306 +1,331 @@
-"""`VllmBackend`: the Conductor over vLLM API servers, the state behind `tsukimi router
---backend vllm` (the HTTP side is tsukimi/integrations/vllm/proxy.py).
+"""`VllmBackend`: vLLM API servers as the router's workers (tsukimi/serving/router/backend.py),
+behind `tsukimi router --backend vllm`: tsukimi's own router (placement, the Conductor, the
+decision log) and OpenAI front (tokenizing with the served model's tokenizer) in front of them.
 
-    prompt tokens -> VllmBlockHasher (vLLM's own block hashes) -> Conductor.schedule
-        colocated: the instance with the lowest estimated TTFT (queue + prefill of the
-                   tokens no cache holds + transfer from the pool), or 429
-        pd:        the prefill instance so chosen; after its one-token prefill,
-                   Conductor.admit_decode names the decode instance, or 429
+    stream  POST /v1/completions with the prompt's token ids, the request's sampling
+            parameters, `return_token_ids` and `stream` (usage with the cached prompt tokens
+            at the end: vLLM's `--enable-prompt-tokens-details`); SSE chunks -> TokenChunks
+            pd prefill stage: max_tokens 1, not streamed, kv_transfer_params
+                {"do_remote_decode": true}; its answer's kv_transfer_params are the hand-over
+            pd decode stage: the router's decode request (prompt + first token) with the
+                prefill's kv_transfer_params (vLLM's disaggregated-serving protocol)
+    poll    GET /metrics: requests running and waiting, KV cache blocks (cache_config_info's
+            num_gpu_blocks, kv_cache_usage_perc)
+    health  GET /health (vLLM answers 200 once its engine runs); the role is the declared one,
+            the block size the config's (vLLM's `--block-size`)
+    keys    vLLM's own block hashes (VllmBlockHasher), the index keys its KV events use
+    events  each instance's ZMQ publisher, as `vllm.kv_events` names it (kv_events.py), into
+            the index tier "hbm" (vLLM's medium "GPU"); with `vllm.pool`, every stored block
+            counts as in tsukimi's KV pool (TsukimiConnector saves every full block there)
 
-The prefix index is fed by each instance's KV events (kv_events.py), so it holds exactly
-what vLLM reports cached (and, with `pool`, every block some instance stored is assumed to
-be in tsukimi's KV pool: the TsukimiConnector saves every full block there). Loads: the
-Conductor's own bookings (corrected by when prefills really end) plus each instance's
-/metrics (requests running and waiting, KV cache usage), polled; an instance whose /metrics
-cannot be read is marked down and not placed on until it answers again.
-
-Runs on one asyncio event loop (the Conductor and the index are not thread-safe).
+vLLM reports one count of reused prompt tokens: a stage's `cached_tokens`; at a pd decode stage
+every one came over the connector (`pool_tokens`). A stop token (or EOS) ends vLLM's output
+ids; tsukimi's workers do not emit it, so it is dropped here.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import itertools
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from pathlib import Path
+from typing import cast
 
 import httpx
-import zmq.asyncio
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from tsukimi.clock import Clock, WallClock
-from tsukimi.config import ConductorConfig, Role, RouterConfig
-from tsukimi.errors import ConfigError, Rejected, WorkerUnavailable
+from tsukimi.clock import Clock
+from tsukimi.config import RouterAppConfig, VllmBackendConfig
+from tsukimi.errors import ConfigError, InvalidArgument, TsukimiError, WorkerError, WorkerUnavailable
 from tsukimi.integrations.vllm.block_hash import VllmBlockHasher, VllmHashConfig
-from tsukimi.integrations.vllm.kv_events import EventSource, EventSubscriber, InstanceEvents
-from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
-from tsukimi.scheduler.prefix_index import PrefixIndex
-from tsukimi.serving.kv_events import stop_subscribers
-from tsukimi.serving.router.router import cost_model
+from tsukimi.integrations.vllm.kv_events import EventSource
+from tsukimi.scheduler.block_hash import BlockHash
+from tsukimi.scheduler.prefix_index import Tier
+from tsukimi.serving.protocol import FinishReason, GenerateRequest, Health, Load, TokenChunk
+from tsukimi.serving.router.backend import Handover, RouterBackend, Stage, StageChunk
+from tsukimi.serving.router.worker_http import open_stream, probe, stream_error
+from tsukimi.serving.router.workers import WorkerHandle, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
-POOL_LOCATION = "pool/dram"
-_GAUGES = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_usage",
+REMOTE_DECODE: dict[str, object] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
 }
+_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
+_USAGE = "vllm:kv_cache_usage_perc"
+_CACHE_INFO = "vllm:cache_config_info"
 
 
-@dataclass(frozen=True, slots=True)
-class VllmInstance:
-    """One vLLM API server: its name, role, base URL and KV event publisher (None: no events)."""
-
-    name: str
-    role: Role
-    url: str
-    events: EventSource | None = None
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class VllmRouterConfig:
-    """hash: how the instances hash blocks. pool: they share tsukimi's KV pool (TsukimiConnector).
-    policy: "conductor" (Algorithm 1) or "round_robin" (the baseline). max_waiting_requests:
-    429 "queue_full" when every instance has more waiting (0: no limit). poll_interval_s:
-    /metrics polling. connect_timeout_s / read_timeout_s: calls to the instances."""
-
-    hash: VllmHashConfig = field(default_factory=VllmHashConfig)
-    pool: bool = False
-    policy: Literal["conductor", "round_robin"] = "conductor"
-    max_waiting_requests: int = 0
-    poll_interval_s: float = 0.5
-    connect_timeout_s: float = 2.0
-    read_timeout_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        if self.policy not in ("conductor", "round_robin"):
-            raise ConfigError(f"vllm policy must be conductor or round_robin, got {self.policy!r}")
+class _Usage(msgspec.Struct):
+    prompt_tokens_details: _Details | None = None
 
 
-@dataclass(slots=True)
-class InstanceState:
-    """What the router knows of one instance: polled gauges, health and its own requests."""
-
-    spec: VllmInstance
-    healthy: bool = True  # NOTE: optimistic until a poll says otherwise
-    polled: bool = False  # its /metrics answered at least once
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float = 0.0
-    in_flight: int = 0
-    events: InstanceEvents | None = None
+class _Choice(msgspec.Struct):
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
-@dataclass(slots=True)
-class Placement:
-    """Where one request runs: the instance computing its prompt, the decode instance (PD,
-    once admitted), its block keys and the Conductor's expectation of cached tokens."""
+class _Error(msgspec.Struct):
+    message: str = ""
 
-    request_id: int
-    prefill: InstanceState
-    prompt_tokens: int
-    cached_tokens: int
-    decode: InstanceState | None = None
-    booked: bool = True
-    notes: dict[str, object] = field(default_factory=dict)
+
+class _Answer(msgspec.Struct):
+    """A completion's JSON body, one SSE chunk of it, or an error body (`error`, or vLLM's
+    older `{"object": "error", "message": ...}`), as far as the router reads them."""
+
+    choices: list[_Choice] = msgspec.field(default_factory=list)
+    usage: _Usage | None = None
+    kv_transfer_params: dict[str, object] | None = None
+    error: _Error | None = None
+    kind: str = msgspec.field(name="object", default="")
+    message: str = ""
+
+    def error_message(self) -> str | None:
+        """What went wrong, when this is an error (pure)."""
+        if self.error is not None:
+            return self.error.message
+        return self.message if self.kind == "error" else None
+
+
+def parse_event_sources(text: str, topic: str) -> dict[str, EventSource]:
+    """Parses "NAME=ENDPOINT[+REPLAY],..."; pure. Raises ConfigError on a malformed item."""
+    out: dict[str, EventSource] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, rest = item.partition("=")
+        endpoint, _, replay = rest.partition("+")
+        schemes = ("tcp://", "ipc://")
+        if not eq or not endpoint.startswith(schemes) or (replay and not replay.startswith(schemes)):
+            raise ConfigError(
+                f"a KV event source must look like NAME=ENDPOINT[+REPLAY_ENDPOINT] with tcp:// or "
+                f"ipc:// endpoints, got {item!r}"
+            )
+        out[name.strip()] = EventSource(endpoint.strip(), topic, replay.strip() or None)
+    return out
+
+
+def vllm_backend(config: RouterAppConfig, workers: Sequence[WorkerSpec], clock: Clock) -> RouterBackend:
+    """The `BackendFactory` of "vllm" (tsukimi/serving/router/app.py): its instances' hashing and
+    event sources from `config.vllm`.
+
+    Raises:
+        ConfigError: the model is not the served model's folder (the router needs its tokenizer),
+            or `vllm.kv_events` is malformed or names an instance `workers` does not.
+    """
+    if not Path(config.model).is_dir():
+        raise ConfigError(f"the vllm backend needs --model, the served model's folder (its tokenizer): {config.model}")
+    sources = parse_event_sources(config.vllm.kv_events, config.vllm.kv_events_topic)
+    unknown = set(sources) - {w.name for w in workers}
+    if unknown:
+        raise ConfigError(f"vllm.kv_events names instances that the workers do not: {sorted(unknown)}")
+    r = config.router
+    return VllmBackend(config.vllm, sources, clock, r.connect_timeout_s, r.read_timeout_s)
 
 
 class VllmBackend:
-    """The Conductor and the prefix index over vLLM instances (see the module).
+    """vLLM API servers as workers (see the module). Implements `RouterBackend`.
 
-    Raises:
-        ConfigError: no instance, duplicate names, or roles that are neither all colocated
-            nor prefill + decode.
+    Args:
+        config: their hashing, events and pool. sources: each instance's KV event publisher.
+        clock: times the connect retries. connect_timeout_s / read_timeout_s: per call.
     """
+
+    kind = "vllm"
+    tier: Tier = "hbm"
+    colocated_conductor = True  # NOTE: their KV events feed the index: "auto" places by cache
 
     def __init__(
         self,
-        instances: Sequence[VllmInstance],
-        config: VllmRouterConfig | None = None,
-        router: RouterConfig | None = None,
-        conductor: ConductorConfig | None = None,
-        clock: Clock | None = None,
+        config: VllmBackendConfig,
+        sources: Mapping[str, EventSource],
+        clock: Clock,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float = 300.0,
     ) -> None:
-        self.config = config or VllmRouterConfig()
-        roles = {i.role for i in instances}
-        if roles not in ({"colocated"}, {"prefill", "decode"}):
-            raise ConfigError(f"vLLM instances must be all colocated, or prefill and decode; got {sorted(roles)}")
-        if len({i.name for i in instances}) != len(instances):
-            raise ConfigError("duplicate vLLM instance names")
-        self.mode = "colocated" if roles == {"colocated"} else "pd"
-        self.clock: Clock = clock or WallClock()
-        self.hasher = VllmBlockHasher(self.config.hash)
-        self.index = PrefixIndex()
-        self.instances = {i.name: InstanceState(i) for i in instances}
-        pool = POOL_LOCATION if self.config.pool else None
-        for state in self.instances.values():
-            state.events = InstanceEvents(self.index, state.spec.name, self.hasher.block_size, pool)
-        base = conductor or ConductorConfig()
-        # NOTE: without the pool a vLLM instance can reuse only its own cache: "global" would
-        # let the Conductor count on fetching another instance's blocks, which nothing does.
-        cfg = dataclasses.replace(
-            base, block_tokens=self.hasher.block_size, reuse=base.reuse if self.config.pool else "local"
-        )
-        prefill = [i.name for i in instances if i.role in ("prefill", "colocated")]
-        decode = [i.name for i in instances if i.role in ("decode", "colocated")]
-        self.conductor = Conductor(
-            cfg, cost_model(router or RouterConfig()), self.index, prefill, decode, 1 << 40, "hbm"
-        )
-        self._ids, self._rr = itertools.count(), itertools.count()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._zmq: zmq.asyncio.Context | None = None
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(self.config.read_timeout_s, connect=self.config.connect_timeout_s)
-        )
+        self.config, self.pooled, self._sources, self._clock = config, config.pool, dict(sources), clock
+        self.hasher = VllmBlockHasher(VllmHashConfig(block_size=config.block_size, algo=config.hash_algo))
+        self._timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+        self._probe_timeout_s = connect_timeout_s + 1
+        self._read_timeout_s = read_timeout_s
+        self._client: httpx.AsyncClient | None = None
 
-    async def start(self) -> None:
-        """Subscribes to every instance's events and starts polling loads (idempotent; mutates)."""
-        if self._tasks:
-            return
-        self._zmq = zmq.asyncio.Context()
-        for state in self.instances.values():
-            if state.spec.events is not None and state.events is not None:
-                sub = EventSubscriber(state.events, state.spec.events, self._zmq)
-                self._tasks.append(asyncio.create_task(sub.run(), name=f"kv-events-{state.spec.name}"))
-        self._tasks.append(asyncio.create_task(self._poll_forever(), name="vllm-load-poller"))
-        logger.info("vLLM router (%s, %s) over %d instances", self.mode, self.config.policy, len(self.instances))
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        """The connection pool, opened on first use (again after `aclose`)."""
+        if self._client is None or self._client.is_closed:
+            self._client = httpx.AsyncClient(timeout=self._timeout, limits=httpx.Limits(max_connections=None))
+        return self._client
 
-    async def close(self) -> None:
-        """Stops the subscribers and the poller, closes the connections (idempotent; mutates)."""
-        await stop_subscribers(self._tasks, self._zmq)
-        self._zmq = None
-        await self.client.aclose()
+    async def aclose(self) -> None:
+        """Closes the connections (idempotent; a later call opens new ones)."""
+        if self._client is not None:
+            await self._client.aclose()
 
-    # -- placement ---------------------------------------------------------------------------
+    def block_keys(self, prompt: Sequence[int], block_tokens: int) -> list[BlockHash]:
+        """vLLM's keys of the prompt's full blocks (its own block size; pure)."""
+        return cast(list[BlockHash], self.hasher.keys(prompt))
 
-    def place(self, tokens: Sequence[int]) -> Placement:
-        """Chooses the instance that computes the prompt `tokens` (mutates the bookings).
+    def events(self, worker: WorkerHandle, health: Health | None) -> EventSource | None:
+        """The instance's publisher as the config names it (None: none)."""
+        return self._sources.get(worker.spec.name)
 
-        Raises:
-            WorkerUnavailable: every instance of a needed role is down.
-            Rejected: the Conductor's SLO check, or every instance's queue is full.
-        """
-        down = {name for name, s in self.instances.items() if not s.healthy}
-        limit = self.config.max_waiting_requests
-        if limit and all(s.waiting + s.in_flight > limit for s in self._up(("prefill", "colocated"))):
-            raise Rejected("queue_full")
-        rid = next(self._ids)
-        if self.config.policy == "round_robin":
-            up = self._up(("prefill", "colocated"))
-            if not up:
-                raise WorkerUnavailable("no vLLM instance is reachable: all are marked down")
-            return Placement(rid, up[next(self._rr) % len(up)], len(tokens), 0, booked=False)
-        blocks = self.hasher.keys(tokens)
-        decision = self.conductor.schedule(ScheduleRequest(rid, max(1, len(tokens)), blocks), self.clock.now(), down)
-        if not decision.accepted:
-            if decision.reason == "no_instance":
-                raise WorkerUnavailable("no vLLM instance is reachable: all are marked down")
-            raise Rejected(decision.reason)
-        assert decision.prefill is not None
-        logger.debug(
-            "request %d -> %s (%d cached tokens expected, TTFT %.3f s)",
-            rid,
-            decision.prefill,
-            decision.cached_tokens,
-            decision.ttft_s,
-        )
-        return Placement(rid, self.instances[decision.prefill], len(tokens), decision.cached_tokens)
+    async def health(self, worker: WorkerHandle) -> Health:
+        """GET /health: up once it answers 200. Raises RpcTimeout (late) or WorkerError."""
+        await probe(self._http, worker, "/health", self._probe_timeout_s)
+        return Health("ok", worker.spec.name, worker.spec.role, block_tokens=self.hasher.block_size)
 
-    def prefill_done(self, placement: Placement) -> InstanceState | None:
-        """The prompt is computed (first token out). Colocated: frees the booking, returns
-        None. PD: the decode instance the Conductor admits it to (mutates).
-
-        Raises:
-            Rejected / WorkerUnavailable: PD, no decode instance takes it now.
-        """
-        now = self.clock.now()
-        if self.mode == "colocated":
-            if placement.booked:
-                placement.booked = False
-                self.conductor.finished_at_prefill(placement.request_id, now)
-            return None
-        if not placement.booked:  # round robin over PD: any decode instance, in turn
-            up = self._up(("decode",))
-            if not up:
-                raise WorkerUnavailable("no vLLM decode instance is reachable")
-            placement.decode = up[next(self._rr) % len(up)]
-            return placement.decode
-        down = {name for name, s in self.instances.items() if not s.healthy}
-        name = self.conductor.admit_decode(placement.request_id, now, down)
-        if name is None:
-            placement.booked = False
-            if not self._up(("decode",)):
-                raise WorkerUnavailable("no vLLM decode instance is reachable: all are marked down")
-            raise Rejected("rejected_at_decode")
-        placement.decode = self.instances[name]
-        return placement.decode
-
-    def finished(self, placement: Placement, output_tokens: int) -> None:
-        """The request left the cluster, normally or not (mutates; safe to call once more)."""
-        if not placement.booked:
-            return
-        placement.booked = False
-        if self.mode == "colocated" or placement.decode is None:
-            self.conductor.finished_at_prefill(placement.request_id, self.clock.now())
-        else:
-            self.conductor.decode_finished(placement.request_id, self.clock.now(), output_tokens)
-
-    def _up(self, roles: tuple[str, ...]) -> list[InstanceState]:
-        return [s for s in self.instances.values() if s.healthy and s.spec.role in roles]
-
-    # -- loads -------------------------------------------------------------------------------
-
-    async def poll_once(self) -> None:
-        """Reads every instance's /metrics once; marks the unreachable ones down (mutates)."""
-        await asyncio.gather(*(self._poll(state) for state in self.instances.values()))
-
-    async def _poll_forever(self) -> None:
-        while True:
-            await self.poll_once()
-            await asyncio.sleep(self.config.poll_interval_s)
-
-    async def _poll(self, state: InstanceState) -> None:
+    async def poll(self, worker: WorkerHandle) -> Load:
+        """GET /metrics: its requests and KV cache blocks. Raises RpcTimeout (late) or WorkerError."""
+        text = (await probe(self._http, worker, "/metrics", self._probe_timeout_s)).text
+        values, usage, total = {"running": 0.0, "waiting": 0.0}, 0.0, 0
         try:
-            response = await self.client.get(f"{state.spec.url}/metrics", timeout=self.config.connect_timeout_s + 1)
-            response.raise_for_status()
-        except httpx.HTTPError as exc:
-            if state.healthy:
-                logger.warning("vLLM instance %s is unreachable (%s): marked down", state.spec.name, exc)
-            state.healthy = False
-            return
-        values = {name: 0.0 for name in _GAUGES.values()}
-        for family in text_string_to_metric_families(response.text):
-            for sample in family.samples:
-                if sample.name in _GAUGES:
-                    values[_GAUGES[sample.name]] += sample.value
-        state.running, state.waiting, state.kv_usage = values["running"], values["waiting"], values["kv_usage"]
-        state.polled = True
-        if not state.healthy:
-            logger.info("vLLM instance %s answers again", state.spec.name)
-        state.healthy = True
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in _GAUGES:
+                        values[_GAUGES[sample.name]] += sample.value
+                    elif sample.name == _USAGE:
+                        usage = max(usage, sample.value)
+                    elif sample.name == _CACHE_INFO and sample.labels.get("num_gpu_blocks", "").isdigit():
+                        total = int(sample.labels["num_gpu_blocks"])
+        except ValueError as exc:
+            raise WorkerError(f"vLLM instance {worker.spec.name} answered /metrics with garbage: {exc}") from exc
+        free = round(total * (1 - min(1.0, usage)))
+        return Load(int(values["waiting"]), int(values["running"]), free, total)
 
-    def stats(self) -> dict[str, object]:
-        """The instances' loads and event counts and the index's size (pure), for /stats."""
-        out: dict[str, object] = {
-            "mode": self.mode,
-            "policy": self.config.policy,
-            "index_blocks": {loc: self.index.num_blocks(loc) for loc in self.index.locations()},
-        }
-        out["instances"] = {
-            name: {
-                "role": s.spec.role,
-                "healthy": s.healthy,
-                "running": s.running,
-                "waiting": s.waiting,
-                "kv_usage": s.kv_usage,
-                "in_flight": s.in_flight,
-                "events": dataclasses.asdict(s.events.stats) if s.events else None,
-            }
-            for name, s in self.instances.items()
-        }
-        out["counters"] = dict(self.conductor.counters)
-        return out
+    async def stream(
+        self, worker: WorkerHandle, request: GenerateRequest, stage: Stage, handover: Handover | None = None
+    ) -> AsyncGenerator[StageChunk, None]:
+        """POST /v1/completions for one stage (see the module); its chunks, the last with a
+        finish reason (a prefill stage's with the hand-over).
+
+        Raises (from the iterator): InvalidArgument (vLLM refused the request, 400);
+            WorkerUnavailable (unreachable, or 503); WorkerError (anything else).
+        """
+        body = _body(request, stage, handover)
+        built = self._http.build_request("POST", f"{worker.spec.url}/v1/completions", json=body)
+        try:
+            response = await open_stream(self._http, built, worker, self._clock)
+            try:
+                if response.status_code != 200:
+                    raise _refusal(worker, response.status_code, await response.aread())
+                if stage == "prefill":
+                    yield _prefilled(worker, await response.aread())
+                    return
+                async for chunk in _relay(worker, response, pooled=stage == "decode"):
+                    yield chunk
+            finally:
+                await response.aclose()
+        except httpx.HTTPError as exc:
+            raise stream_error(worker, exc, self._read_timeout_s) from exc
+
+
+def _body(request: GenerateRequest, stage: Stage, handover: Handover | None) -> dict[str, object]:
+    """The /v1/completions body of one stage of `request` (pure)."""
+    body: dict[str, object] = {
+        "prompt": list(request.prompt_ids),
+        "max_tokens": request.max_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "stop_token_ids": list(request.stop_token_ids),
+        "ignore_eos": request.ignore_eos,
+        "return_token_ids": True,
+    }
+    if request.seed is not None:
+        body["seed"] = request.seed
+    if stage == "prefill":  # NOTE: vLLM's instance does not know it is one: the one token is asked here
+        return {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(REMOTE_DECODE)}
+    if stage == "decode":
+        params = dict(handover or {})
+        # NOTE: vLLM would report the prefill's cache hits as the decode's cached tokens;
+        # without the key the decode reports its own (what it loaded)
+        params.pop("remote_prefill_cached_tokens", None)
+        body["kv_transfer_params"] = params
+    return {**body, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def _prefilled(worker: WorkerHandle, raw: bytes) -> StageChunk:
+    """A prefill stage's answer (one JSON body) as its one chunk and hand-over."""
+    answer = _decode(worker, raw)
+    if not answer.choices:
+        raise WorkerError(f"vLLM instance {worker.spec.name} answered the prefill without a choice")
+    choice = answer.choices[0]
+    finish = _finish(worker, choice.finish_reason) or "length"
+    ids = _output(choice, finish)
+    cached = _cached(answer)
+    return StageChunk(TokenChunk(ids, finish, cached), handover=dict(answer.kv_transfer_params or {}))
+
+
+async def _relay(worker: WorkerHandle, response: httpx.Response, pooled: bool) -> AsyncGenerator[StageChunk, None]:
+    """The SSE chunks as TokenChunks; the finishing one held back until the usage chunk after
+    it says what was cached. `pooled`: the cached tokens came over the connector."""
+    last: TokenChunk | None = None
+    cached = 0
+    async for line in response.aiter_lines():
+        data = line.removeprefix("data: ").strip() if line.startswith("data: ") else ""
+        if not data or data == "[DONE]":
+            continue
+        answer = _decode(worker, data.encode())
+        cached = _cached(answer) or cached
+        for choice in answer.choices:
+            finish = _finish(worker, choice.finish_reason)
+            chunk = TokenChunk(_output(choice, finish), finish)
+            if finish is not None:
+                last = chunk
+            elif chunk.token_ids:
+                yield StageChunk(chunk)
+    if last is None:
+        raise WorkerError(f"vLLM instance {worker.spec.name} ended the stream before the request finished")
+    last.cached_tokens, last.pool_tokens = cached, cached if pooled else 0
+    yield StageChunk(last)
+
+
+def _decode(worker: WorkerHandle, raw: bytes) -> _Answer:
+    try:
+        answer = msgspec.json.decode(raw, type=_Answer)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise WorkerError(f"vLLM instance {worker.spec.name} sent garbage: {exc}") from exc
+    if (message := answer.error_message()) is not None:
+        raise WorkerError(f"vLLM instance {worker.spec.name}: {message}")
+    return answer
+
+
+def _finish(worker: WorkerHandle, reason: str | None) -> FinishReason | None:
+    if reason in (None, "stop", "length"):
+        return reason  # type: ignore[return-value]
+    raise WorkerError(f"vLLM instance {worker.spec.name} ended the request: {reason}")
+
+
+def _output(choice: _Choice, finish: FinishReason | None) -> list[int]:
+    """The choice's token ids, without the stop token (or EOS) that ended it."""
+    ids = list(choice.token_ids or [])
+    stopped_by_token = finish == "stop" and not isinstance(choice.stop_reason, str)
+    return ids[:-1] if stopped_by_token and ids else ids
+
+
+def _cached(answer: _Answer) -> int:
+    details = answer.usage.prompt_tokens_details if answer.usage is not None else None
+    return (details.cached_tokens or 0) if details is not None else 0
+
+
+def _refusal(worker: WorkerHandle, status: int, raw: bytes) -> TsukimiError:
+    """The error a non-200 answer stands for: a 400 is the request's fault, a 503 the instance's
+    being unavailable, anything else its failure."""
+    try:
+        message = msgspec.json.decode(raw, type=_Answer).error_message()
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        message = None
+    text = message if message is not None else raw[:200].decode(errors="replace")
+    if status == 400:
+        return InvalidArgument(f"vLLM instance {worker.spec.name}: {text}")
+    if status == 503:
+        return WorkerUnavailable(f"vLLM instance {worker.spec.name} answered HTTP 503: {text}")
+    return WorkerError(f"vLLM instance {worker.spec.name} answered HTTP {status}: {text}")

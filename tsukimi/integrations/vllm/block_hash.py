@@ -23,13 +23,12 @@ import os
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
+from tsukimi.config import VLLM_HASH_ALGOS as HASH_ALGOS
+from tsukimi.config import VllmHashAlgo as HashAlgo
 from tsukimi.errors import ConfigError
 from tsukimi.scheduler.index_sync import event_key as event_key
 
-HashAlgo = Literal["sha256", "sha256_cbor"]
-HASH_ALGOS: tuple[HashAlgo, ...] = ("sha256", "sha256_cbor")
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
 

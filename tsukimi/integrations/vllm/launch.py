@@ -8,7 +8,7 @@ a connector needs one, and `tsukimi router --backend vllm` in front, supervised 
                       --dtype float32 --kv-events-config {zmq publisher on a free port + replay}
                       [--kv-transfer-config TsukimiConnector | MooncakeStoreConnector]
                       env VLLM_CPU_OMP_THREADS_BIND=<its core> VLLM_CPU_KVCACHE_SPACE=<GiB>
-    router          tsukimi router --backend vllm --workers ... --kv-events ...
+    router          tsukimi router --backend vllm --model .models/MODEL --workers ... --kv-events ...
 
 Models are the folders `make vllm` builds under `.models/` (tiny, smollm2), or any Hugging
 Face folder given by path. Where the venv and the models are comes from the flags
@@ -229,6 +229,12 @@ def plan_vllm(
         ",".join(e for _, e in made),
         "--policy",
         config.policy,
+        "--model",  # NOTE: the router tokenizes with the served model's own tokenizer
+        str(config.model_path()),
+        "--served-model-name",
+        config.model,
+        "--set",
+        "router.read_timeout_s=300",  # NOTE: a CPU vLLM's queued prefill may take minutes
     ]
     args += ["--pool"] if config.connector != "none" else []
     groups.append([ProcessSpec("router", "router", tuple(args), f"http://{h}:{args[args.index('--port') + 1]}")])

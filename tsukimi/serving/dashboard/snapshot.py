@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from tsukimi.serving.dashboard.series import Point
 from tsukimi.serving.dashboard.store_probe import StoreView
 from tsukimi.serving.router.decision_log import DecisionRecord
-from tsukimi.serving.router.worker_client import WorkerStatus
+from tsukimi.serving.router.workers import WorkerStatus
 
 _PREFIX = "tsukimi_router_"
 

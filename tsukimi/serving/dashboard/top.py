@@ -172,7 +172,8 @@ def _decisions(s: Snapshot) -> Table:
         "prefill / worker",
         "decode",
         "exp. cached",
-        "est. TTFT",
+        "cached",
+        "pred. TTFT",
         "outcome",
         expand=False,
         title=title,
@@ -180,15 +181,15 @@ def _decisions(s: Snapshot) -> Table:
     )
     for d in s.decisions[:10]:
         outcome = "accepted" if d.accepted else f"[red]rejected: {d.reason}[/red]"
-        est = _ms(d.ttft_s) if d.mode == "pd" else "-"
         table.add_row(
             str(d.seq),
             d.request_id[-12:],
             str(d.prompt_tokens),
-            d.prefill,
+            d.prefill or "-",
             d.decode or "-",
-            str(d.cached_tokens) if d.mode == "pd" else "-",
-            est,
+            "-" if d.expected_cached_tokens is None else str(d.expected_cached_tokens),
+            "-" if d.cached_tokens is None else str(d.cached_tokens),
+            _ms(d.predicted_ttft_s),
             outcome,
         )
     return table

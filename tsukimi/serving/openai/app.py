@@ -1,6 +1,7 @@
 """The OpenAI-compatible front end over a `Router`: /v1/models, /v1/completions and
-/v1/chat/completions (server-sent events when `stream`, one JSON body otherwise), /health and
-/metrics (Prometheus, in the app's own registry).
+/v1/chat/completions (server-sent events when `stream`, one JSON body otherwise), /health,
+/metrics (Prometheus, in the app's own registry), /stats (the router's prefix index, KV events
+and Conductor counters: `RouterStats`) and /decisions (the router's decision log).
 
 Per request: check the body and tokenize the prompt (chat: messages -> the model's chat
 template -> tokens) in tsukimi/serving/openai/validation.py: anything wrong is a 400 with an
@@ -12,7 +13,16 @@ character) and cut at the first stop string, after which the worker stream is cl
 worker aborts the request). An error after a stream has started arrives as a `data: {"error"}`
 event before `data: [DONE]`. An error's HTTP status comes from the serving protocol's one
 table (`protocol.http_status`), its OpenAI `code` is the error's own (the Conductor's reason
-for a 429). A request id in `X-Request-Id` is used, as vLLM does (one already running: 409).
+for a 429). A request id in `X-Request-Id` is used, as vLLM does (one already running: 409);
+every answer to a completion, error or not, carries the request's id in `X-Request-Id` (the
+client's, else a new one), the key of its record in the decision log:
+
+    GET /decisions?request_id=ID[&request_id=ID2...]   {"decisions": [RECORD, ...]}: the records
+                                                       of the ids asked that the log still
+                                                       holds, in the order asked
+    GET /decisions                                     the newest records (at most 64)
+
+`return_token_ids` (vLLM's extension) adds each choice's token ids to the answer.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from tsukimi.engine.tokenizer import StreamDecoder, Tokenizer
 from tsukimi.errors import InvalidArgument, Rejected, TsukimiError, WorkerUnavailable
 from tsukimi.serving.dashboard.series import SampledHistogram
 from tsukimi.serving.openai.protocol import (
+    REQUEST_ID_HEADER,
     Usage,
     delta_choice,
     error_body,
@@ -52,8 +63,9 @@ from tsukimi.serving.protocol import (
     error_reply,
     http_status,
 )
+from tsukimi.serving.router.decision_log import RECENT
 from tsukimi.serving.router.router import Router, TokenEvent
-from tsukimi.serving.router.worker_client import WorkerStatus
+from tsukimi.serving.router.workers import WorkerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -141,12 +153,14 @@ class _Job:
     """A checked request: what to generate and how to answer."""
 
     chat: bool
+    request_id: str  # the client's (X-Request-Id), else the router's: the decision log's key
     response_id: str
     created: int
     request: GenerateRequest
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+    return_token_ids: bool
     arrival_s: float
 
 
@@ -184,34 +198,40 @@ class OpenAIServer:
 
     async def complete(self, raw: bytes, chat: bool, request_id: str | None = None) -> Response:
         """Answers one (chat) completion request; never raises a TsukimiError (error bodies).
-        `request_id`: the client's (X-Request-Id, as vLLM takes it), else a random one."""
-        endpoint = "chat" if chat else "completions"
+        `request_id`: the client's (X-Request-Id, as vLLM takes it), else a random one; the
+        answer carries it in X-Request-Id."""
+        endpoint, rid = "chat" if chat else "completions", request_id or uuid.uuid4().hex
+        headers = {REQUEST_ID_HEADER: rid}
         try:
             await self.router.start()
         except TsukimiError as exc:  # NOTE: the deployment's fault (e.g. a role mismatch), not the client's
-            return self._error(endpoint, WorkerUnavailable(f"the router cannot start: {exc}"))
+            return self._error(endpoint, WorkerUnavailable(f"the router cannot start: {exc}"), headers)
         try:
-            job = self._parse(raw, chat, request_id)
+            job = self._parse(raw, chat, rid)
             self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
-            events = self.router.generate(job.request)
+            events = self.router.generate(job.request, rid)
             first = await anext(events)  # NOTE: before answering, so that failures are status codes
             if job.stream:
-                return StreamingResponse(self._sse(job, endpoint, events, first), media_type="text/event-stream")
+                stream = self._sse(job, endpoint, events, first)
+                return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
             async with aclosing(events):
                 usage, parts, finish = Usage(len(job.request.prompt_ids)), [], "length"
-                async for delta, reason in self._texts(job, events, first, usage):
+                ids: list[int] = []
+                async for delta, reason, tokens in self._texts(job, events, first, usage):
                     parts.append(delta)
+                    ids.extend(tokens)
                     finish = reason or finish
         except TsukimiError as exc:
-            return self._error(endpoint, exc)
+            return self._error(endpoint, exc, headers)
         self.metrics.requests.labels(endpoint, "ok").inc()
         text = "".join(parts)
         choice: dict[str, object] = {"index": 0, "logprobs": None, "finish_reason": finish}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        choice.update({"token_ids": ids} if job.return_token_ids else {})
         kind = "chat.completion" if chat else "text_completion"
-        return json_response({**self._head(job, kind), "choices": [choice], "usage": usage.body()})
+        return json_response({**self._head(job, kind), "choices": [choice], "usage": usage.body()}, headers=headers)
 
-    def _parse(self, raw: bytes, chat: bool, request_id: str | None = None) -> _Job:
+    def _parse(self, raw: bytes, chat: bool, request_id: str) -> _Job:
         """Checks the body and tokenizes the prompt (pure; tsukimi/serving/openai/validation.py).
 
         Raises:
@@ -219,19 +239,31 @@ class OpenAIServer:
             ModelNotFound: another model.
         """
         c = self.checker.check(raw, chat)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         request = GenerateRequest(
-            rid, c.prompt_ids, c.max_tokens, c.temperature, c.top_p, c.seed, c.stop_token_ids, c.ignore_eos
+            response_id, c.prompt_ids, c.max_tokens, c.temperature, c.top_p, c.seed, c.stop_token_ids, c.ignore_eos
         )
-        return _Job(chat, rid, int(time.time()), request, c.stops, c.stream, c.include_usage, self.router.clock.now())
+        return _Job(
+            chat,
+            request_id,
+            response_id,
+            int(time.time()),
+            request,
+            c.stops,
+            c.stream,
+            c.include_usage,
+            c.return_token_ids,
+            self.router.clock.now(),
+        )
 
     async def _texts(
         self, job: _Job, events: AsyncIterator[TokenEvent], first: TokenEvent, usage: Usage
-    ) -> AsyncIterator[tuple[str, str | None]]:
-        """(text, None) pieces, then (text, finish reason); records the token metrics and `usage`."""
+    ) -> AsyncIterator[tuple[str, str | None, tuple[int, ...]]]:
+        """(text, None, token ids) pieces, then (text, finish reason, token ids); records the
+        token metrics and `usage`."""
         m = self.metrics
         m.ttft.observe(max(0.0, first.time_s - job.arrival_s))
-        self._reuse(usage, first)
+        _reuse(m, usage, first)
         text, event, previous = StopText(self.tokenizer, job.stops), first, first.time_s
         while True:
             usage.completion_tokens += len(event.token_ids)
@@ -240,23 +272,16 @@ class OpenAIServer:
             if event.finish_reason is not None and not text.stopped:
                 delta += text.flush()
             if text.stopped or event.finish_reason is not None:
-                yield delta, "stop" if text.stopped else event.finish_reason
+                yield delta, "stop" if text.stopped else event.finish_reason, event.token_ids
                 return
-            if delta:
-                yield delta, None
+            if delta or (job.return_token_ids and event.token_ids):  # NOTE: text held back: no chunk
+                yield delta, None, event.token_ids
             event = await anext(events)
-            self._reuse(usage, event)
+            _reuse(m, usage, event)
             count = max(1, len(event.token_ids))
             for _ in range(count):
                 m.tbt.observe(max(0.0, event.time_s - previous) / count)
             previous = event.time_s
-
-    def _reuse(self, usage: Usage, event: TokenEvent) -> None:
-        """Take the request's reuse counts so far (the router's) into `usage` and the metrics."""
-        self.metrics.cached_tokens.inc(max(0, event.cached_tokens - usage.cached_tokens))
-        self.metrics.pool_tokens.inc(max(0, event.pool_tokens - usage.pool_tokens))
-        usage.cached_tokens, usage.pool_tokens = event.cached_tokens, event.pool_tokens
-        usage.expected = event.expected or usage.expected
 
     async def _sse(
         self, job: _Job, endpoint: str, events: AsyncGenerator[TokenEvent, None], first: TokenEvent
@@ -268,17 +293,14 @@ class OpenAIServer:
             async with aclosing(events):
                 if job.chat:
                     yield sse_event({**head, "choices": [delta_choice({"role": "assistant", "content": ""}, None)]})
-                async for delta, finish in self._texts(job, events, first, usage):
+                async for delta, finish, ids in self._texts(job, events, first, usage):
+                    tokens = {"token_ids": list(ids)} if job.return_token_ids else {}
                     if not job.chat:
-                        yield sse_event(
-                            {
-                                **head,
-                                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}],
-                            }
-                        )
+                        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish, **tokens}
+                        yield sse_event({**head, "choices": [choice]})
                         continue
-                    if delta:
-                        yield sse_event({**head, "choices": [delta_choice({"content": delta}, None)]})
+                    if delta or tokens:
+                        yield sse_event({**head, "choices": [{**delta_choice({"content": delta}, None), **tokens}]})
                     if finish is not None:
                         yield sse_event({**head, "choices": [delta_choice({}, finish)]})
             if job.include_usage:
@@ -296,13 +318,25 @@ class OpenAIServer:
     def _head(self, job: _Job, kind: str) -> dict[str, object]:
         return {"id": job.response_id, "object": kind, "created": job.created, "model": self.model_name}
 
-    def _error(self, endpoint: str, exc: TsukimiError) -> Response:
+    def _error(self, endpoint: str, exc: TsukimiError, headers: dict[str, str]) -> Response:
         status, body = error_body(exc)
         if isinstance(exc, Rejected):
             self.metrics.rejections.labels(exc.reason).inc()
         self.metrics.requests.labels(endpoint, outcome_of(status)).inc()
         logger.debug("%s request failed with %d: %s", endpoint, status, exc)
-        return json_response(body, status)
+        return json_response(body, status, headers)
+
+    def decisions(self, request_ids: list[str]) -> dict[str, object]:
+        """The decision log's records of `request_ids` (none: the newest; pure)."""
+        log = self.router.decisions
+        return {"decisions": log.get(request_ids) if request_ids else log.recent(RECENT)}
+
+
+def _reuse(metrics: ApiMetrics, usage: Usage, event: TokenEvent) -> None:
+    """Takes the request's reuse counts so far (the router's) into `usage` and the metrics."""
+    metrics.cached_tokens.inc(max(0, event.cached_tokens - usage.cached_tokens))
+    metrics.pool_tokens.inc(max(0, event.pool_tokens - usage.pool_tokens))
+    usage.cached_tokens, usage.pool_tokens = event.cached_tokens, event.pool_tokens
 
 
 def create_app(
@@ -359,7 +393,10 @@ def create_app(
             body = msgspec.json.decode(raw, type=UpdateWeightsRequest)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
             return _reply(*error_reply(InvalidArgument(f"invalid request body: {exc}")))
-        outcome = await router.update_weights(body, secret)
+        try:
+            outcome = await router.update_weights(body, secret)
+        except InvalidArgument as exc:  # NOTE: the backend's workers take none (vLLM)
+            return _reply(*error_reply(exc))
         failed = [http_status(r) for r in outcome.values() if isinstance(r, TsukimiError)]
         workers = {
             name: r if isinstance(r, UpdateWeightsReply) else ErrorReply(r.code, str(r)) for name, r in outcome.items()
@@ -369,6 +406,17 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(server.metrics.render(router.workers()), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats() -> Response:
+        return Response(msgspec.json.encode(router.stats()), media_type="application/json")
+
+    @app.get("/decisions")
+    async def decisions(request: Request) -> Response:
+        return Response(
+            msgspec.json.encode(server.decisions(request.query_params.getlist("request_id"))),
+            media_type="application/json",
+        )
 
     return app
 

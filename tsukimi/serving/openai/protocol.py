@@ -1,7 +1,8 @@
 """The OpenAI API's wire shapes: the request bodies of /v1/completions and
 /v1/chat/completions (msgspec; unknown fields ignored, as vLLM does), the usage block, error
-bodies (with the offending parameter, `InvalidArgument.param`) and the server-sent-event
-framing. No logic beyond building them.
+bodies (with the offending parameter, `InvalidArgument.param`), the server-sent-event
+framing and the `X-Request-Id` header every completion's answer carries. No logic beyond
+building them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from fastapi import Response
 
 from tsukimi.errors import InvalidArgument, Rejected, TsukimiError
 from tsukimi.serving.protocol import http_status
-from tsukimi.serving.router.index_feed import ExpectedReuse
+
+REQUEST_ID_HEADER = "X-Request-Id"  # on every answer to a completion: the client's id, else the router's
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
@@ -43,6 +45,7 @@ class Params(msgspec.Struct, frozen=True, kw_only=True):
     user: str | None = None  # an end-user id for the operator's logs: accepted, unused
     ignore_eos: bool = False  # vLLM's extensions
     stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False  # each choice carries its token ids too
     # NOTE: not implemented: a 400 unless the value is the default (openai_validation.UNSUPPORTED)
     logprobs: bool | int | None = None  # completions: a count; chat: a flag
     presence_penalty: float | None = None
@@ -87,26 +90,22 @@ class ChatRequest(Params, frozen=True, kw_only=True):
 
 @dataclass(slots=True)
 class Usage:
+    """A response's usage block. Its body has OpenAI's fields only: the router's diagnostics
+    (`pool_tokens`, counted here for the metrics; what its prefix index expected) are in its
+    decision log (`GET /decisions`, tsukimi/serving/router/decision_log.py), keyed by the
+    request id."""
+
     prompt_tokens: int
     cached_tokens: int = 0
-    pool_tokens: int = 0
     completion_tokens: int = 0
-    expected: ExpectedReuse | None = None
+    pool_tokens: int = 0
 
     def body(self) -> dict[str, object]:
-        # NOTE: pool_tokens (not OpenAI's): prompt tokens whose KV a worker (prefill, then
-        # decode) loaded from the KV pool instead of computing; expected_*: what the router's
-        # prefix index expected the prefill worker to reuse (PD mode; tsukimi/serving/router/index_feed.py)
-        details: dict[str, int] = {"cached_tokens": self.cached_tokens, "pool_tokens": self.pool_tokens}
-        if self.expected is not None:
-            details["expected_cached_tokens"] = self.expected.cached_tokens
-            details["expected_pool_tokens"] = self.expected.pool_tokens
-            details["expected_concurrent"] = int(self.expected.concurrent)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": details,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
@@ -118,8 +117,8 @@ def sse_event(body: dict[str, object]) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
-def json_response(body: dict[str, object], status: int = 200) -> Response:
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+def json_response(body: dict[str, object], status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
 
 
 def error_body(exc: TsukimiError) -> tuple[int, dict[str, object]]:

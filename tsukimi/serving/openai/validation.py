@@ -92,6 +92,7 @@ class CheckedRequest:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    return_token_ids: bool = False
 
 
 class RequestChecker:
@@ -151,6 +152,7 @@ class RequestChecker:
             req.ignore_eos,
             bool(req.stream),
             include_usage,
+            req.return_token_ids,
         )
 
     def _check_ids(self, ids: Sequence[int], param: str) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from tsukimi.errors import InvalidArgument
 from tsukimi.scheduler.cpp import CppGroup
 from tsukimi.serving.protocol import GenerateRequest
-from tsukimi.serving.router.worker_client import WorkerHandle
+from tsukimi.serving.router.workers import WorkerHandle
 
 
 def conductor_groups(workers: Iterable[WorkerHandle]) -> dict[str, CppGroup]:

@@ -1,14 +1,15 @@
-"""The router's prefix index fed by its prefill workers' KV events, and what the index expects a
+"""The router's prefix index fed by its workers' KV events, and what the index expects a
 prefill worker to reuse, to check it against what the worker did reuse.
 
-    prefill worker p: KvEventPublisher --PUB--> EventSubscriber (one per worker, on the
-        router's event loop) --> InstanceEvents(p) --> index: "p/dram" (its block pool, the
-        CPU medium) and "pool/dram" (every block a prefill worker caches it has also put in,
-        or loaded from, the KV pool)
+    worker p: its publisher --PUB--> EventSubscriber (one per worker, on the router's event
+        loop) --> InstanceEvents(p) --> index: "p/TIER" (its own cache: "dram" for a tsukimi
+        worker's block pool, "hbm" for a vLLM instance's) and, when the backend's workers pool
+        every block they store, "pool/dram"
 
-The index learns only from events: the router records nothing itself when a prefill
-finishes. Decode workers publish too but are not subscribed: the Conductor places prefills,
-and a decode worker's cache is no place to fetch a prefix from.
+Which workers publish, and where, is the backend's to say (`CacheKeys.events`, read at each
+worker's discovery: tsukimi's prefill workers from their /health, vLLM instances from the
+config); a worker without a source feeds nothing. The index learns only from events: the
+router records nothing itself when a prefill finishes.
 
 NOTE: the pool's own evictions are not published (the store master evicts on its own), so
 "pool/dram" over-approximates the pool once it fills. After a live update the workers salt
@@ -22,17 +23,17 @@ Applying a batch costs microseconds per block and runs between decisions on the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import httpx
 import zmq.asyncio
 
 from tsukimi.scheduler.index_sync import InstanceEvents
-from tsukimi.scheduler.prefix_index import PrefixIndex, location
+from tsukimi.scheduler.prefix_index import PrefixIndex, Tier, location
 from tsukimi.serving.kv_events import EventSource, EventSubscriber, stop_subscribers
-from tsukimi.serving.router.worker_client import POOL, WorkerHandle
+from tsukimi.serving.router.workers import POOL, WorkerHandle
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +62,21 @@ def expected_reuse(
     prompt_tokens: int,
     block_tokens: int,
     in_flight: Sequence[Sequence[int]] = (),
+    tier: Tier = "dram",
+    pooled: bool = True,
 ) -> ExpectedReuse:
     """What `prefill` would reuse of a prompt of `prompt_tokens` tokens with these full-block
     hashes, by the index now and the prefills already running on that worker (`in_flight`: their
     full-block hashes), pure. A running prefill finishes, caches and pools its blocks before the
     worker admits a later one (its scheduler admits in arrival order), so its chain counts as
     held both locally and in the pool. The last prompt token is always computed, so a prompt of
-    whole blocks reuses at most all but its last block."""
+    whole blocks reuses at most all but its last block. `tier`: the worker's own cache's in the
+    index; `pooled`: whether blocks can come from the KV pool at all."""
     usable = blocks[: (prompt_tokens - 1) // block_tokens]
     running = max((_common_prefix(usable, chain) for chain in in_flight), default=0)
-    local = max(index.match_at(location(prefill, "dram"), usable), running)
-    pooled = max(index.match_at(POOL_LOCATION, usable[local:]), running - local)
-    return ExpectedReuse((local + pooled) * block_tokens, pooled * block_tokens, bool(in_flight))
+    local = max(index.match_at(location(prefill, tier), usable), running)
+    pool = max(index.match_at(POOL_LOCATION, usable[local:]), running - local) if pooled else 0
+    return ExpectedReuse((local + pool) * block_tokens, pool * block_tokens, bool(in_flight))
 
 
 def _common_prefix(blocks: Sequence[int], other: Sequence[int]) -> int:
@@ -86,61 +90,59 @@ def _common_prefix(blocks: Sequence[int], other: Sequence[int]) -> int:
 
 
 class IndexFeed:
-    """Subscribes to the prefill workers' KV events and applies them to `index` (see the module).
+    """Subscribes to the workers' KV events and applies them to `index` (see the module).
 
     Args:
         index: the router's prefix index (mutated by the subscribers).
         block_tokens: the workers' block size (a worker publishing another is warned about).
-        timeout_s: how long a snapshot request waits.
+        pooled: the workers' stored blocks are in the KV pool too ("pool/dram").
+        timeout_s: how long a snapshot or replay request waits.
     """
 
-    def __init__(self, index: PrefixIndex, block_tokens: int, timeout_s: float = 2.0) -> None:
+    def __init__(self, index: PrefixIndex, block_tokens: int, pooled: bool = True, timeout_s: float = 2.0) -> None:
         self.index, self.block_tokens, self.timeout_s = index, block_tokens, timeout_s
+        self.pool = POOL_LOCATION if pooled else None
         self.instances: dict[str, InstanceEvents] = {}
-        self._subscribers: dict[str, tuple[tuple[int, int], asyncio.Task[None]]] = {}  # by worker: ports, task
+        self._subscribers: dict[str, tuple[EventSource, asyncio.Task[None]]] = {}  # by worker: source, task
         self._follower: asyncio.Task[None] | None = None
         self._context: zmq.asyncio.Context | None = None
 
     def start(self, workers: Sequence[WorkerHandle]) -> None:
-        """Subscribes to every prefill worker that publishes KV events (GET /health said where),
-        and follows a restarted one to its new ports. Mutates; call on the router's loop."""
+        """Subscribes to every worker that publishes KV events (`WorkerHandle.events`), and
+        follows a restarted one to its new endpoints. Mutates; call on the router's loop."""
         self._context = self._context or zmq.asyncio.Context()
         for worker in workers:
-            if worker.spec.role == "prefill" and worker.kv_events_ports[0]:
-                self._subscribe(worker)
+            if worker.events is not None:
+                self._subscribe(worker, worker.events)
         self._follower = asyncio.create_task(self._follow(workers), name="kv-events-follow")
-        logger.info("prefix index fed by the KV events of %d prefill workers", len(self.instances))
+        logger.info("prefix index fed by the KV events of %d workers", len(self.instances))
 
-    def _subscribe(self, worker: WorkerHandle) -> None:
+    def _subscribe(self, worker: WorkerHandle, source: EventSource) -> None:
         assert self._context is not None
-        name, host = worker.spec.name, httpx.URL(worker.spec.url).host
-        port, snapshot_port = worker.kv_events_ports
-        source = EventSource(
-            f"tcp://{host}:{port}", replay_timeout_s=self.timeout_s, snapshot_endpoint=f"tcp://{host}:{snapshot_port}"
-        )
+        name = worker.spec.name
         if name not in self.instances:
-            self.instances[name] = InstanceEvents(self.index, name, self.block_tokens, POOL_LOCATION)
-        subscriber = EventSubscriber(self.instances[name], source, self._context)
-        self._subscribers[name] = (
-            worker.kv_events_ports,
-            asyncio.create_task(subscriber.run(), name=f"kv-events-{name}"),
-        )
+            self.instances[name] = InstanceEvents(self.index, name, self.block_tokens, self.pool)
+        timed = dataclasses.replace(source, replay_timeout_s=self.timeout_s)
+        subscriber = EventSubscriber(self.instances[name], timed, self._context)
+        self._subscribers[name] = (source, asyncio.create_task(subscriber.run(), name=f"kv-events-{name}"))
 
     async def _follow(self, workers: Sequence[WorkerHandle]) -> None:
-        """A restarted prefill worker publishes on new ports (its GET /health, read again when it
-        comes back up): subscribe there, forgetting what the index held for its old cache."""
+        """A restarted worker may publish elsewhere (a tsukimi worker's /health, read again when
+        it comes back up, names new ports): subscribe there, forgetting what the index held for
+        its old cache."""
         while True:
             await asyncio.sleep(_FOLLOW_INTERVAL_S)
             for worker in workers:
-                name = worker.spec.name
-                if name not in self._subscribers or worker.kv_events_ports in (self._subscribers[name][0], (0, 0)):
+                name, source = worker.spec.name, worker.events
+                if source is None or (name in self._subscribers and self._subscribers[name][0] == source):
                     continue
-                logger.warning(
-                    "prefill worker %s restarted: following its KV events to ports %s", name, worker.kv_events_ports
-                )
+                if name not in self._subscribers:  # NOTE: silent at discovery, heard from now
+                    self._subscribe(worker, source)
+                    continue
+                logger.warning("worker %s restarted: following its KV events to %s", name, source.endpoint)
                 await stop_subscribers([self._subscribers.pop(name)[1]], None)
                 self.instances[name].resync(0)
-                self._subscribe(worker)
+                self._subscribe(worker, source)
 
     async def close(self) -> None:
         """Stops the subscribers (idempotent; mutates)."""

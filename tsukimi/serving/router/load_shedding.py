@@ -10,9 +10,10 @@ the Conductor alone cannot keep the loop responsive.
 `LoopLag` measures the lag: a task sleeps `interval_s` again and again and records how late it
 woke (an exponentially weighted mean with a half-life of `halflife_s`). While that mean is over
 `threshold_s`, `Shedder` answers new completion requests at once with 429 `overloaded` (the
-OpenAI error body, `Retry-After: 1`) before their bodies are read, so that the requests in
-flight, /health and the dashboard get the loop back. Requests already admitted are never cut.
-It is a pure ASGI wrapper (no buffering of streamed responses) in front of the app.
+OpenAI error body, `Retry-After: 1`, the request's `X-Request-Id`: the client's, else a new
+one) before their bodies are read, so that the requests in flight, /health and the dashboard
+get the loop back. Requests already admitted are never cut. It is a pure ASGI wrapper (no
+buffering of streamed responses) in front of the app.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -30,7 +32,7 @@ import msgspec
 from fastapi import FastAPI
 
 from tsukimi.errors import Rejected
-from tsukimi.serving.openai.protocol import error_body
+from tsukimi.serving.openai.protocol import REQUEST_ID_HEADER, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,12 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
+OnShed = Callable[[str, Rejected], None]  # (the request's id, its rejection): metrics, the decision log
+_ID_HEADER = REQUEST_ID_HEADER.lower().encode()
+
+
+def _ignore(request_id: str, rejection: Rejected) -> None:
+    """The default `OnShed`: nothing."""
 
 
 class LoopLag:
@@ -71,10 +79,10 @@ class Shedder:
 
     Args:
         app: the wrapped application. lag: the loop's lag. threshold_s: the mean lag from which
-            requests are shed (0: never). on_shed: called once per shed request (metrics).
+            requests are shed (0: never). on_shed: called once per shed request.
     """
 
-    def __init__(self, app: Asgi, lag: LoopLag, threshold_s: float, on_shed: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, app: Asgi, lag: LoopLag, threshold_s: float, on_shed: OnShed = _ignore) -> None:
         self.app, self.lag, self.threshold_s, self._on_shed = app, lag, threshold_s, on_shed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -82,17 +90,22 @@ class Shedder:
         if not (lagging and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in SHED_PATHS):
             await self.app(scope, receive, send)
             return
-        self._on_shed()
+        given = next((v for k, v in scope["headers"] if k == _ID_HEADER), b"")
+        request_id = given.decode("latin-1") or uuid.uuid4().hex
         detail = f"the router is {self.lag.mean_s:.2f} s behind (over {self.threshold_s} s); retry in 1 s"
-        status, body = error_body(Rejected("overloaded", detail))
-        headers = [(b"content-type", b"application/json"), (b"retry-after", b"1")]
+        rejection = Rejected("overloaded", detail)
+        self._on_shed(request_id, rejection)
+        status, body = error_body(rejection)
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"retry-after", b"1"),
+            (_ID_HEADER, request_id.encode("latin-1")),
+        ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": msgspec.json.encode(body)})
 
 
-def install(
-    app: FastAPI, threshold_s: float = DEFAULT_THRESHOLD_S, on_shed: Callable[[], None] = lambda: None
-) -> LoopLag:
+def install(app: FastAPI, threshold_s: float = DEFAULT_THRESHOLD_S, on_shed: OnShed = _ignore) -> LoopLag:
     """Puts a `Shedder` in front of `app` and runs its `LoopLag` with the app's lifespan
     (mutates `app`; call before it serves). threshold_s 0 turns shedding off (the lag is still
     measured: `app.state.loop_lag`)."""

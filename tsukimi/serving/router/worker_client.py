@@ -1,167 +1,138 @@
-"""The router's side of the workers' internal HTTP API (tsukimi/serving/protocol.py): what a
-worker is (`WorkerSpec`) and how the router sees it (`WorkerHandle`), and `WorkerClient`,
-which makes every call to the workers over one `httpx.AsyncClient`:
+"""The router's backend for tsukimi workers (tsukimi/serving/router/backend.py): the router's side
+of the workers' internal HTTP API (tsukimi/serving/protocol.py), every call over one
+`httpx.AsyncClient`:
 
-    stream    POST /generate (GenerateRequest) -> TokenChunk, ...  (the last has a finish_reason)
-    refresh   GET /health (role, block_tokens, cost profile; when discovering) + GET /load -> handle up or down
-    discover  refresh every worker until all answer or startup_timeout_s passes (a Retry)
-    poll      refresh every worker every poll_interval_s, for ever
+    stream          POST /generate (GenerateRequest) -> TokenChunk, ...  (the last has a finish_reason)
+    health / poll   GET /health (role, block_tokens, KV event ports, cost profile) / GET /load
+    update_weights  POST /admin/update_weights to every worker; then its block keys take the
+                    new weights' salt
+    block_keys      hash_blocks of the prompt, salted as the workers salt theirs
+
+A prefill worker makes the first token only, by its role (tsukimi/serving/worker/server.py): a
+prefill stage sends the request as it is. The prefix index learns from the prefill workers'
+KV events (each one's /health names its PUB and snapshot ports; decode and colocated workers
+feed nothing), and every block a prefill worker caches is in the KV pool too.
 
 An error a worker reports arrives as (code, message) and is raised here as the same class
 (`protocol.raise_error`). Every call has connect and read timeouts: a worker that cannot be
 reached raises `WorkerUnavailable` (HTTP 503), one that fails, stalls or answers garbage
-`WorkerError` (502), so a request never hangs on a dead worker. A worker is marked down at once
-when it refuses the connection or breaks it mid-stream (killed), but only after
-`DOWN_AFTER_MISSES` polls in a row that timed out: under overload the router's own event loop
-lags, and one late answer marked every worker down at the same moment (503 bursts, found by
-`tsukimi bench serve --workload overload`). A worker marked down is marked up again as soon as
-it answers a poll (a restarted one: tsukimi/serving/cluster/supervisor.py).
+`WorkerError` (502), so a request never hangs on a dead worker; how each HTTP failure maps onto
+them, and the connect retry, is tsukimi/serving/router/worker_http.py's.
 
-Runs on one asyncio event loop (the handles are plain mutable records).
+Runs on one asyncio event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Sequence
+from typing import TypeVar
 
 import httpx
 import msgspec
 
 from tsukimi import httpd
 from tsukimi.clock import Clock
-from tsukimi.errors import ConfigError, WorkerError, WorkerUnavailable
-from tsukimi.retry import Retry
+from tsukimi.engine.block_manager import weights_salt
+from tsukimi.errors import TsukimiError, WorkerError, WorkerUnavailable
+from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
+from tsukimi.scheduler.prefix_index import Tier
+from tsukimi.serving.kv_events import EventSource
 from tsukimi.serving.protocol import (
-    ROLES,
-    CostProfile,
-    CppHealth,
     GenerateRequest,
     Health,
     Load,
-    Role,
     TokenChunk,
     UpdateWeightsReply,
     UpdateWeightsRequest,
     from_reply,
     raise_error,
 )
+from tsukimi.serving.router.backend import Handover, Stage, StageChunk
+from tsukimi.serving.router.worker_http import open_stream, probe, stream_error
+from tsukimi.serving.router.workers import WorkerHandle
 
 logger = logging.getLogger(__name__)
+ProbeT = TypeVar("ProbeT", Health, Load)
 
-POOL = "pool"  # the KV pool's instance name in the router's prefix index: no worker may take it
-_DISCOVER_BACKOFF_S = 0.05
-DOWN_AFTER_MISSES = 3  # polls in a row that timed out before a worker is marked down
-CONNECT_TRIES = 3  # connects to /generate that time out before a request gives up on a worker
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """A worker as declared: its name, role and base URL (http://host:port)."""
-
-    name: str
-    role: Role
-    url: str
-
-    def __post_init__(self) -> None:
-        if not self.name or "/" in self.name or self.name == POOL:
-            raise ConfigError(f"a worker name must be non-empty, without '/', and not {POOL!r}: {self.name!r}")
-        if self.role not in ROLES:
-            raise ConfigError(f"worker {self.name}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if not self.url.startswith(("http://", "https://")):
-            raise ConfigError(f"worker {self.name}: the URL must start with http:// or https://, got {self.url!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerStatus:
-    """A snapshot of one worker for /health and /metrics. requests: how many this router has
-    sent there (streams opened); cpp_stages: a CPP prefill group's stages (0: one worker);
-    free_blocks / total_blocks: its KV cache blocks as last polled (0: not reported)."""
-
-    name: str
-    role: Role
-    healthy: bool
-    waiting: int
-    running: int
-    in_flight: int
-    requests: int = 0
-    cpp_stages: int = 0
-    free_blocks: int = 0
-    total_blocks: int = 0
-
-
-@dataclass(slots=True)
-class WorkerHandle:
-    """The router's view of one worker: health, load and block_tokens as last seen, and the
-    requests this router has in flight there and has sent there in all (mutated by
-    `WorkerClient` and the router); `cpp`: what a CPP prefill group's head reported (None: an
-    ordinary worker, or not heard from at discovery)."""
-
-    spec: WorkerSpec
-    healthy: bool = True
-    load: Load = dataclasses.field(default_factory=lambda: Load(0, 0))
-    block_tokens: int = 0
-    in_flight: int = 0
-    kv_events_ports: tuple[int, int] = (0, 0)  # its KV events' PUB and snapshot ports (0: none)
-    requests: int = 0
-    cpp: CppHealth | None = None
-    misses: int = 0  # polls in a row that timed out
-    cost: CostProfile | None = None  # its start-up profile (None: none reported)
-
-    def status(self) -> WorkerStatus:
-        """The snapshot (pure)."""
-        s, stages = self.spec, self.cpp.stages if self.cpp is not None else 0
-        load = self.load
-        return WorkerStatus(
-            s.name,
-            s.role,
-            self.healthy,
-            load.waiting,
-            load.running,
-            self.in_flight,
-            self.requests,
-            stages,
-            load.free_blocks,
-            load.total_blocks,
-        )
+_DECODE_ERRORS = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 
 
 class WorkerClient:
-    """Every HTTP call to the workers, over one connection pool (see the module).
+    """The tsukimi workers' backend: every HTTP call to them, over one connection pool (see the
+    module). Implements `RouterBackend` and `WeightUpdates`.
 
     Args:
-        clock: bounds discovery.
+        clock: times the connect retries.
         connect_timeout_s / read_timeout_s: per call; /health and /load also wait at most
             twice `poll_interval_s`.
-        poll_interval_s: how often `poll_forever` refreshes the workers.
+        poll_interval_s: how often the router polls them.
+        transport: the connections' transport (None: sockets; tests pass a mock).
     """
 
-    def __init__(self, clock: Clock, connect_timeout_s: float, read_timeout_s: float, poll_interval_s: float) -> None:
-        self._clock, self._read_timeout_s, self._poll_interval_s = clock, read_timeout_s, poll_interval_s
+    kind = "tsukimi"
+    tier: Tier = "dram"  # NOTE: a worker's block pool is its CPU cache
+    pooled = True
+    colocated_conductor = False
+
+    def __init__(
+        self,
+        clock: Clock,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        poll_interval_s: float,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._clock, self._read_timeout_s, self._transport = clock, read_timeout_s, transport
+        self._connect_timeout_s = connect_timeout_s
         # NOTE: at least 0.5 s: a busy worker answered /load in over 0.1 s (2 polls of 50 ms) and
         # was marked down mid-request, failing it (test_real_workers_pd_matches_colocated in CI)
         self._probe_timeout_s = min(connect_timeout_s, max(0.5, 2 * poll_interval_s))
-        timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        self._http = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self._client: httpx.AsyncClient | None = None
+        self.salt = b""  # the workers' block-hash salt (their weights version, after a live update)
+
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        """The connection pool, opened on first use (again after `aclose`)."""
+        if self._client is None or self._client.is_closed:
+            timeout = httpx.Timeout(self._read_timeout_s, connect=self._connect_timeout_s)
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            self._client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=self._transport)
+        return self._client
 
     async def aclose(self) -> None:
-        """Closes the connections (idempotent)."""
-        await self._http.aclose()
+        """Closes the connections (idempotent; a later call opens new ones)."""
+        if self._client is not None:
+            await self._client.aclose()
 
-    async def stream(self, worker: WorkerHandle, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
-        """POST /generate and parse its NDJSON lines until one has a finish reason.
+    def block_keys(self, prompt: Sequence[int], block_tokens: int) -> list[BlockHash]:
+        """hash_blocks of the prompt, salted as the workers salt theirs (pure)."""
+        return hash_blocks(prompt, block_tokens, self.salt)
+
+    def events(self, worker: WorkerHandle, health: Health | None) -> EventSource | None:
+        """A prefill worker's publisher, where its /health says (None for other roles)."""
+        if worker.spec.role != "prefill" or health is None or not health.kv_events_port:
+            return None
+        host = httpx.URL(worker.spec.url).host
+        return EventSource(
+            f"tcp://{host}:{health.kv_events_port}", snapshot_endpoint=f"tcp://{host}:{health.kv_snapshot_port}"
+        )
+
+    async def stream(
+        self, worker: WorkerHandle, request: GenerateRequest, stage: Stage, handover: Handover | None = None
+    ) -> AsyncGenerator[StageChunk, None]:
+        """POST /generate and parse its NDJSON lines until one has a finish reason. Every stage
+        sends the request as it is: a prefill worker makes one token by its role.
 
         Raises (from the iterator): the error the worker reported, as its class (e.g.
             InvalidArgument 400, DuplicateRequest 409); WorkerUnavailable: it cannot be
             reached (and is marked down) or answered 503; WorkerError: anything else.
         """
         name = worker.spec.name
+        built = self._http.build_request("POST", f"{worker.spec.url}/generate", content=msgspec.json.encode(request))
         try:
-            response = await self._send(worker, request)
+            response = await open_stream(self._http, built, worker, self._clock)
             try:
                 if response.status_code != 200:
                     raise raise_error(response.status_code, await response.aread(), name)
@@ -170,56 +141,41 @@ class WorkerClient:
                         continue
                     try:
                         chunk = msgspec.json.decode(text, type=TokenChunk)
-                    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+                    except _DECODE_ERRORS as exc:
                         raise WorkerError(f"worker {name} sent a malformed line: {exc}") from exc
                     if chunk.error is not None:
                         raise from_reply(chunk.error, name)
-                    yield chunk
+                    yield StageChunk(chunk)
                     if chunk.finish_reason is not None:
                         return
                 raise WorkerError(f"worker {name} ended the stream before the request finished")
             finally:
                 await response.aclose()
-        except httpx.ConnectTimeout as exc:  # NOTE: maybe our own loop lagging: the polls decide
-            raise WorkerUnavailable(
-                f"worker {name} at {worker.spec.url} did not accept in time ({CONNECT_TRIES} tries): {exc}"
-            ) from exc
-        except httpx.ConnectError as exc:
-            worker.healthy = False
-            raise WorkerUnavailable(f"worker {name} at {worker.spec.url} is unreachable: {exc}") from exc
-        except httpx.TimeoutException as exc:
-            raise WorkerError(f"worker {name} did not answer within {self._read_timeout_s} s") from exc
-        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
-            worker.healthy = False  # NOTE: it broke the connection (it died?): down until a poll answers
-            raise WorkerError(f"worker {name} failed: {exc!r}") from exc
         except httpx.HTTPError as exc:
-            raise WorkerError(f"worker {name} failed: {exc!r}") from exc
-
-    async def _send(self, worker: WorkerHandle, request: GenerateRequest) -> httpx.Response:
-        """POST /generate; its response, streaming. A connect that timed out is tried again,
-        `CONNECT_TRIES` times in all: nothing reached the worker, so a retry is safe, and under
-        overload it is mostly this router's own event loop that was late."""
-        built = self._http.build_request("POST", f"{worker.spec.url}/generate", content=msgspec.json.encode(request))
-        for attempt in range(1, CONNECT_TRIES + 1):
-            try:
-                return await self._http.send(built, stream=True)
-            except httpx.ConnectTimeout:
-                if attempt == CONNECT_TRIES:
-                    raise
-                logger.info(
-                    "worker %s did not accept in time; trying again (%d/%d)", worker.spec.name, attempt, CONNECT_TRIES
-                )
-        raise AssertionError("unreachable")
+            raise stream_error(worker, exc, self._read_timeout_s) from exc
 
     async def update_weights(
+        self, workers: Sequence[WorkerHandle], request: UpdateWeightsRequest, secret: bytes | None
+    ) -> dict[str, UpdateWeightsReply | TsukimiError]:
+        """POST /admin/update_weights (signed with `secret`) to every worker at once, waiting for
+        their drains too; each worker's reply or error. Once every worker runs one version, the
+        block keys take its salt (mutates)."""
+        results = await asyncio.gather(*(self._update(w, request, secret) for w in workers), return_exceptions=True)
+        outcome: dict[str, UpdateWeightsReply | TsukimiError] = {}
+        for worker, result in zip(workers, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, TsukimiError):
+                raise result
+            outcome[worker.spec.name] = result
+        versions = {r.weights_version if isinstance(r, UpdateWeightsReply) else "" for r in outcome.values()}
+        if len(versions) == 1 and "" not in versions:  # NOTE: every worker on one version: hash as they do
+            self.salt = weights_salt(versions.pop())
+        return outcome
+
+    async def _update(
         self, worker: WorkerHandle, request: UpdateWeightsRequest, secret: bytes | None
     ) -> UpdateWeightsReply:
-        """POST /admin/update_weights (signed with `secret`), waiting for the drain too.
-
-        Raises:
-            the error the worker reported, as its class; WorkerUnavailable: unreachable;
-            WorkerError: anything else.
-        """
+        """One worker's update. Raises the error it reported, as its class; WorkerUnavailable:
+        unreachable; WorkerError: anything else."""
         name = worker.spec.name
         timeout = httpx.Timeout(self._read_timeout_s + request.drain_timeout_s, connect=self._probe_timeout_s)
         built = self._http.build_request(
@@ -235,61 +191,20 @@ class WorkerClient:
             raise raise_error(response.status_code, response.content, name)
         try:
             return msgspec.json.decode(response.content, type=UpdateWeightsReply)
-        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        except _DECODE_ERRORS as exc:
             raise WorkerError(f"worker {name} answered the weight update with garbage: {exc}") from exc
 
-    async def discover(self, workers: Sequence[WorkerHandle], timeout_s: float) -> None:
-        """Refreshes with /health until every worker answered or `timeout_s` passed; those still
-        silent stay marked down (mutates). Raises ConfigError on a role mismatch."""
-        attempts = Retry(attempts=None, deadline_s=timeout_s, backoff_s=_DISCOVER_BACKOFF_S).start(self._clock)
-        pending = list(workers)
-        while True:
-            answered = await asyncio.gather(*(self.refresh(w, health=True) for w in pending))
-            pending = [w for w, ok in zip(pending, answered, strict=True) if not ok]
-            if not pending or not await attempts.wait_async():
-                break
-        if pending:
-            for worker in pending:
-                worker.healthy = False
-            names = ", ".join(w.spec.name for w in pending)
-            logger.warning("workers %s did not answer within %s s; marked down", names, timeout_s)
+    async def health(self, worker: WorkerHandle) -> Health:
+        """GET /health. Raises RpcTimeout (late) or WorkerError."""
+        return await self._probe(worker, "/health", Health)
 
-    async def refresh(self, worker: WorkerHandle, health: bool = False) -> bool:
-        """GET /load (after /health, whose role must match, when `health` or the worker was
-        down); marks the worker up
-        or down (mutates). Returns whether it answered. Raises ConfigError on a role mismatch."""
-        health = health or not worker.healthy  # NOTE: one back up may have restarted (new KV event ports)
+    async def poll(self, worker: WorkerHandle) -> Load:
+        """GET /load. Raises RpcTimeout (late) or WorkerError."""
+        return await self._probe(worker, "/load", Load)
+
+    async def _probe(self, worker: WorkerHandle, path: str, kind: type[ProbeT]) -> ProbeT:
+        response = await probe(self._http, worker, path, self._probe_timeout_s)
         try:
-            info = msgspec.json.decode(await self._get(worker, "/health"), type=Health) if health else None
-            load = msgspec.json.decode(await self._get(worker, "/load"), type=Load)
-        except (httpx.HTTPError, msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-            worker.misses += 1
-            late = isinstance(exc, httpx.TimeoutException) and worker.misses < DOWN_AFTER_MISSES
-            if worker.healthy and not late:
-                logger.warning("worker %s is down: %r", worker.spec.name, exc)
-                worker.healthy = False
-            return False
-        if info is not None and info.role != worker.spec.role:
-            raise ConfigError(f"worker {worker.spec.name} is declared {worker.spec.role} but reports {info.role}")
-        if not worker.healthy:
-            logger.info("worker %s is up", worker.spec.name)
-        if info is not None:
-            worker.block_tokens = info.block_tokens
-            worker.kv_events_ports = (info.kv_events_port, info.kv_snapshot_port)
-            worker.cpp, worker.cost = info.cpp, info.cost
-        worker.load, worker.healthy, worker.misses = load, True, 0
-        return True
-
-    async def poll_forever(self, workers: Sequence[WorkerHandle], on_poll: Callable[[], None] | None = None) -> None:
-        """Refreshes every worker every `poll_interval_s` until cancelled, calling `on_poll`
-        after each round (mutates)."""
-        while True:
-            await asyncio.sleep(self._poll_interval_s)
-            await asyncio.gather(*(self.refresh(w) for w in workers))
-            if on_poll is not None:
-                on_poll()
-
-    async def _get(self, worker: WorkerHandle, path: str) -> bytes:
-        response = await self._http.get(f"{worker.spec.url}{path}", timeout=self._probe_timeout_s)
-        response.raise_for_status()
-        return response.content
+            return msgspec.json.decode(response.content, type=kind)
+        except _DECODE_ERRORS as exc:
+            raise WorkerError(f"worker {worker.spec.name} answered {path} with garbage: {exc}") from exc

@@ -1,11 +1,11 @@
 """The router's Conductor cost model, from the workers or from the config (`router.cost_model`).
 
-    "config"   a `LinearCostModel` of `RouterConfig`'s coefficients (`cost_model`)
+    "config"   a `LinearCostModel` of the config's coefficients (`router.cost`, a `LinearCostConfig`)
     "workers"  the coefficients the workers fitted to themselves at start-up (GET /health
                `Health.cost`: prefill from the prefill workers, decode from the decode workers,
                averaged over those that report), each part scaled by the slowdown those workers
                measured over their recent steps (GET /load); the config's coefficients for a
-               part no worker reports, with a warning
+               part no worker reports, with a warning (vLLM instances report none)
 
 `WorkerCostModel` is one mutable object the Conductor (and its KV ledger and placement) holds
 for good: `refresh` swaps in a new fitted model as the polls arrive, on the router's one event
@@ -18,9 +18,9 @@ import logging
 from collections.abc import Iterable
 from typing import cast
 
-from tsukimi.config import RouterConfig
+from tsukimi.config import LinearCostConfig, RouterConfig
 from tsukimi.scheduler.cost_model import CostModel, LinearCostModel
-from tsukimi.serving.router.worker_client import WorkerHandle
+from tsukimi.serving.router.workers import WorkerHandle
 
 logger = logging.getLogger(__name__)
 
@@ -28,33 +28,20 @@ SLOWDOWN_BOUNDS = (0.25, 8.0)  # NOTE: how far the online factor may move the pr
 Coef = tuple[float, float, float]
 
 
-def cost_model(config: RouterConfig) -> CostModel:
-    """The Conductor's cost model built from the router's coefficients (pure)."""
-    return cast(CostModel, _config_model(config))
-
-
-def _config_model(config: RouterConfig) -> LinearCostModel:
-    return LinearCostModel(
-        (config.prefill_base_s, config.prefill_token_s, config.prefill_pair_s),
-        (config.decode_step_s, config.decode_request_s, config.decode_context_token_s),
-        config.kv_bytes_per_token,
-    )
-
-
 class WorkerCostModel:
     """The workers' fitted cost model as a `CostModel` (see the module). `model`: the scaled
     `LinearCostModel` estimates come from now; `source`: what each part came from."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: LinearCostConfig) -> None:
         self.config = config
-        self.model = _config_model(config)
+        self.model = LinearCostModel.from_config(config)
         self.kv_bytes_per_token = self.model.kv_bytes_per_token
         self.source = {"prefill": "config", "decode": "config"}
 
     def refresh(self, workers: Iterable[WorkerHandle], warn: bool = False) -> None:
         """Rebuild `model` from what the workers last reported (mutates). `warn`: log a
         warning for each part that falls back to the config."""
-        fallback, handles = _config_model(self.config), list(workers)
+        fallback, handles = LinearCostModel.from_config(self.config), list(workers)
         prefill = self._part("prefill", handles, fallback.prefill_coef, warn)
         decode = self._part("decode", handles, fallback.decode_coef, warn)
         sizes = [w.cost.kv_bytes_per_token for w in handles if w.cost is not None]
@@ -76,7 +63,7 @@ class WorkerCostModel:
                 "%s workers %s report no cost profile: using %s",
                 role,
                 ", ".join(silent),
-                "the others'" if coefs else f"router.{role}_* of the config",
+                "the others'" if coefs else f"router.cost.{role}_* of the config",
             )
         if not coefs:
             self.source[role] = "config"
@@ -103,8 +90,8 @@ def conductor_cost(config: RouterConfig, workers: Iterable[WorkerHandle]) -> Cos
     """The Conductor's cost model per `config.cost_model` (see the module); "workers" logs a
     warning for each part no worker reports."""
     if config.cost_model == "config":
-        return cost_model(config)
-    cost = WorkerCostModel(config)
+        return cast(CostModel, LinearCostModel.from_config(config.cost))
+    cost = WorkerCostModel(config.cost)
     cost.refresh(workers, warn=True)
     logger.info(
         "the Conductor's cost model: prefill from %s, decode from %s: %s",

@@ -239,6 +239,8 @@ class Worker:
         mc = self._loaded.config
         if not all(0 <= t < mc.vocab_size for t in body.prompt_ids):
             raise InvalidArgument(f"prompt token ids must be in 0..{mc.vocab_size - 1}")
+        # NOTE: the one place a tsukimi prefill is cut to its first token: the router sends the
+        # request as it is, the role decides (a CPP group's head, too, computes one token)
         max_tokens = 1 if self.config.role == "prefill" else body.max_tokens
         params = SamplingParams(
             max_tokens, body.temperature, body.top_p, tuple(body.stop_token_ids), body.ignore_eos, body.seed

@@ -122,17 +122,16 @@ function renderDecisions(snap) {
   $("decisions-total").textContent = `(${fmtInt(snap.decisions_total)} in all, newest first)`;
   fill($("decisions").tBodies[0], snap.decisions, (tr, d) => {
     tr.dataset.seq = d.seq;
-    const pd = d.mode === "pd";
     cell(tr, String(d.seq), "num");
     cell(tr, Math.max(0, snap.clock_s - d.time_s).toFixed(1) + " s", "num");
     cell(tr, d.request_id, "trunc");
     cell(tr, fmtInt(d.prompt_tokens), "num");
     cell(tr, d.prefill || "-", "worker");
     cell(tr, d.decode || "-");
-    cell(tr, pd ? fmtInt(d.cached_tokens) : "-", "num");
-    cell(tr, pd ? fmtMs(d.ttft_s) : "-", "num");
-    cell(tr, d.fetch_from || "-");
-    const outcome = d.accepted ? (d.reason ? "accepted, " + d.reason : "accepted") : "rejected: " + d.reason;
+    cell(tr, d.expected_cached_tokens === null ? "-" : fmtInt(d.expected_cached_tokens), "num");
+    cell(tr, d.cached_tokens === null ? "-" : fmtInt(d.cached_tokens), "num");
+    cell(tr, d.predicted_ttft_s === null ? "-" : fmtMs(d.predicted_ttft_s), "num");
+    const outcome = d.accepted ? (d.queued ? "accepted, queued for KV memory" : "accepted") : "rejected: " + d.reason;
     cell(tr, outcome, d.accepted ? "" : "rejected");
   }, "no request yet", 10);
 }
