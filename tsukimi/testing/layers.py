@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Literal
 
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"clock", "errors", "eviction", "config", "retry", "lifeline"}),
+    frozenset({"clock", "errors", "eviction", "config", "retry", "lifeline", "quantiles"}),
     frozenset({"netio", "auth", "netserver", "rpc", "httpd"}),
     frozenset({"transfer"}),
     frozenset({"store", "scheduler", "p2p"}),
