@@ -1,8 +1,8 @@
-"""The command line: the transfer benchmark's JSON shape and the demo, end to end (small)."""
+"""The command line: the transfer and store benchmarks' reports (the one report type, with the
+bench's figures in their documented shape) and the demo, end to end (small)."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tsukimi.bench.report import BenchReport
 from tsukimi.errors import MetadataError
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,9 +45,12 @@ def test_bench_transfer_json_has_the_documented_shape() -> None:
         "2",
     )
     assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
-    assert set(report) >= {"results", "baselines", "mooncake", "git_rev", "config"}
+    parsed = BenchReport.from_json(out.stdout)
+    assert parsed.command == "bench transfer" and parsed.configuration["transports"] == ["tcp", "shm"]
+    report = parsed.figures
+    assert set(report) >= {"results", "baselines", "mooncake", "ratios"}
     assert report["mooncake"] is None
+    assert {v.name for v in parsed.verdicts} >= {"tcp_4mib_vs_socket", "quiet_machine"}
     rows = {(r["transport"], r["op"]) for r in report["results"]}
     assert rows == {("tcp", "write"), ("tcp", "read"), ("shm", "write"), ("shm", "read")}
     for row in report["results"]:
@@ -102,8 +106,8 @@ def test_metadata_server_command_serves_and_stops_on_sigterm() -> None:
 def test_bench_store_quick_json_shape() -> None:
     out = _tsukimi("bench", "store", "--quick", "--json", "--api", "single")
     assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout)
-    assert set(report) >= {"results", "small_ops", "git_rev", "config"}
+    report = BenchReport.from_json(out.stdout).figures
+    assert set(report) >= {"results", "small_ops"}
     for row in report["results"]:
         puts = {"put_gbps", "put_p50_us"} if row["tier"] == "memory" else {"stayed_on_disk"}
         assert {"system", "mode", "api", "value_bytes", "replicas", "tier", "get_gbps", "get_p50_us"} | puts <= set(row)

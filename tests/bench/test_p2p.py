@@ -3,7 +3,6 @@ every receiver's bytes verified, who served what; the memory check and the goal 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 
 from tsukimi.bench.p2p import P2PBenchConfig, check_memory
 from tsukimi.bench.p2p_report import goals
+from tsukimi.bench.report import BenchReport
 from tsukimi.errors import ConfigError
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -44,8 +44,9 @@ def test_bench_p2p_json_every_system_verified() -> None:
         check=False,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    report = json.loads(out.stdout)
-    runs = report["runs"]
+    report = BenchReport.from_json(out.stdout)
+    runs = report.figures["runs"]
+    assert isinstance(runs, list)
     assert [(r["system"], r["receivers"]) for r in runs] == [
         (system, n) for n in (1, 2) for system in ("tsukimi", "naive", "gloo")
     ]
@@ -61,7 +62,8 @@ def test_bench_p2p_json_every_system_verified() -> None:
         else:  # gloo: what rank 0 wrote, at least one copy of the checkpoint
             assert row["origin_bytes"] >= CKPT
         assert row["transport"] == "tcp"
-    assert {g["goal"].split()[0] for g in report["goals"]} == {"origin_x_checkpoint", "seconds_x_naive", "gbps_x_gloo"}
+    goals_run = {v.name for v in report.verdicts} - {"quiet_machine"}
+    assert goals_run == {"origin_x_checkpoint_tcp", "seconds_x_naive_tcp", "gbps_x_gloo_tcp"}
 
 
 def test_a_run_too_big_for_memory_is_refused_with_a_size_that_fits() -> None:
@@ -90,10 +92,10 @@ def test_goals_are_ratios_at_the_largest_receiver_count() -> None:
         row("naive", 8, 10.0, 8 * GIB),
         row("gloo", 8, 5.0, 8 * GIB),
     ]
-    found = {g["goal"]: (g["value"], g["met"]) for g in goals(runs)}
+    found = {v.goal: (v.detail, v.met) for v in goals(runs)}
     assert found == {
-        "origin_x_checkpoint <= 2.0": (1.5, True),
-        "seconds_x_naive <= 0.5": (0.4, True),
-        "gbps_x_gloo >= 1.0": (1.25, True),
+        "N=8 tcp: origin_x_checkpoint <= 2": ("1.5", True),
+        "N=8 tcp: seconds_x_naive <= 0.5": ("0.4", True),
+        "N=8 tcp: gbps_x_gloo >= 1": ("1.25", True),
     }
     assert goals([r for r in runs if r["system"] != "tsukimi"]) == []

@@ -29,7 +29,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[EnginePair]:
 @pytest.fixture
 def target_process() -> Iterator[JsonWorker]:
     """A Transfer Engine in another process (p2p), owning a shared-memory buffer."""
-    worker = JsonWorker("test target", ["tsukimi.bench.peer", "target", str(64 * MIB)])
+    worker = JsonWorker("test target", ["tsukimi.bench.child", "transfer-peer", "target", str(64 * MIB)])
     try:
         yield worker
     finally:

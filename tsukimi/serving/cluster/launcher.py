@@ -9,7 +9,9 @@ them stopped on the way out, also when starting fails.
         cluster.master                                  the store master's URL ("" without one)
         cluster.processes                               name, role, pid, url, log of each child
         cluster.start_group([spec])                     one more group (a retried router)
+        cluster.drop_group()                            the newest group stopped (that router)
         cluster.kill("holder-0"); cluster.restart("master")
+        with cluster.tending(): ...                     children that die restarted meanwhile
 
 `tsukimi up` (up.py `supervise`) runs on it, and so do the benches (serve, overload, vllm,
 kv-burst, cpp) and the test kit's store (tsukimi/testing/deployments.py `TsukimiCluster`).
@@ -17,8 +19,9 @@ kv-burst, cpp) and the test kit's store (tsukimi/testing/deployments.py `Tsukimi
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -129,6 +132,11 @@ class LaunchedCluster:
                 on_started(child)
         return self.supervisor.wait_ready(group, deadline, stop or threading.Event(), on_ready or (lambda _: None))
 
+    def drop_group(self) -> None:
+        """Stop the newest group and forget it (a bench's router between two runs; mutates)."""
+        if self.supervisor.groups:
+            self.supervisor.drop_group(self.supervisor.groups[-1])
+
     @property
     def processes(self) -> list[LaunchedProcess]:
         """Every child started, in start order."""
@@ -204,6 +212,31 @@ class LaunchedCluster:
         if child is None:
             raise ConfigError(f"no process {name!r} in the cluster")
         return child
+
+    @contextlib.contextmanager
+    def tending(self, interval_s: float = 0.2) -> Iterator[None]:
+        """While inside, a thread restarts the children that die, as `tsukimi up` does (the
+        restart policy of the config); nothing else may touch the cluster meanwhile but to read
+        it. A crash loop's PeerError is raised on the way out."""
+        done, failures = threading.Event(), []
+
+        def loop() -> None:
+            while not done.wait(interval_s):
+                try:
+                    self.supervisor.tend()
+                except PeerError as exc:
+                    failures.append(exc)
+                    return
+
+        thread = threading.Thread(target=loop, name="cluster-tend", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+        if failures:
+            raise failures[0]
 
     def stop(self) -> None:
         """Stop every child, last group first (SIGTERM, SIGKILL after stop_timeout_s). Idempotent."""
