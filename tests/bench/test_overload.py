@@ -1,8 +1,8 @@
 """`tsukimi bench serve --workload overload`: how the bench client (tsukimi/bench/client.py)
-sorts one request's end (against a mock API), the figures' accounting and verdicts, and one
-short run against a real `tsukimi up --model tiny` plan whose invariants must hold whatever the
-machine's speed: every request sent ends exactly once, none hangs or fails without a reason,
-and the cluster answers as before once the load stops."""
+sorts one request's end (against a mock API), the figures' accounting and verdicts. The
+run against a real `tsukimi up --model tiny` plan, whose invariants must hold whatever the
+machine's speed (every request sent ends exactly once, none hangs or fails without a reason, the
+cluster answers as before once the load stops), is tests/bench/test_reports.py's overload case."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ import asyncio
 import json
 import re
 
-import pytest
-
 from tsukimi.bench.client import CompletionRequest, CompletionResult, complete
-from tsukimi.bench.overload import OverloadConfig, mixed_requests, run_bench
+from tsukimi.bench.overload import mixed_requests
 from tsukimi.bench.overload_monitor import Probe
 from tsukimi.bench.overload_report import LoadRun, render_markdown, summarize, verdicts
 from tsukimi.netio import free_port
@@ -161,26 +159,3 @@ def test_the_figures_account_for_every_request_and_judge_each_criterion() -> Non
         "post_load_ok": False,
     }
     assert "| RSS router start / peak / end | 100.0 / 120.0 / 110.0 MiB |" in render_markdown(figures)
-
-
-@pytest.mark.timeout(240)
-def test_overload_against_a_tiny_cluster_accounts_for_every_request() -> None:
-    cfg = OverloadConfig(duration_s=6.0, calibrate_s=3.0, concurrency=(4, 8), idle_health_s=0.5, post_checks=2)
-    result = run_bench(cfg, lambda _: None)
-    kinds = {kind: result[kind] for kind in ("served", "rejected", "error", "failed")}
-    assert sum(kinds.values()) == result["sent"] and result["served"] > 0, result  # each request ended once
-    assert result["failed"] == 0 and result["failed_by"] == {}, result  # no hang, no 5xx without a reason
-    rejected, errors = result["rejected_by"], result["errors_by"]
-    assert isinstance(rejected, dict) and isinstance(errors, dict)
-    assert all(key.split(" ", 1)[0] in ("429", "503") and key.split(" ", 1)[1] for key in rejected), rejected
-    assert all(key.split(" ", 1)[1] for key in errors), errors  # every error names its reason
-    post = result["post_load"]
-    assert isinstance(post, dict) and post["ok"], post
-    assert set(result["rss_mib"]) >= {"router", "prefill-0", "decode-0", "master"}  # type: ignore[arg-type]
-    assert {v.name for v in verdicts(result)} == {
-        "health_under_100ms",
-        "every_request_ended",
-        "tokens_or_429_503",
-        "rss_bounded",
-        "post_load_ok",
-    }

@@ -37,7 +37,7 @@ import httpx
 from tsukimi.bench.client import CompletionRequest, CompletionResult, Kind, complete
 from tsukimi.bench.decisions import DecisionRecord, fetch_decisions
 from tsukimi.bench.report import BenchReport, FigureViews, Verdict, begin, finish, generic_markdown
-from tsukimi.bench.up_cluster import Groups, launch_up
+from tsukimi.bench.up_cluster import planned
 from tsukimi.errors import ConfigError
 from tsukimi.serving.cluster.launcher import LaunchedCluster, with_args
 from tsukimi.serving.cluster.process_spec import ProcessSpec
@@ -117,18 +117,23 @@ class BurstResult:
         slo = self.config.ttft_slo_s
         predicted = [(o, o.predicted_ttft_s) for o in served if o.predicted_ttft_s is not None]
         errors = [o.ttft_s - p for o, p in predicted]
+        records = sum(o.predicted_ttft_s is not None for o in self.outcomes)
+
+        def known(count: int) -> int | None:  # NOTE: None: the router kept no record to tell
+            return count if records else None
+
         return {
             "requests": len(self.outcomes),
             "served": len(served),
             "rejected": len(rejected),
-            "queued": sum(o.queued for o in self.outcomes),
+            "queued": known(sum(o.queued for o in self.outcomes)),
             "other_errors": len(self.outcomes) - len(served) - len(rejected),
-            "decision_records": sum(o.predicted_ttft_s is not None for o in self.outcomes),
+            "decision_records": records,
             "decode_capacity_tokens": self.decode_capacity_tokens,
             "rejected_by": {r: sum(o.reason == r for o in rejected) for r in sorted({o.reason for o in rejected})},
-            "rejected_predicted_to_miss": sum((o.predicted_ttft_s or 0.0) > slo for o in rejected),
+            "rejected_predicted_to_miss": known(sum((o.predicted_ttft_s or 0.0) > slo for o in rejected)),
             "served_met_slo": sum(o.ttft_s <= slo for o in served),
-            "served_predicted_to_meet": sum(p <= slo for _, p in predicted),
+            "served_predicted_to_meet": known(sum(p <= slo for _, p in predicted)),
             "ttft_max_s": round(max((o.ttft_s for o in served), default=0.0), 3),
             "prediction_error_s": {
                 "mean": round(sum(errors) / len(errors), 3) if errors else 0.0,
@@ -151,16 +156,11 @@ class BurstCluster:
             "workers.num_blocks=0",
             "router.port=0",
         ]
-        holder: list[Groups] = []
-
-        def adjust(groups: Groups) -> Groups:
-            holder.append(groups)
-            # NOTE: the decode worker's own KV size (the last --num-blocks wins); the router starts per burst
-            adjusted = with_args(groups, "decode-0", "--num-blocks", str(cfg.decode_num_blocks))
-            return adjusted[:-1]
-
-        self.cluster: LaunchedCluster = launch_up(settings, workdir, adjust)
-        self._router: ProcessSpec = holder[0][-1][0]
+        groups, launch = planned(settings, workdir)
+        # NOTE: the decode worker's own KV size (the last --num-blocks wins); the router starts per burst
+        workers = with_args(groups[:-1], "decode-0", "--num-blocks", str(cfg.decode_num_blocks))
+        self.cluster = LaunchedCluster(workers, launch)
+        self._router: ProcessSpec = groups[-1][0]
 
     @property
     def decode_url(self) -> str:

@@ -8,12 +8,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from tsukimi.bench.commands import KIB
 from tsukimi.bench.report import BenchReport, FigureViews, output_format, print_report
 from tsukimi.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tsukimi.bench.overload import OverloadConfig
+    from tsukimi.bench.serve import ServeBenchConfig
 
 Runner = Callable[[argparse.Namespace, Console], tuple[BenchReport, FigureViews]]
 
@@ -99,8 +104,16 @@ def _bench_p2p(args: argparse.Namespace, console: Console) -> tuple[BenchReport,
 
 
 def _bench_serve(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
+    from tsukimi.bench import overload, overload_report, serve
+
     if args.workload == "overload":
-        return _bench_overload(args, console)
+        return overload.run_report(overload_config(args), _say(console)), overload_report.VIEWS
+    return serve.run_report(serve_config(args), _say(console)), serve.VIEWS
+
+
+def serve_config(args: argparse.Namespace) -> ServeBenchConfig:
+    """`tsukimi bench serve`'s config (not overload) from its arguments; `--quick` shrinks each
+    workload (tsukimi/bench/serve.py). Pure."""
     from tsukimi.bench import serve
     from tsukimi.bench.skewed import SkewedWorkload
 
@@ -110,7 +123,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> tuple[BenchRepor
         chat = dataclasses.replace(serve.QUICK_CHAT, rate=args.rate)
         quick = serve.QUICK_SKEWED
         skewed = dataclasses.replace(skewed, requests=quick.requests, prefix_tokens=quick.prefix_tokens)
-    cfg = serve.ServeBenchConfig(
+    return serve.ServeBenchConfig(
         args.url,
         args.model,
         args.mode,
@@ -126,13 +139,13 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> tuple[BenchRepor
         args.compare_hot > 0,
         args.compare_hot,
     )
-    return serve.run_report(cfg, _say(console)), serve.VIEWS
 
 
-def _bench_overload(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
-    from tsukimi.bench import overload, overload_report
+def overload_config(args: argparse.Namespace) -> OverloadConfig:
+    """`tsukimi bench serve --workload overload`'s config from its arguments (pure)."""
+    from tsukimi.bench import overload
 
-    cfg = overload.OverloadConfig(
+    return overload.OverloadConfig(
         args.url,
         args.model,
         args.mode,
@@ -142,7 +155,6 @@ def _bench_overload(args: argparse.Namespace, console: Console) -> tuple[BenchRe
         num_blocks=args.num_blocks or 512,
         seed=args.seed,
     )
-    return overload.run_report(cfg, _say(console)), overload_report.VIEWS
 
 
 def _bench_vllm(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:

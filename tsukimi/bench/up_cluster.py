@@ -7,13 +7,13 @@ working directory.
     with launch_up(settings, workdir) as cluster, cluster.tending():
         ... cluster.api, cluster.master, cluster.processes ...
 
-`serve` and `overload` run on it as it is; `kv-burst` adjusts the plan first (its router's
-settings, its decode worker's KV size).
+`serve` and `overload` run on it as it is; `kv-burst` takes the plan (`planned`) and adjusts it
+first (its decode worker's KV size; a router of its own per burst).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from tsukimi.config import ClusterConfig, load
@@ -42,11 +42,9 @@ def serving_settings(
     ]
 
 
-def launch_up(
-    settings: Sequence[str], workdir: Path, adjust: Callable[[Groups], Groups] | None = None
-) -> LaunchedCluster:
-    """The cluster of `settings` (not started: use it as a context manager), its logs under
-    `workdir`/logs; `adjust` may change the plan first (pure function of the groups).
+def planned(settings: Sequence[str], workdir: Path) -> tuple[Groups, LaunchConfig]:
+    """`tsukimi up`'s plan of `settings` and how to launch it (logs under `workdir`/logs, the
+    cluster's timeouts and restart policy). Creates the log directory.
 
     Raises:
         ConfigError: bad settings.
@@ -54,6 +52,14 @@ def launch_up(
     config = load(ClusterConfig, None, list(settings))
     logs = workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    groups = plan(config, data_dir=workdir)
     launch = LaunchConfig(logs, config.startup_timeout_s, config.stop_timeout_s, verbose=1, restart=config.restart)
-    return LaunchedCluster(adjust(groups) if adjust else groups, launch)
+    return plan(config, data_dir=workdir), launch
+
+
+def launch_up(settings: Sequence[str], workdir: Path) -> LaunchedCluster:
+    """The cluster of `settings` (not started: use it as a context manager; see `planned`).
+
+    Raises:
+        ConfigError: bad settings.
+    """
+    return LaunchedCluster(*planned(settings, workdir))

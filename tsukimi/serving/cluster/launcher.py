@@ -20,6 +20,8 @@ kv-burst, cpp) and the test kit's store (tsukimi/testing/deployments.py `Tsukimi
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -186,13 +188,15 @@ class LaunchedCluster:
         return self.supervisor.tend()
 
     def kill(self, name: str) -> None:
-        """SIGKILL the child `name` and wait for it (a fault; it is not restarted).
+        """SIGKILL the child `name`, and whatever it started in its session (a command under
+        the lifeline wrapper), and wait for it: a fault (`tending` may restart it).
 
         Raises:
             ConfigError: no such child.
         """
         child = self._child(name)
-        child.proc.kill()
+        with contextlib.suppress(ProcessLookupError):  # NOTE: each child leads a session of its own
+            os.killpg(child.proc.pid, signal.SIGKILL)
         child.proc.wait(timeout=5)
 
     def restart(self, name: str) -> None:
