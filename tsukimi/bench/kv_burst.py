@@ -65,8 +65,17 @@ class BurstConfig:
         """The `tsukimi router` arguments this burst's Conductor needs (pure)."""
         sets = [f"conductor.ttft_slo_s={self.ttft_slo_s}", f"conductor.kv_wait={str(self.kv_wait).lower()}"]
         if self.prefill_token_s:  # NOTE: the config's cost model instead of the workers' start-up profiles
-            sets += [f"router.prefill_token_s={self.prefill_token_s}", 'router.cost_model="config"']
+            sets += [f"{_prefill_token_s_key()}={self.prefill_token_s}", 'router.cost_model="config"']
         return tuple(f"--set={s}" for s in sets)
+
+
+def _prefill_token_s_key() -> str:
+    """Where `tsukimi router` takes its config cost model's seconds per prompt token.
+    NOTE: `[router.cost]` (LinearCostConfig) once the cost-model coefficients moved there
+    (issue 22, item 4), a flat router key before: either checkout runs this bench."""
+    from tsukimi.config import RouterConfig
+
+    return "router.cost.prefill_token_s" if hasattr(RouterConfig(), "cost") else "router.prefill_token_s"
 
 
 @dataclass(frozen=True, slots=True)
