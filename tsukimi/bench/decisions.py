@@ -72,8 +72,8 @@ def fetch_decisions(api: str, request_ids: Iterable[str], timeout_s: float = 30.
     router has no /decisions endpoint (404).
 
     Raises:
-        PeerError: the router answered another error or not at all (httpx errors wrapped).
-        ProtocolError: a malformed answer.
+        ProtocolError: the router answered another error, or not at all (the httpx error
+            chained), or a malformed answer.
     """
     ids = list(dict.fromkeys(request_ids))
     found: dict[str, DecisionRecord] = {}
