@@ -1,8 +1,8 @@
-"""The command line: the transfer benchmark's JSON shape and the demo, end to end (small)."""
+"""The command line: bad bench arguments, the demo and the metadata server, end to end (small).
+Every bench's report: tests/bench/test_reports.py."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -19,40 +19,6 @@ def _tsukimi(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "tsukimi.cli", *args], capture_output=True, text=True, timeout=110, check=False
     )
-
-
-def test_bench_transfer_json_has_the_documented_shape() -> None:
-    out = _tsukimi(
-        "bench",
-        "transfer",
-        "--json",
-        "--transport",
-        "tcp,shm",
-        "--op",
-        "write,read",
-        "--block-sizes",
-        "64K",
-        "--connections",
-        "2",
-        "--duration",
-        "0.2",
-        "--warmup",
-        "0.05",
-        "--repeats",
-        "1",
-        "--batch",
-        "2",
-    )
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
-    assert set(report) >= {"results", "baselines", "mooncake", "git_rev", "config"}
-    assert report["mooncake"] is None
-    rows = {(r["transport"], r["op"]) for r in report["results"]}
-    assert rows == {("tcp", "write"), ("tcp", "read"), ("shm", "write"), ("shm", "read")}
-    for row in report["results"]:
-        assert set(row) == {"transport", "op", "block_bytes", "batch", "connections", "gbps"}
-        assert row["block_bytes"] == 65536 and row["batch"] == 2 and row["gbps"] > 0
-    assert report["baselines"]["socket_gbps"] > 0 and report["baselines"]["memcpy_gbps"] > 0
 
 
 def test_bench_rejects_bad_arguments_clearly() -> None:
@@ -97,18 +63,3 @@ def test_metadata_server_command_serves_and_stops_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=5)
-
-
-def test_bench_store_quick_json_shape() -> None:
-    out = _tsukimi("bench", "store", "--quick", "--json", "--api", "single")
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout)
-    assert set(report) >= {"results", "small_ops", "git_rev", "config"}
-    for row in report["results"]:
-        puts = {"put_gbps", "put_p50_us"} if row["tier"] == "memory" else {"stayed_on_disk"}
-        assert {"system", "mode", "api", "value_bytes", "replicas", "tier", "get_gbps", "get_p50_us"} | puts <= set(row)
-        assert row["system"] == "tsukimi" and row["mode"] == "shm" and row["get_gbps"] > 0
-    assert sorted(r["tier"] for r in report["results"]) == ["disk", "disk", "memory", "memory"]
-    assert all(r["stayed_on_disk"] == 1.0 for r in report["results"] if r["tier"] == "disk")
-    assert {r["value_bytes"] for r in report["results"]} == {65536, 1 << 20}
-    assert report["small_ops"]["tsukimi"]["exists_p50_us"] > 0

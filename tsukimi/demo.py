@@ -11,7 +11,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from tsukimi.bench.transfer import Cell, TsukimiPair
+from tsukimi.bench.transfer import TransferCell, TsukimiPair
 from tsukimi.errors import TransferError
 from tsukimi.transfer.metadata.http import start_in_thread
 
@@ -39,7 +39,7 @@ def run(console: Console, seconds: float = 1.0) -> None:
                 with console.status(f"{transport}: checking bytes both ways, then measuring"):
                     exact = _check(pair, transport)
                     speeds = [
-                        pair.measure(Cell(transport, op, BLOCK_BYTES, BATCH, 4), seconds, seconds / 4)
+                        pair.measure(TransferCell(transport, op, BLOCK_BYTES, BATCH, 4), seconds, seconds / 4)
                         for op in ("write", "read")
                     ]
                 table.add_row(transport, "yes" if exact else "NO", *(f"{s:.2f}" for s in speeds))

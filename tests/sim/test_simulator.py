@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from tsukimi.config import SIMULATOR_CONDUCTOR, SimConfig
+from tsukimi.quantiles import quantile
 from tsukimi.scheduler.cost_model import LinearCostModel
-from tsukimi.sim.report import Slo, decode_load, percentile, summarize
+from tsukimi.sim.report import Slo, decode_load, summarize
 from tsukimi.sim.simulator import simulate
 from tsukimi.sim.trace import TraceRequest
 
@@ -85,7 +86,7 @@ def test_colocated_chunked_prefill_interleaves_with_decode() -> None:
 
 
 def test_percentiles_and_decode_load() -> None:
-    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0 and percentile([1.0], 99) == 1.0
+    assert quantile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0 and quantile([1.0], 0.99) == 1.0
     result = simulate(
         [_req(0, 100, 50, (1,))], SimConfig(num_prefill=1, num_decode=1, sample_every_s=0.1), CONDUCTOR, COST
     )

@@ -32,7 +32,9 @@ def pair(request: pytest.FixtureRequest) -> Iterator[EnginePair]:
 @pytest.fixture
 def target_process() -> Iterator[JsonWorker]:
     """A Transfer Engine in another process (p2p), owning a shared-memory buffer."""
-    worker = JsonWorker("test target", ["tsukimi.bench.peer", "target", str(64 * MIB)], pythonpath=[CHECKOUT])
+    worker = JsonWorker(
+        "test target", ["tsukimi.bench.child", "transfer-peer", "target", str(64 * MIB)], pythonpath=[CHECKOUT]
+    )
     try:
         yield worker
     finally:

@@ -1,8 +1,10 @@
-"""`tsukimi bench ...`: the benchmarks' command-line arguments (runners.py runs them).
+"""`tsukimi bench ...`: the benchmarks' command-line arguments (runners.py runs them). Every
+one prints the one report type (tsukimi/bench/report.py): `--json`, `--markdown`, else a table.
 
 transfer, store, p2p      the Transfer Engine, the store, the P2P store (processes on this host)
 scheduler, cpp, layerwise the Conductor's decisions, chunked pipeline prefill, layer-wise loading
-serve, vllm               the serving stack end to end (tsukimi up; vLLM instances)
+serve, kv-burst           the serving stack end to end (`tsukimi up`'s plan, launched here)
+vllm, vllm-pd             vLLM instances: three ways of serving them; the PD hand-over
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _add_output(parser: argparse.ArgumentParser) -> None:
+    """--json / --markdown: how the report is printed (a rich table without either)."""
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--markdown", action="store_true", help="print the report as Markdown (docs/benchmarks.md)")
+
+
 def parse_names(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
@@ -45,7 +53,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _add_io_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`tsukimi bench transfer | store | p2p | scheduler | cpp | layerwise | serve | vllm` (mutates `bench`)."""
+    """Every `tsukimi bench ...` subcommand (mutates `bench`)."""
     tr = bench.add_parser("transfer", help="Transfer Engine throughput between two processes")
     tr.add_argument(
         "--transport",
@@ -63,8 +71,7 @@ def _add_io_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) 
     tr.add_argument("--compare-mooncake", action="store_true", help="also run the real Mooncake TE (tcp)")
     tr.add_argument("--compare-nixl", action="store_true", help="also run NIXL itself (make nixl)")
     tr.add_argument("--quick", action="store_true", help="a small grid for CI smoke runs")
-    tr.add_argument("--json", action="store_true", help="print one JSON object")
-    tr.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
+    _add_output(tr)
     st = bench.add_parser("store", help="store put/get throughput and latency (vs Mooncake's store)")
     st.add_argument(
         "--value-sizes", type=parse_sizes, default=(4 * KIB, 64 * KIB, KIB * KIB, 4 * KIB * KIB, 16 * KIB * KIB)
@@ -82,8 +89,7 @@ def _add_io_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     st.add_argument("--disk-holder-bytes", type=parse_sizes, default=(64 << 20,), help="memory per holder, disk tier")
     st.add_argument("--quick", action="store_true", help="a small grid for CI")
-    st.add_argument("--json", action="store_true")
-    st.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
+    _add_output(st)
     _add_p2p_bench_parser(bench)
     _add_model_bench_parsers(bench)
 
@@ -99,12 +105,11 @@ def _add_p2p_bench_parser(bench: argparse._SubParsersAction[argparse.ArgumentPar
     pp.add_argument("--timeout", type=float, default=300.0, help="seconds any one step may take")
     pp.add_argument("--repeats", type=int, default=3, help="rounds per cell; figures are the median round's")
     pp.add_argument("--quick", action="store_true", help="N = 1, 4 with a 256 MiB checkpoint")
-    pp.add_argument("--json", action="store_true")
-    pp.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/benchmarks.md)")
+    _add_output(pp)
 
 
 def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`tsukimi bench scheduler | cpp | layerwise | serve | vllm` (mutates `bench`)."""
+    """`tsukimi bench scheduler | cpp | layerwise | serve | vllm | vllm-pd` (mutates `bench`)."""
     sc = bench.add_parser("scheduler", help="Conductor decision latency and whole-trace simulation time")
     sc.add_argument("--trace", default=sim_commands.DEFAULT_TRACE)
     sc.add_argument("--prefill", type=int, default=32)
@@ -112,20 +117,19 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     sc.add_argument("--indexed-blocks", type=int, default=100_000)
     sc.add_argument("--decisions", type=int, default=5000)
     sc.add_argument("--no-simulate", action="store_true", help="skip the whole-trace simulations")
-    sc.add_argument("--json", action="store_true")
-    sc.add_argument("--markdown", action="store_true")
+    _add_output(sc)
     cpp = bench.add_parser("cpp", help="TTFT of a long prompt: one worker vs CPP prefill groups of k stages")
     cpp.add_argument("--prompt-tokens", type=int, default=4095)
     cpp.add_argument("--chunk-tokens", type=int, default=512)
     cpp.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     cpp.add_argument("--repeats", type=int, default=3)
-    cpp.add_argument("--json", action="store_true")
+    _add_output(cpp)
     lw = bench.add_parser("layerwise", help="TTFT with a pooled prefix: layer-wise loading vs loading it whole first")
     lw.add_argument("--model", default="tiny")
     lw.add_argument("--prefix-tokens", type=int, default=2048)
     lw.add_argument("--new-tokens", type=int, default=16)
     lw.add_argument("--repeats", type=int, default=5)
-    lw.add_argument("--json", action="store_true")
+    _add_output(lw)
     sv = bench.add_parser("serve", help="drive the OpenAI API with a workload (TTFT, TBT, reuse)")
     sv.add_argument("--url", default="", help="a running API; default: start `tsukimi up` per run")
     sv.add_argument("--model", default="tiny")
@@ -158,9 +162,13 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     )
     sv.add_argument("--duration", type=float, default=60.0, help="overload: seconds of load at --factor x")
     sv.add_argument("--factor", type=float, default=4.0, help="overload: times the measured sustainable rate")
-    sv.add_argument("--quick", action="store_true", help="overload: 10 s of load after a 6 s calibration")
-    sv.add_argument("--json", action="store_true")
-    sv.add_argument("--markdown", action="store_true")
+    sv.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: chat 4 x 2 turns, 1000-token prefix; skewed 20 requests, 500-token prefix; "
+        "trace 20 requests; overload 10 s of load after a 6 s calibration",
+    )
+    _add_output(sv)
     vl = bench.add_parser("vllm", help="two vLLM instances: round-robin vs tsukimi (pool + Conductor) vs Mooncake")
     vl.add_argument("--model", default="tiny", help="tiny, smollm2 (under .models/) or a Hugging Face folder")
     vl.add_argument("--systems", default="vllm_rr,tsukimi,mooncake_store", help="comma-separated, in run order")
@@ -169,4 +177,29 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     vl.add_argument("--prefix-tokens", type=int, default=2000)
     vl.add_argument("--rate", type=float, default=2.0, help="first turns per second")
     vl.add_argument("--quick", action="store_true", help="a smoke run: 2 conversations of 2 turns")
-    vl.add_argument("--json", action="store_true")
+    _add_output(vl)
+    vp = bench.add_parser("vllm-pd", help="a vLLM decode instance's KV through tsukimi: PD direct vs pool vs recompute")
+    vp.add_argument("--model", default="", help="a model folder (default: .models/tiny)")
+    vp.add_argument("--num-prompts", type=int, default=8)
+    vp.add_argument("--prompt-tokens", type=int, default=1024)
+    vp.add_argument("--no-save-per-layer", dest="save_per_layer", action="store_false")
+    vp.add_argument("--quick", action="store_true", help="a smoke run: 1 prompt of 512 tokens")
+    _add_output(vp)
+    _add_kv_burst_parser(bench)
+
+
+def _add_kv_burst_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tsukimi bench kv-burst` (mutates `bench`)."""
+    kb = bench.add_parser("kv-burst", help="a burst of long prompts on a PD cluster: queue, then reject")
+    kb.add_argument("--requests", type=int, default=64)
+    kb.add_argument("--prompt-tokens", type=int, default=1500)
+    kb.add_argument("--max-tokens", type=int, default=16)
+    kb.add_argument("--ttft-slo", type=float, default=30.0, help="the Conductor's TTFT SLO, seconds")
+    kb.add_argument("--kv-cache-memory", default="512MiB", help="each worker's KV cache")
+    kb.add_argument("--decode-num-blocks", type=int, default=0, help="the decode worker's KV blocks (0: from memory)")
+    kb.add_argument("--no-kv-wait", action="store_true", help="reject at once what lacks decode KV memory")
+    kb.add_argument("--warm-up", action="store_true", help="one short request before the burst")
+    kb.add_argument(
+        "--prefill-token-s", type=float, default=0.0, help="the router's prefill s per prompt token (0: its default)"
+    )
+    _add_output(kb)

@@ -1,51 +1,50 @@
-"""A burst of concurrent long prompts against a live PD cluster of the tiny model: queue, then
-reject (issue 17) measured end to end.
+"""`tsukimi bench kv-burst`: a burst of concurrent long prompts against a live PD cluster of the
+tiny model: queue, then reject (issue 17), measured end to end.
 
-    python -m tsukimi.bench.kv_burst [--requests 64] [--prompt-tokens 1500] [--max-tokens 16]
+    tsukimi bench kv-burst [--requests 64] [--prompt-tokens 1500] [--max-tokens 16]
         [--ttft-slo 30] [--decode-num-blocks 0] [--kv-cache-memory 512MiB] [--no-kv-wait] [--warm-up]
-        [--prefill-token-s S] [--json]
+        [--prefill-token-s S] [--json | --markdown]
 
-Starts a store master, one prefill and one decode `tsukimi worker` process (the tiny model,
-each KV cache sized by `--kv-cache-memory` unless `--decode-num-blocks` sets the decode
-worker's) and the router with the Conductor in this process (its decisions are recorded
-through `Conductor.on_decision`), serving the OpenAI API over HTTP. On the cold cluster (as right
-after `tsukimi up`; `--warm-up` sends one short request first, after which the Conductor knows a
-decode stage and an output length) it sends `--requests` streaming greedy /v1/completions at
-once, then each prompt again one at a time, and reports: how many were served, queued and
-rejected (HTTP 429, with the reason and message), the measured TTFT of each against the TTFT
-the Conductor predicted, how many accepted ones met the SLO, and whether the burst's tokens
-equal the one-at-a-time ones.
+The cluster is `tsukimi up`'s own plan (tsukimi/bench/up_cluster.py): a store master, the
+metadata server, one prefill and one decode `tsukimi worker` (each KV cache sized by
+`--kv-cache-memory` unless `--decode-num-blocks` sets the decode worker's) and `tsukimi router`,
+whose Conductor gets this burst's settings (`--ttft-slo`, `--no-kv-wait`, `--prefill-token-s`)
+as `--set`s. On the cold cluster (as right after `tsukimi up`; `--warm-up` sends one short
+request first, after which the Conductor knows a decode stage and an output length) it sends
+`--requests` streaming greedy /v1/completions at once, each with an `X-Request-Id` of its own,
+then each prompt again one at a time, and reports: how many were served, queued and rejected
+(with the reason and message), the measured TTFT of each against the TTFT the Conductor
+predicted at its arrival (the router's decision records of those ids: tsukimi/bench/decisions.py),
+how many served ones met the SLO, and whether the burst's tokens equal the one-at-a-time ones.
+
+A `BurstCluster` keeps the workers up between bursts (a test runs several): each burst gets a
+router of its own, started with its settings and stopped after it.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import dataclasses
-import functools
-import json
-import random
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 
-from tsukimi import httpd
-from tsukimi.config import ROUTER_CONDUCTOR, LinearCostConfig, RouterConfig
-from tsukimi.netio import free_port
-from tsukimi.scheduler.block_hash import hash_blocks
-from tsukimi.scheduler.conductor import Decision, ScheduleRequest
-from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.processes import stop_processes, wait_until
+from tsukimi.bench.client import CompletionRequest, CompletionResult, Kind, complete
+from tsukimi.bench.decisions import fetch_decisions
+from tsukimi.bench.report import BenchReport, FigureViews, Verdict, begin, finish, generic_markdown
+from tsukimi.bench.up_cluster import planned
+from tsukimi.errors import ConfigError
+from tsukimi.serving.cluster.launcher import LaunchedCluster, with_args
+from tsukimi.serving.cluster.process_spec import ProcessSpec
+from tsukimi.serving.router.decision_log import DecisionRecord
 
-WARM_UP = list(range(100, 164))
-BLOCK_TOKENS = 16  # the workers' (the router hashes prompts with it)
-DecisionRecord = tuple[Decision, ScheduleRequest]
+WARM_UP = tuple(range(100, 164))
+_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,19 +62,45 @@ class BurstConfig:
     warm_up: bool = False  # one short request first: the Conductor then knows a decode stage and output length
     prefill_token_s: float = 0.0  # the router's cost model per prompt token (0: the workers' profiles)
 
+    def router_settings(self) -> tuple[str, ...]:
+        """The `tsukimi router` arguments this burst's Conductor needs (pure)."""
+        sets = [f"conductor.ttft_slo_s={self.ttft_slo_s}", f"conductor.kv_wait={str(self.kv_wait).lower()}"]
+        if self.prefill_token_s:  # NOTE: the config's cost model instead of the workers' start-up profiles
+            sets += [f"router.cost.prefill_token_s={self.prefill_token_s}", 'router.cost_model="config"']
+        return tuple(f"--set={s}" for s in sets)
 
-@dataclass(slots=True)
-class Outcome:
-    """One request of the burst: its HTTP status, measured TTFT and text; what was predicted."""
+
+@dataclass(frozen=True, slots=True)
+class BurstOutcome:
+    """One request of the burst: how it ended and what the Conductor predicted at its arrival
+    (None: the router kept no record of it)."""
 
     index: int
-    status: int = 0
-    ttft_s: float = 0.0
-    text: str = ""
-    reason: str = ""
-    message: str = ""
-    predicted_ttft_s: float = 0.0
+    kind: Kind
+    status: int
+    ttft_s: float
+    text: str
+    reason: str
+    message: str
+    request_id: str
+    predicted_ttft_s: float | None = None
     queued: bool = False
+
+    @classmethod
+    def of(cls, index: int, result: CompletionResult, record: DecisionRecord | None) -> BurstOutcome:
+        """The outcome of `result`, with `record`'s prediction (pure)."""
+        return cls(
+            index,
+            result.kind,
+            result.status,
+            result.ttft_s,
+            result.text,
+            result.reason,
+            result.message,
+            result.request_id,
+            record.predicted_ttft_s if record is not None else None,
+            record.queued if record is not None else False,
+        )
 
 
 @dataclass(slots=True)
@@ -83,25 +108,33 @@ class BurstResult:
     config: BurstConfig
     decode_capacity_tokens: int = 0
     wall_s: float = 0.0
-    outcomes: list[Outcome] = field(default_factory=list)
+    outcomes: list[BurstOutcome] = field(default_factory=list)
     same_tokens_as_sequential: bool = False
 
     def summary(self) -> dict[str, object]:
-        """The figures: counts, SLO attainment of the accepted ones, prediction vs outcome."""
-        served = [o for o in self.outcomes if o.status == 200]
-        rejected = [o for o in self.outcomes if o.status == 429]
+        """The figures: counts, SLO attainment of the served ones, prediction vs outcome."""
+        served = [o for o in self.outcomes if o.kind == "served"]
+        rejected = [o for o in self.outcomes if o.kind == "rejected"]
         slo = self.config.ttft_slo_s
-        errors = [o.ttft_s - o.predicted_ttft_s for o in served]
+        predicted = [(o, o.predicted_ttft_s) for o in served if o.predicted_ttft_s is not None]
+        errors = [o.ttft_s - p for o, p in predicted]
+        records = sum(o.predicted_ttft_s is not None for o in self.outcomes)
+
+        def known(count: int) -> int | None:  # NOTE: None: the router kept no record to tell
+            return count if records else None
+
         return {
             "requests": len(self.outcomes),
             "served": len(served),
             "rejected": len(rejected),
-            "queued": sum(o.queued for o in self.outcomes),
+            "queued": known(sum(o.queued for o in self.outcomes)),
             "other_errors": len(self.outcomes) - len(served) - len(rejected),
+            "decision_records": records,
             "decode_capacity_tokens": self.decode_capacity_tokens,
-            "rejected_predicted_to_miss": sum(o.predicted_ttft_s > slo for o in rejected),
+            "rejected_by": {r: sum(o.reason == r for o in rejected) for r in sorted({o.reason for o in rejected})},
+            "rejected_predicted_to_miss": known(sum((o.predicted_ttft_s or 0.0) > slo for o in rejected)),
             "served_met_slo": sum(o.ttft_s <= slo for o in served),
-            "served_predicted_to_meet": sum(o.predicted_ttft_s <= slo for o in served),
+            "served_predicted_to_meet": known(sum(p <= slo for _, p in predicted)),
             "ttft_max_s": round(max((o.ttft_s for o in served), default=0.0), 3),
             "prediction_error_s": {
                 "mean": round(sum(errors) / len(errors), 3) if errors else 0.0,
@@ -112,180 +145,163 @@ class BurstResult:
         }
 
 
+class BurstCluster:
+    """The PD workers of a burst (see the module), launched on entering; `router(cfg)` starts
+    a router with a burst's settings. Not thread-safe."""
+
+    def __init__(self, cfg: BurstConfig, workdir: Path) -> None:
+        settings = [
+            'model="tiny"',
+            'mode="pd"',
+            f'workers.kv_cache_memory="{cfg.kv_cache_memory}"',
+            "workers.num_blocks=0",
+            "router.port=0",
+        ]
+        groups, launch = planned(settings, workdir)
+        # NOTE: the decode worker's own KV size (the last --num-blocks wins); the router starts per burst
+        workers = with_args(groups[:-1], "decode-0", "--num-blocks", str(cfg.decode_num_blocks))
+        self.cluster = LaunchedCluster(workers, launch)
+        self._router: ProcessSpec = groups[-1][0]
+
+    @property
+    def decode_url(self) -> str:
+        return self.cluster.process("decode-0").url
+
+    def decode_capacity_tokens(self) -> int:
+        """The decode worker's KV cache in tokens (its /load total_blocks x /health block_tokens),
+        what the router's Conductor takes as its capacity."""
+        load = httpx.get(self.decode_url + "/load", timeout=10).json()
+        health = httpx.get(self.decode_url + "/health", timeout=10).json()
+        return int(load["total_blocks"]) * int(health["block_tokens"])
+
+    @contextlib.contextmanager
+    def router(self, cfg: BurstConfig) -> Iterator[str]:
+        """A `tsukimi router` over the workers with `cfg`'s Conductor settings; its API URL.
+
+        Raises:
+            PeerError: it did not start.
+        """
+        spec = self._router
+        self.cluster.start_group([ProcessSpec(spec.name, spec.role, (*spec.args, *cfg.router_settings()), spec.url)])
+        try:
+            yield spec.url
+        finally:
+            self.cluster.drop_group()
+
+    def __enter__(self) -> BurstCluster:
+        self.cluster.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cluster.stop()
+
+
 @contextlib.contextmanager
-def pd_workers(cfg: BurstConfig) -> Iterator[dict[str, str]]:
-    """A store master and a tiny prefill + decode worker process; their URLs by role."""
-    store = TsukimiCluster(16 << 20, num_holders=0)
-    procs: list[subprocess.Popen[bytes]] = []
-    urls: dict[str, str] = {}
-    try:
-        for role in ("prefill", "decode"):
-            port = free_port()
-            blocks = cfg.decode_num_blocks if role == "decode" else 0
-            cmd = [
-                sys.executable,
-                "-m",
-                "tsukimi.cli",
-                "worker",
-                "--name",
-                role,
-                "--role",
-                role,
-                "--model",
-                "tiny",
-                "--port",
-                str(port),
-                "--master",
-                store.master_addr,
-                "--kv-cache-memory",
-                cfg.kv_cache_memory,
-                "--num-blocks",
-                str(blocks),
-            ]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=tempfile.TemporaryFile()))  # noqa: SIM115
-            urls[role] = f"http://127.0.0.1:{port}"
-        for url in urls.values():
-            wait_until(functools.partial(_healthy, url), 120)
-        yield urls
-    finally:
-        stop_processes(procs)
-        store.close()
+def burst_cluster(cfg: BurstConfig) -> Iterator[BurstCluster]:
+    """A `BurstCluster` for `cfg`'s workers, logging under a temporary directory."""
+    with (
+        tempfile.TemporaryDirectory(prefix="tsukimi-bench-kv-burst-") as workdir,
+        BurstCluster(cfg, Path(workdir)) as c,
+    ):
+        yield c
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
+def run_burst(cfg: BurstConfig, cluster: BurstCluster | None = None) -> BurstResult:
+    """Runs the burst (see the module) on `cluster` (None: starts one for `cfg` and stops it
+    after; a given one must have `cfg`'s worker settings); blocks until done.
 
-
-def run_burst(cfg: BurstConfig, urls: dict[str, str] | None = None) -> BurstResult:
-    """Runs the burst (see the module) against the workers at `urls` (by role; None: starts
-    them, with `cfg`'s KV settings, and stops them after); blocks until done."""
-    if urls is None:
-        with pd_workers(cfg) as started:
+    Raises:
+        PeerError: the cluster or its router did not start. ConfigError: bad settings.
+    """
+    if cluster is None:
+        with burst_cluster(cfg) as started:
             return run_burst(cfg, started)
-    from tsukimi.engine.tokenizer import load_tokenizer
-    from tsukimi.serving.openai.app import create_app
-    from tsukimi.serving.router.router import Router
-    from tsukimi.serving.router.workers import WorkerSpec
-
-    rng = random.Random(cfg.seed)
-    prompts = [[rng.randrange(1000, 30000) for _ in range(cfg.prompt_tokens)] for _ in range(cfg.requests)]
-    result = BurstResult(cfg)
-    specs = [WorkerSpec(role, role, url) for role, url in urls.items()]  # type: ignore[arg-type]
-    # NOTE: the workers' start-up profiles by default; --prefill-token-s: the config's cost model
-    costs = RouterConfig(mode="pd", cost_model="config", cost=LinearCostConfig(prefill_token_s=cfg.prefill_token_s))
-    conductor = dataclasses.replace(ROUTER_CONDUCTOR, ttft_slo_s=cfg.ttft_slo_s, kv_wait=cfg.kv_wait)
-    router = Router(specs, costs if cfg.prefill_token_s else RouterConfig(mode="pd"), conductor)
-    handle: httpd.AppHandle = httpd.start_in_thread(create_app(router, load_tokenizer("tiny"), "tiny"))
-    try:
-        api = handle.base_url
-        # NOTE: a completion without a prompt (400) starts the router and schedules nothing
-        assert httpx.post(api + "/v1/completions", json={"model": "tiny"}, timeout=60).status_code == 400
+    if cfg.requests < 1 or cfg.prompt_tokens < 1:
+        raise ConfigError("a burst needs >= 1 request of >= 1 token")
+    rng_prompts = _prompts(cfg)
+    token = uuid.uuid4().hex[:8]
+    result = BurstResult(cfg, decode_capacity_tokens=cluster.decode_capacity_tokens())
+    with cluster.router(cfg) as api:
         if cfg.warm_up:
-            asyncio.run(_complete(api, 0, WARM_UP, cfg.max_tokens, Outcome(-1)))
-        decisions: list[DecisionRecord] = []
-        assert router.conductor is not None
-        router.conductor.on_decision = lambda decision, request: decisions.append((decision, request))
-        result.decode_capacity_tokens = sum(router.conductor.decode_capacity_tokens().values())
+            asyncio.run(complete(api, "tiny", _request(WARM_UP, cfg, f"burst-{token}-warm"), _TIMEOUT_S))
+        requests = [_request(p, cfg, f"burst-{token}-{i}") for i, p in enumerate(rng_prompts)]
         start = time.perf_counter()
-        result.outcomes = asyncio.run(_burst(api, prompts, cfg.max_tokens))
+        results = asyncio.run(_all_at_once(api, requests))
         result.wall_s = time.perf_counter() - start
-        _attach_predictions(result.outcomes, prompts, decisions)
-        sequential = [asyncio.run(_complete(api, i, p, cfg.max_tokens, Outcome(i))) for i, p in enumerate(prompts)]
-        served = [(o.text, s.text) for o, s in zip(result.outcomes, sequential, strict=True) if o.status == 200]
-        result.same_tokens_as_sequential = bool(served) and all(a == b for a, b in served)
-    finally:
-        handle.stop()
+        records = fetch_decisions(api, [r.request_id or q.request_id for q, r in zip(requests, results, strict=True)])
+        result.outcomes = [
+            BurstOutcome.of(i, r, records.get(r.request_id or requests[i].request_id)) for i, r in enumerate(results)
+        ]
+        sequential = [
+            asyncio.run(complete(api, "tiny", _request(p, cfg, f"burst-{token}-seq-{i}"), _TIMEOUT_S))
+            for i, p in enumerate(rng_prompts)
+        ]
+    served = [(o.text, s.text) for o, s in zip(result.outcomes, sequential, strict=True) if o.kind == "served"]
+    result.same_tokens_as_sequential = bool(served) and all(a == b for a, b in served)
     return result
 
 
-def _attach_predictions(outcomes: list[Outcome], prompts: list[list[int]], decisions: list[DecisionRecord]) -> None:
-    """Each request's decision at arrival (not its release), found by its prompt's block hashes."""
-    first: dict[tuple[int, ...], Decision] = {}
-    for decision, request in decisions:
-        first.setdefault(tuple(request.blocks), decision)
-    for outcome, prompt in zip(outcomes, prompts, strict=True):
-        found = first.get(tuple(hash_blocks(prompt, BLOCK_TOKENS)))
-        if found is not None:
-            outcome.predicted_ttft_s, outcome.queued = found.ttft_s, found.queued
+def _prompts(cfg: BurstConfig) -> list[tuple[int, ...]]:
+    import random
+
+    rng = random.Random(cfg.seed)
+    return [tuple(rng.randrange(1000, 30000) for _ in range(cfg.prompt_tokens)) for _ in range(cfg.requests)]
 
 
-async def _burst(api: str, prompts: list[list[int]], max_tokens: int) -> list[Outcome]:
-    outcomes = [Outcome(i) for i in range(len(prompts))]
-    await asyncio.gather(*(_complete(api, i, prompts[i], max_tokens, outcomes[i]) for i in range(len(prompts))))
-    return outcomes
+def _request(prompt: tuple[int, ...], cfg: BurstConfig, request_id: str) -> CompletionRequest:
+    return CompletionRequest(prompt, cfg.max_tokens, request_id=request_id, ignore_eos=True)
 
 
-async def _complete(api: str, index: int, prompt: list[int], max_tokens: int, outcome: Outcome) -> Outcome:
-    """One streaming greedy completion: its status, TTFT (to the first text) and text."""
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    start = time.perf_counter()
-    async with (
-        httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0)) as client,
-        client.stream("POST", api + "/v1/completions", json=body) as response,
-    ):
-        outcome.status = response.status_code
-        if response.status_code != 200:
-            error = json.loads(await response.aread()).get("error", {})
-            outcome.reason, outcome.message = str(error.get("code", "")), str(error.get("message", ""))
-            return outcome
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            text = json.loads(line[6:])["choices"][0].get("text", "")
-            if not outcome.ttft_s:
-                outcome.ttft_s = time.perf_counter() - start
-            outcome.text += text
-    return outcome
+async def _all_at_once(api: str, requests: list[CompletionRequest]) -> list[CompletionResult]:
+    return list(await asyncio.gather(*(complete(api, "tiny", r, _TIMEOUT_S) for r in requests)))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tsukimi.bench.kv_burst", description=__doc__.split("\n")[0])
-    d = BurstConfig()
-    parser.add_argument("--requests", type=int, default=d.requests)
-    parser.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
-    parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    parser.add_argument("--ttft-slo", type=float, default=d.ttft_slo_s)
-    parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory)
-    parser.add_argument("--decode-num-blocks", type=int, default=d.decode_num_blocks)
-    parser.add_argument("--no-kv-wait", action="store_true", help="reject at once what lacks decode KV memory")
-    parser.add_argument("--warm-up", action="store_true", help="one short request before the burst")
-    parser.add_argument(
-        "--prefill-token-s", type=float, default=0.0, help="the router's prefill s per prompt token (0: its default)"
-    )
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    cfg = BurstConfig(
-        args.requests,
-        args.prompt_tokens,
-        args.max_tokens,
-        args.ttft_slo,
-        args.kv_cache_memory,
-        args.decode_num_blocks,
-        kv_wait=not args.no_kv_wait,
-        warm_up=args.warm_up,
-        prefill_token_s=args.prefill_token_s,
-    )
-    result = run_burst(cfg)
-    if args.json:
-        print(
-            json.dumps(
-                {"config": asdict(cfg), "figures": result.summary(), "outcomes": [asdict(o) for o in result.outcomes]}
-            )
-        )
-    else:
-        for key, value in result.summary().items():
-            print(f"{key:28} {value}")
+def figures_of(result: BurstResult) -> dict[str, object]:
+    """The report's figures: the summary, then every request's outcome (pure)."""
+    return {**result.summary(), "outcomes": [asdict(o) for o in result.outcomes]}
 
 
-if __name__ == "__main__":
-    main()
+def verdicts(figures: Mapping[str, object], ttft_slo_s: float) -> list[Verdict]:
+    """What issue 17 asks of a burst, judged on `figures_of`'s figures (pure)."""
+    outcomes = figures["outcomes"]
+    assert isinstance(outcomes, list)
+    by_slo = [o for o in outcomes if o["kind"] == "rejected" and o["reason"] == "ttft_slo"]
+    unpredicted = [o for o in by_slo if o["predicted_ttft_s"] is None or o["predicted_ttft_s"] <= ttft_slo_s]
+    served, met = int(str(figures["served"])), int(str(figures["served_met_slo"]))
+    records = int(str(figures["decision_records"]))
+    return [
+        Verdict(
+            "ttft_rejections_predicted",
+            "every request rejected for the TTFT SLO was predicted at arrival to miss it",
+            None if by_slo and not records else not unpredicted,
+            f"{len(by_slo) - len(unpredicted)} of {len(by_slo)} (decision records of {records} requests)",
+        ),
+        Verdict(
+            "served_within_slo",
+            f"every served request's TTFT within {ttft_slo_s:g} s",
+            met == served,
+            f"{met} of {served}",
+        ),
+        Verdict(
+            "same_tokens",
+            "the burst's greedy tokens equal one at a time",
+            bool(figures["same_tokens_as_sequential"]),
+        ),
+        Verdict("no_other_errors", "every request served or rejected with a reason", figures["other_errors"] == 0),
+    ]
+
+
+def run_report(cfg: BurstConfig, progress: Callable[[str], None] = lambda _: None) -> BenchReport:
+    """`tsukimi bench kv-burst`: run (see `run_burst`) and report."""
+    start = begin("bench kv-burst", cfg)
+    progress(f"starting a PD cluster of the tiny model; then {cfg.requests} prompts of {cfg.prompt_tokens} tokens")
+    figures = figures_of(run_burst(cfg))
+    return finish(start, figures, verdicts(figures, cfg.ttft_slo_s))
+
+
+def markdown(figures: Mapping[str, object]) -> str:
+    """The summary as a table (the outcomes are in the JSON). Pure."""
+    return generic_markdown({k: v for k, v in figures.items() if k != "outcomes"})
+
+
+VIEWS = FigureViews(markdown)

@@ -20,15 +20,14 @@ overlap would make layerwise about max(load, compute) where whole is their sum.
 from __future__ import annotations
 
 import gc
-import json
-import statistics
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
-from tsukimi.bench.transfer import git_rev
+from tsukimi.bench.measure import Spread, repeat
+from tsukimi.bench.report import BenchReport, FigureViews, begin, finish
 from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.kv_cache import KVLayout, PagedKVCache
 from tsukimi.engine.kv_pool import KVFormat, StoreKVConnector
@@ -130,40 +129,53 @@ def _first_token(engine: LLMEngine, prompt: list[int]) -> float:
 
 
 def run_bench(cfg: LayerwiseBenchConfig, say: Callable[[str], None] = print) -> dict[str, object]:
-    """Measure every mode `cfg.repeats` times (after one warm-up each); medians and minima."""
+    """Measure every mode `cfg.repeats` times (after one warm-up round; tsukimi/bench/measure.py);
+    the figures: medians and minima in ms."""
     torch.set_num_threads(1)
     loaded = load_model(cfg.model, cfg.dtype)  # type: ignore[arg-type]
     kv_bytes = loaded.config.kv_bytes_per_token * cfg.prefix_tokens
     with TsukimiCluster(holder_bytes=max(64 << 20, 3 * kv_bytes), num_holders=1) as cluster:
         bench = _Bench(cfg, loaded, cluster.master_addr)
         bench.publish()
-        samples: dict[str, list[float]] = {mode: [] for mode in (*MODES, "load_only", "compute_only", "compute")}
-        for repeat in range(cfg.repeats + 1):  # NOTE: the first round warms up and is dropped
-            order = MODES if repeat % 2 else MODES[::-1]
+
+        def one_round(index: int) -> dict[str, float]:
+            order = MODES if index % 2 == 0 else MODES[::-1]  # NOTE: alternating, the warm-up (-1) reversed
             figures = {mode: bench.ttft_s(mode) for mode in order}
             figures["load_only"], figures["compute_only"] = bench.load_only_s(), bench.compute_only_s()
-            if repeat:
-                for mode, value in figures.items():
-                    samples[mode].append(value)
-            say(f"round {repeat}: " + ", ".join(f"{m} {v * 1e3:.1f} ms" for m, v in figures.items()))
-        samples["compute"].append(bench.ttft_s("compute"))
+            say(f"round {index + 1}: " + ", ".join(f"{m} {v * 1e3:.1f} ms" for m, v in figures.items()))
+            return figures
+
+        rounds = repeat(one_round, warmup_runs=1, repeats=cfg.repeats)
+        samples = {mode: [r[mode] for r in rounds] for mode in (*MODES, "load_only", "compute_only")}
+        samples["compute"] = [bench.ttft_s("compute")]
+    spreads = {mode: Spread.of(v) for mode, v in samples.items()}
     return {
-        "config": asdict(cfg),
-        "git_rev": git_rev(),
+        "model": cfg.model,
+        "prefix_tokens": cfg.prefix_tokens,
+        "new_tokens": cfg.new_tokens,
+        "repeats": cfg.repeats,
         "kv_bytes": kv_bytes,
-        "median_ms": {mode: statistics.median(v) * 1e3 for mode, v in samples.items()},
-        "min_ms": {mode: min(v) * 1e3 for mode, v in samples.items()},
+        "median_ms": {mode: s.median * 1e3 for mode, s in spreads.items()},
+        "min_ms": {mode: s.low * 1e3 for mode, s in spreads.items()},
     }
 
 
-def markdown(result: dict[str, object]) -> str:
-    cfg, median, low = result["config"], result["median_ms"], result["min_ms"]
-    assert isinstance(cfg, dict) and isinstance(median, dict) and isinstance(low, dict)
+def run_report(cfg: LayerwiseBenchConfig, say: Callable[[str], None] = print) -> BenchReport:
+    """`tsukimi bench layerwise`: run (see `run_bench`) and report (no stated goal: the
+    figures are read against each other)."""
+    start = begin("bench layerwise", cfg)
+    return finish(start, run_bench(cfg, say))
+
+
+def markdown(figures: Mapping[str, object]) -> str:
+    """The figures as the table docs/benchmarks.md holds (pure)."""
+    median, low = figures["median_ms"], figures["min_ms"]
+    assert isinstance(median, dict) and isinstance(low, dict)
     whole = median["whole"]
     lines = [
-        f"git {result['git_rev']}, model {cfg['model']}, {cfg['prefix_tokens']}-token pooled prefix "
-        f"({int(str(result['kv_bytes'])) / 2**20:.1f} MiB of KV) + {cfg['new_tokens']} new tokens, "
-        f"{cfg['repeats']} repeats.",
+        f"model {figures['model']}, {figures['prefix_tokens']}-token pooled prefix "
+        f"({int(str(figures['kv_bytes'])) / 2**20:.1f} MiB of KV) + {figures['new_tokens']} new tokens, "
+        f"{figures['repeats']} repeats.",
         "",
         "| TTFT | median | min | vs whole |",
         "|---|---|---|---|",
@@ -180,5 +192,4 @@ def markdown(result: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
-def dumps(result: dict[str, object]) -> str:
-    return json.dumps(result)
+VIEWS = FigureViews(markdown)

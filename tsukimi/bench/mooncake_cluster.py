@@ -2,7 +2,7 @@
 
 Owns `MooncakeCluster` (one `mooncake_master` plus `num_holders` holder processes, each a
 `MooncakeDistributedStore` that mounts `holder_bytes` of memory into the cluster and does
-nothing else), the holder process itself (`python -m tsukimi.bench.mooncake_cluster holder`),
+nothing else), the holder process itself (`python -m tsukimi.bench.child mooncake-holder holder`),
 and how a store object is made (`new_store`). The client side is bench/mooncake_store.py.
 
     parent / bench client                 master (--rpc_port P, 127.0.0.1)
@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Protocol, cast
 
+from tsukimi.bench.child import module_args
 from tsukimi.bench.mooncake_te import MOONCAKE_ENV
 from tsukimi.clock import WallClock
 from tsukimi.errors import ConfigError
@@ -209,7 +210,7 @@ class MooncakeCluster:
 
     def _start_holder(self, index: int) -> None:
         hostname = unique_hostname()
-        args = ["tsukimi.bench.mooncake_cluster", "holder", self.master_addr, hostname, str(self.holder_bytes)]
+        args = module_args("mooncake-holder", "holder", self.master_addr, hostname, str(self.holder_bytes))
         env = {**MOONCAKE_ENV, **offload_env(self.offload_dir)} if self.offload_dir else MOONCAKE_ENV
         worker = JsonWorker(
             f"mooncake holder {index}",
@@ -293,7 +294,7 @@ def _holder(master_addr: str, hostname: str, segment_bytes: int, offload: bool) 
 
 def main(argv: list[str] | None = None) -> int:
     """`holder MASTER_ADDR HOSTNAME SEGMENT_BYTES`: run one holder process (internal)."""
-    parser = argparse.ArgumentParser(prog="python -m tsukimi.bench.mooncake_cluster")
+    parser = argparse.ArgumentParser(prog="python -m tsukimi.bench.child mooncake-holder")
     sub = parser.add_subparsers(dest="command", required=True)
     holder = sub.add_parser("holder", help="internal: run one holder process")
     holder.add_argument("master_addr")
@@ -303,7 +304,3 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     return _holder(args.master_addr, args.hostname, args.segment_bytes, args.offload)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

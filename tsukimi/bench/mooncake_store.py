@@ -1,7 +1,7 @@
 """The real Mooncake Store's client as a baseline: `MooncakeStoreAdapter` (a pure client,
 `global_segment_size=0`, used inside whichever process runs the timed loop, with two
 registered page-aligned buffers) over a `MooncakeCluster` (bench/mooncake_cluster.py), and a
-self-test (`python -m tsukimi.bench.mooncake_store selftest`).
+self-test (`python -m tsukimi.bench.child mooncake-store selftest`).
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def _selftest(num_ops: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`selftest [--num-ops N]`."""
-    parser = argparse.ArgumentParser(prog="python -m tsukimi.bench.mooncake_store")
+    parser = argparse.ArgumentParser(prog="python -m tsukimi.bench.child mooncake-store")
     sub = parser.add_subparsers(dest="command", required=True)
     selftest = sub.add_parser("selftest", help="start a cluster, check round trips, time 1 MiB ops")
     selftest.add_argument("--num-ops", type=int, default=100)
@@ -243,7 +243,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     _selftest(args.num_ops)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,6 +32,7 @@ import random
 import sys
 from typing import Any, Literal, Protocol, cast
 
+from tsukimi.bench.child import module_args
 from tsukimi.clock import WallClock
 from tsukimi.errors import ClosedError, ConfigError
 from tsukimi.testing.processes import JsonWorker
@@ -102,7 +103,7 @@ class MooncakePair:
             raise
 
     def _start(self, role: Role) -> JsonWorker:
-        args = ["tsukimi.bench.mooncake_te", "serve", role, str(self.buffer_bytes)]
+        args = module_args("mooncake-te", "serve", role, str(self.buffer_bytes))
         worker = JsonWorker(f"mooncake {role}", args, _STARTUP_TIMEOUT_S, env=MOONCAKE_ENV)
         self._workers.append(worker)
         logger.info("mooncake %s up: pid %d, session %s", role, worker.pid, worker.ready["session"])
@@ -252,7 +253,7 @@ def _selftest(duration_s: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`selftest [--duration-s S]`, or `serve ROLE BUFFER_BYTES` (internal: one worker)."""
-    parser = argparse.ArgumentParser(prog="python -m tsukimi.bench.mooncake_te")
+    parser = argparse.ArgumentParser(prog="python -m tsukimi.bench.child mooncake-te")
     sub = parser.add_subparsers(dest="command", required=True)
     selftest = sub.add_parser("selftest", help="measure a few cells and print them")
     selftest.add_argument("--duration-s", type=float, default=1.0)
@@ -268,7 +269,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     _selftest(args.duration_s)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

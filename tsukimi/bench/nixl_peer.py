@@ -6,8 +6,8 @@ every batch (NIXL's fastest use, "handle reused"); the target progresses its age
 (an agent nobody progresses stalls its peers after UCX's keepalive interval). Metadata goes
 over the JSON control channel of `JsonWorker`, never through NIXL's own listener.
 
-    python -m tsukimi.bench.nixl_peer target SIZE      -> {"metadata": b64, "base": addr}
-    python -m tsukimi.bench.nixl_peer initiator SIZE   <- {"metadata", "base", "op", "block_bytes", ...}
+    python -m tsukimi.bench.child nixl-peer target SIZE     -> {"metadata": b64, "base": addr}
+    python -m tsukimi.bench.child nixl-peer initiator SIZE  <- {"metadata", "base", "op", "block_bytes", ...}
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import json
 import os
 import select
 import sys
-import time
 from typing import Any
 
 import numpy as np
 
+from tsukimi.bench.measure import rate
 from tsukimi.testing.processes import child_reply
 
 os.environ.setdefault("UCX_MODULES", "^efa")  # NOTE: see tsukimi/transfer/transports/nixl.py
@@ -82,21 +82,17 @@ def _measure(agent: Any, peer: str, local_base: int, cmd: dict[str, Any]) -> flo
     local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(local_base + i * block, block, 0) for i in range(batch)], "DRAM")
     remote = agent.prep_xfer_dlist(peer, [(cmd["base"] + i * block, block, 0) for i in range(batch)], "DRAM")
     handle = agent.make_prepped_xfer(cmd["op"].upper(), local, list(range(batch)), remote, list(range(batch)))
+
+    def step() -> int:
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"nixl transfer ended {state}")
+        return int(block * batch)
+
     try:
-        moved, start = 0, time.perf_counter()
-        warm_until, measuring = start + cmd["warmup_s"], False
-        while True:
-            now = time.perf_counter()
-            if not measuring and now >= warm_until:
-                measuring, moved, start = True, 0, now
-            if measuring and now - start >= cmd["duration_s"]:
-                return moved / (now - start) / 1e9
-            state = agent.transfer(handle)
-            while state == "PROC":
-                state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise RuntimeError(f"nixl transfer ended {state}")
-            moved += block * batch
+        return rate(step, cmd["warmup_s"], cmd["duration_s"]) / 1e9
     finally:
         handle.release()
         local.release()
@@ -104,6 +100,7 @@ def _measure(agent: Any, peer: str, local_base: int, cmd: dict[str, Any]) -> flo
 
 
 def main(argv: list[str]) -> None:
+    """Run `target SIZE` or `initiator SIZE` (see the module) until stdin closes."""
     role, size = argv[0], int(argv[1])
     if role == "target":
         run_target(size)
@@ -111,7 +108,3 @@ def main(argv: list[str]) -> None:
         run_initiator(size)
     else:
         raise SystemExit(f"unknown role {role}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

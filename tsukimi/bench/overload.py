@@ -6,24 +6,27 @@
    of the probe's latency): a closed-loop step ramp (`concurrency` clients each sending the next
    request as soon as the last ended, for `calibrate_s` split over the steps); the highest
    served requests/s of any step is the rate the cluster keeps up with;
-3. overload: Poisson arrivals at `factor` times that rate for `duration_s` (the mixed workload
-   of overload_client.py), every request bounded by `request_timeout_s`, then the requests
+3. overload: Poisson arrivals at `factor` times that rate for `duration_s` (the mixed workload,
+   `mixed_requests`), every request bounded by `request_timeout_s`, then the requests
    still running are drained (each ends by its timeout at the latest); meanwhile /health is
    probed on a connection of its own and every cluster process's RSS is sampled
    (overload_monitor.py);
 4. after: `post_checks` requests of the baseline prompt (streamed and not) must all be served
    with the baseline's text and token count.
 
+Requests go through the bench's one client (tsukimi/bench/client.py: a connection of its own
+per request, never raising, sorting each into served / rejected / error / failed).
 overload_report.py turns the outcomes into figures and a verdict per criterion.
+
+The mixed workload: prompts of mixed lengths (a few token ids to a few hundred), half of them
+after one of a few shared system prefixes, small `max_tokens`, streamed or not at random.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
-import json
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -32,12 +35,15 @@ from pathlib import Path
 
 import numpy as np
 
-from tsukimi.bench.overload_client import Outcome, OverloadRequest, mixed_requests, send
+from tsukimi.bench.client import CompletionRequest, CompletionResult, complete
 from tsukimi.bench.overload_monitor import HealthProbe, Probe, RssSampler
-from tsukimi.bench.overload_report import LoadRun, summarize
+from tsukimi.bench.overload_report import LoadRun, summarize, verdicts
+from tsukimi.bench.report import BenchReport, begin, finish
+from tsukimi.bench.up_cluster import launch_up, serving_settings
 from tsukimi.errors import PeerError
 
-_BASELINE = OverloadRequest(tuple(range(20, 52)), 8, False)  # NOTE: fixed and greedy: the same answer each time
+_BASELINE = CompletionRequest(tuple(range(20, 52)), 8, stream=False)  # NOTE: fixed and greedy: the same answer
+_VOCAB = (3, 250)  # NOTE: ids every tokenizer here has (as in the chat and skewed workloads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,41 +79,48 @@ class Calibration:
         return self.served / self.seconds if self.seconds else 0.0
 
 
+def mixed_requests(count: int, seed: int) -> list[CompletionRequest]:
+    """`count` requests of the mixed workload (pure: the same for the same seed)."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(*_VOCAB, 192).tolist() for _ in range(3)]
+    out = []
+    for _ in range(count):
+        own = rng.integers(*_VOCAB, int(rng.choice((8, 32, 96, 256)))).tolist()
+        shared = rng.random() < 0.5
+        prompt = prefixes[int(rng.integers(len(prefixes)))] + own if shared else own
+        out.append(CompletionRequest(tuple(prompt), int(rng.integers(2, 13)), stream=bool(rng.random() < 0.5)))
+    return out
+
+
 def run_bench(cfg: OverloadConfig, progress: Callable[[str], None]) -> dict[str, object]:
-    """The whole run (see the module) against cfg.url or a `tsukimi up` of its own; the
-    JSON-ready result (configuration, figures, verdicts). Raises PeerError when the cluster
-    does not start or serves nothing at all."""
-    from tsukimi.bench.serve import LocalCluster
-
-    with tempfile.TemporaryDirectory(prefix="tsukimi-bench-overload-") as workdir:
-        cluster = None
-        if not cfg.url:
-            progress(f"starting tsukimi up --model {cfg.model} --mode {cfg.mode}")
-            cluster = LocalCluster(cfg.model, cfg.mode, True, workdir, cfg.num_blocks)
-        try:
-            url = cfg.url or (cluster.api if cluster else "")
-            pids = cluster_pids(Path(workdir) / "state.json") if cluster else {}
-            result = asyncio.run(_run(cfg, url, pids, progress))
-        finally:
-            if cluster is not None:
-                cluster.close()
-    return {"config": asdict(cfg), **result}
+    """The whole run (see the module) against cfg.url or a `tsukimi up` cluster of its own
+    (tsukimi/bench/up_cluster.py); the figures. Raises PeerError when the cluster does not
+    start or serves nothing at all."""
+    if cfg.url:
+        return asyncio.run(_run(cfg, cfg.url, {}, progress))
+    progress(f"starting tsukimi up --model {cfg.model} --mode {cfg.mode}")
+    settings = serving_settings(cfg.model, cfg.mode, num_blocks=cfg.num_blocks)
+    with (
+        tempfile.TemporaryDirectory(prefix="tsukimi-bench-overload-") as workdir,
+        launch_up(settings, Path(workdir)) as cluster,
+        cluster.tending(),
+    ):
+        pids = {p.name: p.pid for p in cluster.processes}
+        return asyncio.run(_run(cfg, cluster.api, pids, progress))
 
 
-def cluster_pids(state_file: Path) -> dict[str, int]:
-    """name -> pid of every process of a `tsukimi up` (its --state-file), and "up" itself."""
-    state = json.loads(state_file.read_text())
-    pids = {str(p["name"]): int(p["pid"]) for p in state["processes"]}
-    with contextlib.suppress(OSError, StopIteration, IndexError, ValueError):  # NOTE: the parent of them all
-        pids["up"] = int(Path(f"/proc/{next(iter(pids.values()))}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    return pids
+def run_report(cfg: OverloadConfig, progress: Callable[[str], None]) -> BenchReport:
+    """`tsukimi bench serve --workload overload`: run and report, a verdict per criterion."""
+    start = begin("bench serve --workload overload", cfg)
+    figures = run_bench(cfg, progress)
+    return finish(start, figures, verdicts(figures))
 
 
 async def _run(
     cfg: OverloadConfig, url: str, pids: dict[str, int], progress: Callable[[str], None]
 ) -> dict[str, object]:
     rss = RssSampler(pids)
-    baseline = await send(url, cfg.model, _BASELINE, cfg.request_timeout_s)
+    baseline = await complete(url, cfg.model, _BASELINE, cfg.request_timeout_s)
     if baseline.kind != "served":
         raise PeerError(f"the baseline request was not served: {baseline}")
     rss.start()
@@ -177,14 +190,14 @@ async def _calibrate(url: str, cfg: OverloadConfig) -> list[Calibration]:
 
 
 async def _closed_loop(
-    url: str, cfg: OverloadConfig, concurrency: int, seconds: float, requests: Iterator[OverloadRequest]
+    url: str, cfg: OverloadConfig, concurrency: int, seconds: float, requests: Iterator[CompletionRequest]
 ) -> Calibration:
-    outcomes: list[Outcome] = []
+    outcomes: list[CompletionResult] = []
     start = time.perf_counter()
 
     async def loop() -> None:
         while time.perf_counter() - start < seconds:
-            outcome = await send(url, cfg.model, next(requests), cfg.request_timeout_s)
+            outcome = await complete(url, cfg.model, next(requests), cfg.request_timeout_s)
             outcomes.append(outcome)
             if outcome.kind != "served":
                 await asyncio.sleep(0.05)  # NOTE: a rejection is quick; do not spin on it
@@ -196,13 +209,13 @@ async def _closed_loop(
     return Calibration(concurrency, round(elapsed, 3), served, rejected, len(kinds) - served - rejected)
 
 
-async def _open_loop(url: str, cfg: OverloadConfig, rate: float) -> tuple[list[Outcome], float, float, float]:
+async def _open_loop(url: str, cfg: OverloadConfig, rate: float) -> tuple[list[CompletionResult], float, float, float]:
     """Poisson arrivals at `rate` for cfg.duration_s, then every request drained. Returns the
     outcomes (one per request sent), the seconds spent sending, the seconds until the last
     request ended, and the latest a request was sent after its arrival time (how far the load
     generator fell behind)."""
     rng = np.random.default_rng(cfg.seed + 1)
-    tasks: list[asyncio.Task[Outcome]] = []
+    tasks: list[asyncio.Task[CompletionResult]] = []
     workload = itertools.cycle(mixed_requests(1024, cfg.seed + 2))
     start, at, lag = time.perf_counter(), float(rng.exponential(1 / rate)), 0.0
     while at < cfg.duration_s:
@@ -210,18 +223,18 @@ async def _open_loop(url: str, cfg: OverloadConfig, rate: float) -> tuple[list[O
         if delay > 0:
             await asyncio.sleep(delay)
         lag = max(lag, -delay)
-        tasks.append(asyncio.create_task(send(url, cfg.model, next(workload), cfg.request_timeout_s)))
+        tasks.append(asyncio.create_task(complete(url, cfg.model, next(workload), cfg.request_timeout_s)))
         at += float(rng.exponential(1 / rate))
     sending = time.perf_counter() - start
     outcomes = list(await asyncio.gather(*tasks))
     return outcomes, sending, time.perf_counter() - start, lag
 
 
-async def _post_load(url: str, cfg: OverloadConfig) -> list[Outcome]:
+async def _post_load(url: str, cfg: OverloadConfig) -> list[CompletionResult]:
     """cfg.post_checks baseline requests, one after the other, streamed and not in turn."""
     await asyncio.sleep(1.0)  # NOTE: let the last aborted streams' frees reach the workers
     out = []
     for i in range(cfg.post_checks):
-        request = OverloadRequest(_BASELINE.prompt, _BASELINE.max_tokens, stream=i % 2 == 1)
-        out.append(await send(url, cfg.model, request, cfg.request_timeout_s))
+        request = dataclasses.replace(_BASELINE, stream=i % 2 == 1)
+        out.append(await complete(url, cfg.model, request, cfg.request_timeout_s))
     return out

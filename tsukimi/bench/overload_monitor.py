@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tsukimi.bench.child import module_args
+
 
 @dataclass(frozen=True, slots=True)
 class Probe:
@@ -35,7 +37,7 @@ class Probe:
 
 class HealthProbe:
     """Probes `url`/health every `interval_s` from start() to stop(), from a process of its own
-    (`python -m tsukimi.bench.overload_monitor`, which writes one JSON line per probe to a file)."""
+    (`python -m tsukimi.bench.child health-probe`, which writes one JSON line per probe to a file)."""
 
     def __init__(self, url: str, interval_s: float = 0.2, timeout_s: float = 2.0) -> None:
         self._args = (url, str(interval_s), str(timeout_s))
@@ -45,7 +47,7 @@ class HealthProbe:
 
     def start(self, ready_timeout_s: float = 30.0) -> None:
         """Start probing; returns once the first probe was made (or `ready_timeout_s` passed)."""
-        cmd = [sys.executable, "-m", "tsukimi.bench.overload_monitor", *self._args, self._out.name]
+        cmd = [sys.executable, "-m", *module_args("health-probe", *self._args, self._out.name)]
         self._process = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + ready_timeout_s
         while os.path.getsize(self._out.name) == 0 and self._process.poll() is None and time.monotonic() < deadline:
@@ -159,5 +161,6 @@ class RssSampler:
             self.sample()
 
 
-if __name__ == "__main__":  # the probing process of HealthProbe: URL INTERVAL_S TIMEOUT_S OUT_PATH
-    _probe_loop(sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4])
+def main(argv: list[str]) -> None:
+    """The probing process of HealthProbe: URL INTERVAL_S TIMEOUT_S OUT_PATH."""
+    _probe_loop(argv[0], float(argv[1]), float(argv[2]), argv[3])

@@ -1,7 +1,7 @@
-"""The figures and verdicts of `tsukimi bench serve --workload overload`, as JSON, a rich table
-or Markdown (docs/reliability.md).
+"""The figures and verdicts of `tsukimi bench serve --workload overload`, and the figures as a
+rich table or Markdown (docs/reliability.md).
 
-Verdicts, one per criterion of issue 17 item 3:
+Verdicts (the report's), one per criterion of issue 17 item 3:
 - health_under_100ms: every /health probe during the load and the drain answered 200 within 100 ms
   (the same probe on the idle cluster, before the load, is shown beside it);
 - every_request_ended: no request failed (timeout, broken connection, 5xx or 429/503 without a
@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 
 from rich.table import Table
 
-from tsukimi.bench.overload_client import Outcome
+from tsukimi.bench.client import CompletionResult
 from tsukimi.bench.overload_monitor import Probe
+from tsukimi.bench.report import FigureViews, Verdict
+from tsukimi.quantiles import summary
 
 MIB = 1 << 20
 HEALTH_LIMIT_S = 0.1
@@ -36,7 +38,7 @@ class LoadRun:
 
     duration_s: float
     target_rps: float
-    outcomes: list[Outcome]
+    outcomes: list[CompletionResult]
     sending_s: float
     wall_s: float
     lag_s: float
@@ -46,13 +48,13 @@ class LoadRun:
     sustainable_rps: float = 0.0
     calibration: list[dict[str, object]] = field(default_factory=list)
     rss: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
-    baseline: Outcome | None = None
-    after: list[Outcome] = field(default_factory=list)
+    baseline: CompletionResult | None = None
+    after: list[CompletionResult] = field(default_factory=list)
     idle_probes: list[Probe] = field(default_factory=list)
 
 
 def summarize(run: LoadRun) -> dict[str, object]:
-    """The run's figures and verdicts (pure; see the module)."""
+    """The run's figures (pure; `verdicts` judges them; see the module)."""
     outcomes, duration_s, baseline, after = run.outcomes, run.duration_s, run.baseline, run.after
     assert baseline is not None
     kinds: Counter[str] = Counter(o.kind for o in outcomes)
@@ -76,40 +78,78 @@ def summarize(run: LoadRun) -> dict[str, object]:
         "errors_by": _by_reason(outcomes, "error"),
         "failed_by": _by_reason(outcomes, "failed"),
         "examples": _examples(outcomes),
-        "ttft_s": _quantiles([o.ttft_s for o in served if o.stream]),
-        "latency_s": _quantiles([o.latency_s for o in served if not o.stream]),
+        "ttft_s": summary((o.ttft_s for o in served if o.stream), (0.5, 0.99), ndigits=4),
+        "latency_s": summary((o.latency_s for o in served if not o.stream), (0.5, 0.99), ndigits=4),
         "health": health,
         "health_idle": _health(run.idle_probes),
         "rss_mib": memory,
         "cpu_percent": run.cpu_percent,
         "post_load": {
             "ok": post_ok,
-            "baseline_tokens": baseline.tokens,
+            "baseline_tokens": baseline.completion_tokens,
             "answers": [
-                f"{o.kind} {o.status} {o.reason} tokens={o.tokens} same={_same_answer(o, baseline)}" for o in after
+                f"{o.kind} {o.status} {o.reason} tokens={o.completion_tokens} same={_same_answer(o, baseline)}"
+                for o in after
             ],
         },
-    }
-    figures["verdicts"] = {
-        "health_under_100ms": bool(health["probes"]) and health["failed"] == 0 and health["over_100ms"] == 0,
-        "every_request_ended": kinds.get("failed", 0) == 0 and sum(kinds.values()) == len(outcomes),
-        "tokens_or_429_503": kinds.get("failed", 0) == 0 and kinds.get("error", 0) == 0,
-        "rss_bounded": all(m["bounded"] for m in memory.values()) if memory else None,
-        "post_load_ok": post_ok,
     }
     return figures
 
 
-def _same_answer(outcome: Outcome, baseline: Outcome) -> bool:
-    return outcome.kind == "served" and (outcome.text, outcome.tokens) == (baseline.text, baseline.tokens)
+def verdicts(figures: Mapping[str, object]) -> list[Verdict]:
+    """One verdict per criterion (see the module) from `summarize`'s figures (pure)."""
+    health, memory, post = figures["health"], figures["rss_mib"], figures["post_load"]
+    assert isinstance(health, dict) and isinstance(memory, dict) and isinstance(post, dict)
+    sent, failed, error = (int(str(figures[k])) for k in ("sent", "failed", "error"))
+    ended = sum(int(str(figures[k])) for k in _KINDS)
+    bounded = [name for name, m in memory.items() if not m["bounded"]]
+    return [
+        Verdict(
+            "health_under_100ms",
+            "every /health probe during the load answered 200 within 100 ms",
+            bool(health["probes"]) and health["failed"] == 0 and health["over_100ms"] == 0,
+            f"{health['over_100ms']} of {health['probes']} over 100 ms or failed; p99 {health['p99_ms']} ms",
+        ),
+        Verdict(
+            "every_request_ended",
+            "no request failed, and each one sent has exactly one outcome",
+            failed == 0 and ended == sent,
+            f"{sent} sent, {ended} ended, {failed} failed",
+        ),
+        Verdict(
+            "tokens_or_429_503",
+            "every request ended with tokens or a 429/503 naming a reason",
+            failed == 0 and error == 0,
+            f"{error} errors, {failed} failures",
+        ),
+        Verdict(
+            "rss_bounded",
+            "each process: peak <= 2 x start + 256 MiB, late growth <= 64 MiB + 10%",
+            (not bounded) if memory else None,
+            f"unbounded: {', '.join(bounded)}" if bounded else ("all bounded" if memory else "RSS not sampled"),
+        ),
+        Verdict(
+            "post_load_ok",
+            "the requests after the load were served with the baseline's text and tokens",
+            bool(post["ok"]),
+            "; ".join(str(a) for a in post["answers"]),
+        ),
+    ]
 
 
-def _by_reason(outcomes: Sequence[Outcome], kind: str) -> dict[str, int]:
+def _same_answer(outcome: CompletionResult, baseline: CompletionResult) -> bool:
+    return outcome.kind == "served" and (outcome.text, outcome.completion_tokens) == (
+        baseline.text,
+        baseline.completion_tokens,
+    )
+
+
+def _by_reason(outcomes: Sequence[CompletionResult], kind: str) -> dict[str, int]:
     """Counts by "<status> <reason>", for the outcomes of `kind`."""
     return dict(Counter(f"{o.status} {o.reason}" for o in outcomes if o.kind == kind).most_common())
 
 
-def _examples(outcomes: Sequence[Outcome]) -> dict[str, str]:
+def _examples(outcomes: Sequence[CompletionResult]) -> dict[str, str]:
     """The first message of each "<status> <reason>" that came with one (what the server said)."""
     examples: dict[str, str] = {}
     for o in outcomes:
@@ -120,7 +160,7 @@ def _examples(outcomes: Sequence[Outcome]) -> dict[str, str]:
 
 def _health(probes: Sequence[Probe]) -> dict[str, object]:
     answered = [p.latency_s * 1e3 for p in probes if p.ok]
-    q = _quantiles([p.latency_s for p in probes if p.ok])
+    q = summary((p.latency_s for p in probes if p.ok), (0.5, 0.99), ndigits=4)
     return {
         "probes": len(probes),
         "failed": sum(not p.ok for p in probes),
@@ -146,13 +186,6 @@ def _rss_figures(points: list[tuple[float, int]], window: tuple[float, float]) -
         "late_growth": round(late / MIB, 1),
         "bounded": bounded,
     }
-
-
-def _quantiles(values: list[float]) -> dict[str, float | None]:
-    values = sorted(v for v in values if v == v)
-    if not values:
-        return {"p50": None, "p99": None}
-    return {q: round(values[min(len(values) - 1, int(f * len(values)))], 4) for q, f in (("p50", 0.5), ("p99", 0.99))}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -196,9 +229,6 @@ def rows(result: Mapping[str, object]) -> list[tuple[str, str]]:
     post = r["post_load"]
     assert isinstance(post, dict)
     out.append(("post-load check", "pass" if post["ok"] else f"FAIL: {post['answers']}"))
-    verdicts = r["verdicts"]
-    assert isinstance(verdicts, dict)
-    out += [(f"verdict: {k}", "n/a" if v is None else "pass" if v else "FAIL") for k, v in verdicts.items()]
     return out
 
 
@@ -223,3 +253,6 @@ def render_table(result: Mapping[str, object]) -> Table:
 
 def render_markdown(result: Mapping[str, object]) -> str:
     return "\n".join(["| figure | value |", "|---|---|", *(f"| {n} | {v} |" for n, v in rows(result))])
+
+
+VIEWS = FigureViews(render_markdown, render_table)

@@ -25,17 +25,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from tsukimi.bench.child import module_args
 from tsukimi.bench.p2p_report import Row, goals
-from tsukimi.bench.transfer import git_rev
+from tsukimi.bench.report import BenchReport, begin, finish
 from tsukimi.config import P2PConfig
 from tsukimi.errors import ConfigError, PeerError
 from tsukimi.netio import free_port
+from tsukimi.quantiles import rank_index
 from tsukimi.testing.processes import JsonWorker, Reply, WorkerError, gather
 from tsukimi.transfer.metadata.http import start_in_thread
 
@@ -44,7 +45,6 @@ logger = logging.getLogger(__name__)
 MIB, GIB = 1 << 20, 1 << 30
 SYSTEMS = ("tsukimi", "naive", "gloo")
 TRANSPORTS = ("tcp", "auto")
-_WORKER = "tsukimi.bench.p2p_worker"
 # resident memory of a worker besides its checkpoint copy (interpreter, numpy, engine; torch)
 _PROCESS_OVERHEAD_BYTES = 200 * MIB
 _TORCH_OVERHEAD_BYTES = 450 * MIB
@@ -116,7 +116,10 @@ def _start(stack: ExitStack, specs: list[Spec], timeout_s: float) -> list[JsonWo
     """Start the workers at once, each ready within `timeout_s`; each stops when `stack`
     closes. Raises WorkerError."""
     with ThreadPoolExecutor(len(specs)) as pool:
-        futures = [pool.submit(JsonWorker, label, [_WORKER, *args], timeout_s, env) for label, args, env in specs]
+        futures = [
+            pool.submit(JsonWorker, label, module_args("p2p-worker", *args), timeout_s, env)
+            for label, args, env in specs
+        ]
     workers: list[JsonWorker] = []
     errors: list[BaseException] = []
     for future in futures:
@@ -210,7 +213,7 @@ def _cells(cfg: P2PBenchConfig) -> list[tuple[str, str]]:
 def _median(rows: list[Row]) -> Row:
     """The round of median completion time (its figures kept together), with every round's."""
     ordered = sorted(rows, key=lambda r: float(str(r["seconds"])))
-    return {**ordered[len(ordered) // 2], "round_seconds": [r["seconds"] for r in rows]}
+    return {**ordered[rank_index(len(ordered), 0.5)], "round_seconds": [r["seconds"] for r in rows]}
 
 
 def run(cfg: P2PBenchConfig, progress: Callable[[str], None] = lambda _: None) -> Row:
@@ -251,5 +254,17 @@ def run(cfg: P2PBenchConfig, progress: Callable[[str], None] = lambda _: None) -
         raise PeerError(str(exc)) from exc
     finally:
         server.stop()
-    runs = [_median(rows) for rows in rounds.values()]
-    return {"runs": runs, "goals": goals(runs), "git_rev": git_rev(), "config": asdict(cfg), "cpus": os.cpu_count()}
+    return {"runs": [_median(rows) for rows in rounds.values()]}
+
+
+def run_report(cfg: P2PBenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchReport:
+    """`tsukimi bench p2p`: run (see `run`) and report, with the goals (p2p_report.py) as verdicts.
+
+    Raises:
+        As `run`.
+    """
+    start = begin("bench p2p", cfg)
+    figures = run(cfg, progress)
+    runs = figures["runs"]
+    assert isinstance(runs, list)
+    return finish(start, figures, goals(runs))

@@ -1,5 +1,5 @@
-"""The report of `tsukimi bench p2p` (tsukimi/bench/p2p.py): the issue's goals as ratios
-measured in the run, and the table (rich, or Markdown for docs/benchmarks.md).
+"""The figures of `tsukimi bench p2p` (tsukimi/bench/p2p.py): the issue's goals as verdicts on
+ratios measured in the run, and the table (rich, or Markdown for docs/benchmarks.md).
 
 Goals, at the largest receiver count, for each transport tsukimi ran on:
   origin_x_checkpoint  bytes the origin served / checkpoint bytes     goal <= 2
@@ -10,10 +10,19 @@ Reported, never asserted (the machine is shared: docs/benchmarks.md).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Literal
+
 from rich.table import Table
 
+from tsukimi.bench.report import FigureViews, Verdict, goal
+
 Row = dict[str, object]
-GOALS = (("origin_x_checkpoint", "<=", 2.0), ("seconds_x_naive", "<=", 0.5), ("gbps_x_gloo", ">=", 1.0))
+GOALS: tuple[tuple[str, Literal["<=", ">="], float], ...] = (
+    ("origin_x_checkpoint", "<=", 2.0),
+    ("seconds_x_naive", "<=", 0.5),
+    ("gbps_x_gloo", ">=", 1.0),
+)
 COLUMNS = ("system", "transport", "N", "seconds", "GB/s", "origin sent (x ckpt)", "peers sent (x ckpt)", "verified")
 
 
@@ -28,14 +37,14 @@ def _find(runs: list[Row], system: str, n: int, transport: str | None = None) ->
     return None
 
 
-def goals(runs: list[Row]) -> list[Row]:
-    """Each goal's ratio at the largest N tsukimi ran (none when it did not run or a
-    baseline is missing). Pure: reads the rows only."""
+def goals(runs: list[Row]) -> list[Verdict]:
+    """Each goal at the largest N tsukimi ran, per transport; a goal whose baseline did not
+    run is left out. Pure: reads the rows only."""
     ours = [r for r in runs if r["system"] == "tsukimi"]
     if not ours:
         return []
     n = max(int(str(r["receivers"])) for r in ours)
-    out: list[Row] = []
+    out: list[Verdict] = []
     for row in (r for r in ours if r["receivers"] == n):
         naive = _find(runs, "naive", n, str(row["transport"]))
         gloo = _find(runs, "gloo", n)
@@ -46,18 +55,9 @@ def goals(runs: list[Row]) -> list[Row]:
         }
         for name, op, target in GOALS:
             value = values[name]
-            if value is None:
-                continue
-            met = value <= target if op == "<=" else value >= target
-            out.append(
-                {
-                    "transport": row["transport"],
-                    "receivers": n,
-                    "goal": f"{name} {op} {target}",
-                    "value": round(value, 3),
-                    "met": met,
-                }
-            )
+            if value is not None:
+                what = f"N={n} {row['transport']}: {name}"
+                out.append(goal(f"{name}_{row['transport']}", what, round(value, 3), op, target))
     return out
 
 
@@ -79,31 +79,27 @@ def _cells(row: Row) -> list[str]:
     ]
 
 
-def _goal_line(goal: Row) -> str:
-    verdict = "met" if goal["met"] else "missed"
-    return f"N={goal['receivers']} {goal['transport']}: {goal['goal']}: {goal['value']} ({verdict})"
-
-
-def render_table(report: dict[str, object]) -> Table:
-    runs, found = report["runs"], report["goals"]
-    assert isinstance(runs, list) and isinstance(found, list)
+def render_table(figures: Mapping[str, object]) -> Table:
+    """The runs as a rich table (the goals are the report's verdicts). Pure."""
+    runs = figures["runs"]
+    assert isinstance(runs, list)
     ckpt = _size(_num(runs[0], "checkpoint_bytes")) if runs else "-"
     table = Table(title=f"tsukimi bench p2p: a {ckpt} checkpoint to N receivers (GB/s = N x bytes / s / 1e9)")
     for name in COLUMNS:
         table.add_column(name, justify="left" if name in ("system", "transport") else "right")
     for row in runs:
         table.add_row(*_cells(row))
-    table.caption = "; ".join(_goal_line(g) for g in found) or None
     return table
 
 
-def render_markdown(report: dict[str, object]) -> str:
-    """The report as a Markdown table and a list of the goals (what docs/benchmarks.md shows)."""
-    runs, found = report["runs"], report["goals"]
-    assert isinstance(runs, list) and isinstance(found, list)
+def render_markdown(figures: Mapping[str, object]) -> str:
+    """The runs as a Markdown table (what docs/benchmarks.md shows; the goals are the report's
+    verdicts). Pure."""
+    runs = figures["runs"]
+    assert isinstance(runs, list)
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in runs]
-    if found:
-        lines += ["", *(f"- {_goal_line(g)}" for g in found)]
-    lines += ["", f"git {report['git_rev']}, {report['cpus']} CPUs."]
     return "\n".join(lines)
+
+
+VIEWS = FigureViews(render_markdown, render_table)

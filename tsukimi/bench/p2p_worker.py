@@ -1,7 +1,7 @@
 """Worker processes of `tsukimi bench p2p`, driven by line-delimited JSON on stdin/stdout
 (tsukimi/testing/processes.py). Every process exits when its stdin closes.
 
-Roles (`python -m tsukimi.bench.p2p_worker ROLE ARGS_JSON`):
+Roles (`python -m tsukimi.bench.child p2p-worker ROLE ARGS_JSON`, tsukimi/bench/child.py):
   origin    holds the checkpoint in plain process memory, registered with a Transfer Engine;
             ready: {"name", "base", "crcs"}; "publish"/"withdraw" a P2P payload over it.
   receiver  a Transfer Engine and a zeroed (faulted-in) buffer of the checkpoint's size;
@@ -191,15 +191,12 @@ def run_gloo(args: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> None:
+    """Run the role `argv[0]` with the JSON arguments `argv[1]` until stdin closes."""
     roles = {"origin": run_origin, "receiver": run_receiver, "gloo": run_gloo}
     if len(argv) != 2 or argv[0] not in roles:
-        raise SystemExit(f"usage: python -m tsukimi.bench.p2p_worker {{{','.join(roles)}}} ARGS_JSON")
+        raise SystemExit(f"usage: python -m tsukimi.bench.child p2p-worker {{{','.join(roles)}}} ARGS_JSON")
     try:
         roles[argv[0]](json.loads(argv[1]))
     except Exception as exc:  # NOTE: the driver quotes it (and the stderr tail) in its error
         child_reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         raise
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -1,6 +1,6 @@
 """Worker processes of `tsukimi bench transfer`, driven by line-delimited JSON on stdin/stdout.
 
-Roles (`python -m tsukimi.bench.peer ROLE`):
+Roles (`python -m tsukimi.bench.child transfer-peer ROLE`, tsukimi/bench/child.py):
   target SIZE [METADATA_URL]     a Transfer Engine owning a shared-memory buffer and a plain
                                 numpy one; prints {"name", "base", "anon_base", "pid"};
                                 answers "digest" commands.
@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from tsukimi.bench.measure import rate
 from tsukimi.config import Config, MetadataConfig, TransferConfig
 from tsukimi.testing.processes import child_reply as _reply
 from tsukimi.transfer import OpCode, TransferEngine, TransferRequest
@@ -68,18 +69,14 @@ def measure(engine: TransferEngine, cmd: dict[str, Any], local: np.ndarray) -> f
         TransferRequest(op, handle, cmd["base"] + i * block, local[i * block : (i + 1) * block]) for i in range(batch)
     ]
     run = engine.prepare(requests).run if mode == "prepared" else lambda: engine.transfer(requests)
-    moved, start, warm_until = 0, time.perf_counter(), time.perf_counter() + cmd["warmup_s"]
-    measuring = False
-    while True:
-        now = time.perf_counter()
-        if not measuring and now >= warm_until:
-            measuring, moved, start = True, 0, now
-        if measuring and now - start >= cmd["duration_s"]:
-            return moved / (now - start) / 1e9
+
+    def step() -> int:
         bad = [r for r in run() if r.state.value != "completed"]
         if bad:
             raise RuntimeError(f"transfer failed: {bad[0]}")
-        moved += block * batch
+        return int(block * batch)
+
+    return rate(step, cmd["warmup_s"], cmd["duration_s"]) / 1e9
 
 
 def measure_raw_cma(cmd: dict[str, Any], local: np.ndarray) -> float:
@@ -90,17 +87,13 @@ def measure_raw_cma(cmd: dict[str, Any], local: np.ndarray) -> float:
     block, batch = cmd["block_bytes"], cmd["batch"]
     pairs = [(int(local.ctypes.data) + i * block, cmd["base"] + i * block, block) for i in range(batch)]
     call = raw_call(OpCode(cmd["op"]), cmd["pid"], pairs)
-    moved, start, warm_until = 0, time.perf_counter(), time.perf_counter() + cmd["warmup_s"]
-    measuring = False
-    while True:
-        now = time.perf_counter()
-        if not measuring and now >= warm_until:
-            measuring, moved, start = True, 0, now
-        if measuring and now - start >= cmd["duration_s"]:
-            return moved / (now - start) / 1e9
+
+    def step() -> int:
         if call() != block * batch:
             raise RuntimeError("process_vm_readv/writev moved less than asked")
-        moved += block * batch
+        return int(block * batch)
+
+    return rate(step, cmd["warmup_s"], cmd["duration_s"]) / 1e9
 
 
 def verify(engine: TransferEngine, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -163,6 +156,7 @@ def run_source(port: int, duration_s: float) -> None:
 
 
 def main(argv: list[str]) -> None:
+    """Run the role `argv[0]` (see the module) until stdin closes."""
     role = argv[0]
     metadata_url = argv[2] if len(argv) > 2 else "p2p"
     if role == "target":
@@ -175,7 +169,3 @@ def main(argv: list[str]) -> None:
         run_source(int(argv[1]), float(argv[2]))
     else:
         raise SystemExit(f"unknown role {role}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

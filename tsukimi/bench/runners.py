@@ -1,44 +1,72 @@
 """Running `tsukimi bench ...` (its arguments are in commands.py): one function per benchmark,
-each building its config from the arguments and printing JSON, Markdown or a rich table."""
+each building the bench's config from the arguments, running it into the one report type
+(tsukimi/bench/report.py) and printing that as JSON (`--json`), Markdown (`--markdown`) or a
+rich table, with the bench's own view of its figures."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from tsukimi.bench.commands import KIB
+from tsukimi.bench.report import BenchReport, FigureViews, output_format, print_report
 from tsukimi.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tsukimi.bench.overload import OverloadConfig
+    from tsukimi.bench.serve import ServeBenchConfig
+
+Runner = Callable[[argparse.Namespace, Console], tuple[BenchReport, FigureViews]]
 
 
 def run(args: argparse.Namespace, console: Console) -> None:
-    """Run the benchmark `args.bench` names. Raises TsukimiError from it."""
-    runners: dict[str, Callable[[argparse.Namespace, Console], None]] = {
+    """Run the benchmark `args.bench` names and print its report. Raises TsukimiError from it."""
+    runners: dict[str, Runner] = {
         "transfer": _bench_transfer,
         "store": _bench_store,
         "p2p": _bench_p2p,
         "serve": _bench_serve,
         "vllm": _bench_vllm,
+        "vllm-pd": _bench_vllm_pd,
         "scheduler": _bench_scheduler,
         "cpp": _bench_cpp,
         "layerwise": _bench_layerwise,
+        "kv-burst": _bench_kv_burst,
     }
     if args.bench not in runners:
         raise ConfigError(f"unknown benchmark {args.bench!r}")
-    runners[args.bench](args, console)
+    report, views = runners[args.bench](args, console)
+    print_report(report, output_format(args.json, args.markdown), console, views)
 
 
-def _bench_cpp(args: argparse.Namespace, console: Console) -> None:
-    from tsukimi.bench import cpp
-
-    cfg = cpp.CppBenchConfig(args.prompt_tokens, args.chunk_tokens, tuple(args.stages), args.repeats)
-    result = cpp.run(cfg)
-    print(cpp.dumps(result) if args.json else cpp.markdown(result))
+def _say(console: Console) -> Callable[[str], None]:
+    return lambda text: console.print(text, highlight=False)
 
 
-def _bench_store(args: argparse.Namespace, console: Console) -> None:
+def _bench_transfer(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
+    from tsukimi.bench import transfer
+
+    cfg = transfer.TransferBenchConfig(
+        transports=args.transport,
+        ops=args.op,
+        block_bytes=(64 * KIB, 4 * KIB * KIB) if args.quick else args.block_sizes,
+        batch=args.batch,
+        connections=args.connections,
+        duration_s=0.3 if args.quick else args.duration,
+        warmup_s=0.1 if args.quick else args.warmup,
+        repeats=1 if args.quick else args.repeats,
+        compare_mooncake=args.compare_mooncake,
+        compare_nixl=args.compare_nixl,
+    )
+    with console.status("benchmarking") as status:
+        return transfer.run_report(cfg, progress=lambda text: status.update(text)), transfer.VIEWS
+
+
+def _bench_store(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
     from tsukimi.bench import store
 
     quick = args.quick
@@ -56,30 +84,10 @@ def _bench_store(args: argparse.Namespace, console: Console) -> None:
         disk_holder_bytes=(32 << 20) if quick else args.disk_holder_bytes[0],
     )
     with console.status("benchmarking the store") as status:
-        report = store.run(cfg, progress=lambda text: status.update(text))
-    _print_report(args, console, report, store.render_markdown, store.render_table)
+        return store.run_report(cfg, progress=lambda text: status.update(text)), store.VIEWS
 
 
-Report = dict[str, object]
-
-
-def _print_report(
-    args: argparse.Namespace,
-    console: Console,
-    report: Report,
-    markdown: Callable[[Report], str],
-    table: Callable[[Report], object],
-) -> None:
-    """A bench's report as JSON (--json), Markdown (--markdown) or a rich table."""
-    if args.json:
-        print(json.dumps(report))
-    elif args.markdown:
-        print(markdown(report))
-    else:
-        console.print(table(report))
-
-
-def _bench_p2p(args: argparse.Namespace, console: Console) -> None:
+def _bench_p2p(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
     from tsukimi.bench import p2p, p2p_report
 
     cfg = p2p.P2PBenchConfig(
@@ -92,19 +100,30 @@ def _bench_p2p(args: argparse.Namespace, console: Console) -> None:
         repeats=1 if args.quick else args.repeats,
     )
     with console.status("benchmarking the p2p store") as status:
-        report = p2p.run(cfg, progress=lambda text: status.update(text))
-    _print_report(args, console, report, p2p_report.render_markdown, p2p_report.render_table)
+        return p2p.run_report(cfg, progress=lambda text: status.update(text)), p2p_report.VIEWS
 
 
-def _bench_serve(args: argparse.Namespace, console: Console) -> None:
+def _bench_serve(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
+    from tsukimi.bench import overload, overload_report, serve
+
     if args.workload == "overload":
-        return _bench_overload(args, console)
+        return overload.run_report(overload_config(args), _say(console)), overload_report.VIEWS
+    return serve.run_report(serve_config(args), _say(console)), serve.VIEWS
+
+
+def serve_config(args: argparse.Namespace) -> ServeBenchConfig:
+    """`tsukimi bench serve`'s config (not overload) from its arguments; `--quick` shrinks each
+    workload (tsukimi/bench/serve.py). Pure."""
     from tsukimi.bench import serve
     from tsukimi.bench.skewed import SkewedWorkload
 
     chat = serve.ChatWorkload(args.conversations, args.turns, args.prefix_tokens, rate=args.rate)
     skewed = SkewedWorkload(args.requests, args.shared, args.prefix_tokens, rate=args.rate, seed=args.seed)
-    cfg = serve.ServeBenchConfig(
+    if args.quick:  # NOTE: the quick sizes keep the other flags (rate, seed, shared)
+        chat = dataclasses.replace(serve.QUICK_CHAT, rate=args.rate)
+        quick = serve.QUICK_SKEWED
+        skewed = dataclasses.replace(skewed, requests=quick.requests, prefix_tokens=quick.prefix_tokens)
+    return serve.ServeBenchConfig(
         args.url,
         args.model,
         args.mode,
@@ -112,7 +131,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> None:
         chat,
         args.trace,
         args.speed,
-        args.trace_limit,
+        serve.QUICK_TRACE_LIMIT if args.quick else args.trace_limit,
         not args.no_compare,
         args.num_blocks or 4096,
         skewed,
@@ -120,14 +139,13 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> None:
         args.compare_hot > 0,
         args.compare_hot,
     )
-    result = serve.run_bench(cfg, lambda text: console.print(text, highlight=False))
-    print(json.dumps(result) if args.json else serve.markdown(result))
 
 
-def _bench_overload(args: argparse.Namespace, console: Console) -> None:
-    from tsukimi.bench import overload, overload_report
+def overload_config(args: argparse.Namespace) -> OverloadConfig:
+    """`tsukimi bench serve --workload overload`'s config from its arguments (pure)."""
+    from tsukimi.bench import overload
 
-    cfg = overload.OverloadConfig(
+    return overload.OverloadConfig(
         args.url,
         args.model,
         args.mode,
@@ -137,58 +155,66 @@ def _bench_overload(args: argparse.Namespace, console: Console) -> None:
         num_blocks=args.num_blocks or 512,
         seed=args.seed,
     )
-    report = overload.run_bench(cfg, lambda text: console.print(text, highlight=False))
-    _print_report(args, console, report, overload_report.render_markdown, overload_report.render_table)
 
 
-def _bench_vllm(args: argparse.Namespace, console: Console) -> None:
+def _bench_vllm(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
     from tsukimi.bench import vllm
 
     size = (2, 2) if args.quick else (args.conversations, args.turns)
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
     cfg = vllm.VllmBenchConfig(args.model, systems, size[0], size[1], args.prefix_tokens, rate=args.rate)
-    result = vllm.run_bench(cfg, lambda text: console.print(text, highlight=False))
-    print(json.dumps(result) if args.json else vllm.markdown(result))
+    return vllm.run_report(cfg, _say(console)), vllm.VIEWS
 
 
-def _bench_layerwise(args: argparse.Namespace, console: Console) -> None:
+def _bench_vllm_pd(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
+    from tsukimi.bench import vllm_pd
+
+    base = (
+        vllm_pd.QUICK
+        if args.quick
+        else vllm_pd.VllmPdBenchConfig(num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens)
+    )
+    cfg = dataclasses.replace(base, model=args.model or base.model, save_per_layer=args.save_per_layer)
+    return vllm_pd.run_report(cfg, _say(console)), vllm_pd.VIEWS
+
+
+def _bench_layerwise(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
     from tsukimi.bench import layerwise
 
     cfg = layerwise.LayerwiseBenchConfig(args.model, args.prefix_tokens, args.new_tokens, repeats=args.repeats)
-    result = layerwise.run_bench(cfg, lambda text: console.print(text, highlight=False))
-    print(layerwise.dumps(result) if args.json else layerwise.markdown(result))
+    return layerwise.run_report(cfg, _say(console)), layerwise.VIEWS
 
 
-def _bench_scheduler(args: argparse.Namespace, console: Console) -> None:
+def _bench_scheduler(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
     from tsukimi.bench import scheduler
 
     cfg = scheduler.SchedulerBenchConfig(
         args.trace, args.prefill, args.decode, args.indexed_blocks, args.decisions, not args.no_simulate
     )
-    result = scheduler.run(cfg)
-    print(scheduler.dumps(result) if args.json else scheduler.markdown(result))
+    with console.status("timing the Conductor"):
+        return scheduler.run_report(cfg), scheduler.VIEWS
 
 
-def _bench_transfer(args: argparse.Namespace, console: Console) -> None:
-    from tsukimi.bench import transfer
+def _bench_cpp(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
+    from tsukimi.bench import cpp
 
-    cfg = transfer.TransferBenchConfig(
-        transports=args.transport,
-        ops=args.op,
-        block_bytes=(64 * KIB, 4 * KIB * KIB) if args.quick else args.block_sizes,
-        batch=args.batch,
-        connections=args.connections,
-        duration_s=0.3 if args.quick else args.duration,
-        warmup_s=0.1 if args.quick else args.warmup,
-        repeats=1 if args.quick else args.repeats,
-        compare_mooncake=args.compare_mooncake,
-        compare_nixl=args.compare_nixl,
+    cfg = cpp.CppBenchConfig(args.prompt_tokens, args.chunk_tokens, tuple(args.stages), args.repeats)
+    with console.status("timing one worker and CPP groups"):
+        return cpp.run_report(cfg), cpp.VIEWS
+
+
+def _bench_kv_burst(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
+    from tsukimi.bench import kv_burst
+
+    cfg = kv_burst.BurstConfig(
+        args.requests,
+        args.prompt_tokens,
+        args.max_tokens,
+        args.ttft_slo,
+        args.kv_cache_memory,
+        args.decode_num_blocks,
+        kv_wait=not args.no_kv_wait,
+        warm_up=args.warm_up,
+        prefill_token_s=args.prefill_token_s,
     )
-    with console.status("benchmarking") as status:
-        result = transfer.run(cfg, progress=lambda text: status.update(text))
-    if args.json:
-        print(json.dumps(transfer.to_json(result)))
-    elif args.markdown:
-        print(transfer.render_markdown(transfer.to_json(result)))
-    else:
-        console.print(transfer.render_table(result))
+    return kv_burst.run_report(cfg, _say(console)), kv_burst.VIEWS

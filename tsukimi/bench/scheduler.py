@@ -7,20 +7,22 @@ replays a whole trace.
   decode and finished, and each `schedule` call is timed (p50 / p99 / max, microseconds);
 - simulation time: the whole trace through the Mooncake cluster (8P+8D, predicted
   rejection) and the colocated baseline (16 instances), wall seconds.
+
+Goals (docs/benchmarks.md), as the report's verdicts: a decision's p99 within 1 ms; the whole
+trace through the Mooncake cluster within 30 s.
 """
 
 from __future__ import annotations
 
-import json
-import statistics
-import subprocess
 import time
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tsukimi.bench.report import BenchReport, FigureViews, Verdict, begin, finish, goal
 from tsukimi.config import SIMULATOR_CONDUCTOR, SimConfig
+from tsukimi.quantiles import quantiles
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import RooflineCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
@@ -74,13 +76,8 @@ def decision_latency(trace: Sequence[TraceRequest], cfg: SchedulerBenchConfig) -
             decoding.append(i)
         if len(decoding) > 64:
             conductor.decode_finished(decoding.popleft(), now, 300)
-    ordered = sorted(times)
-    return {
-        "indexed_blocks": float(index.num_blocks()),
-        "p50_us": statistics.median(times) * 1e6,
-        "p99_us": ordered[int(0.99 * (len(ordered) - 1))] * 1e6,
-        "max_us": ordered[-1] * 1e6,
-    }
+    p50, p99, top = quantiles(times, (0.5, 0.99, 1.0))
+    return {"indexed_blocks": float(index.num_blocks()), "p50_us": p50 * 1e6, "p99_us": p99 * 1e6, "max_us": top * 1e6}
 
 
 def simulation_time(trace: Sequence[TraceRequest]) -> dict[str, float]:
@@ -94,22 +91,39 @@ def simulation_time(trace: Sequence[TraceRequest]) -> dict[str, float]:
 
 
 def run(cfg: SchedulerBenchConfig) -> dict[str, object]:
+    """The decision latency and, unless cfg.simulate is off, the whole-trace simulations; the figures."""
     trace = load_trace(cfg.trace)
-    result: dict[str, object] = {
-        "config": asdict(cfg),
-        "git_rev": _git_rev(),
-        "decision": decision_latency(trace, cfg),
-    }
+    shape = {"trace": Path(cfg.trace).name, "num_prefill": cfg.num_prefill, "num_decode": cfg.num_decode}
+    figures: dict[str, object] = {"shape": shape, "decision": decision_latency(trace, cfg)}
     if cfg.simulate:
-        result["simulation"] = simulation_time(trace)
-    return result
+        figures["simulation"] = simulation_time(trace)
+    return figures
 
 
-def markdown(result: dict[str, object]) -> str:
-    decision, cfg = result["decision"], result["config"]
+def verdicts(figures: Mapping[str, object]) -> list[Verdict]:
+    """The goals (see the module); the simulation's is n/a when it did not run. Pure."""
+    decision, sim = figures["decision"], figures.get("simulation")
+    assert isinstance(decision, dict)
+    whole = float(sim["pd_s"]) if isinstance(sim, dict) else None
+    return [
+        goal("decision_p99", "Conductor decision p99 (us)", float(decision["p99_us"]), "<=", 1000.0),
+        goal("whole_trace", "whole trace, Mooncake 8P+8D (s)", whole, "<=", 30.0),
+    ]
+
+
+def run_report(cfg: SchedulerBenchConfig) -> BenchReport:
+    """`tsukimi bench scheduler`: run (see `run`) and report, with the goals as verdicts."""
+    start = begin("bench scheduler", cfg)
+    figures = run(cfg)
+    return finish(start, figures, verdicts(figures))
+
+
+def markdown(figures: Mapping[str, object]) -> str:
+    """The figures as the table docs/benchmarks.md holds (pure)."""
+    decision, cfg = figures["decision"], figures["shape"]
     assert isinstance(decision, dict) and isinstance(cfg, dict)
     lines = [
-        f"git {result['git_rev']}, trace {Path(str(cfg['trace'])).name}.",
+        f"trace {cfg['trace']}.",
         "",
         "| figure | value |",
         "|---|---|",
@@ -117,20 +131,11 @@ def markdown(result: dict[str, object]) -> str:
         f"{int(decision['indexed_blocks']):,} indexed blocks: p50 / p99 / max | "
         f"{decision['p50_us']:.0f} / {decision['p99_us']:.0f} / {decision['max_us']:.0f} us |",
     ]
-    sim = result.get("simulation")
+    sim = figures.get("simulation")
     if isinstance(sim, dict):
         lines.append(f"| whole trace ({int(sim['requests']):,} requests), Mooncake 8P+8D | {sim['pd_s']:.1f} s |")
         lines.append(f"| whole trace, colocated 16 instances | {sim['colocated_s']:.1f} s |")
     return "\n".join(lines)
 
 
-def _git_rev() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def dumps(result: dict[str, object]) -> str:
-    return json.dumps(result)
+VIEWS = FigureViews(markdown)

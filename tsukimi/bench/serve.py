@@ -11,39 +11,44 @@ Workloads (token-id prompts through `/v1/completions`, streamed):
   appears (so shared prefixes are real shared prefixes), lengths scaled from 512-token blocks to
   `block_tokens`, sent at the trace's timestamps sped up by `speed`.
 
-Per request: TTFT (first streamed token), TBT (mean gap between later tokens), prompt tokens
-served from cache (`usage.prompt_tokens_details.cached_tokens`), HTTP 429 rejections, and in PD
-mode whether the router's prefix index expected exactly that reuse when it placed the request
-(`expected_cached_tokens`): `index_exact_ratio`, and the misses by direction ("over": the index
-held blocks the worker no longer had; "under": the worker had blocks the index had not heard of)
-and by cause: "concurrent" when other prefills ran on that worker at placement (they stored or
-evicted blocks before this one was admitted: the index could not know yet), "behind" when none
-did, so the worker's cache stood still and the index had missed or not yet applied an event.
-`index_up_to_date_ratio` counts only the "behind" misses.
+Every request goes through the bench's one client (tsukimi/bench/client.py) with an
+`X-Request-Id` of its own. Per request: TTFT (first streamed token), TBT (mean gap between
+later tokens), prompt tokens served from cache (`usage.prompt_tokens_details.cached_tokens`),
+rejections (429/503 with a reason). After a run the router's decision records of those ids
+(tsukimi/bench/decisions.py) give, in PD mode, the tokens loaded from the pool and whether the
+prefix index expected exactly the reuse it placed each request for: `index_exact_ratio`,
+`index_up_to_date_ratio` and the misses by direction and cause.
+
+`--quick` (any workload): chat 4 conversations x 2 turns on a 1,000-token prefix; skewed 20
+requests on a 500-token prefix; trace the first 20 requests; overload 10 s after a 6 s
+calibration (tsukimi/bench/overload.py).
+
+Goals (docs/benchmarks.md), as the report's verdicts: median TTFT with reuse <= 0.5x without
+(chat); the prefix index exact for >= 99 % of the requests (PD mode).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import signal
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import httpx
 import numpy as np
 
+from tsukimi.bench.client import CompletionRequest, CompletionResult, complete
+from tsukimi.bench.decisions import fetch_decisions, index_accuracy
+from tsukimi.bench.report import BenchReport, FigureViews, Verdict, begin, finish, goal
 from tsukimi.bench.skewed import SkewedWorkload, skewed_requests
-from tsukimi.errors import PeerError
-from tsukimi.netio import free_port
+from tsukimi.bench.up_cluster import launch_up, serving_settings
+from tsukimi.quantiles import summary
+from tsukimi.serving.router.decision_log import DecisionRecord
 from tsukimi.sim.trace import TraceRequest
 
-_TIMEOUT = httpx.Timeout(120.0, connect=5.0)
+_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,127 +62,91 @@ class ChatWorkload:
     seed: int = 0
 
 
-@dataclass(slots=True)
-class Sample:
-    ttft_s: float = float("nan")
-    tbt_s: float = float("nan")
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    pool_tokens: int = 0
-    completion_tokens: int = 0
-    expected_cached_tokens: int | None = None  # the router's prefix index at placement (PD)
-    expected_concurrent: bool = False  # other prefills ran on that worker at placement
-    rejected: bool = False
-    error: str = ""
+QUICK_CHAT = ChatWorkload(conversations=4, turns=2, prefix_tokens=1000)
+QUICK_SKEWED = SkewedWorkload(requests=20, prefix_tokens=500)
+QUICK_TRACE_LIMIT = 20
 
 
 @dataclass(slots=True)
-class ServeReport:
-    samples: list[Sample] = field(default_factory=list)
+class ServeRun:
+    """What one run sent and how each request ended (in the order they ended), and its length."""
+
+    label: str
+    sent: list[tuple[CompletionRequest, CompletionResult]] = field(default_factory=list)
     wall_s: float = 0.0
+    _serial: int = 0
+    _token: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
-    def as_dict(self) -> dict[str, object]:
-        ok = [s for s in self.samples if not s.rejected and not s.error]
-        prompt = sum(s.prompt_tokens for s in ok)
+    def request(self, prompt: Sequence[int], max_tokens: int) -> CompletionRequest:
+        """The next request of this run, with an id of its own (mutates the count)."""
+        self._serial += 1
+        return CompletionRequest(
+            tuple(prompt), max_tokens, request_id=f"serve-{self.label}-{self._token}-{self._serial}"
+        )
+
+    async def send(self, url: str, model: str, request: CompletionRequest) -> None:
+        """Send `request` and note how it ended (mutates)."""
+        self.sent.append((request, await complete(url, model, request, _TIMEOUT_S)))
+
+    def request_ids(self) -> list[str]:
+        """The id of every request: the answer's X-Request-Id, else the one sent."""
+        return [result.request_id or request.request_id for request, result in self.sent]
+
+    def figures(self, records: Mapping[str, DecisionRecord]) -> dict[str, object]:
+        """The run's figures; `records`: the router's decision records by request id ({}: none). Pure."""
+        ok = [(q, r) for q, r in self.sent if r.kind == "served"]
+        prompt = sum(r.prompt_tokens or len(q.prompt) for q, r in ok)
+        cached = sum(r.cached_tokens for _, r in ok)
+        mine = [records[rid] for rid in self.request_ids() if rid in records]
+        pooled = [r.pool_tokens for r in mine if r.pool_tokens is not None]
+        wall = self.wall_s
         return {
-            "requests": len(self.samples),
+            "requests": len(self.sent),
             "completed": len(ok),
-            "rejected": sum(s.rejected for s in self.samples),
-            "errors": sum(bool(s.error) for s in self.samples),
-            "ttft_s": _quantiles([s.ttft_s for s in ok]),
-            "tbt_s": _quantiles([s.tbt_s for s in ok if s.tbt_s == s.tbt_s]),
-            "throughput_rps": round(len(ok) / self.wall_s, 4) if self.wall_s else 0.0,
-            "output_tokens_per_s": round(sum(s.completion_tokens for s in ok) / self.wall_s, 2) if self.wall_s else 0.0,
+            "rejected": sum(r.kind == "rejected" for _, r in self.sent),
+            "errors": sum(r.kind in ("error", "failed") for _, r in self.sent),
+            "ttft_s": summary((r.ttft_s for _, r in ok), ndigits=4),
+            "tbt_s": summary((r.tbt_s for _, r in ok), ndigits=4),
+            "throughput_rps": round(len(ok) / wall, 4) if wall else 0.0,
+            "output_tokens_per_s": round(sum(r.completion_tokens for _, r in ok) / wall, 2) if wall else 0.0,
             "prompt_tokens": prompt,
-            "cached_prompt_tokens": sum(s.cached_tokens for s in ok),
-            "cached_ratio": round(sum(s.cached_tokens for s in ok) / prompt, 4) if prompt else 0.0,
-            "pool_prompt_tokens": sum(s.pool_tokens for s in ok),
-            **_index_accuracy(ok),
+            "cached_prompt_tokens": cached,
+            "cached_ratio": round(cached / prompt, 4) if prompt else 0.0,
+            "pool_prompt_tokens": sum(pooled) if pooled else None,
+            "decision_records": len(mine),
+            **index_accuracy(mine),
         }
 
 
-async def complete(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> Sample:
-    """One streamed completion; never raises for HTTP or network errors (they are recorded)."""
-    sample = Sample(prompt_tokens=len(prompt))
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    stamps: list[float] = []
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=_TIMEOUT) as response:
-            if response.status_code == 429:
-                sample.rejected = True
-                return sample
-            if response.status_code != 200:
-                sample.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return sample
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if any(choice.get("text") for choice in chunk.get("choices", [])):
-                    stamps.append(time.perf_counter())
-                usage = chunk.get("usage") or {}
-                if usage:
-                    sample.prompt_tokens = usage.get("prompt_tokens", sample.prompt_tokens)
-                    sample.completion_tokens = usage.get("completion_tokens", 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    sample.cached_tokens = details.get("cached_tokens", 0) or 0
-                    sample.pool_tokens = details.get("pool_tokens", 0) or 0
-                    sample.expected_cached_tokens = details.get("expected_cached_tokens")
-                    sample.expected_concurrent = bool(details.get("expected_concurrent"))
-    except httpx.HTTPError as exc:
-        sample.error = f"{type(exc).__name__}: {exc}"
-        return sample
-    if stamps:
-        sample.ttft_s = stamps[0] - start
-        if len(stamps) > 1:
-            sample.tbt_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-    sample.completion_tokens = sample.completion_tokens or len(stamps)
-    return sample
-
-
-async def run_chat(url: str, model: str, workload: ChatWorkload) -> ServeReport:
-    """The chat workload against `url` (see the module)."""
+async def run_chat(url: str, model: str, workload: ChatWorkload, run: ServeRun) -> None:
+    """The chat workload against `url` (see the module); fills `run`."""
     rng = np.random.default_rng(workload.seed)
     vocab = (3, 250)  # NOTE: ids every tokenizer here has; the content does not matter, only reuse
     prefix = rng.integers(*vocab, workload.prefix_tokens).tolist()
-    report = ServeReport()
     start = time.perf_counter()
 
-    async def conversation(index: int, client: httpx.AsyncClient) -> None:
+    async def conversation(index: int) -> None:
         await asyncio.sleep(index / workload.rate)
         history = list(prefix)
         for _ in range(workload.turns):
             history += rng.integers(*vocab, workload.user_tokens).tolist()
-            report.samples.append(await complete(client, url, model, list(history), workload.max_tokens))
+            await run.send(url, model, run.request(history, workload.max_tokens))
             history += rng.integers(*vocab, workload.max_tokens).tolist()  # stands for the reply
 
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
-        await asyncio.gather(*(conversation(i, client) for i in range(workload.conversations)))
-    report.wall_s = time.perf_counter() - start
-    return report
+    await asyncio.gather(*(conversation(i) for i in range(workload.conversations)))
+    run.wall_s = time.perf_counter() - start
 
 
-async def run_skewed(url: str, model: str, workload: SkewedWorkload) -> ServeReport:
-    """The skewed workload against `url`: open loop, each request at its arrival time."""
-    report = ServeReport()
+async def run_skewed(url: str, model: str, workload: SkewedWorkload, run: ServeRun) -> None:
+    """The skewed workload against `url`: open loop, each request at its arrival time; fills `run`."""
     start = time.perf_counter()
 
-    async def one(at_s: float, prompt: list[int], client: httpx.AsyncClient) -> None:
+    async def one(at_s: float, prompt: list[int]) -> None:
         await asyncio.sleep(max(0.0, at_s - (time.perf_counter() - start)))
-        report.samples.append(await complete(client, url, model, prompt, workload.max_tokens))
+        await run.send(url, model, run.request(prompt, workload.max_tokens))
 
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
-        await asyncio.gather(*(one(r.at_s, r.prompt, client) for r in skewed_requests(workload)))
-    report.wall_s = time.perf_counter() - start
-    return report
+    await asyncio.gather(*(one(r.at_s, r.prompt) for r in skewed_requests(workload)))
+    run.wall_s = time.perf_counter() - start
 
 
 def trace_prompts(trace: Sequence[TraceRequest], block_tokens: int, max_prompt: int) -> list[list[int]]:
@@ -200,52 +169,20 @@ async def run_trace(
     speed: float,
     max_prompt: int,
     max_tokens: int,
-) -> ServeReport:
-    """The trace workload (see the module): open loop at the trace's pace times `speed`."""
+    run: ServeRun,
+) -> None:
+    """The trace workload (see the module): open loop at the trace's pace times `speed`; fills `run`."""
     prompts = trace_prompts(trace, block_tokens, max_prompt)
-    report = ServeReport()
     start = time.perf_counter()
     t0 = trace[0].timestamp_ms if trace else 0
 
-    async def one(request: TraceRequest, prompt: list[int], client: httpx.AsyncClient) -> None:
+    async def one(request: TraceRequest, prompt: list[int]) -> None:
         await asyncio.sleep((request.timestamp_ms - t0) / 1000 / speed)
         out = max(1, min(max_tokens, round(request.output_length * block_tokens / 512)))
-        report.samples.append(await complete(client, url, model, prompt, out))
+        await run.send(url, model, run.request(prompt, out))
 
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
-        await asyncio.gather(*(one(r, p, client) for r, p in zip(trace, prompts, strict=True)))
-    report.wall_s = time.perf_counter() - start
-    return report
-
-
-def _index_accuracy(samples: list[Sample]) -> dict[str, object]:
-    """index_exact_ratio and index_up_to_date_ratio over the requests with an expectation (None
-    without: colocated), and the misses by direction and cause (see the module)."""
-    known = [(s.expected_cached_tokens, s) for s in samples if s.expected_cached_tokens is not None]
-    misses = {f"{d}_{c}": 0 for d in ("over", "under") for c in ("concurrent", "behind")}
-    for expected, s in known:
-        if expected != s.cached_tokens:
-            direction = "over" if expected > s.cached_tokens else "under"
-            misses[f"{direction}_{'concurrent' if s.expected_concurrent else 'behind'}"] += 1
-    if not known:
-        return {"index_exact_ratio": None, "index_up_to_date_ratio": None, "index_mismatches": misses}
-    behind = misses["over_behind"] + misses["under_behind"]
-    return {
-        "index_exact_ratio": round(1 - sum(misses.values()) / len(known), 4),
-        "index_up_to_date_ratio": round(1 - behind / len(known), 4),
-        "index_mismatches": misses,
-    }
-
-
-def _quantiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None}
-    ordered = sorted(values)
-
-    def pick(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
-
-    return {"p50": round(statistics.median(values), 4), "p90": pick(0.9), "p99": pick(0.99)}
+    await asyncio.gather(*(one(r, p) for r, p in zip(trace, prompts, strict=True)))
+    run.wall_s = time.perf_counter() - start
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,67 +208,6 @@ class ServeBenchConfig:
     hot_threshold: float = 0.0
 
 
-class LocalCluster:
-    """`tsukimi up` in a subprocess, for one benchmark run; `api` once it is up."""
-
-    def __init__(
-        self,
-        model: str,
-        mode: str,
-        prefix_caching: bool,
-        workdir: str,
-        num_blocks: int = 4096,
-        extra: Sequence[str] = (),
-    ) -> None:
-        """extra: more `--set` settings of the cluster (`workers.prefill=2`, `master.hot_threshold=5`)."""
-        from pathlib import Path
-
-        self._state = Path(workdir) / "state.json"
-        log = (Path(workdir) / "up.log").open("wb")
-        settings = [
-            f"workers.prefix_caching={'true' if prefix_caching else 'false'}",
-            f"workers.num_blocks={num_blocks}",
-            f"workers.segment_bytes={512 << 20}",
-            f'log_dir="{workdir}/logs"',
-            *extra,
-        ]
-        cmd = [
-            sys.executable,
-            "-m",
-            "tsukimi.cli",
-            "up",
-            "--model",
-            model,
-            "--mode",
-            mode,
-            "--port",
-            str(free_port()),
-            "--state-file",
-            str(self._state),
-            *(f"--set={s}" for s in settings),
-        ]
-        self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + 300
-        while not self._state.exists():
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise PeerError(f"tsukimi up did not start: see {workdir}/up.log")
-            time.sleep(0.2)
-        state = json.loads(self._state.read_text())
-        self.api = str(state["api"])
-        self.master = next((str(p["url"]) for p in state["processes"] if p["role"] == "master"), "")
-
-    def close(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-
-
 def planned_runs(cfg: ServeBenchConfig) -> list[tuple[str, bool, float]]:
     """(label, KV reuse, hot_threshold) of each run."""
     if cfg.url:
@@ -343,24 +219,26 @@ def planned_runs(cfg: ServeBenchConfig) -> list[tuple[str, bool, float]]:
 
 
 def run_bench(cfg: ServeBenchConfig, progress: Callable[[str], None]) -> dict[str, object]:
-    """Run the workload (twice with compare_reuse or compare_hot); the JSON-ready result."""
+    """Run the workload (twice with compare_reuse or compare_hot, each on a cluster of its
+    own unless cfg.url is set); the figures."""
     runs: dict[str, dict[str, object]] = {}
     for label, reuse, hot in planned_runs(cfg):
-        with tempfile.TemporaryDirectory(prefix="tsukimi-bench-serve-") as workdir:
-            extra = (f"workers.prefill={cfg.prefill}", f"master.hot_threshold={hot}")
-            cluster = None if cfg.url else LocalCluster(cfg.model, cfg.mode, reuse, workdir, cfg.num_blocks, extra)
-            try:
-                url = cfg.url or (cluster.api if cluster else "")
-                progress(f"{label}: {cfg.workload} workload against {url}")
-                runs[label] = asyncio.run(_workload(cfg, url)).as_dict()
-                if cluster is not None and cluster.master:
-                    from tsukimi.bench.skewed import hot_counters
+        if cfg.url:
+            runs[label] = _one_run(cfg, label, cfg.url, progress)
+            continue
+        extra = (f"workers.prefill={cfg.prefill}", f"master.hot_threshold={hot}")
+        settings = serving_settings(cfg.model, cfg.mode, prefix_caching=reuse, num_blocks=cfg.num_blocks, extra=extra)
+        with (
+            tempfile.TemporaryDirectory(prefix="tsukimi-bench-serve-") as workdir,
+            launch_up(settings, Path(workdir)) as cluster,
+            cluster.tending(),
+        ):
+            runs[label] = _one_run(cfg, label, cluster.api, progress)
+            if cluster.master:
+                from tsukimi.bench.skewed import hot_counters
 
-                    runs[label]["master"] = hot_counters(cluster.master)
-            finally:
-                if cluster is not None:
-                    cluster.close()
-    result: dict[str, object] = {"config": _plain(cfg), "runs": runs}
+                runs[label]["master"] = hot_counters(cluster.master)
+    figures: dict[str, object] = {"runs": runs}
     for key, (a, b, q) in {
         "ttft_p50_ratio": ("reuse", "no_reuse", "p50"),
         "ttft_p90_ratio": ("hot_on", "hot_off", "p90"),
@@ -369,23 +247,57 @@ def run_bench(cfg: ServeBenchConfig, progress: Callable[[str], None]) -> dict[st
             first, second = runs[a]["ttft_s"], runs[b]["ttft_s"]
             assert isinstance(first, dict) and isinstance(second, dict)
             if first[q] and second[q]:
-                result[key] = round(first[q] / second[q], 4)
-    return result
+                figures[key] = round(first[q] / second[q], 4)
+    return figures
 
 
-async def _workload(cfg: ServeBenchConfig, url: str) -> ServeReport:
+def _one_run(cfg: ServeBenchConfig, label: str, url: str, progress: Callable[[str], None]) -> dict[str, object]:
+    """One run of the workload against `url`: its figures, with the router's decision records."""
+    progress(f"{label}: {cfg.workload} workload against {url}")
+    run = ServeRun(label)
+    asyncio.run(_workload(cfg, url, run))
+    return run.figures(fetch_decisions(url, run.request_ids()))
+
+
+def verdicts(figures: Mapping[str, object]) -> list[Verdict]:
+    """The goals (see the module); n/a where a run did not happen or no record told. Pure."""
+    runs = figures["runs"]
+    assert isinstance(runs, dict)
+    ratio = figures.get("ttft_p50_ratio")
+    exact = [float(r["index_exact_ratio"]) for r in runs.values() if r.get("index_exact_ratio") is not None]
+    return [
+        goal("reuse_ttft_p50", "median TTFT with reuse / without", float(str(ratio)) if ratio else None, "<=", 0.5),
+        goal(
+            "index_exact",
+            "share of requests whose reuse the prefix index expected exactly",
+            min(exact) if exact else None,
+            ">=",
+            0.99,
+        ),
+    ]
+
+
+def run_report(cfg: ServeBenchConfig, progress: Callable[[str], None]) -> BenchReport:
+    """`tsukimi bench serve`: run (see `run_bench`) and report, with the goals as verdicts."""
+    start = begin("bench serve", cfg)
+    figures = run_bench(cfg, progress)
+    return finish(start, figures, verdicts(figures))
+
+
+async def _workload(cfg: ServeBenchConfig, url: str, run: ServeRun) -> None:
     if cfg.workload == "chat":
-        return await run_chat(url, cfg.model, cfg.chat)
+        return await run_chat(url, cfg.model, cfg.chat, run)
     if cfg.workload == "skewed":
-        return await run_skewed(url, cfg.model, cfg.skewed)
+        return await run_skewed(url, cfg.model, cfg.skewed, run)
     from tsukimi.sim.trace import load_trace
 
     trace = load_trace(cfg.trace, limit=cfg.trace_limit)
-    return await run_trace(url, cfg.model, trace, 16, cfg.speed, 4096, 32)
+    return await run_trace(url, cfg.model, trace, 16, cfg.speed, 4096, 32, run)
 
 
-def markdown(result: dict[str, object]) -> str:
-    runs = result["runs"]
+def markdown(figures: Mapping[str, object]) -> str:
+    """The runs as the table docs/benchmarks.md holds (pure)."""
+    runs = figures["runs"]
     assert isinstance(runs, dict)
     header = (
         "| run | requests | done | rejected | TTFT p50 / p90 / p99 s | TBT p50 / p90 ms | cached | from pool "
@@ -399,10 +311,10 @@ def markdown(result: dict[str, object]) -> str:
             f"{ttft['p50']} / {ttft['p90']} / {ttft['p99']} | {_ms(tbt['p50'])} / {_ms(tbt['p90'])} | "
             f"{run['cached_ratio']} | {run['pool_prompt_tokens']} | {run['index_exact_ratio']} |"
         )
-    if "ttft_p50_ratio" in result:
-        lines.append(f"\nmedian TTFT with reuse / without: {result['ttft_p50_ratio']}")
-    if "ttft_p90_ratio" in result:
-        lines.append(f"\np90 TTFT with hot-key replication on / off: {result['ttft_p90_ratio']}")
+    if "ttft_p50_ratio" in figures:
+        lines.append(f"\nmedian TTFT with reuse / without: {figures['ttft_p50_ratio']}")
+    if "ttft_p90_ratio" in figures:
+        lines.append(f"\np90 TTFT with hot-key replication on / off: {figures['ttft_p90_ratio']}")
     lines += ["", *(f"master counters, {label}: {run['master']}" for label, run in runs.items() if "master" in run)]
     return "\n".join(lines)
 
@@ -411,7 +323,4 @@ def _ms(value: object) -> str:
     return f"{float(str(value)) * 1e3:.0f}" if value is not None else "-"
 
 
-def _plain(cfg: ServeBenchConfig) -> dict[str, object]:
-    from dataclasses import asdict
-
-    return asdict(cfg)
+VIEWS = FigureViews(markdown)

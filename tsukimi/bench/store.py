@@ -14,19 +14,25 @@ memory each) have disks, where the client puts its objects, pushes them out of m
 putting filler, then gets them (gets get; puts are not measured). tsukimi runs it with
 promotion off, so every get reads the disk; Mooncake with offload on eviction
 (mooncake_cluster.py, `offload_dir`).
+
+Goals (issue 12), as the report's verdicts, tier memory, vs Mooncake in the same run: on one
+host (shm) 1 MiB and 16 MiB puts and gets >= 3x Mooncake; with `--force-tcp` >= 1x; `exists` p50
+at most Mooncake's. n/a without `--compare-mooncake` (or without Mooncake installed).
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from rich.table import Table
 
-from tsukimi.bench.transfer import git_rev
+from tsukimi.bench.child import module_args
+from tsukimi.bench.measure import Spread, repeat
+from tsukimi.bench.report import BenchReport, FigureViews, Verdict, begin, finish, goal
 from tsukimi.errors import ConfigError
 from tsukimi.testing.deployments import TsukimiCluster
 from tsukimi.testing.processes import JsonWorker
@@ -76,17 +82,17 @@ class StoreBenchConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class Cell:
+class StoreCell:
     api: str
     value_bytes: int
     replicas: int
     tier: str = "memory"
 
 
-def cells(cfg: StoreBenchConfig, tier: str = "memory") -> list[Cell]:
+def cells(cfg: StoreBenchConfig, tier: str = "memory") -> list[StoreCell]:
     if tier == "disk":
-        return [Cell(a, v, 1, "disk") for v in cfg.value_bytes for a in cfg.apis]
-    return [Cell(a, v, r) for v in cfg.value_bytes for a in cfg.apis for r in cfg.replicas]
+        return [StoreCell(a, v, 1, "disk") for v in cfg.value_bytes for a in cfg.apis]
+    return [StoreCell(a, v, r) for v in cfg.value_bytes for a in cfg.apis for r in cfg.replicas]
 
 
 class _Cluster(Protocol):
@@ -113,7 +119,7 @@ class _System:
             holder_bytes = cfg.disk_holder_bytes if disk_dir else cfg.holder_bytes
             self.cluster: _Cluster = TsukimiCluster(holder_bytes, settings=settings, disk_dir=disk_dir)
             transport = "tcp" if cfg.force_tcp else "auto"
-            args = ["tsukimi.bench.store_peer", "tsukimi", self.cluster.master_addr, buffer, transport]
+            args = module_args("store-client", "tsukimi", self.cluster.master_addr, buffer, transport)
             env: dict[str, str] = {}
         else:
             from tsukimi.bench.mooncake_cluster import MooncakeCluster
@@ -121,7 +127,7 @@ class _System:
 
             holder_bytes = cfg.disk_holder_bytes if disk_dir else cfg.holder_bytes
             self.cluster = MooncakeCluster(holder_bytes, offload_dir=disk_dir)
-            args = ["tsukimi.bench.store_peer", "mooncake", self.cluster.master_addr, buffer]
+            args = module_args("store-client", "mooncake", self.cluster.master_addr, buffer)
             env = MOONCAKE_ENV
         try:
             self.client = JsonWorker(f"{name} store client", args, startup_timeout_s=60, env=env)
@@ -129,7 +135,7 @@ class _System:
             self.cluster.close()
             raise
 
-    def measure(self, cell: Cell, round_no: int) -> dict[str, float]:
+    def measure(self, cell: StoreCell, round_no: int) -> dict[str, float]:
         if cell.tier == "disk":
             return self._measure_disk(cell, round_no)
         batch = self.cfg.batch if cell.api == "batch" else 1
@@ -148,7 +154,7 @@ class _System:
             self.cluster.wait_drained()
         return {k: float(reply[k]) for k in FIGURES}
 
-    def _measure_disk(self, cell: Cell, round_no: int) -> dict[str, float]:
+    def _measure_disk(self, cell: StoreCell, round_no: int) -> dict[str, float]:
         batch = self.cfg.batch if cell.api == "batch" else 1
         reply = self.client.call(
             4 * self.cfg.duration_s + 2 * _CALL_MARGIN_S,
@@ -185,33 +191,34 @@ def _names(cfg: StoreBenchConfig) -> list[str]:
     return names
 
 
-def run(cfg: StoreBenchConfig, progress: object = None) -> dict[str, object]:
-    """Run every cell of every tier `repeats` times per system (alternating); the JSON report.
+def run(cfg: StoreBenchConfig, progress: Callable[[str], None] = lambda _: None) -> dict[str, object]:
+    """Run every cell of every tier `repeats` times per system (alternating); the figures.
     A system that fails the disk tier is left out of it, its error in `disk_errors`."""
-    say = progress if callable(progress) else (lambda _: None)
-    samples: dict[tuple[str, Cell], list[dict[str, float]]] = {}
+    samples: dict[tuple[str, StoreCell], list[dict[str, float]]] = {}
     small: dict[str, dict[str, float]] = {}
     errors: dict[str, str] = {}
     for tier in cfg.tiers:
         systems: list[_System] = []
         try:
             for name in _names(cfg):
-                say(f"starting {name} ({tier} tier)")
+                progress(f"starting {name} ({tier} tier)")
                 systems.append(_System(name, cfg, tier))
-            for round_no in range(cfg.repeats):
+
+            def one_round(round_no: int, tier: str = tier, systems: list[_System] = systems) -> None:
                 for cell in cells(cfg, tier):
                     for system in [s for s in systems if s.name not in errors or tier == "memory"]:
-                        say(
+                        progress(
                             f"round {round_no + 1}/{cfg.repeats}: {system.name} {tier} {cell.api} "
                             f"{cell.value_bytes} B x{cell.replicas}"
                         )
                         try:
-                            measured = system.measure(cell, round_no)
-                            samples.setdefault((system.name, cell), []).append(measured)
+                            samples.setdefault((system.name, cell), []).append(system.measure(cell, round_no))
                         except RuntimeError as exc:
                             if tier == "memory" or system.name == "tsukimi":
                                 raise
                             errors[system.name] = str(exc).splitlines()[0][:300]
+
+            repeat(one_round, repeats=cfg.repeats)
             if tier == "memory":
                 small = {system.name: system.small_ops() for system in systems}
         finally:
@@ -221,24 +228,49 @@ def run(cfg: StoreBenchConfig, progress: object = None) -> dict[str, object]:
     for (name, cell), runs in samples.items():
         row: dict[str, object] = {"system": name, "mode": cfg.mode if name == "tsukimi" else "tcp", **asdict(cell)}
         figures = DISK_FIGURES if cell.tier == "disk" else FIGURES
-        row.update({k: round(statistics.median(r[k] for r in runs), 4) for k in figures})
+        row.update({k: round(Spread.of(r[k] for r in runs).median, 4) for k in figures})
         results.append(row)
-    return {
-        "results": results,
-        "small_ops": small,
-        "disk_errors": errors,
-        "git_rev": git_rev(),
-        "config": {**asdict(cfg), "unit": "GB/s (1e9 bytes/s), us"},
-    }
+    return {"results": results, "small_ops": small, "disk_errors": errors, "unit": "GB/s (1e9 bytes/s), us"}
+
+
+def verdicts(figures: Mapping[str, object], force_tcp: bool) -> list[Verdict]:
+    """The issue-12 goals (see the module), each the worst of its cells (pure)."""
+    rows = ratios(figures)
+    target = 1.0 if force_tcp else 3.0
+    where = "tcp" if force_tcp else "same host"
+    out = []
+    for size, label in ((MIB, "1mib"), (16 * MIB, "16mib")):
+        values = [
+            float(str(r[k]))
+            for r in rows
+            if r["value_bytes"] == size and r.get("tier", "memory") == "memory"
+            for k in ("put_x_mooncake", "get_x_mooncake")
+            if k in r
+        ]
+        what = f"{where}, {_label(size)} put and get: tsukimi / Mooncake"
+        out.append(goal(f"{label}_vs_mooncake", what, min(values) if values else None, ">=", target))
+    small = figures["small_ops"]
+    assert isinstance(small, dict)
+    ours, theirs = small.get("tsukimi") or {}, small.get("mooncake") or {}
+    exists = ours["exists_p50_us"] / theirs["exists_p50_us"] if ours and theirs else None
+    out.append(goal("exists_vs_mooncake", "exists p50: tsukimi / Mooncake", exists, "<=", 1.0))
+    return out
+
+
+def run_report(cfg: StoreBenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchReport:
+    """`tsukimi bench store`: run (see `run`) and report, with the goals as verdicts."""
+    start = begin("bench store", cfg)
+    figures = run(cfg, progress)
+    return finish(start, figures, verdicts(figures, cfg.force_tcp))
 
 
 def _cell_key(row: dict[str, object]) -> tuple[object, ...]:
     return row["api"], row["value_bytes"], row["replicas"], row.get("tier", "memory")
 
 
-def ratios(report: dict[str, object]) -> list[dict[str, object]]:
+def ratios(figures: Mapping[str, object]) -> list[dict[str, object]]:
     """tsukimi's rows with their ratio to Mooncake's same cell (throughput: higher is better)."""
-    rows = report["results"]
+    rows = figures["results"]
     assert isinstance(rows, list)
     theirs = {_cell_key(r): r for r in rows if r["system"] == "mooncake"}
     out = []
@@ -261,7 +293,7 @@ def _figure(row: dict[str, object], name: str, fmt: str) -> str:
     return format(float(str(row[name])), fmt) if name in row else "-"
 
 
-def render_table(report: dict[str, object]) -> Table:
+def render_table(report: Mapping[str, object]) -> Table:
     table = Table(title="tsukimi bench store (medians; GB/s = 1e9 B/s; tier disk: objects only on a holder's disk)")
     for col in (
         "system",
@@ -301,7 +333,7 @@ def render_table(report: dict[str, object]) -> Table:
     return table
 
 
-def _caption(report: dict[str, object]) -> str:
+def _caption(report: Mapping[str, object]) -> str:
     small, errors = report["small_ops"], report.get("disk_errors") or {}
     assert isinstance(small, dict) and isinstance(errors, dict)
     text = "small ops p50 (us): " + "; ".join(
@@ -310,13 +342,13 @@ def _caption(report: dict[str, object]) -> str:
     return text + "".join(f"\n{name} disk tier not measured: {error}" for name, error in errors.items())
 
 
-def render_markdown(report: dict[str, object]) -> str:
-    """The report as Markdown: one row per cell, tsukimi beside Mooncake."""
+def render_markdown(report: Mapping[str, object]) -> str:
+    """The figures as Markdown: one row per cell, tsukimi beside Mooncake (pure)."""
     rows = report["results"]
     assert isinstance(rows, list)
     theirs = {_cell_key(r): r for r in rows if r["system"] == "mooncake"}
     lines = [
-        f"git {report['git_rev']}. Throughput in GB/s (1e9 B/s); latency p50 / p99 in us. Tier disk: gets of "
+        "Throughput in GB/s (1e9 B/s); latency p50 / p99 in us. Tier disk: gets of "
         "objects that live only on a holder's disk (puts not measured).",
         "",
         "| mode | tier | api | value | repl | put GB/s | get GB/s | put p50/p99 | get p50/p99 "
@@ -341,3 +373,6 @@ def render_markdown(report: dict[str, object]) -> str:
         )
     lines += ["", _caption(report).replace("\n", "\n\n")]
     return "\n".join(lines)
+
+
+VIEWS = FigureViews(render_markdown, render_table)

@@ -1,7 +1,7 @@
 """The measuring client of `tsukimi bench store`: a process that mounts nothing and runs
 timed put/get loops against tsukimi or the real Mooncake store, verifying every byte read.
 
-    python -m tsukimi.bench.store_peer SYSTEM MASTER_ADDR BUFFER_BYTES [TRANSPORT]
+    python -m tsukimi.bench.child store-client SYSTEM MASTER_ADDR BUFFER_BYTES [TRANSPORT]
 
 Commands (line JSON): {"cmd": "measure", ...cell} -> figures; {"cmd": "measure_disk", ...}
 -> get figures of objects that live only on disk (pushed there by filling memory);
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 from dataclasses import replace
 from typing import Any, Protocol
@@ -23,6 +22,7 @@ import numpy as np
 from tsukimi.clock import WallClock
 from tsukimi.config import ClientConfig, Config, TransferConfig
 from tsukimi.errors import OutOfSpace
+from tsukimi.quantiles import quantile
 from tsukimi.store.client import StoreClient
 from tsukimi.testing.processes import child_reply
 
@@ -193,15 +193,12 @@ def small_ops(store: StoreAdapter, count: int = 200) -> dict[str, float]:
 
 
 def _pct(samples: list[float], pct: int) -> float:
-    ordered = sorted(samples)
-    return (
-        ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))] * 1e6
-        if pct != 50
-        else statistics.median(samples) * 1e6
-    )
+    """The `pct`th percentile of `samples` in microseconds (tsukimi/quantiles.py)."""
+    return quantile(samples, pct / 100) * 1e6
 
 
 def main(argv: list[str]) -> None:
+    """Serve the commands on stdin for SYSTEM (tsukimi or mooncake) until stdin closes."""
     system, master, buffer_bytes = argv[0], argv[1], int(argv[2])
     protocol_out = sys.stdout
     if system == "mooncake":
@@ -225,7 +222,3 @@ def main(argv: list[str]) -> None:
                 child_reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"}, protocol_out)
     finally:
         store.close()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -9,24 +9,29 @@ same-host copies), with --compare-nixl NIXL itself (UCX, one prepared handle re-
 batch, no progress thread: bench/nixl_peer.py), with --compare-mooncake the real Mooncake TE
 (TCP, P2P handshake). `cma+prepared` rows run `TransferEngine.prepare`d requests (validated
 and routed once, like NIXL's re-posted handle). Each figure is the median of --repeats
-rounds, in GB/s (1e9 B/s).
+rounds, in GB/s (1e9 B/s) (tsukimi/bench/measure.py).
+
+Goals (issue 12), as the report's verdicts: same host, 64 KiB blocks, `auto` >= 1.0x NIXL
+(read and write); 1-16 MiB, same host, `auto` >= 0.8x memcpy; tcp 64 KiB >= 1.0x Mooncake TE
+tcp; tcp 4 MiB >= 0.9x the raw socket. Each is the worst of its rows; n/a when a peer did not run.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
-import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import numpy as np
 from rich.table import Table
 
+from tsukimi.bench.child import module_args
+from tsukimi.bench.measure import Spread, repeat
 from tsukimi.bench.mooncake_te import MooncakePair, mooncake_available
 from tsukimi.bench.nixl_peer import nixl_available
+from tsukimi.bench.report import BenchReport, FigureViews, Verdict, begin, finish, goal
 from tsukimi.errors import ConfigError
 from tsukimi.testing.processes import JsonWorker
 
@@ -73,7 +78,7 @@ class TransferBenchConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class Cell:
+class TransferCell:
     transport: str
     op: str
     block_bytes: int
@@ -91,20 +96,22 @@ class TransferBenchResult:
     memcpy_gbps: float = 0.0
 
 
-def cells(cfg: TransferBenchConfig) -> list[Cell]:
-    out: list[Cell] = []
+def cells(cfg: TransferBenchConfig) -> list[TransferCell]:
+    out: list[TransferCell] = []
     for transport in cfg.transports:
         conns = cfg.connections if transport == "tcp" else (1,)
         for op in cfg.ops:
             for block in cfg.block_bytes:
-                out.extend(Cell(transport, op, block, cfg.batch, c) for c in conns)
+                out.extend(TransferCell(transport, op, block, cfg.batch, c) for c in conns)
     return out
 
 
-def peer_cells(cfg: TransferBenchConfig, with_nixl: bool) -> list[Cell]:
+def peer_cells(cfg: TransferBenchConfig, with_nixl: bool) -> list[TransferCell]:
     """The peers' cells: raw CMA always, NIXL when compared (same ops, blocks, batch)."""
     names = ("cma-raw", "nixl") if with_nixl else ("cma-raw",)
-    return [Cell(name, op, block, cfg.batch, 1) for name in names for op in cfg.ops for block in cfg.block_bytes]
+    return [
+        TransferCell(name, op, block, cfg.batch, 1) for name in names for op in cfg.ops for block in cfg.block_bytes
+    ]
 
 
 def memcpy_gbps(nbytes: int = 256 * MIB, seconds: float = 1.0) -> float:
@@ -117,14 +124,16 @@ def memcpy_gbps(nbytes: int = 256 * MIB, seconds: float = 1.0) -> float:
         start = time.perf_counter()
         np.copyto(dst, src)
         samples.append(nbytes / (time.perf_counter() - start) / 1e9)
-    return statistics.median(samples)
+    return Spread.of(samples).median
 
 
 def socket_gbps(seconds: float) -> float:
     """A plain Python socket stream between two processes: 4 MiB sendall -> recv_into."""
-    sink = JsonWorker("socket sink", ["tsukimi.bench.peer", "sink"])
+    sink = JsonWorker("socket sink", module_args("transfer-peer", "sink"))
     try:
-        source = JsonWorker("socket source", ["tsukimi.bench.peer", "source", str(sink.ready["port"]), str(seconds)])
+        source = JsonWorker(
+            "socket source", module_args("transfer-peer", "source", str(sink.ready["port"]), str(seconds))
+        )
         try:
             source.read_reply(seconds + _CALL_MARGIN_S)
         finally:
@@ -140,14 +149,14 @@ class TsukimiPair:
     def __init__(self, buffer_bytes: int, metadata_url: str = "p2p", nixl: bool = False) -> None:
         args = [str(buffer_bytes), metadata_url]
         env = {"TSUKIMI_BENCH_NIXL": "1" if nixl else "0"}
-        self.target = JsonWorker("tsukimi target", ["tsukimi.bench.peer", "target", *args], env=env)
+        self.target = JsonWorker("tsukimi target", module_args("transfer-peer", "target", *args), env=env)
         try:
-            self.initiator = JsonWorker("tsukimi initiator", ["tsukimi.bench.peer", "initiator", *args], env=env)
+            self.initiator = JsonWorker("tsukimi initiator", module_args("transfer-peer", "initiator", *args), env=env)
         except BaseException:
             self.target.stop()
             raise
 
-    def measure(self, cell: Cell, duration_s: float, warmup_s: float) -> float:
+    def measure(self, cell: TransferCell, duration_s: float, warmup_s: float) -> float:
         reply = self.initiator.call(
             duration_s + warmup_s + _CALL_MARGIN_S,
             name=self.target.ready["name"],
@@ -172,14 +181,14 @@ class NixlPair:
     """NIXL itself in two processes (bench/nixl_peer.py)."""
 
     def __init__(self, buffer_bytes: int) -> None:
-        self.target = JsonWorker("nixl target", ["tsukimi.bench.nixl_peer", "target", str(buffer_bytes)])
+        self.target = JsonWorker("nixl target", module_args("nixl-peer", "target", str(buffer_bytes)))
         try:
-            self.initiator = JsonWorker("nixl initiator", ["tsukimi.bench.nixl_peer", "initiator", str(buffer_bytes)])
+            self.initiator = JsonWorker("nixl initiator", module_args("nixl-peer", "initiator", str(buffer_bytes)))
         except BaseException:
             self.target.stop()
             raise
 
-    def measure(self, cell: Cell, duration_s: float, warmup_s: float) -> float:
+    def measure(self, cell: TransferCell, duration_s: float, warmup_s: float) -> float:
         reply = self.initiator.call(
             duration_s + warmup_s + _CALL_MARGIN_S,
             metadata=self.target.ready["metadata"],
@@ -198,7 +207,8 @@ class NixlPair:
 
 
 def run(cfg: TransferBenchConfig, progress: Callable[[str], None] = lambda _: None) -> TransferBenchResult:
-    """Measure every cell `cfg.repeats` times (tsukimi and its peers alternating); medians."""
+    """Measure every cell `cfg.repeats` times (tsukimi and its peers alternating, each cell
+    warmed up in its peer process first); medians."""
     result = TransferBenchResult(cfg)
     progress("baselines: memcpy")
     result.memcpy_gbps = memcpy_gbps()
@@ -208,40 +218,45 @@ def run(cfg: TransferBenchConfig, progress: Callable[[str], None] = lambda _: No
         if flag and not used:
             logger.warning("--compare-%s: %s is not importable; skipped", what, what)
     grid, peers = cells(cfg), peer_cells(cfg, use_nixl)
-    figures: dict[Cell, list[float]] = {c: [] for c in [*grid, *peers]}
     mooncake_cells = [c for c in grid if c.transport == "tcp" and c.connections == cfg.connections[0]]
-    theirs: dict[Cell, list[float]] = {}
-    sockets: list[float] = []
     pair = TsukimiPair(cfg.buffer_bytes, nixl="nixl" in cfg.transports)
     nixl = NixlPair(cfg.buffer_bytes) if use_nixl else None
     mooncake = MooncakePair(cfg.buffer_bytes) if use_mooncake else None
+
+    def one_round(index: int) -> dict[tuple[str, TransferCell], float]:
+        """socket -> GB/s, then ("tsukimi" | "mooncake", cell) -> GB/s of every cell."""
+        say = f"round {index + 1}/{cfg.repeats}"
+        progress(f"{say}: socket baseline")
+        out = {("socket", TransferCell("socket", "", 0, 0, 1)): socket_gbps(cfg.duration_s)}
+        for cell in [*grid, *peers]:
+            progress(f"{say}: {_label(cell)}")
+            measurer = nixl if cell.transport == "nixl" and cell in peers else pair
+            assert measurer is not None
+            out[("tsukimi", cell)] = measurer.measure(cell, cfg.duration_s, cfg.warmup_s)
+            if mooncake is not None and cell in mooncake_cells:
+                progress(f"{say}: mooncake {_label(cell)}")
+                op: Literal["read", "write"] = "read" if cell.op == "read" else "write"
+                out[("mooncake", cell)] = mooncake.measure(
+                    op, cell.block_bytes, cell.batch, cfg.duration_s, cfg.warmup_s
+                )
+        return out
+
     try:
-        for round_no in range(cfg.repeats):
-            progress(f"round {round_no + 1}/{cfg.repeats}: socket baseline")
-            sockets.append(socket_gbps(cfg.duration_s))
-            for cell in [*grid, *peers]:
-                progress(f"round {round_no + 1}/{cfg.repeats}: {_label(cell)}")
-                measurer = nixl if cell.transport == "nixl" and cell in peers else pair
-                assert measurer is not None
-                figures[cell].append(measurer.measure(cell, cfg.duration_s, cfg.warmup_s))
-                if mooncake is not None and cell in mooncake_cells:
-                    progress(f"round {round_no + 1}/{cfg.repeats}: mooncake {_label(cell)}")
-                    op: Literal["read", "write"] = "read" if cell.op == "read" else "write"
-                    gbps = mooncake.measure(op, cell.block_bytes, cell.batch, cfg.duration_s, cfg.warmup_s)
-                    theirs.setdefault(cell, []).append(gbps)
+        rounds = repeat(one_round, repeats=cfg.repeats)
     finally:
         for closer in (pair, nixl, mooncake):
             if closer is not None:
                 closer.close()
-    result.socket_gbps = statistics.median(sockets)
-    result.results = [_row(c, statistics.median(figures[c])) for c in grid]
-    result.peers = [_row(c, statistics.median(figures[c])) for c in peers]
+    medians = {key: Spread.of(r[key] for r in rounds).median for key in rounds[0]}
+    result.socket_gbps = next(v for (who, _), v in medians.items() if who == "socket")
+    result.results = [_row(c, medians[("tsukimi", c)]) for c in grid]
+    result.peers = [_row(c, medians[("tsukimi", c)]) for c in peers]
     if use_mooncake:
-        result.mooncake = [_row(c, statistics.median(v), "mooncake-tcp") for c, v in theirs.items()]
+        result.mooncake = [_row(c, v, "mooncake-tcp") for (who, c), v in medians.items() if who == "mooncake"]
     return result
 
 
-def _row(cell: Cell, gbps: float, transport: str | None = None) -> dict[str, object]:
+def _row(cell: TransferCell, gbps: float, transport: str | None = None) -> dict[str, object]:
     row: dict[str, object] = asdict(cell)
     if transport:
         row["transport"] = transport
@@ -250,17 +265,9 @@ def _row(cell: Cell, gbps: float, transport: str | None = None) -> dict[str, obj
     return row
 
 
-def _label(cell: Cell) -> str:
+def _label(cell: TransferCell) -> str:
     conns = f" x{cell.connections}" if cell.transport == "tcp" else ""
     return f"{cell.transport}{conns} {cell.op} {_size(cell.block_bytes)} batch {cell.batch}"
-
-
-def git_rev() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 def ratios(result: TransferBenchResult) -> list[dict[str, object]]:
@@ -289,15 +296,66 @@ def ratios(result: TransferBenchResult) -> list[dict[str, object]]:
 
 
 def to_json(result: TransferBenchResult) -> dict[str, object]:
+    """The figures of a run as plain JSON (the report's `figures`). Pure."""
     return {
         "results": result.results,
         "peers": result.peers,
         "baselines": {"socket_gbps": round(result.socket_gbps, 4), "memcpy_gbps": round(result.memcpy_gbps, 4)},
         "mooncake": result.mooncake,
         "ratios": ratios(result),
-        "git_rev": git_rev(),
-        "config": {**asdict(result.config), "unit": "GB/s (1e9 bytes/s)"},
+        "unit": "GB/s (1e9 bytes/s)",
     }
+
+
+def verdicts(figures: Mapping[str, object]) -> list[Verdict]:
+    """The issue-12 goals (see the module), each the worst of its rows (pure)."""
+    rows = figures["ratios"]
+    assert isinstance(rows, list)
+
+    def worst(key: str, keep: Callable[[Mapping[str, object]], bool]) -> float | None:
+        values = [float(str(r[key])) for r in rows if keep(r) and r.get(key) is not None]
+        return min(values) if values else None
+
+    def block(r: Mapping[str, object]) -> int:
+        return int(str(r["block_bytes"]))
+
+    return [
+        goal(
+            "auto_64k_vs_nixl",
+            "same host, 64 KiB blocks: auto / NIXL",
+            worst("vs_nixl", lambda r: r["transport"] == "auto" and block(r) == 64 * KIB),
+            ">=",
+            1.0,
+        ),
+        goal(
+            "auto_1_16mib_vs_memcpy",
+            "same host, 1-16 MiB: auto / memcpy",
+            worst("vs_baseline", lambda r: r["transport"] == "auto" and MIB <= block(r) <= 16 * MIB),
+            ">=",
+            0.8,
+        ),
+        goal(
+            "tcp_64k_vs_mooncake",
+            "tcp 64 KiB: tsukimi / Mooncake TE tcp",
+            worst("vs_mooncake", lambda r: r["transport"] == "tcp" and block(r) == 64 * KIB),
+            ">=",
+            1.0,
+        ),
+        goal(
+            "tcp_4mib_vs_socket",
+            "tcp 4 MiB: tsukimi / raw socket",
+            worst("vs_baseline", lambda r: r["transport"] == "tcp" and block(r) == 4 * MIB),
+            ">=",
+            0.9,
+        ),
+    ]
+
+
+def run_report(cfg: TransferBenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchReport:
+    """`tsukimi bench transfer`: run (see `run`) and report, with the goals as verdicts."""
+    start = begin("bench transfer", cfg)
+    figures = to_json(run(cfg, progress))
+    return finish(start, figures, verdicts(figures))
 
 
 def _size(block: int) -> str:
@@ -328,36 +386,45 @@ def _cells(row: dict[str, object]) -> list[str]:
     ]
 
 
-def render_table(result: TransferBenchResult) -> Table:
+def render_table(figures: Mapping[str, object]) -> Table:
+    """The figures as a rich table, peers and baselines in its caption (pure)."""
     table = Table(title="tsukimi bench transfer (GB/s = 1e9 bytes/s, medians)")
     for name in COLUMNS:
         table.add_column(name, justify="right" if name not in ("transport", "op") else "left")
-    for row in ratios(result):
+    rows, baselines = figures["ratios"], figures["baselines"]
+    assert isinstance(rows, list) and isinstance(baselines, dict)
+    for row in rows:
         table.add_row(*_cells(row))
-    peers = [*result.peers, *(result.mooncake or [])]
+    peers = _peers(figures)
     table.caption = (
-        f"baselines: socket stream {result.socket_gbps:.2f} GB/s (tcp rows), memcpy {result.memcpy_gbps:.2f} GB/s; "
-        + "peers: "
+        f"baselines: socket stream {baselines['socket_gbps']:.2f} GB/s (tcp rows), memcpy "
+        f"{baselines['memcpy_gbps']:.2f} GB/s; peers: "
         + ", ".join(f"{r['transport']} {r['op']} {_size(int(str(r['block_bytes'])))} {r['gbps']}" for r in peers)
     )
     return table
 
 
-def render_markdown(report: dict[str, object]) -> str:
-    """The `to_json` report as Markdown tables (what docs/benchmarks.md shows)."""
-    baselines = report["baselines"]
+def _peers(figures: Mapping[str, object]) -> list[Mapping[str, object]]:
+    peers, mooncake = figures.get("peers") or [], figures.get("mooncake") or []
+    assert isinstance(peers, list) and isinstance(mooncake, list)
+    return [*peers, *mooncake]
+
+
+def render_markdown(figures: Mapping[str, object]) -> str:
+    """The figures as Markdown tables (what docs/benchmarks.md shows). Pure."""
+    baselines = figures["baselines"]
     assert isinstance(baselines, dict)
     lines = [
         f"Baselines: raw socket stream {baselines['socket_gbps']:.2f} GB/s, "
-        f"memcpy {baselines['memcpy_gbps']:.2f} GB/s. git {report['git_rev']}.",
+        f"memcpy {baselines['memcpy_gbps']:.2f} GB/s.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
     ]
-    rows = report["ratios"]
+    rows = figures["ratios"]
     assert isinstance(rows, list)
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
-    peers = [*(report.get("peers") or []), *(report.get("mooncake") or [])]  # type: ignore[misc]
+    peers = _peers(figures)
     if peers:
         lines += [
             "",
@@ -367,6 +434,10 @@ def render_markdown(report: dict[str, object]) -> str:
             "|---|---|---|---|---|",
         ]
         for row in peers:
-            size = _size(int(row["block_bytes"]))
-            lines.append(f"| {row['transport']} | {row['op']} | {size} | {row['batch']} | {row['gbps']:.2f} |")
+            size = _size(int(str(row["block_bytes"])))
+            gbps = float(str(row["gbps"]))
+            lines.append(f"| {row['transport']} | {row['op']} | {size} | {row['batch']} | {gbps:.2f} |")
     return "\n".join(lines)
+
+
+VIEWS = FigureViews(render_markdown, render_table)

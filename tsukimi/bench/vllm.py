@@ -17,38 +17,41 @@ generator per conversation, so every system gets exactly the same requests, and 
 streamed token), TBT (mean gap after it), cached prompt tokens (vLLM's
 prompt_tokens_details.cached_tokens: local hits plus tokens a connector loaded).
 
+Each cluster is launched in this process by the cluster launcher
+(tsukimi/serving/cluster/launcher.py) from `plan_vllm`'s groups; requests go through the
+bench's one client (tsukimi/bench/client.py, `return_token_ids`).
+
 A system that cannot run (its venv, model, connector or Mooncake missing, or a process that
 fails) gets its error in its row instead of figures.
+
+Goals (docs/benchmarks.md), as the report's verdicts: p50 TTFT of (b) <= 0.5x (a) and <= 0.8x
+(c); every system's greedy tokens equal (a)'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import statistics
-import subprocess
 import tempfile
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import httpx
 import numpy as np
 
+from tsukimi.bench.client import CompletionRequest, CompletionResult, complete
+from tsukimi.bench.report import BenchReport, FigureViews, Verdict, begin, finish, goal
 from tsukimi.errors import ConfigError, PeerError
 from tsukimi.integrations.vllm import paths
 from tsukimi.integrations.vllm.launch import VllmClusterConfig, plan_vllm
 from tsukimi.netio import free_port
-
-if TYPE_CHECKING:
-    from tsukimi.serving.cluster.process_spec import ProcessSpec
+from tsukimi.quantiles import quantiles
+from tsukimi.serving.cluster.launcher import LaunchConfig, LaunchedCluster
+from tsukimi.serving.cluster.process_spec import ProcessSpec
 
 SYSTEMS = ("vllm_rr", "tsukimi", "mooncake_store", "tsukimi_routing")
-_TIMEOUT = httpx.Timeout(300.0, connect=5.0)
+_TIMEOUT_S = 300.0
 _VOCAB = (3, 250)
+Turns = dict[tuple[int, int], CompletionResult]  # (conversation, turn) -> how it ended
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,18 +76,6 @@ class VllmBenchConfig:
             raise ConfigError(f"unknown systems {sorted(unknown)}; choose among {SYSTEMS}")
 
 
-@dataclass(slots=True)
-class Turn:
-    """One request's outcome."""
-
-    ttft_s: float = float("nan")
-    tbt_s: float = float("nan")
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    tokens: list[int] = field(default_factory=list)
-    error: str = ""
-
-
 def cluster_config(cfg: VllmBenchConfig, system: str) -> VllmClusterConfig:
     """The cluster a system runs on (pure)."""
     base = VllmClusterConfig(model=cfg.model, instances=2, venv=cfg.venv, models_dir=cfg.models_dir)
@@ -97,51 +88,47 @@ def cluster_config(cfg: VllmBenchConfig, system: str) -> VllmClusterConfig:
     return base
 
 
-class BenchCluster:
-    """A `tsukimi up --engine vllm` cluster supervised from this process; `api` once up."""
+def launch(config: VllmClusterConfig, workdir: Path) -> LaunchedCluster:
+    """A `tsukimi up --engine vllm` cluster (`plan_vllm`'s groups) launched here, its router on
+    another free port while the one planned minutes ago was taken meanwhile (a free port is
+    only free when asked); stopped again when anything fails.
 
-    def __init__(self, config: VllmClusterConfig, workdir: Path) -> None:
-        from tsukimi.serving.cluster.supervisor import Supervisor
-
-        groups = plan_vllm(config, workdir)
-        self.instances = [s.url for s in groups[-2]]
-        self.supervisor = Supervisor(workdir, config.stop_timeout_s, verbose=0)
-        # NOTE: Supervisor deadlines read the WallClock, i.e. time.monotonic
-        self._deadline = time.monotonic() + config.startup_timeout_s
-        try:
-            for group in groups[:-1]:
-                self._start(group)
-            self.api = self._start_router(groups[-1][0])
-        except BaseException:
-            self.close()
-            raise
-
-    def _start(self, group: Sequence[ProcessSpec]) -> None:
-        self.supervisor.start_group(group)
-        self.supervisor.wait_ready(self.supervisor.groups[-1], self._deadline, threading.Event(), lambda _: None)
-
-    def _start_router(self, spec: ProcessSpec) -> str:
-        """Starts the router, on another free port while the one planned minutes ago was
-        taken meanwhile (a free port is only free when asked); its URL."""
+    Raises:
+        ConfigError: the venv, model or connector is missing. PeerError: a process failed.
+    """
+    groups = plan_vllm(config, workdir)
+    cluster = LaunchedCluster(
+        groups[:-1], LaunchConfig(workdir, config.startup_timeout_s, config.stop_timeout_s, verbose=0)
+    )
+    cluster.start()
+    try:
+        spec = groups[-1][0]
         for attempt in range(3):
             try:
-                self._start([spec])
-                return spec.url
+                cluster.start_group([spec])
+                return cluster
             except PeerError as exc:
                 if "Address already in use" not in str(exc) or attempt == 2:
                     raise
-                self.supervisor.groups.pop()
-                port = spec.args[spec.args.index("--port") + 1]
-                fresh = str(free_port())
-                spec = replace(
-                    spec,
-                    args=tuple(fresh if a == port else a for a in spec.args),
-                    url=spec.url.rsplit(":", 1)[0] + f":{fresh}",
-                )
+                spec = _on_fresh_port(spec)
         raise AssertionError("unreachable")
+    except BaseException:
+        cluster.stop()
+        raise
 
-    def close(self) -> None:
-        self.supervisor.stop()
+
+def _on_fresh_port(spec: ProcessSpec) -> ProcessSpec:
+    port = spec.args[spec.args.index("--port") + 1]
+    fresh = str(free_port())
+    return replace(
+        spec, args=tuple(fresh if a == port else a for a in spec.args), url=spec.url.rsplit(":", 1)[0] + f":{fresh}"
+    )
+
+
+def instances(cluster: LaunchedCluster) -> list[str]:
+    """The vLLM instances' URLs (the group before the router's)."""
+    groups = cluster.supervisor.groups
+    return [c.spec.url for c in groups[-2]]
 
 
 def conversations(cfg: VllmBenchConfig) -> list[tuple[list[int], list[list[int]], list[list[int]]]]:
@@ -156,127 +143,120 @@ def conversations(cfg: VllmBenchConfig) -> list[tuple[list[int], list[list[int]]
     return out
 
 
-async def complete(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> Turn:
-    """One greedy streamed completion; errors are recorded, never raised."""
-    turn = Turn(prompt_tokens=len(prompt))
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream_options": {"include_usage": True},
-    }
-    start, stamps = time.perf_counter(), []
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=_TIMEOUT) as response:
-            if response.status_code != 200:
-                turn.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return turn
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                for choice in chunk.get("choices", []):
-                    ids = choice.get("token_ids") or []
-                    if ids or choice.get("text"):
-                        stamps.append(time.perf_counter())
-                        turn.tokens += ids
-                details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
-                turn.cached_tokens = details.get("cached_tokens", turn.cached_tokens) or 0
-    except httpx.HTTPError as exc:
-        turn.error = f"{type(exc).__name__}: {exc}"
-        return turn
-    if stamps:
-        turn.ttft_s = stamps[0] - start
-        turn.tbt_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else float("nan")
-    return turn
+def _request(prompt: list[int], max_tokens: int) -> CompletionRequest:
+    return CompletionRequest(tuple(prompt), max_tokens, ignore_eos=True, return_token_ids=True)
 
 
-async def run_workload(cfg: VllmBenchConfig, url: str) -> dict[tuple[int, int], Turn]:
+async def run_workload(cfg: VllmBenchConfig, url: str) -> Turns:
     """The chat workload against `url`; the outcome of every (conversation, turn)."""
-    results: dict[tuple[int, int], Turn] = {}
+    results: Turns = {}
 
-    async def conversation(
-        index: int, parts: tuple[list[int], list[list[int]], list[list[int]]], client: httpx.AsyncClient
-    ) -> None:
+    async def conversation(index: int, parts: tuple[list[int], list[list[int]], list[list[int]]]) -> None:
         await asyncio.sleep(index / cfg.rate)
         prefix, users, replies = parts
         history = list(prefix)
         for k in range(cfg.turns):
             history += users[k]
-            results[(index, k)] = await complete(client, url, cfg.model, list(history), cfg.max_tokens)
+            results[(index, k)] = await complete(url, cfg.model, _request(history, cfg.max_tokens), _TIMEOUT_S)
             history += replies[k]
 
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
-        await asyncio.gather(*(conversation(i, parts, client) for i, parts in enumerate(conversations(cfg))))
+    await asyncio.gather(*(conversation(i, parts) for i, parts in enumerate(conversations(cfg))))
     return results
 
 
-async def _warm(cfg: VllmBenchConfig, instances: list[str]) -> None:
+async def _warm(cfg: VllmBenchConfig, urls: list[str]) -> None:
     """Two 300-token requests straight to each instance, unrelated to the workload: full
     blocks, so that a connector's first lookup, save and pool connection (0.4 s for
     TsukimiConnector, measured) happen before measuring, as vLLM's own first-request costs do."""
-    async with httpx.AsyncClient() as client:
-        for i, url in enumerate(instances):
-            for k in range(2):
-                prompt = np.random.default_rng([cfg.seed, 1000 + i, k]).integers(*_VOCAB, 300).tolist()
-                await complete(client, url, cfg.model, prompt, 2)
+    for i, url in enumerate(urls):
+        for k in range(2):
+            prompt = np.random.default_rng([cfg.seed, 1000 + i, k]).integers(*_VOCAB, 300).tolist()
+            await complete(url, cfg.model, _request(prompt, 2), _TIMEOUT_S)
 
 
-def summarize(
-    system: str, turns: dict[tuple[int, int], Turn], reference: dict[tuple[int, int], Turn] | None
-) -> dict[str, object]:
+def summarize(system: str, turns: Turns, reference: Turns | None) -> dict[str, object]:
     """One row of the result (pure)."""
-    ok = [t for t in turns.values() if not t.error]
-    ttft = sorted(t.ttft_s for t in ok if t.ttft_s == t.ttft_s)
-    tbt = [t.tbt_s for t in ok if t.tbt_s == t.tbt_s]
+    ok = [t for t in turns.values() if t.kind == "served"]
+    ttft_p50, ttft_p90 = quantiles((t.ttft_s for t in ok), (0.5, 0.9))
+    (tbt_p50,) = quantiles((t.tbt_s for t in ok), (0.5,))
     prompt = sum(t.prompt_tokens for t in ok)
     equal = (
         None
         if reference is None
-        else all(key in reference and not t.error and t.tokens == reference[key].tokens for key, t in turns.items())
+        else all(
+            key in reference and t.kind == "served" and t.token_ids == reference[key].token_ids
+            for key, t in turns.items()
+        )
     )
     row: dict[str, object] = {
         "system": system,
         "requests": len(turns),
         "errors": len(turns) - len(ok),
-        "ttft_p50_s": round(statistics.median(ttft), 4) if ttft else None,
-        "ttft_p90_s": round(ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))], 4) if ttft else None,
-        "tbt_p50_ms": round(statistics.median(tbt) * 1e3, 2) if tbt else None,
+        "ttft_p50_s": round(ttft_p50, 4) if ttft_p50 == ttft_p50 else None,
+        "ttft_p90_s": round(ttft_p90, 4) if ttft_p90 == ttft_p90 else None,
+        "tbt_p50_ms": round(tbt_p50 * 1e3, 2) if tbt_p50 == tbt_p50 else None,
         "cached_ratio": round(sum(t.cached_tokens for t in ok) / prompt, 4) if prompt else 0.0,
         "tokens_equal": equal if reference is not None else not (len(turns) - len(ok)),
     }
-    first_error = next((t.error for t in turns.values() if t.error), "")
+    first_error = next(
+        (f"{t.kind}: {t.status} {t.reason} {t.message}".strip() for t in turns.values() if t.kind != "served"), ""
+    )
     if first_error:
         row["error"] = first_error
     return row
 
 
 def run_bench(cfg: VllmBenchConfig, progress: Callable[[str], None]) -> dict[str, object]:
-    """Every system in turn (see the module); the JSON-ready result."""
+    """Every system in turn (see the module); the figures."""
     runs: list[dict[str, object]] = []
-    reference: dict[tuple[int, int], Turn] | None = None
+    reference: Turns | None = None
     for system in cfg.systems:
         with tempfile.TemporaryDirectory(prefix=f"tsukimi-bench-vllm-{system}-") as workdir:
             try:
                 progress(f"{system}: starting two vLLM instances and the router")
-                cluster = BenchCluster(cluster_config(cfg, system), Path(workdir))
+                cluster = launch(cluster_config(cfg, system), Path(workdir))
             except (ConfigError, PeerError, OSError) as exc:
                 runs.append({"system": system, "error": f"{type(exc).__name__}: {exc}"})
                 progress(f"{system}: could not start: {exc}")
                 continue
-            try:
-                asyncio.run(_warm(cfg, cluster.instances))
+            with cluster:
+                asyncio.run(_warm(cfg, instances(cluster)))
                 progress(f"{system}: chat workload against {cluster.api}")
                 turns = asyncio.run(run_workload(cfg, cluster.api))
-            finally:
-                cluster.close()
         runs.append(summarize(system, turns, reference))
         reference = reference or (turns if system == cfg.systems[0] else None)
-    return {"config": _plain(cfg), "revision": _git_rev(), "runs": runs, "ratios": ratios(runs)}
+    return {"runs": runs, "ratios": ratios(runs)}
+
+
+def verdicts(figures: Mapping[str, object]) -> list[Verdict]:
+    """The goals (see the module); n/a where a system did not run. Pure."""
+    ratio, runs = figures["ratios"], figures["runs"]
+    assert isinstance(ratio, dict) and isinstance(runs, list)
+    equal = [r["tokens_equal"] for r in runs if "tokens_equal" in r]
+    return [
+        goal(
+            "tsukimi_vs_vllm_rr",
+            "p50 TTFT of tsukimi (b) / vLLM round-robin (a)",
+            ratio.get("tsukimi_over_vllm_rr"),
+            "<=",
+            0.5,
+        ),
+        goal(
+            "tsukimi_vs_mooncake_store",
+            "p50 TTFT of tsukimi (b) / Mooncake store (c)",
+            ratio.get("tsukimi_over_mooncake_store"),
+            "<=",
+            0.8,
+        ),
+        Verdict("tokens_equal", "every system's greedy tokens equal (a)'s", all(equal) if equal else None, str(equal)),
+    ]
+
+
+def run_report(cfg: VllmBenchConfig, progress: Callable[[str], None]) -> BenchReport:
+    """`tsukimi bench vllm`: run (see `run_bench`) and report, with the goals as verdicts."""
+    start = begin("bench vllm", cfg)
+    figures = run_bench(cfg, progress)
+    return finish(start, figures, verdicts(figures))
 
 
 def ratios(runs: list[dict[str, object]]) -> dict[str, float]:
@@ -291,8 +271,8 @@ def ratios(runs: list[dict[str, object]]) -> dict[str, float]:
     return out
 
 
-def markdown(result: dict[str, object]) -> str:
-    """The result as the Markdown table docs/benchmarks.md holds (pure)."""
+def markdown(result: Mapping[str, object]) -> str:
+    """The figures as the Markdown table docs/benchmarks.md holds (pure)."""
     lines = [
         "| system | TTFT p50 s | TTFT p90 s | TBT p50 ms | cached | tokens equal to (a) | note |",
         "|---|---|---|---|---|---|---|",
@@ -309,15 +289,4 @@ def markdown(result: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
-def _plain(cfg: VllmBenchConfig) -> dict[str, object]:
-    from dataclasses import asdict
-
-    return asdict(cfg)
-
-
-def _git_rev() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+VIEWS = FigureViews(markdown)

@@ -1,8 +1,8 @@
-"""How fast a vLLM decode instance gets a prompt's KV through tsukimi: PD "direct" (the
-consumer READs the producer's KV buffer with the Transfer Engine) against PD "pool" (the
-producer saves, the consumer loads by block hash) and against recomputing the prompt.
+"""`tsukimi bench vllm-pd`: how fast a vLLM decode instance gets a prompt's KV through tsukimi:
+PD "direct" (the consumer READs the producer's KV buffer with the Transfer Engine) against PD
+"pool" (the producer saves, the consumer loads by block hash) and against recomputing the prompt.
 
-    python -m tsukimi.bench.vllm_pd --model .models/tiny --num-prompts 8 --prompt-tokens 1024 [--json]
+    tsukimi bench vllm-pd --model .models/tiny --num-prompts 8 --prompt-tokens 1024 [--json]
 
 Starts a store (master + one holder), a producer (kv_producer, CPU 0) and a consumer
 (kv_consumer, CPU 1) vLLM API server, warms both up, then for each prompt:
@@ -15,19 +15,22 @@ Decode times are the consumer's whole request (HTTP, scheduling, the load, the t
 prompt it computes, one token), client-side; the connector's own load times come from its
 DEBUG line per load (TSUKIMI_LOG_LEVEL=DEBUG), from the start of the read to its end.
 `--no-save-per-layer` makes the producer put whole blocks at wait_for_save instead of layer by
-layer. Greedy first tokens must equal the consumer's own; the run says whether they did.
+layer. Greedy first tokens must equal the consumer's own: the report's verdict `tokens_equal`.
+`--quick`: 1 prompt of 512 tokens (3 blocks handed over).
+
+The vLLM API servers run under .venv-vllm (tsukimi/testing/vllm_server.py), the store is the
+test kit's `TsukimiCluster`; this process only drives them.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-import statistics
-import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from tsukimi.bench.measure import Spread
+from tsukimi.bench.report import BenchReport, Figures, FigureViews, Verdict, begin, finish
 from tsukimi.integrations.vllm import paths
 from tsukimi.netio import free_port
 from tsukimi.testing.deployments import TsukimiCluster
@@ -42,18 +45,30 @@ from tsukimi.testing.vllm_server import (
 BLOCK_SIZE = 128
 
 
+@dataclass(frozen=True, slots=True)
+class VllmPdBenchConfig:
+    """`model`: a model folder ("": tiny under the models folder, $TSUKIMI_MODELS_DIR or
+    ./.models; tsukimi/integrations/vllm/paths.py); prompts of `prompt_tokens` each;
+    `save_per_layer` False: the producer puts whole blocks at wait_for_save."""
+
+    model: str = ""
+    num_prompts: int = 8
+    prompt_tokens: int = 1024
+    save_per_layer: bool = True
+
+
+QUICK = VllmPdBenchConfig(num_prompts=1, prompt_tokens=512)
+
+
+def _model(cfg: VllmPdBenchConfig) -> Path:
+    return Path(cfg.model) if cfg.model else paths.models_dir() / "tiny"
+
+
 def _prompt(seed: int, num_tokens: int) -> list[int]:
     import random
 
     rng = random.Random(seed)
     return [rng.randrange(100, 40000) for _ in range(num_tokens)]
-
-
-def _git_revision() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
 
 
 def _load_ms(server: VllmServer, source: str) -> list[float]:
@@ -73,29 +88,33 @@ def _stat_sums(log: str, names: tuple[str, ...]) -> dict[str, float]:
 
 
 def _p50(values: list[float]) -> float:
-    return round(statistics.median(values), 3) if values else float("nan")
+    return round(Spread.of(values).median, 3)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Start everything, measure, stop everything; the figures as one JSON-able dict."""
+def run(cfg: VllmPdBenchConfig, progress: Callable[[str], None] = lambda _: None) -> dict[str, object]:
+    """Start everything, measure, stop everything; the figures."""
     env = {"VLLM_LOG_STATS_INTERVAL": "1", "TSUKIMI_LOG_LEVEL": "DEBUG"}
     with TsukimiCluster(512 << 20, num_holders=1) as cluster:
-        extra: dict[str, object] = {"master": cluster.master_addr, "save_per_layer": args.save_per_layer}
+        extra: dict[str, object] = {"master": cluster.master_addr, "save_per_layer": cfg.save_per_layer}
         producer_cfg = VllmServerConfig(
-            model=args.model,
+            model=_model(cfg),
             cpus="0",
             env=env,
             connector=connector_config("kv_producer", pd_port=free_port(), **extra),
         )
         consumer_cfg = VllmServerConfig(
-            model=args.model, cpus="1", env=env, connector=connector_config("kv_consumer", master=cluster.master_addr)
+            model=_model(cfg),
+            cpus="1",
+            env=env,
+            connector=connector_config("kv_consumer", master=cluster.master_addr),
         )
+        progress("starting the producer and the consumer vLLM servers")
         producer, consumer = start_servers(producer_cfg, consumer_cfg)
         with producer, consumer:
             for seed in range(2):  # warm-up: compile paths, first contacts
-                warm = _prompt(900 + seed, args.prompt_tokens)
+                warm = _prompt(900 + seed, cfg.prompt_tokens)
                 pd_handover(producer, consumer, warm, 1, "direct")
-                pd_handover(producer, consumer, _prompt(950 + seed, args.prompt_tokens), 1, "pool")
+                pd_handover(producer, consumer, _prompt(950 + seed, cfg.prompt_tokens), 1, "pool")
             rows: dict[str, list[float]] = {
                 "alone": [],
                 "direct": [],
@@ -105,9 +124,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             equal = True
             loaded = {"direct": 0, "pool": 0}
-            for i in range(args.num_prompts):
+            for i in range(cfg.num_prompts):
                 for mode, seed in (("direct", 1000 + i), ("pool", 2000 + i)):
-                    text = _prompt(seed, args.prompt_tokens)
+                    text = _prompt(seed, cfg.prompt_tokens)
                     alone = consumer.complete(text, 1)
                     prefill, decode = pd_handover(producer, consumer, text, 1, mode)
                     rows["alone"].append(alone.seconds)
@@ -118,14 +137,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             num_warm = 2  # the warm-up's loads per mode come first
             load_ms = {mode: _p50(_load_ms(consumer, mode)[num_warm:]) for mode in ("direct", "pool")}
             saves = _stat_sums(producer.log_text(), ("num_puts", "put_objects", "put_s", "save_wait_s"))
-    expected = args.num_prompts * ((args.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE)
+    expected = cfg.num_prompts * ((cfg.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE)
     return {
-        "model": str(args.model),
-        "prompt_tokens": args.prompt_tokens,
-        "num_prompts": args.num_prompts,
-        "save_per_layer": args.save_per_layer,
-        "git": _git_revision(),
-        "decode_p50_ms": {k: round(1000 * statistics.median(v), 2) for k, v in rows.items() if v},
+        "model": str(_model(cfg)),
+        "prompt_tokens": cfg.prompt_tokens,
+        "num_prompts": cfg.num_prompts,
+        "decode_p50_ms": {k: round(1000 * Spread.of(v).median, 2) for k, v in rows.items() if v},
         "tokens_equal": equal,
         "loaded_tokens": loaded,
         "expected_loaded_tokens_per_mode": expected,
@@ -134,27 +151,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="PD hand-over through tsukimi: direct vs pool vs recompute")
-    parser.add_argument("--model", type=Path, default=paths.models_dir() / "tiny")
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=1024)
-    parser.add_argument("--no-save-per-layer", dest="save_per_layer", action="store_false")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
-    result = run(args)
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(f"model {result['model']}, {args.num_prompts} prompts of {args.prompt_tokens} tokens, git {result['git']}")
-    print(f"{'request (one token)':<30} p50 ms")
-    for name, value in result["decode_p50_ms"].items():
-        print(f"{name:<30} {value}")
-    expected = result["expected_loaded_tokens_per_mode"]
-    print(f"tokens equal: {result['tokens_equal']}; loaded {result['loaded_tokens']} (expected {expected} each)")
-    print(f"the consumer connector's own load time, p50 ms: {result['consumer_load_ms_p50']}")
-    print(f"producer saves (whole run, warm-up included): {result['producer_saves']}")
+def verdicts(figures: Figures) -> list[Verdict]:
+    """Greedy first tokens equal the consumer's own, and every handed-over token was loaded. Pure."""
+    loaded, expected = figures["loaded_tokens"], figures["expected_loaded_tokens_per_mode"]
+    assert isinstance(loaded, dict)
+    tokens = "decode after the hand-over gives the consumer's own first token"
+    return [
+        Verdict("tokens_equal", tokens, bool(figures["tokens_equal"])),
+        Verdict(
+            "all_loaded",
+            "every full block of each prompt loaded by the consumer, both modes",
+            all(v == expected for v in loaded.values()),
+            f"loaded {loaded}, expected {expected} each",
+        ),
+    ]
 
 
-if __name__ == "__main__":
-    main()
+def run_report(cfg: VllmPdBenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchReport:
+    """`tsukimi bench vllm-pd`: run (see `run`) and report."""
+    start = begin("bench vllm-pd", cfg)
+    figures = run(cfg, progress)
+    return finish(start, figures, verdicts(figures))
+
+
+def markdown(figures: Figures) -> str:
+    """The p50s per request kind, and the loads (pure)."""
+    decode = figures["decode_p50_ms"]
+    assert isinstance(decode, dict)
+    lines = [
+        f"model {figures['model']}, {figures['num_prompts']} prompts of {figures['prompt_tokens']} tokens.",
+        "",
+        "| request (one token) | p50 ms |",
+        "|---|---|",
+        *(f"| {name} | {value} |" for name, value in decode.items()),
+        "",
+        f"loaded {figures['loaded_tokens']} (expected {figures['expected_loaded_tokens_per_mode']} each); "
+        f"the consumer connector's own load time, p50 ms: {figures['consumer_load_ms_p50']}; "
+        f"producer saves (whole run, warm-up included): {figures['producer_saves']}",
+    ]
+    return "\n".join(lines)
+
+
+VIEWS = FigureViews(markdown)

@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tsukimi.errors import ConfigError
+from tsukimi.quantiles import quantile_of_sorted
 
 
 class SlidingWindow:
@@ -55,10 +56,8 @@ class SlidingWindow:
         return self._sum / len(self._sorted) if self._sorted else math.nan
 
     def quantile(self, q: float) -> float:
-        """The nearest-rank `q` quantile, 0 < q <= 1 (NaN when empty)."""
-        if not self._sorted:
-            return math.nan
-        return self._sorted[min(len(self._sorted) - 1, max(0, math.ceil(q * len(self._sorted)) - 1))]
+        """The `q` quantile, 0 < q <= 1 (tsukimi/quantiles.py: nearest rank; NaN when empty). O(1)."""
+        return quantile_of_sorted(self._sorted, q)
 
     def count_above(self, value: float) -> int:
         """Observations greater than `value`."""

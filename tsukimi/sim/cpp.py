@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tsukimi.errors import ConfigError
+from tsukimi.quantiles import quantile
 from tsukimi.scheduler.cost_model import CostModel, RooflineCostModel
 from tsukimi.scheduler.cpp import hop_s_per_token
-from tsukimi.sim.report import percentile
 from tsukimi.sim.trace import BLOCK_SIZE_TOKENS, TraceRequest
 
 LENGTH_BINS = (0, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -119,7 +119,7 @@ def ttft_curve(trace: Sequence[TraceRequest], cfg: CppSimConfig, cost: CostModel
                         "min_tokens": low,
                         "requests": len(mine),
                         "ttft_mean_s": round(sum(mine) / len(mine), 4),
-                        "ttft_p90_s": round(percentile(mine, 90), 4),
+                        "ttft_p90_s": round(quantile(mine, 0.9), 4),
                     }
                 )
     return {"config": asdict(cfg), "rows": rows}

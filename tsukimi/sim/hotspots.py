@@ -22,6 +22,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tsukimi.quantiles import quantile
 from tsukimi.scheduler.conductor import Conductor
 from tsukimi.scheduler.cost_model import CostModel
 from tsukimi.scheduler.hotspots import HotSpotConfig, HotSpots
@@ -149,5 +150,4 @@ def skewed_trace(workload: SkewedWorkload) -> list[TraceRequest]:
 
 def p90_ttft_s(jobs: Sequence[Job]) -> float:
     """The 90th percentile TTFT of the jobs that got a first token (pure)."""
-    ttft = sorted(j.first_token_s - j.arrival_s for j in jobs if j.first_token_s >= 0)
-    return ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else float("nan")
+    return quantile((j.first_token_s - j.arrival_s for j in jobs if j.first_token_s >= 0), 0.9)

@@ -2,10 +2,11 @@
 decode load over time; as a JSON-ready dict (stable key order, rounded floats, so equal runs
 give byte-identical reports; null where there is no value) and as a rich table.
 
-Definitions: TTFT = first token - arrival. TBT is per request, (last token - first token) /
-(output tokens - 1): the mean time per output token after the first, which in the PD cluster
-includes the KV transfer to decode and any wait for decode memory; its percentiles are over
-requests (not over individual token gaps, whose tail under chunked prefill is much longer).
+Definitions: percentiles are nearest-rank (tsukimi/quantiles.py). TTFT = first token - arrival.
+TBT is per request, (last token - first token) / (output tokens - 1): the mean time per output
+token after the first, which in the PD cluster includes the KV transfer to decode and any wait
+for decode memory; its percentiles are over requests (not over individual token gaps, whose
+tail under chunked prefill is much longer).
 
 VRAM occupation (the paper's cost: KV size x the time it stays in GPU memory), in GB x s:
 prefill holds a prompt's KV (input tokens) from the start of its prefill to its first token
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
+from tsukimi.quantiles import quantile, summary
 from tsukimi.sim.instances import Job
 from tsukimi.sim.simulator import SimResult
 
@@ -33,14 +35,6 @@ from tsukimi.sim.simulator import SimResult
 class Slo:
     ttft_s: float
     tbt_s: float
-
-
-def percentile(values: Sequence[float], pct: float) -> float:
-    """Nearest-rank percentile (NaN for no values); pure."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(pct / 100 * len(ordered)) - 1))]
 
 
 def summarize(result: SimResult, slo: Slo) -> dict[str, object]:
@@ -66,13 +60,13 @@ def summarize(result: SimResult, slo: Slo) -> dict[str, object]:
         "rejected_by_reason": {k: reasons[k] for k in sorted(reasons)},
         "queued": len(result.queued),
         "queued_met_ttft_slo": queued_met,
-        "ttft_s": _quantiles(ttft),
-        "tbt_s": _quantiles(tbt),
+        "ttft_s": _summary(ttft),
+        "tbt_s": _summary(tbt),
         "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s},
         "slo_attainment": _round(good / len(result.jobs)) if result.jobs else 0.0,
         "meets_slo_p90": bool(done)
-        and percentile(ttft, 90) <= slo.ttft_s
-        and (not tbt or percentile(tbt, 90) <= slo.tbt_s),
+        and quantile(ttft, 0.9) <= slo.ttft_s
+        and (not tbt or quantile(tbt, 0.9) <= slo.tbt_s),
         "goodput_rps": _round(good / span),
         "token_hit_ratio": _round(sum(j.cached_tokens for j in prefilled) / input_tokens) if input_tokens else 0.0,
         "fetched_token_ratio": _round(sum(j.fetch_tokens for j in prefilled) / input_tokens) if input_tokens else 0.0,
@@ -157,8 +151,9 @@ def table(title: str, rows: Sequence[tuple[str, dict[str, object]]]) -> str:
     return out.getvalue()
 
 
-def _quantiles(values: Sequence[float]) -> dict[str, float | None]:
-    return {f"p{p}": _round(percentile(values, p)) for p in (50, 90, 99)}
+def _summary(values: Sequence[float]) -> dict[str, float | None]:
+    """p50 / p90 / p99 (tsukimi/quantiles.py), rounded as every figure here (null: no value)."""
+    return {key: None if value is None else _round(value) for key, value in summary(values).items()}
 
 
 def _round(value: float) -> float | None:

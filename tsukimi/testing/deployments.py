@@ -1,8 +1,9 @@
 """The store, deployed for tests and benchmarks.
 
 `TsukimiCluster`: `tsukimi master` and holders (`tsukimi holder`) in real processes on
-loopback, each a `python -m tsukimi.cli` child, for anything that wants a store it can SIGKILL
-parts of (`tsukimi bench store` too).
+loopback, each a `python -m tsukimi.cli` child started by the cluster launcher
+(tsukimi/serving/cluster/launcher.py, as `tsukimi up` starts its own), for anything that wants
+a store it can SIGKILL parts of (`tsukimi bench store` too).
 
 `Deployment`: the shapes the store semantics suite (`store_checks`) runs on, "inprocess" (a
 MasterServer and two holder StoreClients in this process) and "multiprocess" (a
@@ -13,24 +14,27 @@ each, and a factory of clients; `lend` shares one running deployment among check
 from __future__ import annotations
 
 import contextlib
-import os
-import select
+import re
 import subprocess
-import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import httpx
 
 from tsukimi.config import ClientConfig, Config, MasterConfig
 from tsukimi.errors import ConfigError, PeerError
 from tsukimi.netio import free_port
+from tsukimi.serving.cluster.launcher import LaunchConfig, LaunchedCluster
+from tsukimi.serving.cluster.process_spec import ProcessSpec
 from tsukimi.store.client import StoreClient
 from tsukimi.store.master.server import MasterServer
-from tsukimi.testing.processes import stop_processes, wait_until
+from tsukimi.testing.processes import wait_until
 
 _STARTUP_S = 30.0
+_ANNOUNCED = re.compile(r"^holder (\S+):", re.MULTILINE)
 DEPLOYMENT_KINDS = ("inprocess", "multiprocess")
 HOLDER_BYTES = 4 << 20
 MASTER = MasterConfig(
@@ -55,9 +59,11 @@ MASTER_SETTINGS = [
 
 
 class TsukimiCluster:
-    """A master and `num_holders` holders of `holder_bytes` each. `master_addr` is the RPC
-    endpoint; `settings` are extra `--set` overrides for every process (e.g. force tcp);
-    `disk_dir`: each holder gets a disk of `disk_bytes` in its own directory under it."""
+    """A master and `num_holders` holders of `holder_bytes` each, launched as `tsukimi up`
+    launches its processes (tsukimi/serving/cluster/launcher.py), logging under a temporary
+    directory. `master_addr` is the RPC endpoint; `settings` are extra `--set` overrides for
+    every process (e.g. force tcp); `disk_dir`: each holder gets a disk of `disk_bytes` in its
+    own directory under it."""
 
     def __init__(
         self,
@@ -71,54 +77,52 @@ class TsukimiCluster:
         self.master_addr = f"tcp://127.0.0.1:{self.rpc_port}"
         self.http_url = f"http://127.0.0.1:{self.http_port}"
         self.settings = settings
-        self.procs: list[subprocess.Popen[bytes]] = []
         self.holder_names: list[str] = []
+        self._logs = tempfile.TemporaryDirectory(prefix="tsukimi-store-")
+        self._cluster = LaunchedCluster(
+            _store_plan(self, holder_bytes, num_holders, disk_dir, disk_bytes),
+            LaunchConfig(Path(self._logs.name), startup_timeout_s=_STARTUP_S),
+        )
         try:
-            self._start_master()
-            for i in range(num_holders):
-                disk = (f"--set=client.ssd_dir={disk_dir}/holder-{i}", f"--set=client.ssd_bytes={disk_bytes}")
-                args = ("--master", self.master_addr, "--segment-bytes", str(holder_bytes))
-                holder = self._spawn("holder", *args, *(disk if disk_dir else ()))
-                self.holder_names.append(self._announced_name(holder))
+            self._cluster.start()
+            self.holder_names = [self._announced_name(f"holder-{i}") for i in range(num_holders)]
             wait_until(lambda: len(httpx.get(self.http_url + "/segments", timeout=1).json()) == num_holders)
         except BaseException:
             self.close()
             raise
 
-    def _start_master(self) -> None:
-        self.master = self._spawn(
-            "master", f"--set=master.rpc_port={self.rpc_port}", f"--set=master.http_port={self.http_port}"
-        )
-        wait_until(lambda: httpx.get(self.http_url + "/health", timeout=1).status_code == 200)
+    @property
+    def master(self) -> subprocess.Popen[bytes]:
+        """The master's current process (fault tests may SIGKILL it)."""
+        return self._cluster.supervisor.children[0].proc
 
     def restart_master(self) -> None:
         """SIGTERM the master and start a new one on the same ports (its state is lost)."""
-        self.master.terminate()
-        self.master.wait(timeout=10)
-        self.procs.remove(self.master)
-        self._start_master()
+        self._cluster.restart("master")
 
     def kill_holder(self, index: int) -> None:
         """SIGKILL holder `index` (0-based, in start order)."""
-        holder = [p for p in self.procs if p is not self.master][index]
-        holder.kill()
-        holder.wait(timeout=5)
+        self._cluster.kill(f"holder-{index}")
 
-    def _spawn(self, command: str, *args: str) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-        cmd = [sys.executable, "-m", "tsukimi.cli", command, *args, *(f"--set={s}" for s in self.settings)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-        self.procs.append(proc)
-        return proc
+    def _announced_name(self, name: str) -> str:
+        """A holder prints "holder NAME: ..." once its segment is mounted (in its log).
 
-    def _announced_name(self, proc: subprocess.Popen[bytes]) -> str:
-        """A holder prints "holder NAME: ..." once its segment is mounted."""
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], _STARTUP_S)
-        line = proc.stdout.readline().decode() if ready else ""
-        if not line.startswith("holder "):
-            raise PeerError(f"holder did not start (said {line!r})")
-        return line.split()[1].rstrip(":")
+        Raises:
+            PeerError: it exited or said nothing of the kind within the startup time.
+        """
+        log = self._cluster.process(name).log
+        found: list[str] = []
+
+        def announced() -> bool:
+            self._cluster.supervisor.check_alive()
+            found.extend(m.group(1) for m in _ANNOUNCED.finditer(log.read_text(errors="replace")))
+            return bool(found)
+
+        try:
+            wait_until(announced, _STARTUP_S)
+        except PeerError as exc:
+            raise PeerError(f"{name} did not start: {exc}; see {log}") from exc
+        return found[0]
 
     def wait_drained(self, timeout_s: float = 10.0) -> None:
         """Wait until no segment holds any block (removed objects' leases have ended)."""
@@ -128,16 +132,35 @@ class TsukimiCluster:
     def close(self) -> None:
         """Stop the holders (they unmount while the master still answers), then the master;
         SIGTERM, then SIGKILL; idempotent."""
-        holders = [p for p in self.procs if p is not getattr(self, "master", None)]
-        for group in (holders, [p for p in self.procs if p not in holders]):
-            stop_processes(group)
-        self.procs.clear()
+        self._cluster.stop()
+        self._logs.cleanup()
 
     def __enter__(self) -> TsukimiCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _store_plan(
+    cluster: TsukimiCluster, holder_bytes: int, num_holders: int, disk_dir: str, disk_bytes: int
+) -> list[list[ProcessSpec]]:
+    """The master, then the holders (a group of their own: they need the master), as
+    ProcessSpecs (pure). NOTE: COLUMNS keeps the holder's announcement on one line."""
+    env = (("COLUMNS", "200"),)
+    sets = tuple(f"--set={s}" for s in cluster.settings)
+    ports = (f"--set=master.rpc_port={cluster.rpc_port}", f"--set=master.http_port={cluster.http_port}")
+    groups = [[ProcessSpec("master", "master", ("master", *ports, *sets), cluster.http_url, env=env)]]
+    holders = []
+    for i in range(num_holders):
+        disk = (f"--set=client.ssd_dir={disk_dir}/holder-{i}", f"--set=client.ssd_bytes={disk_bytes}")
+        args = ("holder", "--master", cluster.master_addr, "--segment-bytes", str(holder_bytes))
+        holders.append(
+            ProcessSpec(
+                f"holder-{i}", "holder", (*args, *(disk if disk_dir else ()), *sets), "", env=env, health="none"
+            )
+        )
+    return groups + ([holders] if holders else [])
 
 
 @dataclass

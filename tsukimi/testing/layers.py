@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Literal
 
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"clock", "errors", "eviction", "config", "retry", "lifeline", "extras"}),
+    frozenset({"clock", "errors", "eviction", "config", "retry", "lifeline", "extras", "quantiles"}),
     frozenset({"netio", "auth", "netserver", "rpc", "httpd"}),
     frozenset({"transfer"}),
     frozenset({"store", "scheduler", "p2p"}),

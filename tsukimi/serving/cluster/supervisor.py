@@ -10,6 +10,10 @@ them in groups, waits for their health, restarts one that dies, and stops them a
                           max_restarts within window_s is a crash loop: PeerError (the cluster
                           stops). max_restarts 0: any exit is a PeerError (the old behaviour)
     stop()             -> SIGTERM each group, last started first, SIGKILL after stop_timeout_s
+    respawn(child)     -> that child stopped and started again at once (a test's restart)
+    drop_group(group)  -> one group stopped and forgotten (a group that failed to start)
+
+tsukimi/serving/cluster/launcher.py drives it for `tsukimi up` and every bench or test cluster.
 
 A restarted child keeps its name, arguments and port, so the others find it where it was: the
 router marks it up again at its next poll (tsukimi/serving/router/worker_client.py), a PD worker mounts
@@ -41,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 _LIFELINE_STEP_S = 1.0  # between the groups' stops when this process died (master, workers, router)
 _LIFELINE_GROUPS = 3
+_HEALTH_POLL_S = 0.1
 
 
 @dataclass(slots=True)
@@ -74,8 +79,10 @@ class Supervisor:
 
     def start_group(self, specs: Sequence[ProcessSpec]) -> None:
         """Spawn `python -m tsukimi.cli ARGS` for each spec (mutates). Raises OSError."""
-        self.groups.append([])
-        self.groups[-1] += [Child(spec, *self._spawn(spec, "wb", len(self.groups) - 1)) for spec in specs]
+        group: list[Child] = []
+        self.groups.append(group)
+        for spec in specs:  # NOTE: one by one: a spawn that fails leaves the ones before it to stop()
+            group.append(Child(spec, *self._spawn(spec, "wb", len(self.groups) - 1)))
 
     def _spawn(self, spec: ProcessSpec, mode: str, group: int) -> tuple[subprocess.Popen[bytes], Path]:
         if self._lifeline is None:
@@ -122,7 +129,7 @@ class Supervisor:
                 if pending and self._clock.now() > deadline_s:
                     names = ", ".join(c.spec.name for c in pending)
                     raise PeerError(f"{names} did not become healthy in time; logs in {self.log_dir}")
-                if pending and stop.wait(0.2):
+                if pending and stop.wait(_HEALTH_POLL_S):
                     return False
         return True
 
@@ -171,24 +178,40 @@ class Supervisor:
     def stop(self) -> None:
         """SIGTERM each group, last started first; SIGKILL what outlives stop_timeout_s. Idempotent."""
         for group in reversed(self.groups):
-            for child in group:
-                if child.proc.poll() is None:
-                    child.proc.terminate()
-            deadline = self._clock.now() + self.stop_timeout_s
-            for child in group:
-                try:
-                    child.proc.wait(timeout=max(0.0, deadline - self._clock.now()))
-                except subprocess.TimeoutExpired:
-                    logger.warning("%s (pid %d) ignored SIGTERM: killing it", child.spec.name, child.proc.pid)
-                    child.proc.kill()
-                    child.proc.wait(timeout=5)
-                # NOTE: what the child left behind in its session (vLLM's engine core) goes too
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.proc.pid, signal.SIGKILL)
+            self._stop_children(group)
         self.groups.clear()
         if self._lifeline is not None:
             self._lifeline.close()
             self._lifeline = None
+
+    def drop_group(self, group: Sequence[Child]) -> None:
+        """Stop the children of `group` (as `stop` does) and forget the group (mutates)."""
+        self._stop_children(group)
+        self.groups = [g for g in self.groups if g is not group]
+
+    def respawn(self, child: Child) -> None:
+        """Stop `child` (SIGTERM, SIGKILL after stop_timeout_s) and start it again now, with
+        the same spec, appending to its log (mutates `child`). Raises OSError."""
+        self._stop_children([child])
+        index = next(i for i, group in enumerate(self.groups) if child in group)
+        child.proc, child.log = self._spawn(child.spec, "ab", index)
+        child.restart_at = None
+
+    def _stop_children(self, group: Sequence[Child]) -> None:
+        for child in group:
+            if child.proc.poll() is None:
+                child.proc.terminate()
+        deadline = self._clock.now() + self.stop_timeout_s
+        for child in group:
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - self._clock.now()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s (pid %d) ignored SIGTERM: killing it", child.spec.name, child.proc.pid)
+                child.proc.kill()
+                child.proc.wait(timeout=5)
+            # NOTE: what the child left behind in its session (vLLM's engine core) goes too
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signal.SIGKILL)
 
 
 def healthy(client: httpx.Client, url: str, kind: str = "tsukimi") -> bool:

@@ -55,10 +55,10 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tsukimi.clock import WallClock
 from tsukimi.config import ROLES, ClusterConfig, Role, load
 from tsukimi.netio import free_port
 from tsukimi.serving.cluster.cpp_plan import group_processes
+from tsukimi.serving.cluster.launcher import LaunchConfig, LaunchedCluster
 from tsukimi.serving.cluster.master_plan import master_groups
 from tsukimi.serving.cluster.process_spec import ProcessSpec
 from tsukimi.serving.cluster.supervisor import Child, Supervisor
@@ -141,15 +141,6 @@ def plan(
     return groups
 
 
-def _state_of(supervisor: Supervisor, api_url: str) -> dict[str, object]:
-    """What `--state-file` holds: the API's URL, the log directory and every child."""
-    processes = [
-        {"name": c.spec.name, "role": c.spec.role, "pid": c.proc.pid, "url": c.spec.url, "log": str(c.log)}
-        for c in supervisor.children
-    ]
-    return {"api": api_url, "log_dir": str(supervisor.log_dir), "processes": processes}
-
-
 def _write_state(path: str, state: dict[str, object]) -> None:
     """Write `state` as JSON to `path`, atomically (readers never see half a file)."""
     tmp = Path(f"{path}.tmp")
@@ -207,64 +198,59 @@ def supervise(
     console: Console,
     state_file: str | None = None,
 ) -> None:
-    """Starts `groups` in order (the last one's first process serves the API) and supervises
-    them until Ctrl-C or SIGTERM; stops every process on the way out. Raises as run_cluster."""
+    """Starts `groups` in order (the last one's first process serves the API) through the
+    launcher (tsukimi/serving/cluster/launcher.py) and supervises them until Ctrl-C or SIGTERM;
+    stops every process on the way out. Raises as run_cluster."""
     stop = threading.Event()
     restore = _install_stop_signals(stop)
+    config = LaunchConfig(supervisor.log_dir, startup_timeout_s, supervisor.stop_timeout_s, supervisor.verbose)
+    cluster = LaunchedCluster(groups, config, supervisor)
+    spawned: list[Child] = []
     try:
-        api_url = groups[-1][0].url
-        if not _start(supervisor, groups, startup_timeout_s, stop, console):
+        if not _start(cluster, stop, console, spawned):
             console.print("interrupted while starting", highlight=False)
             return
-        console.print(_summary(supervisor), highlight=False)
-        console.print(f"\nOpenAI API on {api_url}; try:\n  {_curl_example(api_url, model)}\n", highlight=False)
+        console.print(_summary(cluster), highlight=False)
+        console.print(f"\nOpenAI API on {cluster.api}; try:\n  {_curl_example(cluster.api, model)}\n", highlight=False)
         console.print("Ctrl-C stops the cluster.", highlight=False)
         if state_file:
-            _write_state(state_file, _state_of(supervisor, api_url))
+            _write_state(state_file, cluster.state())
         while not stop.wait(0.2):
-            if supervisor.tend() and state_file:  # NOTE: the restarted child's new pid
-                _write_state(state_file, _state_of(supervisor, api_url))
+            if cluster.tend() and state_file:  # NOTE: the restarted child's new pid
+                _write_state(state_file, cluster.state())
     finally:
-        if supervisor.groups:
-            console.print(f"stopping {len(supervisor.children)} processes (logs in {supervisor.log_dir})")
-        supervisor.stop()
+        if spawned:  # NOTE: a failed start has stopped them already; say so all the same
+            console.print(f"stopping {len(spawned)} processes (logs in {supervisor.log_dir})")
+        cluster.stop()
         restore()
         if state_file:
             Path(state_file).unlink(missing_ok=True)
 
 
-def _start(
-    supervisor: Supervisor,
-    groups: Sequence[Sequence[ProcessSpec]],
-    timeout_s: float,
-    stop: threading.Event,
-    console: Console,
-) -> bool:
-    """Start the groups in order, each once the previous is healthy; False when interrupted."""
-    deadline = WallClock().now() + timeout_s
+def _start(cluster: LaunchedCluster, stop: threading.Event, console: Console, spawned: list[Child]) -> bool:
+    """Start the groups in order, each once the previous is healthy, with a progress line per
+    child (noted in `spawned`); False when interrupted. Raises as LaunchedCluster.start."""
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     tasks: dict[str, TaskID] = {}
     with Progress(*columns, console=console) as progress:
+
+        def started(child: Child) -> None:
+            spawned.append(child)
+            tasks[child.spec.name] = progress.add_task(f"{child.spec.name} ({child.spec.role}): starting", total=1)
 
         def ready(child: Child) -> None:
             text = f"[green]{child.spec.name}[/green]: ready on {child.spec.url} (pid {child.proc.pid})"
             progress.update(tasks[child.spec.name], description=text, completed=1)
 
-        for specs in groups:
-            supervisor.start_group(specs)
-            for c in supervisor.groups[-1]:
-                tasks[c.spec.name] = progress.add_task(f"{c.spec.name} ({c.spec.role}): starting", total=1)
-            if not supervisor.wait_ready(supervisor.groups[-1], deadline, stop, ready):
-                return False
-    return True
+        return cluster.start(stop, started, ready)
 
 
-def _summary(supervisor: Supervisor) -> Table:
-    table = Table(title=f"tsukimi cluster (logs in {supervisor.log_dir})")
+def _summary(cluster: LaunchedCluster) -> Table:
+    table = Table(title=f"tsukimi cluster (logs in {cluster.log_dir})")
     for column in ("process", "role", "pid", "url"):
         table.add_column(column)
-    for child in supervisor.children:
-        table.add_row(child.spec.name, child.spec.role, str(child.proc.pid), child.spec.url)
+    for p in cluster.processes:
+        table.add_row(p.name, p.role, str(p.pid), p.url)
     return table
 
 

@@ -13,12 +13,13 @@ Runs on the router's event loop (no locks).
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Sequence
 
 import msgspec
 from prometheus_client import Histogram
+
+from tsukimi.quantiles import quantiles
 
 MAX_SAMPLES = 2048  # per histogram between two sampler ticks; older ones are dropped (bounds a tick's sort)
 DEFAULT_POINTS = 600  # ten minutes at one point a second
@@ -60,12 +61,10 @@ class Point(msgspec.Struct, frozen=True, array_like=True):
     tokens_per_s: float
 
 
-def percentiles(samples: Sequence[float], quantiles: Sequence[float] = QUANTILES) -> list[float | None]:
-    """Nearest-rank percentiles of `samples` (None each when there are none). Pure."""
-    if not samples:
-        return [None] * len(quantiles)
-    ordered = sorted(samples)
-    return [ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] for q in quantiles]
+def percentiles(samples: Sequence[float], qs: Sequence[float] = QUANTILES) -> list[float | None]:
+    """The `qs` quantiles of `samples` (tsukimi/quantiles.py: nearest rank; None each when
+    there are none). Pure."""
+    return [None if value != value else value for value in quantiles(samples, qs)]
 
 
 class Series:

@@ -1,0 +1,275 @@
+"""Every `tsukimi bench ...` command, run with its smallest configuration and `--json`, prints
+the one report type (tsukimi/bench/report.py): the output parses as `BenchReport`, names its
+command, configuration, revision and host, and carries the bench's figures in their documented
+shape and its verdicts, `quiet_machine` among them. Speed is never asserted.
+
+Smallest configurations: transfer and store `--quick` on fewer cells; p2p an 8 MiB checkpoint
+in 1 MiB shards to N = 1, 2 (far below `--quick`'s 256 MiB); scheduler the sample trace with 200
+decisions; cpp a 300-token prompt, one repeat; layerwise a 64-token prefix; serve `--quick` (chat
+4 x 2) without the no-reuse run; overload `--quick`; kv-burst 4 prompts of 200 tokens; vllm one
+system `--quick` and vllm-pd `--quick` (skipped, saying why, without .venv-vllm and its model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from tsukimi.bench.commands import add_parser
+from tsukimi.bench.report import QUIET_MACHINE, BenchReport
+from tsukimi.bench.runners import overload_config, serve_config
+from tsukimi.testing.vllm_server import missing_reason
+
+MIB = 1 << 20
+VLLM_MISSING = missing_reason("tiny")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One command line after `tsukimi bench`, what its report must hold, and its time bound."""
+
+    args: tuple[str, ...]
+    check: Callable[[BenchReport], None]
+    timeout_s: int = 150
+
+
+def _transfer(report: BenchReport) -> None:
+    figures = report.figures
+    assert set(figures) >= {"results", "peers", "baselines", "mooncake", "ratios", "unit"}
+    assert figures["mooncake"] is None
+    rows = figures["results"]
+    assert isinstance(rows, list)
+    assert {(r["transport"], r["op"], r["block_bytes"]) for r in rows} == {
+        (t, "write", b) for t in ("auto", "tcp") for b in (64 << 10, 4 * MIB)
+    }
+    for row in rows:
+        assert set(row) == {"transport", "op", "block_bytes", "batch", "connections", "gbps"} and row["gbps"] > 0
+    baselines = figures["baselines"]
+    assert isinstance(baselines, dict) and baselines["socket_gbps"] > 0 and baselines["memcpy_gbps"] > 0
+    assert _verdicts(report) >= {
+        "auto_64k_vs_nixl",
+        "auto_1_16mib_vs_memcpy",
+        "tcp_64k_vs_mooncake",
+        "tcp_4mib_vs_socket",
+    }
+    assert report.verdict("auto_64k_vs_nixl").met is None  # type: ignore[union-attr]  # NIXL not compared
+
+
+def _store(report: BenchReport) -> None:
+    figures = report.figures
+    assert set(figures) >= {"results", "small_ops", "disk_errors"}
+    rows = figures["results"]
+    assert isinstance(rows, list)
+    for row in rows:
+        puts = {"put_gbps", "put_p50_us"} if row["tier"] == "memory" else {"stayed_on_disk"}
+        assert {"system", "mode", "api", "value_bytes", "replicas", "tier", "get_gbps", "get_p50_us"} | puts <= set(row)
+        assert row["system"] == "tsukimi" and row["mode"] == "shm" and row["get_gbps"] > 0
+    assert sorted(r["tier"] for r in rows) == ["disk", "disk", "memory", "memory"]
+    assert all(r["stayed_on_disk"] == 1.0 for r in rows if r["tier"] == "disk")
+    assert {r["value_bytes"] for r in rows} == {64 << 10, MIB}
+    assert figures["small_ops"]["tsukimi"]["exists_p50_us"] > 0  # type: ignore[index]
+    assert report.verdict("1mib_vs_mooncake").met is None  # type: ignore[union-attr]  # Mooncake not compared
+
+
+def _p2p(report: BenchReport) -> None:
+    runs = report.figures["runs"]
+    assert isinstance(runs, list)
+    assert [(r["system"], r["receivers"]) for r in runs] == [
+        (system, n) for n in (1, 2) for system in ("tsukimi", "naive", "gloo")
+    ]
+    ckpt = 8 * MIB
+    for row in runs:
+        assert {"system", "receivers", "checkpoint_bytes", "seconds", "gbps", "origin_bytes"} <= set(row)
+        assert row["checkpoint_bytes"] == ckpt and row["seconds"] > 0 and row["verified"] is True
+        assert row["gbps"] == pytest.approx(row["receivers"] * ckpt / row["seconds"] / 1e9, rel=1e-2)
+        if row["system"] == "naive":
+            assert row["origin_bytes"] == row["receivers"] * ckpt and row["replica_bytes"] == 0
+        elif row["system"] == "tsukimi":
+            assert row["origin_bytes"] + row["replica_bytes"] == row["receivers"] * ckpt
+            assert row["origin_bytes"] >= ckpt  # NOTE: every shard leaves the origin at least once
+        else:  # gloo: what rank 0 wrote, at least one copy of the checkpoint
+            assert row["origin_bytes"] >= ckpt
+        assert row["transport"] == "tcp"
+    assert _verdicts(report) == {"origin_x_checkpoint_tcp", "seconds_x_naive_tcp", "gbps_x_gloo_tcp", QUIET_MACHINE}
+
+
+def _scheduler(report: BenchReport) -> None:
+    decision, simulation = report.figures["decision"], report.figures["simulation"]
+    assert isinstance(decision, dict) and isinstance(simulation, dict)
+    assert decision["p50_us"] <= decision["p99_us"] <= decision["max_us"]
+    assert simulation["requests"] > 0 and simulation["pd_s"] > 0
+    assert report.verdict("whole_trace").met is not None  # type: ignore[union-attr]
+
+
+def _cpp(report: BenchReport) -> None:
+    medians = report.figures["median_s"]
+    assert isinstance(medians, dict) and set(medians) == {"worker", "cpp_k1", "cpp_k2"}
+    assert report.verdict("cpp_k2_vs_k1").met is not None  # type: ignore[union-attr]
+
+
+def _layerwise(report: BenchReport) -> None:
+    medians = report.figures["median_ms"]
+    assert isinstance(medians, dict) and set(medians) == {"layerwise", "whole", "load_only", "compute_only", "compute"}
+
+
+def _serve(report: BenchReport) -> None:
+    runs = report.figures["runs"]
+    assert isinstance(runs, dict) and list(runs) == ["reuse"]
+    run = runs["reuse"]
+    assert (run["requests"], run["completed"], run["errors"]) == (8, 8, 0)  # chat --quick: 4 x 2
+    assert {"ttft_s", "tbt_s", "cached_ratio", "index_exact_ratio", "decision_records"} <= set(run)
+    assert report.configuration["chat"] == {**report.configuration["chat"], "conversations": 4, "turns": 2}  # type: ignore[dict-item]
+    assert _verdicts(report) >= {"reuse_ttft_p50", "index_exact"}
+
+
+def _overload(report: BenchReport) -> None:
+    figures = report.figures
+    kinds = {kind: figures[kind] for kind in ("served", "rejected", "error", "failed")}
+    assert sum(kinds.values()) == figures["sent"] and figures["served"] > 0  # type: ignore[arg-type]  # each ended once
+    assert figures["failed"] == 0 and figures["failed_by"] == {}  # no hang, no 5xx without a reason
+    rejected, errors = figures["rejected_by"], figures["errors_by"]
+    assert isinstance(rejected, dict) and isinstance(errors, dict)
+    assert all(key.split(" ", 1)[0] in ("429", "503") and key.split(" ", 1)[1] for key in rejected), rejected
+    assert all(key.split(" ", 1)[1] for key in errors), errors  # every error names its reason
+    post = figures["post_load"]
+    assert isinstance(post, dict) and post["ok"], post
+    assert set(figures["rss_mib"]) >= {"router", "prefill-0", "decode-0", "master"}  # type: ignore[arg-type]
+    assert _verdicts(report) == {
+        "health_under_100ms",
+        "every_request_ended",
+        "tokens_or_429_503",
+        "rss_bounded",
+        "post_load_ok",
+        QUIET_MACHINE,
+    }
+
+
+def _kv_burst(report: BenchReport) -> None:
+    figures = report.figures
+    assert (figures["requests"], figures["served"], figures["other_errors"]) == (4, 4, 0)
+    assert figures["decode_capacity_tokens"] == 64 * 16 and figures["same_tokens_as_sequential"] is True
+    outcomes = figures["outcomes"]
+    assert isinstance(outcomes, list) and len(outcomes) == 4
+    assert _verdicts(report) >= {"ttft_rejections_predicted", "served_within_slo", "same_tokens", "no_other_errors"}
+
+
+def _vllm(report: BenchReport) -> None:
+    runs = report.figures["runs"]
+    assert isinstance(runs, list) and [r["system"] for r in runs] == ["vllm_rr"]
+    assert "error" not in runs[0], runs[0]
+    assert _verdicts(report) >= {"tsukimi_vs_vllm_rr", "tokens_equal"}
+
+
+def _vllm_pd(report: BenchReport) -> None:
+    assert report.figures["num_prompts"] == 1 and report.verdict("tokens_equal") is not None
+
+
+def _verdicts(report: BenchReport) -> set[str]:
+    return {v.name for v in report.verdicts}
+
+
+_VLLM = pytest.mark.skipif(bool(VLLM_MISSING), reason=f"no vLLM here: {VLLM_MISSING}")
+
+
+def _case(name: str, case: Case, *marks: pytest.MarkDecorator) -> object:
+    """One parameter: its id, and a test time bound above the bench's (SIGINT, then a clean stop)."""
+    return pytest.param(case, id=name, marks=[pytest.mark.timeout(case.timeout_s + 120), *marks])
+
+
+CASES = [
+    _case(
+        "transfer",
+        Case(("transfer", "--quick", "--transport", "auto,tcp", "--op", "write", "--connections", "1"), _transfer),
+    ),
+    _case("store", Case(("store", "--quick", "--api", "single"), _store)),
+    _case(
+        "p2p",
+        Case(
+            ("p2p", "--receivers", "1,2", "--size", "8MiB", "--shard", "1MiB", "--timeout", "60", "--repeats", "1"),
+            _p2p,
+        ),
+    ),
+    _case(
+        "scheduler",
+        Case(
+            ("scheduler", "--decisions", "200", "--indexed-blocks", "2000", "--prefill", "4", "--decode", "4"),
+            _scheduler,
+        ),
+    ),
+    _case(
+        "cpp",
+        Case(("cpp", "--prompt-tokens", "300", "--chunk-tokens", "128", "--stages", "1", "2", "--repeats", "1"), _cpp),
+    ),
+    _case("layerwise", Case(("layerwise", "--prefix-tokens", "64", "--new-tokens", "4", "--repeats", "1"), _layerwise)),
+    _case("serve", Case(("serve", "--quick", "--no-compare"), _serve, 200)),
+    _case("overload", Case(("serve", "--workload", "overload", "--quick"), _overload, 240)),
+    _case(
+        "kv-burst",
+        Case(
+            ("kv-burst", "--requests", "4", "--prompt-tokens", "200", "--max-tokens", "4", "--decode-num-blocks", "64"),
+            _kv_burst,
+        ),
+    ),
+    _case("vllm", Case(("vllm", "--quick", "--systems", "vllm_rr"), _vllm, 600), _VLLM),
+    _case("vllm-pd", Case(("vllm-pd", "--quick"), _vllm_pd, 600), _VLLM),
+]
+
+
+def _bench(case: Case) -> tuple[int, str, str]:
+    """Runs `tsukimi bench ARGS --json`; its status, stdout and stderr. Past the case's time
+    bound it gets SIGINT first (a bench stops what it started on the way out, vLLM servers
+    included), SIGKILL only if that does not end it."""
+    cmd = [sys.executable, "-m", "tsukimi.cli", "bench", *case.args, "--json"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=case.timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                out, err = proc.communicate(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            pytest.fail(f"bench {case.args[0]} ran past {case.timeout_s} s:\n{err[-3000:]}")
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_bench_prints_the_one_report(case: Case) -> None:
+    code, out, err = _bench(case)
+    assert code == 0, out[-2000:] + err[-3000:]
+    report = BenchReport.from_json(out)
+    command = "bench " + " ".join(case.args[:1] + (("--workload", "overload") if "overload" in case.args else ()))
+    assert report.command == command
+    assert report.configuration and report.revision and report.host.cpus >= 1 and report.host.device
+    assert len(report.host.load_avg_start) == len(report.host.load_avg_end) == 3
+    quiet = report.verdict(QUIET_MACHINE)
+    assert quiet is not None and quiet.met == (
+        max(report.host.load_avg_start[0], report.host.load_avg_end[0]) <= report.host.cpus
+    )
+    assert quiet.met or "loaded machine: figures not comparable with quiet runs" in quiet.detail
+    case.check(report)
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", "serve", *argv])
+
+
+def test_serve_quick_shrinks_every_workload() -> None:
+    chat = serve_config(_serve_args("--quick"))
+    assert (chat.chat.conversations, chat.chat.turns, chat.chat.prefix_tokens) == (4, 2, 1000)
+    skewed = serve_config(_serve_args("--workload", "skewed", "--quick", "--rate", "8"))
+    assert (skewed.skewed.requests, skewed.skewed.prefix_tokens, skewed.skewed.rate) == (20, 500, 8.0)
+    assert serve_config(_serve_args("--workload", "trace", "--quick")).trace_limit == 20
+    overload = overload_config(_serve_args("--workload", "overload", "--quick"))
+    assert (overload.duration_s, overload.calibrate_s) == (10.0, 6.0)
+    full = serve_config(_serve_args())
+    assert (full.chat.conversations, full.chat.turns, full.trace_limit, full.skewed.requests) == (8, 4, 200, 60)
