@@ -11,6 +11,7 @@ settings) and runs every operation's tries through `Attempts`; none writes its o
     | TCP transport, one slice     | max_retries + 1    | the request's      | none    | a broken connection        |
     | router: prefill / colocated  | one per worker     | -                  | none    | WorkerUnavailable          |
     | router: discovering workers  | until the deadline | startup_timeout_s  | 50 ms   | a silent worker            |
+    | router: connect to /generate | 3                  | -                  | none    | ConnectTimeout             |
 
     attempts = policy.start(clock)
     while True:
