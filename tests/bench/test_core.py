@@ -176,7 +176,16 @@ RECORDED = {
             "pool_tokens": 0,
             "a_field_added_later": 1,
         },
-        {"request_id": "b", "accepted": False, "reason": "ttft_slo", "predicted_ttft_s": 3.0, "cached_tokens": None},
+        {
+            "request_id": "b",
+            "time_s": 1.1,
+            "mode": "pd",
+            "prompt_tokens": 600,
+            "accepted": False,
+            "reason": "ttft_slo",
+            "predicted_ttft_s": 3.0,
+            "cached_tokens": None,
+        },
     ]
 }
 
@@ -197,10 +206,10 @@ def test_decision_records_parse_from_recorded_json() -> None:
 
 def test_index_accuracy_sorts_misses_by_direction_and_cause() -> None:
     records = [
-        DecisionRecord("1", expected_cached_tokens=32, cached_tokens=32),
-        DecisionRecord("2", expected_cached_tokens=48, cached_tokens=32, expected_concurrent=True),
-        DecisionRecord("3", expected_cached_tokens=0, cached_tokens=16),
-        DecisionRecord("4", expected_cached_tokens=None, cached_tokens=16),  # colocated: not counted
+        DecisionRecord("1", 0.0, "pd", 64, expected_cached_tokens=32, cached_tokens=32),
+        DecisionRecord("2", 0.0, "pd", 64, expected_cached_tokens=48, cached_tokens=32, expected_concurrent=True),
+        DecisionRecord("3", 0.0, "pd", 64, expected_cached_tokens=0, cached_tokens=16),
+        DecisionRecord("4", 0.0, "pd", 64, expected_cached_tokens=None, cached_tokens=16),  # colocated: not counted
     ]
     assert index_accuracy(records) == {
         "index_exact_ratio": round(1 / 3, 4),
