@@ -15,24 +15,17 @@ The raw-bytes garbage (not JSON, not UTF-8, deep nesting) is `http-openai` in te
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO
 
-import httpx
 import openai
 import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
 from tests.fuzz.conftest import FUZZ_EXAMPLES, fuzz_input, fuzz_settings
-from tsukimi.errors import PeerError
-from tsukimi.netio import free_port
-from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.processes import stop_processes, wait_until
+from tsukimi.bench.up_cluster import planned, serving_settings
+from tsukimi.serving.cluster.launcher import LaunchedCluster, with_args
 
 WORKERS = ("prefill-0", "decode-0")
 VOCAB = 32000
@@ -45,85 +38,15 @@ class Deployment:
     base_url: str
 
 
-def _start(cmd: list[str], procs: list[subprocess.Popen[bytes]], logs: list[IO[bytes]]) -> None:
-    logs.append(tempfile.TemporaryFile())  # noqa: SIM115 - closed by the fixture
-    procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logs[-1], start_new_session=True))
-
-
-def _wait_healthy(url: str, log: IO[bytes], what: str) -> None:
-    try:
-        wait_until(lambda: httpx.get(url + "/health", timeout=1).status_code == 200, 90)
-    except (PeerError, httpx.HTTPError) as exc:
-        log.seek(0)
-        tail = log.read()[-3000:].decode(errors="replace")
-        raise PeerError(f"the {what} did not come up; its stderr ends:\n{tail}") from exc
-
-
 @pytest.fixture(scope="module")
-def deployment() -> Iterator[Deployment]:
-    store = TsukimiCluster(16 << 20, num_holders=0)
-    procs: list[subprocess.Popen[bytes]] = []
-    logs: list[IO[bytes]] = []
-    try:
-        urls = {}
-        for name in WORKERS:
-            port = free_port()
-            _start(
-                [
-                    sys.executable,
-                    "-m",
-                    "tsukimi.cli",
-                    "worker",
-                    "--name",
-                    name,
-                    "--role",
-                    name.split("-")[0],
-                    "--model",
-                    "tiny",
-                    "--port",
-                    str(port),
-                    "--master",
-                    store.master_addr,
-                    "--segment-bytes",
-                    "16M",
-                    "--num-blocks",
-                    "256",
-                ],
-                procs,
-                logs,
-            )
-            urls[name] = f"http://127.0.0.1:{port}"
-        for (name, url), log in zip(urls.items(), logs, strict=True):
-            _wait_healthy(url, log, f"worker {name}")
-        port = free_port()
-        workers = ",".join(f"{name}={name.split('-')[0]}@{url}" for name, url in urls.items())
-        _start(
-            [
-                sys.executable,
-                "-m",
-                "tsukimi.cli",
-                "router",
-                "--model",
-                "tiny",
-                "--port",
-                str(port),
-                "--workers",
-                workers,
-                "--set",
-                "conductor.rejection=none",
-            ],
-            procs,
-            logs,
-        )
-        base_url = f"http://127.0.0.1:{port}"
-        _wait_healthy(base_url, logs[-1], "router")
-        with openai.OpenAI(base_url=base_url + "/v1", api_key="none", timeout=30.0, max_retries=0) as client:
-            yield Deployment(client, base_url)
-    finally:
-        stop_processes(procs)
-        store.close()
-        for log in logs:
-            log.close()
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """`tsukimi up`'s PD cluster of the tiny model (master, a prefill and a decode worker, the
+    router admitting everything), launched as `tsukimi up` launches it."""
+    settings = serving_settings("tiny", "pd", num_blocks=256, extra=[f"workers.segment_bytes={16 << 20}"])
+    groups, launch = planned(settings, tmp_path_factory.mktemp("cluster"))
+    cluster = LaunchedCluster(with_args(groups, "router", "--set", "conductor.rejection=none"), launch)
+    with cluster, openai.OpenAI(base_url=cluster.api + "/v1", api_key="none", timeout=30.0, max_retries=0) as client:
+        yield Deployment(client, cluster.api)
 
 
 # -- strategies: each parameter's valid values, and (mixed) its wrong ones -----------------------

@@ -5,8 +5,6 @@ every later one equal one worker's greedy output exactly."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
@@ -14,15 +12,18 @@ import pytest
 import torch
 
 from tests.serving.test_pd_processes import _generate
+from tsukimi.config import WorkerConfig
 from tsukimi.config.pipeline import PrefillStageConfig
 from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import random_tiny
 from tsukimi.netio import free_port
+from tsukimi.serving.cluster.launcher import LaunchConfig, LaunchedCluster
+from tsukimi.serving.cluster.process_spec import ProcessSpec
 from tsukimi.serving.prefill_group.commands import stage_args
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.processes import stop_processes, wait_until
+from tsukimi.testing.workers import worker_spec
 
 CHUNK = 128
 PROMPTS = [[1, *((37 * i) % 31000 + 3 for i in range(700))], [1, *range(900, 1000)], [1, 2, 3]]
@@ -30,58 +31,37 @@ NEW = 6
 
 
 @pytest.fixture(scope="module")
-def group() -> Iterator[dict[str, str]]:
-    store = TsukimiCluster(16 << 20, num_holders=0)
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A CPP group of two stages (the head a prefill worker to its callers) and a decode worker,
+    all on one store; the prefill and decode URLs."""
+    with TsukimiCluster(16 << 20, num_holders=0) as store:
         head, tail, decode = free_port(), free_port(), free_port()
-        common = {
-            "num_stages": 2,
-            "model": "tiny",
-            "master": store.master_addr,
-            "chunk_tokens": CHUNK,
-            "segment_bytes": 32 << 20,
-        }
-        stages = [
-            PrefillStageConfig(name="cpp-1", stage=1, port=tail, **common),  # type: ignore[arg-type]
-            PrefillStageConfig(name="cpp", stage=0, port=head, downstream=f"127.0.0.1:{tail}", **common),
-        ]  # type: ignore[arg-type]
-        for cfg in stages:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "tsukimi.cli", *stage_args(cfg)],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-        cmd = [
-            sys.executable,
-            "-m",
-            "tsukimi.cli",
-            "worker",
-            "--name",
-            "decode",
-            "--role",
-            "decode",
-            "--model",
-            "tiny",
-            "--port",
-            str(decode),
-            "--master",
-            store.master_addr,
-            "--segment-bytes",
-            "16M",
-            "--num-blocks",
-            "256",
+        common = {"num_stages": 2, "model": "tiny", "master": store.master_addr, "chunk_tokens": CHUNK}
+        later = PrefillStageConfig(name="cpp-1", stage=1, port=tail, segment_bytes=32 << 20, **common)  # type: ignore[arg-type]
+        first = PrefillStageConfig(
+            name="cpp",
+            stage=0,
+            port=head,
+            downstream=f"127.0.0.1:{tail}",
+            segment_bytes=32 << 20,
+            **common,  # type: ignore[arg-type]
+        )
+        decoder = WorkerConfig(
+            name="decode",
+            role="decode",
+            model="tiny",
+            port=decode,
+            master=store.master_addr,
+            segment_bytes=16 << 20,
+            num_blocks=256,
+        )
+        specs = [
+            ProcessSpec("cpp-1", "cpp-stage", stage_args(later), f"127.0.0.1:{tail}", health="none"),
+            ProcessSpec("cpp", "prefill", stage_args(first), f"http://127.0.0.1:{head}"),
+            worker_spec(decoder),
         ]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        urls = {"prefill": f"http://127.0.0.1:{head}", "decode": f"http://127.0.0.1:{decode}"}
-        for url in urls.values():
-            wait_until(lambda u=url: httpx.get(u + "/health", timeout=1).status_code == 200, 60)
-        yield urls
-    finally:
-        stop_processes(procs)
-        store.close()
+        with LaunchedCluster([specs], LaunchConfig(tmp_path_factory.mktemp("group"), startup_timeout_s=120)):
+            yield {"prefill": f"http://127.0.0.1:{head}", "decode": f"http://127.0.0.1:{decode}"}
 
 
 def _tokens(lines: list[dict[str, object]]) -> list[int]:

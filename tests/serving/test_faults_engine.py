@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,12 +23,12 @@ from tests.serving.faulty_engine import POISON, FaultyEngine
 from tests.serving.test_worker import PROMPT, reference
 from tsukimi.config import WorkerConfig
 from tsukimi.engine.engine import LLMEngine
-from tsukimi.engine.weights import LoadedModel, load_model
+from tsukimi.engine.weights import LoadedModel
 from tsukimi.errors import ConfigError
 from tsukimi.netio import free_port
 from tsukimi.serving.worker.commands import add_parser, worker_args, worker_config
 from tsukimi.serving.worker.engine_factory import load_engine_factory
-from tsukimi.testing.processes import wait_until
+from tsukimi.testing.workers import launched_workers
 
 CHECKOUT = Path(__file__).resolve().parents[2]  # NOTE: on the worker's path: it imports the factory from tests/
 FAULTY = "tests.serving.faulty_engine:FaultyEngine"
@@ -37,53 +36,22 @@ MAX_TOKENS = 64
 GOOD = [PROMPT, list(range(200, 230)), list(range(5000, 5021))]
 
 
-def worker_command(port: int, engine_factory: str) -> tuple[list[str], dict[str, str]]:
-    """`tsukimi worker` (colocated, tiny) on `port` with `engine_factory`, and its environment."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "tsukimi.cli",
-        "worker",
-        "--name",
-        "colo",
-        "--role",
-        "colocated",
-        "--model",
-        "tiny",
-        "--port",
-        str(port),
-        "--num-blocks",
-        "256",
-        "--block-tokens",
-        "16",
-        "--engine-factory",
-        engine_factory,
-    ]
-    path = os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))
-    return cmd, {**os.environ, "PYTHONPATH": path}
+PYTHONPATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))}
+
+
+def colocated(port: int, engine_factory: str) -> WorkerConfig:
+    """A colocated tiny worker on `port` whose engines `engine_factory` builds."""
+    return WorkerConfig(
+        name="colo", role="colocated", model="tiny", port=port, num_blocks=256, engine_factory=engine_factory
+    )
 
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A colocated worker process whose engine is FaultyEngine; its base URL and log."""
-    log = tmp_path_factory.mktemp("worker") / "worker.log"
-    port = free_port()
-    cmd, env = worker_command(port, FAULTY)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: proc.poll() is not None or httpx.get(url + "/health", timeout=2).status_code == 200, 60)
-        assert proc.poll() is None, log.read_text()
-        yield url, log
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-@pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
-    return load_model("tiny")
+    logs = tmp_path_factory.mktemp("worker")
+    with launched_workers([colocated(free_port(), FAULTY)], logs, PYTHONPATH) as urls:
+        yield urls["colo"], logs / "colo.log"
 
 
 async def stream(
@@ -146,8 +114,8 @@ async def _one(url: str) -> list[dict[str, object]]:
     ],
 )
 def test_an_engine_factory_that_does_not_load_stops_the_worker(tmp_path: Path, factory: str, problem: str) -> None:
-    cmd, env = worker_command(free_port(), factory)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
+    cmd = [sys.executable, "-m", "tsukimi.cli", *worker_args(colocated(free_port(), factory))]
+    done = subprocess.run(cmd, env={**os.environ, **PYTHONPATH}, capture_output=True, text=True, timeout=50)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"worker engine_factory {factory!r}: {problem}" in " ".join(done.stdout.split())
 

@@ -8,62 +8,41 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tsukimi.config import ROUTER_CONDUCTOR, RouterConfig
+from tsukimi.config import ROUTER_CONDUCTOR, RouterConfig, WorkerConfig
 from tsukimi.netio import free_port
 from tsukimi.serving.kv_events import request_snapshot
 from tsukimi.serving.protocol import GenerateRequest, Health
 from tsukimi.serving.router.router import Router, TokenEvent
 from tsukimi.serving.router.workers import WorkerSpec
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.processes import stop_processes, wait_until
+from tsukimi.testing.workers import launched_workers
 
 NUM_BLOCKS = 24
 FAST = RouterConfig(poll_interval_s=0.05, connect_timeout_s=2.0, read_timeout_s=30.0, startup_timeout_s=30.0)
 
 
 @pytest.fixture(scope="module")
-def workers() -> Iterator[dict[str, str]]:
-    store = TsukimiCluster(64 << 20, num_holders=0)
-    procs: list[subprocess.Popen[bytes]] = []
-    urls = {}
-    try:
-        for role in ("prefill", "decode"):
-            port = free_port()
-            cmd = [
-                sys.executable,
-                "-m",
-                "tsukimi.cli",
-                "worker",
-                "--name",
-                role,
-                "--role",
-                role,
-                "--model",
-                "tiny",
-                "--port",
-                str(port),
-                "--master",
-                store.master_addr,
-                "--segment-bytes",
-                "32M",
-                "--num-blocks",
-                str(NUM_BLOCKS if role == "prefill" else 256),
-            ]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            urls[role] = f"http://127.0.0.1:{port}"
-        for url in urls.values():
-            wait_until(lambda u=url: httpx.get(u + "/health", timeout=1).status_code == 200, 60)
-        yield urls
-    finally:
-        stop_processes(procs)
-        store.close()
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    with TsukimiCluster(64 << 20, num_holders=0) as store:
+        configs = [
+            WorkerConfig(
+                name=role,
+                role=role,
+                model="tiny",
+                port=free_port(),
+                master=store.master_addr,
+                segment_bytes=32 << 20,
+                num_blocks=NUM_BLOCKS if role == "prefill" else 256,
+            )
+            for role in ("prefill", "decode")
+        ]
+        with launched_workers(configs, tmp_path_factory.mktemp("workers")) as urls:
+            yield urls
 
 
 def _worker_blocks(url: str) -> tuple[int, set[int]]:

@@ -6,22 +6,18 @@ whose prefix the pool already holds."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
-from typing import IO
 
 import httpx
 import pytest
 import torch
 
+from tsukimi.config import WorkerConfig
 from tsukimi.engine.model import generate_greedy_reference
 from tsukimi.engine.weights import random_tiny
-from tsukimi.errors import PeerError
 from tsukimi.netio import free_port
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.processes import stop_processes, wait_until
+from tsukimi.testing.workers import launched_workers
 
 SHARED = list(range(300, 340))  # 40 tokens: 2 full 16-token blocks
 PROMPTS = [[1, *SHARED, 5, 6, 7], [1, *SHARED, 8, 9], [1, 2, 3], [1, *SHARED, *range(500, 540)]]
@@ -29,54 +25,22 @@ NEW = 8
 
 
 @pytest.fixture(scope="module")
-def workers() -> Iterator[dict[str, str]]:
-    store = TsukimiCluster(16 << 20, num_holders=0)
-    procs: list[subprocess.Popen[bytes]] = []
-    logs: list[IO[bytes]] = []
-    urls = {}
-    try:
-        for role in ("prefill", "decode"):
-            port = free_port()
-            cmd = [
-                sys.executable,
-                "-m",
-                "tsukimi.cli",
-                "worker",
-                "--name",
-                role,
-                "--role",
-                role,
-                "--model",
-                "tiny",
-                "--port",
-                str(port),
-                "--master",
-                store.master_addr,
-                "--segment-bytes",
-                "16M",
-                "--num-blocks",
-                "256",
-            ]
-            logs.append(tempfile.TemporaryFile())  # noqa: SIM115 - closed below
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logs[-1]))
-            urls[role] = f"http://127.0.0.1:{port}"
-        for (role, url), log in zip(urls.items(), logs, strict=True):
-            try:
-                wait_until(lambda u=url: _healthy(u), 60)
-            except PeerError as exc:
-                log.seek(0)
-                tail = log.read()[-3000:].decode(errors="replace")
-                raise PeerError(f"the {role} worker did not come up; its stderr ends:\n{tail}") from exc
-        yield urls
-    finally:
-        stop_processes(procs)
-        store.close()
-        for log in logs:
-            log.close()
-
-
-def _healthy(url: str) -> bool:
-    return httpx.get(url + "/health", timeout=1).status_code == 200
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    with TsukimiCluster(16 << 20, num_holders=0) as store:
+        configs = [
+            WorkerConfig(
+                name=role,
+                role=role,
+                model="tiny",
+                port=free_port(),
+                master=store.master_addr,
+                segment_bytes=16 << 20,
+                num_blocks=256,
+            )
+            for role in ("prefill", "decode")
+        ]
+        with launched_workers(configs, tmp_path_factory.mktemp("workers")) as urls:
+            yield urls
 
 
 def _generate(url: str, request_id: str, prompt: list[int], max_tokens: int) -> list[dict[str, object]]:
