@@ -17,7 +17,7 @@ import httpx
 import msgspec
 import pytest
 
-from tests.serving.test_router import FAST, FakeWorker, close_all
+from tests.serving.fakes import FAST, FakeWorker, close_all
 from tsukimi import cli, httpd
 from tsukimi.config import ROUTER_CONDUCTOR, ClientConfig, ClusterConfig, ConductorConfig, Config, load
 from tsukimi.engine.tokenizer import ByteTokenizer

@@ -57,7 +57,7 @@ def test_a_lagging_loop_sheds_new_completions_only() -> None:
 def test_the_routers_app_logs_a_shed_request_as_rejected() -> None:
     """`build_router_app` installs the shedder from `shed_lag_ms`: a shed request is counted
     and logged as rejected "overloaded" under its id (its body unread: 0 prompt tokens)."""
-    from tests.serving.test_router import FakeWorker, router_app
+    from tests.serving.fakes import FakeWorker, router_app
     from tsukimi import httpd
 
     fake = FakeWorker("w")

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.serving.test_router import PROMPT, FakeWorker, close_all, dead_url, router_app
+from tests.serving.fakes import PROMPT, FakeWorker, close_all, dead_url, router_app
 from tsukimi import httpd
 from tsukimi.config import ROUTER_CONDUCTOR, ConductorConfig
 from tsukimi.engine.tokenizer import ByteTokenizer

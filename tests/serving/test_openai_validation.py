@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.serving.test_router import FAST, FakeWorker, close_all
+from tests.serving.fakes import FAST, FakeWorker, close_all
 from tsukimi import httpd
 from tsukimi.engine.tokenizer import ByteTokenizer
 from tsukimi.errors import ConfigError, InvalidArgument

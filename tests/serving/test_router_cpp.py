@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from tests.serving.test_router import FAST, FakeWorker, collect, run_with, workers  # noqa: F401
+from tests.serving.fakes import FAST, FakeWorker, collect, run_with
 from tsukimi.config import ROUTER_CONDUCTOR
 from tsukimi.errors import InvalidArgument
 from tsukimi.scheduler.cpp import CppGroup
@@ -24,14 +24,14 @@ def ask(prompt: list[int], rid: str = "r", temperature: float = 0.0) -> Generate
     return GenerateRequest(rid, tuple(prompt), 2, temperature)
 
 
-def cpp_router(workers: list[FakeWorker], ordinary: bool = True) -> Router:  # noqa: F811
+def cpp_router(workers: list[FakeWorker], ordinary: bool = True) -> Router:
     workers += [FakeWorker("g0", "prefill", cpp=GROUP), FakeWorker("d0", "decode")]
     if ordinary:
         workers.append(FakeWorker("p0", "prefill"))
     return Router([w.spec for w in workers], FAST, dataclasses.replace(ROUTER_CONDUCTOR, rejection="none"))
 
 
-def test_the_router_builds_its_groups_from_health(workers: list[FakeWorker]) -> None:  # noqa: F811
+def test_the_router_builds_its_groups_from_health(workers: list[FakeWorker]) -> None:
     router = cpp_router(workers)
 
     async def body(router: Router) -> None:
@@ -44,7 +44,7 @@ def test_the_router_builds_its_groups_from_health(workers: list[FakeWorker]) -> 
 
 
 def test_long_greedy_prompts_go_to_the_group_short_and_sampled_ones_do_not(
-    workers: list[FakeWorker],  # noqa: F811
+    workers: list[FakeWorker],
 ) -> None:
     router = cpp_router(workers)
 
@@ -62,7 +62,7 @@ def test_long_greedy_prompts_go_to_the_group_short_and_sampled_ones_do_not(
     assert {w.name: w.requests for w in router.workers()} == {"g0": 1, "p0": 2, "d0": 3}
 
 
-def test_sampling_with_groups_only_is_a_clear_error(workers: list[FakeWorker]) -> None:  # noqa: F811
+def test_sampling_with_groups_only_is_a_clear_error(workers: list[FakeWorker]) -> None:
     router = cpp_router(workers, ordinary=False)
 
     async def body(router: Router) -> None:

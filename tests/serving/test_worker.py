@@ -16,7 +16,7 @@ from tsukimi.config import WorkerConfig
 from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.sampling import SamplingParams
-from tsukimi.engine.weights import LoadedModel, load_model
+from tsukimi.engine.weights import LoadedModel
 from tsukimi.errors import ConfigError
 from tsukimi.serving.worker.server import Worker
 from tsukimi.testing.deployments import TsukimiCluster
@@ -25,11 +25,6 @@ from tsukimi.testing.processes import wait_until
 BLOCK_TOKENS = 16
 PROMPT = list(range(1000, 1040))  # 40 tokens: two full blocks and a partial one
 POISON = 31999  # FailingModel raises on this token
-
-
-@pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
-    return load_model("tiny")
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 
-from tests.serving.test_router import FAST, FakeWorker, close_all, run_with
+from tests.serving.fakes import FAST, FakeWorker, run_with
 from tsukimi.config import ROUTER_CONDUCTOR, LinearCostConfig, RouterConfig, WorkerConfig
 from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.scheduler import ScheduledBatch
 from tsukimi.engine.step_meter import MeteredRunner, StepMeter
-from tsukimi.engine.weights import LoadedModel, load_model
+from tsukimi.engine.weights import LoadedModel
 from tsukimi.scheduler.cost_model import LinearCostModel
 from tsukimi.serving.protocol import CostProfile, Health, Load
 from tsukimi.serving.router.router import Router
@@ -32,18 +31,6 @@ from tsukimi.testing.processes import wait_until
 
 PREFILL = {"prefill_coef": [0.001, 0.0002, 0.0], "decode_coef": [1.0, 1.0, 1.0], "kv_bytes_per_token": 4096}
 DECODE = {"prefill_coef": [1.0, 1.0, 1.0], "decode_coef": [0.004, 0.0005, 0.0], "kv_bytes_per_token": 4096}
-
-
-@pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
-    return load_model("tiny")
-
-
-@pytest.fixture
-def workers() -> Iterator[list[FakeWorker]]:
-    made: list[FakeWorker] = []
-    yield made
-    close_all([worker.close for worker in made])
 
 
 # -- the worker's side --------------------------------------------------------------------------
