@@ -84,6 +84,6 @@ def test_the_planned_router_arguments_are_the_routers_config(tmp_path: Path) -> 
     args = build_parser().parse_args(list(groups[-1][0].args))
     config = settings(args)
     assert (config.backend, config.model, config.served_model_name) == ("vllm", str(tmp_path / "models/tiny"), "tiny")
-    assert (config.router.policy, config.router.read_timeout_s, config.vllm.pool) == ("conductor", 300.0, True)
+    assert (config.router.policy, config.vllm.read_timeout_s, config.vllm.pool) == ("conductor", 300.0, True)
     assert set(parse_event_sources(config.vllm.kv_events, config.vllm.kv_events_topic)) == {"vllm-0", "vllm-1"}
     assert "vllm" in args.backends

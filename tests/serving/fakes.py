@@ -192,8 +192,8 @@ def request(prompt: Sequence[int], max_tokens: int, rid: str = "r", **extra: obj
     return GenerateRequest(rid, tuple(prompt), max_tokens, 0.0, **extra)  # type: ignore[arg-type]
 
 
-async def collect(router: Router, req: GenerateRequest) -> list[TokenEvent]:
-    return [event async for event in router.generate(req)]
+async def collect(router: Router, req: GenerateRequest, client_id: str = "") -> list[TokenEvent]:
+    return [event async for event in router.generate(req, client_id)]
 
 
 def run_with(router: Router, body: Callable[[Router], Awaitable[T]]) -> T:

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from tsukimi.clock import WallClock
-from tsukimi.config import SIMULATOR_CONDUCTOR
+from tsukimi.config import ROUTER_CONDUCTOR
 from tsukimi.errors import Rejected
 from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
 from tsukimi.scheduler.cost_model import LinearCostModel
@@ -25,7 +25,7 @@ def _setup() -> tuple[Conductor, ReleaseWaits, WallClock]:
     request 1 placed, request 2 queued behind it."""
     clock = WallClock()
     conductor = Conductor(
-        dataclasses.replace(SIMULATOR_CONDUCTOR, block_tokens=100), COST, PrefixIndex(), ["p0", "p1"], ["d0"], 1500
+        dataclasses.replace(ROUTER_CONDUCTOR, block_tokens=100), COST, PrefixIndex(), ["p0", "p1"], ["d0"], 1500
     )
     assert not conductor.schedule(ScheduleRequest(1, 1000, [], 16), clock.now()).queued
     assert conductor.schedule(ScheduleRequest(2, 1000, [], 16), clock.now()).queued

@@ -450,3 +450,35 @@ def test_pd_places_again_when_a_prefill_worker_is_down(workers: list[FakeWorker]
             await collect(router, request(PROMPT, 3, "pd-3"))
 
     run_with(router, body)
+
+
+def test_regression_a_client_id_already_running_is_409_and_keeps_its_record(workers: list[FakeWorker]) -> None:
+    """Two requests with one X-Request-Id on two workers: the engine's own duplicate check never
+    sees both, and the second used to replace the first one's decision record (review of
+    issue 22). The second is now DuplicateRequest at the router; the first's record stays."""
+    workers += [FakeWorker("a"), FakeWorker("b")]
+    workers[0].gated = True
+    router = Router([w.spec for w in workers], FAST)
+
+    async def body(router: Router) -> None:
+        held = router.generate(request([1], 3, "cmpl-x"), "x")
+        assert (await anext(held)).worker == "a"
+        with pytest.raises(DuplicateRequest, match=r"request 'x' \(cmpl-x2\) is already running"):
+            await collect(router, request([1], 3, "cmpl-x2"), "x")
+        [record] = router.decisions.get(["x"])
+        assert (record.prefill, record.accepted) == ("a", True)
+        workers[0].gate.set()
+        assert tokens([e async for e in held]) == [3, 4]
+        assert {e.worker for e in await collect(router, request([1], 3, "cmpl-x3"), "x")} == {"a"}  # done: free again
+
+    run_with(router, body)
+
+
+def test_least_load_over_pd_workers_is_a_config_error_not_a_silent_baseline(workers: list[FakeWorker]) -> None:
+    """At 95fb9ff pd ignored `router.policy` (least_load, the old default, applied to colocated
+    workers only); since round_robin became a pd baseline, least_load there would have dropped
+    the Conductor without a word: it is refused, naming the choices."""
+    specs = [WorkerSpec("p", "prefill", dead_url()), WorkerSpec("d", "decode", dead_url())]
+    with pytest.raises(ConfigError, match="least_load places colocated workers; in pd mode choose auto or conductor"):
+        Router(specs, dataclasses.replace(FAST, policy="least_load"))
+    assert Router(specs, FAST).policy == "conductor"

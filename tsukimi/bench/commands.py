@@ -200,6 +200,9 @@ def _add_kv_burst_parser(bench: argparse._SubParsersAction[argparse.ArgumentPars
     kb.add_argument("--no-kv-wait", action="store_true", help="reject at once what lacks decode KV memory")
     kb.add_argument("--warm-up", action="store_true", help="one short request before the burst")
     kb.add_argument(
-        "--prefill-token-s", type=float, default=0.0, help="the router's prefill s per prompt token (0: its default)"
+        "--prefill-token-s",
+        type=float,
+        default=0.0,
+        help="the router's config cost model: s per prompt token (0: the workers' own profiles)",
     )
     _add_output(kb)

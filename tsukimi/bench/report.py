@@ -183,16 +183,27 @@ def device_name() -> str:
 
 
 def git_revision() -> str:
-    """The short git revision of the checkout this package runs from ("unknown" outside one)."""
+    """The git revision of the checkout this package runs from, `-dirty` when its tracked files
+    differ from it; "unknown" outside a checkout of tsukimi (a wheel installed in a venv that
+    happens to sit inside some other repository reports "unknown", not that repository's)."""
     git = shutil.which("git")
     if git is None:
         return "unknown"
-    here = Path(__file__).resolve().parent
-    try:
-        out = subprocess.run([git, "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
+    package = Path(__file__).resolve().parent.parent  # NOTE: the tsukimi package, not a repository path
+
+    def run(*args: str) -> str:
+        try:
+            out = subprocess.run([git, *args], cwd=package, capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    top = run("rev-parse", "--show-toplevel")
+    if not top or not (Path(top) / package.name / "__init__.py").is_file():
         return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+    if not (Path(top) / package.name).samefile(package):
+        return "unknown"
+    return run("describe", "--always", "--dirty", "--abbrev=7") or "unknown"
 
 
 @dataclass(frozen=True, slots=True)

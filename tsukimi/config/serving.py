@@ -199,6 +199,8 @@ class VllmBackendConfig:
     kv_events: "NAME=ENDPOINT[+REPLAY_ENDPOINT],..." per instance (tcp:// or ipc://), on
         `kv_events_topic`; an instance named nowhere feeds the prefix index nothing.
     pool: the instances share tsukimi's KV pool (TsukimiConnector saves every full block there).
+    read_timeout_s: how long a call to an instance may wait for its next bytes (`[router]
+        read_timeout_s` is the tsukimi workers'): a CPU vLLM's queued prefill may take minutes.
     """
 
     block_size: int = 128
@@ -206,9 +208,11 @@ class VllmBackendConfig:
     kv_events: str = ""
     kv_events_topic: str = "kv"
     pool: bool = False
+    read_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         require(self.block_size > 0, f"vllm.block_size must be > 0, got {self.block_size}")
+        require(self.read_timeout_s > 0, f"vllm.read_timeout_s must be > 0, got {self.read_timeout_s}")
         require(
             self.hash_algo in VLLM_HASH_ALGOS,
             f"vllm.hash_algo must be one of {', '.join(VLLM_HASH_ALGOS)}, got {self.hash_algo!r}",

@@ -128,7 +128,7 @@ def vllm_backend(config: RouterAppConfig, workers: Sequence[WorkerSpec], clock: 
     if unknown:
         raise ConfigError(f"vllm.kv_events names instances that the workers do not: {sorted(unknown)}")
     r = config.router
-    return VllmBackend(config.vllm, sources, clock, r.connect_timeout_s, r.read_timeout_s)
+    return VllmBackend(config.vllm, sources, clock, r.connect_timeout_s, config.vllm.read_timeout_s)
 
 
 class VllmBackend:

@@ -233,8 +233,6 @@ def plan_vllm(
         str(config.model_path()),
         "--served-model-name",
         config.model,
-        "--set",
-        "router.read_timeout_s=300",  # NOTE: a CPU vLLM's queued prefill may take minutes
     ]
     args += ["--pool"] if config.connector != "none" else []
     groups.append([ProcessSpec("router", "router", tuple(args), f"http://{h}:{args[args.index('--port') + 1]}")])

@@ -78,7 +78,6 @@ class LaunchedCluster:
             config.log_dir, config.stop_timeout_s, verbose=config.verbose, restart=config.restart
         )
         self._clock = WallClock()
-        self._deadline_s: float | None = None
 
     def start(
         self, stop: threading.Event | None = None, on_started: OnChild | None = None, on_ready: OnChild | None = None
@@ -91,10 +90,10 @@ class LaunchedCluster:
             PeerError: a child exited or was not healthy within startup_timeout_s (everything
                 started is stopped first). OSError: a child could not be spawned (likewise).
         """
-        self._deadline_s = self._clock.now() + self.config.startup_timeout_s
+        deadline_s = self._clock.now() + self.config.startup_timeout_s
         try:
             for group in self._groups:
-                if not self._start(group, stop, on_started, on_ready):
+                if not self._start(group, deadline_s, stop, on_started, on_ready):
                     return False
         except BaseException:
             self.stop()
@@ -102,16 +101,17 @@ class LaunchedCluster:
         return True
 
     def start_group(self, specs: Sequence[ProcessSpec], stop: threading.Event | None = None) -> bool:
-        """Start one more group once the cluster is up and wait for its health (within what is
-        left of startup_timeout_s); False when `stop` was set first. A group that fails is
-        stopped and forgotten, so the caller may try again (another port) or give up.
+        """Start one more group once the cluster is up and wait for its health (within
+        startup_timeout_s from now: a group added an hour later gets its full time); False when
+        `stop` was set first. A group that fails is stopped and forgotten, so the caller may try
+        again (another port) or give up.
 
         Raises:
             PeerError / OSError: as `start`, but only this group is stopped.
         """
         before = len(self.supervisor.groups)
         try:
-            return self._start(list(specs), stop, None, None)
+            return self._start(list(specs), self._clock.now() + self.config.startup_timeout_s, stop, None, None)
         except BaseException:
             for group in self.supervisor.groups[before:]:
                 self.supervisor.drop_group(group)
@@ -120,19 +120,18 @@ class LaunchedCluster:
     def _start(
         self,
         specs: list[ProcessSpec],
+        deadline_s: float,
         stop: threading.Event | None,
         on_started: OnChild | None,
         on_ready: OnChild | None,
     ) -> bool:
-        deadline = (
-            self._deadline_s if self._deadline_s is not None else self._clock.now() + self.config.startup_timeout_s
-        )
+        """Spawn one group and wait until each child is healthy, until `deadline_s` (a WallClock reading)."""
         self.supervisor.start_group(specs)
         group = self.supervisor.groups[-1]
         for child in group:
             if on_started is not None:
                 on_started(child)
-        return self.supervisor.wait_ready(group, deadline, stop or threading.Event(), on_ready or (lambda _: None))
+        return self.supervisor.wait_ready(group, deadline_s, stop or threading.Event(), on_ready or (lambda _: None))
 
     def drop_group(self) -> None:
         """Stop the newest group and forget it (a bench's router between two runs; mutates)."""

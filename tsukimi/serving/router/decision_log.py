@@ -80,7 +80,9 @@ class DecisionRecord(msgspec.Struct):
         if not decision.accepted:
             self.rejected(decision.reason, decision.message)
             return
-        self.prefill, self.decode = decision.prefill or "", decision.decode or ""
+        self.prefill = decision.prefill or ""
+        # NOTE: colocated, the Conductor's decode pick is nominal: the prefill worker decodes too
+        self.decode = decision.decode or "" if self.mode == "pd" else ""
 
     def picked(self, prefill: str, decode: str = "") -> None:
         """Takes a baseline's pick (mutates)."""

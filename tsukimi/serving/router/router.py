@@ -51,7 +51,7 @@ import msgspec
 
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import ROLES, ROUTER_CONDUCTOR, ConductorConfig, RouterConfig
-from tsukimi.errors import ConfigError, InvalidArgument, Rejected, TsukimiError, WorkerUnavailable
+from tsukimi.errors import ConfigError, DuplicateRequest, InvalidArgument, Rejected, TsukimiError, WorkerUnavailable
 from tsukimi.retry import Retry
 from tsukimi.scheduler.baselines import make_router
 from tsukimi.scheduler.block_hash import BlockHash
@@ -159,6 +159,7 @@ class Router:
         self._running_prefills: dict[str, dict[int, list[BlockHash]]] = {}  # worker -> rid -> its block keys
         self.decisions = DecisionLog()  # every request's placement, by the client's id
         self._waits = ReleaseWaits(self.clock)  # requests queued for decode KV memory
+        self._running: set[str] = set()  # the client ids of the requests in flight
 
     async def start(self) -> None:
         """Discovers the workers (retrying for `startup_timeout_s`; those still silent are
@@ -195,14 +196,19 @@ class Router:
 
     async def close(self) -> None:
         """Stops polling and closes the connections (idempotent; mutates)."""
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
-        await self.backend.aclose()
-        if self._feed is not None:
-            await self._feed.close()
-        self._poller = self._feed = None
+        try:
+            if self._poller is not None:
+                self._poller.cancel()
+                # NOTE: a poller that died (a worker restarted with another role: ConfigError) re-raises here
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._poller
+        finally:
+            try:
+                await self.backend.aclose()
+            finally:
+                if self._feed is not None:
+                    await self._feed.close()
+                self._poller = self._feed = None
 
     async def update_weights(
         self, request: UpdateWeightsRequest, secret: bytes | None
@@ -246,23 +252,26 @@ class Router:
         client's; "" = `request.request_id`).
 
         Raises (from the iterator):
-            Rejected: the Conductor turned it away, or every worker's queue is full. The error a
+            DuplicateRequest: a request of the same id is running. Rejected: the Conductor turned
+            it away, or every worker's queue is full. The error a
             worker reported, as its class (InvalidArgument, DuplicateRequest, ...).
             WorkerUnavailable / WorkerError: see the module.
         """
-        record = self.decisions.open(
-            request_id or request.request_id, self.clock.now(), self.mode, len(request.prompt_ids)
-        )
-        stages = self._generate_pd if self.mode == "pd" else self._generate_colocated
-        return self._logged(record, stages(request, record))
+        return self._logged(request_id or request.request_id, request)
 
-    async def _logged(
-        self, record: DecisionRecord, events: AsyncGenerator[TokenEvent, None]
-    ) -> AsyncGenerator[TokenEvent, None]:
-        """`events`, with what they reused and why none came kept in `record`."""
+    async def _logged(self, key: str, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+        """The request's events, its decision logged under `key` (the client's id), with what
+        they reused and why none came. One request per key at a time: another one arriving
+        while it runs is a DuplicateRequest (409), whatever worker either would run on, and
+        leaves the running one's record alone."""
+        if key in self._running:
+            raise DuplicateRequest(f"request {key!r} ({request.request_id}) is already running")
+        record = self.decisions.open(key, self.clock.now(), self.mode, len(request.prompt_ids))
+        stages = self._generate_pd if self.mode == "pd" else self._generate_colocated
+        self._running.add(key)
         started = False
         try:
-            async with contextlib.aclosing(events):
+            async with contextlib.aclosing(stages(request, record)) as events:
                 async for event in events:
                     started = True
                     record.reused(event.cached_tokens, event.pool_tokens)
@@ -274,6 +283,8 @@ class Router:
             if not started:
                 record.rejected("no_instance", str(exc))
             raise
+        finally:
+            self._running.discard(key)
 
     # -- colocated ----------------------------------------------------------------------
 
@@ -578,8 +589,18 @@ def _resolve_policy(
     policy: str, mode: str, colocated_conductor: bool
 ) -> Literal["conductor", "least_load", "round_robin"]:
     """What "auto" means here: the Conductor in pd mode, and in colocated mode when the
-    backend's workers feed its index; else least_load."""
+    backend's workers feed its index; else least_load.
+
+    Raises:
+        ConfigError: least_load in pd mode (before round_robin existed as a PD baseline, pd
+            ignored the policy; a config spelling least_load would silently lose the Conductor).
+    """
     if policy == "auto":
         return "conductor" if mode == "pd" or colocated_conductor else "least_load"
+    if policy == "least_load" and mode == "pd":
+        raise ConfigError(
+            "router.policy least_load places colocated workers; in pd mode choose auto or conductor (the "
+            "Conductor), or round_robin (a baseline without it)"
+        )
     assert policy in ("conductor", "least_load", "round_robin")
     return policy  # type: ignore[return-value]
