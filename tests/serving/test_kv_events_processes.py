@@ -13,14 +13,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tsukimi.config import ROUTER_CONDUCTOR, RouterConfig, WorkerConfig
-from tsukimi.netio import free_port
+from tsukimi.config import ROUTER_CONDUCTOR, RouterConfig
 from tsukimi.serving.kv_events import request_snapshot
 from tsukimi.serving.protocol import GenerateRequest, Health
 from tsukimi.serving.router.router import Router, TokenEvent
 from tsukimi.serving.router.workers import WorkerSpec
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.workers import launched_workers
+from tsukimi.testing.workers import launched_workers, pd_configs
 
 NUM_BLOCKS = 24
 FAST = RouterConfig(poll_interval_s=0.05, connect_timeout_s=2.0, read_timeout_s=30.0, startup_timeout_s=30.0)
@@ -29,18 +28,7 @@ FAST = RouterConfig(poll_interval_s=0.05, connect_timeout_s=2.0, read_timeout_s=
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     with TsukimiCluster(64 << 20, num_holders=0) as store:
-        configs = [
-            WorkerConfig(
-                name=role,
-                role=role,
-                model="tiny",
-                port=free_port(),
-                master=store.master_addr,
-                segment_bytes=32 << 20,
-                num_blocks=NUM_BLOCKS if role == "prefill" else 256,
-            )
-            for role in ("prefill", "decode")
-        ]
+        configs = pd_configs(store.master_addr, 32 << 20, prefill_blocks=NUM_BLOCKS)
         with launched_workers(configs, tmp_path_factory.mktemp("workers")) as urls:
             yield urls
 

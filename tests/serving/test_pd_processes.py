@@ -12,12 +12,10 @@ import httpx
 import pytest
 import torch
 
-from tsukimi.config import WorkerConfig
 from tsukimi.engine.model import generate_greedy_reference
 from tsukimi.engine.weights import random_tiny
-from tsukimi.netio import free_port
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.workers import launched_workers
+from tsukimi.testing.workers import launched_workers, pd_configs
 
 SHARED = list(range(300, 340))  # 40 tokens: 2 full 16-token blocks
 PROMPTS = [[1, *SHARED, 5, 6, 7], [1, *SHARED, 8, 9], [1, 2, 3], [1, *SHARED, *range(500, 540)]]
@@ -27,18 +25,7 @@ NEW = 8
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     with TsukimiCluster(16 << 20, num_holders=0) as store:
-        configs = [
-            WorkerConfig(
-                name=role,
-                role=role,
-                model="tiny",
-                port=free_port(),
-                master=store.master_addr,
-                segment_bytes=16 << 20,
-                num_blocks=256,
-            )
-            for role in ("prefill", "decode")
-        ]
+        configs = pd_configs(store.master_addr, 16 << 20)
         with launched_workers(configs, tmp_path_factory.mktemp("workers")) as urls:
             yield urls
 

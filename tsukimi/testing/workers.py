@@ -6,6 +6,7 @@ the end of its log (LOG_DIR/NAME.log).
 
     configs = [WorkerConfig(name="prefill", role="prefill", model="tiny", port=free_port(), ...), ...]
     with launched_workers(configs, tmp_path) as urls:      urls: name -> http://host:port
+    pd_configs(master, segment_bytes)                      the usual pair: tiny prefill + decode
         ...
 """
 
@@ -17,9 +18,28 @@ from pathlib import Path
 
 from tsukimi.config import WorkerConfig
 from tsukimi.errors import ConfigError
+from tsukimi.netio import free_port
 from tsukimi.serving.cluster.launcher import LaunchConfig, LaunchedCluster
 from tsukimi.serving.cluster.process_spec import ProcessSpec
 from tsukimi.serving.worker.commands import worker_args
+
+
+def pd_configs(master: str, segment_bytes: int, num_blocks: int = 256, prefill_blocks: int = 0) -> list[WorkerConfig]:
+    """A tiny prefill worker and a tiny decode worker (named so) on the store `master`, each
+    giving it `segment_bytes` and holding `num_blocks` KV blocks (the prefill worker
+    `prefill_blocks` when set: a small cache that evicts), on free ports (pure but for the ports)."""
+    return [
+        WorkerConfig(
+            name=role,
+            role=role,
+            model="tiny",
+            port=free_port(),
+            master=master,
+            segment_bytes=segment_bytes,
+            num_blocks=prefill_blocks if role == "prefill" and prefill_blocks else num_blocks,
+        )
+        for role in ("prefill", "decode")
+    ]
 
 
 def worker_spec(config: WorkerConfig, env: Mapping[str, str] | None = None) -> ProcessSpec:
