@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/tsukimi up
 
 test: $(STAMP) $(NIXL_STAMP) system-deps lint vllm
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25  # the slowest 25: CI keeps the suite under ~40 min
 	$(BIN)/python -m tsukimi.testing.mooncake_suite --tests-dir $(MOONCAKE_TESTS) --modes tsukimi
 
 lint: $(STAMP)
