@@ -255,6 +255,13 @@ class TooManyRetries(TransferError):
     code = "too_many_retries"
 
 
+class DeviceError(TsukimiError):
+    """A device (a GPU) or its driver failed a call: a copy, an IPC handle, pinning host memory.
+    The message carries the driver's own error name."""
+
+    code = "device"
+
+
 _REJECTED_PREFIX = "rejected by the Conductor: "
 
 

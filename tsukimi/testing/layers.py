@@ -6,7 +6,8 @@ from its own layer or any lower one, never from a higher one:
 
     0  clock, errors, eviction, config,     (foundation: no tsukimi imports above it)
        retry, lifeline, extras
-    1  netio, auth, netserver, rpc, httpd   (sockets, the greeting, the control plane)
+    1  netio, auth, netserver, rpc, httpd,  (sockets, the greeting, the control plane;
+       device                               device memory: GPUs, emulated)
     2  transfer                             (the Transfer Engine)
     3  store, scheduler, p2p
     4  engine, sim
@@ -46,7 +47,7 @@ from typing import Literal
 
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"clock", "errors", "eviction", "config", "retry", "lifeline", "extras", "quantiles"}),
-    frozenset({"netio", "auth", "netserver", "rpc", "httpd"}),
+    frozenset({"netio", "auth", "netserver", "rpc", "httpd", "device"}),
     frozenset({"transfer"}),
     frozenset({"store", "scheduler", "p2p"}),
     frozenset({"engine", "sim"}),

@@ -1,0 +1,166 @@
+"""One conformance suite for every device backend: the emulated one always, CUDA on a GPU
+(`pytest -m gpu`). Each test gets fresh device memory of the backend under test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tsukimi.device import CUDA, EMULATED, DeviceBackend, DeviceRange, EmulatedDevice, backend, locate
+from tsukimi.device.registry import device_range
+from tsukimi.errors import ConfigError, InvalidBufferError
+
+Alloc = Callable[[int], DeviceRange]
+
+
+@pytest.fixture(params=["emu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> Iterator[tuple[DeviceBackend, Alloc]]:
+    keep: list[object] = []
+    if request.param == "emu":
+        emu = EmulatedDevice(0)
+
+        def alloc(n: int) -> DeviceRange:
+            memory = emu.alloc(n)
+            keep.append(memory)
+            return memory.range
+
+        yield EMULATED, alloc
+        for memory in keep:
+            memory.close()  # type: ignore[attr-defined]
+        return
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+    def alloc_cuda(n: int) -> DeviceRange:
+        tensor = torch.zeros(n, dtype=torch.uint8, device="cuda")
+        keep.append(tensor)
+        found = device_range(tensor)
+        assert found is not None
+        return found
+
+    yield CUDA, alloc_cuda
+
+
+def _pattern(n: int, seed: int = 7) -> bytes:
+    return bytes((i * 131 + seed) % 251 for i in range(n))
+
+
+def test_host_round_trip(device: tuple[DeviceBackend, Alloc]) -> None:
+    be, alloc = device
+    memory = alloc(1 << 16)
+    data = _pattern(1 << 16)
+    be.from_host(memory, memoryview(data))  # a read-only source
+    out = bytearray(1 << 16)
+    be.to_host(memory, memoryview(out))
+    assert out == data
+
+
+def test_sub_ranges_and_device_copies(device: tuple[DeviceBackend, Alloc]) -> None:
+    be, alloc = device
+    a, b = alloc(4096), alloc(4096)
+    be.from_host(a.sub(100, 1000), memoryview(_pattern(1000)))
+    be.copy(b.sub(2000, 1000), a.sub(100, 1000))
+    out = bytearray(1000)
+    be.to_host(b.sub(2000, 1000), memoryview(out))
+    assert out == _pattern(1000)
+    with pytest.raises(InvalidBufferError):
+        be.copy(b.sub(0, 10), a.sub(0, 11))
+    with pytest.raises(InvalidBufferError):
+        be.to_host(a.sub(0, 10), memoryview(bytearray(11)))
+    with pytest.raises(InvalidBufferError):
+        a.sub(4000, 200)
+
+
+def test_locate_tells_device_memory_from_host_memory(device: tuple[DeviceBackend, Alloc]) -> None:
+    be, alloc = device
+    memory = alloc(8192)
+    found = locate(memory.address + 10, 100)
+    assert found == DeviceRange(memory.device, memory.address + 10, 100)
+    assert be.locate(memory.address, 8192) == memory
+    with pytest.raises(InvalidBufferError):
+        locate(memory.address + 8000, 500)  # runs past the allocation
+    host = bytearray(4096)
+    from tsukimi.device.base import host_address
+
+    assert locate(host_address(memoryview(host)), 4096) is None
+
+
+def test_export_opens_in_this_process(device: tuple[DeviceBackend, Alloc]) -> None:
+    be, alloc = device
+    memory = alloc(4096)
+    opened = be.open(be.export(memory.sub(512, 1024)), 1024)
+    assert opened.address == memory.address + 512 and opened.device == memory.device
+    opened.close()
+    with pytest.raises(InvalidBufferError):
+        be.open(b"not an export", 10)
+
+
+_CHILD = """
+import sys
+from tsukimi.device import backend, DeviceRange
+be = backend(sys.argv[1])
+opened = be.open(bytes.fromhex(sys.argv[2]), int(sys.argv[3]))
+out = bytearray(opened.length)
+be.to_host(DeviceRange(opened.device, opened.address, opened.length), memoryview(out))
+be.from_host(DeviceRange(opened.device, opened.address, opened.length), memoryview(bytes(reversed(out))))
+opened.close()
+"""
+
+
+def test_export_opens_in_another_process(device: tuple[DeviceBackend, Alloc]) -> None:
+    be, alloc = device
+    memory = alloc(1 << 20)
+    data = _pattern(4096, seed=3)
+    part = memory.sub(8192, 4096)
+    be.from_host(part, memoryview(data))
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    args = [sys.executable, "-c", _CHILD, be.kind, be.export(part).hex(), "4096"]
+    subprocess.run(args, check=True, timeout=60, env=env)
+    out = bytearray(4096)
+    be.to_host(part, memoryview(out))
+    assert out == bytes(reversed(data))
+
+
+def test_pin_returns_an_unpin(device: tuple[DeviceBackend, Alloc]) -> None:
+    be, _ = device
+    import mmap
+
+    mm = mmap.mmap(-1, 1 << 20)
+    unpin = be.pin(memoryview(mm))
+    unpin()
+    mm.close()
+
+
+def test_unknown_kinds_and_bad_ranges_are_the_callers_error() -> None:
+    with pytest.raises(ConfigError):
+        backend("tpu:0")
+    with pytest.raises(InvalidBufferError):
+        DeviceRange("cuda", 1, 1)
+    with pytest.raises(InvalidBufferError):
+        DeviceRange("cuda:0", 0, 1)
+    with pytest.raises(InvalidBufferError):
+        EmulatedDevice(0).alloc(0)
+
+
+def test_without_a_driver_cuda_is_unavailable_and_says_so() -> None:
+    if CUDA.available():
+        pytest.skip("this host has a GPU")
+    assert locate(0x1000, 10) is None
+    from tsukimi.errors import DeviceError
+
+    with pytest.raises(DeviceError, match="no CUDA device"):
+        CUDA.to_host(DeviceRange("cuda:0", 0x1000, 4), memoryview(bytearray(4)))
+
+
+def test_the_emulated_device_counts_its_copies() -> None:
+    before = EMULATED.stats["from_host_bytes"]
+    with EmulatedDevice(1).alloc(100) as memory:
+        memory.write(0, b"x" * 100)
+        assert memory.read(0, 100) == b"x" * 100
+        assert memory.device == "emu:1"
+    assert EMULATED.stats["from_host_bytes"] == before + 100
