@@ -43,7 +43,8 @@ _ERROR_ALREADY_REGISTERED = 712  # CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    # NOTE: unsigned bytes, not c_char: a c_char array reads back cut at its first NUL
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
 
 
 class _Driver:
@@ -229,7 +230,7 @@ class CudaBackend:
             if found is None:
                 address = ctypes.c_uint64(0)
                 handle = _IpcHandle()
-                handle.reserved = raw
+                ctypes.memmove(ctypes.addressof(handle), raw, ctypes.sizeof(handle))
                 driver.call("cuIpcOpenMemHandle_v2", ctypes.byref(address), handle, _IPC_LAZY_ENABLE_PEER_ACCESS)
                 found = self._opened[key] = [address.value, 0]
             found[1] += 1
