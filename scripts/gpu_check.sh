@@ -10,7 +10,8 @@
 #
 # Everything lands in $OUT (./gpu-out when unset), 7 files, each step's status in summary.txt;
 # the bench's Markdown is printed last. Exit status: 0 when every step passed. About 8 minutes
-# at most. Variables: GPU_PYTHON (python3), GPU_WHEELS (.gpu-wheels), GPU_BENCH_ARGS (--quick).
+# at most. Variables: GPU_PYTHON (python3), GPU_WHEELS (.gpu-wheels), GPU_BENCH_ARGS (--quick;
+# set and empty: the full bench), GPU_PYTEST_S, GPU_BENCH_S.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
@@ -62,7 +63,7 @@ step pytest "${GPU_PYTEST_S:-180}" "$PY" -m pytest -m gpu -q -p no:cacheprovider
     --continue-on-collection-errors tests/ 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25 || failed=1
 
 # shellcheck disable=SC2086  # GPU_BENCH_ARGS: several words on purpose
-step bench "${GPU_BENCH_S:-240}" "$PY" -m tsukimi.cli bench gpu ${GPU_BENCH_ARGS:---quick} --json \
+step bench "${GPU_BENCH_S:-240}" "$PY" -m tsukimi.cli bench gpu ${GPU_BENCH_ARGS---quick} --json \
     >"$OUT/bench_gpu.json" 2>"$OUT/bench_gpu.log" || failed=1
 tail -5 "$OUT/bench_gpu.log"
 "$PY" - "$OUT/bench_gpu.json" >"$OUT/bench_gpu.md" 2>&1 <<'EOF'
