@@ -66,7 +66,7 @@ step pytest "${GPU_PYTEST_S:-180}" "$PY" -m pytest -m gpu -q -p no:cacheprovider
 step bench "${GPU_BENCH_S:-240}" "$PY" -m tsukimi.cli bench gpu ${GPU_BENCH_ARGS---quick} --json \
     >"$OUT/bench_gpu.json" 2>"$OUT/bench_gpu.log" || failed=1
 tail -5 "$OUT/bench_gpu.log"
-"$PY" - "$OUT/bench_gpu.json" >"$OUT/bench_gpu.md" 2>&1 <<'EOF'
+[ -s "$OUT/bench_gpu.json" ] && "$PY" - "$OUT/bench_gpu.json" >"$OUT/bench_gpu.md" 2>&1 <<'EOF'
 import sys
 from pathlib import Path
 
@@ -75,7 +75,7 @@ from tsukimi.bench.report import BenchReport, render_markdown
 
 print(render_markdown(BenchReport.from_json(Path(sys.argv[1]).read_bytes()), VIEWS))
 EOF
-cat "$OUT/bench_gpu.md"
+[ -s "$OUT/bench_gpu.md" ] && cat "$OUT/bench_gpu.md"
 echo "--- summary ($OUT)"
 cat "$OUT/summary.txt"
 exit "$failed"
