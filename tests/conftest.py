@@ -6,7 +6,9 @@
 - `tiny`: the seeded random tiny model (`load_model("tiny")`, torch on one thread), one per
   module;
 - `master`: a store master on ephemeral ports, closed after the test; a module or test marked
-  `@pytest.mark.master(lease_ttl_s=0.2, ...)` gets those `MasterConfig` fields.
+  `@pytest.mark.master(lease_ttl_s=0.2, ...)` gets those `MasterConfig` fields;
+- `@pytest.mark.gpu`: skipped, saying "needs a CUDA GPU", where torch sees no CUDA device (CI);
+  `make gpu-check` runs them (`pytest -m gpu`) on a GPU machine.
 """
 
 from __future__ import annotations
@@ -20,6 +22,19 @@ import pytest
 if TYPE_CHECKING:
     from tsukimi.engine.weights import LoadedModel
     from tsukimi.store.master.server import MasterServer
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skips the `gpu` tests without CUDA. NOTE: torch is imported only when some are collected."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    for item in gpu_items:
+        item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
 @pytest.fixture(autouse=True)

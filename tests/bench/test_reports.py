@@ -7,7 +7,8 @@ Smallest configurations: transfer and store `--quick` on fewer cells; p2p an 8 M
 in 1 MiB shards to N = 1, 2 (far below `--quick`'s 256 MiB); scheduler the sample trace with 200
 decisions; cpp a 300-token prompt, one repeat; layerwise a 64-token prefix; serve `--quick` (chat
 4 x 2) without the no-reuse run; overload `--quick`; kv-burst 4 prompts of 200 tokens; vllm one
-system `--quick` and vllm-pd `--quick` (skipped, saying why, without .venv-vllm and its model).
+system `--quick` and vllm-pd `--quick` (skipped, saying why, without .venv-vllm and its model);
+gpu `--quick --repeats 1` (without CUDA: host memcpy and the tiny model, GPU rows not measured).
 """
 
 from __future__ import annotations
@@ -170,6 +171,29 @@ def _vllm_pd(report: BenchReport) -> None:
     assert report.figures["num_prompts"] == 1 and report.verdict("tokens_equal") is not None
 
 
+def _gpu(report: BenchReport) -> None:
+    figures, cuda = report.figures, report.host.device != "cpu"
+    assert figures["device"] == report.host.device
+    for size in ("64KiB", "1MiB", "64MiB"):
+        assert figures[f"raw.memcpy_gbps.{size}"] > 0  # type: ignore[operator]
+        pinned = figures[f"raw.h2d_pinned_gbps.{size}"]
+        assert (isinstance(pinned, float) and pinned > 0) if cuda else pinned == "not measured: no CUDA"
+    assert figures["raw.kv_host_per_block_gbps"] > 0 and figures["raw.kv_host_batched_gbps"] > 0  # type: ignore[operator]
+    tokens = ("4k", "16k") if cuda else ("128", "512")
+    for label in tokens:
+        assert figures[f"raw.prefill_s.{label}"] > 0 and figures[f"raw.reuse_s.{label}"] > 0  # type: ignore[operator]
+    assert not [key for key in figures if key.startswith("tsukimi.")]  # NOTE: none built yet
+    gpu_goals = {
+        "te_h2d_vs_pinned",
+        "store_kv_blocks_gbps",
+        "engine_prefill_vs_raw_16k",
+        "engine_reuse_vs_recompute_16k",
+        "pd_ttft_vs_colocated_16k",
+    }
+    assert _verdicts(report) == gpu_goals | {QUIET_MACHINE}
+    assert all(report.verdict(name).met is None for name in gpu_goals)  # type: ignore[union-attr]
+
+
 def _verdicts(report: BenchReport) -> set[str]:
     return {v.name for v in report.verdicts}
 
@@ -216,6 +240,7 @@ CASES = [
             _kv_burst,
         ),
     ),
+    _case("gpu", Case(("gpu", "--quick", "--repeats", "1"), _gpu, 60)),
     _case("vllm", Case(("vllm", "--quick", "--systems", "vllm_rr"), _vllm, 600), _VLLM),
     _case("vllm-pd", Case(("vllm-pd", "--quick"), _vllm_pd, 600), _VLLM),
 ]

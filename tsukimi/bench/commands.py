@@ -5,6 +5,7 @@ transfer, store, p2p      the Transfer Engine, the store, the P2P store (process
 scheduler, cpp, layerwise the Conductor's decisions, chunked pipeline prefill, layer-wise loading
 serve, kv-burst           the serving stack end to end (`tsukimi up`'s plan, launched here)
 vllm, vllm-pd             vLLM instances: three ways of serving them; the PD hand-over
+gpu                       the raw host<->GPU copies and prefill/reuse limits (issue 23)
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     vp.add_argument("--quick", action="store_true", help="a smoke run: 1 prompt of 512 tokens")
     _add_output(vp)
     _add_kv_burst_parser(bench)
+    _add_gpu_parser(bench)
 
 
 def _add_kv_burst_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -206,3 +208,12 @@ def _add_kv_burst_parser(bench: argparse._SubParsersAction[argparse.ArgumentPars
         help="the router's config cost model: s per prompt token (0: the workers' own profiles)",
     )
     _add_output(kb)
+
+
+def _add_gpu_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tsukimi bench gpu` (mutates `bench`)."""
+    gp = bench.add_parser("gpu", help="raw host<->GPU copies, KV block scatter, prefill and reuse (issue 23)")
+    gp.add_argument("--shape", default="", help="llama3-8b (default with CUDA), smollm2-135m, tiny (default without)")
+    gp.add_argument("--repeats", type=int, default=3, help="timed runs per figure (median), after one warm-up")
+    gp.add_argument("--quick", action="store_true", help="no 1 GiB copy; prompts 4k, 16k (CPU: 128, 512 tokens)")
+    _add_output(gp)

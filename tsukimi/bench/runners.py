@@ -36,6 +36,7 @@ def run(args: argparse.Namespace, console: Console) -> None:
         "cpp": _bench_cpp,
         "layerwise": _bench_layerwise,
         "kv-burst": _bench_kv_burst,
+        "gpu": _bench_gpu,
     }
     if args.bench not in runners:
         raise ConfigError(f"unknown benchmark {args.bench!r}")
@@ -218,3 +219,12 @@ def _bench_kv_burst(args: argparse.Namespace, console: Console) -> tuple[BenchRe
         prefill_token_s=args.prefill_token_s,
     )
     return kv_burst.run_report(cfg, _say(console)), kv_burst.VIEWS
+
+
+def _bench_gpu(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
+    import torch
+
+    from tsukimi.bench import gpu
+
+    cfg = gpu.GpuBenchConfig.for_device(torch.cuda.is_available(), args.quick, args.shape, args.repeats)
+    return gpu.run_report(cfg, _say(console)), gpu.VIEWS
