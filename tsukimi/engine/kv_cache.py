@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tsukimi.engine.model import attention, end_aligned_mask
+from tsukimi.engine.stream_order import StreamOrder
 from tsukimi.errors import ConfigError, InvalidArgument
 from tsukimi.eviction import LruPolicy
 from tsukimi.scheduler.block_hash import BlockHash
@@ -191,6 +192,8 @@ class PagedKVCache:
             raise ConfigError(f"KV storage of {len(storage)} bytes < {num_blocks} blocks of {total // num_blocks}")
         else:
             raw = torch.frombuffer(storage, dtype=torch.uint8, count=total)
+        self.order = StreamOrder(self.device, layout.num_layers)
+        """The side stream of the copies into and out of this cache, and their markers."""
         self.slots = raw.view(num_blocks, layout.num_layers, layout.slot_bytes)
         """slots[block, layer]: one slot's bytes (K/V then trailer), on the cache's device."""
         elements = raw.view(layout.dtype)  # NOTE: slot_bytes is a multiple of the element size
