@@ -81,9 +81,9 @@ def test_staged_greedy_tokens_with_and_without_the_pool(tiny: LoadedModel, store
     layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK)
     alone = LLMEngine(tiny.model, layout, 64, cfg.eos_token_ids)
     first, second = _engine(tiny, store.client(), True), _engine(tiny, store.client(), True, layerwise=True)
-    want = _tokens(alone, PROMPT + [5, 6], NEW)
-    assert _tokens(first, PROMPT + [5, 6], NEW) == want  # computes and publishes
-    assert _tokens(second, PROMPT + [5, 6], NEW) == want  # loads 5 blocks through the staging
+    want = _tokens(alone, [*PROMPT, 5, 6], NEW)
+    assert _tokens(first, [*PROMPT, 5, 6], NEW) == want  # computes and publishes
+    assert _tokens(second, [*PROMPT, 5, 6], NEW) == want  # loads 5 blocks through the staging
     assert isinstance(second.connector, StoreKVConnector) and second.connector.loaded_blocks == 5
 
 
