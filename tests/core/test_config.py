@@ -135,8 +135,13 @@ def test_cluster_workers_bad_key_names_the_valid_ones() -> None:
 def test_cluster_workers_values_are_checked_where_they_are_written() -> None:
     with pytest.raises(ConfigError, match=r"workers\.num_blocks must be int"):
         load(ClusterConfig, None, ["workers.num_blocks='8'"])
-    with pytest.raises(ConfigError, match=r"workers\.dtype must be one of \('float32', 'bfloat16'\)"):
-        load(ClusterConfig, None, ["workers.dtype=float16"])
+    with pytest.raises(
+        ConfigError, match=r"workers\.dtype must be one of \('auto', 'float32', 'bfloat16', 'float16'\)"
+    ):
+        load(ClusterConfig, None, ["workers.dtype=float64"])
+    with pytest.raises(ConfigError, match="worker device must be one of auto, cpu, cuda or cuda:N"):
+        load(ClusterConfig, None, ["workers.device=gpu"])
+    assert load(ClusterConfig, None, ["workers.device=cuda"]).workers.worker.device == "cuda"
     with pytest.raises(ConfigError, match="num_blocks must be >= 0"):  # NOTE: 0 = from kv_cache_memory
         load(ClusterConfig, None, ["workers.num_blocks=-1"])
 

@@ -53,8 +53,8 @@ def test_config_rejects_bad_values() -> None:
         dataclasses.replace(TINY_CONFIG, head_dim=33)
     with pytest.raises(ConfigError, match="multiple of num_kv_heads"):
         dataclasses.replace(TINY_CONFIG, num_kv_heads=3)
-    with pytest.raises(ConfigError, match="float32, bfloat16"):
-        dataclasses.replace(TINY_CONFIG, dtype="float16")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="float32, bfloat16, float16"):
+        dataclasses.replace(TINY_CONFIG, dtype="float64")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="special token"):
         dataclasses.replace(TINY_CONFIG, eos_token_ids=(32000,))
     with pytest.raises(ConfigError, match="num_layers"):

@@ -33,17 +33,20 @@ from tsukimi.config.scheduling import (
 )
 from tsukimi.config.serving import (
     BACKEND_KINDS,
+    DEVICE_NAMES,
     DTYPE_NAMES,
     POLICY_NAMES,
     ROLES,
     SHARED_WORKER_KEYS,
     VLLM_HASH_ALGOS,
+    WORKER_DTYPE_NAMES,
     ClusterConfig,
     ClusterMasterConfig,
     ClusterMode,
     ClusterRestartConfig,
     ClusterRouterConfig,
     ClusterWorkersConfig,
+    DeviceName,
     DTypeName,
     PolicyName,
     Role,
@@ -52,6 +55,7 @@ from tsukimi.config.serving import (
     VllmBackendConfig,
     VllmHashAlgo,
     WorkerConfig,
+    WorkerDTypeName,
 )
 from tsukimi.config.store import PLACEMENT_NAMES, ClientConfig, MasterConfig, PlacementName
 from tsukimi.config.transfer import (
@@ -65,6 +69,7 @@ from tsukimi.config.transfer import (
 
 __all__ = [
     "BACKEND_KINDS",
+    "DEVICE_NAMES",
     "DTYPE_NAMES",
     "INLINE_KEYS",
     "MIB",
@@ -79,6 +84,7 @@ __all__ = [
     "SHARED_WORKER_KEYS",
     "SIMULATOR_CONDUCTOR",
     "VLLM_HASH_ALGOS",
+    "WORKER_DTYPE_NAMES",
     "ClientConfig",
     "ClusterConfig",
     "ClusterMasterConfig",
@@ -89,6 +95,7 @@ __all__ = [
     "ConductorConfig",
     "Config",
     "DTypeName",
+    "DeviceName",
     "LinearCostConfig",
     "MasterConfig",
     "MetadataConfig",
@@ -106,6 +113,7 @@ __all__ = [
     "VllmBackendConfig",
     "VllmHashAlgo",
     "WorkerConfig",
+    "WorkerDTypeName",
     "build_dataclass",
     "load",
     "read_settings",

@@ -22,8 +22,13 @@ from tsukimi.errors import ConfigError
 
 Role = Literal["colocated", "prefill", "decode"]
 ROLES: tuple[str, ...] = get_args(Role)
-DTypeName = Literal["float32", "bfloat16"]
+DTypeName = Literal["float32", "bfloat16", "float16"]
 DTYPE_NAMES: tuple[str, ...] = get_args(DTypeName)
+# NOTE: what a worker may ask for: "auto" is resolved on the machine (tsukimi/engine/device.py)
+WorkerDTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+WORKER_DTYPE_NAMES: tuple[str, ...] = get_args(WorkerDTypeName)
+DeviceName = Literal["auto", "cpu", "cuda"]
+DEVICE_NAMES: tuple[str, ...] = get_args(DeviceName)
 ClusterMode = Literal["pd", "colocated"]
 # NOTE: what `[master]` of a cluster file may set of the master's `MasterConfig` (besides its ports)
 SHARED_MASTER_KEYS = ("hot_threshold", "hot_max_replicas", "hot_window_s", "hot_cool_ratio", "hot_cool_down_s")
@@ -35,6 +40,7 @@ SHARED_WORKER_KEYS = (
     "max_batched_tokens",
     "segment_bytes",
     "threads",
+    "device",
     "dtype",
     "prefix_caching",
     "layerwise_loading",
@@ -96,7 +102,8 @@ class WorkerConfig:
     master: str = ""
     segment_bytes: int = 256 << 20
     threads: int = 1
-    dtype: DTypeName = "float32"
+    device: str = "auto"  # auto, cpu, cuda or cuda:N (DeviceName; auto: cuda when torch sees a GPU)
+    dtype: WorkerDTypeName = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     prefix_caching: bool = True  # False: compute every prompt in full (the no-reuse baseline)
     metadata_url: str = ""
     layerwise_loading: bool = False  # read pooled KV layer by layer, overlapped with the forward
@@ -106,8 +113,11 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"worker role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.dtype not in DTYPE_NAMES:
-            raise ConfigError(f"worker dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.dtype not in WORKER_DTYPE_NAMES:
+            raise ConfigError(f"worker dtype must be one of {', '.join(WORKER_DTYPE_NAMES)}, got {self.dtype!r}")
+        kind, _, index = self.device.partition(":")
+        if kind not in DEVICE_NAMES or (index and not (kind == "cuda" and index.isdigit())):
+            raise ConfigError(f"worker device must be one of {', '.join(DEVICE_NAMES)} or cuda:N, got {self.device!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"worker port must be in 0..65535, got {self.port}")
         for name, low in (

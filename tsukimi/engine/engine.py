@@ -56,6 +56,8 @@ class LLMEngine:
         layerwise_loading: overlap loading the pool's blocks with the forward, layer by layer
             (when the connector can: a `LayerwiseConnector`); False: load them at admission.
             Off by default: on this CPU-only machine it measured no faster (docs/benchmarks.md).
+        device: where the KV cache lives: the model's device (tsukimi/engine/device.py); the
+            model's parameters must already be there.
     """
 
     def __init__(
@@ -69,11 +71,12 @@ class LLMEngine:
         storage: memoryview | None = None,
         prefix_caching: bool = True,
         layerwise_loading: bool = False,
+        device: torch.device | str = "cpu",
     ) -> None:
         if max_batched_tokens < 1:
             raise InvalidArgument("max_batched_tokens must be >= 1")
         self.model, self.eos_ids, self.connector = model, eos_ids, connector
-        self.cache = PagedKVCache(layout, num_blocks, storage)
+        self.cache = PagedKVCache(layout, num_blocks, storage, device)
         self.max_batched_tokens = max_batched_tokens
         self.prefix_caching = prefix_caching
         self.loader = None

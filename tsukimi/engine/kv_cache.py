@@ -20,9 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from tsukimi.errors import ConfigError
+from tsukimi.engine.model import attention, end_aligned_mask
+from tsukimi.engine.stream_order import StreamOrder
+from tsukimi.errors import ConfigError, InvalidArgument
 from tsukimi.eviction import LruPolicy
 from tsukimi.scheduler.block_hash import BlockHash
 
@@ -164,13 +165,25 @@ class SequenceKV:
 
 
 class PagedKVCache:
-    """The KV tensor and its block pool. `storage`, when given, is the memory to use (e.g.
-    registered shared memory, so that the KV pool reads and writes blocks in place)."""
+    """The KV tensor and its block pool, on `device`. On the CPU, `storage`, when given, is the
+    memory to use (e.g. registered shared memory, so that the KV pool reads and writes blocks
+    in place); on a GPU the cache is one device allocation with the same slot layout, and the
+    KV pool moves slots through pinned staging (tsukimi/engine/kv_staging.py)."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, storage: memoryview | None = None) -> None:
-        self.layout, self.pool = layout, BlockPool(num_blocks)
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        storage: memoryview | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.layout, self.pool, self.device = layout, BlockPool(num_blocks), torch.device(device)
         total = num_blocks * layout.num_layers * layout.slot_bytes
-        if storage is None:
+        if self.device.type != "cpu":
+            if storage is not None:
+                raise ConfigError(f"KV storage in host memory cannot back a cache on {self.device}")
+            raw = torch.zeros(total, dtype=torch.uint8, device=self.device)  # NOTE: reads as zeros, as mmap
+        elif storage is None:
             # NOTE: anonymous memory reads as zeros and is committed page by page as blocks are
             # first written, so a large budget (tsukimi/engine/kv_budget.py) costs what is used
             self._memory = mmap.mmap(-1, total)
@@ -179,7 +192,10 @@ class PagedKVCache:
             raise ConfigError(f"KV storage of {len(storage)} bytes < {num_blocks} blocks of {total // num_blocks}")
         else:
             raw = torch.frombuffer(storage, dtype=torch.uint8, count=total)
-        self._slots = raw.view(num_blocks, layout.num_layers, layout.slot_bytes)
+        self.order = StreamOrder(self.device, layout.num_layers)
+        """The side stream of the copies into and out of this cache, and their markers."""
+        self.slots = raw.view(num_blocks, layout.num_layers, layout.slot_bytes)
+        """slots[block, layer]: one slot's bytes (K/V then trailer), on the cache's device."""
         elements = raw.view(layout.dtype)  # NOTE: slot_bytes is a multiple of the element size
         slot, token = layout.slot_bytes // _size(layout), layout.num_kv_heads * layout.head_dim
         self.kv = elements.as_strided(
@@ -187,9 +203,21 @@ class PagedKVCache:
             (layout.num_layers * slot, slot, layout.block_tokens * token, token, layout.head_dim, 1),
         )
 
+    @property
+    def host_addressable(self) -> bool:
+        """Whether `slot` can hand out the cache's own memory (a CPU cache): the KV pool then
+        reads and writes slots in place; otherwise it stages them (tsukimi/engine/kv_staging.py)."""
+        return self.device.type == "cpu"
+
     def slot(self, block: int, layer: int) -> memoryview:
-        """One (block, layer) slot, K/V then trailer: a writable view into the cache."""
-        return memoryview(self._slots[block, layer].numpy())  # type: ignore[arg-type]
+        """One (block, layer) slot, K/V then trailer: a writable view into a CPU cache.
+
+        Raises:
+            InvalidArgument: the cache is on a device (not host-addressable).
+        """
+        if not self.host_addressable:
+            raise InvalidArgument(f"a KV cache on {self.device} has no host view of its slots: stage them")
+        return memoryview(self.slots[block, layer].numpy())  # type: ignore[arg-type]
 
     def layer_bytes(self, block: int, layer: int) -> memoryview:
         """The K/V bytes of one layer of one block (the slot without its trailer)."""
@@ -227,7 +255,7 @@ class BatchAttention:
         on_layer: Callable[[int], None] | None = None,
     ) -> None:
         self.cache, self.segments, self._on_layer = cache, list(segments), on_layer
-        bt = cache.layout.block_tokens
+        bt, device = cache.layout.block_tokens, cache.device
         blocks, offsets = [], []
         self._plans: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]] = []
         start = 0
@@ -236,14 +264,14 @@ class BatchAttention:
             blocks += [seq.block_table[p // bt] for p in positions]
             offsets += [p % bt for p in positions]
             context = seq.num_tokens + count
-            table = torch.tensor(seq.block_table[: -(-context // bt)], dtype=torch.long)
+            table = torch.tensor(seq.block_table[: -(-context // bt)], dtype=torch.long, device=device)
             mask = None
             if count > 1 and seq.num_tokens > 0:  # causal, aligned to the end of the context
-                mask = torch.arange(context)[None, :] <= torch.arange(seq.num_tokens, context)[:, None]
+                mask = end_aligned_mask(seq.num_tokens, context, device)
             self._plans.append((start, count, table, context, mask))
             start += count
-        self._blocks = torch.tensor(blocks, dtype=torch.long)
-        self._offsets = torch.tensor(offsets, dtype=torch.long)
+        self._blocks = torch.tensor(blocks, dtype=torch.long, device=device)
+        self._offsets = torch.tensor(offsets, dtype=torch.long, device=device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = self.cache.kv
@@ -252,21 +280,13 @@ class BatchAttention:
         if self._on_layer is not None:
             self._on_layer(layer)
         out = torch.empty_like(q)
-        heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+        kv_heads, dim = k.shape[1], q.shape[2]
         for start, count, table, context, mask in self._plans:
-            keys = kv[table, layer, 0].reshape(-1, kv_heads, dim)[:context].transpose(0, 1)
-            values = kv[table, layer, 1].reshape(-1, kv_heads, dim)[:context].transpose(0, 1)
-            query = q[start : start + count].transpose(0, 1)
+            keys = kv[table, layer, 0].reshape(-1, kv_heads, dim)[:context]
+            values = kv[table, layer, 1].reshape(-1, kv_heads, dim)[:context]
+            query = q[start : start + count]
             causal = count > 1 and mask is None
-            attended = F.scaled_dot_product_attention(
-                query,
-                keys.to(q.dtype),
-                values.to(q.dtype),
-                attn_mask=mask,
-                is_causal=causal,
-                enable_gqa=heads != kv_heads,
-            )
-            out[start : start + count] = attended.transpose(0, 1)
+            out[start : start + count] = attention(query, keys.to(q.dtype), values.to(q.dtype), mask, causal)
         return out
 
     def commit(self) -> None:

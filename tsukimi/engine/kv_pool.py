@@ -13,9 +13,13 @@ thread writes layer l of the blocks that this step fills, while the next layers 
 `flush()` waits for them at the end of the step, before any block can be released.
 
 An object is exactly one KV cache slot (tsukimi/engine/kv_cache.py): the layer's K/V, then a
-64-byte trailer that names the format digest, the block hash and the layer. Both directions
-are zero-copy on our side: the store writes from and reads into the slot itself; a slot whose
-trailer or size does not match is refused (`KVFormatError`), and the block is not used::
+64-byte trailer that names the format digest, the block hash and the layer. With a cache in
+host memory both directions are zero-copy on our side: the store writes from and reads into
+the slot itself. With a cache on a GPU (or `staged=True`, which CI uses on the CPU) the slots
+move through host staging rows, one gather + one copy per layer and step to publish, one copy
++ one scatter per load batch (tsukimi/engine/kv_staging.py); the pool's objects are the same
+bytes either way. A slot whose trailer or size does not match is refused (`KVFormatError`),
+and the block is not used::
 
     | payload: kv[k|v, token, kv head, head dim] of one layer of one block (KVLayout)              |
     | magic "TSKV" | version u32 | format digest 16 B | block hash u64 | payload u64 | layer u32 | pad |
@@ -38,8 +42,12 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+import torch
+
 from tsukimi.engine.block_manager import INITIAL_WEIGHTS
 from tsukimi.engine.kv_cache import KVLayout, PagedKVCache
+from tsukimi.engine.kv_staging import HostArena, SlotStaging
+from tsukimi.engine.stream_order import Marker, StreamOrder
 from tsukimi.errors import KVFormatError as KVFormatError
 from tsukimi.errors import ObjectExists, TsukimiError
 from tsukimi.scheduler.block_hash import BlockHash
@@ -86,12 +94,46 @@ class KVFormat:
         return f"{self.prefix}/{block_hash:016x}/{layer}"
 
 
+@dataclass(slots=True)
+class _Staging:
+    """The staging of one cache: its slot mover, the publish rows of the step in flight
+    (`flush` frees them) and two alternating load buffers, each with the marker of its last
+    copy into the cache (layer l's batch reuses buffer l % 2 once that copy is done)."""
+
+    cache: PagedKVCache
+    slots: SlotStaging
+    publish: HostArena
+    loads: tuple[HostArena, HostArena]
+    load_marks: list[Marker]
+
+    @classmethod
+    def of(cls, cache: PagedKVCache) -> _Staging:
+        row, device = cache.layout.slot_bytes, cache.device
+        return cls(
+            cache,
+            SlotStaging(cache),
+            HostArena(row, device),
+            (HostArena(row, device), HostArena(row, device)),
+            [None, None],
+        )
+
+
+def _views(rows: torch.Tensor) -> list[memoryview]:
+    """One writable memoryview per host row (what the store reads from and writes into)."""
+    return [memoryview(row.numpy()) for row in rows]
+
+
 class StoreKVConnector:
     """The engine's `KVConnector` over a `StoreClient`. `save_layer` may be called from the
-    engine thread only; writes run on one background thread, in order."""
+    engine thread only; writes run on one background thread, in order.
 
-    def __init__(self, client: StoreClient, fmt: KVFormat, replicas: int = 1) -> None:
-        self.client, self.format, self.replicas = client, fmt, replicas
+    staged: move slots through host staging even when the cache is host-addressable (CI's way
+        to run the GPU path's gather/scatter on the CPU); a cache on a device always stages.
+    """
+
+    def __init__(self, client: StoreClient, fmt: KVFormat, replicas: int = 1, staged: bool = False) -> None:
+        self.client, self.format, self.replicas, self.staged = client, fmt, replicas, staged
+        self._staging: _Staging | None = None
         self.loaded_blocks = self.saved_blocks = self.refused_blocks = 0
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsukimi-kv-publish")
         self._pending: list[Future[None]] = []
@@ -118,7 +160,11 @@ class StoreKVConnector:
         layers = self.format.num_layers
         pairs = [(h, b, layer) for h, b in zip(hashes, blocks, strict=False) for layer in range(layers)]
         keys = [self.format.key(h, layer) for h, _, layer in pairs]
-        slots = [cache.slot(b, layer) for _, b, layer in pairs]
+        staging = self._staging_for(cache)
+        rows = (
+            staging.publish.take(len(pairs)) if staging is not None else None
+        )  # NOTE: between steps: no publish in flight
+        slots = _views(rows) if rows is not None else [cache.slot(b, layer) for _, b, layer in pairs]
         try:
             got = self.client.batch_get(keys, slots)
         except TsukimiError as exc:  # the pool is an optimisation: compute instead
@@ -132,6 +178,12 @@ class StoreKVConnector:
             ):
                 break
             loaded += 1
+        if staging is not None and rows is not None:  # NOTE: the verified blocks only: one copy, one scatter
+            done = staging.slots.scatter(
+                staging.slots.slot_ids(blocks[:loaded], range(layers)), rows[: loaded * layers]
+            )
+            cache.order.host_waits(done)
+            staging.publish.reset()
         self.loaded_blocks += loaded
         return loaded
 
@@ -155,9 +207,32 @@ class StoreKVConnector:
         """Read `layer` of the blocks `hashes` into `blocks` (one batch; tsukimi/engine/
         layer_loading.py); per block, whether it arrived whole and in this format. Raises the
         store's errors for the whole batch (RpcTimeout, MasterUnavailable, ...)."""
-        slots = [cache.slot(b, layer) for b in blocks]
-        got = self.client.batch_get([self.format.key(h, layer) for h in hashes], slots)
-        return [self._verified(got[i], slots[i], h, layer, cache.layout) for i, h in enumerate(hashes)]
+        staging = self._staging_for(cache)
+        if staging is None:
+            slots = [cache.slot(b, layer) for b in blocks]
+            got = self.client.batch_get([self.format.key(h, layer) for h in hashes], slots)
+            return [self._verified(got[i], slots[i], h, layer, cache.layout) for i, h in enumerate(hashes)]
+        arena = staging.loads[layer % 2]  # NOTE: the loader's one thread: layer l-1's copy may still run
+        cache.order.host_waits(staging.load_marks[layer % 2])
+        arena.reset()
+        rows = arena.take(len(blocks))
+        views = _views(rows)
+        got = self.client.batch_get([self.format.key(h, layer) for h in hashes], views)
+        arrived = [self._verified(got[i], views[i], h, layer, cache.layout) for i, h in enumerate(hashes)]
+        # NOTE: every row, as the zero-copy path reads every block in place: a block that failed
+        # makes its request recompute (layer_loading.py), so its bytes are never used
+        done = staging.slots.scatter(staging.slots.slot_ids(blocks, (layer,)), rows)
+        staging.load_marks[layer % 2] = done
+        cache.order.loaded(layer, done)
+        return arrived
+
+    def _staging_for(self, cache: PagedKVCache) -> _Staging | None:
+        """The staging of `cache`, or None when slots move in place (a host cache, not `staged`)."""
+        if cache.host_addressable and not self.staged:
+            return None
+        if self._staging is None or self._staging.cache is not cache:  # NOTE: a fresh engine, a fresh cache
+            self._staging = _Staging.of(cache)
+        return self._staging
 
     def _verified(self, got: GetResult, slot: memoryview, block_hash: BlockHash, layer: int, layout: KVLayout) -> bool:
         """Whether one (block, layer) object read into `slot` may be used (a refusal is logged)."""
@@ -179,20 +254,53 @@ class StoreKVConnector:
 
     def save_layer(self, layer: int, hashes: Sequence[BlockHash], blocks: Sequence[int], cache: PagedKVCache) -> None:
         """Publish `layer` of these freshly computed blocks, in the background (see `flush`)."""
-        items = []
-        for block_hash, block in zip(hashes, blocks, strict=True):
-            slot = cache.slot(block, layer)
-            trailer = _TRAILER.pack(_MAGIC, _VERSION, self.format.digest, block_hash, cache.layout.layer_bytes, layer)
-            slot[cache.layout.layer_bytes : cache.layout.layer_bytes + len(trailer)] = trailer
-            items.append((self.format.key(block_hash, layer), slot))  # NOTE: sent from the cache itself
-        if items:
-            self._pending.append(self._writer.submit(self._put, items, layer == self.format.num_layers - 1))
+        if not blocks:
+            return
+        layer_bytes, last = cache.layout.layer_bytes, layer == self.format.num_layers - 1
+        trailers = [
+            _TRAILER.pack(_MAGIC, _VERSION, self.format.digest, block_hash, layer_bytes, layer) for block_hash in hashes
+        ]
+        keys = [self.format.key(block_hash, layer) for block_hash in hashes]
+        staging = self._staging_for(cache)
+        if staging is None:
+            slots = [cache.slot(block, layer) for block in blocks]  # NOTE: sent from the cache itself
+            for slot, trailer in zip(slots, trailers, strict=True):
+                slot[layer_bytes : layer_bytes + len(trailer)] = trailer
+            self._pending.append(self._writer.submit(self._put, list(zip(keys, slots, strict=True)), last))
+            return
+        # NOTE: after the forward stored this layer (a marker on its stream), on the side stream:
+        # one gather and one copy into rows that stay the step's until `flush`
+        rows = staging.publish.take(len(blocks))
+        ready = staging.slots.gather(staging.slots.slot_ids(blocks, (layer,)), rows, cache.order.mark_current())
+        views = _views(rows)
+        self._pending.append(
+            self._writer.submit(
+                self._put_staged, list(zip(keys, views, strict=True)), last, ready, trailers, layer_bytes
+            )
+        )
+
+    def _put_staged(
+        self,
+        items: list[tuple[str, memoryview]],
+        last_layer: bool,
+        ready: Marker,
+        trailers: list[bytes],
+        layer_bytes: int,
+    ) -> None:
+        """`_put` of staged rows, once their copy from the device is done (the writer thread)."""
+        StreamOrder.host_waits(ready)
+        for (_, row), trailer in zip(items, trailers, strict=True):
+            row[layer_bytes : layer_bytes + len(trailer)] = trailer
+        self._put(items, last_layer)
 
     def flush(self) -> None:
-        """Wait until every layer handed to `save_layer` is written (or failed, logged)."""
+        """Wait until every layer handed to `save_layer` is written (or failed, logged); the
+        staging rows of those layers are free again (mutates)."""
         pending, self._pending = self._pending, []
         for future in pending:
             future.result()
+        if pending and self._staging is not None:
+            self._staging.publish.reset()
 
     def close(self) -> None:
         self.flush()

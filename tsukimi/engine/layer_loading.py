@@ -24,6 +24,11 @@ the front of the waiting queue, gives up every block, and on its next admission 
 its whole prefix past the local cache instead of loading it again (so a block the pool keeps
 refusing cannot loop). The batches of later layers skip the failed request's blocks.
 
+On a GPU the batch of layer l ends with its host-to-device copy and scatter queued on the
+cache's side stream; waiting for layer l is then the forward's stream waiting for that copy's
+event (`StreamOrder`), and the loading thread goes on to layer l + 1's reads meanwhile. The
+order above is the same code on both devices; on the CPU the copies are done when they return.
+
 Every wait is bounded (`LOAD_TIMEOUT_S`): a layer that has not arrived by then fails its
 requests; a load still running at the end of the step, which could still write into blocks
 about to be reused, raises `TransferError` rather than risk it (the store's own calls are
@@ -163,9 +168,12 @@ class LayerLoads:
 
     def wait(self, layer: int) -> None:
         """Block until layer `layer`'s batch ended, at most until the step's deadline (a layer
-        that misses it fails all of this step's loads)."""
+        that misses it fails all of this step's loads); then order the forward's later work
+        after its copies into the cache (on a GPU: its stream waits for their event, the host
+        does not; tsukimi/engine/stream_order.py)."""
         try:
             self._futures[layer].result(timeout=max(0.0, self._deadline - time.monotonic()))
+            self._loader.cache.order.wait_loaded(layer)
         except FutureTimeout:
             logger.error("layer %d of the KV pool loads missed the deadline: recomputing", layer)
             with self._lock:

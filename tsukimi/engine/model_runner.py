@@ -57,7 +57,10 @@ class ModelRunner:
         attend = BatchAttention(self.cache, segments, on_layer=self._on_layer(batch, loads))
         try:
             with torch.inference_mode():
-                hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), attend)
+                device = self.cache.device
+                hidden = self.model.forward(
+                    torch.tensor(ids, device=device), torch.tensor(positions, device=device), attend
+                )
         finally:  # NOTE: never leave a load writing into blocks that may be released
             self.failed = loads.finish() if loads is not None else frozenset()
         attend.commit()
@@ -68,7 +71,8 @@ class ModelRunner:
                 offset += entry.num_tokens
                 if entry.samples:
                     ends.append(offset - 1)
-            logits = self.model.logits(hidden[ends]) if ends else None
+            # NOTE: on the host: sampling draws from each request's CPU generator (one small copy)
+            logits = self.model.logits(hidden[ends]).cpu() if ends else None
         if self.connector is not None:
             self.connector.flush()  # NOTE: published before the first token leaves this worker
         return self._sample(batch, logits)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from tsukimi.engine.device import CPU, synchronize
 from tsukimi.engine.engine import Model
 from tsukimi.engine.kv_cache import BatchAttention, KVLayout, PagedKVCache, SequenceKV
 from tsukimi.scheduler.cost_model import DecodeSample, LinearCostModel, PrefillSample, fit_linear
@@ -74,16 +75,23 @@ def profile(
     decode_points: tuple[tuple[int, int], ...] = ((1, 128), (4, 512), (8, 2048), (16, 1024), (16, 4096)),
     repeats: int = 3,
     timing: Timing = Timing(),
+    device: torch.device = CPU,
 ) -> ProfileResult:
     """Time the points and fit (see the module and `Timing`). Needs room for the largest point
-    in the cache."""
+    in the cache, on `device` (the model's)."""
     prefill = tuple(
-        PrefillSample(new, cached, timing.seconds(functools.partial(_prefill_s, model, layout, new, cached), repeats))
+        PrefillSample(
+            new,
+            cached,
+            timing.seconds(functools.partial(_prefill_s, model, layout, new, cached, device=device), repeats),
+        )
         for new, cached in prefill_points
     )
     decode = tuple(
         DecodeSample(
-            batch, context, timing.seconds(functools.partial(_decode_s, model, layout, batch, context), repeats)
+            batch,
+            context,
+            timing.seconds(functools.partial(_decode_s, model, layout, batch, context, device=device), repeats),
         )
         for batch, context in decode_points
     )
@@ -94,7 +102,13 @@ def profile(
 
 
 def startup_profile(
-    model: Model, layout: KVLayout, max_batched_tokens: int, repeats: int = 3, budget_s: float = 2.0, cpu: bool = True
+    model: Model,
+    layout: KVLayout,
+    max_batched_tokens: int,
+    repeats: int = 3,
+    budget_s: float = 2.0,
+    cpu: bool = True,
+    device: torch.device = CPU,
 ) -> ProfileResult:
     """The worker's start-up profile (see the module): prefills of 1/8, 1/2 and all of `top`
     tokens, and of 1/2 and all after `top` and 2 x `top` cached (a long prompt's later chunks),
@@ -104,10 +118,10 @@ def startup_profile(
     model at 512 tokens, 3-4 s for SmolLM2 on one thread of this machine. `cpu`: time by CPU
     time (`Timing`; the worker does with one torch thread): the engine's own cost, while the
     worker's online slowdown (tsukimi/engine/step_meter.py) measures what the machine's load
-    adds."""
+    adds; never on a GPU, whose kernels run off this thread. `device`: the model's."""
     timer = time.thread_time if cpu else time.perf_counter
-    _prefill_s(model, layout, 64, 0, timer)  # NOTE: the warm-up, and the per-token time at hand
-    per_token_s = _prefill_s(model, layout, 64, 0, timer) / 64
+    _prefill_s(model, layout, 64, 0, timer, device)  # NOTE: the warm-up, and the per-token time at hand
+    per_token_s = _prefill_s(model, layout, 64, 0, timer, device) / 64
     top = max(8, max_batched_tokens)
     pass_s = 4.0 * top * per_token_s  # NOTE: the points hold 3.1 x top tokens, and attention on top
     repeats = max(1, min(repeats, int(budget_s / pass_s)))
@@ -116,29 +130,51 @@ def startup_profile(
     half = max(4, top // 2)
     prefill = ((max(2, top // 8), 0), (half, 0), (top, 0), (half, top), (top, 2 * top))
     decode = ((1, 64), (4, 512), (8, 2048), (16, 1024), (8, 8192))
-    return profile(model, layout, prefill, decode, repeats, Timing(warm_each=False, best_of=True, cpu=cpu))
+    return profile(model, layout, prefill, decode, repeats, Timing(warm_each=False, best_of=True, cpu=cpu), device)
 
 
-def _cache(layout: KVLayout, tokens: int) -> PagedKVCache:
-    return PagedKVCache(layout, -(-tokens // layout.block_tokens) + 2)
+def _cache(layout: KVLayout, tokens: int, device: torch.device) -> PagedKVCache:
+    return PagedKVCache(layout, -(-tokens // layout.block_tokens) + 2, device=device)
 
 
-def _prefill_s(model: Model, layout: KVLayout, new: int, cached: int, timer: Timer = time.perf_counter) -> float:
-    cache = _cache(layout, new + cached)
-    seq = SequenceKV()
-    assert cache.reserve(seq, new + cached)
-    seq.num_tokens = cached  # the cached part's values do not matter for timing
-    ids = torch.randint(3, 200, (new,), generator=torch.Generator().manual_seed(new))
-    attend = BatchAttention(cache, [(seq, new)])
+def _timed(model: Model, ids: torch.Tensor, positions: torch.Tensor, attend: BatchAttention, timer: Timer) -> float:
+    """Seconds of one forward and its last row's logits, the device synchronized on both sides
+    (a CUDA kernel returns before it runs)."""
+    synchronize(ids.device)
     start = timer()
     with torch.inference_mode():
-        model.logits(model.forward(ids, torch.arange(cached, cached + new), attend)[-1:])
+        model.logits(model.forward(ids, positions, attend)[-1:])
+    synchronize(ids.device)
     return timer() - start
 
 
-def _decode_s(model: Model, layout: KVLayout, batch: int, context: int, timer: Timer = time.perf_counter) -> float:
+def _prefill_s(
+    model: Model,
+    layout: KVLayout,
+    new: int,
+    cached: int,
+    timer: Timer = time.perf_counter,
+    device: torch.device = CPU,
+) -> float:
+    cache = _cache(layout, new + cached, device)
+    seq = SequenceKV()
+    assert cache.reserve(seq, new + cached)
+    seq.num_tokens = cached  # the cached part's values do not matter for timing
+    ids = torch.randint(3, 200, (new,), generator=torch.Generator().manual_seed(new)).to(device)
+    attend = BatchAttention(cache, [(seq, new)])
+    return _timed(model, ids, torch.arange(cached, cached + new, device=device), attend, timer)
+
+
+def _decode_s(
+    model: Model,
+    layout: KVLayout,
+    batch: int,
+    context: int,
+    timer: Timer = time.perf_counter,
+    device: torch.device = CPU,
+) -> float:
     per_seq = max(1, context // batch)
-    cache = _cache(layout, batch * (per_seq + 1) + batch * layout.block_tokens)
+    cache = _cache(layout, batch * (per_seq + 1) + batch * layout.block_tokens, device)
     seqs = []
     for _ in range(batch):
         seq = SequenceKV()
@@ -146,8 +182,5 @@ def _decode_s(model: Model, layout: KVLayout, batch: int, context: int, timer: T
         seq.num_tokens = per_seq
         seqs.append(seq)
     attend = BatchAttention(cache, [(seq, 1) for seq in seqs])
-    ids = torch.full((batch,), 5, dtype=torch.long)
-    start = timer()
-    with torch.inference_mode():
-        model.logits(model.forward(ids, torch.full((batch,), per_seq, dtype=torch.long), attend))
-    return timer() - start
+    ids = torch.full((batch,), 5, dtype=torch.long, device=device)
+    return _timed(model, ids, torch.full((batch,), per_seq, dtype=torch.long, device=device), attend, timer)

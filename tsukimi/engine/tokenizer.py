@@ -293,13 +293,13 @@ class StreamDecoder:
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer for a model spec (see weights.load_model): "tiny[:SEED]", "smollm2", a .gguf
-    path or a Hugging Face directory.
+    """The tokenizer for a model spec (see weights.load_model): "tiny[:SEED]", "smollm2",
+    "random:PRESET[:SEED]" (random weights: bytes, as tiny), a .gguf path or a Hugging Face directory.
 
     Raises:
         ConfigError: an unknown spec, or the loader's errors.
     """
-    if spec == "tiny" or spec.startswith("tiny:"):
+    if spec == "tiny" or spec.startswith(("tiny:", "random:")):
         return ByteTokenizer()
     path = default_gguf_path() if spec == "smollm2" else Path(spec)
     if path.suffix == ".gguf":

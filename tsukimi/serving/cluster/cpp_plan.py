@@ -46,7 +46,7 @@ def stage_configs(config: ClusterConfig, master: str, port: Callable[[int], int]
                     stage=s,
                     num_stages=w.cpp_stages,
                     model=config.model,
-                    dtype=shared.dtype,
+                    dtype="float32" if shared.dtype == "auto" else shared.dtype,  # NOTE: CPP stages run on CPU
                     host=config.host,
                     port=ports[s],
                     downstream=downstream,

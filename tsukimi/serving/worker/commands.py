@@ -15,7 +15,7 @@ import logging
 
 from rich.console import Console
 
-from tsukimi.config import DTYPE_NAMES, ROLES, WorkerConfig
+from tsukimi.config import ROLES, WORKER_DTYPE_NAMES, WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     d = WorkerConfig()
     worker.add_argument("--name", default=d.name, help="the worker's name (in /health and the router)")
     worker.add_argument("--role", choices=ROLES, default=d.role)
-    worker.add_argument("--model", default=d.model, help="tiny, tiny:SEED, smollm2, PATH.gguf or a HF directory")
-    worker.add_argument("--dtype", choices=DTYPE_NAMES, default=d.dtype)
+    worker.add_argument(
+        "--model",
+        default=d.model,
+        help="tiny, tiny:SEED, smollm2, random:PRESET[:SEED] (llama3-8b, smollm2-135m), PATH.gguf or a HF directory",
+    )
+    worker.add_argument(
+        "--device", default=d.device, help="auto (cuda when a GPU is present, else cpu), cpu, cuda or cuda:N"
+    )
+    worker.add_argument(
+        "--dtype", choices=WORKER_DTYPE_NAMES, default=d.dtype, help="auto: bfloat16 on cuda, float32 on cpu"
+    )
     worker.add_argument("--host", default=d.host)
     worker.add_argument("--port", type=int, default=d.port, help="0 = an ephemeral port (printed once serving)")
     worker.add_argument("--block-tokens", type=int, default=d.block_tokens, help="tokens per KV block")
@@ -111,6 +120,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         master=args.master,
         segment_bytes=args.segment_bytes,
         threads=args.threads,
+        device=args.device,
         dtype=args.dtype,
         prefix_caching=not args.no_prefix_caching,
         metadata_url=args.metadata_url,
@@ -133,6 +143,8 @@ def worker_args(config: WorkerConfig) -> tuple[str, ...]:
         str(config.port),
         "--model",
         config.model,
+        "--device",
+        config.device,
         "--dtype",
         config.dtype,
         "--host",

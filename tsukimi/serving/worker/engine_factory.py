@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import Protocol, cast
 
+import torch
+
 from tsukimi.engine.block_manager import KVConnector
 from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.kv_cache import KVLayout
@@ -34,6 +36,7 @@ class EngineFactory(Protocol):
         storage: memoryview | None = None,
         prefix_caching: bool = True,
         layerwise_loading: bool = False,
+        device: torch.device | str = "cpu",
     ) -> LLMEngine: ...
 
 

@@ -52,6 +52,7 @@ from starlette.types import Receive, Scope, Send
 
 from tsukimi import auth, httpd
 from tsukimi.config import SecurityConfig, WorkerConfig
+from tsukimi.engine.device import resolve_device, resolve_dtype
 from tsukimi.engine.engine import LLMEngine, StepOutput
 from tsukimi.engine.kv_budget import kv_cache_blocks
 from tsukimi.engine.kv_cache import KVLayout
@@ -150,11 +151,14 @@ class Worker:
         cfg = self.config
         try:
             factory = load_engine_factory(cfg.engine_factory)  # NOTE: before the model loads: fail fast
+            device = resolve_device(cfg.device)  # NOTE: cuda without a GPU: ConfigError, before any work
             if self._loaded is None:
-                self._loaded = load_model(cfg.model, cfg.dtype)
+                self._loaded = load_model(cfg.model, resolve_dtype(cfg.dtype, device), device)
             mc = self._loaded.config
             layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_tokens, mc.torch_dtype)
-            num_blocks = kv_cache_blocks(cfg, layout)  # NOTE: from kv_cache_memory unless num_blocks is set
+            num_blocks = kv_cache_blocks(
+                cfg, layout, device=device
+            )  # NOTE: from kv_cache_memory unless num_blocks is set
             connector = None
             if cfg.role != "colocated":
                 self._store = StoreClient.connect(cfg.master, cfg.segment_bytes)
@@ -162,7 +166,7 @@ class Worker:
             model = self._loaded.model
             updater = self._updater = WeightUpdater(model, connector, cfg.metadata_url)
             if cfg.profile_on_start:
-                self._profile(model, layout)
+                self._profile(model, layout, device)
 
             def make_engine() -> LLMEngine:
                 engine = factory(
@@ -174,6 +178,7 @@ class Worker:
                     connector,
                     prefix_caching=cfg.prefix_caching,
                     layerwise_loading=cfg.layerwise_loading,
+                    device=device,
                 )
                 if self._meter is not None:  # NOTE: time its steps against the profile (GET /load)
                     engine.runner = MeteredRunner(model, engine.cache, connector, engine.loader, self._meter)
@@ -190,12 +195,13 @@ class Worker:
         logger.info("worker %s (%s, %s) serving on %s", cfg.name, cfg.role, mc.name, self._http.base_url)
         return self
 
-    def _profile(self, model: Model, layout: KVLayout) -> None:
+    def _profile(self, model: Model, layout: KVLayout, device: torch.device) -> None:
         """Fit the cost model to this engine on this machine (see the module; mutates)."""
         torch.set_num_threads(self.config.threads)  # NOTE: process-wide: as the engine thread will run
         start = time.perf_counter()
         # NOTE: by CPU time with one thread: the engine's own cost; GET /load's slowdown adds the machine's load
-        result = startup_profile(model, layout, self.config.max_batched_tokens, cpu=self.config.threads == 1)
+        cpu_time = self.config.threads == 1 and device.type == "cpu"  # NOTE: a GPU's work is not this thread's
+        result = startup_profile(model, layout, self.config.max_batched_tokens, cpu=cpu_time, device=device)
         fitted, seconds = result.model, time.perf_counter() - start
         self.cost = CostProfile(
             fitted.prefill_coef, fitted.decode_coef, fitted.kv_bytes_per_token, result.max_relative_error, seconds

@@ -1,0 +1,90 @@
+"""Slots of a KV cache that the host cannot address (a GPU's), moved through host staging in
+few large copies: never one copy per block.
+
+    publish  cache.slots[ids] --index_select--> one device buffer --ONE D2H--> staging rows --> store puts
+    load     store gets --> staging rows --ONE H2D--> one device buffer --index_copy_--> cache.slots[ids]
+
+A slot id is block x num_layers + layer (the cache's slots, flattened), so one gather or one
+scatter covers any set of (block, layer) slots: a layer of a step's blocks, or every layer of a
+prefix. The staging is page-locked on a GPU (`device.pinned`): a pinned copy runs ~3x a
+pageable one, and one contiguous copy plus one scatter ran 16x one copy per 32 KiB block
+(GPU.md). The copies run on the cache's side stream (`StreamOrder`), ordered by markers.
+On the CPU the same code runs (the KV pool's `staged=True`), so CI tests the gather/scatter
+and the staging bookkeeping; there each copy is plain memory and done when it returns.
+
+The store reads and writes the staging rows like any host buffer (its puts and gets take any
+buffer: no registration with the transfer engine is needed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tsukimi.engine.device import pinned
+from tsukimi.engine.kv_cache import PagedKVCache
+from tsukimi.engine.stream_order import Marker
+
+
+class HostArena:
+    """Host rows of `row_bytes` handed out until `reset()`; grows by whole new chunks (rows
+    handed out stay valid: a chunk lives while any of its views does). Not thread-safe."""
+
+    def __init__(self, row_bytes: int, device: torch.device) -> None:
+        self.row_bytes, self.device = row_bytes, device
+        self._chunks: list[torch.Tensor] = []
+        self._used = 0  # rows used of the last chunk
+
+    def take(self, num_rows: int) -> torch.Tensor:
+        """`num_rows` fresh rows, uint8 [num_rows, row_bytes] (mutates)."""
+        last = self._chunks[-1] if self._chunks else None
+        if last is None or last.shape[0] - self._used < num_rows:
+            rows = max(num_rows, 2 * last.shape[0] if last is not None else num_rows)
+            last = pinned(rows * self.row_bytes, self.device).view(rows, self.row_bytes)
+            self._chunks.append(last)
+            self._used = 0
+        self._used += num_rows
+        return last[self._used - num_rows : self._used]
+
+    def reset(self) -> None:
+        """Every row handed out is free again (the caller waited for their copies; mutates).
+        Several chunks become one of their total size, so that the next round needs one."""
+        if len(self._chunks) > 1:
+            rows = sum(chunk.shape[0] for chunk in self._chunks)
+            self._chunks = [pinned(rows * self.row_bytes, self.device).view(rows, self.row_bytes)]
+        self._used = 0
+
+
+class SlotStaging:
+    """Gathers and scatters slots of `cache` between its device and host rows (see the module)."""
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self._flat = cache.slots.view(-1, cache.layout.slot_bytes)  # slot id = block x num_layers + layer
+
+    def slot_ids(self, blocks: Sequence[int], layers: Sequence[int]) -> list[int]:
+        """The slot ids of `layers` of each of `blocks`, block-major (pure)."""
+        num_layers = self.cache.layout.num_layers
+        return [block * num_layers + layer for block in blocks for layer in layers]
+
+    def gather(self, slot_ids: Sequence[int], rows: torch.Tensor, after: Marker = None) -> Marker:
+        """Copy the slots `slot_ids` into host `rows` ([len(slot_ids), slot_bytes]): one
+        index_select and ONE device-to-host copy on the side stream, once `after` is reached.
+        Returns the marker after which `rows` hold them (wait on it before reading them)."""
+        order = self.cache.order
+        with order.side():
+            order.side_waits(after)
+            index = torch.tensor(slot_ids, dtype=torch.long, device=self.cache.device)
+            rows.copy_(self._flat.index_select(0, index), non_blocking=True)
+            return order.mark_side()
+
+    def scatter(self, slot_ids: Sequence[int], rows: torch.Tensor) -> Marker:
+        """Copy host `rows` into the slots `slot_ids`: ONE host-to-device copy and one
+        index_copy_ on the side stream. Returns the marker after which the slots hold them and
+        `rows` may be reused."""
+        order = self.cache.order
+        with order.side():
+            index = torch.tensor(slot_ids, dtype=torch.long, device=self.cache.device)
+            self._flat.index_copy_(0, index, rows.to(self.cache.device, non_blocking=True))
+            return order.mark_side()
