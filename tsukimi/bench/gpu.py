@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tsukimi.bench.gpu_copies import NO_CUDA, Figure, copy_rows, kv_block_rows, size_label, synchronize, timed_s
+from tsukimi.bench.gpu_engine import engine_rows, process_rows
 from tsukimi.bench.gpu_model import SHAPES, LayerKV, RawDecoder
 from tsukimi.bench.report import BenchReport, FigureViews, Verdict, begin, finish, goal
 from tsukimi.errors import ConfigError
@@ -143,11 +144,18 @@ def tsukimi_store_rows(cfg: GpuBenchConfig) -> dict[str, Figure]:
     return {}
 
 
-def tsukimi_engine_rows(cfg: GpuBenchConfig) -> dict[str, Figure]:
-    """TODO(issue 23, engine): TTFT through real processes (prefill worker -> pool -> decode
-    worker), random weights: `tsukimi.engine_prefill_s.16k` (recompute),
-    `tsukimi.engine_reuse_s.16k` (pooled prefix), `tsukimi.pd_ttft_vs_colocated.16k`."""
-    return {}
+def tsukimi_engine_rows(cfg: GpuBenchConfig, say: Callable[[str], None] = print) -> dict[str, Figure]:
+    """The engine in one process (prefill, reuse of a prefix from pinned host rows) at each
+    prompt length, then TTFT through real processes at the longest: colocated, PD, PD with a
+    shared prefix (tsukimi/bench/gpu_engine.py): `tsukimi.engine_prefill_s.16k`,
+    `tsukimi.engine_reuse_s.16k`, `tsukimi.pd_ttft_vs_colocated.16k`, ..."""
+    say("tsukimi engine, in process")
+    figures = engine_rows(cfg.shape, cfg.device, cfg.prompt_tokens, cfg.new_tokens, token_label)
+    longest = cfg.prompt_tokens[-1]
+    say("tsukimi engine, through processes")
+    return figures | process_rows(
+        cfg.shape, cfg.device, longest, cfg.new_tokens, cfg.repeats, token_label(longest), say
+    )
 
 
 def verdicts(figures: Mapping[str, Figure], cuda: bool) -> list[Verdict]:
@@ -224,8 +232,9 @@ def run_report(cfg: GpuBenchConfig, say: Callable[[str], None] = print) -> Bench
     figures |= copy_rows(cfg.copy_bytes, cuda, cfg.repeats)
     figures |= kv_block_rows(cfg.num_kv_blocks, cfg.kv_block_bytes, cuda, cfg.repeats)
     figures |= model_rows(cfg, say)
-    for rows in (tsukimi_te_rows, tsukimi_store_rows, tsukimi_engine_rows):
+    for rows in (tsukimi_te_rows, tsukimi_store_rows):
         figures |= rows(cfg)
+    figures |= tsukimi_engine_rows(cfg, say)
     return finish(start, figures, verdicts(figures, cuda))
 
 
