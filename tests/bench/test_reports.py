@@ -182,7 +182,12 @@ def _gpu(report: BenchReport) -> None:
     tokens = ("4k", "16k") if cuda else ("128", "512")
     for label in tokens:
         assert figures[f"raw.prefill_s.{label}"] > 0 and figures[f"raw.reuse_s.{label}"] > 0  # type: ignore[operator]
-    assert not [key for key in figures if key.startswith("tsukimi.")]  # NOTE: none built yet
+    longest = tokens[-1]
+    for key in (f"tsukimi.engine_prefill_s.{longest}", f"tsukimi.engine_reuse_s.{longest}"):
+        assert figures[key] > 0  # type: ignore[operator]
+    for mode in ("colocated", "pd", "pd_prefix"):
+        assert figures[f"tsukimi.{mode}_ttft_s.{longest}"] > 0  # type: ignore[operator]
+    assert figures[f"tsukimi.pd_ttft_vs_colocated.{longest}"] > 0  # type: ignore[operator]
     gpu_goals = {
         "te_h2d_vs_pinned",
         "store_kv_blocks_gbps",
@@ -240,7 +245,7 @@ CASES = [
             _kv_burst,
         ),
     ),
-    _case("gpu", Case(("gpu", "--quick", "--repeats", "1"), _gpu, 60)),
+    _case("gpu", Case(("gpu", "--quick", "--repeats", "1"), _gpu, 180)),
     _case("vllm", Case(("vllm", "--quick", "--systems", "vllm_rr"), _vllm, 600), _VLLM),
     _case("vllm-pd", Case(("vllm-pd", "--quick"), _vllm_pd, 600), _VLLM),
 ]
