@@ -16,6 +16,10 @@ Liveness: the peer is opened through a pidfd, and the process's start time is ch
 against the one in its descriptor, so a recycled pid is never mistaken for the owner; the
 pidfd is polled before and after every copy (a copy that raced the owner's death fails).
 
+Device memory: the kernel cannot reach it, so cma refuses device buffers, the peer's
+(`can_serve`) and local ones (`device_local = "refuse"`); `auto` then picks device_ipc, shm
+or tcp.
+
 Released ranges: nothing on the owner's side checks a CMA copy, so before each batch the
 transport reads the owner's registration version (a uint64 whose address the descriptor
 publishes). When it differs from the descriptor's, the descriptor is fetched again and a
@@ -94,6 +98,7 @@ class CmaTransport:
 
     name = "cma"
     slice_bytes = SLICE_BYTES
+    device_local = "refuse"  # NOTE: process_vm_readv/writev reach host memory only
 
     def __init__(
         self, config: TransferConfig, local_host_id: str, clock: Clock, fetch: Callable[[str], SegmentDescriptor]
@@ -109,7 +114,7 @@ class CmaTransport:
         )
 
     def can_serve(self, peer: SegmentDescriptor, buffer: BufferDescriptor) -> bool:
-        if self._refused or peer.host_id != self._host_id:
+        if self._refused or buffer.device or peer.host_id != self._host_id:
             return False
         try:
             state = self._peers.get(peer)
