@@ -52,6 +52,18 @@ def _refuse_notifications(_: Notification) -> bool:
     return False
 
 
+def _now(job: Callable[[], None]) -> Future[None]:
+    """Run `job` on this thread (one chunk: a hand-off would cost more than it overlaps)."""
+    future: Future[None] = Future()
+    try:
+        job()
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(None)
+    return future
+
+
 def _outcome(future: Future[None]) -> TsukimiError | None:
     """Wait for a device copy; its error (the driver's or a bad range), if any."""
     error = future.exception()
@@ -185,7 +197,7 @@ class SegmentServer(netserver.ConnectionServer):
                 finally:
                     pool.release(taken)
 
-            return pool.copies.submit(run)
+            return pool.copies.submit(run) if len(parts) > 1 else _now(run)
 
         if op == wire.Op.WRITE:
             error: TsukimiError | None = None
@@ -206,7 +218,8 @@ class SegmentServer(netserver.ConnectionServer):
         def stage(part: DeviceRange) -> None:
             taken = chunk()
             view = taken[: part.length]
-            future = pool.copies.submit(device.to_host, part, view)
+            job = functools.partial(device.to_host, part, view)
+            future = pool.copies.submit(job) if len(parts) > 1 else _now(job)
             staged.append((future, taken))
 
         stage(parts[0])
