@@ -53,7 +53,8 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> list[RecordingTransport]:
 
 
 def test_a_registered_transport_is_built_ranked_and_forced(recording: list[RecordingTransport]) -> None:
-    assert [n for n in base.transport_names() if n != "nixl"] == ["recording", "shm", "cma", "tcp"]  # nixl: optional
+    names = [n for n in base.transport_names() if n != "nixl"]  # nixl: optional
+    assert names == ["recording", "device_ipc", "shm", "cma", "tcp"]
     cfg = Config(metadata=MetadataConfig(url=f"memory://{uuid.uuid4().hex}"))
     with (
         TransferEngine("chosen-target", cfg) as chosen,
@@ -81,7 +82,7 @@ def test_unknown_and_reserved_names_are_refused(recording: list[RecordingTranspo
     with pytest.raises(ConfigError, match="other than 'auto'"):
         base.register_transport("auto", RecordingTransport, rank=0)
     cfg = Config(metadata=MetadataConfig(url=f"memory://{uuid.uuid4().hex}"))
-    with TransferEngine("a", cfg) as engine, pytest.raises(ConfigError, match="recording, shm, cma, tcp"):
+    with TransferEngine("a", cfg) as engine, pytest.raises(ConfigError, match="recording, device_ipc, shm, cma, tcp"):
         engine.open_segment("a", transport="rdma")
-    with pytest.raises(ConfigError, match=r"transfer\.transport must be one of auto, recording, shm, cma, tcp"):
+    with pytest.raises(ConfigError, match=r"must be one of auto, recording, device_ipc, shm, cma, tcp"):
         TransferEngine("b", dataclasses.replace(cfg, transfer=TransferConfig(transport="rdma")))

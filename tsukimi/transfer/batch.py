@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import enum
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tsukimi.clock import Clock
@@ -160,10 +160,15 @@ class Batch:
     NOTE: a batch that a transport finished inline (the common small one) never builds a
     waiter: the event and the future are made only for a caller that has to wait."""
 
-    __slots__ = ("_clock", "_event", "_future", "deadline", "lock", "records", "unfinished")
+    __slots__ = ("_clock", "_event", "_future", "_on_done", "deadline", "lock", "records", "unfinished")
 
-    def __init__(self, keepalives: list[object], deadline: float, clock: Clock) -> None:
+    def __init__(
+        self, keepalives: list[object], deadline: float, clock: Clock, on_done: Callable[[], None] | None = None
+    ) -> None:
+        """`on_done` (optional) is called once every request ended, with `lock` held: it must
+        not block or touch this batch (the staged transport hands work on from it)."""
         self.lock = threading.Lock()
+        self._on_done = on_done
         self.deadline = deadline
         self._clock = clock
         self._event: threading.Event | None = None
@@ -179,6 +184,13 @@ class Batch:
                 self._event.set()
             if self._future is not None:
                 self._future.set_result(None)
+            if self._on_done is not None:
+                self._on_done()
+
+    def set_on_done(self, on_done: Callable[[], None]) -> None:
+        """Set the call made once every request ended (see the constructor); before any
+        request can end."""
+        self._on_done = on_done
 
     def statuses(self) -> list[RequestStatus]:
         """Each request's state now (does not wait)."""

@@ -42,11 +42,12 @@ from tsukimi.transfer.batch import (
     first_error,
 )
 from tsukimi.transfer.control import ControlChannel
+from tsukimi.transfer.device_memory import export_of, registered_memory
 from tsukimi.transfer.directory import SegmentDirectory, parse_host_port
 from tsukimi.transfer.metadata import MetadataBackend, connect_metadata
 from tsukimi.transfer.notifications import Notification, NotificationInbox
 from tsukimi.transfer.prepared import PreparedTransfer
-from tsukimi.transfer.routing import Routes
+from tsukimi.transfer.routing import Routes, plan_bytes
 from tsukimi.transfer.segment import (
     LocalSegment,
     RegisteredBuffer,
@@ -59,7 +60,9 @@ from tsukimi.transfer.segment import (
 )
 from tsukimi.transfer.server import SegmentServer, ServerHooks
 from tsukimi.transfer.shared_memory import SharedMemoryAllocator
+from tsukimi.transfer.staging import StagingPool
 from tsukimi.transfer.transports import Preparable, SegmentAware, TransportContext, build_transports
+from tsukimi.transfer.transports.staged import Staging
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +118,8 @@ class TransferEngine:
             self._close_servers()
             raise
         self._aware = [t for t in self._transports if isinstance(t, SegmentAware)]
-        self._routes = Routes(self.config, self._directory, self._transports)
+        self._staging = Staging(self._clock)  # NOTE: device bytes over tcp; memory on first use
+        self._routes = Routes(self.config, self._directory, self._transports, self._segment, self._staging.wrap)
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -129,14 +133,27 @@ class TransferEngine:
 
     # -- the local segment -------------------------------------------------------------
 
-    def register(self, buffer: object) -> int:
+    def register(self, buffer: object, location: str | None = None) -> int:
         """Register memory that peers may read and write; returns its base (remote offset).
 
-        Accepts bytearray, mmap, numpy arrays, torch CPU tensors, (address, length).
-        Raises InvalidBufferError (read-only, non-contiguous, overlapping). Mutates; publishes.
+        Args:
+            buffer: host memory (bytearray, mmap, numpy arrays, torch CPU tensors), device
+                memory (torch CUDA tensors, EmulatedMemory, DeviceRange), or (address,
+                length), a device pointer when `tsukimi.device.locate` says so.
+            location: as Mooncake's register_memory: None or "*" detect, "cpu" forces host
+                memory, "cuda:0" (any "KIND:N") forces that device.
+
+        Raises:
+            InvalidBufferError: read-only, non-contiguous, overlapping, or not on `location`.
+            ConfigError: an unknown device kind in `location`.
+        Mutates; publishes (a device buffer with its IPC export, for peers on this host).
         """
-        view, address = byte_view(buffer, writable=True)
-        buf = self._added(self._segment.add(view, address, buffer))
+        memory = registered_memory(buffer, location)
+        if memory is not None:
+            buf = self._added(self._segment.add_device(memory, buffer, export_of(memory)))
+        else:
+            view, address = byte_view(buffer, writable=True)
+            buf = self._added(self._segment.add(view, address, buffer))
         self._publish()
         return buf.base
 
@@ -194,9 +211,10 @@ class TransferEngine:
         )
 
     def local_view(self, address: int, length: int) -> memoryview:
-        """The bytes [address, address + length) of this engine's registered memory, to read or
-        fill in place (never mutates the registry). Raises OutOfBounds when the range is not
-        inside one registered buffer."""
+        """The bytes [address, address + length) of this engine's registered host memory, to
+        read or fill in place (never mutates the registry). Raises OutOfBounds when the range
+        is not inside one registered buffer, InvalidBufferError (naming the device) when it is
+        device memory (the host cannot address it: move it with tsukimi.device.backend)."""
         return self._segment.resolve(address, length)
 
     # -- peers and batches -------------------------------------------------------------
@@ -255,12 +273,14 @@ class TransferEngine:
         """
         self._check_open()
         plans = [self._routes.plan(req) for req in requests]
-        routes = [self._routes.locate(handle, offset, len(local)) for handle, _, local, offset in plans]
-        distinct = {(id(r[0]), id(r[1])) if r is not None else None for r in routes}
+        sizes = [plan_bytes(plan) for plan in plans]
         fast = None
-        if len(distinct) == 1 and (route := routes[0]) is not None and isinstance(route[0], Preparable):
-            fast = route[0].prepare(route[1], [(op, local, offset) for _, op, local, offset in plans])
-        sizes = [len(local) for _, _, local, _ in plans]
+        hosts = [(op, local, offset) for _, op, local, offset in plans if isinstance(local, memoryview)]
+        if len(hosts) == len(plans):  # NOTE: a prepared call moves host memory only
+            routes = [self._routes.locate(plan[0], plan[3], size) for plan, size in zip(plans, sizes, strict=True)]
+            distinct = {(id(r[0]), id(r[1])) if r is not None else None for r in routes}
+            if len(distinct) == 1 and (route := routes[0]) is not None and isinstance(route[0], Preparable):
+                fast = route[0].prepare(route[1], hosts)
         return PreparedTransfer(requests, sizes, timeout_s, self.transfer, fast)
 
     def transport_for(self, segment: SegmentHandle | str, remote_offset: int, length: int = 1) -> str:
@@ -341,6 +361,8 @@ class TransferEngine:
         self._control.close()
         for transport in self._transports:
             transport.close()
+        self._staging.close()
+        self._server_staging.close()
         self._shm.close()
         if self._owns_backend:
             self._directory.close()
@@ -362,13 +384,26 @@ class TransferEngine:
     def _start_servers(self, secret: bytes | None) -> list[SegmentServer]:
         """One segment server per address (one per NIC): peers stripe over them (transports/tcp.py)."""
         hooks = ServerHooks(self._describe_bytes, self._on_handshake, self._inbox.put)
+        # NOTE: its own pool: a request of ours staged to ourselves must not wait for the chunks it holds
+        self._server_staging = StagingPool("serve", num_chunks=8)
         servers: list[SegmentServer] = []
         try:
             for host in self.config.bind_hosts:
-                servers.append(SegmentServer(self._segment, self.config, hooks, self._clock, secret=secret, host=host))
+                servers.append(
+                    SegmentServer(
+                        self._segment,
+                        self.config,
+                        hooks,
+                        self._clock,
+                        secret=secret,
+                        host=host,
+                        staging=self._server_staging,
+                    )
+                )
         except BaseException:
             for server in servers:
                 server.close()
+            self._server_staging.close()
             raise
         return servers
 

@@ -15,6 +15,7 @@ import ctypes
 import ipaddress
 import itertools
 import os
+import re
 import socket
 import threading
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Protocol, cast
 import msgspec
 import numpy as np
 
+from tsukimi.device import DeviceRange
 from tsukimi.errors import InvalidBufferError, OutOfBounds
 
 
@@ -35,12 +37,17 @@ class Endpoint(msgspec.Struct, frozen=True):
 
 class BufferDescriptor(msgspec.Struct, frozen=True):
     """One registered buffer as peers see it. `shm_name` is set when it lives in shared
-    memory (a file under the owner's shm directory, at `shm_offset`)."""
+    memory (a file under the owner's shm directory, at `shm_offset`). `device` is set
+    ("cuda:0") when it is device memory; `device_export` then carries what a process on the
+    owner's host needs to open it (the backend's `export`; empty when it cannot be exported,
+    e.g. CUDA memory without an IPC handle: peers then reach it over tcp)."""
 
     base: int
     length: int
     shm_name: str = ""
     shm_offset: int = 0
+    device: str = ""
+    device_export: bytes = b""
 
 
 class SegmentDescriptor(msgspec.Struct, frozen=True):
@@ -72,6 +79,8 @@ def _base(buf: BufferDescriptor) -> int:
 
 
 _descriptor_decoder = msgspec.json.Decoder(SegmentDescriptor)
+_DEVICE_RE = re.compile(r"^[a-z][a-z0-9_]{0,15}:[0-9]{1,4}$")
+MAX_EXPORT_BYTES = 1024
 
 
 def encode_descriptor(desc: SegmentDescriptor) -> bytes:
@@ -98,7 +107,18 @@ def decode_descriptor(data: bytes | memoryview) -> SegmentDescriptor:
         bad = buf.base < 0 or buf.length <= 0 or buf.base + buf.length >= 1 << 64 or buf.shm_offset < 0
         if bad or (prev is not None and prev.base + prev.length > buf.base):
             raise msgspec.ValidationError(f"buffer at {buf.base:#x}+{buf.length} is empty, out of range or overlaps")
+        if buf.device or buf.device_export:
+            _check_device(buf)
     return desc if buffers == desc.buffers else msgspec.structs.replace(desc, buffers=buffers)
+
+
+def _check_device(buf: BufferDescriptor) -> None:
+    """A device buffer names its device as KIND:INDEX, lives in no shm file, and its export
+    is bounded. Raises msgspec.ValidationError."""
+    if not _DEVICE_RE.match(buf.device):
+        raise msgspec.ValidationError(f"buffer at {buf.base:#x} names a bad device {buf.device!r}")
+    if buf.shm_name or len(buf.device_export) > MAX_EXPORT_BYTES:
+        raise msgspec.ValidationError(f"device buffer at {buf.base:#x} has a shm file or an oversized export")
 
 
 def _valid_host(host: str) -> bool:
@@ -196,7 +216,7 @@ class _TensorLike(Protocol):
 def _tensor_view(tensor: object) -> tuple[memoryview, int]:
     t = cast(_TensorLike, tensor)
     if t.device.type != "cpu":
-        raise InvalidBufferError("only CPU tensors can be registered")
+        raise InvalidBufferError(f"a {t.device.type} tensor is device memory: the host cannot address it")
     if not t.is_contiguous():
         raise InvalidBufferError("tensor must be contiguous")
     nbytes = t.numel() * t.element_size()
@@ -207,9 +227,14 @@ def _tensor_view(tensor: object) -> tuple[memoryview, int]:
     return memoryview(array).cast("B"), address
 
 
+NO_VIEW = memoryview(b"")  # the `view` of device memory: the host cannot address it
+
+
 @dataclass(frozen=True, slots=True)
 class RegisteredBuffer:
-    """A buffer in a local segment. `owner` keeps the registered object alive."""
+    """A buffer in a local segment. `owner` keeps the registered object alive. Device memory
+    has `device` (its range) and an empty `view`; `device_export` is what peers on this host
+    open it by (empty: it cannot be exported)."""
 
     base: int
     length: int
@@ -217,8 +242,12 @@ class RegisteredBuffer:
     owner: object
     shm_name: str = ""
     shm_offset: int = 0
+    device: DeviceRange | None = None
+    device_export: bytes = b""
 
     def describe(self) -> BufferDescriptor:
+        if self.device is not None:
+            return BufferDescriptor(self.base, self.length, device=self.device.device, device_export=self.device_export)
         return BufferDescriptor(self.base, self.length, self.shm_name, self.shm_offset)
 
 
@@ -236,10 +265,21 @@ class LocalSegment:
         self._lock = threading.Lock()
         # NOTE: one tuple swapped atomically, so lock-free readers see a consistent pair.
         self._snapshot: tuple[list[int], list[RegisteredBuffer]] = ([], [])
+        self.num_device = 0  # device buffers registered (requests look for local ones only then)
 
     def add(self, view: memoryview, base: int, owner: object, shm_name: str = "") -> RegisteredBuffer:
         """Register `view` at `base` (mutates). Raises InvalidBufferError when it overlaps."""
-        buf = RegisteredBuffer(base, len(view), view, owner, shm_name)
+        return self._insert(RegisteredBuffer(base, len(view), view, owner, shm_name))
+
+    def add_device(self, memory: DeviceRange, owner: object, export: bytes = b"") -> RegisteredBuffer:
+        """Register device memory at its address (mutates). Raises InvalidBufferError when it
+        overlaps."""
+        return self._insert(
+            RegisteredBuffer(memory.address, memory.length, NO_VIEW, owner, device=memory, device_export=export)
+        )
+
+    def _insert(self, buf: RegisteredBuffer) -> RegisteredBuffer:
+        base = buf.base
         with self._lock:
             bases, buffers = self._snapshot
             i = bisect.bisect_left(bases, base)
@@ -248,6 +288,7 @@ class LocalSegment:
             if prev_end > base or base + buf.length > next_base:
                 raise InvalidBufferError(f"buffer at {base:#x}+{buf.length} overlaps a registered one")
             self._snapshot = ([*bases[:i], base, *bases[i:]], [*buffers[:i], buf, *buffers[i:]])
+            self.num_device += buf.device is not None
             self._bump()
         return buf
 
@@ -260,6 +301,7 @@ class LocalSegment:
                 raise OutOfBounds(f"no buffer registered at {base:#x}")
             buf = buffers[i]
             self._snapshot = (bases[:i] + bases[i + 1 :], buffers[:i] + buffers[i + 1 :])
+            self.num_device -= buf.device is not None
             self._bump()
         return buf
 
@@ -269,7 +311,22 @@ class LocalSegment:
         self._version_word.value = self.version
 
     def resolve(self, offset: int, length: int) -> memoryview:
-        """The registered bytes [offset, offset + length); never mutates.
+        """The registered host bytes [offset, offset + length); never mutates.
+
+        Raises:
+            OutOfBounds: the range is empty or not inside one registered buffer.
+            InvalidBufferError: it is device memory (the host cannot address it).
+        """
+        found = self.resolve_any(offset, length)
+        if isinstance(found, DeviceRange):
+            raise InvalidBufferError(
+                f"[{offset:#x}, +{length}) is device memory on {found.device}: the host cannot address it"
+            )
+        return found
+
+    def resolve_any(self, offset: int, length: int) -> memoryview | DeviceRange:
+        """The registered bytes [offset, offset + length): a view of host memory, or the
+        device range (what the segment server serves); never mutates.
 
         Raises:
             OutOfBounds: the range is empty or not inside one registered buffer.
@@ -280,8 +337,23 @@ class LocalSegment:
             raise OutOfBounds(
                 f"[{offset:#x}, {offset:#x}+{length}) is not inside a registered buffer of segment {self.name}"
             )
-        start = offset - buffers[i].base
-        return buffers[i].view[start : start + length]
+        buf = buffers[i]
+        start = offset - buf.base
+        if buf.device is not None:
+            return buf.device.sub(start, length)
+        return buf.view[start : start + length]
+
+    def device_at(self, address: int, length: int) -> DeviceRange | None:
+        """The registered device range [address, address + length), or None when it is not
+        inside one registered device buffer (host memory, as far as this segment knows)."""
+        if not self.num_device:
+            return None
+        bases, buffers = self._snapshot
+        i = bisect.bisect_right(bases, address) - 1
+        memory = buffers[i].device if i >= 0 else None
+        if memory is None or length <= 0 or address + length > memory.address + memory.length:
+            return None
+        return memory.sub(address - memory.address, length)
 
     def buffers(self) -> list[RegisteredBuffer]:
         return list(self._snapshot[1])
@@ -290,5 +362,7 @@ class LocalSegment:
         """Bases sorted and matching the buffers; buffers non-empty and disjoint."""
         bases, buffers = self._snapshot
         assert bases == [b.base for b in buffers]
-        assert all(b.length > 0 and len(b.view) == b.length for b in buffers)
+        assert all(b.length > 0 and len(b.view) == (b.length if b.device is None else 0) for b in buffers)
+        assert all(b.device is None or (b.device.address, b.device.length) == (b.base, b.length) for b in buffers)
+        assert self.num_device == sum(b.device is not None for b in buffers)
         assert all(a.base + a.length <= b.base for a, b in itertools.pairwise(buffers))

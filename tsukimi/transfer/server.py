@@ -8,6 +8,12 @@ serving; a malformed frame closes only that connection. With the cluster secret,
 served only after the handshake (tsukimi/auth.py, run by netserver.ConnectionServer): one that
 fails it never reaches `serve`, so it can neither read nor write a byte.
 
+A range in registered device memory is served through the engine's pinned staging chunks
+(tsukimi/transfer/staging.py): a WRITE's payload is received chunk by chunk, each copied to
+the device on a copy thread while the next arrives; a READ's chunks are copied from the device
+one ahead of the one being sent. A device copy that fails before the answer started is
+answered SERVER_ERROR; one that fails mid-stream closes the connection.
+
 Besides READ and WRITE, a peer may send HANDSHAKE (descriptors both ways), NOTIFY (a
 notification for this engine's inbox: answered BUSY when the inbox is full) and PING (answered
 at once: the liveness probe). The engine's side of those is `ServerHooks`.
@@ -15,9 +21,11 @@ at once: the liveness probe). The engine's side of those is `ServerHooks`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import msgspec
@@ -25,10 +33,12 @@ import msgspec
 from tsukimi import netserver
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import TransferConfig
-from tsukimi.errors import OutOfBounds, ProtocolError
+from tsukimi.device import DeviceRange, backend
+from tsukimi.errors import OutOfBounds, ProtocolError, TsukimiError
 from tsukimi.transfer import wire
 from tsukimi.transfer.notifications import Notification
 from tsukimi.transfer.segment import Endpoint, LocalSegment
+from tsukimi.transfer.staging import StagingPool
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +50,28 @@ _ACK_FLUSH_BYTES = 256 << 10  # how often blocked socket calls wake up to check 
 
 def _refuse_notifications(_: Notification) -> bool:
     return False
+
+
+def _now(job: Callable[[], None]) -> Future[None]:
+    """Run `job` on this thread (one chunk: a hand-off would cost more than it overlaps)."""
+    future: Future[None] = Future()
+    try:
+        job()
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(None)
+    return future
+
+
+def _outcome(future: Future[None]) -> TsukimiError | None:
+    """Wait for a device copy; its error (the driver's or a bad range), if any."""
+    error = future.exception()
+    if error is None:
+        return None
+    if isinstance(error, TsukimiError):
+        return error
+    raise error
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +102,18 @@ class SegmentServer(netserver.ConnectionServer):
         *,
         secret: bytes | None = None,
         host: str = "",
+        staging: StagingPool | None = None,
     ) -> None:
+        """`staging`: the pinned chunks device memory is served through (None: a pool of
+        this server's own)."""
         host = host or config.bind_hosts[0]
         super().__init__(host, config.port, "segment-server", config.max_server_connections, _TICK_S, secret)
         self._segment = segment
         self._config = config
         self._clock = clock or WallClock()
         self._hooks = hooks
+        self._owns_staging = staging is None
+        self._staging = staging if staging is not None else StagingPool("serve")
         self.endpoint = Endpoint(host, self.port)
         self.start()
 
@@ -85,7 +122,7 @@ class SegmentServer(netserver.ConnectionServer):
         head_view = memoryview(head)
         deadline = [0.0]  # of the frame being served; read by `expired` on socket ticks
         clock, timeout_s, max_slice = self._clock, self._config.timeout_s, self._config.max_slice_bytes
-        resolve, unpack, ok = self._segment.resolve, wire.REQUEST.unpack_from, wire.RESPONSE.pack
+        resolve, unpack, ok = self._segment.resolve_any, wire.REQUEST.unpack_from, wire.RESPONSE.pack
 
         def idle(got: int) -> bool:  # between frames: wait for ever; inside a header: not at all
             return self.closed or got > 0
@@ -109,6 +146,11 @@ class SegmentServer(netserver.ConnectionServer):
                         self._flush(conn, acks, expired)
                         self._refuse(conn, wire.decode_request(head, max_slice), exc, expired)
                         continue
+                    if view.__class__ is DeviceRange:  # NOTE: the one check host memory pays
+                        self._flush(conn, acks, expired)
+                        self._serve_device(conn, op, seq, view, expired)
+                        continue
+                    assert isinstance(view, memoryview)
                     if op == wire.Op.WRITE:
                         if length >= _ACK_FLUSH_BYTES:  # don't hold small acks through a long payload
                             self._flush(conn, acks, expired)
@@ -124,6 +166,83 @@ class SegmentServer(netserver.ConnectionServer):
             logger.warning("closing connection from %s: %s", addr, exc)
         except OSError as exc:
             logger.debug("connection from %s ended: %s", addr, exc)
+
+    def close(self, join_s: float = 5.0) -> None:
+        super().close(join_s)
+        if self._owns_staging:
+            self._staging.close()
+
+    def _serve_device(
+        self, conn: socket.socket, op: int, seq: int, memory: DeviceRange, expired: Callable[[int], bool]
+    ) -> None:
+        """Serve one READ or WRITE of device memory through staging chunks (see the module).
+        Raises OSError (the connection is then closed) when a chunk cannot be had or a device
+        copy fails after the answer started."""
+        device = backend(memory.device)
+        pool = self._staging
+        step = pool.chunk_bytes
+        parts = [memory.sub(start, min(step, memory.length - start)) for start in range(0, memory.length, step)]
+        pending: list[Future[None]] = []
+
+        def chunk() -> memoryview:
+            try:
+                return pool.acquire(memory.kind, self._config.timeout_s)
+            except TsukimiError as exc:
+                raise TimeoutError(f"serving {memory.device} memory: {exc}") from exc
+
+        def copy(job: Callable[[], None], taken: memoryview) -> Future[None]:
+            def run() -> None:
+                try:
+                    job()
+                finally:
+                    pool.release(taken)
+
+            return pool.copies.submit(run) if len(parts) > 1 else _now(run)
+
+        if op == wire.Op.WRITE:
+            error: TsukimiError | None = None
+            for part in parts:
+                if len(pending) >= 2:  # NOTE: two chunks per frame: one on the socket, one copying
+                    error = error or _outcome(pending.pop(0))
+                taken = chunk()
+                view = taken[: part.length]
+                wire.recv_exact(conn, view, expired, strict=True)
+                pending.append(copy(functools.partial(device.from_host, part, view), taken))
+            for future in pending:
+                error = error or _outcome(future)
+            status, body = (wire.Status.OK, b"") if error is None else (wire.Status.SERVER_ERROR, str(error).encode())
+            self._reply(conn, wire.ResponseHeader(status, seq, 0), body, expired)
+            return
+        staged: list[tuple[Future[None], memoryview]] = []
+
+        def stage(part: DeviceRange) -> None:
+            taken = chunk()
+            view = taken[: part.length]
+            job = functools.partial(device.to_host, part, view)
+            future = pool.copies.submit(job) if len(parts) > 1 else _now(job)
+            staged.append((future, taken))
+
+        stage(parts[0])
+        first = _outcome(staged[0][0])
+        if first is not None:
+            pool.release(staged.pop()[1])
+            self._reply(conn, wire.ResponseHeader(wire.Status.SERVER_ERROR, seq, 0), str(first).encode(), expired)
+            return
+        wire.send_all(conn, [wire.RESPONSE.pack(wire.MAGIC, 0, 0, seq, memory.length)], lambda: expired(0))
+        try:
+            for i, part in enumerate(parts):
+                if i + 1 < len(parts):
+                    stage(parts[i + 1])
+                future, taken = staged[0]
+                failed = _outcome(future)
+                if failed is not None:
+                    raise OSError(f"copy from {memory.device} failed mid-answer: {failed}")
+                wire.send_all(conn, [taken[: part.length]], lambda: expired(0))
+                pool.release(staged.pop(0)[1])
+        finally:
+            for future, taken in staged:
+                future.exception()  # NOTE: wait: the copy must end before its chunk is reused
+                pool.release(taken)
 
     @staticmethod
     def _next_header(

@@ -21,10 +21,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
+from tsukimi.device import DeviceRange
 from tsukimi.errors import ConfigError
 from tsukimi.transfer.batch import OpCode, RequestRecord
 from tsukimi.transfer.segment import BufferDescriptor, RegisteredBuffer, SegmentDescriptor
@@ -32,7 +33,9 @@ from tsukimi.transfer.segment import BufferDescriptor, RegisteredBuffer, Segment
 
 @dataclass(slots=True)
 class Slice:
-    """One contiguous piece of a request: `local` is exactly its bytes on this side."""
+    """One contiguous piece of a request: `local` is exactly its bytes on this side, or, when
+    they are device memory, `device` is (and `local` is empty: the host cannot address them).
+    Only transports that take device memory (`device_local = "direct"`) see such slices."""
 
     record: RequestRecord
     op: OpCode
@@ -40,11 +43,26 @@ class Slice:
     remote_offset: int
     buffer: BufferDescriptor
     attempts: int = 0
+    device: DeviceRange | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.local) if self.device is None else self.device.length
+
+
+DeviceLocal = Literal["direct", "staged", "refuse"]
+"""What a transport does with a request whose local buffer is device memory: "direct" takes
+its slices (`Slice.device`) and copies with the device's backend; "staged" (the default for a
+transport that does not say) moves host bytes only, so the engine stages the device bytes
+through pinned host chunks around it (tsukimi/transfer/transports/staged.py); "refuse" cannot
+serve it at all (auto picks another transport)."""
 
 
 class Transport(Protocol):
     name: str
     slice_bytes: int  # requests are cut into slices of at most this many bytes
+    # NOTE: optional (read with getattr, default "staged"): see DeviceLocal
+    # device_local: DeviceLocal
 
     def can_serve(self, peer: SegmentDescriptor, buffer: BufferDescriptor) -> bool:
         """Whether this transport can reach `buffer` of `peer` from this process."""

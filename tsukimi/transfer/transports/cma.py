@@ -16,6 +16,10 @@ Liveness: the peer is opened through a pidfd, and the process's start time is ch
 against the one in its descriptor, so a recycled pid is never mistaken for the owner; the
 pidfd is polled before and after every copy (a copy that raced the owner's death fails).
 
+Device memory: the kernel cannot reach it, so cma refuses device buffers, the peer's
+(`can_serve`) and local ones (`device_local = "refuse"`); `auto` then picks device_ipc, shm
+or tcp.
+
 Released ranges: nothing on the owner's side checks a CMA copy, so before each batch the
 transport reads the owner's registration version (a uint64 whose address the descriptor
 publishes). When it differs from the descriptor's, the descriptor is fetched again and a
@@ -40,7 +44,7 @@ from tsukimi.errors import ClosedError, OutOfBounds, PeerError, TsukimiError
 from tsukimi.transfer.batch import OpCode, RequestRecord
 from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
 from tsukimi.transfer.transports.base import PreparedItem, Slice, TransportContext, register_transport
-from tsukimi.transfer.transports.same_host import CopyWorkers, PeerProcess, PeerTable, live_slices
+from tsukimi.transfer.transports.same_host import CopyWorkers, PeerProcess, PeerTable, live_slices, still_registered
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +81,37 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
+class VersionWord:
+    """A same-host peer's registration version, read straight from its memory (one
+    process_vm_readv of the uint64 whose address its descriptor publishes; see the module).
+    Also what the device_ipc transport checks before it copies."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        # NOTE: built once: the owner's registration version is read before every batch
+        self.word = ctypes.c_uint64()
+        self.word_local = _IoVec(ctypes.addressof(self.word), 8)
+        self.word_remote = _IoVec(0, 8)
+
+    def read(self, peer: SegmentDescriptor) -> int | None:
+        """The owner's registration version now (None when it publishes none, is gone, or
+        the kernel refuses the read)."""
+        if not peer.version_address:
+            return None
+        if self.word_remote.iov_base != peer.version_address:
+            self.word_remote = _IoVec(peer.version_address, 8)
+        if _READ(self.pid, ctypes.byref(self.word_local), 1, ctypes.byref(self.word_remote), 1, 0) != 8:
+            return None
+        return self.word.value
+
+
 class _CmaPeer(PeerProcess):
     """A peer process, and whether a probe showed that the kernel lets us attach to it."""
 
     def __init__(self, desc: SegmentDescriptor) -> None:
         super().__init__(desc)
         self.probed = False
-        # NOTE: built once: the owner's registration version is read before every batch
-        self.word = ctypes.c_uint64()
-        self.word_local = _IoVec(ctypes.addressof(self.word), 8)
-        self.word_remote = _IoVec(desc.version_address, 8)
+        self.version = VersionWord(desc.pid)
 
 
 class CmaTransport:
@@ -94,6 +119,7 @@ class CmaTransport:
 
     name = "cma"
     slice_bytes = SLICE_BYTES
+    device_local = "refuse"  # NOTE: process_vm_readv/writev reach host memory only
 
     def __init__(
         self, config: TransferConfig, local_host_id: str, clock: Clock, fetch: Callable[[str], SegmentDescriptor]
@@ -109,7 +135,7 @@ class CmaTransport:
         )
 
     def can_serve(self, peer: SegmentDescriptor, buffer: BufferDescriptor) -> bool:
-        if self._refused or peer.host_id != self._host_id:
+        if self._refused or buffer.device or peer.host_id != self._host_id:
             return False
         try:
             state = self._peers.get(peer)
@@ -167,33 +193,13 @@ class CmaTransport:
         version = self._version(state, peer)
         if version is None or version == peer.version:
             return slices
-        try:
-            fresh = self._fetch(peer.name)
-        except TsukimiError as exc:
-            self._fail(slices, PeerError(f"{peer.name} changed its registrations and cannot be asked: {exc}"))
-            return []
-        if fresh.version != self._version(state, fresh):
-            self._fail(slices, PeerError(f"{peer.name} is changing its registrations; try again"))
-            return []
-        live = []
-        for piece in slices:
-            if fresh.find(piece.remote_offset, len(piece.local)) is None:
-                where = f"[{piece.remote_offset:#x}, +{len(piece.local)})"
-                self._fail([piece], OutOfBounds(f"{where} of {peer.name} was released (no longer registered)"))
-            else:
-                live.append(piece)
-        return live
+        return still_registered(peer, state.version.read, self._fetch, slices)[1]
 
     @staticmethod
     def _version(state: _CmaPeer, peer: SegmentDescriptor) -> int | None:
-        """The owner's registration version now (None when it publishes none or is gone)."""
-        if not peer.version_address:
-            return None
-        if state.word_remote.iov_base != peer.version_address:
-            state.word_remote = _IoVec(peer.version_address, 8)
-        if _READ(state.pid, ctypes.byref(state.word_local), 1, ctypes.byref(state.word_remote), 1, 0) != 8:
-            return None  # NOTE: the copy itself then reports the dead peer
-        return state.word.value
+        """The owner's registration version now (None: none published, or the peer is gone;
+        the copy itself then reports the dead peer)."""
+        return state.version.read(peer)
 
     def _probe(self, state: _CmaPeer, buffer: BufferDescriptor) -> bool:
         """Read one byte of `buffer`: False (and CMA declined from now on) when the kernel

@@ -84,6 +84,9 @@ class NixlTransport:
 
     name = "nixl"
     slice_bytes = SLICE_BYTES
+    # NOTE: device memory is not given to NIXL (its descriptors here are DRAM): device
+    # buffers, the peer's or ours, go over device_ipc / shm / tcp instead
+    device_local = "refuse"
 
     def __init__(self, context: TransportContext) -> None:
         self._clock: Clock = context.clock
@@ -115,9 +118,12 @@ class NixlTransport:
     # -- SegmentAware --------------------------------------------------------------------
 
     def on_register(self, buffer: RegisteredBuffer) -> None:
-        self._register(buffer.base, buffer.length)
+        if buffer.device is None:
+            self._register(buffer.base, buffer.length)
 
     def on_unregister(self, buffer: RegisteredBuffer) -> None:
+        if buffer.device is not None:
+            return
         with self._lock:
             for i, (base, _, reg) in enumerate(self._regions):
                 if base == buffer.base:
@@ -131,7 +137,7 @@ class NixlTransport:
     # -- Transport -----------------------------------------------------------------------
 
     def can_serve(self, peer: SegmentDescriptor, buffer: BufferDescriptor) -> bool:
-        return not self._closed and bool(peer.transport_info.get(self.name))
+        return not self._closed and not buffer.device and bool(peer.transport_info.get(self.name))
 
     def submit(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
         if self._closed:

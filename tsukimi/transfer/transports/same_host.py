@@ -1,6 +1,7 @@
-"""What the same-host transports (shm, cma) share: a peer process pinned by a pidfd, the table
-of peers they copy to, the copy workers that take large submits, and the slice filter that
-runs before every copy.
+"""What the same-host transports (shm, cma, device_ipc) share: a peer process pinned by a
+pidfd, the table of peers they copy to, the copy workers that take large submits, the slice
+filter that runs before every copy, and the re-check of slices after the owner changed its
+registrations.
 
 A peer is named by (host, pid, start time): the descriptor carries the owner's start time, so
 a pid the kernel recycled after the owner died is never taken for it. The pidfd then tells,
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from tsukimi.clock import Clock
-from tsukimi.errors import ClosedError
+from tsukimi.errors import ClosedError, OutOfBounds, PeerError, TsukimiError
 from tsukimi.transfer.segment import SegmentDescriptor, process_start_time
 from tsukimi.transfer.transports.base import Slice
 
@@ -121,6 +122,41 @@ class CopyWorkers(Generic[T]):
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             self._run(item)
+
+
+def still_registered(
+    peer: SegmentDescriptor,
+    version: Callable[[SegmentDescriptor], int | None],
+    fetch: Callable[[str], SegmentDescriptor],
+    slices: list[Slice],
+) -> tuple[SegmentDescriptor | None, list[Slice]]:
+    """After the owner's registration `version` moved past `peer.version`: its fresh
+    descriptor (None when it cannot be had) and the slices whose ranges it still registers,
+    each pointed at the buffer that holds it now. The others end here: out of bounds
+    (released), or a peer error (the owner cannot be asked, or keeps changing)."""
+    try:
+        fresh = fetch(peer.name)
+    except TsukimiError as exc:
+        _fail(slices, PeerError(f"{peer.name} changed its registrations and cannot be asked: {exc}"))
+        return None, []
+    if fresh.version != version(fresh):
+        _fail(slices, PeerError(f"{peer.name} is changing its registrations; try again"))
+        return None, []
+    live = []
+    for piece in slices:
+        found = fresh.find(piece.remote_offset, piece.nbytes)
+        if found is None:
+            where = f"[{piece.remote_offset:#x}, +{piece.nbytes})"
+            _fail([piece], OutOfBounds(f"{where} of {peer.name} was released (no longer registered)"))
+        else:
+            piece.buffer = found
+            live.append(piece)
+    return fresh, live
+
+
+def _fail(pieces: list[Slice], error: TsukimiError) -> None:
+    for piece in pieces:
+        piece.record.slice_failed(str(error), error.code)
 
 
 def live_slices(slices: list[Slice], clock: Clock) -> list[Slice]:

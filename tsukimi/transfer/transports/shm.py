@@ -5,6 +5,11 @@ copy releases the GIL, so large copies run in parallel with the caller). Before 
 each copy the owner's liveness is checked through a pidfd, and the file's link count tells
 whether the owner unregistered the buffer, so writes into a dead or released segment are
 reported as failures rather than silently landing in orphaned memory.
+
+Device memory on this side (`device_local = "direct"`) is copied straight between the peer's
+mapped file and the device by the device's backend (to_host / from_host on the mapped view):
+no staging. A mapping is pinned for a kind of device the first time it is used with one
+(cudaHostRegister in place: DMA speed, GPU.md) and unpinned before it is unmapped.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import numpy as np
 
 from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
-from tsukimi.errors import ClosedError, OutOfBounds, PeerError
+from tsukimi.device import DeviceRange, backend
+from tsukimi.errors import ClosedError, OutOfBounds, PeerError, TsukimiError
 from tsukimi.transfer.batch import OpCode
 from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
 from tsukimi.transfer.shared_memory import SharedMapping, map_shared, valid_shm_name
@@ -38,6 +44,7 @@ class _ShmPeer(PeerProcess):
         self.shm_dir = shm_dir
         self.lock = threading.Lock()
         self.mappings: dict[str, SharedMapping] = {}
+        self.unpins: dict[tuple[str, str], Callable[[], None]] = {}  # (file, device kind) -> unpin
 
     def mapping(self, shm_name: str) -> SharedMapping:
         found = self.mappings.get(shm_name)
@@ -48,15 +55,28 @@ class _ShmPeer(PeerProcess):
                     found = self.mappings[shm_name] = map_shared(self.shm_dir, shm_name)
         return found
 
+    def pin(self, shm_name: str, mapping: SharedMapping, kind: str) -> None:
+        """Pin a mapped file for devices of `kind` (once; see the module)."""
+        if (shm_name, kind) not in self.unpins:
+            with self.lock:
+                if (shm_name, kind) not in self.unpins:
+                    self.unpins[shm_name, kind] = backend(kind).pin(mapping.view)
+
     def drop(self, shm_name: str) -> None:
         """Unmap a file the owner released (frees its memory once nothing else maps it)."""
         with self.lock:
             mapping = self.mappings.pop(shm_name, None)
+            unpins = [self.unpins.pop(key) for key in list(self.unpins) if key[0] == shm_name]
+        for unpin in unpins:
+            unpin()
         if mapping is not None:
             mapping.close()
 
     def close(self) -> None:
         with self.lock:
+            for unpin in self.unpins.values():
+                unpin()
+            self.unpins.clear()
             for mapping in self.mappings.values():
                 mapping.close()
             self.mappings.clear()
@@ -68,6 +88,7 @@ class ShmTransport:
 
     name = "shm"
     slice_bytes = SLICE_BYTES
+    device_local = "direct"
 
     def __init__(
         self, config: TransferConfig, local_host_id: str, clock: Clock, on_stale: Callable[[str], None]
@@ -96,7 +117,7 @@ class ShmTransport:
         state = self._peers.get(peer)
         # NOTE: a small submit is copied by the caller: a hand-off to a worker costs more than
         # the copy. Larger ones go to the workers, which copy in parallel (numpy drops the GIL).
-        if sum(len(piece.local) for piece in slices) <= INLINE_BYTES:
+        if sum(piece.nbytes for piece in slices) <= INLINE_BYTES:
             for piece in slices:
                 self._run(state, piece)
             return
@@ -117,8 +138,10 @@ class ShmTransport:
             piece.record.slice_failed(f"shm transfer to {peer.name} failed: {exc}", exc.code)
         except (OSError, ValueError, PeerError) as exc:
             piece.record.slice_failed(f"shm transfer to {peer.name} failed: {exc}", PeerError.code)
+        except TsukimiError as exc:  # the device's backend failed (DeviceError)
+            piece.record.slice_failed(f"shm transfer to {peer.name} failed: {exc}", exc.code)
         else:
-            piece.record.slice_done(len(piece.local))
+            piece.record.slice_done(piece.nbytes)
 
     def _copy(self, peer: _ShmPeer, piece: Slice) -> None:
         if not peer.alive():
@@ -129,12 +152,27 @@ class ShmTransport:
             self._on_stale(peer.name)
             raise OutOfBounds("the owner released this buffer (descriptor dropped: the next request re-fetches it)")
         start = piece.remote_offset - piece.buffer.base + piece.buffer.shm_offset
+        if piece.device is not None:
+            self._copy_device(peer, mapping, piece, piece.device, start)
+            return
         remote = np.frombuffer(mapping.view, np.uint8, len(piece.local), start)
         local = np.frombuffer(piece.local, np.uint8)
         if piece.op is OpCode.WRITE:
             np.copyto(remote, local)
         else:
             np.copyto(local, remote)
+        if not peer.alive():
+            raise PeerError(f"owner process {peer.pid} exited during the copy")
+
+    @staticmethod
+    def _copy_device(peer: _ShmPeer, mapping: SharedMapping, piece: Slice, device: DeviceRange, start: int) -> None:
+        """Copy between the mapped file and local device memory (see the module)."""
+        peer.pin(piece.buffer.shm_name, mapping, device.kind)
+        remote = mapping.view[start : start + device.length]
+        if piece.op is OpCode.WRITE:
+            backend(device.device).to_host(device, remote)
+        else:
+            backend(device.device).from_host(device, remote)
         if not peer.alive():
             raise PeerError(f"owner process {peer.pid} exited during the copy")
 
