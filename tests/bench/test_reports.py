@@ -182,6 +182,10 @@ def _gpu(report: BenchReport) -> None:
     tokens = ("4k", "16k") if cuda else ("128", "512")
     for label in tokens:
         assert figures[f"raw.prefill_s.{label}"] > 0 and figures[f"raw.reuse_s.{label}"] > 0  # type: ignore[operator]
+    for size in ("64KiB", "1MiB"):  # the Transfer Engine with device memory (emulated without CUDA)
+        assert figures[f"tsukimi.te_h2d_gbps.{size}"] > 0 and figures[f"tsukimi.te_d2d_gbps.{size}"] > 0  # type: ignore[operator]
+        assert figures[f"tsukimi.te.tcp.READ.device_to_device.{size}"] > 0  # type: ignore[operator]
+    assert figures["tsukimi.te.auto_carried_by.device_to_device"] == "device_ipc"
     longest = tokens[-1]
     for key in (f"tsukimi.engine_prefill_s.{longest}", f"tsukimi.engine_reuse_s.{longest}"):
         assert figures[key] > 0  # type: ignore[operator]

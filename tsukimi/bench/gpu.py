@@ -27,6 +27,7 @@ from tsukimi.bench.gpu_engine import engine_rows, process_rows
 from tsukimi.bench.gpu_model import SHAPES, LayerKV, RawDecoder
 from tsukimi.bench.report import BenchReport, FigureViews, Verdict, begin, finish, goal
 from tsukimi.errors import ConfigError
+from tsukimi.transfer.device_bench import measure_device_transfers
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
@@ -133,9 +134,26 @@ def _host_prefix(
 
 
 def tsukimi_te_rows(cfg: GpuBenchConfig) -> dict[str, Figure]:
-    """TODO(issue 23, Transfer Engine): TE host<->GPU and GPU<->GPU at 64 KiB-64 MiB, e.g.
-    `tsukimi.te_h2d_gbps.1MiB`, `tsukimi.te_d2h_gbps.1MiB`, `tsukimi.te_d2d_gbps.64MiB`."""
-    return {}
+    """The Transfer Engine between two processes on this host with device memory
+    (tsukimi/transfer/device_bench.py; the emulated device without CUDA), `auto` and `tcp`:
+    `tsukimi.te.{transport}.{op}.{local}_to_{remote}.{size}` GB/s, and the verdicts' keys
+    `tsukimi.te_h2d_gbps.{size}` / `tsukimi.te_d2h_gbps.{size}` (auto: host memory here, the
+    peer's GPU) and `tsukimi.te_d2d_gbps.{size}` (auto: GPU to GPU, CUDA IPC)."""
+    cuda = cfg.device == "cuda"
+    sizes = [n for n in cfg.copy_bytes if n <= 64 * MIB] if cuda else [64 * KIB, MIB]
+    results = measure_device_transfers("cuda" if cuda else "emu", ("auto", "tcp"), sizes, 0.5 if cuda else 0.05)
+    figures: dict[str, Figure] = {}
+    for r in results:
+        size = size_label(r.size_bytes)
+        figures[f"tsukimi.te.{r.transport}.{r.op}.{r.local}_to_{r.remote}.{size}"] = round(r.gbps, 3)
+        if r.transport != "auto":
+            continue
+        figures[f"tsukimi.te.auto_carried_by.{r.local}_to_{r.remote}"] = r.carried_by
+        if (r.local, r.remote) == ("host", "device"):
+            figures[f"tsukimi.te_{'h2d' if r.op == 'WRITE' else 'd2h'}_gbps.{size}"] = round(r.gbps, 3)
+        elif (r.local, r.remote) == ("device", "device") and r.op == "WRITE":
+            figures[f"tsukimi.te_d2d_gbps.{size}"] = round(r.gbps, 3)
+    return figures
 
 
 def tsukimi_store_rows(cfg: GpuBenchConfig) -> dict[str, Figure]:
