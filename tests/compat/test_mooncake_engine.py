@@ -205,3 +205,25 @@ def test_with_a_metadata_server() -> None:
     finally:
         initiator.close()
         target.close()
+
+
+def test_device_pointers_register_and_move(pair: tuple[mc.TransferEngine, mc.TransferEngine, str]) -> None:
+    """GPU memory as SGLang's PD backend and vLLM's MooncakeConnector hand it over: raw device
+    pointers, location "*" (found out) or "cuda:N"-style names; here the emulated device."""
+    from tsukimi.device import EMULATED, EmulatedDevice
+
+    initiator, target, name = pair
+    with EmulatedDevice(0).alloc(MIB) as local, EmulatedDevice(1).alloc(MIB) as remote:
+        src, dst = local.range.address, remote.range.address
+        assert initiator.register_memory(src, MIB, "*") == 0
+        assert target.register_memory(dst, MIB, "emu:1") == 0
+        assert initiator.write_bytes_to_buffer(src, b"on the device", 13) == 0
+        before = EMULATED.stats["copy_bytes"] + EMULATED.stats["from_host_bytes"]
+        assert initiator.transfer_sync_write(name, src, dst + 64, 13) == 0
+        assert EMULATED.stats["copy_bytes"] + EMULATED.stats["from_host_bytes"] > before
+        assert target.read_bytes_from_buffer(dst + 64, 13) == b"on the device"
+        assert remote.read(64, 13) == b"on the device"
+        assert initiator.transfer_sync_read(name, src + 100, dst + 64, 13) == 0
+        assert local.read(100, 13) == b"on the device"
+        assert target.register_memory(dst + MIB // 2, 16, "cpu:0") == -7  # overlaps the registered range
+        assert initiator.unregister_memory(src) == 0 and target.unregister_memory(dst) == 0

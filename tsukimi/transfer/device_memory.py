@@ -64,11 +64,9 @@ def _tuple_memory(obj: tuple[object, ...], where: str) -> DeviceRange | None:
     address, length = int(obj[0]), int(obj[1])  # type: ignore[call-overload]
     if address <= 0 or length <= 0:
         return None
-    found = locate(address, length)
-    if found is None and where not in AUTO_LOCATIONS:
-        # NOTE: a forced device the driver does not report (Mooncake trusts the caller too)
-        return DeviceRange(where, address, length)
-    return found
+    # NOTE: a forced device must be one the driver reports (Mooncake trusts the caller; a host
+    # pointer registered as GPU memory would fail every later copy, far from its cause)
+    return locate(address, length)
 
 
 def request_memory(obj: object, segment: LocalSegment) -> DeviceRange | None:

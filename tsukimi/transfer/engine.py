@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import Config
+from tsukimi.device import DeviceRange
 from tsukimi.errors import ClosedError, ConfigError, TsukimiError
 from tsukimi.transfer.batch import (
     Batch,
@@ -216,6 +217,12 @@ class TransferEngine:
         is not inside one registered buffer, InvalidBufferError (naming the device) when it is
         device memory (the host cannot address it: move it with tsukimi.device.backend)."""
         return self._segment.resolve(address, length)
+
+    def local_memory(self, address: int, length: int) -> memoryview | DeviceRange:
+        """The registered bytes [address, address + length): a view of host memory, or the
+        device range (to move with `tsukimi.device.backend(range.device)`). Never mutates.
+        Raises OutOfBounds when the range is not inside one registered buffer."""
+        return self._segment.resolve_any(address, length)
 
     # -- peers and batches -------------------------------------------------------------
 

@@ -2,9 +2,14 @@
 memory for peers, managed buffers, and copying bytes in and out of registered memory, over
 tsukimi's `TransferEngine.register / unregister / allocate / local_view`.
 
+Memory is registered where it lives: `location` "*" finds out (host memory, or a GPU's: a device
+pointer from torch or cupy, as SGLang and vLLM's MooncakeConnector pass), "cpu:N" says host
+memory, "cuda:N" device memory (tsukimi/transfer/device_memory.py).
+
 Unlike Mooncake, read_bytes_from_buffer and write_bytes_to_buffer reach registered memory only
-(Mooncake copies at any address: here a wrong address is an error, not a crash), and a managed
-buffer is registered by itself (Mooncake carves them from one registered pool).
+(Mooncake copies at any address: here a wrong address is an error, not a crash), device memory
+included (copied through its device); and a managed buffer is registered by itself (Mooncake
+carves them from one registered pool).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from tsukimi.compat.mooncake.engine_codes import (
     failed,
 )
 from tsukimi.compat.mooncake.engine_setup import started
+from tsukimi.device import DeviceRange, backend
 from tsukimi.errors import InvalidArgument, OutOfBounds, TsukimiError
 from tsukimi.transfer import RegisteredBuffer, TransferEngine
 
@@ -35,15 +41,16 @@ class LocalMemory:
         self._managed: dict[int, RegisteredBuffer] = {}
 
     def register(self, buffer_addr: int, capacity: int, location: str) -> int:
-        """Register [buffer_addr, +capacity) of CPU memory for peers: 0, -1, -7 (overlaps)."""
+        """Register [buffer_addr, +capacity) of host or device memory for peers (`location`:
+        "*" finds out, "cpu:N", "cuda:N"): 0, -1, -7 (overlaps)."""
         try:
             engine = started(self._engine)
-            if buffer_addr <= 0 or capacity <= 0 or not (location == "*" or location.startswith("cpu")):
+            if buffer_addr <= 0 or capacity <= 0 or not location:
                 raise InvalidArgument(f"cannot register {capacity} bytes at {buffer_addr:#x} on {location!r}")
             end = buffer_addr + capacity
             if any(b.base < end and buffer_addr < b.base + b.length for b in engine.describe().buffers):
                 return failed("register_memory", InvalidArgument("overlaps registered memory"), ERR_ADDRESS_OVERLAPPED)
-            engine.register((buffer_addr, capacity))
+            engine.register((buffer_addr, capacity), location=location)
         except TsukimiError as exc:
             return failed("register_memory", exc, FAILED)
         return OK
@@ -97,7 +104,12 @@ class LocalMemory:
 
     def read(self, buffer_addr: int, length: int) -> bytes:
         """A copy of registered memory. Raises OutOfBounds outside it, ConfigError before initialize."""
-        return bytes(started(self._engine).local_view(buffer_addr, length))
+        memory = started(self._engine).local_memory(buffer_addr, length)
+        if isinstance(memory, DeviceRange):
+            out = bytearray(length)
+            backend(memory.device).to_host(memory, memoryview(out))
+            return bytes(out)
+        return bytes(memory)
 
     def write(self, buffer_addr: int, src_data: bytes | str, length: int) -> int:
         """Copy the first `length` bytes of `src_data` into registered memory: 0, -1 (more
@@ -107,7 +119,11 @@ class LocalMemory:
             if not 0 <= length <= len(data):
                 raise InvalidArgument(f"length {length} for {len(data)} bytes of data")
             if length:
-                started(self._engine).local_view(buffer_addr, length)[:] = data[:length]
+                memory = started(self._engine).local_memory(buffer_addr, length)
+                if isinstance(memory, DeviceRange):
+                    backend(memory.device).from_host(memory, memoryview(data)[:length])
+                else:
+                    memory[:] = data[:length]
         except OutOfBounds as exc:
             return failed("write_bytes_to_buffer", exc, ERR_ADDRESS_NOT_REGISTERED)
         except TsukimiError as exc:
