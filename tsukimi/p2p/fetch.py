@@ -29,10 +29,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import crc32c
-
 from tsukimi.config import P2PConfig
 from tsukimi.errors import ChecksumMismatch, PayloadNotFound, TooManyRetries, TsukimiError
+from tsukimi.p2p.buffers import crc32c_of
 from tsukimi.p2p.holders import live_holders
 from tsukimi.p2p.records import (
     Extent,
@@ -239,9 +238,7 @@ class ShardFetch:
             if (error := status.error()) is not None:
                 return error
         if self._config.verify:
-            crc = 0
-            for extent in local:
-                crc = crc32c.crc32c(self._engine.local_view(extent.address, extent.length), value=crc)
+            crc = crc32c_of(self._engine, local)
             if crc != expected_crc:
                 self._stats.add(crc_failures=1)
                 return ChecksumMismatch(f"crc32c {crc:#010x}, the record says {expected_crc:#010x}")

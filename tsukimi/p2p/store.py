@@ -22,8 +22,6 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import crc32c
-
 from tsukimi.config import Config
 from tsukimi.errors import (
     ClosedError,
@@ -35,7 +33,7 @@ from tsukimi.errors import (
     RevisionConflict,
     TsukimiError,
 )
-from tsukimi.p2p.buffers import claim_buffers, release
+from tsukimi.p2p.buffers import claim_buffers, crc32c_of, release
 from tsukimi.p2p.fetch import P2PStats, RecordView, ShardFetch
 from tsukimi.p2p.holders import HolderBeacon, live_holders
 from tsukimi.p2p.records import (
@@ -295,10 +293,7 @@ class P2PStore:
             logger.warning("could not advertise this P2P holder: %s", exc)
 
     def _crc(self, extents: tuple[Extent, ...]) -> int:
-        crc = 0
-        for extent in extents:
-            crc = crc32c.crc32c(self.engine.local_view(extent.address, extent.length), value=crc)
-        return crc
+        return crc32c_of(self.engine, extents)
 
     def _check_open_store(self) -> None:
         if self._closed:

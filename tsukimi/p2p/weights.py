@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STATE_DICT_KIND = "torch-state-dict"
+DEVICE_TYPES = ("cpu", "cuda")  # NOTE: CUDA tensors are registered as device memory (GPU to GPU)
 FILE_KIND = "file"
 
 
@@ -42,7 +43,7 @@ def publish_state_dict(
     tensor is copied once). They must not change while registered. Mutates the store.
 
     Raises:
-        InvalidArgument: not a mapping of CPU tensors, or nothing to publish. What
+        InvalidArgument: not a mapping of CPU or CUDA tensors, or nothing to publish. What
         `P2PStore.register` raises.
     """
     entries, buffers = _manifest(state_dict)
@@ -61,8 +62,8 @@ def _manifest(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[dict[str, An
     buffers: list[torch.Tensor] = []
     seen: dict[tuple[int, int, str, tuple[int, ...]], str] = {}
     for key, tensor in state_dict.items():
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-            raise InvalidArgument(f"state dict entry {key!r} is not a CPU tensor")
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type not in DEVICE_TYPES:
+            raise InvalidArgument(f"state dict entry {key!r} is not a CPU or CUDA tensor")
         entry: dict[str, Any] = {"name": key, "dtype": str(tensor.dtype), "shape": list(tensor.shape)}
         identity = (tensor.data_ptr(), tensor.nbytes, str(tensor.dtype), tuple(tensor.shape))
         if tensor.nbytes and identity in seen and tensor.is_contiguous():
@@ -76,13 +77,14 @@ def _manifest(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[dict[str, An
 
 def receive_state_dict(store: P2PStore, name: str, into: Mapping[str, torch.Tensor]) -> PayloadInfo:
     """Pull payload `name` (a published state dict) straight into the tensors of `into`,
-    which must match its manifest exactly (names, dtypes, shapes; contiguous CPU tensors).
-    Afterwards this store holds a replica (its tensors serve other readers) until
-    `store.delete_replica(name)`. Mutates the tensors and the store.
+        which must match its manifest exactly (names, dtypes, shapes; contiguous CPU or CUDA tensors:
+    a publisher's and a receiver's devices may differ).
+        Afterwards this store holds a replica (its tensors serve other readers) until
+        `store.delete_replica(name)`. Mutates the tensors and the store.
 
-    Raises:
-        InvalidArgument: `name` is not a state dict, or `into` does not match it (no byte was
-        written then). What `P2PStore.get_replica` raises (bytes may be partly written).
+        Raises:
+            InvalidArgument: `name` is not a state dict, or `into` does not match it (no byte was
+            written then). What `P2PStore.get_replica` raises (bytes may be partly written).
     """
     info = store.describe(name)
     entries = _entries(name, info.meta)
@@ -119,8 +121,8 @@ def _targets(name: str, entries: list[dict[str, Any]], into: Mapping[str, torch.
                 f"{entry['name']!r} is {tensor.dtype} {list(tensor.shape)}; P2P payload {name!r} has "
                 f"{entry['dtype']} {entry['shape']}"
             )
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise InvalidArgument(f"{entry['name']!r} must be a contiguous CPU tensor to receive into")
+        if tensor.device.type not in DEVICE_TYPES or not tensor.is_contiguous():
+            raise InvalidArgument(f"{entry['name']!r} must be a contiguous CPU or CUDA tensor to receive into")
         if "alias" not in entry and tensor.nbytes:
             targets.append(tensor)
     return targets
