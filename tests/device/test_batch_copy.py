@@ -10,7 +10,15 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tsukimi.device import EMULATED, DeviceBackend, DeviceRange, EmulatedDevice, backend
-from tsukimi.device.batch_copy import HostBuffer, HostStaging, anonymous_buffer, device_scratch, gather, scatter
+from tsukimi.device.batch_copy import (
+    HostBuffer,
+    HostStaging,
+    anonymous_buffer,
+    device_scratch,
+    gather,
+    scatter,
+    scatter_at,
+)
 from tsukimi.device.registry import device_range
 from tsukimi.errors import ClosedError, InvalidBufferError
 
@@ -124,6 +132,25 @@ def test_one_range_and_lengths_that_do_not_add_up(device: tuple[DeviceBackend, A
         gather(packed, [src.sub(0, 50)])
     with pytest.raises(InvalidBufferError):
         scatter(packed, [src, src])
+
+
+def test_scatter_at_leaves_the_gaps_unread(device: tuple[DeviceBackend, Alloc]) -> None:
+    be, alloc = device
+    row = 512
+    packed, cache = alloc(8 * row), alloc(16 * row)
+    data = _pattern(8 * row, 8)
+    be.from_host(packed, memoryview(data))
+    pieces = [(0, cache.sub(3 * row, row)), (5 * row, cache.sub(9 * row, row)), (2 * row, cache.sub(0, 100))]
+    before = _counts()
+    scatter_at(packed, pieces)
+    if be is EMULATED:
+        assert _delta(before) == {"scatter": 1, "copy": 1}
+    got = _read(be, cache)
+    assert got[3 * row : 4 * row] == data[:row]
+    assert got[9 * row : 10 * row] == data[5 * row : 6 * row]
+    assert got[:100] == data[2 * row : 2 * row + 100]
+    with pytest.raises(InvalidBufferError):
+        scatter_at(packed, [(8 * row - 10, cache.sub(0, 20))])
 
 
 def test_device_scratch_is_device_memory() -> None:

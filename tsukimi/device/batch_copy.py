@@ -65,6 +65,12 @@ class _Rows:
         """Whether the packed side is exactly rows 0, 1, ... (a plain slice, no index)."""
         return self.packed_rows == list(range(len(self.packed_rows)))
 
+    @property
+    def consecutive(self) -> bool:
+        """Whether both sides are one range, rows in the same order (a copy moves them)."""
+        first = self.rows[0]
+        return self.packed_in_order and self.rows == list(range(first, first + len(self.rows)))
+
     def packed_span(self, packed: DeviceRange) -> DeviceRange:
         return packed.sub(self.packed_first, (max(self.packed_rows) + 1) * self.row_bytes)
 
@@ -75,15 +81,8 @@ class _Plan:
     copies: list[tuple[int, DeviceRange]]  # (offset in packed, range), merged where adjacent
 
 
-def _plan(packed: DeviceRange, ranges: Sequence[DeviceRange], kernel: bool) -> _Plan:
-    """How to move `ranges` to or from their back-to-back places in `packed`.
-    Raises InvalidBufferError when their lengths do not add up to packed's."""
-    offsets, total = [], 0
-    for memory in ranges:
-        offsets.append(total)
-        total += memory.length
-    if total != packed.length:
-        raise InvalidBufferError(f"{len(ranges)} device ranges of {total} bytes packed into {packed.length}")
+def _plan(packed: DeviceRange, ranges: Sequence[DeviceRange], offsets: Sequence[int], kernel: bool) -> _Plan:
+    """How to move `ranges` to or from their places `offsets` in `packed`."""
     buckets: dict[tuple[str, int, int, int], list[int]] = defaultdict(list)
     loose: list[int] = []
     for i, memory in enumerate(ranges):
@@ -99,11 +98,12 @@ def _plan(packed: DeviceRange, ranges: Sequence[DeviceRange], kernel: bool) -> _
             continue
         members.sort(key=lambda i: ranges[i].address)
         for part in _by_allocation(ranges, members, row_bytes):
-            if len(part) < 2:
+            rows = _rows_of(ranges, offsets, part, row_bytes) if len(part) > 1 else None
+            if rows is None or rows.consecutive:  # NOTE: one range on both sides: one copy beats a kernel
                 loose += part
             else:
-                groups.append(_rows_of(ranges, offsets, part, row_bytes))
-    return _Plan(groups, _merged([(offsets[i], ranges[i]) for i in sorted(loose)]))
+                groups.append(rows)
+    return _Plan(groups, _merged([(offsets[i], ranges[i]) for i in sorted(loose, key=lambda i: offsets[i])]))
 
 
 def _by_allocation(ranges: Sequence[DeviceRange], members: list[int], row_bytes: int) -> list[list[int]]:
@@ -123,7 +123,7 @@ def _by_allocation(ranges: Sequence[DeviceRange], members: list[int], row_bytes:
     return _by_allocation(ranges, members[:mid], row_bytes) + _by_allocation(ranges, members[mid:], row_bytes)
 
 
-def _rows_of(ranges: Sequence[DeviceRange], offsets: list[int], members: list[int], row_bytes: int) -> _Rows:
+def _rows_of(ranges: Sequence[DeviceRange], offsets: Sequence[int], members: list[int], row_bytes: int) -> _Rows:
     low = ranges[members[0]].address
     high = ranges[members[-1]].address + row_bytes
     packed_first = min(offsets[i] for i in members)
@@ -267,21 +267,41 @@ def gather(dst: DeviceRange, srcs: Sequence[DeviceRange]) -> None:
         InvalidBufferError: the lengths do not add up, or a range of another kind of device.
         DeviceError: the driver failed.
     """
-    _move(dst, srcs, gathering=True)
+    _move(dst, srcs, _back_to_back(dst, srcs), gathering=True)
 
 
 def scatter(src: DeviceRange, dsts: Sequence[DeviceRange]) -> None:
     """Fill `dsts` from `src`'s consecutive bytes, in order (the inverse of `gather`). Raises
     as `gather`. Destinations that overlap one another get one of their writers' bytes."""
-    _move(src, dsts, gathering=False)
+    _move(src, dsts, _back_to_back(src, dsts), gathering=False)
 
 
-def _move(packed: DeviceRange, ranges: Sequence[DeviceRange], gathering: bool) -> None:
+def scatter_at(src: DeviceRange, pieces: Sequence[tuple[int, DeviceRange]]) -> None:
+    """Fill each piece's range from `src` at its offset (`scatter` with gaps: what a batch
+    of reads of which some failed delivers). Raises InvalidBufferError for a piece outside
+    `src`; as `gather`."""
+    for offset, memory in pieces:
+        src.sub(offset, memory.length)  # NOTE: raises when outside
+    _move(src, [m for _, m in pieces], [o for o, _ in pieces], gathering=False)
+
+
+def _back_to_back(packed: DeviceRange, ranges: Sequence[DeviceRange]) -> list[int]:
+    """The offsets of `ranges` packed in order. Raises InvalidBufferError unless they fill `packed`."""
+    offsets, total = [], 0
+    for memory in ranges:
+        offsets.append(total)
+        total += memory.length
+    if total != packed.length:
+        raise InvalidBufferError(f"{len(ranges)} device ranges of {total} bytes packed into {packed.length}")
+    return offsets
+
+
+def _move(packed: DeviceRange, ranges: Sequence[DeviceRange], offsets: Sequence[int], gathering: bool) -> None:
     if any(memory.kind != packed.kind for memory in ranges):
         raise InvalidBufferError(f"cannot pack ranges of another kind of device than {packed.device}")
     be = backend(packed.device)
     kernel = _kernel(packed.kind)
-    plan = _plan(packed, ranges, kernel is not None)
+    plan = _plan(packed, ranges, offsets, kernel is not None)
     for offset, memory in plan.copies:
         if gathering:
             be.copy(packed.sub(offset, memory.length), memory)
