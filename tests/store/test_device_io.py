@@ -259,3 +259,28 @@ def test_cuda_vllm_layout_blocks_round_trip(client: StoreClient) -> None:
     assert all(r.size == BLOCK for r in client.batch_get(keys, dests))
     for layer, back in zip(layers, fresh_layers, strict=True):
         assert torch.equal(back[blocks], layer[blocks])
+
+
+def test_a_holders_segment_is_pinned_when_a_gpu_is_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tsukimi.device import CUDA
+    from tsukimi.errors import DeviceError
+
+    events: list[tuple[str, int]] = []
+
+    def pin(view: memoryview) -> object:
+        events.append(("pin", len(view)))
+        return lambda: events.append(("unpin", len(view)))
+
+    monkeypatch.setattr(CUDA, "available", lambda: True)
+    monkeypatch.setattr(CUDA, "pin", pin)
+    with MasterServer(MasterConfig(rpc_port=0, http_port=0)) as master:
+        with StoreClient.connect(master.endpoint, segment_bytes=4 << 20):
+            assert events == [("pin", 4 << 20)]
+        assert events == [("pin", 4 << 20), ("unpin", 4 << 20)]
+
+        def refuse(view: memoryview) -> object:
+            raise DeviceError("cuMemHostRegister failed: CUDA_ERROR_NOT_PERMITTED")
+
+        monkeypatch.setattr(CUDA, "pin", refuse)
+        with StoreClient.connect(master.endpoint, segment_bytes=4 << 20) as holder:
+            holder.put(fresh("after-a-refused-pin"), b"still works")

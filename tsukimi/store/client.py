@@ -18,6 +18,10 @@ batch per phase, whatever its size (it is cut into `MAX_BATCH` operations per ro
 get's result is a `GetResult`; a miss is never an error. `AsyncStoreClient`
 (async_client.py) wraps a client for asyncio.
 
+Values and destinations may be device memory (CUDA tensors, DeviceRanges): `DeviceIO` stages
+them through host staging this client allocates from its engine (device_io.py). On a host with
+a GPU the contributed segment is pinned for DMA (a failure only logs).
+
 The client owns the connection: the master link, the Transfer Engine, its segment and mounts,
 the heartbeat, the disk holder, the task runner. The rest is done by parts it makes in
 `__init__`, each given exactly what it needs and keeping no state of its own:
@@ -52,7 +56,7 @@ from tsukimi.device import DeviceRange
 from tsukimi.device.batch_copy import HostBuffer, HostStaging
 from tsukimi.errors import InvalidArgument, ObjectNotFound, TsukimiError
 from tsukimi.store import protocol as p
-from tsukimi.store.device_io import DeviceIO, DevicePut, as_part, has_device
+from tsukimi.store.device_io import DeviceIO, DevicePut, as_part, has_device, pin_for_gpus
 from tsukimi.store.disk import DiskStore
 from tsukimi.store.disk_holder import DiskHolder
 from tsukimi.store.disk_server import DiskReader
@@ -98,6 +102,7 @@ class StoreClient:
         self._mounts: list[p.MountSegment] = []
         self._segment_base = 0
         self._segment: RegisteredBuffer | None = None
+        self._unpin_segment: Callable[[], None] = _nothing
         self.disk: DiskHolder | None = None
         self._disk_reader = DiskReader(cfg.rpc_timeout_s, self.config.security.secret())
         self._stop = threading.Event()
@@ -105,6 +110,7 @@ class StoreClient:
             if cfg.segment_bytes:
                 buf = self._segment = self.engine.allocate(cfg.segment_bytes)
                 self._segment_base = buf.base
+                self._unpin_segment = pin_for_gpus(buf.view)
                 mount = p.MountSegment(
                     self.client_id,
                     f"{self.engine.name}/{buf.base:x}",
@@ -420,6 +426,8 @@ class StoreClient:
             raise error
 
     def _close_transport(self) -> None:
+        self._unpin_segment()
+        self._unpin_segment = _nothing
         self._disk_reader.close()
         self._link.close()
         if self._owns_engine:
@@ -449,3 +457,7 @@ class StoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _nothing() -> None:
+    return None

@@ -18,21 +18,27 @@ object larger than that alone is staged whole).
 
 Bytes reach a device destination only for reads that succeeded (checksum included): a miss, a
 destination too small or a failed read leaves it as it was.
+
+`pin_for_gpus` pins a holder's segment when this host has a GPU, so GPU readers' copies from
+it run at DMA speed (GPU.md: 36.5/45 GB/s pinned vs 4.6/10.1 unpinned).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tsukimi.device import DeviceRange, backend, device_range
+from tsukimi.device import CUDA, DeviceRange, backend, device_range
 from tsukimi.device.batch_copy import HostStaging, device_scratch, gather, scatter_at
-from tsukimi.errors import InvalidBufferError, TsukimiError
+from tsukimi.errors import DeviceError, InvalidBufferError, TsukimiError
 from tsukimi.store import protocol as p
 from tsukimi.store.replica_io import PutItem
 from tsukimi.transfer.segment import byte_view
+
+logger = logging.getLogger(__name__)
 
 Part = memoryview | DeviceRange  # a host buffer's bytes, or device memory
 R = TypeVar("R")
@@ -49,6 +55,31 @@ class DevicePut:
     parts: tuple[Part, ...]
     config: p.ReplicaConfig
     upsert: bool
+
+
+def pin_for_gpus(view: memoryview) -> Callable[[], None]:
+    """Pin `view` (page-locked, in place) when a CUDA GPU is present; the call that unpins
+    it. A failure is logged and answered with a no-op: pinning is a speed-up, not a need."""
+    if not CUDA.available():
+        return _nothing
+    try:
+        unpin = CUDA.pin(view)
+    except DeviceError as exc:
+        logger.warning("cannot pin %d bytes of segment for GPU copies (they run slower): %s", len(view), exc)
+        return _nothing
+    logger.info("pinned %d bytes of segment for GPU copies", len(view))
+
+    def unpin_logged() -> None:
+        try:
+            unpin()
+        except DeviceError as exc:
+            logger.warning("unpinning the segment: %s", exc)
+
+    return unpin_logged
+
+
+def _nothing() -> None:
+    return None
 
 
 def as_part(data: object, writable: bool = False) -> Part:
