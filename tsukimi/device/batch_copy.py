@@ -235,7 +235,9 @@ class _TorchKernel:
         dst.index_copy_(0, self._index(rows.rows, packed.device), src)
 
     def finish(self, device: str) -> None:
-        self._torch.cuda.synchronize(device)
+        # NOTE: this thread's stream only (the kernels ran there), not the whole device: a
+        # loader thread must not wait for the model's own work
+        self._torch.cuda.current_stream(device).synchronize()
 
 
 _KERNELS: dict[str, _RowKernel] = {"emu": _EmulatedKernel()}
