@@ -228,14 +228,15 @@ def test_cuda_tensors_through_the_tensor_api(client: StoreClient) -> None:
     from tsukimi.store import tensors as t
 
     values = [torch.randn(64, 128, device="cuda", dtype=torch.bfloat16), torch.arange(10, device="cuda")]
+    values.append(torch.randn(16, 8, device="cuda").t())  # not contiguous: copied on the GPU first
     keys = [fresh("tcuda") for _ in values]
     t.put_tensor(client, keys[0], values[0])
-    assert t.batch_put_tensors(client, keys[1:], values[1:]) == [None]
+    assert t.batch_put_tensors(client, keys[1:], values[1:]) == [None, None]
     host = t.get_tensor(client, keys[0])
     assert host is not None and torch.equal(host, values[0].cpu())
     moved = t.get_tensor(client, keys[1], device="cuda")
     assert moved is not None and moved.device.type == "cuda" and torch.equal(moved, values[1])
-    into = [torch.empty_like(v) for v in values]
+    into = [torch.empty(v.shape, dtype=v.dtype, device="cuda") for v in values]
     got = [r.value() for r in t.batch_get_tensors(client, keys, into)]
     assert all(g is not None and torch.equal(g, v) for g, v in zip(got, values, strict=True))
     flat = torch.empty(64 * 128 * 2, dtype=torch.uint8, device="cuda")

@@ -127,6 +127,9 @@ def prepare(key: str, tensor: object, shard: ShardPlacement = WHOLE) -> Prepared
     try:
         if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
             stored = tensor.detach().contiguous()
+            if stored.data_ptr() != tensor.data_ptr():
+                # NOTE: the copy is queued on torch's stream; the staging reads on its own
+                torch.cuda.current_stream(stored.device).synchronize()
             header = bytearray(HEADER_BYTES)
             TensorHeader.of(stored, shard).pack_into(memoryview(header))
             return key, DeviceObject(header, stored if stored.numel() else None)
