@@ -95,3 +95,12 @@ def test_cuda_pointers(store: MooncakeDistributedStore) -> None:
     got = store.batch_get_into(keys, [out.data_ptr() + i * BLOCK for i in range(0, 64, 3)], [BLOCK] * len(keys))
     assert got == [BLOCK] * len(keys)
     assert torch.equal(out[::3], cache[::3])
+
+
+def test_range_reads_into_a_device_buffer_are_refused(store: MooncakeDistributedStore, device: EmulatedMemory) -> None:
+    assert store.put("r", b"abcdef") == 0
+    base = device.range.address
+    assert store.register_buffer(base, 64 * BLOCK) == 0
+    before = dict(EMULATED.stats)
+    assert store.get_into_ranges([base], [["r"]], [[[0]]], [[[1]]], [[[3]]]) == [[[-600]]]
+    assert dict(EMULATED.stats) == before and device.read(0, 3) == bytes(3)
