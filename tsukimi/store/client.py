@@ -18,6 +18,10 @@ batch per phase, whatever its size (it is cut into `MAX_BATCH` operations per ro
 get's result is a `GetResult`; a miss is never an error. `AsyncStoreClient`
 (async_client.py) wraps a client for asyncio.
 
+Values and destinations may be device memory (CUDA tensors, DeviceRanges): `DeviceIO` stages
+them through host staging this client allocates from its engine (device_io.py). On a host with
+a GPU the contributed segment is pinned for DMA (a failure only logs).
+
 The client owns the connection: the master link, the Transfer Engine, its segment and mounts,
 the heartbeat, the disk holder, the task runner. The rest is done by parts it makes in
 `__init__`, each given exactly what it needs and keeping no state of its own:
@@ -28,6 +32,7 @@ the heartbeat, the disk holder, the task runner. The rest is done by parts it ma
 | parts.py `PartsIO`              | objects made of several buffers (puts through `PutPath`)      |
 | ranges.py `RangeReads`          | byte ranges of objects into the caller's buffers              |
 | replica_admin.py `ReplicaAdmin` | replica clears, removal by pattern, describe, copy/move tasks |
+| device_io.py `DeviceIO`         | device memory (GPU) as put sources / get destinations, staged |
 
 Whole-object gets (a master batch, then replica_io.py) and the metadata calls (one master
 call each) stay here. The parts share the client's link, engine and clock; none reads the
@@ -41,13 +46,17 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import cast
 
 import msgspec
 
 from tsukimi.clock import WallClock
 from tsukimi.config import Config
-from tsukimi.errors import InvalidArgument, InvalidBufferError, ObjectNotFound, TsukimiError
+from tsukimi.device import DeviceRange
+from tsukimi.device.batch_copy import HostBuffer, HostStaging
+from tsukimi.errors import InvalidArgument, ObjectNotFound, TsukimiError
 from tsukimi.store import protocol as p
+from tsukimi.store.device_io import DeviceIO, DevicePut, as_part, has_device, pin_for_gpus
 from tsukimi.store.disk import DiskStore
 from tsukimi.store.disk_holder import DiskHolder
 from tsukimi.store.disk_server import DiskReader
@@ -60,7 +69,7 @@ from tsukimi.store.replica_admin import ReplicaAdmin
 from tsukimi.store.replica_io import GetResult, PartsResult, PutItem, read_disk_copies, read_replicas
 from tsukimi.store.task_runner import TaskRunner
 from tsukimi.transfer import TransferEngine
-from tsukimi.transfer.segment import RegisteredBuffer, byte_view
+from tsukimi.transfer.segment import RegisteredBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +102,7 @@ class StoreClient:
         self._mounts: list[p.MountSegment] = []
         self._segment_base = 0
         self._segment: RegisteredBuffer | None = None
+        self._unpin_segment: Callable[[], None] = _nothing
         self.disk: DiskHolder | None = None
         self._disk_reader = DiskReader(cfg.rpc_timeout_s, self.config.security.secret())
         self._stop = threading.Event()
@@ -100,6 +110,7 @@ class StoreClient:
             if cfg.segment_bytes:
                 buf = self._segment = self.engine.allocate(cfg.segment_bytes)
                 self._segment_base = buf.base
+                self._unpin_segment = pin_for_gpus(buf.view)
                 mount = p.MountSegment(
                     self.client_id,
                     f"{self.engine.name}/{buf.base:x}",
@@ -118,7 +129,11 @@ class StoreClient:
             raise
         self._tasks = TaskRunner(self.engine, self._link, self.client_id, self.config.transfer.timeout_s)
         self._puts = PutPath(self.client_id, self._link, self.engine, self._clock, cfg)
-        self._parts = PartsIO(self._puts, self._link, self.engine, self._clock, self._disk_reader, cfg.checksum)
+        self._staging = HostStaging(self._staging_buffer)
+        self.device = DeviceIO(self._staging)
+        self._parts = PartsIO(
+            self._puts, self.device, self._link, self.engine, self._clock, self._disk_reader, cfg.checksum
+        )
         self._ranges = RangeReads(self._link, self.engine, self._clock)
         self._replicas = ReplicaAdmin(self._link, self._clock)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="tsukimi-store-heartbeat", daemon=True)
@@ -141,6 +156,12 @@ class StoreClient:
         except BaseException:
             store.close()
             raise
+
+    def _staging_buffer(self, nbytes: int) -> HostBuffer:
+        """Host staging for device bytes: this engine's shared memory, registered, so the
+        pool's transports move it as any registered buffer (device_io.py)."""
+        buf = self.engine.allocate(nbytes)
+        return HostBuffer(buf.view, lambda: self.engine.unregister(buf.base))
 
     def _local_view(self, address: int, size: int) -> memoryview | None:
         """This holder's segment memory at [address, address + size), or None (pure)."""
@@ -211,10 +232,17 @@ class StoreClient:
         upsert: bool = False,
         config: p.ReplicaConfig | None = None,
     ) -> list[TsukimiError | None]:
-        """Put several objects; each key's error, or None where it succeeded. Raises only
-        for the whole call (InvalidArgument, RpcTimeout / MasterUnavailable)."""
+        """Put several objects; each key's error, or None where it succeeded. A value may be
+        device memory (a CUDA tensor, EmulatedMemory, a DeviceRange: staged, device_io.py).
+        Raises only for the whole call (InvalidArgument, RpcTimeout / MasterUnavailable;
+        DeviceError: a device copy failed)."""
         config = config or replica_config(replicas, pin, preferred)
-        return self._puts.put([PutItem(key, (_view(data),), config, upsert) for key, data in items])
+        parts = [as_part(data) for _, data in items]
+        if has_device(parts):
+            puts = [DevicePut(key, (part,), config, upsert) for (key, _), part in zip(items, parts, strict=True)]
+            return self.device.put(puts, self._puts.put)
+        views = cast(list[memoryview], parts)
+        return self._puts.put([PutItem(key, (v,), config, upsert) for (key, _), v in zip(items, views, strict=True)])
 
     def batch_put_parts(
         self, items: Sequence[PartsPut], config: p.ReplicaConfig | None = None, *, upsert: bool = False
@@ -233,10 +261,12 @@ class StoreClient:
         return data
 
     def get_into(self, key: str, buffer: object) -> int | None:
-        """Read the object into `buffer` (any writable buffer); its size, or None on a miss.
-        Raises InvalidBufferError if it does not fit, TransferError if no replica is readable."""
-        data = self.batch_get([key], [buffer])[0].value()
-        return None if data is None else len(data)
+        """Read the object into `buffer` (any writable buffer, or device memory); its size, or
+        None on a miss. Raises InvalidBufferError if it does not fit, TransferError if no
+        replica is readable."""
+        result = self.batch_get([key], [buffer])[0]
+        self._raise(result.error)
+        return result.size if result.found else None
 
     def batch_get(
         self,
@@ -246,12 +276,30 @@ class StoreClient:
         allocate: Callable[[int], bytearray] = bytearray,
     ) -> list[GetResult]:
         """Each key's `GetResult`, read into `into[i]` when given (zero-copy into your
-        memory), else into a new `allocate(size)` (a bytearray or a subclass of it). Raises
-        only for the whole call (InvalidArgument: a buffer count that does not match;
-        RpcTimeout / MasterUnavailable)."""
+        memory; device memory, e.g. a CUDA tensor, is staged: device_io.py, and its result
+        says `device`), else into a new `allocate(size)` (a bytearray or a subclass of it).
+        Raises only for the whole call (InvalidArgument: a buffer count that does not match;
+        RpcTimeout / MasterUnavailable; DeviceError: a device copy failed)."""
         if into is not None and len(into) != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(into)} buffers")
-        views = None if into is None else [_view(b, writable=True) for b in into]
+        if into is None:
+            return self._get_host(keys, None, allocate)
+        parts = [as_part(b, writable=True) for b in into]
+        if not has_device(parts):
+            return self._get_host(keys, cast(list[memoryview], parts), allocate)
+        results = self.device.get(
+            [(part,) for part in parts],
+            lambda group, views: self._get_host([keys[i] for i in group], [v[0] for v in views], allocate),
+            lambda r: r.size if r.found and r.error is None else None,
+        )
+        return [
+            GetResult(device=part.sub(0, r.size)) if isinstance(part, DeviceRange) and r.found else r
+            for part, r in zip(parts, results, strict=True)
+        ]
+
+    def _get_host(
+        self, keys: Sequence[str], views: list[memoryview] | None, allocate: Callable[[int], bytearray]
+    ) -> list[GetResult]:
         results: list[GetResult] = []
         for start in range(0, len(keys), p.MAX_BATCH):
             chunk = list(keys[start : start + p.MAX_BATCH])
@@ -378,6 +426,8 @@ class StoreClient:
             raise error
 
     def _close_transport(self) -> None:
+        self._unpin_segment()
+        self._unpin_segment = _nothing
         self._disk_reader.close()
         self._link.close()
         if self._owns_engine:
@@ -392,6 +442,7 @@ class StoreClient:
         self._stop.set()
         self._heartbeat.join(timeout=self.config.client.heartbeat_interval_s + self.config.client.rpc_timeout_s)
         self._tasks.close()
+        self._staging.close()
         if self.disk is not None:
             self.disk.close()
         for mount in self._mounts:
@@ -408,7 +459,5 @@ class StoreClient:
         self.close()
 
 
-def _view(data: object, writable: bool = False) -> memoryview:
-    if isinstance(data, str):
-        raise InvalidBufferError("store values are bytes-like, not str (encode it first)")
-    return byte_view(data, writable=writable, with_address=False)[0]
+def _nothing() -> None:
+    return None

@@ -15,22 +15,25 @@ A get's split need not be the put's: any parts whose sizes add up to the object'
 it, in order. Parts adding up to more or less are refused (InvalidBufferError) rather than
 leaving a part unfilled or bytes unread. The one copy made: an object whose only readable copy
 is on a holder's disk is read whole into a staging buffer, then scattered into the parts.
+Parts may be device memory (a CUDA tensor's bytes): those cross through the client's host
+staging (device_io.py), the batch's device parts in one copy each way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from tsukimi.clock import Clock
 from tsukimi.errors import InvalidBufferError, TransferError, TsukimiError
 from tsukimi.store import protocol as p
+from tsukimi.store.device_io import DeviceIO, DevicePut, Part, as_part, has_device
 from tsukimi.store.disk_server import DiskReader
 from tsukimi.store.master_batch import call_batch
 from tsukimi.store.master_link import MasterLink
 from tsukimi.store.puts import PutPath
 from tsukimi.store.replica_io import GetResult, PartsResult, PutItem, read_disk_copies, read_parts
 from tsukimi.transfer import TransferEngine
-from tsukimi.transfer.segment import byte_view
 
 PartsPut = tuple[str, Sequence[object]]  # a key and its buffers, in order
 
@@ -42,6 +45,7 @@ class PartsIO:
     def __init__(
         self,
         puts: PutPath,
+        device: DeviceIO,
         link: MasterLink,
         engine: TransferEngine,
         clock: Clock,
@@ -50,6 +54,7 @@ class PartsIO:
     ) -> None:
         """`checksum`: verify each object read against the crc32c its writer stored."""
         self._puts = puts
+        self._device = device
         self._link = link
         self._engine = engine
         self._clock = clock
@@ -71,16 +76,22 @@ class PartsIO:
         """
         config = config or p.ReplicaConfig()
         errors: list[TsukimiError | None] = [None] * len(items)
-        puts: list[PutItem] = []
+        puts: list[DevicePut] = []
         slots: list[int] = []
         for i, (key, parts) in enumerate(items):
             try:
-                puts.append(PutItem(key, _views(key, parts, writable=False), config, upsert))
+                puts.append(DevicePut(key, _parts(key, parts, writable=False), config, upsert))
             except TsukimiError as exc:
                 errors[i] = exc
                 continue
             slots.append(i)
-        for i, error in zip(slots, self._puts.put(puts), strict=True):
+        if any(has_device(put.parts) for put in puts):
+            stored = self._device.put(puts, self._puts.put)
+        else:
+            stored = self._puts.put(
+                [PutItem(u.key, cast(tuple[memoryview, ...], u.parts), config, upsert) for u in puts]
+            )
+        for i, error in zip(slots, stored, strict=True):
             errors[i] = error
         return errors
 
@@ -108,24 +119,36 @@ class PartsIO:
     def _get_chunk(self, keys: Sequence[str], into: Sequence[Sequence[object]]) -> list[PartsResult]:
         results = [PartsResult()] * len(keys)
         slots: list[int] = []
-        views: list[tuple[memoryview, ...]] = []
+        dests: list[tuple[Part, ...]] = []
         for i, (key, parts) in enumerate(zip(keys, into, strict=True)):
             try:
                 p.check_key(key)
-                views.append(_views(key, parts, writable=True))
+                dests.append(_parts(key, parts, writable=True))
             except TsukimiError as exc:
                 results[i] = PartsResult(error=exc)
                 continue
             slots.append(i)
         chunk = [keys[i] for i in slots]
+        if any(has_device(parts) for parts in dests):
+            got = self._device.get(
+                dests,
+                lambda group, views: self._read([chunk[j] for j in group], views),
+                lambda r: r.size if r.found else None,
+            )
+        else:
+            got = self._read(chunk, cast(list[tuple[memoryview, ...]], dests))
+        for i, result in zip(slots, got, strict=True):
+            results[i] = result
+        return results
+
+    def _read(self, chunk: list[str], views: list[tuple[memoryview, ...]]) -> list[PartsResult]:
+        """Read `chunk`'s objects into their host parts (replicas, else a disk copy)."""
         found = call_batch(self._link, [p.GetReplicas(k) for k in chunk])
         got = read_parts(self._engine, self._clock, chunk, found, views, self._checksum)
         for j, (result, located) in enumerate(zip(got, found, strict=True)):
             if _needs_disk(result, located):
                 got[j] = self._from_disk(chunk[j], located, views[j])
-        for i, result in zip(slots, got, strict=True):
-            results[i] = result
-        return results
+        return got
 
     def _from_disk(self, key: str, located: p.BatchResultItem, parts: tuple[memoryview, ...]) -> PartsResult:
         """Read a disk copy into a staging buffer, then scatter it into `parts`."""
@@ -152,8 +175,9 @@ def _needs_disk(result: PartsResult, located: p.BatchResultItem) -> bool:
     return result.error is None or isinstance(result.error, TransferError)
 
 
-def _views(key: str, parts: Sequence[object], writable: bool) -> tuple[memoryview, ...]:
-    """Byte views of `parts`. Raises InvalidBufferError: no parts, or a part that is no buffer."""
+def _parts(key: str, parts: Sequence[object], writable: bool) -> tuple[Part, ...]:
+    """Byte views or device ranges of `parts`. Raises InvalidBufferError: no parts, or a part
+    that is no buffer."""
     if isinstance(parts, str | bytes | bytearray | memoryview) or not parts:
         raise InvalidBufferError(f"{key!r} needs a list of one or more buffers")
-    return tuple(byte_view(part, writable=writable, with_address=False)[0] for part in parts)
+    return tuple(as_part(part, writable=writable) for part in parts)

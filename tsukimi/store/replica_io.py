@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import crc32c
 
 from tsukimi.clock import Clock
+from tsukimi.device import DeviceRange
 from tsukimi.errors import ChecksumMismatch, InvalidBufferError, TransferError, TsukimiError
 from tsukimi.store import protocol as p
 from tsukimi.store.disk_server import DiskReader
@@ -43,23 +44,28 @@ MIN_READ_S = 0.05
 @dataclass(frozen=True, slots=True)
 class GetResult:
     """One key of a get. `data` holds the bytes read: a view of the caller's buffer when one
-    was given, else a new bytearray; None on a miss or a failure. `error` says why a read
-    failed (a miss is not an error)."""
+    was given, else a new bytearray; None on a miss or a failure. `device`: the device range
+    the bytes were read into, when the caller's buffer was device memory (`data` is then
+    None). `error` says why a read failed (a miss is not an error)."""
 
     data: bytearray | memoryview | None = None
     error: TsukimiError | None = None
+    device: DeviceRange | None = None
 
     @property
     def found(self) -> bool:
-        return self.data is not None
+        return self.data is not None or self.device is not None
 
     @property
     def size(self) -> int:
         """Bytes read (0 on a miss or a failure)."""
+        if self.device is not None:
+            return self.device.length
         return 0 if self.data is None else len(self.data)
 
     def value(self) -> bytearray | memoryview | None:
-        """The bytes, or None on a miss. Raises the error of a failed read."""
+        """The bytes in host memory, or None on a miss (and for a read into device memory:
+        see `found`, `size`, `device`). Raises the error of a failed read."""
         if self.error is not None:
             raise self.error
         return self.data

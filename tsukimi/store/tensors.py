@@ -12,6 +12,12 @@ TP shards: `put_tensor_with_tp` cuts a tensor into `tp_size` equal chunks along
 records (r, tp_size, split_dim), so a reader asking with another tp_size is refused.
 `tp_size == 1` stores and reads the plain key.
 
+CUDA tensors go through the client's device path (device_io.py): a put stores the header
+from host memory and the payload staged from the GPU (a batch's payloads in one device->host
+copy); a get into CUDA tensors reads each object as (header, the tensor's bytes), the batch's
+payloads in one host->device copy and one scatter, and answers the tensor in the stored dtype
+and shape (a view of the caller's); the object must be exactly that many bytes.
+
 Single-key helpers raise what went wrong; batch calls return one `TensorResult` (gets) or
 one error-or-None (puts) per key, and raise only for the whole call. A miss is None.
 """
@@ -21,13 +27,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from tsukimi.errors import InvalidArgument, KVFormatError, TsukimiError
 from tsukimi.store import protocol as p
-from tsukimi.store.client import PinName, StoreClient
-from tsukimi.store.tensor_format import WHOLE, ShardPlacement, as_stored_tensor, deserialize, serialize
+from tsukimi.store.client import PinName, StoreClient, replica_config
+from tsukimi.store.tensor_format import (
+    HEADER_BYTES,
+    WHOLE,
+    ShardPlacement,
+    TensorHeader,
+    as_stored_tensor,
+    deserialize,
+    serialize,
+)
 from tsukimi.transfer.segment import byte_view
 
 logger = logging.getLogger(__name__)
@@ -71,7 +86,16 @@ class TensorResult:
         return self.tensor
 
 
-Prepared = tuple[str, object] | TsukimiError  # an object ready to put, or why it is not
+@dataclass(frozen=True, slots=True)
+class DeviceObject:
+    """A tensor object whose payload stays on its device until the put stages it: the header
+    (host bytes) and the contiguous device tensor (absent when empty)."""
+
+    header: bytearray
+    payload: torch.Tensor | None
+
+
+Prepared = tuple[str, object] | TsukimiError  # an object (a buffer or a DeviceObject) ready to put, or why not
 
 
 def put_prepared(client: StoreClient, items: Sequence[Prepared], options: PutOptions) -> list[PutError]:
@@ -79,17 +103,36 @@ def put_prepared(client: StoreClient, items: Sequence[Prepared], options: PutOpt
     ready = [item for item in items if not isinstance(item, TsukimiError)]
     if not ready:
         return [item for item in items if isinstance(item, TsukimiError)]
-    stored = iter(
-        client.batch_put(
-            ready, options.replicas, options.pin, options.preferred, upsert=options.upsert, config=options.config
+    if any(isinstance(value, DeviceObject) for _, value in ready):
+        config = options.config or replica_config(options.replicas, options.pin, options.preferred)
+        stored = iter(client.batch_put_parts([(k, _parts_of(v)) for k, v in ready], config, upsert=options.upsert))
+    else:
+        stored = iter(
+            client.batch_put(
+                ready, options.replicas, options.pin, options.preferred, upsert=options.upsert, config=options.config
+            )
         )
-    )
     return [item if isinstance(item, TsukimiError) else next(stored) for item in items]
 
 
+def _parts_of(value: object) -> tuple[object, ...]:
+    if isinstance(value, DeviceObject):
+        return (value.header,) if value.payload is None else (value.header, value.payload)
+    return (value,)
+
+
 def prepare(key: str, tensor: object, shard: ShardPlacement = WHOLE) -> Prepared:
-    """`tensor` serialized for `key`, or the InvalidArgument that says why it cannot be."""
+    """`tensor` serialized for `key` (a CUDA tensor: its header, the payload left on the
+    device), or the InvalidArgument that says why it cannot be."""
     try:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+            stored = tensor.detach().contiguous()
+            if stored.data_ptr() != tensor.data_ptr():
+                # NOTE: the copy is queued on torch's stream; the staging reads on its own
+                torch.cuda.current_stream(stored.device).synchronize()
+            header = bytearray(HEADER_BYTES)
+            TensorHeader.of(stored, shard).pack_into(memoryview(header))
+            return key, DeviceObject(header, stored if stored.numel() else None)
         return key, serialize(as_stored_tensor(tensor), shard)
     except TsukimiError as exc:
         return exc
@@ -138,25 +181,60 @@ def tensor_in(buffer: object) -> torch.Tensor:
     return deserialize(byte_view(buffer, writable=False, with_address=False)[0], exact=False)[1]
 
 
-def get_tensor(client: StoreClient, key: str) -> torch.Tensor | None:
-    """The tensor stored under `key`, or None on a miss.
-    Raises KVFormatError (not a tensor object), TransferError."""
-    return batch_get_tensors(client, [key])[0].value()
+def get_tensor(client: StoreClient, key: str, device: str | torch.device | None = None) -> torch.Tensor | None:
+    """The tensor stored under `key` (moved to `device` when given: one copy from the bytes
+    read), or None on a miss. Raises KVFormatError (not a tensor object), TransferError."""
+    tensor = batch_get_tensors(client, [key])[0].value()
+    return tensor if tensor is None or device is None else tensor.to(device)
 
 
 def get_tensor_into(client: StoreClient, key: str, buffer: object) -> torch.Tensor | None:
-    """Read the object of `key` into `buffer` (any writable buffer: zero-copy); returns its
-    tensor, a view of `buffer`, or None on a miss. Raises InvalidBufferError when the
-    object does not fit, KVFormatError, TransferError."""
+    """Read the object of `key` into `buffer` (any writable buffer: zero-copy; a CUDA tensor:
+    its payload, see the module); returns its tensor, a view of `buffer`, or None on a miss.
+    Raises InvalidBufferError when the object does not fit, KVFormatError, TransferError."""
     return batch_get_tensors(client, [key], [buffer])[0].value()
 
 
 def batch_get_tensors(
     client: StoreClient, keys: Sequence[str], into: Sequence[object] | None = None
 ) -> list[TensorResult]:
-    """Each key's tensor, read in one batch into `into[i]` when given, else into new
-    memory. Raises InvalidArgument (a buffer count that does not match), RpcTimeout."""
-    return [decode_result(r.data, r.error) for r in client.batch_get(keys, into)]
+    """Each key's tensor, read in one batch into `into[i]` when given (CUDA tensors: their
+    payload, see the module), else into new memory. Raises InvalidArgument (a buffer count
+    that does not match), RpcTimeout, DeviceError."""
+    if into is None or not any(_on_cuda(b) for b in into):
+        return [decode_result(r.data, r.error) for r in client.batch_get(keys, into)]
+    if len(into) != len(keys):
+        raise InvalidArgument(f"{len(keys)} keys but {len(into)} buffers")
+    results = [TensorResult()] * len(keys)
+    host = [i for i, b in enumerate(into) if not _on_cuda(b)]
+    cuda = [i for i, b in enumerate(into) if _on_cuda(b)]
+    if host:
+        for i, r in zip(host, client.batch_get([keys[i] for i in host], [into[i] for i in host]), strict=True):
+            results[i] = decode_result(r.data, r.error)
+    headers = [bytearray(HEADER_BYTES) for _ in cuda]
+    parts = [(h, into[i]) for h, i in zip(headers, cuda, strict=True)]
+    read = client.batch_get_parts([keys[i] for i in cuda], parts)
+    for i, header, got in zip(cuda, headers, read, strict=True):
+        results[i] = _device_result(header, cast(torch.Tensor, into[i]), got.found, got.error)
+    return results
+
+
+def _on_cuda(buffer: object) -> bool:
+    return isinstance(buffer, torch.Tensor) and buffer.device.type == "cuda"
+
+
+def _device_result(header: bytearray, tensor: torch.Tensor, found: bool, error: TsukimiError | None) -> TensorResult:
+    """The tensor read into CUDA `tensor` (its bytes in the stored dtype and shape), or why not."""
+    if error is not None or not found:
+        return TensorResult(error=error)
+    try:
+        stored = TensorHeader.unpack(memoryview(header))
+    except KVFormatError as exc:
+        return TensorResult(error=exc)
+    if stored.payload_bytes != tensor.numel() * tensor.element_size():
+        return TensorResult(error=KVFormatError(f"a tensor of {stored.payload_bytes} bytes read into another size"))
+    raw = tensor.detach().reshape(-1).view(torch.uint8)
+    return TensorResult(raw.view(stored.dtype).view(stored.shape))
 
 
 def decode_result(data: bytearray | memoryview | None, error: TsukimiError | None, tp_size: int = 0) -> TensorResult:

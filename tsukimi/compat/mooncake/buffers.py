@@ -7,6 +7,10 @@ overflows its buffer is refused instead of scribbling past it. Mooncake stages t
 copying calls (put/get of Python bytes) in `local_buffer_size` bytes of registered memory;
 tsukimi needs no staging, but keeps the limit so code that relies on it (a zero local buffer
 allows zero-copy calls only) behaves the same.
+
+Pointers may be device memory (SGLang's and vLLM's Mooncake connectors pass GPU pointers):
+`memory_at` names such a range as device memory, which the store stages (device_io.py), so
+no host view is ever built over it. Registering one only records it, as for host memory.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import bisect
 import ctypes
 import threading
 
+from tsukimi.device import DeviceRange, locate
 from tsukimi.errors import InvalidArgument, InvalidBufferError
 
 
@@ -92,3 +97,13 @@ class LocalBuffer:
                 f"{key!r}: {nbytes} bytes do not fit in the local buffer ({self.size} bytes, setup's "
                 f"local_buffer_size); use the zero-copy calls (put_from, get_into) for such values"
             )
+
+
+def memory_at(address: int, size: int) -> DeviceRange | tuple[int, int]:
+    """The memory at [address, address + size) as the store takes it: a DeviceRange when it is
+    device memory, else the (address, size) host buffer.
+
+    Raises:
+        InvalidBufferError: device memory that runs past its allocation.
+    """
+    return locate(address, size) or (address, size)

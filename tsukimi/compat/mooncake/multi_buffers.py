@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import logging
 
+from tsukimi.compat.mooncake.buffers import memory_at
 from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, RPC_FAIL, code_of
 from tsukimi.compat.mooncake.connection import StoreConnection
 from tsukimi.compat.mooncake.replicate import ReplicateConfig
+from tsukimi.device import DeviceRange
 from tsukimi.errors import InvalidBufferError, ObjectExists, TsukimiError
 
 logger = logging.getLogger(__name__)
 
-Buffers = list[tuple[int, int]]  # (address, size) of each part of one key
+Buffers = list[DeviceRange | tuple[int, int]]  # each part of one key: device memory, or (address, size)
 
 
 class MultiBufferCalls:
@@ -118,10 +120,11 @@ def _split(plan: list[Buffers | int]) -> tuple[list[int], list[int], list[Buffer
 
 
 def _parts(key: str, ptrs: list[int], sizes: list[int]) -> Buffers:
-    """Raises InvalidBufferError: lists of different lengths, none, or a null or empty part."""
+    """Raises InvalidBufferError: lists of different lengths, none, a null or empty part, or
+    device memory past its allocation."""
     if len(ptrs) != len(sizes) or not ptrs:
         raise InvalidBufferError(f"{len(ptrs)} buffers but {len(sizes)} sizes")
     for ptr, size in zip(ptrs, sizes, strict=True):
         if not isinstance(ptr, int) or not isinstance(size, int) or ptr <= 0 or size <= 0:
             raise InvalidBufferError(f"cannot use {size!r} bytes at {ptr!r} for {key!r}")
-    return list(zip(ptrs, sizes, strict=True))
+    return [memory_at(ptr, size) for ptr, size in zip(ptrs, sizes, strict=True)]

@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from tsukimi.compat.mooncake.buffers import BufferHandle, LocalBuffer
+from tsukimi.compat.mooncake.buffers import BufferHandle, LocalBuffer, memory_at
 from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, RPC_FAIL, code_of
 from tsukimi.compat.mooncake.connection import StoreConnection
 from tsukimi.compat.mooncake.replicate import ReplicateConfig
+from tsukimi.device import DeviceRange
 from tsukimi.errors import ObjectExists, TsukimiError
-from tsukimi.transfer.segment import byte_view
+from tsukimi.store.device_io import as_part
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +48,15 @@ class ObjectCalls:
         if client is None:
             return [RPC_FAIL] * len(items)
         codes = [OK] * len(items)
-        views: list[tuple[str, memoryview]] = []
+        views: list[tuple[str, object]] = []
         slots: list[int] = []
         try:
             replica = (config or ReplicateConfig()).to_tsukimi(self._connection.hostname)
             for i, (key, value) in enumerate(items):
                 try:
-                    view = byte_view(value, writable=False, with_address=False)[0]
+                    view = as_part(value)
                     if copy:
-                        self._local.check(key, len(view))
+                        self._local.check(key, view.length if isinstance(view, DeviceRange) else len(view))
                 except TsukimiError as exc:
                     logger.error("put %r: %s", key, exc)
                     codes[i] = code_of(exc)
@@ -83,11 +84,21 @@ class ObjectCalls:
     def put_buffers(
         self, keys: list[str], ptrs: list[int], sizes: list[int], config: ReplicateConfig | None, upsert: bool
     ) -> list[int]:
-        """Each key's value from its caller buffer (zero-copy): a code per key."""
+        """Each key's value from its caller buffer (zero-copy; device memory staged): a code per key."""
         if not len(keys) == len(ptrs) == len(sizes):
             logger.error("%d keys, %d buffers, %d sizes", len(keys), len(ptrs), len(sizes))
             return [INVALID_PARAMS] * len(keys)
-        return self.put([(k, (ptr, n)) for k, ptr, n in zip(keys, ptrs, sizes, strict=True)], config, upsert, False)
+        items: list[tuple[str, object]] = []
+        codes: list[int | None] = []
+        for key, ptr, n in zip(keys, ptrs, sizes, strict=True):
+            try:
+                items.append((key, memory_at(ptr, n)))
+                codes.append(None)
+            except TsukimiError as exc:
+                logger.error("put %r: %s", key, exc)
+                codes.append(code_of(exc))
+        stored = iter(self.put(items, config, upsert, False))
+        return [next(stored) if code is None else code for code in codes]
 
     # -- gets --------------------------------------------------------------------------
 
@@ -123,13 +134,13 @@ class ObjectCalls:
         return out
 
     def get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        """Bytes read per key into its caller buffer, or a negative code (-704 missing, -800
-        unreadable, -600 too small)."""
+        """Bytes read per key into its caller buffer (device memory staged), or a negative code
+        (-704 missing, -800 unreadable, -600 too small)."""
         client = self._connection.ready()
         if client is None or not len(keys) == len(ptrs) == len(sizes):
             return [RPC_FAIL if client is None else INVALID_PARAMS] * len(keys)
         try:
-            buffers = [byte_view((ptr, n))[0] for ptr, n in zip(ptrs, sizes, strict=True)]
+            buffers = [memory_at(ptr, n) for ptr, n in zip(ptrs, sizes, strict=True)]
             results = client.batch_get(keys, buffers)
         except TsukimiError as exc:
             logger.error("get failed: %s", exc)

@@ -19,6 +19,7 @@ import logging
 from tsukimi.compat.mooncake.buffers import RegisteredBuffers
 from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, RPC_FAIL, code_of
 from tsukimi.compat.mooncake.connection import StoreConnection
+from tsukimi.device import locate
 from tsukimi.errors import InvalidBufferError, TsukimiError
 from tsukimi.store.ranges import RangeRead
 
@@ -77,6 +78,9 @@ class RangeReads:
             capacity = self._buffers.size_at(ptr)
         except InvalidBufferError as exc:
             logger.error("get_into_ranges: %s", exc)
+            return [[INVALID_PARAMS] * max(1, len(d)) for d in dsts]
+        if locate(ptr, capacity) is not None:  # NOTE: range reads land in host memory only (no staging here)
+            logger.error("get_into_ranges: the buffer at %#x is device memory; use batch_get_into", ptr)
             return [[INVALID_PARAMS] * max(1, len(d)) for d in dsts]
         out: list[list[int]] = []
         for k, key in enumerate(keys):

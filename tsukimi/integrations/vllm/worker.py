@@ -12,6 +12,16 @@ not be read (a miss, a corrupt copy, a dead holder or producer) goes to
 `get_block_ids_with_load_errors`, so vLLM recomputes from the first such block.
 Saves: with `save_per_layer`, `save_kv_layer` hands each layer's batch to a thread while later
 layers compute and `wait_for_save` waits for them all (the blocks are freed only after it).
+
+A KV cache on a GPU (vLLM's layout per layer, [blocks, *block_shape], blocks contiguous) takes
+the same calls: the store stages device memory (tsukimi/store/device_io.py), so a load is one
+pool read into pinned staging, one host->GPU copy and one scatter kernel per layer's
+allocation, a save one gather and one GPU->host copy, never a copy per block. A save first
+waits for a CUDA event recorded on the model's stream when vLLM handed the layer over (the
+ordering contract: tsukimi reads device memory only once the work that wrote it is done). The
+buffer is not registered with the Transfer Engine then, and PD "direct" hand-over (a consumer
+READing the producer's KV buffer through the engine) is refused with a ConfigError on the
+producer and answered "recompute" on the consumer until the engine moves device memory.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ class ConnectorWorker:
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsukimi-kv-load")
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsukimi-kv-save")
         self._layers: list[torch.Tensor] = []
+        self._on_device = False  # the KV cache is in GPU memory
         self._layer_index: dict[str, int] = {}
         self._loading: dict[str, tuple[LoadSpec, Future[set[int]]]] = {}
         self._load_errors: set[int] = set()
@@ -80,6 +91,10 @@ class ConnectorWorker:
                 raise ConfigError(f"KV layer {name} is {tuple(layer.shape)} {layer.stride()}: want [blocks, *{shape}]")
         if len(self._layers) != self._format.num_layers:
             raise ConfigError(f"{len(self._layers)} KV layers, the format says {self._format.num_layers}")
+        self._on_device = self._layers[0].device.type != "cpu"
+        if self._on_device:
+            self._register_device_cache()
+            return
         storages: dict[int, int] = {}
         for layer in self._layers:
             storage = layer.untyped_storage()
@@ -106,6 +121,25 @@ class ConnectorWorker:
             )
             self._side = SideChannel(layout, self._config.pd_host, self._config.pd_port)
 
+    def _register_device_cache(self) -> None:
+        """A GPU KV cache: pool loads and saves only (see the module). Raises ConfigError for a
+        PD producer's side channel (direct hand-over reads the buffer through the engine)."""
+        if self._role == "kv_producer" and self._config.pd_port:
+            raise ConfigError(
+                "PD direct hand-over of a GPU KV cache needs the Transfer Engine to move device memory, "
+                "which this build does not: use pd_mode 'pool' (pd_port 0)"
+            )
+        layer = self._layers[0]
+        logger.info(
+            "TsukimiConnector: %d KV layers on %s (not registered: pool loads and saves, staged), "
+            "%d blocks of %d bytes per layer, format %s",
+            len(self._layers),
+            layer.device,
+            layer.shape[0],
+            layer[0].numel() * layer.element_size(),
+            self._digest,
+        )
+
     # -- loads -------------------------------------------------------------------------
 
     def start_load_kv(self, meta: TsukimiConnectorMetadata) -> None:
@@ -124,6 +158,9 @@ class ConnectorWorker:
         if self._config.fault_load_delay_s:
             time.sleep(self._config.fault_load_delay_s)
         started = time.perf_counter()
+        if spec.remote is not None and self._peers is None:  # a GPU KV cache: see the module
+            logger.error("PD direct hand-over into a GPU KV cache is not supported yet; recomputing %s", spec.req_id)
+            return set(spec.block_ids)
         if spec.remote is not None:
             assert self._peers is not None
             remote = spec.remote
@@ -220,12 +257,12 @@ class ConnectorWorker:
             return
         layer = self._layer_index.get(layer_name)
         if layer is not None:
-            self._saving.append(self._saver.submit(self._put, saves, [layer]))
+            self._saving.append(self._saver.submit(self._put, saves, [layer], self._written()))
 
     def wait_for_save(self, saves: Sequence[SaveSpec]) -> None:
         """Put what is left and wait for every put of this step (blocks stay valid until then)."""
         if saves and not self._config.save_per_layer:
-            self._saving.append(self._saver.submit(self._put, saves, range(len(self._layers))))
+            self._saving.append(self._saver.submit(self._put, saves, range(len(self._layers)), self._written()))
         started = time.perf_counter()
         for future in self._saving:
             future.result()
@@ -233,10 +270,21 @@ class ConnectorWorker:
         if saves:
             self.stats.save_waited(time.perf_counter() - started)
 
-    def _put(self, saves: Sequence[SaveSpec], layers: Sequence[int]) -> None:
+    def _written(self) -> torch.cuda.Event | None:
+        """On a GPU: an event recorded now on the model's stream (a save waits for it, so it
+        reads what the layer's kernels wrote); None on CPU."""
+        if not self._on_device:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self._layers[0].device))
+        return event
+
+    def _put(self, saves: Sequence[SaveSpec], layers: Sequence[int], written: torch.cuda.Event | None = None) -> None:
         client = self._pool.client()
         if client is None:
             return
+        if written is not None:
+            written.synchronize()
         items: list[tuple[str, object]] = []
         for spec in saves:
             keys, views = self._keys_and_views(spec.block_ids, spec.block_hashes, layers)
