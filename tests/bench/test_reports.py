@@ -186,6 +186,8 @@ def _gpu(report: BenchReport) -> None:
         assert figures[f"tsukimi.te_h2d_gbps.{size}"] > 0 and figures[f"tsukimi.te_d2d_gbps.{size}"] > 0  # type: ignore[operator]
         assert figures[f"tsukimi.te.tcp.READ.device_to_device.{size}"] > 0  # type: ignore[operator]
     assert figures["tsukimi.te.auto_carried_by.device_to_device"] == "device_ipc"
+    assert figures["tsukimi.store_kv_blocks_gbps"] > 0  # type: ignore[operator]
+    assert figures["tsukimi.store_kv_blocks_path"] == ("host" if not cuda else "device (staged, one copy, one scatter)")
     longest = tokens[-1]
     for key in (f"tsukimi.engine_prefill_s.{longest}", f"tsukimi.engine_reuse_s.{longest}"):
         assert figures[key] > 0  # type: ignore[operator]

@@ -25,6 +25,7 @@ import torch
 from tsukimi.bench.gpu_copies import NO_CUDA, Figure, copy_rows, kv_block_rows, size_label, synchronize, timed_s
 from tsukimi.bench.gpu_engine import engine_rows, process_rows
 from tsukimi.bench.gpu_model import SHAPES, LayerKV, RawDecoder
+from tsukimi.bench.gpu_store import store_rows
 from tsukimi.bench.report import BenchReport, FigureViews, Verdict, begin, finish, goal
 from tsukimi.errors import ConfigError
 from tsukimi.transfer.device_bench import measure_device_transfers
@@ -157,9 +158,12 @@ def tsukimi_te_rows(cfg: GpuBenchConfig) -> dict[str, Figure]:
 
 
 def tsukimi_store_rows(cfg: GpuBenchConfig) -> dict[str, Figure]:
-    """TODO(issue 23, store): the store filling a paged GPU cache with `cfg.num_kv_blocks` x
-    `cfg.kv_block_bytes` blocks: `tsukimi.store_kv_blocks_gbps`."""
-    return {}
+    """The store filling a paged cache of `cfg.num_kv_blocks` x `cfg.kv_block_bytes` blocks from
+    a holder process (tsukimi/bench/gpu_store.py): `tsukimi.store_kv_blocks_gbps`. Without CUDA
+    256 blocks into a CPU cache (the host path: a check that the row runs, not a GPU figure)."""
+    cuda = cfg.device == "cuda"
+    blocks = cfg.num_kv_blocks if cuda else 256
+    return store_rows("cuda" if cuda else "cpu", blocks, cfg.kv_block_bytes, cfg.repeats)
 
 
 def tsukimi_engine_rows(cfg: GpuBenchConfig, say: Callable[[str], None] = print) -> dict[str, Figure]:
