@@ -1,7 +1,7 @@
 """TsukimiConnector's worker with its KV cache on a device (worker.py): pool saves and loads of
 vLLM's per-layer layout [blocks, 2, block_tokens, kv_heads, head_dim] through the store's device
-path (CUDA, `pytest -m gpu`), and PD direct hand-over refused (ConfigError) on a producer whose
-cache is not in host memory (a meta-device cache stands for it in CI).
+path, and PD direct hand-over READing a producer's CUDA KV buffer GPU to GPU (CUDA,
+`pytest -m gpu`; the emulated device covers the engine's device paths in CI).
 
 The worker imports two vLLM base classes; where vLLM is not installed (CI's venv, the GPU
 machine) `_stub_vllm` stands in two empty classes for them, enough for the worker's own code.
@@ -42,10 +42,9 @@ def _stub_vllm() -> list[str]:
 _STUBS = _stub_vllm()
 
 from tsukimi.config import MasterConfig  # noqa: E402
-from tsukimi.errors import ConfigError  # noqa: E402
 from tsukimi.integrations.vllm.config import TsukimiConnectorConfig  # noqa: E402
 from tsukimi.integrations.vllm.keys import KVFormat  # noqa: E402
-from tsukimi.integrations.vllm.metadata import LoadSpec, RemoteSource, SaveSpec  # noqa: E402
+from tsukimi.integrations.vllm.metadata import LoadSpec, RemoteSource, SaveSpec, TsukimiConnectorMetadata  # noqa: E402
 from tsukimi.integrations.vllm.worker import ConnectorWorker  # noqa: E402
 from tsukimi.store.master.server import MasterServer  # noqa: E402
 
@@ -67,18 +66,6 @@ def _worker(master: MasterServer, role: str = "kv_both", **extra: object) -> Con
     config = TsukimiConnectorConfig(master=master.endpoint, segment_bytes=64 << 20, load_async=False, **extra)  # type: ignore[arg-type]
     fmt = KVFormat("test-model", "bfloat16", 16, BLOCK_SHAPE, LAYERS, "cuda:NHD")
     return ConnectorWorker(config, fmt, role)
-
-
-def test_a_pd_producer_refuses_a_device_kv_cache(master: MasterServer) -> None:
-    worker = _worker(master, role="kv_producer", pd_port=1)
-    try:
-        caches = {
-            f"layers.{i}.attn": torch.empty(8, *BLOCK_SHAPE, dtype=torch.bfloat16, device="meta") for i in range(LAYERS)
-        }
-        with pytest.raises(ConfigError, match="PD direct hand-over of a GPU KV cache"):
-            worker.register_kv_caches(caches)
-    finally:
-        worker.close()
 
 
 @pytest.mark.gpu
@@ -104,13 +91,38 @@ def test_saves_and_loads_of_a_cuda_kv_cache(master: MasterServer) -> None:
             assert torch.equal(target[name][list(into)], source[name][list(saved)])
         remote = RemoteSource("127.0.0.1", 1, "r0", (1, 2), "digest")
         consumer.start_load_kv(_meta([LoadSpec("r3", (5, 6), (), remote)]))
-        assert consumer.get_block_ids_with_load_errors() == {5, 6}  # direct: recomputed
+        assert consumer.get_block_ids_with_load_errors() == {5, 6}  # no producer there: recomputed
     finally:
         producer.close()
         consumer.close()
 
 
-def _meta(loads: list[LoadSpec]) -> object:
-    from tsukimi.integrations.vllm.metadata import TsukimiConnectorMetadata
+@pytest.mark.gpu
+def test_pd_direct_hand_over_reads_a_cuda_kv_cache_gpu_to_gpu(master: MasterServer) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from tsukimi.netio import free_port
 
+    port = free_port()
+    producer, consumer = _worker(master, role="kv_producer", pd_port=port), _worker(master, role="kv_consumer")
+    try:
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        source = {n: torch.randn(32, *BLOCK_SHAPE, dtype=torch.bfloat16, device="cuda") for n in names}
+        target = {n: torch.zeros(32, *BLOCK_SHAPE, dtype=torch.bfloat16, device="cuda") for n in names}
+        torch.cuda.synchronize()
+        producer.register_kv_caches(source)
+        consumer.register_kv_caches(target)
+        digest = KVFormat("test-model", "bfloat16", 16, BLOCK_SHAPE, LAYERS, "cuda:NHD").digest()
+        remote = RemoteSource("127.0.0.1", port, "r9", (4, 5, 30), digest)
+        consumer.start_load_kv(_meta([LoadSpec("r10", (0, 7, 8), (), remote)]))
+        assert consumer.get_block_ids_with_load_errors() == set()
+        torch.cuda.synchronize()
+        for name in names:
+            assert torch.equal(target[name][[0, 7, 8]], source[name][[4, 5, 30]])
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def _meta(loads: list[LoadSpec]) -> TsukimiConnectorMetadata:
     return TsukimiConnectorMetadata(loads=loads)

@@ -19,9 +19,9 @@ pool read into pinned staging, one host->GPU copy and one scatter kernel per lay
 allocation, a save one gather and one GPU->host copy, never a copy per block. A save first
 waits for a CUDA event recorded on the model's stream when vLLM handed the layer over (the
 ordering contract: tsukimi reads device memory only once the work that wrote it is done). The
-buffer is not registered with the Transfer Engine then, and PD "direct" hand-over (a consumer
-READing the producer's KV buffer through the engine) is refused with a ConfigError on the
-producer and answered "recompute" on the consumer until the engine moves device memory.
+GPU buffer is registered with the Transfer Engine as device memory, so PD "direct" hand-over (a
+consumer READing the producer's KV buffer) moves GPU to GPU: CUDA IPC on one host
+(tsukimi/transfer/transports/device_ipc.py), pinned staging on both sides across hosts.
 """
 
 from __future__ import annotations
@@ -92,9 +92,6 @@ class ConnectorWorker:
         if len(self._layers) != self._format.num_layers:
             raise ConfigError(f"{len(self._layers)} KV layers, the format says {self._format.num_layers}")
         self._on_device = self._layers[0].device.type != "cpu"
-        if self._on_device:
-            self._register_device_cache()
-            return
         storages: dict[int, int] = {}
         for layer in self._layers:
             storage = layer.untyped_storage()
@@ -103,8 +100,10 @@ class ConnectorWorker:
             self._engine.register((address, nbytes))
         block_bytes = self._layers[0][0].numel() * self._layers[0].element_size()
         logger.info(
-            "TsukimiConnector: %d KV layers in %d registered buffer(s), %d blocks of %d bytes per layer, format %s",
+            "TsukimiConnector: %d KV layers on %s in %d registered buffer(s), %d blocks of %d bytes per layer, "
+            "format %s",
             len(self._layers),
+            self._layers[0].device,
             len(storages),
             self._layers[0].shape[0],
             block_bytes,
@@ -120,25 +119,6 @@ class ConnectorWorker:
                 self._digest,
             )
             self._side = SideChannel(layout, self._config.pd_host, self._config.pd_port)
-
-    def _register_device_cache(self) -> None:
-        """A GPU KV cache: pool loads and saves only (see the module). Raises ConfigError for a
-        PD producer's side channel (direct hand-over reads the buffer through the engine)."""
-        if self._role == "kv_producer" and self._config.pd_port:
-            raise ConfigError(
-                "PD direct hand-over of a GPU KV cache needs the Transfer Engine to move device memory, "
-                "which this build does not: use pd_mode 'pool' (pd_port 0)"
-            )
-        layer = self._layers[0]
-        logger.info(
-            "TsukimiConnector: %d KV layers on %s (not registered: pool loads and saves, staged), "
-            "%d blocks of %d bytes per layer, format %s",
-            len(self._layers),
-            layer.device,
-            layer.shape[0],
-            layer[0].numel() * layer.element_size(),
-            self._digest,
-        )
 
     # -- loads -------------------------------------------------------------------------
 
@@ -158,9 +138,6 @@ class ConnectorWorker:
         if self._config.fault_load_delay_s:
             time.sleep(self._config.fault_load_delay_s)
         started = time.perf_counter()
-        if spec.remote is not None and self._peers is None:  # a GPU KV cache: see the module
-            logger.error("PD direct hand-over into a GPU KV cache is not supported yet; recomputing %s", spec.req_id)
-            return set(spec.block_ids)
         if spec.remote is not None:
             assert self._peers is not None
             remote = spec.remote
