@@ -191,7 +191,8 @@ def _gpu(report: BenchReport) -> None:
     longest = tokens[-1]
     for key in (f"tsukimi.engine_prefill_s.{longest}", f"tsukimi.engine_reuse_s.{longest}"):
         assert figures[key] > 0  # type: ignore[operator]
-    for mode in ("colocated", "pd", "pd_prefix"):
+    assert not [key for key in figures if key.startswith("errors.")], figures
+    for mode in ("colocated", "pd", "pd_local_prefix"):
         assert figures[f"tsukimi.{mode}_ttft_s.{longest}"] > 0  # type: ignore[operator]
     assert figures[f"tsukimi.pd_ttft_vs_colocated.{longest}"] > 0  # type: ignore[operator]
     gpu_goals = {

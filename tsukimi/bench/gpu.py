@@ -6,10 +6,13 @@ places for tsukimi's own rows beside them, with the issue's goals as verdicts.
     raw model        gpu_model.py: prefill of `prompt_tokens` (Llama-3-8B shape, random bf16
                      weights, flash SDPA) and reuse = load the prefix KV from pinned host memory
                      (one copy per layer and K/V) + compute `new_tokens`
-    tsukimi rows     tsukimi_*_rows below: EMPTY until the parts that build them fill them in
+    tsukimi rows     the Transfer Engine between two processes (host<->GPU, GPU<->GPU), the
+                     store filling a paged GPU cache, the engine in process and through
+                     `tsukimi up` clusters (gpu_store.py, gpu_engine.py)
 
 Figures are one flat dict named so ratios read off directly: `raw.h2d_pinned_gbps.1MiB`,
-`raw.prefill_s.16k`, `raw.reuse_vs_prefill.16k`, later `tsukimi.te_h2d_gbps.1MiB`. Without
+`raw.prefill_s.16k`, `raw.reuse_vs_prefill.16k`, `tsukimi.te_h2d_gbps.1MiB`. A row group that
+fails (or the time limit) leaves `errors.GROUP` and the other groups' figures. Without
 CUDA the command still runs (CI): GPU rows hold "not measured: no CUDA", the model is the tiny
 shape in float32, and every verdict says not measured. A GPU figure is never claimed on a CPU.
 """
@@ -168,16 +171,18 @@ def tsukimi_store_rows(cfg: GpuBenchConfig) -> dict[str, Figure]:
 
 def tsukimi_engine_rows(cfg: GpuBenchConfig, say: Callable[[str], None] = print) -> dict[str, Figure]:
     """The engine in one process (prefill, reuse of a prefix from pinned host rows) at each
-    prompt length, then TTFT through real processes at the longest: colocated, PD, PD with a
-    shared prefix (tsukimi/bench/gpu_engine.py): `tsukimi.engine_prefill_s.16k`,
-    `tsukimi.engine_reuse_s.16k`, `tsukimi.pd_ttft_vs_colocated.16k`, ..."""
+    prompt length (tsukimi/bench/gpu_engine.py): `tsukimi.engine_prefill_s.16k`,
+    `tsukimi.engine_reuse_s.16k`, ..."""
     say("tsukimi engine, in process")
-    figures = engine_rows(cfg.shape, cfg.device, cfg.prompt_tokens, cfg.new_tokens, token_label)
+    return engine_rows(cfg.shape, cfg.device, cfg.prompt_tokens, cfg.new_tokens, token_label)
+
+
+def tsukimi_process_rows(cfg: GpuBenchConfig, say: Callable[[str], None] = print) -> dict[str, Figure]:
+    """TTFT through real processes at the longest prompt: colocated, PD, PD with a shared
+    prefix (tsukimi/bench/gpu_engine.py): `tsukimi.pd_ttft_vs_colocated.16k`, ..."""
     longest = cfg.prompt_tokens[-1]
     say("tsukimi engine, through processes")
-    return figures | process_rows(
-        cfg.shape, cfg.device, longest, cfg.new_tokens, cfg.repeats, token_label(longest), say
-    )
+    return process_rows(cfg.shape, cfg.device, longest, cfg.new_tokens, cfg.repeats, token_label(longest), say)
 
 
 def verdicts(figures: Mapping[str, Figure], cuda: bool) -> list[Verdict]:
@@ -250,13 +255,30 @@ def run_report(cfg: GpuBenchConfig, say: Callable[[str], None] = print) -> Bench
         raise ConfigError("device cuda: torch sees no CUDA device")
     start = begin("bench gpu", cfg)
     figures: dict[str, Figure] = {"device": torch.cuda.get_device_name(0) if cuda else "cpu"}
-    say("copies")
-    figures |= copy_rows(cfg.copy_bytes, cuda, cfg.repeats)
-    figures |= kv_block_rows(cfg.num_kv_blocks, cfg.kv_block_bytes, cuda, cfg.repeats)
-    figures |= model_rows(cfg, say)
-    for rows in (tsukimi_te_rows, tsukimi_store_rows):
-        figures |= rows(cfg)
-    figures |= tsukimi_engine_rows(cfg, say)
+    groups: list[tuple[str, Callable[[], dict[str, Figure]]]] = [
+        ("copies", lambda: copy_rows(cfg.copy_bytes, cuda, cfg.repeats)),
+        ("kv_blocks", lambda: kv_block_rows(cfg.num_kv_blocks, cfg.kv_block_bytes, cuda, cfg.repeats)),
+        ("raw_model", lambda: model_rows(cfg, say)),
+        ("transfer_engine", lambda: tsukimi_te_rows(cfg)),
+        ("store", lambda: tsukimi_store_rows(cfg)),
+        ("engine", lambda: tsukimi_engine_rows(cfg, say)),
+        ("processes", lambda: tsukimi_process_rows(cfg, say)),
+    ]
+    for name, rows in groups:
+        # NOTE: one failing group (or the script's SIGINT at its time limit) must not lose the
+        # figures of the others: the GPU machine is lent for minutes; the error is a figure too
+        say(name)
+        try:
+            figures |= rows()
+        except KeyboardInterrupt:
+            figures[f"errors.{name}"] = "interrupted (time limit): later groups not run"
+            break
+        except Exception as exc:  # NOTE: any failure of a group is reported, whatever it is
+            figures[f"errors.{name}"] = f"{type(exc).__name__}: {exc}"[:500]
+        finally:
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
     return finish(start, figures, verdicts(figures, cuda))
 
 
@@ -276,8 +298,8 @@ def markdown(figures: Mapping[str, object]) -> str:
         t = key.rsplit(".", 1)[1]
         cells = ("prefill_s", "prefill_tokens_per_s", "reuse_s", "prefix_load_s", "reuse_vs_prefill")
         lines.append(f"| {t} | " + " | ".join(_cell(figures.get(f"raw.{c}.{t}")) for c in cells) + " |")
-    ours = {k: v for k, v in figures.items() if k.startswith("tsukimi.")}
-    lines += ["", "tsukimi rows: " + (", ".join(f"{k} {_cell(v)}" for k, v in ours.items()) or "none yet")]
+    ours = {k: v for k, v in figures.items() if k.startswith(("tsukimi.", "errors."))}
+    lines += ["", "| tsukimi | value |", "|---|---|"] + [f"| {k} | {_cell(v)} |" for k, v in ours.items()]
     return "\n".join(lines)
 
 

@@ -7,9 +7,11 @@ TTFT through real processes (`tsukimi up`: colocated, and PD with the KV through
                 SmolLM2 shape on a GPU (`tsukimi.smollm2_prefill_s.16k`, ...)
     processes   one cluster per mode, one GPU host: a fresh prompt's TTFT on a colocated worker
                 and on a PD pair (prefill worker -> pool -> decode worker), and in PD a second
-                prompt sharing all but `new_tokens` of the first (its prefix reused):
+                prompt sharing all but `new_tokens` of the first: the prefill worker finds that
+                prefix in its own cache (HBM), so this is a local prefix hit, not a pool load
+                (the pool's path is the in-process reuse row):
                 `tsukimi.colocated_ttft_s.16k`, `tsukimi.pd_ttft_s.16k`,
-                `tsukimi.pd_ttft_vs_colocated.16k`, `tsukimi.pd_prefix_ttft_s.16k`
+                `tsukimi.pd_ttft_vs_colocated.16k`, `tsukimi.pd_local_prefix_ttft_s.16k`
 
 Each TTFT is the median of `repeats` requests after a warm-up request of the same length. Without
 CUDA the same code runs on the CPU with the tiny model (CI keeps it working); no figure of it
@@ -84,7 +86,7 @@ def process_rows(
             if mode == "pd":
                 shared = [p[: prompt_tokens - new_tokens] + _prompt(rng, shape, new_tokens) for p in fresh[1:]]
                 again = asyncio.run(_ttfts(cluster.api, spec, shared))
-                figures[f"tsukimi.pd_prefix_ttft_s.{label}"] = round(statistics.median(again), 4)
+                figures[f"tsukimi.pd_local_prefix_ttft_s.{label}"] = round(statistics.median(again), 4)
         _release(device)
     colocated, pd = figures[f"tsukimi.colocated_ttft_s.{label}"], figures[f"tsukimi.pd_ttft_s.{label}"]
     assert isinstance(colocated, float) and isinstance(pd, float)
