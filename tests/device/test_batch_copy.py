@@ -46,6 +46,7 @@ def device(request: pytest.FixtureRequest) -> Iterator[tuple[DeviceBackend, Allo
 
     def alloc_cuda(n: int) -> DeviceRange:
         tensor = torch.zeros(n, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()  # NOTE: the backend's copies are not ordered after torch's kernels
         keep.append(tensor)
         found = device_range(tensor)
         assert found is not None

@@ -28,6 +28,7 @@ def _allocate(kind: str, size: int) -> tuple[object, DeviceRange]:
     import torch
 
     tensor = torch.zeros(size, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()  # NOTE: peers' copies are not ordered after torch's kernels
     found = device_range(tensor)
     assert found is not None
     return tensor, found

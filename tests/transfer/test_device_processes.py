@@ -157,6 +157,7 @@ def test_cuda_tensors_move_between_two_processes(transport: str) -> None:
             engine.write(seg, dev + 1, local)  # GPU -> GPU (CUDA IPC under auto)
             assert worker.call(30, cmd="digest", where="device", offset=1, nbytes=N)["sha256"] == _sha(data.numpy())
             back = torch.zeros(N, dtype=torch.uint8, device="cuda")
+            torch.cuda.synchronize()  # NOTE: the TE's copies are not ordered after torch's kernels
             engine.read(seg, dev + 1, back)
             torch.cuda.synchronize()
             assert torch.equal(back.cpu(), data)

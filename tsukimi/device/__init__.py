@@ -8,7 +8,7 @@ registry.py  which backend owns memory; device ranges from tensors and raw point
 
 from tsukimi.device.base import DeviceBackend, DeviceRange, OpenedRange
 from tsukimi.device.emulated import EMULATED, EmulatedDevice, EmulatedMemory
-from tsukimi.device.registry import CUDA, backend, device_range, locate
+from tsukimi.device.registry import CUDA, backend, device_range, locate, pin_or_warn
 
 __all__ = [
     "CUDA",
@@ -21,4 +21,5 @@ __all__ = [
     "backend",
     "device_range",
     "locate",
+    "pin_or_warn",
 ]

@@ -40,7 +40,7 @@ import numpy as np
 
 from tsukimi.device.base import DeviceRange
 from tsukimi.device.emulated import EMULATED, EmulatedDevice
-from tsukimi.device.registry import backend
+from tsukimi.device.registry import backend, pin_or_warn
 from tsukimi.errors import ClosedError, ConfigError, DeviceError, InvalidBufferError
 
 logger = logging.getLogger(__name__)
@@ -440,12 +440,7 @@ class HostStaging:
         kind = device.partition(":")[0]
         if kind in staged.unpins:
             return
-        try:
-            staged.unpins[kind] = backend(kind).pin(staged.buffer.view)
-        except DeviceError as exc:
-            size = len(staged.buffer.view)
-            logger.warning("cannot pin %d bytes of host staging for %s (copies run slower): %s", size, device, exc)
-            staged.unpins[kind] = _nothing
+        staged.unpins[kind] = pin_or_warn(device, staged.buffer.view, "host staging")
 
     @property
     def num_bytes(self) -> int:

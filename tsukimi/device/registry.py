@@ -8,12 +8,16 @@ whether a raw pointer (Mooncake's `register_memory(addr, len)`) is device memory
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Protocol, cast
 
 from tsukimi.device.base import DeviceBackend, DeviceRange
 from tsukimi.device.cuda import CudaBackend
 from tsukimi.device.emulated import EMULATED, EmulatedMemory
-from tsukimi.errors import ConfigError, InvalidBufferError
+from tsukimi.errors import ConfigError, DeviceError, InvalidBufferError
+
+logger = logging.getLogger(__name__)
 
 CUDA = CudaBackend()
 _BACKENDS: dict[str, DeviceBackend] = {"cuda": CUDA, "emu": EMULATED}
@@ -77,4 +81,28 @@ def device_range(obj: object) -> DeviceRange | None:
         if nbytes == 0:
             raise InvalidBufferError("a device tensor must not be empty")
         return DeviceRange(f"cuda:{tensor.device.index or 0}", int(tensor.data_ptr()), nbytes)
+    return None
+
+
+def pin_or_warn(device: str, view: memoryview, what: str) -> Callable[[], None]:
+    """Pin host memory `view` for devices of `device`'s kind (`DeviceBackend.pin`); the call
+    that unpins it. Pinning is a speed-up, never a need: a failure (the driver refused, e.g. a
+    read-only mapping or a locked-memory limit) is logged, naming `what`, and answered with a
+    no-op, and so is a failing unpin."""
+    try:
+        unpin = backend(device).pin(view)
+    except DeviceError as exc:
+        logger.warning("cannot pin %s (%d bytes) for %s: copies run slower: %s", what, len(view), device, exc)
+        return _nothing
+
+    def unpin_logged() -> None:
+        try:
+            unpin()
+        except DeviceError as exc:
+            logger.warning("cannot unpin %s: %s", what, exc)
+
+    return unpin_logged
+
+
+def _nothing() -> None:
     return None

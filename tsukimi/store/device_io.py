@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tsukimi.device import CUDA, DeviceRange, backend, device_range
+from tsukimi.device import CUDA, DeviceRange, backend, device_range, pin_or_warn
 from tsukimi.device.batch_copy import HostStaging, device_scratch, gather, scatter_at
-from tsukimi.errors import DeviceError, InvalidBufferError, TsukimiError
+from tsukimi.errors import InvalidBufferError, TsukimiError
 from tsukimi.store import protocol as p
 from tsukimi.store.replica_io import PutItem
 from tsukimi.transfer.segment import byte_view
@@ -63,20 +63,7 @@ def pin_for_gpus(view: memoryview) -> Callable[[], None]:
     it. A failure is logged and answered with a no-op: pinning is a speed-up, not a need."""
     if not CUDA.available():
         return _nothing
-    try:
-        unpin = CUDA.pin(view)
-    except DeviceError as exc:
-        logger.warning("cannot pin %d bytes of segment for GPU copies (they run slower): %s", len(view), exc)
-        return _nothing
-    logger.info("pinned %d bytes of segment for GPU copies", len(view))
-
-    def unpin_logged() -> None:
-        try:
-            unpin()
-        except DeviceError as exc:
-            logger.warning("unpinning the segment: %s", exc)
-
-    return unpin_logged
+    return pin_or_warn("cuda", view, "the segment")
 
 
 def _nothing() -> None:

@@ -57,6 +57,7 @@ def _allocate(kind: str, nbytes: int) -> tuple[object, object]:
     import torch  # NOTE: only on a GPU host, only for this benchmark
 
     tensor = torch.zeros(nbytes, dtype=torch.uint8, device=kind)
+    torch.cuda.synchronize()  # NOTE: the TE's copies are not ordered after torch's kernels
     return tensor, tensor
 
 

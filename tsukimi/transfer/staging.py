@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from tsukimi.device import backend
+from tsukimi.device import pin_or_warn
 from tsukimi.errors import ClosedError, RpcTimeout
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class StagingPool:
                     self._free.put(chunk)
             if kind not in self._unpins:
                 with memoryview(self._mm) as whole:
-                    self._unpins[kind] = backend(kind).pin(whole)
+                    self._unpins[kind] = pin_or_warn(kind, whole, f"{self.name} staging")
 
     def close(self) -> None:
         """Stop the copy threads (after their jobs), unpin and free the chunks. Mutates."""

@@ -22,7 +22,7 @@ import numpy as np
 
 from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
-from tsukimi.device import DeviceRange, backend
+from tsukimi.device import DeviceRange, backend, pin_or_warn
 from tsukimi.errors import ClosedError, OutOfBounds, PeerError, TsukimiError
 from tsukimi.transfer.batch import OpCode
 from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
@@ -60,7 +60,7 @@ class _ShmPeer(PeerProcess):
         if (shm_name, kind) not in self.unpins:
             with self.lock:
                 if (shm_name, kind) not in self.unpins:
-                    self.unpins[shm_name, kind] = backend(kind).pin(mapping.view)
+                    self.unpins[shm_name, kind] = pin_or_warn(kind, mapping.view, f"shared memory {shm_name}")
 
     def drop(self, shm_name: str) -> None:
         """Unmap a file the owner released (frees its memory once nothing else maps it)."""
