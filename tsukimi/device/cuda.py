@@ -21,11 +21,12 @@ handled the same way, as device pointers.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tsukimi.device.base import DeviceRange, OpenedRange, host_address
 from tsukimi.errors import DeviceError, InvalidBufferError
@@ -59,6 +60,7 @@ class _Driver:
             "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
             "cuDevicePrimaryCtxRetain": [ctypes.POINTER(p), ctypes.c_int],
             "cuCtxSetCurrent": [p],
+            "cuCtxGetCurrent": [ctypes.POINTER(p)],
             "cuStreamCreate": [ctypes.POINTER(p), ctypes.c_uint],
             "cuStreamSynchronize": [p],
             "cuMemcpyAsync": [u64, u64, ctypes.c_size_t, p],
@@ -130,8 +132,11 @@ class CudaBackend:
         self._driver = driver
         return count.value
 
-    def _use(self, ordinal: int) -> _Driver:
-        """The driver, with device `ordinal`'s primary context current on this thread.
+    @contextlib.contextmanager
+    def _on(self, ordinal: int) -> Iterator[_Driver]:
+        """The driver, with device `ordinal`'s primary context current on this thread while the
+        block runs; the thread's own current context (torch's, cupy's) is put back after it, so
+        a library working on another device here is never redirected.
         Raises DeviceError when there is no such device."""
         if not self.available() or self._driver is None:
             raise DeviceError("no CUDA device: the CUDA driver (libcuda.so.1) or a GPU is missing")
@@ -147,9 +152,16 @@ class CudaBackend:
                     driver.call("cuDeviceGet", ctypes.byref(device), ordinal)
                     driver.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), device.value)
                     context = self._contexts[ordinal] = int(ctx.value or 0)
-        # NOTE: every call sets it: torch or cupy may have made another device current here
-        driver.call("cuCtxSetCurrent", ctypes.c_void_p(context))
-        return driver
+        previous = ctypes.c_void_p()
+        driver.call("cuCtxGetCurrent", ctypes.byref(previous))
+        switch = int(previous.value or 0) != context
+        if switch:
+            driver.call("cuCtxSetCurrent", ctypes.c_void_p(context))
+        try:
+            yield driver
+        finally:
+            if switch:
+                driver.call("cuCtxSetCurrent", previous)
 
     def _stream(self, driver: _Driver, ordinal: int) -> ctypes.c_void_p:
         streams: dict[int, ctypes.c_void_p] | None = getattr(self._local, "streams", None)
@@ -163,25 +175,25 @@ class CudaBackend:
         return stream
 
     def _copy(self, ordinal: int, dst: int, src: int, length: int) -> None:
-        driver = self._use(ordinal)
-        stream = self._stream(driver, ordinal)
-        driver.call("cuMemcpyAsync", dst, src, length, stream)
-        driver.call("cuStreamSynchronize", stream)
+        with self._on(ordinal) as driver:
+            stream = self._stream(driver, ordinal)
+            driver.call("cuMemcpyAsync", dst, src, length, stream)
+            driver.call("cuStreamSynchronize", stream)
 
     # -- the backend -----------------------------------------------------------------------
 
     def locate(self, address: int, length: int) -> DeviceRange | None:
         if address <= 0 or length <= 0 or not self.available():
             return None
-        driver = self._use(0)
-        kind = ctypes.c_uint(0)
-        if driver.result("cuPointerGetAttribute", ctypes.byref(kind), _ATTR_MEMORY_TYPE, address):
-            return None  # pageable host memory, or not CUDA's at all
-        if kind.value != _MEMORYTYPE_DEVICE:
-            return None  # pinned host memory: the host addresses it
-        ordinal = ctypes.c_int(0)
-        driver.call("cuPointerGetAttribute", ctypes.byref(ordinal), _ATTR_DEVICE_ORDINAL, address)
-        base, size = self._allocation(driver, address)
+        with self._on(0) as driver:
+            kind = ctypes.c_uint(0)
+            if driver.result("cuPointerGetAttribute", ctypes.byref(kind), _ATTR_MEMORY_TYPE, address):
+                return None  # pageable host memory, or not CUDA's at all
+            if kind.value != _MEMORYTYPE_DEVICE:
+                return None  # pinned host memory: the host addresses it
+            ordinal = ctypes.c_int(0)
+            driver.call("cuPointerGetAttribute", ctypes.byref(ordinal), _ATTR_DEVICE_ORDINAL, address)
+            base, size = self._allocation(driver, address)
         if address + length > base + size:
             raise InvalidBufferError(f"device range {address:#x}+{length} runs past its allocation ({base:#x}+{size})")
         return DeviceRange(f"cuda:{ordinal.value}", address, length)
@@ -206,10 +218,10 @@ class CudaBackend:
         self._copy(dst.index, dst.address, src.address, src.length)
 
     def export(self, memory: DeviceRange) -> bytes:
-        driver = self._use(memory.index)
-        base, size = self._allocation(driver, memory.address)
         handle = _IpcHandle()
-        driver.call("cuIpcGetMemHandle", ctypes.byref(handle), base)
+        with self._on(memory.index) as driver:
+            base, size = self._allocation(driver, memory.address)
+            driver.call("cuIpcGetMemHandle", ctypes.byref(handle), base)
         return _EXPORT.pack(
             _MAGIC, os.getpid(), memory.index, base, memory.address - base, size, bytes(handle.reserved)
         )
@@ -224,8 +236,8 @@ class CudaBackend:
         if pid == os.getpid():  # NOTE: a process cannot open its own handle; the address is ours
             return OpenedRange(device, base + offset, length, _nothing)
         key = bytes(raw)
-        driver = self._use(ordinal)  # NOTE: before the lock: it may take the lock itself
-        with self._lock:
+        # NOTE: the context first: taking it may take the lock itself
+        with self._on(ordinal) as driver, self._lock:
             found = self._opened.get(key)
             if found is None:
                 address = ctypes.c_uint64(0)
@@ -245,19 +257,25 @@ class CudaBackend:
             if found[1] > 0:
                 return
             del self._opened[key]
-        self._use(ordinal).call("cuIpcCloseMemHandle", found[0])
+        with self._on(ordinal) as driver:
+            driver.call("cuIpcCloseMemHandle", found[0])
 
     def pin(self, view: memoryview) -> Callable[[], None]:
         if not self.available() or not len(view):
             return _nothing
-        driver = self._use(0)
         address = ctypes.c_void_p(host_address(view))
-        code = driver.result("cuMemHostRegister_v2", address, len(view), _HOST_REGISTER_PORTABLE)
+        with self._on(0) as driver:
+            code = driver.result("cuMemHostRegister_v2", address, len(view), _HOST_REGISTER_PORTABLE)
         if code == _ERROR_ALREADY_REGISTERED:
             return _nothing  # someone pinned it already; they unpin it
         if code:
             raise DeviceError(f"cuMemHostRegister failed: {driver.error_name(code)}")
-        return lambda: self._use(0).call("cuMemHostUnregister", address)
+
+        def unpin() -> None:
+            with self._on(0) as driver:
+                driver.call("cuMemHostUnregister", address)
+
+        return unpin
 
 
 def _same_length(memory: DeviceRange, view: memoryview) -> None:

@@ -7,7 +7,7 @@ and copied by the device's backend; the owner's process does no work.
 Each peer buffer's export is opened once and cached (by base and export, so a buffer
 registered again at the same address is opened anew); what the owner no longer registers is
 closed when its fresh descriptor is fetched, and everything of a peer when it is replaced
-(restarted) or the transport closes.
+(restarted) or the transport closes, each once the copies using it have ended.
 
 Liveness and released ranges, as for host memory: the peer is pinned by a pidfd (same_host.
 PeerProcess), checked before and after every copy; before each batch the owner's
@@ -20,9 +20,10 @@ server checks every range itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
@@ -42,6 +43,17 @@ SLICE_BYTES = 64 << 20
 _Key = tuple[int, bytes]  # a peer buffer: its base and its export
 
 
+class _Opened:
+    """A peer buffer opened here, the copies using it now, and whether it is to be closed:
+    it is closed once no copy uses it (closing a CUDA IPC mapping under a running copy is an
+    illegal address that poisons the whole context)."""
+
+    def __init__(self, opened: OpenedRange) -> None:
+        self.range = opened
+        self.users = 0
+        self.closing = False
+
+
 class _IpcPeer(PeerProcess):
     """One peer process: its pidfd, its version word, and its buffers opened so far."""
 
@@ -50,34 +62,45 @@ class _IpcPeer(PeerProcess):
         self.version = VersionWord(desc.pid)
         self.readable: bool | None = None  # whether its version word can be read (probed once)
         self.lock = threading.Lock()
-        self.opened: dict[_Key, OpenedRange] = {}
+        self.opened: dict[_Key, _Opened] = {}
 
-    def range_of(self, buffer: BufferDescriptor) -> OpenedRange:
-        """`buffer` opened here (once). Raises InvalidBufferError / DeviceError / ConfigError."""
+    @contextlib.contextmanager
+    def using(self, buffer: BufferDescriptor) -> Iterator[OpenedRange]:
+        """`buffer` opened here (once), held open while the block runs.
+        Raises InvalidBufferError / DeviceError / ConfigError."""
         key = (buffer.base, buffer.device_export)
-        found = self.opened.get(key)
-        if found is None:
+        with self.lock:
+            found = self.opened.get(key)
+            if found is None:
+                found = self.opened[key] = _Opened(backend(buffer.device).open(buffer.device_export, buffer.length))
+            found.users += 1
+        try:
+            yield found.range
+        finally:
             with self.lock:
-                found = self.opened.get(key)
-                if found is None:
-                    opened = backend(buffer.device).open(buffer.device_export, buffer.length)
-                    found = self.opened[key] = opened
-        return found
+                found.users -= 1
+                close = found.closing and found.users == 0
+            if close:
+                found.range.close()
 
     def keep_only(self, desc: SegmentDescriptor) -> None:
         """Close what `desc` (the owner's fresh descriptor) no longer registers."""
         live = {(buf.base, buf.device_export) for buf in desc.buffers if buf.device}
         with self.lock:
             stale = [key for key in self.opened if key not in live]
-            closing = [self.opened.pop(key) for key in stale]
-        for opened in closing:
-            opened.close()
+            self._retire([self.opened.pop(key) for key in stale])
+
+    def _retire(self, entries: list[_Opened]) -> None:
+        """Close `entries` now, or when their last copy ends (caller holds the lock)."""
+        for entry in entries:
+            entry.closing = True
+            if entry.users == 0:
+                entry.range.close()
 
     def close(self) -> None:
         with self.lock:
-            closing, self.opened = list(self.opened.values()), {}
-        for opened in closing:
-            opened.close()
+            entries, self.opened = list(self.opened.values()), {}
+            self._retire(entries)
         super().close()
 
 
@@ -152,18 +175,19 @@ class DeviceIpcTransport:
     def _copy(self, peer: _IpcPeer, piece: Slice) -> None:
         if not peer.alive():
             raise PeerError(f"owner process {peer.pid} has exited")
-        opened = peer.range_of(piece.buffer)
-        remote = DeviceRange(opened.device, opened.address + piece.remote_offset - piece.buffer.base, piece.nbytes)
-        device = backend(opened.device)
-        if piece.device is not None:
-            if piece.op is OpCode.WRITE:
-                device.copy(remote, piece.device)
+        with peer.using(piece.buffer) as opened:
+            start = opened.address + piece.remote_offset - piece.buffer.base
+            remote = DeviceRange(opened.device, start, piece.nbytes)
+            device = backend(opened.device)
+            if piece.device is not None:
+                if piece.op is OpCode.WRITE:
+                    device.copy(remote, piece.device)
+                else:
+                    device.copy(piece.device, remote)
+            elif piece.op is OpCode.WRITE:
+                device.from_host(remote, piece.local)
             else:
-                device.copy(piece.device, remote)
-        elif piece.op is OpCode.WRITE:
-            device.from_host(remote, piece.local)
-        else:
-            device.to_host(remote, piece.local)
+                device.to_host(remote, piece.local)
         if not peer.alive():
             raise PeerError(f"owner process {peer.pid} exited during the copy")
 
