@@ -6,45 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.device.conftest import Alloc
 from tsukimi.device import CUDA, EMULATED, DeviceBackend, DeviceRange, EmulatedDevice, backend, locate
-from tsukimi.device.registry import device_range
 from tsukimi.errors import ConfigError, InvalidBufferError
-
-Alloc = Callable[[int], DeviceRange]
-
-
-@pytest.fixture(params=["emu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request: pytest.FixtureRequest) -> Iterator[tuple[DeviceBackend, Alloc]]:
-    keep: list[object] = []
-    if request.param == "emu":
-        emu = EmulatedDevice(0)
-
-        def alloc(n: int) -> DeviceRange:
-            memory = emu.alloc(n)
-            keep.append(memory)
-            return memory.range
-
-        yield EMULATED, alloc
-        for memory in keep:
-            memory.close()  # type: ignore[attr-defined]
-        return
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-
-    def alloc_cuda(n: int) -> DeviceRange:
-        tensor = torch.zeros(n, dtype=torch.uint8, device="cuda")
-        torch.cuda.synchronize()  # NOTE: the backend's copies are not ordered after torch's kernels
-        keep.append(tensor)
-        found = device_range(tensor)
-        assert found is not None
-        return found
-
-    yield CUDA, alloc_cuda
 
 
 def _pattern(n: int, seed: int = 7) -> bytes:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
-from tsukimi.device import EMULATED, DeviceBackend, DeviceRange, EmulatedDevice, backend
+from tests.device.conftest import Alloc
+from tsukimi.device import EMULATED, DeviceBackend, DeviceRange
 from tsukimi.device.batch_copy import (
     HostBuffer,
     HostStaging,
@@ -19,40 +20,7 @@ from tsukimi.device.batch_copy import (
     scatter,
     scatter_at,
 )
-from tsukimi.device.registry import device_range
 from tsukimi.errors import ClosedError, InvalidBufferError
-
-Alloc = Callable[[int], DeviceRange]
-
-
-@pytest.fixture(params=["emu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request: pytest.FixtureRequest) -> Iterator[tuple[DeviceBackend, Alloc]]:
-    keep: list[object] = []
-    if request.param == "emu":
-        emu = EmulatedDevice(0)
-
-        def alloc(n: int) -> DeviceRange:
-            memory = emu.alloc(n)
-            keep.append(memory)
-            return memory.range
-
-        yield EMULATED, alloc
-        for memory in keep:
-            memory.close()  # type: ignore[attr-defined]
-        return
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-
-    def alloc_cuda(n: int) -> DeviceRange:
-        tensor = torch.zeros(n, dtype=torch.uint8, device="cuda")
-        torch.cuda.synchronize()  # NOTE: the backend's copies are not ordered after torch's kernels
-        keep.append(tensor)
-        found = device_range(tensor)
-        assert found is not None
-        return found
-
-    yield backend("cuda"), alloc_cuda
 
 
 def _pattern(n: int, seed: int) -> bytes:

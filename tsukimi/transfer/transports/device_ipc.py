@@ -33,7 +33,14 @@ from tsukimi.transfer.batch import OpCode
 from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
 from tsukimi.transfer.transports.base import Slice, TransportContext, register_transport
 from tsukimi.transfer.transports.cma import VersionWord
-from tsukimi.transfer.transports.same_host import CopyWorkers, PeerProcess, PeerTable, live_slices, still_registered
+from tsukimi.transfer.transports.same_host import (
+    CopyWorkers,
+    PeerProcess,
+    PeerTable,
+    copy_now_or_hand_off,
+    live_slices,
+    still_registered,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -148,12 +155,7 @@ class DeviceIpcTransport:
             fresh, slices = still_registered(peer, state.version.read, self._fetch, slices)
             if fresh is not None:
                 state.keep_only(fresh)
-        if sum(piece.nbytes for piece in slices) <= INLINE_BYTES:
-            for piece in slices:
-                self._run(state, piece)
-            return
-        for piece in slices:
-            self._workers.put((state, piece))
+        copy_now_or_hand_off(state, slices, self._run, self._workers, INLINE_BYTES)
 
     def close(self) -> None:
         self._workers.close()

@@ -172,3 +172,17 @@ def live_slices(slices: list[Slice], clock: Clock) -> list[Slice]:
         else:
             live.append(piece)
     return live
+
+
+def copy_now_or_hand_off(
+    state: P, slices: list[Slice], run: Callable[[P, Slice], None], workers: CopyWorkers[tuple[P, Slice]], inline: int
+) -> None:
+    """Copy a submit of at most `inline` bytes on the caller's thread (a hand-off to a worker
+    costs more than such a copy); hand larger ones to the workers, which copy in parallel
+    (numpy's copies and the device backends' release the GIL)."""
+    if sum(piece.nbytes for piece in slices) <= inline:
+        for piece in slices:
+            run(state, piece)
+        return
+    for piece in slices:
+        workers.put((state, piece))

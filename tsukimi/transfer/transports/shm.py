@@ -28,7 +28,7 @@ from tsukimi.transfer.batch import OpCode
 from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
 from tsukimi.transfer.shared_memory import SharedMapping, map_shared, valid_shm_name
 from tsukimi.transfer.transports.base import Slice, TransportContext, register_transport
-from tsukimi.transfer.transports.same_host import CopyWorkers, PeerProcess, PeerTable, live_slices
+from tsukimi.transfer.transports.same_host import CopyWorkers, PeerProcess, PeerTable, copy_now_or_hand_off, live_slices
 
 logger = logging.getLogger(__name__)
 
@@ -114,15 +114,7 @@ class ShmTransport:
         return True
 
     def submit(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
-        state = self._peers.get(peer)
-        # NOTE: a small submit is copied by the caller: a hand-off to a worker costs more than
-        # the copy. Larger ones go to the workers, which copy in parallel (numpy drops the GIL).
-        if sum(piece.nbytes for piece in slices) <= INLINE_BYTES:
-            for piece in slices:
-                self._run(state, piece)
-            return
-        for piece in slices:
-            self._workers.put((state, piece))
+        copy_now_or_hand_off(self._peers.get(peer), slices, self._run, self._workers, INLINE_BYTES)
 
     def close(self) -> None:
         self._workers.close()
