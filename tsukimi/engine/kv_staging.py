@@ -74,8 +74,8 @@ class SlotStaging:
         Returns the marker after which `rows` hold them (wait on it before reading them)."""
         order = self.cache.order
         with order.side():
+            index = self._index(slot_ids)  # NOTE: before the wait: queued now, the host never blocks on layer l
             order.side_waits(after)
-            index = torch.tensor(slot_ids, dtype=torch.long, device=self.cache.device)
             rows.copy_(self._flat.index_select(0, index), non_blocking=True)
             return order.mark_side()
 
@@ -85,6 +85,16 @@ class SlotStaging:
         `rows` may be reused."""
         order = self.cache.order
         with order.side():
-            index = torch.tensor(slot_ids, dtype=torch.long, device=self.cache.device)
+            index = self._index(slot_ids)
             self._flat.index_copy_(0, index, rows.to(self.cache.device, non_blocking=True))
             return order.mark_side()
+
+    def _index(self, slot_ids: Sequence[int]) -> torch.Tensor:
+        """`slot_ids` as an int64 index on the cache's device, copied on the current stream.
+        On a GPU from pinned host memory without blocking: a pageable `torch.tensor(...,
+        device=cuda)` synchronizes the stream, which on the side stream means waiting for
+        every marker it was told to wait for (torch's host allocator keeps the pinned source
+        alive until the copy ran). On the CPU: the list as a tensor."""
+        on_gpu = self.cache.device.type == "cuda"
+        index = torch.tensor(slot_ids, dtype=torch.long, pin_memory=on_gpu)
+        return index.to(self.cache.device, non_blocking=on_gpu)
