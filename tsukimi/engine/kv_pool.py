@@ -179,6 +179,8 @@ class StoreKVConnector:
                 break
             loaded += 1
         if staging is not None and rows is not None:  # NOTE: the verified blocks only: one copy, one scatter
+            # NOTE: after the last forward, which may still read blocks freed since (a step that sampled nothing)
+            cache.order.side_waits(cache.order.mark_current())
             done = staging.slots.scatter(
                 staging.slots.slot_ids(blocks[:loaded], range(layers)), rows[: loaded * layers]
             )
