@@ -106,15 +106,27 @@ def test_gather_then_scatter_moves_exactly_the_named_slots() -> None:
     assert not dst.slots[~moved].any()
 
 
-def test_the_arena_grows_by_chunks_and_reset_makes_one() -> None:
+def test_the_arena_grows_by_exact_chunks_and_reset_makes_one() -> None:
     arena = HostArena(16, torch.device("cpu"))
     first = arena.take(3)
     first.fill_(7)
-    second = arena.take(4)  # does not fit the first chunk: a new one, the first rows stay valid
-    assert second.shape == (4, 16) and bool((first == 7).all())
+    second = arena.take(4)  # does not fit the first chunk: a new one of exactly 4, the first rows stay valid
+    assert second.shape == (4, 16) and arena._chunks[-1].shape == (4, 16) and bool((first == 7).all())
     arena.reset()
-    assert len(arena._chunks) == 1 and arena._chunks[0].shape == (3 + 6, 16)
-    assert arena.take(9).data_ptr() == arena._chunks[0].data_ptr()
+    assert len(arena._chunks) == 1 and arena._chunks[0].shape == (3 + 4, 16)
+    assert arena.take(7).data_ptr() == arena._chunks[0].data_ptr()
+
+
+def test_a_reserved_arena_hands_out_the_round_from_one_chunk() -> None:
+    arena = HostArena(16, torch.device("cpu"))
+    arena.take(2)
+    arena.reset()
+    arena.reserve(10)  # nothing handed out: the small chunk is replaced by one of exactly 10 rows
+    assert [chunk.shape[0] for chunk in arena._chunks] == [10]
+    rows = [arena.take(n) for n in (3, 3, 4)]
+    assert len(arena._chunks) == 1 and rows[2].data_ptr() == arena._chunks[0][6].data_ptr()
+    arena.reserve(4)  # no room left: a second chunk, the rows handed out stay valid
+    assert [chunk.shape[0] for chunk in arena._chunks] == [10, 4]
 
 
 def test_a_cache_off_the_host_has_no_slot_views() -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tsukimi.engine.model import attention, end_aligned_mask
+from tsukimi.engine.model import attention, end_aligned_causal
 from tsukimi.engine.stream_order import StreamOrder
 from tsukimi.errors import ConfigError, InvalidArgument
 from tsukimi.eviction import LruPolicy
@@ -267,7 +267,7 @@ class BatchAttention:
             table = torch.tensor(seq.block_table[: -(-context // bt)], dtype=torch.long, device=device)
             mask = None
             if count > 1 and seq.num_tokens > 0:  # causal, aligned to the end of the context
-                mask = end_aligned_mask(seq.num_tokens, context, device)
+                mask = end_aligned_causal(count, context)
             self._plans.append((start, count, table, context, mask))
             start += count
         self._blocks = torch.tensor(blocks, dtype=torch.long, device=device)

@@ -179,6 +179,8 @@ class StoreKVConnector:
                 break
             loaded += 1
         if staging is not None and rows is not None:  # NOTE: the verified blocks only: one copy, one scatter
+            # NOTE: after the last forward, which may still read blocks freed since (a step that sampled nothing)
+            cache.order.side_waits(cache.order.mark_current())
             done = staging.slots.scatter(
                 staging.slots.slot_ids(blocks[:loaded], range(layers)), rows[: loaded * layers]
             )
@@ -186,6 +188,14 @@ class StoreKVConnector:
             staging.publish.reset()
         self.loaded_blocks += loaded
         return loaded
+
+    def reserve_publish(self, num_blocks: int, cache: PagedKVCache) -> None:
+        """Allocate now the staging rows of every layer of `num_blocks` blocks that the next
+        step publishes (engine thread, before its forward; a no-op without staging or when
+        the rows are there: `HostArena.reserve`)."""
+        staging = self._staging_for(cache)
+        if staging is not None:
+            staging.publish.reserve(num_blocks * self.format.num_layers)
 
     def probe(self, hashes: Sequence[BlockHash]) -> int:
         """How many of the first `hashes` the pool holds in full, every layer (one master round
@@ -268,6 +278,8 @@ class StoreKVConnector:
                 slot[layer_bytes : layer_bytes + len(trailer)] = trailer
             self._pending.append(self._writer.submit(self._put, list(zip(keys, slots, strict=True)), last))
             return
+        if not self._pending:  # NOTE: the step's first layer: the rows of the rest, in one allocation
+            staging.publish.reserve(len(blocks) * (self.format.num_layers - layer))
         # NOTE: after the forward stored this layer (a marker on its stream), on the side stream:
         # one gather and one copy into rows that stay the step's until `flush`
         rows = staging.publish.take(len(blocks))

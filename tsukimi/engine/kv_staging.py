@@ -19,6 +19,7 @@ buffer: no registration with the transfer engine is needed).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -27,33 +28,59 @@ from tsukimi.engine.kv_cache import PagedKVCache
 from tsukimi.engine.stream_order import Marker
 
 
+@runtime_checkable
+class StagedPublisher(Protocol):
+    """A KV connector that publishes through host staging rows (tsukimi/engine/kv_pool.py):
+    told the step's published blocks before the forward, it allocates their rows then."""
+
+    def reserve_publish(self, num_blocks: int, cache: PagedKVCache) -> None:
+        """Room for every layer of `num_blocks` blocks of `cache` in the publish rows."""
+        ...
+
+
 class HostArena:
-    """Host rows of `row_bytes` handed out until `reset()`; grows by whole new chunks (rows
-    handed out stay valid: a chunk lives while any of its views does). Not thread-safe."""
+    """Host rows of `row_bytes` handed out until `reset()`, allocated to the need, never by
+    doubling. `reserve` makes room for a known number of rows at once, before their copies (a
+    step's blocks x layers); `take` past the room grows by a chunk of exactly what it asks (rows
+    handed out stay valid: a chunk lives while any of its views does). Not thread-safe.
+
+    NOTE: on a GPU every chunk is a cudaHostAlloc through torch's host caching allocator (slow,
+    rounded up, never given back to the OS): doubling pinned ~2x the need in six allocations in
+    the middle of a 16k prefill's forward, where one exact one before it does.
+    """
 
     def __init__(self, row_bytes: int, device: torch.device) -> None:
         self.row_bytes, self.device = row_bytes, device
         self._chunks: list[torch.Tensor] = []
         self._used = 0  # rows used of the last chunk
+        self._round = 0  # rows handed out since the last reset
+
+    def reserve(self, num_rows: int) -> None:
+        """Room for `num_rows` more rows in one chunk, allocated now when the arena lacks it
+        (mutates; a no-op when it has it)."""
+        room = self._chunks[-1].shape[0] - self._used if self._chunks else 0
+        if room >= num_rows:
+            return
+        if self._round == 0:  # NOTE: nothing handed out since the reset: the old rows are free
+            self._chunks = []
+        self._chunks.append(pinned(num_rows * self.row_bytes, self.device).view(num_rows, self.row_bytes))
+        self._used = 0
 
     def take(self, num_rows: int) -> torch.Tensor:
         """`num_rows` fresh rows, uint8 [num_rows, row_bytes] (mutates)."""
-        last = self._chunks[-1] if self._chunks else None
-        if last is None or last.shape[0] - self._used < num_rows:
-            rows = max(num_rows, 2 * last.shape[0] if last is not None else num_rows)
-            last = pinned(rows * self.row_bytes, self.device).view(rows, self.row_bytes)
-            self._chunks.append(last)
-            self._used = 0
+        self.reserve(num_rows)
         self._used += num_rows
-        return last[self._used - num_rows : self._used]
+        self._round += num_rows
+        return self._chunks[-1][self._used - num_rows : self._used]
 
     def reset(self) -> None:
         """Every row handed out is free again (the caller waited for their copies; mutates).
-        Several chunks become one of their total size, so that the next round needs one."""
+        Several chunks become one as large as the round's rows (or the largest chunk), so that
+        the next round of that size needs none."""
         if len(self._chunks) > 1:
-            rows = sum(chunk.shape[0] for chunk in self._chunks)
+            rows = max(self._round, max(chunk.shape[0] for chunk in self._chunks))
             self._chunks = [pinned(rows * self.row_bytes, self.device).view(rows, self.row_bytes)]
-        self._used = 0
+        self._used = self._round = 0
 
 
 class SlotStaging:
@@ -74,8 +101,8 @@ class SlotStaging:
         Returns the marker after which `rows` hold them (wait on it before reading them)."""
         order = self.cache.order
         with order.side():
+            index = self._index(slot_ids)  # NOTE: before the wait: queued now, the host never blocks on layer l
             order.side_waits(after)
-            index = torch.tensor(slot_ids, dtype=torch.long, device=self.cache.device)
             rows.copy_(self._flat.index_select(0, index), non_blocking=True)
             return order.mark_side()
 
@@ -85,6 +112,16 @@ class SlotStaging:
         `rows` may be reused."""
         order = self.cache.order
         with order.side():
-            index = torch.tensor(slot_ids, dtype=torch.long, device=self.cache.device)
+            index = self._index(slot_ids)
             self._flat.index_copy_(0, index, rows.to(self.cache.device, non_blocking=True))
             return order.mark_side()
+
+    def _index(self, slot_ids: Sequence[int]) -> torch.Tensor:
+        """`slot_ids` as an int64 index on the cache's device, copied on the current stream.
+        On a GPU from pinned host memory without blocking: a pageable `torch.tensor(...,
+        device=cuda)` synchronizes the stream, which on the side stream means waiting for
+        every marker it was told to wait for (torch's host allocator keeps the pinned source
+        alive until the copy ran). On the CPU: the list as a tensor."""
+        on_gpu = self.cache.device.type == "cuda"
+        index = torch.tensor(slot_ids, dtype=torch.long, pin_memory=on_gpu)
+        return index.to(self.cache.device, non_blocking=on_gpu)

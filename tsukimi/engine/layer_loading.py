@@ -25,7 +25,8 @@ its whole prefix past the local cache instead of loading it again (so a block th
 refusing cannot loop). The batches of later layers skip the failed request's blocks.
 
 On a GPU the batch of layer l ends with its host-to-device copy and scatter queued on the
-cache's side stream; waiting for layer l is then the forward's stream waiting for that copy's
+cache's side stream, all of them after the forward queued before the step (a marker taken when
+its loads start); waiting for layer l is then the forward's stream waiting for that copy's
 event (`StreamOrder`), and the loading thread goes on to layer l + 1's reads meanwhile. The
 order above is the same code on both devices; on the CPU the copies are done when they return.
 
@@ -138,6 +139,9 @@ class LayerLoads:
         self._failed: set[EngineRequest] = set()
         num_layers = loader.cache.layout.num_layers
         self.layer_done_s: list[float | None] = [None] * num_layers
+        # NOTE: the previous step's forward, still queued on a GPU when it sampled nothing (no
+        # host sync), may read blocks freed since and handed to these loads: their copies wait for it
+        self._after_forward = loader.cache.order.mark_current()
         self._deadline = time.monotonic() + LOAD_TIMEOUT_S
         self._futures: list[Future[None]] = [loader.executor.submit(self._load, layer) for layer in range(num_layers)]
 
@@ -148,6 +152,8 @@ class LayerLoads:
             return frozenset(self._failed)
 
     def _load(self, layer: int) -> None:
+        if layer == 0:  # NOTE: the loader's first batch: every later side-stream copy follows it
+            self._loader.cache.order.side_waits(self._after_forward)
         with self._lock:
             live = [load for load in self._pending if load.request not in self._failed]
         hashes = [h for load in live for h in load.hashes]

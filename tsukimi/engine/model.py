@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.bias import causal_lower_right
 
 from tsukimi.config import DTYPE_NAMES, DTypeName
 from tsukimi.errors import ConfigError, InvalidArgument
@@ -113,7 +114,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
     Args:
         q: [T, num_heads, head_dim]; k, v: [S, num_kv_heads, head_dim] (grouped-query heads
             are shared: num_heads is a multiple of num_kv_heads).
-        mask: bool [T, S] (True: may attend), or None.
+        mask: bool [T, S] (True: may attend), a `CausalBias` (`end_aligned_causal`), or None.
         causal: query i sees keys 0..i (top-left aligned: only meaningful when S == T).
 
     Returns:
@@ -148,13 +149,19 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         raise InvalidArgument(f"{num_new} queries but only {num_keys} keys")
     mask = None
     if num_new > 1 and num_keys > num_new:  # causal, aligned to the end of the keys
-        mask = end_aligned_mask(num_keys - num_new, num_keys, q.device)
+        mask = end_aligned_causal(num_new, num_keys)
     return attention(q, k, v, mask, num_new > 1 and mask is None)
 
 
-def end_aligned_mask(start: int, end: int, device: torch.device) -> Tensor:
-    """The causal mask of queries at positions start..end-1 over keys 0..end-1: bool [end - start, end]."""
-    return torch.arange(end, device=device)[None, :] <= torch.arange(start, end, device=device)[:, None]
+def end_aligned_causal(num_queries: int, num_keys: int) -> Tensor:
+    """The causal mask of the last `num_queries` positions over `num_keys` keys: query i sees
+    keys 0..num_keys - num_queries + i (pure).
+
+    NOTE: torch's bottom-right `CausalBias`, not a materialized [T, S] bool tensor: SDPA runs it
+    on CUDA's flash kernel (any mask tensor rules flash out; mem-efficient then pads it), and on
+    the CPU it materializes the same bool mask, so the CPU's floats are unchanged.
+    """
+    return causal_lower_right(num_queries, num_keys)
 
 
 class DenseAttend:

@@ -19,6 +19,7 @@ import torch
 
 from tsukimi.engine.block_manager import KVConnector
 from tsukimi.engine.kv_cache import BatchAttention, PagedKVCache
+from tsukimi.engine.kv_staging import StagedPublisher
 from tsukimi.engine.layer_loading import LayerLoader, LayerLoads
 from tsukimi.engine.request import EngineRequest
 from tsukimi.engine.sampling import sample
@@ -86,6 +87,8 @@ class ModelRunner:
         published = [(entry.request, fill) for entry in batch.requests for fill in entry.published]
         if loads is None and (connector is None or not published):
             return None
+        if isinstance(connector, StagedPublisher) and published:  # NOTE: pinned rows allocated before the forward
+            connector.reserve_publish(len(published), self.cache)
 
         def on_layer(layer: int) -> None:
             failed = frozenset[EngineRequest]()
