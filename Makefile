@@ -112,6 +112,8 @@ gpu-wheels:
 
 system-deps:
 	@command -v etcd >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q etcd-server)
+	@# tests/device builds a stand-in CUDA driver (tests/device/fake_cuda) with the C compiler
+	@command -v cc >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q gcc libc6-dev)
 	@# the dashboard's browser test (tests/serving/test_dashboard_browser.py) drives Debian's chromium
 	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
 		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium chromium-driver)

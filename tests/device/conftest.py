@@ -1,23 +1,45 @@
-"""The device under test: each test using `device` runs on the emulated device and, with
-`pytest -m gpu` on a GPU, on CUDA; it gets (the backend, an allocator of fresh zeroed memory
-that stays alive until the test ends)."""
+"""The device under test. `device` runs a test on the emulated device and, with `pytest -m gpu`
+on a GPU, on CUDA; `any_device` adds CUDA's backend over a stand-in driver (fake_cuda/, built
+with the system's C compiler), so CI runs tsukimi/device/cuda.py's ctypes layer too. Each gives
+(the backend, an allocator of fresh zeroed memory that stays alive until the test ends)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import shutil
+import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from tsukimi.device import EMULATED, DeviceBackend, DeviceRange, EmulatedDevice, backend
+from tsukimi.device.cuda import CudaBackend
 from tsukimi.device.registry import device_range
 
 Alloc = Callable[[int], DeviceRange]
+FAKE_SOURCE = Path(__file__).parent / "fake_cuda" / "fake_cuda.c"
 
 
-@pytest.fixture(params=["emu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request: pytest.FixtureRequest) -> Iterator[tuple[DeviceBackend, Alloc]]:
+@pytest.fixture(scope="session")
+def fake_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stand-in libcuda, compiled once per session.
+
+    Raises (as a test error, not a skip): no C compiler (`make test` installs gcc)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler to build the stand-in CUDA driver: install gcc (make system-deps)")
+    library = tmp_path_factory.mktemp("fake_cuda") / "libfakecuda.so"
+    build = [cc, "-shared", "-fPIC", "-O1", "-o", str(library), str(FAKE_SOURCE), "-lpthread", "-lrt"]
+    subprocess.run(build, check=True, timeout=120)
+    return library
+
+
+@contextlib.contextmanager
+def _device(kind: str, request: pytest.FixtureRequest) -> Iterator[tuple[DeviceBackend, Alloc]]:
     keep: list[object] = []
-    if request.param == "emu":
+    if kind == "emu":
         emu = EmulatedDevice(0)
 
         def alloc(n: int) -> DeviceRange:
@@ -28,6 +50,23 @@ def device(request: pytest.FixtureRequest) -> Iterator[tuple[DeviceBackend, Allo
         yield EMULATED, alloc
         for memory in keep:
             memory.close()  # type: ignore[attr-defined]
+        return
+    if kind == "fake-cuda":
+        library = request.getfixturevalue("fake_driver")
+        driver = ctypes.CDLL(str(library))
+        driver.fakeMalloc.restype, driver.fakeMalloc.argtypes = ctypes.c_uint64, [ctypes.c_size_t]
+        driver.fakeFree.argtypes = [ctypes.c_uint64]
+        fake = CudaBackend(str(library))
+
+        def alloc_fake(n: int) -> DeviceRange:
+            address = int(driver.fakeMalloc(n))
+            assert address, "the stand-in driver is out of allocations"
+            keep.append(address)
+            return DeviceRange("cuda:0", address, n)
+
+        yield fake, alloc_fake
+        for address in keep:
+            driver.fakeFree(address)
         return
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
@@ -42,3 +81,15 @@ def device(request: pytest.FixtureRequest) -> Iterator[tuple[DeviceBackend, Allo
         return found
 
     yield backend("cuda"), alloc_cuda
+
+
+@pytest.fixture(params=["emu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> Iterator[tuple[DeviceBackend, Alloc]]:
+    with _device(request.param, request) as found:
+        yield found
+
+
+@pytest.fixture(params=["emu", "fake-cuda", pytest.param("cuda", marks=pytest.mark.gpu)])
+def any_device(request: pytest.FixtureRequest) -> Iterator[tuple[DeviceBackend, Alloc]]:
+    with _device(request.param, request) as found:
+        yield found

@@ -99,7 +99,8 @@ class CudaBackend:
 
     kind = "cuda"
 
-    def __init__(self) -> None:
+    def __init__(self, library: str = "libcuda.so.1") -> None:
+        self._library = library  # NOTE: tests load a stand-in driver (tests/device/fake_cuda)
         self._lock = threading.Lock()
         self._driver: _Driver | None = None
         self._count = -1  # devices seen by the driver; -1: not probed yet
@@ -119,7 +120,7 @@ class CudaBackend:
     def _probe(self) -> int:
         """Load libcuda and count devices (0 when there is no driver or no device)."""
         try:
-            lib = ctypes.CDLL("libcuda.so.1")
+            lib = ctypes.CDLL(self._library)
         except OSError:
             return 0
         try:
