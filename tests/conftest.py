@@ -14,7 +14,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -66,3 +69,20 @@ def master(request: pytest.FixtureRequest) -> Iterator[MasterServer]:
     fields = dict(marker.kwargs) if marker is not None else {}
     with MasterServer(MasterConfig(rpc_port=0, http_port=0, **fields)) as server:
         yield server
+
+
+FAKE_CUDA_SOURCE = Path(__file__).parent / "device" / "fake_cuda" / "fake_cuda.c"
+
+
+@pytest.fixture(scope="session")
+def fake_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stand-in libcuda, compiled once per session.
+
+    Raises (as a test error, not a skip): no C compiler (`make test` installs gcc)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler to build the stand-in CUDA driver: install gcc (make system-deps)")
+    library = tmp_path_factory.mktemp("fake_cuda") / "libfakecuda.so"
+    build = [cc, "-shared", "-fPIC", "-O1", "-o", str(library), str(FAKE_CUDA_SOURCE), "-lpthread", "-lrt"]
+    subprocess.run(build, check=True, timeout=120)
+    return library

@@ -1,16 +1,14 @@
 """The device under test. `device` runs a test on the emulated device and, with `pytest -m gpu`
-on a GPU, on CUDA; `any_device` adds CUDA's backend over a stand-in driver (fake_cuda/, built
-with the system's C compiler), so CI runs tsukimi/device/cuda.py's ctypes layer too. Each gives
-(the backend, an allocator of fresh zeroed memory that stays alive until the test ends)."""
+on a GPU, on CUDA; `any_device` adds CUDA's backend over a stand-in driver (tests/device/fake_cuda,
+built by the `fake_driver` fixture of tests/conftest.py), so CI runs tsukimi/device/cuda.py's
+ctypes layer too. Each gives (the backend, an allocator of fresh zeroed memory that stays alive
+until the test ends)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import shutil
-import subprocess
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
@@ -19,21 +17,6 @@ from tsukimi.device.cuda import CudaBackend
 from tsukimi.device.registry import device_range
 
 Alloc = Callable[[int], DeviceRange]
-FAKE_SOURCE = Path(__file__).parent / "fake_cuda" / "fake_cuda.c"
-
-
-@pytest.fixture(scope="session")
-def fake_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The stand-in libcuda, compiled once per session.
-
-    Raises (as a test error, not a skip): no C compiler (`make test` installs gcc)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler to build the stand-in CUDA driver: install gcc (make system-deps)")
-    library = tmp_path_factory.mktemp("fake_cuda") / "libfakecuda.so"
-    build = [cc, "-shared", "-fPIC", "-O1", "-o", str(library), str(FAKE_SOURCE), "-lpthread", "-lrt"]
-    subprocess.run(build, check=True, timeout=120)
-    return library
 
 
 @contextlib.contextmanager

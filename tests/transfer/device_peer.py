@@ -1,6 +1,7 @@
 """A Transfer Engine in another process owning device memory and a shared-memory buffer, for
-the two-process device tests (`python -m tests.transfer.device_peer KIND SIZE`; KIND "emu" or
-"cuda"). Prints {"name", "device_base", "host_base", "pid"}; then answers JSON commands:
+the two-process device tests (`python -m tests.transfer.device_peer KIND SIZE`; KIND "emu",
+"cuda", or "fake-cuda": the stand-in driver TSUKIMI_LIBCUDA names). Prints {"name",
+"device_base", "host_base", "pid"}; then answers JSON commands:
   {"cmd": "fill", "seed", "nbytes", "offset"}     random bytes into the device memory
   {"cmd": "digest", "where": "device"|"host", "offset", "nbytes"}   their sha256
   {"cmd": "stats"}                                 this process's emulated-device copy counters
@@ -21,10 +22,25 @@ from tsukimi.testing.processes import child_reply
 from tsukimi.transfer import TransferEngine
 
 
+def fake_malloc(size: int) -> int:
+    """`size` bytes of the stand-in driver's device memory (the library TSUKIMI_LIBCUDA names)."""
+    import ctypes
+    import os
+
+    driver = ctypes.CDLL(os.environ["TSUKIMI_LIBCUDA"])
+    driver.fakeMalloc.restype, driver.fakeMalloc.argtypes = ctypes.c_uint64, [ctypes.c_size_t]
+    address = int(driver.fakeMalloc(size))
+    assert address, "the stand-in driver is out of allocations"
+    return address
+
+
 def _allocate(kind: str, size: int) -> tuple[object, DeviceRange]:
     if kind == "emu":
         memory = EmulatedDevice(0).alloc(size)
         return memory, memory.range
+    if kind == "fake-cuda":  # NOTE: TSUKIMI_LIBCUDA names the stand-in driver (tests/device/fake_cuda)
+        address = fake_malloc(size)
+        return (address, size), DeviceRange("cuda:0", address, size)
     import torch
 
     tensor = torch.zeros(size, dtype=torch.uint8, device="cuda")

@@ -8,9 +8,13 @@ device memory mid-use, the owner is SIGKILLed. The same cases with CUDA tensors 
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,3 +172,14 @@ def test_cuda_tensors_move_between_two_processes(transport: str) -> None:
             assert torch.equal(host, data)
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_cuda_memory_moves_between_processes_over_a_stand_in_driver(transport: str, fake_driver: Path) -> None:
+    """tsukimi/device/cuda.py under the Transfer Engine, in CI: both processes load the stand-in
+    driver (TSUKIMI_LIBCUDA), register pointers it reports as device memory, and move them
+    GPU to GPU over CUDA IPC (auto: device_ipc) or pinned staging on both sides (tcp)."""
+    env = {**os.environ, "TSUKIMI_LIBCUDA": str(fake_driver), "PYTHONPATH": str(CHECKOUT)}
+    args = [sys.executable, "-m", "tests.transfer.fake_cuda_pair", transport]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-4000:]

@@ -9,6 +9,7 @@ whether a raw pointer (Mooncake's `register_memory(addr, len)`) is device memory
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Protocol, cast
 
@@ -19,7 +20,8 @@ from tsukimi.errors import ConfigError, DeviceError, InvalidBufferError
 
 logger = logging.getLogger(__name__)
 
-CUDA = CudaBackend()
+# NOTE: TSUKIMI_LIBCUDA names another driver library (tests run processes over a stand-in)
+CUDA = CudaBackend(os.environ.get("TSUKIMI_LIBCUDA") or "libcuda.so.1")
 _BACKENDS: dict[str, DeviceBackend] = {"cuda": CUDA, "emu": EMULATED}
 
 
