@@ -1,11 +1,11 @@
 """A Transfer Engine in one emulated host, for tests/lab (run inside a host by the lab).
 
-    python te_peer.py serve ADDR SIZE     a segment of SIZE bytes of shared memory holding
-                                          pattern(SIZE, 1); prints {"name", "base", "host_id"};
-                                          serves until stdin closes
-    python te_peer.py client ADDR NAME BASE SIZE
-                                          reads the peer's segment and writes it; prints one JSON
-                                          line per step, each after a line on stdin ("go")
+python te_peer.py serve ADDR SIZE     a segment of SIZE bytes of shared memory holding
+                                      pattern(SIZE, 1); prints {"name", "base", "host_id"};
+                                      serves until stdin closes
+python te_peer.py client ADDR NAME BASE SIZE
+                                      reads the peer's segment and writes it; prints one JSON
+                                      line per step, each after a line on stdin ("go")
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def test_units() -> None:
     assert parse_rate("1.5gbit") == 1_500_000_000
     assert parse_rate("800kbit") == 800_000
     assert parse_rate("unlimited") == 0
-    shape = LinkShape().with_settings({"delay": "1s", "jitter": "250us"}, "t")
+    shape = LinkShape().with_settings({"jitter": "250us", "delay": "1s"}, "t")  # NOTE: any order
     assert (shape.delay_ms, shape.jitter_ms) == (1000.0, 0.25)
 
 
@@ -77,7 +77,9 @@ def test_drop_program_layout() -> None:
     assert drop_program(0.0, ()) is None
     assert drop_program(100.0, ()) == "3,6 0 0 2,6 0 0 4294967295,6 0 0 2"
     # ldh [12]; jeq IPv4 else pass; ld [30]; jeq 10.0.0.2 -> drop; pass; drop
-    assert drop_program(0.0, ["10.0.0.2"]) == "6,40 0 0 12,21 0 2 2048,32 0 0 30,21 1 0 167772162,6 0 0 4294967295,6 0 0 2"
+    assert (
+        drop_program(0.0, ["10.0.0.2"]) == "6,40 0 0 12,21 0 2 2048,32 0 0 30,21 1 0 167772162,6 0 0 4294967295,6 0 0 2"
+    )
     loss = drop_program(50.0, ["10.0.0.2", "10.0.0.3"])
     assert loss is not None and loss.startswith("9,32 0 0 4294963256,37 6 0 2147483647,")
 
@@ -86,8 +88,10 @@ def test_root_commands() -> None:
     plain = root_commands("ns", "eth0", LinkShape(rate_bps=100_000_000))
     assert plain == [
         ["tc", "-n", "ns", "qdisc", "del", "dev", "eth0", "root"],
-        ["tc", "-n", "ns", "qdisc", "add", "dev", "eth0", "root", "handle", "1:"]
-        + ["tbf", "rate", "100000000bit", "burst", "98304", "latency", "50ms"],
+        [
+            *("tc", "-n", "ns", "qdisc", "add", "dev", "eth0", "root", "handle", "1:"),
+            *("tbf", "rate", "100000000bit", "burst", "98304", "latency", "50ms"),
+        ],
     ]
     assert root_commands("ns", "eth0", LinkShape(rate_bps=0))[1:] == []
     delayed = root_commands("ns", "eth0", LinkShape(delay_ms=50.0))

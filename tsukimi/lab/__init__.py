@@ -13,7 +13,8 @@ bench/ are: only they and the CLI import it (tsukimi/testing/layers.py). docs/la
 
 from __future__ import annotations
 
-from tsukimi.lab.lab import HOST_ID_ENV, Lab
+from tsukimi.lab.lab import Lab
 from tsukimi.lab.topology import HostSpec, LinkShape, Topology, load_topology, parse_topology
+from tsukimi.transfer.segment import HOST_ID_ENV
 
 __all__ = ["HOST_ID_ENV", "HostSpec", "Lab", "LinkShape", "Topology", "load_topology", "parse_topology"]

@@ -41,7 +41,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import IO
 
@@ -150,7 +150,9 @@ class Lab:
             netns.run_tool("ip", "-n", ns, "link", "set", "lo", "up")
             for k in range(host.num_nics):
                 port = f"h{i}n{k}"
-                netns.run_tool("ip", "-n", self.hub, "link", "add", port, "type", "veth", "peer", "eth" + str(k), "netns", ns)
+                netns.run_tool(
+                    "ip", "-n", self.hub, "link", "add", port, "type", "veth", "peer", "eth" + str(k), "netns", ns
+                )
                 netns.run_tool("ip", "-n", self.hub, "link", "set", port, "master", f"br{k}", "up")
                 netns.run_tool("ip", "-n", ns, "addr", "add", f"{self.address(host.name, k)}/24", "dev", f"eth{k}")
                 netns.run_tool("ip", "-n", ns, "link", "set", f"eth{k}", "up")
@@ -158,7 +160,10 @@ class Lab:
 
     def _ends(self, host: str, nic: int) -> list[tuple[str, str]]:
         """(namespace, device) of both ends of a link: the host's, then the hub's."""
-        return [(self.namespace(host), f"eth{nic}"), (self.hub, f"h{self.topology.hosts.index(self.topology.host(host))}n{nic}")]
+        return [
+            (self.namespace(host), f"eth{nic}"),
+            (self.hub, f"h{self.topology.hosts.index(self.topology.host(host))}n{nic}"),
+        ]
 
     def _apply(self, host: str, nic: int) -> None:
         """Set the link's shape and drop filters on both of its ends (idempotent)."""
@@ -311,10 +316,8 @@ class Lab:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGTERM)
         for proc in self._procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=_STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
             _kill_group(proc)
         self._procs.clear()
         netns.delete_namespaces([n for n in netns.lab_namespaces() if n.startswith(self.prefix)])
@@ -341,4 +344,3 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
-

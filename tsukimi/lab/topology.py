@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from tsukimi.errors import ConfigError
@@ -72,21 +72,24 @@ class LinkShape:
         unknown = sorted(set(settings) - set(SHAPE_KEYS))
         if unknown:
             raise ConfigError(f"{where}: unknown link keys {unknown}; valid: {', '.join(SHAPE_KEYS)}")
-        shape = self
+        rate_bps, delay_ms, jitter_ms, loss_pct = self.rate_bps, self.delay_ms, self.jitter_ms, self.loss_pct
         for key, value in settings.items():
             if not isinstance(value, str):
                 raise ConfigError(f"{where}: {key} must be a string such as {_EXAMPLES[key]!r}, got {value!r}")
             text = value.strip().lower()
             if key == "rate":
-                shape = replace(shape, rate_bps=parse_rate(text, where))
+                rate_bps = parse_rate(text, where)
             elif key == "loss":
-                shape = replace(shape, loss_pct=_number(_LOSS, text, where, key))
+                loss_pct = _number(_LOSS, text, where, key)
             else:
                 match = _TIME.match(text)
                 if match is None:
                     raise ConfigError(f"{where}: {key} must look like {_EXAMPLES[key]!r}, got {value!r}")
-                shape = replace(shape, **{f"{key}_ms": float(match[1]) * _TIME_UNITS_MS[match[2]]})
-        return shape
+                if key == "delay":
+                    delay_ms = float(match[1]) * _TIME_UNITS_MS[match[2]]
+                else:
+                    jitter_ms = float(match[1]) * _TIME_UNITS_MS[match[2]]
+        return LinkShape(rate_bps, delay_ms, jitter_ms, loss_pct)  # NOTE: checked once, all set
 
 
 _EXAMPLES = {"rate": "1gbit", "delay": "50ms", "jitter": "5ms", "loss": "1%"}
@@ -205,7 +208,7 @@ def _table(value: object, where: str) -> dict[str, object]:
 def _host(table: dict[str, object], default: LinkShape, where: str) -> HostSpec:
     name = table.get("name")
     if not isinstance(name, str):
-        raise ConfigError(f"{where}: every [[hosts]] needs name = \"...\"")
+        raise ConfigError(f'{where}: every [[hosts]] needs name = "..."')
     here = f"{where} host {name!r}"
     unknown = sorted(set(table) - set(HOST_KEYS))
     if unknown:
