@@ -120,7 +120,7 @@ TOOLED = {  # the real order: integrations below testing, the tooling above the 
     "bench/__init__.py": "from pkg.testing.kit import check\n\ndef run() -> None: ...\n",
     "bench/clock.py": "import time\n",
 }
-NEVER = "(the product never imports {}: only bench, cli, demo, testing may)"
+NEVER = "(the product never imports {}: only bench, cli, demo, lab, testing may)"
 
 
 def test_the_tooling_uses_the_product_and_cli_and_demo_dispatch_to_it(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from tsukimi.compat import commands as compat_commands
 from tsukimi.errors import TsukimiError
 from tsukimi.integrations.vllm import launch as vllm_launch
 from tsukimi.integrations.vllm import launch_args as vllm_launch_args
+from tsukimi.lab import commands as lab_commands
 from tsukimi.p2p import commands as p2p_commands
 from tsukimi.serving.cluster import up as cluster
 from tsukimi.serving.dashboard import top
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     vllm_launch.add_vllm_up_arguments(cluster.add_parser(sub))
     compat_commands.add_parser(sub)
     p2p_commands.add_parser(sub)
+    lab_commands.add_parser(sub)
     vllm_launch_args.add_vllm_arguments(router_commands.add_parser(sub))
     top.add_parser(sub)
     return parser
@@ -158,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             return compat_commands.run(args, console)
         elif args.command == "p2p":
             return p2p_commands.run(args, console)
+        elif args.command == "lab":
+            return lab_commands.run(args, console)
     except TsukimiError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")  # NOTE: not markup: "tsukimi[plots]" stays
         return 2

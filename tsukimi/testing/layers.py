@@ -13,11 +13,12 @@ from its own layer or any lower one, never from a higher one:
     4  engine, sim
     5  serving, compat
     6  integrations                         (vLLM and SGLang plug-ins)
-    7  testing                              (this kit)                  } tooling
-    8  bench                                                            }
-    9  cli, demo, __main__, __init__        (__init__: tsukimi/__init__.py itself)
+    7  lab                                  (emulated hosts: namespaces) }
+    8  testing                              (this kit)                   } tooling
+    9  bench                                                             }
+   10  cli, demo, __main__, __init__        (__init__: tsukimi/__init__.py itself)
 
-The product and its tooling are apart: no module outside testing/ and bench/ imports them,
+The product and its tooling are apart: no module outside lab/, testing/ and bench/ imports them,
 except the top-level `cli` and `demo`, which dispatch to them (TOOLING, DISPATCHERS). The layers
 already keep every lower layer off them; this rule says so for the top layer too (`__init__`,
 `__main__`), whatever the order of LAYERS becomes.
@@ -53,12 +54,13 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"engine", "sim"}),
     frozenset({"serving", "compat"}),
     frozenset({"integrations"}),
+    frozenset({"lab"}),
     frozenset({"testing"}),
     frozenset({"bench"}),
     frozenset({"cli", "demo", "__main__", "__init__"}),
 )
 RANK: dict[str, int] = {name: rank for rank, names in enumerate(LAYERS) for name in names}
-TOOLING = frozenset({"testing", "bench"})  # the test kit and the benchmarks: never imported by the product
+TOOLING = frozenset({"lab", "testing", "bench"})  # the lab, the test kit, the benchmarks: never imported by the product
 DISPATCHERS = frozenset({"cli", "demo"})  # the commands that run them (`tsukimi bench`, `tsukimi demo`)
 
 
@@ -261,12 +263,12 @@ def _layer_problems(graph: ImportGraph) -> list[Problem]:
 
 
 def _imports_tooling(edge: ImportEdge) -> bool:
-    """Whether `edge` is the product importing testing or bench."""
+    """Whether `edge` is the product importing lab, testing or bench."""
     return layer_of(edge.imported) in TOOLING and layer_of(edge.importer) not in TOOLING | DISPATCHERS
 
 
 def _tooling_problems(graph: ImportGraph) -> list[Problem]:
-    """Every import of testing or bench by a module of the product (see the module)."""
+    """Every import of lab, testing or bench by a module of the product (see the module)."""
     problems: list[Problem] = []
     seen: set[tuple[str, str]] = set()
     for edge in graph.edges:

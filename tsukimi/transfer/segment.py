@@ -133,8 +133,17 @@ def _valid_host(host: str) -> bool:
     return 0 < len(host) <= 253 and all(0 < len(label) <= 63 and label.isascii() for label in labels)
 
 
+HOST_ID_ENV = "TSUKIMI_HOST_ID"
+
+
 def host_id() -> str:
-    """Identity of this host (hostname + kernel boot id): equal ids can share memory."""
+    """Identity of this host (hostname + kernel boot id): equal ids can share memory. The
+    environment variable TSUKIMI_HOST_ID, when set and not empty, replaces it: the lab
+    (tsukimi/lab/lab.py) gives each emulated host its own, so that processes in two network
+    namespaces of one machine use tcp between them, never shm, CMA or device IPC."""
+    override = os.environ.get(HOST_ID_ENV, "")
+    if override:
+        return override
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
