@@ -11,10 +11,9 @@ from 127.0.0.1 to the lab address of the host that owns it.
 
 The rewriting: a port belongs to the process whose URL, `--port`, `*_port=` setting or etcd
 `--listen-*-urls` names it; "127.0.0.1:PORT" anywhere becomes its owner's address; a bind
-setting (`--host`, `master.host=`) becomes the process's own address. What remains on
-127.0.0.1 afterwards, and the settings the plan has no key for (a worker's store client binds
-its Transfer Engine to transfer.bind_host, 127.0.0.1, and `tsukimi worker` has no flag for
-it), are listed in `missing`.
+setting (`--host`, `master.host=`) becomes the process's own address (a worker's store client
+serves its Transfer Engine on the worker's `--host` too). What remains on 127.0.0.1 afterwards
+is listed in `missing`.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ LOOPBACK = "127.0.0.1"
 _OWN_PORT = re.compile(r"(?:_port=|--listen-[a-z]+-urls=\S*:)(\d+)$")
 _BIND_SET = re.compile(r'^(--set=)?(\w+)\.host="?127\.0\.0\.1"?$')
 _ADDRESS = re.compile(r"127\.0\.0\.1:(\d+)")
-_STORE_CLIENTS = ("worker", "prefill-stage")
 
 
 class Hosts(Protocol):
@@ -107,11 +105,6 @@ def _placed(
     argv = [move(a) for a in spec.argv]
     url = move(spec.url)
     missing += [f"{spec.name}: {w}" for w in (*args, *argv, url) if LOOPBACK in w]
-    if args and args[0] in _STORE_CLIENTS and "--master" in args:
-        missing.append(
-            f"{spec.name}: its store client's Transfer Engine binds transfer.bind_host={LOOPBACK} (the default) "
-            f"and `tsukimi {args[0]}` has no flag to set it: KV cannot move between hosts until one exists"
-        )
     command = lab.command(host, argv or [sys.executable, "-m", "tsukimi.cli", *args])
     env = (*spec.env, ("TSUKIMI_HOST_ID", lab.host_id(host)))
     return dataclasses.replace(spec, args=tuple(args), argv=tuple(command), url=url, env=env)

@@ -72,6 +72,7 @@ from tsukimi.transfer import TransferEngine
 from tsukimi.transfer.segment import RegisteredBuffer
 
 logger = logging.getLogger(__name__)
+WILDCARD_HOSTS = ("0.0.0.0", "::")  # NOTE: no address a peer could connect to
 
 # NOTE: names this process to the master: a holder restarted under the same TE segment name
 # mounts with a new incarnation, and the master drops the old one's replicas at once.
@@ -177,10 +178,18 @@ class StoreClient:
 
     @classmethod
     def connect(
-        cls, master: str = "tcp://127.0.0.1:50051", segment_bytes: int = 0, config: Config | None = None
+        cls,
+        master: str = "tcp://127.0.0.1:50051",
+        segment_bytes: int = 0,
+        config: Config | None = None,
+        transfer_host: str = "",
     ) -> StoreClient:
-        """A client of the master at `master`, contributing `segment_bytes` of shared memory."""
+        """A client of the master at `master`, contributing `segment_bytes` of shared memory;
+        its Transfer Engine serves peers on `transfer_host` ("" or a wildcard: the config's
+        `transfer.bind_host`), e.g. a worker's own address when workers sit on several hosts."""
         base = config or Config()
+        if transfer_host and transfer_host not in WILDCARD_HOSTS:
+            base = replace(base, transfer=replace(base.transfer, bind_host=transfer_host))
         return cls(replace(base, client=replace(base.client, master=master, segment_bytes=segment_bytes)))
 
     # -- writes ------------------------------------------------------------------------

@@ -76,7 +76,7 @@ class StageProcess:
             mc = self.loaded.config
             layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_tokens, mc.torch_dtype)
             if cfg.master:
-                self._store = StoreClient.connect(cfg.master, cfg.segment_bytes)
+                self._store = StoreClient.connect(cfg.master, cfg.segment_bytes, transfer_host=cfg.host)
                 self._connector = StoreKVConnector(self._store, KVFormat.of(mc.identity, layout))
             spec = split_layers(mc.num_layers, cfg.num_stages)[cfg.stage]
             self.stage = PipelineStage(self.loaded.model, spec, PagedKVCache(layout, cfg.num_blocks), self._connector)

@@ -161,7 +161,8 @@ class Worker:
             )  # NOTE: from kv_cache_memory unless num_blocks is set
             connector = None
             if cfg.role != "colocated":
-                self._store = StoreClient.connect(cfg.master, cfg.segment_bytes)
+                # NOTE: its TE serves on the worker's own address: peers on other hosts read its KV
+                self._store = StoreClient.connect(cfg.master, cfg.segment_bytes, transfer_host=cfg.host)
                 connector = self._connector = StoreKVConnector(self._store, KVFormat.of(mc.identity, layout))
             model = self._loaded.model
             updater = self._updater = WeightUpdater(model, connector, cfg.metadata_url)
