@@ -75,3 +75,32 @@ def test_a_master_and_a_metadata_server_on_two_hosts_checked_from_a_third(tmp_pa
             }
         finally:
             cluster.stop()
+
+
+@needs_namespaces
+@pytest.mark.timeout(180)
+def test_pd_serving_with_prefill_and_decode_on_different_hosts_gives_one_hosts_tokens(tmp_path: Path) -> None:
+    """The whole plan spread over five hosts (master + metadata, prefill, decode, router, a
+    client): the prompt's KV goes prefill host -> pool -> decode host over tcp, and the greedy
+    tokens are those of the model run in one process."""
+    import httpx
+
+    from tsukimi.engine.model import generate_greedy_reference
+    from tsukimi.engine.weights import random_tiny
+
+    prompt, new = list(range(5, 5 + 70)), 8  # 4 full blocks of 16 travel through the pool
+    expected = list(generate_greedy_reference(random_tiny(0).model, prompt, new))
+    with Lab(Topology.of("m", "p", "d", "r", "client")) as lab:
+        placed = place(lab, _plan(), PLACEMENT)
+        assert placed.missing == ()
+        cluster = launch(lab, placed, LaunchConfig(tmp_path, startup_timeout_s=120), control="client")
+        try:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True}
+            body["return_token_ids"] = True
+            with lab.entered("client"):
+                answer = httpx.post(cluster.api + "/v1/completions", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["token_ids"] == expected
+            assert lab.address("r") in cluster.api
+        finally:
+            cluster.stop()
