@@ -57,6 +57,20 @@ def test_every_address_moves_to_its_owners_host() -> None:
     assert placed.missing == ()  # a worker's store client serves on the worker's --host
 
 
+def test_a_holders_transfer_bind_host_moves_to_its_own_host() -> None:
+    """Regression: `transfer.bind_host` (a holder's segment server) was no bind setting to
+    `place`: it stayed on 127.0.0.1, where no other host reaches it."""
+    from tsukimi.testing.lab_store import store_plan
+
+    placed = place(FakeHosts(), store_plan(2), {"master": "m", "holder-0": "p", "holder-1": "d"})
+    specs = {s.name: s for g in placed.groups for s in g}
+    assert placed.missing == ()
+    assert '--set=master.host="10.0.0.1"' in specs["master"].args
+    assert '--set=transfer.bind_host="10.0.0.2"' in specs["holder-0"].args
+    assert '--set=transfer.bind_host="10.0.0.3"' in specs["holder-1"].args
+    assert specs["holder-1"].args[specs["holder-1"].args.index("--master") + 1] == "tcp://10.0.0.1:50051"
+
+
 def test_a_process_without_a_host_is_named() -> None:
     with pytest.raises(ConfigError, match=r"no host for router \(router\)"):
         place(FakeHosts(), _plan(), {k: v for k, v in PLACEMENT.items() if k != "router"})

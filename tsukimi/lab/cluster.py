@@ -11,9 +11,9 @@ from 127.0.0.1 to the lab address of the host that owns it.
 
 The rewriting: a port belongs to the process whose URL, `--port`, `*_port=` setting or etcd
 `--listen-*-urls` names it; "127.0.0.1:PORT" anywhere becomes its owner's address; a bind
-setting (`--host`, `master.host=`) becomes the process's own address (a worker's store client
-serves its Transfer Engine on the worker's `--host` too). What remains on 127.0.0.1 afterwards
-is listed in `missing`.
+setting (`--host`, `master.host=`, `transfer.bind_host=`) becomes the process's own address
+(a worker's store client serves its Transfer Engine on the worker's `--host` too). What
+remains on 127.0.0.1 afterwards is listed in `missing`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from tsukimi.serving.cluster.process_spec import ProcessSpec
 
 LOOPBACK = "127.0.0.1"
 _OWN_PORT = re.compile(r"(?:_port=|--listen-[a-z]+-urls=\S*:)(\d+)$")
-_BIND_SET = re.compile(r'^(--set=)?(\w+)\.host="?127\.0\.0\.1"?$')
+_BIND_SET = re.compile(r'^(--set=)?(\w+\.(?:bind_)?host)="?127\.0\.0\.1"?$')
 _ADDRESS = re.compile(r"127\.0\.0\.1:(\d+)")
 
 
@@ -96,7 +96,7 @@ def _placed(
     def move(word: str) -> str:
         word = _ADDRESS.sub(lambda m: f"{owner.get(m[1], LOOPBACK)}:{m[1]}", word)
         bind = _BIND_SET.match(word)
-        return f'{bind[1] or ""}{bind[2]}.host="{own}"' if bind else word
+        return f'{bind[1] or ""}{bind[2]}="{own}"' if bind else word
 
     args = [move(a) for a in spec.args]
     for i in range(len(args) - 1):

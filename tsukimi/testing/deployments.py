@@ -178,12 +178,13 @@ class Deployment:
     rpc_port: int = 0
     http_port: int = 0
     holder_names: list[str] = field(default_factory=list)  # each holder's Transfer Engine segment
+    transfer_host: str = ""  # where clients serve their segments ("": transfer.bind_host's default)
 
     def client(self, segment_bytes: int = 0, **client_cfg: object) -> StoreClient:
         """A new client of this store (mounting `segment_bytes`; `client_cfg`: more
         ClientConfig fields), closed when the deployment is."""
         cfg = ClientConfig(master=self.endpoint, segment_bytes=segment_bytes, heartbeat_interval_s=0.5, **client_cfg)  # type: ignore[arg-type]
-        client = StoreClient(replace(Config(), client=cfg))
+        client = StoreClient.connect(self.endpoint, segment_bytes, replace(Config(), client=cfg), self.transfer_host)
         self.clients.append(client)
         return client
 

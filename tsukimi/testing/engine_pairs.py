@@ -19,9 +19,10 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from tsukimi.config import Config, MetadataConfig, SecurityConfig, TransferConfig
-from tsukimi.transfer import RegisteredBuffer, TransferEngine
+from tsukimi.transfer import Notification, RegisteredBuffer, TransferEngine
 
 KIB, MIB = 1 << 10, 1 << 20
 TARGET_BYTES = 4 * MIB
@@ -49,7 +50,30 @@ class EnginePair:
     buf: RegisteredBuffer
 
 
-PairMaker = Callable[[], AbstractContextManager[EnginePair]]
+class PairTarget(Protocol):
+    """What the checks ask of a pair's target: a TransferEngine, or a stand-in for one that
+    runs in another process (tsukimi/testing/host_pairs.py)."""
+
+    def allocate(self, nbytes: int) -> RegisteredBuffer: ...
+    def unregister(self, base: int) -> None: ...
+    def notifications(self, max_count: int | None = None, timeout_s: float = 0.0) -> list[Notification]: ...
+
+
+class Pair(Protocol):
+    """What a transport check is given (EnginePair has it): `initiator` moves bytes to and
+    from `buf` ("target"'s buffer; its `view` shows the owner's memory) of `target`."""
+
+    @property
+    def case(self) -> str: ...
+    @property
+    def target(self) -> PairTarget: ...
+    @property
+    def initiator(self) -> TransferEngine: ...
+    @property
+    def buf(self) -> RegisteredBuffer: ...
+
+
+PairMaker = Callable[[], AbstractContextManager[Pair]]
 """What a transport check is given: each call makes a fresh pair, closed on leaving the `with`."""
 
 

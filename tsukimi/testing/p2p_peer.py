@@ -1,6 +1,7 @@
 """A P2P store in a child process, driven over JSON lines (`JsonWorker`), for fault tests.
 
     python -m tsukimi.testing.p2p_peer METADATA_URL [--transport tcp] [--shard-bytes N] [--ttl S]
+                                       [--bind-host ADDRESS]   (its segment server's; default 127.0.0.1)
 
 Replies `{"ok": true, "segment": NAME}` when ready, then serves one command per line:
 
@@ -42,7 +43,7 @@ def digest(data: bytes | bytearray | memoryview) -> str:
 
 def _config(args: argparse.Namespace) -> Config:
     return Config(
-        transfer=TransferConfig(transport=args.transport),
+        transfer=TransferConfig(transport=args.transport, bind_host=args.bind_host),
         metadata=MetadataConfig(url=args.metadata),
         p2p=P2PConfig(max_shard_bytes=args.shard_bytes, holder_ttl_s=args.ttl, max_inflight=args.inflight),
     )
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--shard-bytes", type=int, default=1 << 20)
     parser.add_argument("--ttl", type=float, default=2.0)
     parser.add_argument("--inflight", type=int, default=2)
+    parser.add_argument("--bind-host", default="127.0.0.1", help="where its segment server listens")
     args = parser.parse_args()
     with P2PStore(_config(args)) as store:
         child_reply({"segment": store.engine.name})

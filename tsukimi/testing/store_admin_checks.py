@@ -3,8 +3,8 @@ suite: store_checks.py runs them after its own): copy and move tasks carried out
 holders, range reads, multi-part puts, values read into the caller's buffers, clearing one
 holder's replicas, removing by pattern, describing keys.
 
-Same contract as store_checks: a DeploymentMaker with deployments.MASTER's timeouts and two
-holders; each check removes what it stored.
+Same contract as store_checks: a DeploymentMaker with deployments.MASTER's timeouts and at
+least two holders (the checks use the first two); each check removes what it stored.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def copy_and_move_tasks_run_on_the_holders(make_deployment: DeploymentMaker) -> 
     the target holder; the bytes read back exactly from the new replica alone."""
     data = np.random.default_rng(7).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
     with make_deployment() as dep, _client(dep) as client:
-        first, second = dep.holder_names
+        first, second = dep.holder_names[:2]
         client.put("copied", data, preferred=[first])
         info = client.wait_task(client.copy("copied", [second]), TASK_TIMEOUT_S)
         assert (info.kind, info.status, info.message) == ("copy", "succeeded", ""), info
@@ -83,8 +83,8 @@ def clearing_one_holder_and_removing_by_pattern(make_deployment: DeploymentMaker
     """Clearing one holder's replica keeps the object on the other; clearing the last one
     removes it; a pattern removes exactly the keys it matches."""
     with make_deployment() as dep, _client(dep) as client:
-        first, second = dep.holder_names
-        client.put("twice", b"x" * 1000, replicas=2)
+        first, second = dep.holder_names[:2]
+        client.put("twice", b"x" * 1000, replicas=2, preferred=[first, second])
         assert client.clear_replicas(["twice", "nope"], first) == ["twice"]
         holders = _holders(client, "twice")
         assert holders == [second], f"after clearing {first}: {holders} (holders {dep.holder_names})"

@@ -11,7 +11,8 @@ deployment in order. STORE_CHECKS lists them; `check_store(make_deployment)` run
         check_store(lend(dep))
 
 The deployment's master must have the timeouts of deployments.MASTER (leases of 1 s, puts
-reclaimed after 1 s) and two holders of HOLDER_BYTES each.
+reclaimed after 1 s) and two holders of HOLDER_BYTES each (or more: the store spread over a
+lab's hosts has three, tsukimi/testing/lab_store.py).
 """
 
 from __future__ import annotations

@@ -26,11 +26,11 @@ import numpy.typing as npt
 
 from tsukimi.errors import OutOfBounds, SegmentNotFound
 from tsukimi.testing.assertions import raises, run_checks
-from tsukimi.testing.engine_pairs import KIB, MIB, TARGET_BYTES, EnginePair, PairMaker
+from tsukimi.testing.engine_pairs import KIB, MIB, TARGET_BYTES, Pair, PairMaker
 from tsukimi.transfer import Notification, OpCode, RequestState, TransferRequest, first_error
 
 
-def _remote(pair: EnginePair) -> npt.NDArray[np.uint8]:
+def _remote(pair: Pair) -> npt.NDArray[np.uint8]:
     return np.frombuffer(pair.buf.view, np.uint8)
 
 
