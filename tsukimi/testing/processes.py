@@ -87,6 +87,7 @@ class JsonWorker:
         startup_timeout_s: how long to wait for the child's first (ready) reply.
         env: extra environment variables.
         pythonpath: entries put first on the child's PYTHONPATH (e.g. a checkout).
+        launcher: a command the child runs under (e.g. `ip netns exec NS`, an emulated host).
     """
 
     def __init__(
@@ -96,6 +97,7 @@ class JsonWorker:
         startup_timeout_s: float = 30.0,
         env: dict[str, str] | None = None,
         pythonpath: Sequence[str | Path] = (),
+        launcher: Sequence[str] = (),
     ) -> None:
         self.label = label
         self._clock = WallClock()
@@ -104,7 +106,7 @@ class JsonWorker:
         entries = [*map(str, pythonpath), full_env.get("PYTHONPATH", "")]
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in entries if p)
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", *module_args],
+            [*launcher, sys.executable, "-m", *module_args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
