@@ -4,7 +4,9 @@ command, configuration, revision and host, and carries the bench's figures in th
 shape and its verdicts, `quiet_machine` among them. Speed is never asserted.
 
 Smallest configurations: transfer and store `--quick` on fewer cells; p2p an 8 MiB checkpoint
-in 1 MiB shards to N = 1, 2 (far below `--quick`'s 256 MiB); scheduler the sample trace with 200
+in 1 MiB shards to N = 1, 2 (far below `--quick`'s 256 MiB); p2p `--lab --quick` (3 receivers
+on emulated hosts, 8 MiB, 100 Mbit/s links; skipped, saying why, where namespaces are refused:
+CI has them); scheduler the sample trace with 200
 decisions; cpp a 300-token prompt, one repeat; layerwise a 64-token prefix; serve `--quick` (chat
 4 x 2) without the no-reuse run; overload `--quick`; kv-burst 4 prompts of 200 tokens; vllm one
 system `--quick` and vllm-pd `--quick` (skipped, saying why, without .venv-vllm and its model);
@@ -25,10 +27,23 @@ import pytest
 from tsukimi.bench.commands import add_parser
 from tsukimi.bench.report import QUIET_MACHINE, BenchReport
 from tsukimi.bench.runners import overload_config, serve_config
+from tsukimi.errors import ConfigError
+from tsukimi.lab.netns import require_namespaces
 from tsukimi.testing.vllm_server import missing_reason
 
 MIB = 1 << 20
 VLLM_MISSING = missing_reason("tiny")
+
+
+def _namespaces_refused() -> str:
+    try:
+        require_namespaces()
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+NAMESPACES_REFUSED = _namespaces_refused()
 
 
 @dataclass(frozen=True)
@@ -98,6 +113,35 @@ def _p2p(report: BenchReport) -> None:
             assert row["origin_bytes"] >= ckpt
         assert row["transport"] == "tcp"
     assert _verdicts(report) == {"origin_x_checkpoint_tcp", "seconds_x_naive_tcp", "gbps_x_gloo_tcp", QUIET_MACHINE}
+
+
+def _p2p_lab(report: BenchReport) -> None:
+    figures, ckpt = report.figures, 8 * MIB
+    assert report.configuration["link_rate"] == "100mbit" and report.configuration["receivers"] == 3
+    hosts = figures["topology"]["hosts"]  # type: ignore[index]
+    assert [h["name"] for h in hosts] == ["meta", "origin", "r1", "r2", "r3"]
+    assert len({h["address"] for h in hosts}) == 5
+    runs = figures["runs"]
+    assert isinstance(runs, list)
+    assert [(r["system"], r["receivers"]) for r in runs] == [("one_link", 1), ("tsukimi", 3), ("naive", 3), ("gloo", 3)]
+    for row in runs:
+        assert row["checkpoint_bytes"] == ckpt and row["seconds"] > 0 and row["verified"] is True, row
+        assert row["transport"] == "tcp" and set(row["link_bytes"]) == {h["name"] for h in hosts}
+        assert row["origin_link_bytes"] >= row["origin_bytes"] > 0  # NOTE: the wire adds headers
+        assert 0 < row["origin_link_busy"] <= 1.2 and 0 < row["receiver_link_busy"] <= 1.2, row
+    tsukimi = runs[1]
+    assert tsukimi["origin_bytes"] + tsukimi["replica_bytes"] == 3 * ckpt and tsukimi["origin_bytes"] >= ckpt
+    assert {"mean_read_s", "mean_announce_s", "mean_idle_s"} <= set(tsukimi)
+    assert runs[2]["origin_bytes"] == 3 * ckpt
+    assert _verdicts(report) == {
+        "seconds_x_naive",
+        "seconds_x_one_link",
+        "origin_x_checkpoint",
+        "seconds_x_gloo",
+        "cpu_busy_tsukimi",
+        "naive_origin_link_busy",
+        QUIET_MACHINE,
+    }
 
 
 def _scheduler(report: BenchReport) -> None:
@@ -211,6 +255,7 @@ def _verdicts(report: BenchReport) -> set[str]:
 
 
 _VLLM = pytest.mark.skipif(bool(VLLM_MISSING), reason=f"no vLLM here: {VLLM_MISSING}")
+_LAB = pytest.mark.skipif(bool(NAMESPACES_REFUSED), reason=f"this machine refuses namespaces: {NAMESPACES_REFUSED}")
 
 
 def _case(name: str, case: Case, *marks: pytest.MarkDecorator) -> object:
@@ -231,6 +276,7 @@ CASES = [
             _p2p,
         ),
     ),
+    _case("p2p-lab", Case(("p2p", "--lab", "--quick", "--timeout", "60"), _p2p_lab, 90), _LAB),
     _case(
         "scheduler",
         Case(
@@ -282,7 +328,8 @@ def test_every_bench_prints_the_one_report(case: Case) -> None:
     code, out, err = _bench(case)
     assert code == 0, out[-2000:] + err[-3000:]
     report = BenchReport.from_json(out)
-    command = "bench " + " ".join(case.args[:1] + (("--workload", "overload") if "overload" in case.args else ()))
+    flags = ("--workload", "overload") if "overload" in case.args else ("--lab",) if "--lab" in case.args else ()
+    command = "bench " + " ".join(case.args[:1] + flags)
     assert report.command == command
     assert report.configuration and report.revision and report.host.cpus >= 1 and report.host.device
     assert len(report.host.load_avg_start) == len(report.host.load_avg_end) == 3

@@ -98,14 +98,26 @@ def _add_io_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def _add_p2p_bench_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`tsukimi bench p2p` (mutates `bench`)."""
     pp = bench.add_parser("p2p", help="one origin to N receivers: P2P store vs origin-only reads vs gloo broadcast")
-    pp.add_argument("--receivers", type=parse_ints, default=(1, 2, 4, 8), help="receiver counts, e.g. 1,2,4,8")
-    pp.add_argument("--size", type=parse_sizes, default=(512 * KIB * KIB,), help="checkpoint bytes, e.g. 512MiB")
-    pp.add_argument("--shard", type=parse_sizes, default=(64 * KIB * KIB,), help="shard bytes, e.g. 64MiB")
+    pp.add_argument(
+        "--receivers", type=parse_ints, default=None, help="receiver counts, e.g. 1,2,4,8 (--lab: one count, default 8)"
+    )
+    pp.add_argument(
+        "--size", type=parse_sizes, default=None, help="checkpoint bytes, e.g. 512MiB (default; --lab: 256MiB)"
+    )
+    pp.add_argument("--shard", type=parse_sizes, default=None, help="shard bytes, e.g. 64MiB (default; --lab: 8MiB)")
+    pp.add_argument(
+        "--lab",
+        action="store_true",
+        help="across emulated hosts (root): the origin, each receiver and the metadata server on hosts of their own",
+    )
+    pp.add_argument("--link-rate", default="1gbit", help="--lab: every host's link, each way (tbf), e.g. 1gbit")
     pp.add_argument("--transport", type=parse_names, default=("tcp",), help="tcp (as gloo), auto (cma here), or both")
     pp.add_argument("--systems", type=parse_names, default=("tsukimi", "naive", "gloo"), help="tsukimi,naive,gloo")
     pp.add_argument("--timeout", type=float, default=300.0, help="seconds any one step may take")
     pp.add_argument("--repeats", type=int, default=3, help="rounds per cell; figures are the median round's")
-    pp.add_argument("--quick", action="store_true", help="N = 1, 4 with a 256 MiB checkpoint")
+    pp.add_argument(
+        "--quick", action="store_true", help="N = 1, 4 with a 256 MiB checkpoint (--lab: N = 3, 8 MiB, 100mbit links)"
+    )
     _add_output(pp)
 
 

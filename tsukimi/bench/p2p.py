@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from tsukimi.bench.child import module_args
 from tsukimi.bench.p2p_report import Row, goals
@@ -49,7 +50,43 @@ TRANSPORTS = ("tcp", "auto")
 _PROCESS_OVERHEAD_BYTES = 200 * MIB
 _TORCH_OVERHEAD_BYTES = 450 * MIB
 _MEMORY_HEADROOM = 0.85
-Spec = tuple[str, list[str], dict[str, str]]  # a worker's label, role and arguments, extra environment
+_LOOPBACK_GLOO_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+
+
+@dataclass(frozen=True, slots=True)
+class Where:
+    """Where one worker runs: under `launcher` (the lab bench: `ip netns exec NS`, an emulated
+    host), with `env` added to ours and `args` merged into its JSON arguments."""
+
+    launcher: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    args: Mapping[str, object] = field(default_factory=dict)
+
+
+Placement = Callable[[str, int], Where]  # (role "origin" | "receiver" | "gloo", index) -> where it runs
+Spec = tuple[str, list[str], Where]  # a worker's label, role and arguments, where it runs
+
+
+def on_this_host(role: str, index: int) -> Where:
+    """Every worker a plain child of this process, on loopback (`tsukimi bench p2p`)."""
+    return Where(env=_LOOPBACK_GLOO_ENV if role == "gloo" else {})
+
+
+class RoundProbe(Protocol):
+    """Watches the timed part of a round (the lab bench: link counters, CPU): `start` just
+    before the workers get "go", `stop` once every one replied; its figures join the row."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> dict[str, object]: ...
+
+
+class _NoProbe:
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> dict[str, object]:
+        return {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +154,10 @@ def _start(stack: ExitStack, specs: list[Spec], timeout_s: float) -> list[JsonWo
     closes. Raises WorkerError."""
     with ThreadPoolExecutor(len(specs)) as pool:
         futures = [
-            pool.submit(JsonWorker, label, module_args("p2p-worker", *args), timeout_s, env)
-            for label, args, env in specs
+            pool.submit(
+                JsonWorker, label, module_args("p2p-worker", *args), timeout_s, dict(where.env), launcher=where.launcher
+            )
+            for label, args, where in specs
         ]
     workers: list[JsonWorker] = []
     errors: list[BaseException] = []
@@ -145,9 +184,31 @@ def _row(system: str, transport: str, n: int, cfg: P2PBenchConfig, pulls: list[R
     }
 
 
-def _te_round(cfg: P2PBenchConfig, cell: tuple[str, str, int, int], origin: JsonWorker, url: str) -> Row:
+def _timed(workers: list[JsonWorker], cfg: P2PBenchConfig, probe: RoundProbe, **cmd: object) -> tuple[list[Reply], Row]:
+    """Send every worker `cmd` (its "go") and gather the replies, `probe` watching."""
+    probe.start()
+    replies = gather(workers, cfg.timeout_s, **cmd)
+    return replies, probe.stop()
+
+
+def _spec(label: str, role: str, args: Mapping[str, object], where: Where) -> Spec:
+    return label, [role, json.dumps({**args, **where.args})], where
+
+
+def te_round(
+    cfg: P2PBenchConfig,
+    cell: tuple[str, str, int, int],
+    origin: JsonWorker,
+    url: str,
+    place: Placement = on_this_host,
+    probe: RoundProbe | None = None,
+) -> Row:
     """N receivers pull the origin's checkpoint (naive: its buffer; tsukimi: a payload);
-    `cell` is (system, transport, N, round)."""
+    `cell` is (system, transport, N, round); receiver i runs at `place("receiver", i)`.
+
+    Raises:
+        WorkerError: a worker failed, exited or hung.
+    """
     system, transport, n, rep = cell
     args = {
         "system": system,
@@ -162,10 +223,10 @@ def _te_round(cfg: P2PBenchConfig, cell: tuple[str, str, int, int], origin: Json
     if system == "tsukimi":
         origin.call(cfg.timeout_s, cmd="publish", payload=payload)
     with ExitStack() as stack:
-        specs: list[Spec] = [(f"{system} receiver {i}", ["receiver", json.dumps(args)], {}) for i in range(n)]
+        specs = [_spec(f"{system} receiver {i}", "receiver", args, place("receiver", i)) for i in range(n)]
         receivers = _start(stack, specs, cfg.timeout_s)
         target = {"origin": origin.ready["name"], "base": origin.ready["base"], "payload": payload}
-        pulls = gather(receivers, cfg.timeout_s, cmd="go", **target)
+        pulls, watched = _timed(receivers, cfg, probe or _NoProbe(), cmd="go", **target)
         checks = gather(receivers, cfg.timeout_s, cmd="verify", crcs=origin.ready["crcs"])
         if system == "tsukimi":
             gather(receivers, cfg.timeout_s, cmd="close")
@@ -177,32 +238,76 @@ def _te_round(cfg: P2PBenchConfig, cell: tuple[str, str, int, int], origin: Json
         "origin_bytes": sum(int(p["origin_bytes"]) for p in pulls),
         "replica_bytes": sum(int(p["replica_bytes"]) for p in pulls),
         "verified": all(c["verified"] for c in checks),
+        **_cpu(pulls),
+        **_spent(pulls),
+        **watched,
     }
 
 
-def _gloo_round(cfg: P2PBenchConfig, n: int) -> Row:
-    """N+1 fresh processes; rank 0 broadcasts the checkpoint, shard by shard."""
+def _spent(pulls: list[Reply]) -> Row:
+    """tsukimi's fetch threads' seconds (P2PStats), averaged over the receivers; none for naive."""
+    keys = [k for k in ("read_s", "announce_s", "idle_s") if all(k in p for p in pulls)]
+    return {f"mean_{k}": round(sum(float(p[k]) for p in pulls) / len(pulls), 3) for k in keys}
+
+
+def _cpu(pulls: list[Reply]) -> Row:
+    """The busiest worker's CPU time during the pull, and that as a fraction of one core."""
+    seconds = max(float(p["done"]) for p in pulls) - min(float(p["start"]) for p in pulls)
+    busiest = max(float(p.get("cpu_s", 0.0)) for p in pulls)
+    return {"max_cpu_s": round(busiest, 4), "max_cpu_x_core": round(busiest / seconds, 3) if seconds > 0 else None}
+
+
+def gloo_round(
+    cfg: P2PBenchConfig,
+    n: int,
+    place: Placement = on_this_host,
+    rendezvous: str = "127.0.0.1",
+    probe: RoundProbe | None = None,
+) -> Row:
+    """N+1 fresh processes (rank r at `place("gloo", r)`, rank 0 listening on `rendezvous`);
+    rank 0 broadcasts the checkpoint, shard by shard.
+
+    Raises:
+        WorkerError: a rank failed, exited or hung.
+    """
     args = {
         "checkpoint_bytes": cfg.checkpoint_bytes,
         "shard_bytes": cfg.shard_bytes,
         "seed": cfg.seed,
         "timeout_s": cfg.timeout_s,
         "world_size": n + 1,
-        "init_method": f"tcp://127.0.0.1:{free_port()}",
+        "init_method": f"tcp://{rendezvous}:{free_port()}",
     }
-    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     with ExitStack() as stack:
-        specs = [(f"gloo rank {r}", ["gloo", json.dumps({**args, "rank": r})], env) for r in range(n + 1)]
+        specs = [_spec(f"gloo rank {r}", "gloo", {**args, "rank": r}, place("gloo", r)) for r in range(n + 1)]
         ranks = _start(stack, specs, cfg.timeout_s)
         gather(ranks, cfg.timeout_s, cmd="init")
-        pulls = gather(ranks, cfg.timeout_s, cmd="go")
+        pulls, watched = _timed(ranks, cfg, probe or _NoProbe(), cmd="go")
         checks = gather(ranks[1:], cfg.timeout_s, cmd="verify", crcs=ranks[0].ready["crcs"])
     return {
         **_row("gloo", "tcp", n, cfg, pulls),
         "origin_bytes": int(pulls[0]["written_bytes"]),
         "replica_bytes": sum(int(p["written_bytes"]) for p in pulls[1:]),
         "verified": all(c["verified"] for c in checks),
+        **_cpu(pulls),
+        **watched,
     }
+
+
+def start_origin(stack: ExitStack, cfg: P2PBenchConfig, url: str, where: Where | None = None) -> JsonWorker:
+    """The origin worker (stopped when `stack` closes), at `where` (default: here).
+
+    Raises:
+        WorkerError: it failed to start.
+    """
+    args = {
+        "transport": "auto",
+        "metadata_url": url,
+        "seed": cfg.seed,
+        "checkpoint_bytes": cfg.checkpoint_bytes,
+        "shard_bytes": cfg.shard_bytes,
+    }
+    return _start(stack, [_spec("origin", "origin", args, where or on_this_host("origin", 0))], cfg.timeout_s)[0]
 
 
 def _cells(cfg: P2PBenchConfig) -> list[tuple[str, str]]:
@@ -210,7 +315,7 @@ def _cells(cfg: P2PBenchConfig) -> list[tuple[str, str]]:
     return [(system, t) for system in cfg.systems for t in (("tcp",) if system == "gloo" else cfg.transports)]
 
 
-def _median(rows: list[Row]) -> Row:
+def median(rows: list[Row]) -> Row:
     """The round of median completion time (its figures kept together), with every round's."""
     ordered = sorted(rows, key=lambda r: float(str(r["seconds"])))
     return {**ordered[rank_index(len(ordered), 0.5)], "round_seconds": [r["seconds"] for r in rows]}
@@ -232,29 +337,22 @@ def run(cfg: P2PBenchConfig, progress: Callable[[str], None] = lambda _: None) -
             origin = None
             if cfg.te_systems:
                 progress("starting the origin")
-                origin_args = {
-                    "transport": "auto",
-                    "metadata_url": server.url,
-                    "seed": cfg.seed,
-                    "checkpoint_bytes": cfg.checkpoint_bytes,
-                    "shard_bytes": cfg.shard_bytes,
-                }
-                origin = _start(stack, [("origin", ["origin", json.dumps(origin_args)], {})], cfg.timeout_s)[0]
+                origin = start_origin(stack, cfg, server.url)
             for n in cfg.receivers:
                 for rep in range(cfg.repeats):
                     for system, transport in _cells(cfg):
                         progress(f"{n} receivers, round {rep + 1}/{cfg.repeats}: {system} ({transport})")
                         if system == "gloo":
-                            row = _gloo_round(cfg, n)
+                            row = gloo_round(cfg, n)
                         else:
                             assert origin is not None
-                            row = _te_round(cfg, (system, transport, n, rep), origin, server.url)
+                            row = te_round(cfg, (system, transport, n, rep), origin, server.url)
                         rounds.setdefault((n, system, transport), []).append(row)
     except WorkerError as exc:
         raise PeerError(str(exc)) from exc
     finally:
         server.stop()
-    return {"runs": [_median(rows) for rows in rounds.values()]}
+    return {"runs": [median(rows) for rows in rounds.values()]}
 
 
 def run_report(cfg: P2PBenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchReport:

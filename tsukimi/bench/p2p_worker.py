@@ -7,12 +7,16 @@ Roles (`python -m tsukimi.bench.child p2p-worker ROLE ARGS_JSON`, tsukimi/bench/
   receiver  a Transfer Engine and a zeroed (faulted-in) buffer of the checkpoint's size;
             "go": pull the checkpoint (system "naive": READs of the origin's buffer, shard by
             shard, `inflight` shards at a time; "tsukimi": `P2PStore.get_replica`), reply
-            {"start", "done", "origin_bytes", "replica_bytes", "transport"}; "verify": compare
+            {"start", "done", "cpu_s", "origin_bytes", "replica_bytes", "transport"}, and tsukimi's
+            `P2PStats` thread-seconds {"read_s", "announce_s", "idle_s"}; "verify": compare
             each shard's crc32c with the origin's.
   gloo      one rank of a `torch.distributed` gloo group (rank 0 holds the checkpoint);
             "init" joins the group; "go": barrier, then one `broadcast` per shard from rank 0;
             rank 0 also reports the bytes its process wrote (`/proc/self/io` wchar).
-Times are `time.monotonic()` (CLOCK_MONOTONIC: one clock for every process of the host).
+Times are `time.monotonic()` (CLOCK_MONOTONIC: one clock for every process of the machine,
+emulated hosts included); "cpu_s" is the process's CPU time (all threads) during the pull.
+Argument "bind_host" (default 127.0.0.1): where the Transfer Engine serves (the lab bench: the
+emulated host's address).
 """
 
 from __future__ import annotations
@@ -74,9 +78,8 @@ def _commands() -> Iterator[dict[str, Any]]:
 
 
 def _config(args: dict[str, Any]) -> Config:
-    return Config(
-        transfer=TransferConfig(transport=args["transport"]), metadata=MetadataConfig(url=args["metadata_url"])
-    )
+    transfer = TransferConfig(transport=args["transport"], bind_host=args.get("bind_host", "127.0.0.1"))
+    return Config(transfer=transfer, metadata=MetadataConfig(url=args["metadata_url"]))
 
 
 def _engine(config: Config, role: str) -> TransferEngine:
@@ -134,7 +137,8 @@ def run_receiver(args: dict[str, Any]) -> None:
                     store = None
                 child_reply({})
                 continue
-            start = time.monotonic()
+            start, cpu = time.monotonic(), time.process_time()
+            spent: dict[str, float] = {}
             if store is None:
                 transport = pull_naive(engine, cmd, local, args)
                 done, from_origin, from_replicas = time.monotonic(), len(local), 0
@@ -142,9 +146,11 @@ def run_receiver(args: dict[str, Any]) -> None:
                 store.get_replica(cmd["payload"], [local])
                 done, stats = time.monotonic(), store.stats
                 from_origin, from_replicas = stats.bytes_from_gold, stats.bytes_from_replicas
+                spent = {"read_s": stats.read_s, "announce_s": stats.announce_s, "idle_s": stats.idle_s}
                 transport = engine.transport_for(cmd["origin"], cmd["base"])
-            reply = {"origin_bytes": from_origin, "replica_bytes": from_replicas, "transport": transport}
-            child_reply({"start": start, "done": done, **reply})
+            cpu_s = time.process_time() - cpu
+            reply = {"origin_bytes": from_origin, "replica_bytes": from_replicas, "transport": transport, **spent}
+            child_reply({"start": start, "done": done, "cpu_s": cpu_s, **reply})
         if store is not None:
             store.close()
 
@@ -179,11 +185,11 @@ def run_gloo(args: dict[str, Any]) -> None:
             child_reply({})
         elif cmd["cmd"] == "go":
             dist.barrier()
-            start, written = time.monotonic(), _written_bytes()
+            start, cpu, written = time.monotonic(), time.process_time(), _written_bytes()
             for off, n in shard_ranges(len(tensor), shard_bytes):
                 dist.broadcast(tensor[off : off + n], src=0)
-            done = time.monotonic()
-            child_reply({"start": start, "done": done, "written_bytes": _written_bytes() - written})
+            done, cpu_s = time.monotonic(), time.process_time() - cpu
+            child_reply({"start": start, "done": done, "cpu_s": cpu_s, "written_bytes": _written_bytes() - written})
         elif cmd["cmd"] == "verify":
             child_reply(verify_reply(tensor.numpy(), shard_bytes, cmd["crcs"]))
     if dist.is_initialized():

@@ -91,10 +91,12 @@ def _bench_store(args: argparse.Namespace, console: Console) -> tuple[BenchRepor
 def _bench_p2p(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
     from tsukimi.bench import p2p, p2p_report
 
+    if args.lab:
+        return _bench_p2p_lab(args, console)
     cfg = p2p.P2PBenchConfig(
-        receivers=(1, 4) if args.quick else args.receivers,
-        checkpoint_bytes=256 * KIB * KIB if args.quick else args.size[0],
-        shard_bytes=args.shard[0],
+        receivers=(1, 4) if args.quick else args.receivers or (1, 2, 4, 8),
+        checkpoint_bytes=256 * KIB * KIB if args.quick else (args.size or (512 * KIB * KIB,))[0],
+        shard_bytes=(args.shard or (64 * KIB * KIB,))[0],
         transports=args.transport,
         systems=args.systems,
         timeout_s=args.timeout,
@@ -102,6 +104,28 @@ def _bench_p2p(args: argparse.Namespace, console: Console) -> tuple[BenchReport,
     )
     with console.status("benchmarking the p2p store") as status:
         return p2p.run_report(cfg, progress=lambda text: status.update(text)), p2p_report.VIEWS
+
+
+def _bench_p2p_lab(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
+    from tsukimi.bench import p2p_lab, p2p_lab_report
+
+    if args.transport != ("tcp",):
+        raise ConfigError("--lab runs transport tcp only (the hosts' identities differ: auto would pick it too)")
+    receivers = args.receivers or (3 if args.quick else 8,)
+    if len(receivers) != 1:
+        raise ConfigError(f"--lab takes one receiver count (one host each), got {','.join(map(str, receivers))}")
+    default_size = 8 if args.quick else 256
+    cfg = p2p_lab.P2PLabConfig(
+        receivers=receivers[0],
+        link_rate="100mbit" if args.quick else args.link_rate,
+        checkpoint_bytes=(args.size or (default_size * KIB * KIB,))[0],
+        shard_bytes=(args.shard or ((1 if args.quick else 8) * KIB * KIB,))[0],
+        systems=args.systems,
+        timeout_s=args.timeout,
+        repeats=1 if args.quick else args.repeats,
+    )
+    with console.status("benchmarking the p2p store across emulated hosts") as status:
+        return p2p_lab.run_report(cfg, progress=lambda text: status.update(text)), p2p_lab_report.VIEWS
 
 
 def _bench_serve(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:

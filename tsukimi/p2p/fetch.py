@@ -3,14 +3,19 @@
 `ShardFetch.run` starts `max_inflight` threads. Each takes the next shard and READs it with
 the Transfer Engine straight into the caller's buffers:
 
-- next shard: one that some other reader already holds (picked at random among those), so
-  the origin is left for shards nobody has yet. Those origin-only shards are dealt out among
-  the readers fetching the payload (each sees the others' holder keys): a reader pulls its
-  own share from the origin and waits for the replicas of the rest (the BitTorrent-like
-  fan-out: the origin serves each shard about once). A reader that has waited STALL_S with
-  nothing new appearing pulls from the origin anyway (an owner that died or stalled);
-- source: a random live holder of that shard (another reader first, the origin's gold copy
-  as the fallback), never one that already failed this shard;
+- next shard: one that some other reader already holds (picked at random among those,
+  preferring one a holder this reader reads nothing from right now has, so that its reads in
+  flight come from different holders' links), so the origin is left for shards nobody has
+  yet. Those origin-only shards are dealt out among the readers fetching the payload (each
+  sees the others' holder keys): a reader pulls its own share from the origin and waits for
+  the replicas of the rest (the BitTorrent-like fan-out: the origin serves each shard about
+  once). The readers share `max_inflight` origin pulls between them (each at least one at a
+  time): a reader pulling all its share at once would finish every shard at the end, leaving
+  the others nothing to relay until then. A reader that has waited STALL_S with nothing new
+  appearing pulls from the origin anyway (an owner that died or stalled);
+- source: a live holder of that shard that this reader reads least from right now (at random
+  among those; another reader first, the origin's gold copy as the fallback), never one that
+  already failed this shard;
 - every shard's crc32c is checked (`verify`); a mismatch counts as that holder failing;
 - a failed attempt tries another holder, up to max(3, holders) attempts per shard;
 - each verified shard is announced (`announce(index)`) so later readers pull from here.
@@ -26,7 +31,8 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tsukimi.config import P2PConfig
@@ -55,16 +61,22 @@ STALL_S = 2.0  # waiting this long for a replica that does not come: pull from t
 
 @dataclass(slots=True)
 class P2PStats:
-    """Counters of one P2P store (thread-safe through `add`)."""
+    """Counters of one P2P store (thread-safe through `add`). Where a fetch's time goes, in
+    thread-seconds summed over its fetch threads: `read_s` reading shards (and checking their
+    crc32c), `announce_s` adding verified shards to the record, `idle_s` waiting for a shard
+    to become fetchable (owned by another reader and not relayed yet)."""
 
     bytes_fetched: int = 0
     bytes_from_gold: int = 0
     bytes_from_replicas: int = 0
     retries: int = 0
     crc_failures: int = 0
+    read_s: float = 0.0
+    announce_s: float = 0.0
+    idle_s: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, **counts: int) -> None:
+    def add(self, **counts: float) -> None:
         with self._lock:
             for name, value in counts.items():
                 setattr(self, name, getattr(self, name) + value)
@@ -112,6 +124,7 @@ class ShardFetch:
         record, _ = view.current()
         self._remaining = set(range(len(record.shards)))
         self._gold_inflight = 0
+        self._reading: Counter[str] = Counter()  # holder segment -> this fetch's reads from it in flight
         self._progress_at = time.monotonic()
         self._cond = threading.Condition()
         self._error: BaseException | None = None
@@ -153,13 +166,16 @@ class ShardFetch:
                 shared = [i for i in self._remaining if any(self._usable(r, live) for r in record.shards[i].replicas)]
                 if shared:
                     self._progress_at = time.monotonic()
-                    return self._take(random.choice(shared), False)
-                mine = self._owned(sorted(self._remaining), live)
-                if mine and self._gold_inflight < self._config.max_inflight:
+                    spread = [i for i in shared if any(self._idle(r, live) for r in record.shards[i].replicas)]
+                    return self._take(random.choice(spread or shared), False)
+                mine, fetchers = self._owned(sorted(self._remaining), live)
+                if mine and self._gold_inflight < max(1, self._config.max_inflight // fetchers):
                     return self._take(random.choice(mine), True)
                 if self._gold_inflight == 0 and time.monotonic() - self._progress_at > STALL_S:
                     return self._take(random.choice(sorted(self._remaining)), True)
+                waited = time.monotonic()
                 self._cond.wait(WAIT_S)
+                self._stats.add(idle_s=time.monotonic() - waited)
             return None
 
     def _take(self, index: int, from_gold: bool) -> tuple[int, bool]:
@@ -167,17 +183,21 @@ class ShardFetch:
         self._gold_inflight += from_gold
         return index, from_gold
 
-    def _owned(self, gold_only: list[int], live: dict[str, HolderRecord]) -> list[int]:
-        """The origin-only shards this reader should pull: the readers fetching this payload
-        (by segment name, as every one of them sees it) deal them out round-robin, so each
-        such shard leaves the origin about once; the others wait for its replica."""
+    def _owned(self, gold_only: list[int], live: dict[str, HolderRecord]) -> tuple[list[int], int]:
+        """The origin-only shards this reader should pull, and how many readers fetch this
+        payload: they (by segment name, as every one of them sees it) deal those shards out
+        round-robin, so each leaves the origin about once; the others wait for its replica."""
         name = self._view.name
         fetchers = sorted({self._self, *(seg for seg, h in live.items() if name in h.fetching)})
         rank, count = fetchers.index(self._self), len(fetchers)
-        return [i for i in gold_only if i % count == rank]
+        return [i for i in gold_only if i % count == rank], count
 
     def _usable(self, location: Location, live: dict[str, HolderRecord]) -> bool:
         return location.segment != self._self and location.segment in live
+
+    def _idle(self, location: Location, live: dict[str, HolderRecord]) -> bool:
+        """A holder this fetch reads nothing from right now (call holding `_cond`)."""
+        return self._usable(location, live) and not self._reading[location.segment]
 
     def _fetch(self, index: int) -> None:
         """Pull shard `index` from its holders until one copy verifies. Raises TooManyRetries."""
@@ -191,19 +211,30 @@ class ShardFetch:
             limit = max(3, len(holders) + 1)
             if len(reasons) >= limit:
                 raise TooManyRetries(f"P2P shard {index} of {record.name!r} failed {len(reasons)} times", reasons)
-            source = self._choose(shard.gold, holders, tried)
+            with self._cond:
+                source = self._choose(shard.gold, holders, tried, self._reading)
+                if source is not None:
+                    self._reading[source.segment] += 1
             if source is None:  # every holder failed once: go round again after a pause
                 tried.clear()
                 time.sleep(0.1)
                 continue
             local = map_range(self._local, shard.offset, shard.size)
-            error = self._read(source, local, shard.crc32c)
+            began = time.monotonic()
+            try:
+                error = self._read(source, local, shard.crc32c)
+            finally:
+                with self._cond:
+                    self._reading[source.segment] -= 1
+            read = time.monotonic()
+            self._stats.add(read_s=read - began)
             if error is None:
                 gold = source is shard.gold
                 self._stats.add(
                     bytes_fetched=shard.size, **{"bytes_from_gold" if gold else "bytes_from_replicas": shard.size}
                 )
                 self._announce(index)
+                self._stats.add(announce_s=time.monotonic() - read)
                 return
             tried.add(source.segment)
             reasons.append(f"{source.segment}: {error}")
@@ -218,10 +249,15 @@ class ShardFetch:
             fresh = True
 
     @staticmethod
-    def _choose(gold: Location, holders: list[Location], tried: set[str]) -> Location | None:
+    def _choose(
+        gold: Location, holders: list[Location], tried: set[str], reading: Mapping[str, int]
+    ) -> Location | None:
+        """A holder not tried yet for this shard: among the other readers, one this fetch
+        reads least from right now (at random among those), else the origin's gold copy."""
         fresh = [h for h in holders if h.segment not in tried]
         if fresh:
-            return random.choice(fresh)
+            least = min(reading.get(h.segment, 0) for h in fresh)
+            return random.choice([h for h in fresh if reading.get(h.segment, 0) == least])
         return gold if gold.segment not in tried else None
 
     def _read(self, source: Location, local: tuple[Extent, ...], expected_crc: int) -> TsukimiError | None:
