@@ -11,12 +11,14 @@ master drops a holder silent for client_ttl_s = 2 s). Figures measured here are 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from tsukimi.errors import TsukimiError
 from tsukimi.lab import HOST_ID_ENV, Lab, Topology
 from tsukimi.testing.lab_store import SpreadStore, start_spread_store
 from tsukimi.testing.processes import wait_until
@@ -29,6 +31,7 @@ HOLDERS = ("h1", "h2", "h3")
 CLIENT = "c"
 DROP_BOUND_S = 6.0  # NOTE: client_ttl_s (2 s) + the master's tick + one missed heartbeat, with slack
 REMOUNT_BOUND_S = 15.0
+FLAP_VALUE_BYTES, MAX_FLAP_PUTS = 12_000, 200  # NOTE: 2 replicas each: 40 % of the pool, so nothing is evicted
 OP_BOUND_S = 15.0  # NOTE: any one put or get, flapping or not: an answer or an error by then
 
 
@@ -106,4 +109,64 @@ def test_a_holder_cut_off_from_the_master_only_is_dropped_and_comes_back(lab: La
             )
         finally:
             lab.heal()
+            client.remove_all(force=True)
+
+
+def test_a_flapping_holder_link_loses_no_acknowledged_put(lab: Lab, store: SpreadStore) -> None:
+    """h1's NIC down and up every 0.5 s for 4 s while puts (2 replicas) and gets run: each
+    ends with success or a TsukimiError within OP_BOUND_S, a get during the flapping returns
+    only an acknowledged value, and afterwards every acknowledged put reads back byte-exact."""
+    dep = store.deployment
+    stop = threading.Event()
+
+    def flap() -> None:
+        while not stop.is_set():
+            lab.link_down("h1")
+            stop.wait(0.5)
+            lab.link_up("h1")
+            stop.wait(0.5)
+
+    acked: dict[str, bytes] = {}
+    errors: list[str] = []
+    slowest_s = 0.0
+    flapper = threading.Thread(target=flap, daemon=True)
+    with lab.entered(CLIENT):
+        client = dep.client()
+        try:
+            flapper.start()
+            deadline = time.monotonic() + 4.0
+            i = 0
+            while time.monotonic() < deadline and i < MAX_FLAP_PUTS:
+                key, value = f"f{i}", os.urandom(FLAP_VALUE_BYTES)
+                for op in ("put", "get"):
+                    start = time.monotonic()
+                    try:
+                        if op == "put":
+                            client.put(key, value, replicas=2)
+                            acked[key] = value
+                        else:
+                            got = client.get(f"f{i // 2}")
+                            assert got is None or bytes(got) == acked.get(f"f{i // 2}"), (
+                                "a get read bytes never acknowledged"
+                            )
+                    except TsukimiError as exc:
+                        errors.append(f"{op} {key}: {type(exc).__name__}")
+                    slowest_s = max(slowest_s, time.monotonic() - start)
+                    assert time.monotonic() - start < OP_BOUND_S, f"{op} {key} took too long"
+                i += 1
+                time.sleep(0.02)  # NOTE: spreads the stream over the whole flapping
+        finally:
+            stop.set()
+            flapper.join(timeout=5)
+            lab.link_up("h1")
+        try:
+            wait_until(lambda: len(dep.segments()) == 3, timeout_s=REMOUNT_BOUND_S)
+            assert acked, errors
+            lost = sorted(key for key, value in acked.items() if client.get(key) != bytearray(value))
+            assert not lost, f"acknowledged puts lost: {lost} of {sorted(acked)}; errors {errors}"
+            print(
+                f"\nflapping: {i} rounds, {len(acked)} puts acknowledged, {len(errors)} errors {errors[:5]},"
+                f" slowest op {slowest_s:.2f} s"
+            )
+        finally:
             client.remove_all(force=True)
