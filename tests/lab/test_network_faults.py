@@ -14,19 +14,26 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from tsukimi.errors import TsukimiError
-from tsukimi.lab import HOST_ID_ENV, Lab, Topology
+from tsukimi.lab import HOST_ID_ENV, HostSpec, Lab, LinkShape, Topology
+from tsukimi.testing.engine_pairs import MIB, initiator_config
+from tsukimi.testing.host_pairs import RemoteTarget
+from tsukimi.testing.lab_services import start_metadata_server, worker_in
 from tsukimi.testing.lab_store import SpreadStore, start_spread_store
 from tsukimi.testing.processes import wait_until
+from tsukimi.transfer import TransferEngine
 
 from .conftest import needs_namespaces
 
 pytestmark = [needs_namespaces, pytest.mark.timeout(180)]
 
+CHECKOUT = Path(__file__).resolve().parents[2]  # NOTE: first on the peer's path: it runs the code under test
 HOLDERS = ("h1", "h2", "h3")
 CLIENT = "c"
 DROP_BOUND_S = 6.0  # NOTE: client_ttl_s (2 s) + the master's tick + one missed heartbeat, with slack
@@ -170,3 +177,58 @@ def test_a_flapping_holder_link_loses_no_acknowledged_put(lab: Lab, store: Sprea
             )
         finally:
             client.remove_all(force=True)
+
+
+TRANSFER_TIMEOUT_S = 5.0
+
+
+def test_a_nic_taken_down_mid_transfer_striped_over_two(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tcp striped over two NICs (200 Mbit/s each), b's second NIC taken down 0.3 s into a
+    64 MiB write. What tsukimi does today: the slices on the dead NIC's connections stall
+    silently (no reset on a cut cable) until the request's deadline, so the batch fails with a
+    clear TransferError after `timeout_s` (or completes, if it had finished); the next
+    transfer moves to the surviving NIC (its reconnect to the dead one fails within
+    connect_timeout_s, which marks that path suspect) and is byte-exact."""
+    nics = (LinkShape(rate_bps=200_000_000),) * 2
+    topology = Topology((HostSpec("a", nics), HostSpec("b", nics), HostSpec("meta", (LinkShape(),))))
+    size = 64 * MIB
+    data = np.random.default_rng(24).integers(0, 256, size, dtype=np.uint8)
+    monkeypatch.delenv("TSUKIMI_CLUSTER_SECRET", raising=False)
+    with Lab(topology) as lab:
+        monkeypatch.setenv(HOST_ID_ENV, lab.host_id("a"))
+        metadata_url = start_metadata_server(lab, "meta")
+        peer = worker_in(lab, "b", "target", ["tsukimi.testing.target_peer", metadata_url], pythonpath=[CHECKOUT])
+        target = RemoteTarget(peer)
+        try:
+            opened, buf = target.open(",".join(lab.addresses("b")), size)
+            config = initiator_config(
+                "tcp-4",
+                metadata_url,
+                bind_host=",".join(lab.addresses("a")),
+                slice_bytes=MIB,
+                timeout_s=TRANSFER_TIMEOUT_S,
+            )
+            cut = threading.Timer(0.3, lab.link_down, ("b", 1))
+            with lab.entered("a"), TransferEngine("striper", config) as engine:
+                segment = engine.open_segment(str(opened["name"]))
+                start = time.monotonic()
+                cut.start()
+                outcome = "completed"
+                try:
+                    engine.write(segment, buf.base, data)
+                except TsukimiError as exc:
+                    outcome = f"{type(exc).__name__}: {str(exc)[:120]}"
+                first_s = time.monotonic() - start
+                cut.join()
+                assert first_s < TRANSFER_TIMEOUT_S + 3.0, "the cut batch hung past its deadline"
+                start = time.monotonic()
+                engine.write(segment, buf.base, data)
+                second_s = time.monotonic() - start
+                assert np.array_equal(np.frombuffer(buf.view, np.uint8), data), "the owner's memory differs"
+            print(
+                f"\nNIC down mid-transfer: first batch {outcome} after {first_s:.2f} s;"
+                f" next on one NIC {second_s:.2f} s"
+            )
+        finally:
+            target.close()
+            peer.stop()
