@@ -155,7 +155,7 @@ def _start(stack: ExitStack, specs: list[Spec], timeout_s: float) -> list[JsonWo
     with ThreadPoolExecutor(len(specs)) as pool:
         futures = [
             pool.submit(
-                JsonWorker, label, module_args("p2p-worker", *args), timeout_s, dict(where.env), launcher=where.launcher
+                JsonWorker, label, module_args("p2p-worker", *args), timeout_s, dict(where.env), wrapper=where.launcher
             )
             for label, args, where in specs
         ]
