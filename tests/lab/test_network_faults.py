@@ -187,15 +187,17 @@ def test_a_flapping_holder_link_loses_no_acknowledged_put(lab: Lab, store: Sprea
 
 
 TRANSFER_TIMEOUT_S = 5.0
+RECOVERY_BOUND_S = 2 * (TRANSFER_TIMEOUT_S + 3.0)  # NOTE: two more transfers, each deadline + a connect timeout
 
 
 def test_a_nic_taken_down_mid_transfer_striped_over_two(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """tcp striped over two NICs (200 Mbit/s each), b's second NIC taken down 0.3 s into a
     64 MiB write. What tsukimi does today: the slices on the dead NIC's connections stall
     silently (no reset on a cut cable) until the request's deadline, so the batch fails with a
-    clear TransferError after `timeout_s` (or completes, if it had finished); the next
-    transfer moves to the surviving NIC (its reconnect to the dead one fails within
-    connect_timeout_s, which marks that path suspect) and is byte-exact."""
+    clear TransferError after `timeout_s` (or completes, if it had finished); a later transfer
+    moves to the surviving NIC and is byte-exact within RECOVERY_BOUND_S (the one right after
+    may still try the dead NIC: its reconnect fails after connect_timeout_s, which marks that
+    path suspect, and may take the request's deadline with it - seen in CI)."""
     nics = (LinkShape(rate_bps=200_000_000),) * 2
     topology = Topology((HostSpec("a", nics), HostSpec("b", nics), HostSpec("meta", (LinkShape(),))))
     size = 64 * MIB
@@ -228,13 +230,21 @@ def test_a_nic_taken_down_mid_transfer_striped_over_two(tmp_path: Path, monkeypa
                 first_s = time.monotonic() - start
                 cut.join()
                 assert first_s < TRANSFER_TIMEOUT_S + 3.0, "the cut batch hung past its deadline"
-                start = time.monotonic()
-                engine.write(segment, buf.base, data)
+                start, attempts = time.monotonic(), 0
+                while True:
+                    attempts += 1
+                    try:
+                        engine.write(segment, buf.base, data)
+                        break
+                    except TsukimiError:
+                        if time.monotonic() - start > RECOVERY_BOUND_S:
+                            raise
                 second_s = time.monotonic() - start
+                assert second_s < RECOVERY_BOUND_S + TRANSFER_TIMEOUT_S, "no transfer recovered on the other NIC"
                 assert np.array_equal(np.frombuffer(buf.view, np.uint8), data), "the owner's memory differs"
             print(
                 f"\nNIC down mid-transfer: first batch {outcome} after {first_s:.2f} s;"
-                f" next on one NIC {second_s:.2f} s"
+                f" recovered on one NIC after {attempts} transfer(s), {second_s:.2f} s"
             )
         finally:
             target.close()
