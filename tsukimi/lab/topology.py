@@ -58,8 +58,9 @@ class LinkShape:
             raise ConfigError(f"a link's jitter ({self.jitter_ms} ms) exceeds its delay ({self.delay_ms} ms)")
 
     @property
-    def needs_netem(self) -> bool:
-        """Whether this shape delays packets (which only the kernel's netem qdisc can do)."""
+    def delayed(self) -> bool:
+        """Whether this shape delays packets (a delay line carries such a link: the kernels the
+        lab runs on have no netem; tsukimi/lab/delay_line.py)."""
         return self.delay_ms > 0 or self.jitter_ms > 0
 
     def with_settings(self, settings: Mapping[str, object], where: str) -> LinkShape:
