@@ -94,5 +94,12 @@ def test_root_commands() -> None:
         ],
     ]
     assert root_commands("ns", "eth0", LinkShape(rate_bps=0))[1:] == []
-    delayed = root_commands("ns", "eth0", LinkShape(delay_ms=50.0))
-    assert "netem" in delayed[1] and "tbf" in delayed[2]
+    # NOTE: delay is a delay line's (tsukimi/lab/delay_line.py), never tc's: the same tbf as without
+    assert root_commands("ns", "eth0", LinkShape(delay_ms=50.0, jitter_ms=5.0)) == plain[:1] + [
+        [*plain[1][:-7], "tbf", "rate", "1000000000bit", "burst", "500000", "latency", "50ms"]
+    ]
+
+
+def test_which_shapes_need_a_delay_line() -> None:
+    assert not LinkShape().delayed and not LinkShape(rate_bps=0, loss_pct=5.0).delayed
+    assert LinkShape(delay_ms=0.1).delayed and LinkShape(delay_ms=5.0, jitter_ms=5.0).delayed
