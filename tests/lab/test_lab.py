@@ -72,7 +72,11 @@ def test_two_hosts_talk_and_the_root_namespace_sees_none_of_it() -> None:
         root = run_tool("ip", "-o", "addr", "show") + run_tool("ip", "-o", "link", "show")
         assert lab.address("a") not in root and lab.address("b") not in root
         assert "h0n0" not in root and "br0" not in root.split()
-        assert set(lab_namespaces()) >= {lab.hub, lab.namespace("a"), lab.namespace("b")}  # NOTE: a set: other labs may run
+        assert set(lab_namespaces()) >= {
+            lab.hub,
+            lab.namespace("a"),
+            lab.namespace("b"),
+        }  # NOTE: a set: other labs may run
 
 
 def test_a_shaped_link_carries_close_to_its_rate() -> None:
