@@ -16,6 +16,11 @@ nothing behind, also when the runner is SIGKILLed.
         with lab.entered("a"): httpx.get(...)    this thread's sockets inside host "a"
         lab.set_link("a", 0, rate="100mbit"); lab.link_down("b", 1); lab.partition("a", "b"); lab.heal()
 
+A link with delay or jitter is a delay line instead of a veth pair (tsukimi/lab/delay_line.py):
+two TAPs named as the veth ends would be (eth0 in the host, hNnK on the bridge) and a forwarder
+process in the hub that holds each frame for the delay; rate, loss and partitions are the same
+tc on either kind. `set_link(delay=...)` retimes a delay line, or rebuilds a veth link as one.
+
 Each lab's subnets (10.64.0.0/11, one /24 per NIC index) are derived from its id (runner pid,
 serial), so two labs' logs never show the same addresses; being in separate namespaces, two
 labs could not reach each other anyway, and no lab has a route out of its namespaces.
