@@ -102,3 +102,11 @@ def test_root_commands() -> None:
 def test_which_shapes_need_a_delay_line() -> None:
     assert not LinkShape().delayed and not LinkShape(rate_bps=0, loss_pct=5.0).delayed
     assert LinkShape(delay_ms=0.1).delayed and LinkShape(delay_ms=5.0, jitter_ms=5.0).delayed
+
+
+def test_a_shape_in_one_line() -> None:
+    assert LinkShape().summary == "1000 Mbit/s"
+    assert LinkShape(rate_bps=0, delay_ms=25.0, jitter_ms=2.5, loss_pct=1.0).summary == (
+        "unshaped, 25 ms +- 2.5 ms delay, 1 % loss"
+    )
+    assert LinkShape(delay_ms=50.0).summary == "1000 Mbit/s, 50 ms delay"

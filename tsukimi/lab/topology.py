@@ -63,6 +63,16 @@ class LinkShape:
         lab runs on have no netem; tsukimi/lab/delay_line.py)."""
         return self.delay_ms > 0 or self.jitter_ms > 0
 
+    @property
+    def summary(self) -> str:
+        """One line for people: "100 Mbit/s, 25 ms +- 5 ms delay, 1 % loss" (pure)."""
+        parts = [f"{self.rate_bps / 1e6:g} Mbit/s" if self.rate_bps else "unshaped"]
+        if self.delayed:
+            parts.append(f"{self.delay_ms:g} ms" + (f" +- {self.jitter_ms:g} ms" if self.jitter_ms else "") + " delay")
+        if self.loss_pct:
+            parts.append(f"{self.loss_pct:g} % loss")
+        return ", ".join(parts)
+
     def with_settings(self, settings: Mapping[str, object], where: str) -> LinkShape:
         """This shape with some of `rate`, `delay`, `jitter`, `loss` given as strings
         ("100mbit", "50ms", "1%"; pure).
