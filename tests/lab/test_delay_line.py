@@ -14,7 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from tsukimi.errors import ConfigError
 from tsukimi.lab import HostSpec, Lab, LinkShape, Topology
+from tsukimi.lab.delay_handle import DelayLine, Timing
 from tsukimi.lab.netns import lab_namespaces, run_tool
 from tsukimi.testing.processes import wait_until
 
@@ -204,3 +208,14 @@ def test_no_forwarder_outlives_a_runner_killed_mid_lab() -> None:
     runner.kill()
     runner.wait()
     wait_until(lambda: not set(names) & set(lab_namespaces()) and not any(_running(p) for p in pids), timeout_s=10)
+
+
+def test_a_delay_line_that_cannot_start_is_a_clear_config_error() -> None:
+    with Lab(Topology.of("a")) as lab:
+        with pytest.raises(ConfigError, match=r"delay line of .*/eth0 failed: error: cannot make TAP eth0"):
+            DelayLine(lab.namespace("a"), "eth0", lab.hub, "spare", Timing(5.0, 0.0))  # NOTE: eth0 is a veth end
+        with pytest.raises(ConfigError, match="no network namespace 'tsk-nowhere'"):
+            DelayLine("tsk-nowhere", "eth9", lab.hub, "spare", Timing(5.0, 0.0))
+        assert not _forwarders(lab.hub)
+    with pytest.raises(ConfigError, match="jitter <= delay"):
+        Timing(5.0, 6.0)
