@@ -75,9 +75,8 @@ def _probe(lab: Lab, count: int, gap_s: float = 0.002, wait_s: float = 1.0) -> l
 
 def test_jitter_spreads_the_rtt_and_frames_keep_their_order_and_all_arrive() -> None:
     """a: 20 ms +- 10 ms each way; b: no delay. 400 datagrams at 500/s: every one answered,
-    in the order sent, 90 % of RTTs within 2 x (20 +- 10) ms (+ scheduling slack), and spread.
-    Frames 2 ms apart under +-10 ms of jitter often wait for the one ahead (order is kept), so
-    the median sits above 40 ms, toward 2 x (20 + 10)."""
+    in the order sent, 90 % of RTTs within 2 x (20 +- 10) ms (+ scheduling slack), spread,
+    and the median near 40 ms (the jitter wanders around the delay: tsukimi/lab/delay_line.py)."""
     jittery = LinkShape(delay_ms=20.0, jitter_ms=10.0)
     with Lab(Topology((HostSpec("a", (jittery,)), HostSpec("b", (LinkShape(),))))) as lab:
         echo = _echo(lab, "b")
@@ -93,7 +92,7 @@ def test_jitter_spreads_the_rtt_and_frames_keep_their_order_and_all_arrive() -> 
         p90_ms,
         rtts_ms[-1],
     )
-    assert 35.0 <= statistics.median(rtts_ms) <= 62.0, statistics.median(rtts_ms)
+    assert 33.0 <= statistics.median(rtts_ms) <= 52.0, statistics.median(rtts_ms)
     assert rtts_ms[-20] - rtts_ms[20] >= 10.0, "jitter did not spread the round trips"
     low, median, high = rtts_ms[0], statistics.median(rtts_ms), rtts_ms[-1]
     print(f"\njitter 20+-10 ms: RTT min {low:.1f}, median {median:.1f}, p90 {p90_ms:.1f}, max {high:.1f} ms")

@@ -1,10 +1,16 @@
-"""The topology file and the drop filter's program: parsing, errors, pure functions only."""
+"""The topology file, the drop filter's program and the delay line's jitter: parsing, errors,
+pure functions only."""
 
 from __future__ import annotations
+
+import itertools
+import random
+import statistics
 
 import pytest
 
 from tsukimi.errors import ConfigError
+from tsukimi.lab.delay_line import Jitter
 from tsukimi.lab.shaping import drop_program, root_commands
 from tsukimi.lab.topology import LinkShape, Topology, parse_rate, parse_topology
 
@@ -110,3 +116,20 @@ def test_a_shape_in_one_line() -> None:
         "unshaped, 25 ms +- 2.5 ms delay, 1 % loss"
     )
     assert LinkShape(delay_ms=50.0).summary == "1000 Mbit/s, 50 ms delay"
+
+
+def test_jitter_wanders_within_its_span_around_the_delay_and_never_reorders() -> None:
+    """Frames every 0.5 ms for 20 s under +-10 ms: each offset within the span, the mean near
+    0 (the delay itself), spread over most of the span, release times strictly rising."""
+    jitter = Jitter(random.Random(24))
+    arrivals_s = [i * 0.0005 for i in range(40_000)]
+    offsets_ms = [jitter.offset_s(t, 10.0) * 1000 for t in arrivals_s]
+    assert all(-10.0 <= o <= 10.0 for o in offsets_ms)
+    assert abs(statistics.mean(offsets_ms)) < 1.5
+    deciles = statistics.quantiles(offsets_ms, n=10)
+    assert deciles[-1] - deciles[0] > 8.0, deciles
+    releases = [t + o / 1000 for t, o in zip(arrivals_s, offsets_ms, strict=True)]
+    assert all(b > a for a, b in itertools.pairwise(releases))
+    now = jitter.offset_s(30.0, 10.0)
+    assert jitter.offset_s(30.0, 10.0) == now  # NOTE: no time passed, no step
+    assert jitter.offset_s(31.0, 0.0) == 0.0

@@ -12,7 +12,6 @@ not import itself through the package (tsukimi/lab/__init__.py imports the Lab, 
 from __future__ import annotations
 
 import contextlib
-import random
 import select
 import subprocess
 import sys
@@ -34,12 +33,6 @@ class Timing:
     def __post_init__(self) -> None:
         if not 0.0 <= self.jitter_ms <= self.delay_ms:
             raise ConfigError(f"a delay line needs 0 <= jitter <= delay, got {self}")
-
-    def release_s(self, arrival_s: float, rng: random.Random) -> float:
-        """When a frame that arrived at `arrival_s` may leave, before keeping order: the delay
-        plus a uniform draw in +-jitter (pure but for the draw)."""
-        jitter_s = rng.uniform(-self.jitter_ms, self.jitter_ms) / 1000 if self.jitter_ms else 0.0
-        return arrival_s + self.delay_ms / 1000 + jitter_s
 
 
 class DelayLine:

@@ -16,19 +16,26 @@ control pipe and its lifeline: a line "DELAY_MS JITTER_MS" retimes the link (fra
 queued keep their release time; it answers "ok"), and EOF (the lab closed the link, or the
 runner died, even by SIGKILL: the kernel closes the only write end) ends it.
 
-Each frame leaves at max(arrival + delay + uniform(-jitter, +jitter), the previous frame's
-release in that direction): jitter spreads latency but never reorders frames (netem reorders
-unless rate-limited; reordering makes TCP retransmit, which a latency experiment does not want).
-Each direction's queue is therefore sorted: a deque, not a heap. A queue holds at most
-QUEUE_LIMIT_FRAMES (tail drop beyond). The forwarder is one Python thread, so it carries far
-less than a veth pair (figures in docs/lab.md): delay links are for latency experiments, not
-for bandwidth ones. The lab's side of it: tsukimi/lab/delay_handle.py.
+Jitter: each direction's extra delay wanders over time, at JITTER_SLOPE (ms per ms), toward a
+target drawn uniformly in +-jitter, then toward the next: each frame gets the delay plus the
+value at its arrival. Its mean is the delay whatever the traffic, and with a slope below 1 a
+later frame never leaves before an earlier one: jitter spreads latency but never reorders.
+(netem draws per packet and reorders unless rate-limited; reordering makes TCP retransmit,
+which a latency experiment does not want. A per-frame draw with order kept would instead push
+every frame of dense traffic toward delay + jitter.) Frames are released in order (a retime
+that lowers the delay waits for those queued), so each direction's queue is a sorted deque,
+not a heap. A queue holds at most QUEUE_LIMIT_FRAMES (tail drop beyond).
+
+The forwarder is one Python thread, so it carries far less than a veth pair (figures in
+docs/lab.md): delay links are for latency experiments, not for bandwidth ones. The lab's side
+of it: tsukimi/lab/delay_handle.py.
 """
 
 from __future__ import annotations
 
 import collections
 import fcntl
+import math
 import os
 import random
 import select
@@ -45,6 +52,7 @@ _IFF_TAP, _IFF_NO_PI = 0x0002, 0x1000
 _READ_BYTES = 65536  # NOTE: a TAP without IFF_VNET_HDR hands over one MTU-sized frame per read
 _BATCH_FRAMES = 256  # NOTE: frames read from one TAP per wake-up, so the other side is not starved
 QUEUE_LIMIT_FRAMES = 20_000
+JITTER_SLOPE = 0.5  # NOTE: < 1, so release times rise with arrival times (see the module)
 
 
 def open_tap(namespace: str, name: str) -> int:
@@ -68,18 +76,52 @@ def open_tap(namespace: str, name: str) -> int:
     return fd
 
 
+class Jitter:
+    """One direction's jitter over time (see the module): `offset_s` is the extra delay of a
+    frame arriving at `now_s` (mutates: the walk advances)."""
+
+    __slots__ = ("_at_s", "_rng", "_target_s", "_value_s")
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self._at_s: float | None = None
+        self._target_s = self._value_s = 0.0
+
+    def offset_s(self, now_s: float, jitter_ms: float) -> float:
+        """The offset, in +-`jitter_ms` (as seconds), at `now_s` (not before the last call's)."""
+        span_s = jitter_ms / 1000
+        step_s = (now_s - (self._at_s if self._at_s is not None else now_s)) * JITTER_SLOPE
+        self._at_s = now_s
+        if span_s <= 0.0:
+            self._target_s = self._value_s = 0.0
+            return 0.0
+        if step_s > 4 * span_s:  # NOTE: idle long enough to have wandered anywhere: skip the walk
+            self._value_s, step_s = self._rng.uniform(-span_s, span_s), 0.0
+        while True:
+            gap_s = self._target_s - self._value_s
+            if abs(gap_s) > step_s:
+                self._value_s += math.copysign(step_s, gap_s)
+                return self._value_s
+            self._value_s, step_s = self._target_s, step_s - abs(gap_s)
+            self._target_s = self._rng.uniform(-span_s, span_s)
+
+
 class _Direction:
     """Frames from one TAP waiting to be written to the other, in release order."""
 
-    __slots__ = ("dst", "num_dropped", "queue", "src")
+    __slots__ = ("dst", "jitter", "num_dropped", "queue", "src")
 
-    def __init__(self, src: int, dst: int) -> None:
+    def __init__(self, src: int, dst: int, rng: random.Random) -> None:
         self.src, self.dst = src, dst
         self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
+        self.jitter = Jitter(rng)
         self.num_dropped = 0
 
-    def receive(self, now_s: float, timing: Timing, rng: random.Random) -> None:
+    def receive(self, now_s: float, timing: Timing) -> None:
         """Read up to a batch of frames and queue each with its release time."""
+        release_s = now_s + timing.delay_ms / 1000 + self.jitter.offset_s(now_s, timing.jitter_ms)
+        if self.queue and release_s < self.queue[-1][0]:
+            release_s = self.queue[-1][0]  # NOTE: only after a retime lowered the delay: keep order
         for _ in range(_BATCH_FRAMES):
             try:
                 frame = os.read(self.src, _READ_BYTES)
@@ -88,9 +130,6 @@ class _Direction:
             if len(self.queue) >= QUEUE_LIMIT_FRAMES:
                 self.num_dropped += 1
                 continue
-            release_s = timing.release_s(now_s, rng)
-            if self.queue and release_s < self.queue[-1][0]:
-                release_s = self.queue[-1][0]  # NOTE: jitter never reorders (see the module)
             self.queue.append((release_s, frame))
 
     def release(self, now_s: float) -> None:
@@ -111,7 +150,7 @@ def forward(host_fd: int, hub_fd: int, control_fd: int, timing: Timing) -> None:
     poller = select.epoll()
     for fd in (host_fd, hub_fd, control_fd):
         poller.register(fd, select.EPOLLIN)
-    directions = {host_fd: _Direction(host_fd, hub_fd), hub_fd: _Direction(hub_fd, host_fd)}
+    directions = {host_fd: _Direction(host_fd, hub_fd, rng), hub_fd: _Direction(hub_fd, host_fd, rng)}
     pending = b""
     while True:
         heads = [d.queue[0][0] for d in directions.values() if d.queue]
@@ -120,7 +159,7 @@ def forward(host_fd: int, hub_fd: int, control_fd: int, timing: Timing) -> None:
         now_s = time.monotonic()
         for fd, _ in events:
             if fd != control_fd:
-                directions[fd].receive(now_s, timing, rng)
+                directions[fd].receive(now_s, timing)
                 continue
             data = os.read(control_fd, 4096)
             if not data:
