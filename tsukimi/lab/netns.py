@@ -128,6 +128,30 @@ def reap_all() -> list[str]:
     return names
 
 
+def switch_to(namespace: str) -> None:
+    """Move the calling thread into `namespace`'s network for good (setns(2)); in a
+    single-threaded process (the delay line, tsukimi/lab/delay_line.py) that is the process,
+    so `ip netns pids` lists it there (mutates the thread).
+
+    Raises:
+        ConfigError: no such namespace, or setns failed.
+    """
+    try:
+        target = os.open(NETNS_DIR / namespace, os.O_RDONLY)
+    except FileNotFoundError:
+        raise ConfigError(f"no network namespace {namespace!r}") from None
+    try:
+        _setns(target, namespace)
+    finally:
+        os.close(target)
+
+
+def _setns(fd: int, namespace: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        raise ConfigError(f"setns into {namespace!r} failed: {os.strerror(ctypes.get_errno())}")
+
+
 @contextlib.contextmanager
 def entered(namespace: str) -> Iterator[None]:
     """Run the body with the calling thread inside `namespace`'s network (setns(2)): the
@@ -137,22 +161,12 @@ def entered(namespace: str) -> Iterator[None]:
     Raises:
         ConfigError: no such namespace, or setns failed.
     """
-    libc = ctypes.CDLL(None, use_errno=True)
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
-        try:
-            target = os.open(NETNS_DIR / namespace, os.O_RDONLY)
-        except FileNotFoundError:
-            raise ConfigError(f"no network namespace {namespace!r}") from None
-        try:
-            if libc.setns(target, _CLONE_NEWNET) != 0:
-                raise ConfigError(f"setns into {namespace!r} failed: {os.strerror(ctypes.get_errno())}")
-        finally:
-            os.close(target)
+        switch_to(namespace)
         try:
             yield
         finally:
-            if libc.setns(own, _CLONE_NEWNET) != 0:  # NOTE: cannot fail for a namespace we came from
-                raise AssertionError(f"setns back failed: {os.strerror(ctypes.get_errno())}")
+            _setns(own, "the thread's own namespace")  # NOTE: cannot fail for a namespace we came from
     finally:
         os.close(own)
