@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tsukimi.errors import ConfigError
+from tsukimi.owners import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -90,16 +91,6 @@ def lab_namespaces() -> list[str]:
     return sorted(n for n in names if runner_of(n) is not None)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def delete_namespaces(names: list[str]) -> None:
     """Kill every process inside each namespace, then delete them, hosts before hubs (the
     veth pairs and bridges go with them). Idempotent; never raises for one already gone."""
@@ -114,7 +105,7 @@ def delete_namespaces(names: list[str]) -> None:
 def reap_dead() -> list[str]:
     """Delete the namespaces of every runner that is no longer alive (see the module);
     the names deleted."""
-    dead = [name for name in lab_namespaces() if not _alive(runner_of(name) or 0)]
+    dead = [name for name in lab_namespaces() if not pid_alive(runner_of(name) or 0)]
     if dead:
         logger.info("reaping %d namespaces of dead lab runners: %s", len(dead), ", ".join(dead))
         delete_namespaces(dead)
