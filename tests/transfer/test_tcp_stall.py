@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-import msgspec
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given
