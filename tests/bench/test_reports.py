@@ -5,8 +5,9 @@ shape and its verdicts, `quiet_machine` among them. Speed is never asserted.
 
 Smallest configurations: transfer and store `--quick` on fewer cells; p2p an 8 MiB checkpoint
 in 1 MiB shards to N = 1, 2 (far below `--quick`'s 256 MiB); p2p `--lab --quick` (3 receivers
-on emulated hosts, 8 MiB, 100 Mbit/s links; skipped, saying why, where namespaces are refused:
-CI has them); scheduler the sample trace with 200
+on emulated hosts, 8 MiB, 100 Mbit/s links) and transfer `--lab --quick` (two hosts of two
+200 Mbit/s NICs, 16 MiB batches, one NIC cut mid-run) (skipped, saying why, where namespaces
+are refused: CI has them); scheduler the sample trace with 200
 decisions; cpp a 300-token prompt, one repeat; layerwise a 64-token prefix; serve `--quick` (chat
 4 x 2) without the no-reuse run; overload `--quick`; kv-burst 4 prompts of 200 tokens; vllm one
 system `--quick` and vllm-pd `--quick` (skipped, saying why, without .venv-vllm and its model);
@@ -113,6 +114,31 @@ def _p2p(report: BenchReport) -> None:
             assert row["origin_bytes"] >= ckpt
         assert row["transport"] == "tcp"
     assert _verdicts(report) == {"origin_x_checkpoint_tcp", "seconds_x_naive_tcp", "gbps_x_gloo_tcp", QUIET_MACHINE}
+
+
+def _transfer_lab(report: BenchReport) -> None:
+    figures = report.figures
+    assert report.configuration["nic_rate"] == "200mbit"
+    hosts = figures["topology"]["hosts"]  # type: ignore[index]
+    assert [(h["name"], len(h["addresses"])) for h in hosts] == [("a", 2), ("b", 2), ("meta", 1)]
+    cells = figures["cells"]
+    assert isinstance(cells, list)
+    assert [(c["nics"], c["op"], c["shaped"]) for c in cells] == [
+        (n, op, shaped) for n, shaped in ((1, True), (2, True), (2, False)) for op in ("write", "read")
+    ]
+    for cell in cells:
+        assert cell["seconds"] > 0 and cell["errors"] == [], cell
+        used = [nic for nic, moved in cell["nic_bytes"].items() if moved >= cell["batch_bytes"] // 4]
+        assert used == (["eth0"] if cell["nics"] == 1 else ["eth0", "eth1"]), cell  # NOTE: 1 NIC: eth0 only
+    failure = figures["nic_failure"]
+    assert isinstance(failure, dict) and len(failure["batches"]) == 4 and failure["time_lost_s"] >= 0
+    assert _verdicts(report) == {
+        "two_nics_x_one",
+        "failed_batches_nic_down",
+        "one_nic_link_busy",
+        "unshaped_x_shaped",
+        QUIET_MACHINE,
+    }
 
 
 def _p2p_lab(report: BenchReport) -> None:
@@ -277,6 +303,7 @@ CASES = [
         ),
     ),
     _case("p2p-lab", Case(("p2p", "--lab", "--quick", "--timeout", "60"), _p2p_lab, 90), _LAB),
+    _case("transfer-lab", Case(("transfer", "--lab", "--quick"), _transfer_lab, 90), _LAB),
     _case(
         "scheduler",
         Case(

@@ -51,6 +51,8 @@ def _say(console: Console) -> Callable[[str], None]:
 def _bench_transfer(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
     from tsukimi.bench import transfer
 
+    if args.lab:
+        return _bench_transfer_lab(args, console)
     cfg = transfer.TransferBenchConfig(
         transports=args.transport,
         ops=args.op,
@@ -65,6 +67,21 @@ def _bench_transfer(args: argparse.Namespace, console: Console) -> tuple[BenchRe
     )
     with console.status("benchmarking") as status:
         return transfer.run_report(cfg, progress=lambda text: status.update(text)), transfer.VIEWS
+
+
+def _bench_transfer_lab(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
+    from tsukimi.bench import transfer_lab, transfer_lab_report
+
+    cfg = transfer_lab.TransferLabConfig(
+        nic_rate="200mbit" if args.quick else args.nic_rate,
+        block_bytes=4 * KIB * KIB if args.quick else 16 * KIB * KIB,
+        rounds=1 if args.quick else args.repeats,
+        failure_batches=4 if args.quick else 8,
+        cut_after_s=0.5 if args.quick else 1.4,
+        connections=max(args.connections),
+    )
+    with console.status("benchmarking tcp over two shaped NICs") as status:
+        return transfer_lab.run_report(cfg, progress=lambda text: status.update(text)), transfer_lab_report.VIEWS
 
 
 def _bench_store(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
