@@ -21,11 +21,14 @@ TTFT = arrival -> done, queueing at the reader included.
 Run twice in one invocation, each on a fresh lab and store: the master's hot_threshold 0
 (off), then `hot_threshold` (on, extra replicas up to one per holder). Each run's probe
 (p2p_lab.LinkProbe) gives the bytes each host's link carried (holders: what they served)
-and the machine's CPU busy fraction over the timed part.
+and the machine's CPU busy fraction over the timed part (other users' work included: the
+machine is shared); each holder process's CPU time, as a fraction of one core, says
+whether the holder or its link bounds what it serves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -40,6 +43,7 @@ import numpy as np
 
 from tsukimi.bench.hot_lab_reader import ReaderPlan, ReaderRequest, ReaderResult
 from tsukimi.bench.hot_lab_report import goals
+from tsukimi.bench.overload_monitor import cpu_seconds
 from tsukimi.bench.p2p_lab import LinkProbe
 from tsukimi.bench.p2p_report import Row
 from tsukimi.bench.report import BenchReport, begin, finish
@@ -53,6 +57,7 @@ from tsukimi.testing.lab_store import start_spread_store
 
 MIB = 1 << 20
 MASTER = "m"
+SLOW_LINK_S = 30.0  # the master's read lease and copy deadline
 KV_BYTES_PER_TOKEN = 2 * 24 * 2 * 64 * 2  # NOTE: Qwen2-0.5B's shape: K and V x 24 layers x 2 heads x 64 dims x bf16
 
 
@@ -63,8 +68,8 @@ class HotLabConfig:
 
     holders: int = 4
     readers: int = 6
-    link_rate: str = "200mbit"
-    workload: SkewedWorkload = field(default_factory=lambda: SkewedWorkload(120, 0.9, 512, rate=5.0))
+    link_rate: str = "100mbit"
+    workload: SkewedWorkload = field(default_factory=lambda: SkewedWorkload(120, 0.9, 512, rate=1.6))
     kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
     prefix_objects: int = 4
     prefill_tokens_per_s: float = 1000.0
@@ -172,6 +177,18 @@ def _collect(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> list[Rea
     return results
 
 
+def _master_settings(cfg: HotLabConfig, threshold: float) -> list[str]:
+    # NOTE: reads and copies share a slow link and may take seconds: the test deployments' 1 s
+    # read lease and copy deadline (deployments.MASTER_SETTINGS) would fail them
+    return [
+        f"lease_ttl_s={SLOW_LINK_S}",
+        f"put_timeout_s={SLOW_LINK_S}",
+        f"hot_threshold={threshold}",
+        f"hot_window_s={cfg.hot_window_s}",
+        f"hot_max_replicas={cfg.holders}",
+    ]
+
+
 def one_run(cfg: HotLabConfig, threshold: float, log_dir: Path, progress: Callable[[str], None]) -> Row:
     """One run on a fresh lab and store with the master's hot_threshold `threshold` (0: off).
 
@@ -179,31 +196,57 @@ def one_run(cfg: HotLabConfig, threshold: float, log_dir: Path, progress: Callab
         ConfigError: no namespaces here (naming what is missing).
         PeerError: a process failed or ran past `cfg.timeout_s`.
     """
-    settings = [f"hot_threshold={threshold}", f"hot_window_s={cfg.hot_window_s}", f"hot_max_replicas={cfg.holders}"]
     holders = [holder_host(i) for i in range(cfg.holders)]
     log_dir.mkdir(parents=True, exist_ok=True)
     progress(f"hot_threshold {threshold:g}: building the lab ({len(topology(cfg).hosts)} hosts, {cfg.link_rate})")
     with Lab(topology(cfg)) as lab, ExitStack() as stack:
         with lab.entered(MASTER):
+            settings = _master_settings(cfg, threshold)
             store = start_spread_store(lab, MASTER, holders, MASTER, log_dir, cfg.holder_bytes(), settings)
         stack.callback(lambda: _in(lab, store.close))
         master = store.deployment.endpoint
         with lab.entered(MASTER):
             _write_prefix(cfg, master, lab.address(MASTER), store.deployment.holder_names[0])
         progress(f"hot_threshold {threshold:g}: {cfg.workload.requests} requests on {cfg.readers} readers")
-        procs, probe = _start_readers(cfg, lab, master, stack), LinkProbe(lab)
-        probe.start()
-        start_at = time.time() + 0.2
-        for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write(f"{start_at}\n".encode())
-            proc.stdin.flush()  # NOTE: `communicate` closes it
-        results = _collect(procs, cfg.timeout_s)
-        probed = probe.stop()
+        procs = _start_readers(cfg, lab, master, stack)
+        pids = {holder_host(i): store.cluster.process(f"holder-{i}").pid for i in range(cfg.holders)}
+        results, probed = _timed(cfg, lab, procs, pids)
         with lab.entered(MASTER):
             counters = hot_counters(store.deployment.http_url)
             replicas = [store.deployment.copies(key)[0] for key in prefix_keys(cfg)]
     return _figures(cfg, threshold, results, probed, counters, replicas)
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of process `pid` and its descendants alive now (a launched holder is a
+    lifeline wrapper around `ip netns exec ... tsukimi holder`; /proc, 0 for those gone)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += cpu_seconds(current) or 0.0
+        with contextlib.suppress(OSError):
+            todo += [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
+    return total
+
+
+def _timed(
+    cfg: HotLabConfig, lab: Lab, procs: list[subprocess.Popen[bytes]], holder_pids: dict[str, int]
+) -> tuple[list[ReaderResult], dict[str, object]]:
+    """Start the ready readers, wait for their results; the link probe's figures over that
+    time, with each holder process's CPU seconds per second (`holder_cpu_x_core`)."""
+    probe = LinkProbe(lab)
+    cpu_before = {host: tree_cpu_seconds(pid) for host, pid in holder_pids.items()}
+    probe.start()
+    start_at = time.time() + 0.2
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(f"{start_at}\n".encode())
+        proc.stdin.flush()  # NOTE: `communicate` closes it
+    results = _collect(procs, cfg.timeout_s)
+    probed = probe.stop()
+    seconds = float(str(probed["probe_s"]))
+    cpu = {h: round((tree_cpu_seconds(pid) - cpu_before[h]) / seconds, 3) for h, pid in holder_pids.items()}
+    return results, {**probed, "holder_cpu_x_core": cpu}
 
 
 def _in(lab: Lab, close: Callable[[], None]) -> None:
@@ -239,6 +282,7 @@ def _figures(
         "busiest_holder_link_busy": round(max(served.values()) / seconds / (cfg.link_bps / 8), 3),
         "hot_replications": counters.get("hot_replications", 0.0),
         "prefix_replicas_at_end": replicas,
+        "holder_cpu_x_core": probed["holder_cpu_x_core"],
         "cpu_busy": probed["cpu_busy"],
         "seconds": seconds,
     }

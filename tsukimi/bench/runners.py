@@ -135,10 +135,10 @@ def _bench_hot_lab(args: argparse.Namespace, console: Console) -> tuple[BenchRep
 
     quick = args.quick
     workload = SkewedWorkload(
-        requests=40 if quick else args.requests,
+        requests=30 if quick else args.requests,
         shared=args.shared,
         prefix_tokens=256 if quick else args.prefix_tokens,
-        rate=args.rate,
+        rate=args.rate or (4.0 if quick else 1.6),
         seed=args.seed,
     )
     cfg = hot_lab.HotLabConfig(
