@@ -292,7 +292,7 @@ def run(cfg: HotLabConfig, progress: Callable[[str], None] = lambda _: None) -> 
     """Both runs (off, then on); the figures (see the module). Raises as `one_run`."""
     with tempfile.TemporaryDirectory(prefix="tsukimi-hot-lab-") as logs:
         runs = [one_run(cfg, t, Path(logs) / f"t{t:g}", progress) for t in (0.0, cfg.hot_threshold)]
-    hosts = [h.name for h in topology(cfg).hosts]
+    hosts, w = [h.name for h in topology(cfg).hosts], cfg.workload
     return {
         "topology": {
             "hosts": hosts,
@@ -307,6 +307,7 @@ def run(cfg: HotLabConfig, progress: Callable[[str], None] = lambda _: None) -> 
         },
         "prefix_bytes": cfg.prefix_bytes,
         "one_fetch_ideal_s": round(cfg.prefix_bytes * 8 / cfg.link_bps, 4),
+        "offered_load_x_link": round(w.rate * w.shared * cfg.prefix_bytes * 8 / cfg.link_bps, 3),
         "runs": runs,
     }
 

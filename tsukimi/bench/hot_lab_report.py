@@ -2,7 +2,9 @@
 with hot-key replication off and on, the checks that the links bound the run, and the table.
 
   p90_ttft_on_x_off        p90 TTFT on / off (lower with replication on)            <= 1
-  busiest_holder_link_off  the off run's busiest holder link, x its shaped rate      >= 0.7
+  busiest_holder_link_off  the off run's busiest holder link, x its shaped rate      >= 0.6
+                           (over the whole run, Poisson gaps included: the default
+                           workload offers 0.72 of h1's link, `offered_load_x_link`)
   cpu_busy_on              the machine's CPUs busy during the on run                 <= 0.8
                            (other users' work included: the machine is shared)
   holder_cpu_max           the busiest holder process, either run, x one core        <= 0.5
@@ -53,7 +55,7 @@ def goals(runs: list[Row]) -> list[Verdict]:
             "off: the busiest holder's link x its rate",
             _num(off, "busiest_holder_link_busy"),
             ">=",
-            0.7,
+            0.6,
         ),
         goal("cpu_busy_on", "on: the machine's CPUs busy", _num(on, "cpu_busy"), "<=", 0.8),
         goal("holder_cpu_max", "the busiest holder process x one core", _holder_cpu(runs), "<=", 0.5),
