@@ -35,24 +35,22 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 import numpy as np
 
-from tsukimi.bench.hot_lab_reader import ReaderPlan, ReaderRequest, ReaderResult
+from tsukimi.bench.hot_lab_reader import ReaderPlan, ReaderRequest, ReaderResult, tcp_client
 from tsukimi.bench.hot_lab_report import goals
 from tsukimi.bench.overload_monitor import cpu_seconds
 from tsukimi.bench.p2p_lab import LinkProbe
 from tsukimi.bench.p2p_report import Row
 from tsukimi.bench.report import BenchReport, begin, finish
 from tsukimi.bench.skewed import SkewedWorkload, hot_counters, skewed_requests
-from tsukimi.config import Config
 from tsukimi.errors import ConfigError, PeerError
 from tsukimi.lab import Lab, LinkShape, Topology
 from tsukimi.lab.topology import parse_rate
-from tsukimi.store.client import StoreClient
 from tsukimi.testing.lab_store import start_spread_store
 
 MIB = 1 << 20
@@ -79,7 +77,7 @@ class HotLabConfig:
 
     def __post_init__(self) -> None:
         if parse_rate(self.link_rate, "--link-rate") == 0:
-            raise ConfigError("the hot-lab bench needs shaped links: --link-rate such as 200mbit, not unlimited")
+            raise ConfigError("the hot-lab bench needs shaped links: --link-rate such as 100mbit, not unlimited")
         if not 2 <= self.holders <= 8 or self.readers < 1:
             raise ConfigError("hot-lab needs 2..8 holders (hot_max_replicas' range) and at least 1 reader")
         if self.hot_threshold <= 0 or self.prefill_tokens_per_s <= 0 or self.prefix_objects < 1:
@@ -127,15 +125,10 @@ def plans(cfg: HotLabConfig) -> list[list[ReaderRequest]]:
     return out
 
 
-def _client(master: str, host: str) -> StoreClient:
-    config = Config()
-    return StoreClient.connect(master, 0, replace(config, transfer=replace(config.transfer, transport="tcp")), host)
-
-
 def _write_prefix(cfg: HotLabConfig, master: str, host: str, holder: str) -> None:
     """Write the shared prompt's objects, 1 replica each, all on `holder` (a TE segment)."""
     size = -(-cfg.prefix_bytes // cfg.prefix_objects)
-    with _client(master, host) as writer:
+    with tcp_client(master, host) as writer:
         for j, key in enumerate(prefix_keys(cfg)):
             writer.put(key, bytes([j % 251]) * size, replicas=1, preferred=(holder,))
 

@@ -53,16 +53,20 @@ class ReaderResult(msgspec.Struct, frozen=True):
     fetched_bytes: int
 
 
+def tcp_client(master: str, host: str) -> StoreClient:
+    """A store client of `master` whose Transfer Engine binds `host` and moves bytes over tcp."""
+    config = Config()
+    return StoreClient.connect(master, 0, replace(config, transfer=replace(config.transfer, transport="tcp")), host)
+
+
 def serve(plan: ReaderPlan, start: Callable[[], float]) -> list[ReaderResult]:
     """Connect, then serve the plan's requests one at a time from `start()` on (see the module).
 
     Raises:
         PeerError: a prefix object was missing or unreadable (the bench wrote them all).
     """
-    config = Config()
-    config = replace(config, transfer=replace(config.transfer, transport="tcp"))
     results = []
-    with StoreClient.connect(plan.master, 0, config, plan.transfer_host) as client:
+    with tcp_client(plan.master, plan.transfer_host) as client:
         start_at = start()
         for request in plan.requests:
             arrival = start_at + request.at_s
