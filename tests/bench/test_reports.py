@@ -5,9 +5,10 @@ shape and its verdicts, `quiet_machine` among them. Speed is never asserted.
 
 Smallest configurations: transfer and store `--quick` on fewer cells; p2p an 8 MiB checkpoint
 in 1 MiB shards to N = 1, 2 (far below `--quick`'s 256 MiB); p2p `--lab --quick` (3 receivers
-on emulated hosts, 8 MiB, 100 Mbit/s links) and transfer `--lab --quick` (two hosts of two
-200 Mbit/s NICs, 16 MiB batches, one NIC cut mid-run) (skipped, saying why, where namespaces
-are refused: CI has them); scheduler the sample trace with 200
+on emulated hosts, 8 MiB, 100 Mbit/s links), transfer `--lab --quick` (two hosts of two
+200 Mbit/s NICs, 16 MiB batches, one NIC cut mid-run) and hot-lab `--quick` (3 holders, 4
+readers, 30 requests, off then on) (the lab ones skipped, saying why, where namespaces are
+refused: CI has them); scheduler the sample trace with 200
 decisions; cpp a 300-token prompt, one repeat; layerwise a 64-token prefix; serve `--quick` (chat
 4 x 2) without the no-reuse run; overload `--quick`; kv-burst 4 prompts of 200 tokens; vllm one
 system `--quick` and vllm-pd `--quick` (skipped, saying why, without .venv-vllm and its model);
@@ -280,6 +281,36 @@ def _verdicts(report: BenchReport) -> set[str]:
     return {v.name for v in report.verdicts}
 
 
+def _hot_lab(report: BenchReport) -> None:
+    figures = report.figures
+    assert report.configuration["holders"] == 3 and report.configuration["readers"] == 4
+    topo = figures["topology"]
+    assert isinstance(topo, dict) and topo["hosts"] == ["m", "h1", "h2", "h3", "r1", "r2", "r3", "r4"]
+    assert topo["transport"] == "tcp" and topo["link_rate_bps"] == 100_000_000
+    runs = figures["runs"]
+    assert isinstance(runs, list) and [r["hot_threshold"] for r in runs] == [0.0, 1.0]
+    off, on = runs
+    for row in runs:
+        assert row["requests"] == 30 and 0 < row["p50_ttft_s"] <= row["p90_ttft_s"], row
+        assert row["fetched_bytes"] == row["shared_requests"] * figures["prefix_bytes"]  # type: ignore[operator]
+        assert set(row["holder_link_bytes"]) == {"h1", "h2", "h3"} and set(row["holder_cpu_x_core"]) == {
+            "h1",
+            "h2",
+            "h3",
+        }
+    # NOTE: off, the prompt's only replica is on h1: h1 serves every byte, no copy is made
+    assert off["hot_replications"] == 0 and off["prefix_replicas_at_end"] == [1, 1, 1, 1]
+    assert off["holder_link_bytes"]["h1"] >= off["fetched_bytes"] > 10 * off["holder_link_bytes"]["h2"]
+    assert on["hot_replications"] > 0 and max(on["prefix_replicas_at_end"]) > 1
+    assert _verdicts(report) == {
+        "p90_ttft_on_x_off",
+        "busiest_holder_link_off",
+        "cpu_busy_on",
+        "holder_cpu_max",
+        QUIET_MACHINE,
+    }
+
+
 _VLLM = pytest.mark.skipif(bool(VLLM_MISSING), reason=f"no vLLM here: {VLLM_MISSING}")
 _LAB = pytest.mark.skipif(bool(NAMESPACES_REFUSED), reason=f"this machine refuses namespaces: {NAMESPACES_REFUSED}")
 
@@ -304,6 +335,7 @@ CASES = [
     ),
     _case("p2p-lab", Case(("p2p", "--lab", "--quick", "--timeout", "60"), _p2p_lab, 90), _LAB),
     _case("transfer-lab", Case(("transfer", "--lab", "--quick"), _transfer_lab, 90), _LAB),
+    _case("hot-lab", Case(("hot-lab", "--quick", "--timeout", "60"), _hot_lab, 120), _LAB),
     _case(
         "scheduler",
         Case(
