@@ -27,3 +27,14 @@ def test_reads_start_on_every_replica_and_fail_over_in_the_masters_order() -> No
         firsts[order[0].te_segment] += 1
     assert set(firsts) == {"h0:1", "h1:1", "h2:1"}
     assert all(800 <= n <= 1200 for n in firsts.values()), firsts
+
+
+def test_replicas_on_this_host_come_first_in_the_masters_order() -> None:
+    rng = random.Random(3)
+    here = {"h2:1", "h0:1"}
+    for _ in range(200):
+        order = spread(REPLICAS, rng, on_this_host=here.__contains__)
+        assert [r.te_segment for r in order[:2]] == ["h0:1", "h2:1"]
+        assert order[2:] == [REPLICAS[1]]
+    everywhere = spread(REPLICAS, rng, on_this_host=lambda _: True)
+    assert everywhere == REPLICAS  # all local: the master's order

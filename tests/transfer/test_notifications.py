@@ -301,3 +301,10 @@ def test_lookup_finds_peers_and_itself(engines: tuple[TransferEngine, TransferEn
     assert extra.base in {b.base for b in initiator.lookup("target", fresh=True).buffers}
     with pytest.raises(SegmentNotFound):
         initiator.lookup("nobody")
+
+
+def test_on_this_host_by_host_identity(engines: tuple[TransferEngine, TransferEngine]) -> None:
+    _, initiator = engines
+    assert initiator.on_this_host("initiator")
+    assert initiator.on_this_host("target")  # both engines live in this process's host
+    assert not initiator.on_this_host("nobody")  # unknown: not local, no error

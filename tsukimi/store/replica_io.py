@@ -1,10 +1,10 @@
 """The bytes of store objects on their way to and from replicas, through the Transfer Engine.
 
 The master hands out replica addresses; this module moves the bytes. `write_replicas` WRITEs
-every replica of every started put in one TE batch; `read_replicas` READs each object from
-one of its replicas picked at random (`spread`), the failed ones from the next in the master's
-order, and so on, all before the read lease ends (a read that could finish later might read
-blocks already given to another object).
+every replica of every started put in one TE batch; `read_replicas` READs each object from a
+replica on the reader's host if it has one, else from one picked at random (`spread`), the
+failed ones from the next in the master's order, and so on, all before the read lease ends (a
+read that could finish later might read blocks already given to another object).
 `read_disk_copies` then reads the objects that have no readable memory replica from a copy
 on a holder's disk (tsukimi/store/disk_server.py).
 
@@ -120,9 +120,14 @@ class _Target:
     checksum: int | None
 
 
-def spread(replicas: Sequence[p.ReplicaLocation], rng: random.Random = _PICK) -> list[p.ReplicaLocation]:
-    """The order in which a get tries `replicas` (the master's order): one picked at random
-    first, then the others in the master's order. Pure but for `rng`.
+def spread(
+    replicas: Sequence[p.ReplicaLocation],
+    rng: random.Random = _PICK,
+    on_this_host: Callable[[str], bool] | None = None,
+) -> list[p.ReplicaLocation]:
+    """The order in which a get tries `replicas` (the master's order): those on this host
+    first (`on_this_host(te_segment)`: shm or a local copy beats any link), then one of the
+    others picked at random, then the rest in the master's order. Pure but for `rng`.
 
     NOTE: always reading the master's first replica would leave a hot key's extra replicas
     (master/hot.py) idle: every reader would still pull from the one holder. A random first
@@ -132,8 +137,12 @@ def spread(replicas: Sequence[p.ReplicaLocation], rng: random.Random = _PICK) ->
     """
     if len(replicas) < 2:
         return list(replicas)
-    first = rng.randrange(len(replicas))
-    return [replicas[first], *(r for i, r in enumerate(replicas) if i != first)]
+    local = [r for r in replicas if on_this_host(r.te_segment)] if on_this_host is not None else []
+    remote = [r for r in replicas if r not in local] if local else list(replicas)
+    if len(remote) > 1:
+        first = rng.randrange(len(remote))
+        remote = [remote[first], *(r for i, r in enumerate(remote) if i != first)]
+    return [*local, *remote]
 
 
 def transfer_error(status: RequestStatus, what: str) -> TransferError:
@@ -199,7 +208,12 @@ def read_replicas(
                 continue
             if len(dest) > result.size:
                 dest = memoryview(dest)[: result.size]
-            targets[i] = _Target(keys[i], (dest,), spread(result.replicas), result.checksum if checksum else None)
+            targets[i] = _Target(
+                keys[i],
+                (dest,),
+                spread(result.replicas, on_this_host=engine.on_this_host),
+                result.checksum if checksum else None,
+            )
     for i, failure in _read_rounds(engine, clock, targets, _lease_end(clock, found)).items():
         results[i] = GetResult(error=failure) if failure else GetResult(targets[i].parts[0])
     return results
@@ -228,7 +242,12 @@ def read_parts(
                 what = f"{keys[i]!r} is {result.size} bytes; its {len(into[i])} buffers hold {total}"
                 results[i] = PartsResult(error=InvalidBufferError(what))
                 continue
-            targets[i] = _Target(keys[i], into[i], spread(result.replicas), result.checksum if checksum else None)
+            targets[i] = _Target(
+                keys[i],
+                into[i],
+                spread(result.replicas, on_this_host=engine.on_this_host),
+                result.checksum if checksum else None,
+            )
     for i, failure in _read_rounds(engine, clock, targets, _lease_end(clock, found)).items():
         results[i] = PartsResult(error=failure) if failure else PartsResult(True, sum(map(len, targets[i].parts)))
     return results

@@ -238,6 +238,16 @@ class TransferEngine:
             return self.describe()
         return self._directory.fetch(name) if fresh else self._directory.get(name)
 
+    def on_this_host(self, name: str) -> bool:
+        """Whether segment `name` is this engine's own or lives on this engine's host (its
+        cached descriptor's host id); False when it cannot be looked up (never raises)."""
+        if name == self.name:
+            return True
+        try:
+            return self.lookup(name).host_id == self._host_id
+        except TsukimiError:
+            return False
+
     def open_segment(self, name: str, transport: str = "") -> SegmentHandle:
         """Find a peer's segment; `transport` ("auto", "shm", "tcp") overrides the config.
 
