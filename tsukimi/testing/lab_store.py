@@ -36,16 +36,19 @@ _STARTUP_S = 60.0
 _LOOPBACK = "127.0.0.1"
 
 
-def store_plan(num_holders: int, holder_bytes: int = HOLDER_BYTES) -> list[list[ProcessSpec]]:
+def store_plan(
+    num_holders: int, holder_bytes: int = HOLDER_BYTES, master_settings: Sequence[str] = ()
+) -> list[list[ProcessSpec]]:
     """The master, then `num_holders` holders of `holder_bytes` (a group of their own: they
-    need the master), all on 127.0.0.1, for `place` to spread (pure)."""
+    need the master), all on 127.0.0.1, for `place` to spread (pure). `master_settings`
+    ("lease_ttl_s=60") override deployments.MASTER's after them."""
     env = (("COLUMNS", "200"),)
     master = (
         "master",
         f'--set=master.host="{_LOOPBACK}"',
         f"--set=master.rpc_port={MASTER_RPC_PORT}",
         f"--set=master.http_port={MASTER_HTTP_PORT}",
-        *(f"--set=master.{s}" for s in MASTER_SETTINGS),
+        *(f"--set=master.{s}" for s in (*MASTER_SETTINGS, *master_settings)),
     )
     holder = (
         "holder",
@@ -87,17 +90,19 @@ def start_spread_store(
     client_host: str,
     log_dir: Path,
     holder_bytes: int = HOLDER_BYTES,
+    master_settings: Sequence[str] = (),
 ) -> SpreadStore:
     """Start the master on `master_host` and one holder on each of `holder_hosts`, checked
     from `client_host`; returns once every holder's segment is mounted. Call it from inside
-    `lab.entered(client_host)` (its checks and clients are there).
+    `lab.entered(client_host)` (its checks and clients are there). `master_settings`: as
+    `store_plan`'s (e.g. a read lease long enough for a slow link).
 
     Raises:
         ConfigError: a host is not in the lab, or something stayed on 127.0.0.1.
         PeerError / OSError: a process did not come up in time (everything is stopped first).
     """
     placement = {"master": master_host, **{f"holder-{i}": host for i, host in enumerate(holder_hosts)}}
-    placed = place(lab, store_plan(len(holder_hosts), holder_bytes), placement)
+    placed = place(lab, store_plan(len(holder_hosts), holder_bytes, master_settings), placement)
     if placed.missing:
         raise ConfigError(f"the spread store still names 127.0.0.1: {'; '.join(placed.missing)}")
     cluster = LaunchedCluster(placed.groups, LaunchConfig(log_dir, startup_timeout_s=_STARTUP_S))

@@ -1,0 +1,336 @@
+"""`tsukimi bench prefix-link`: a pooled prefix read across a shaped link vs recomputing it,
+measured, next to the Conductor's TTFT estimate of each and its pick (issue 24, item 4).
+
+    hub ------+-----------+            one bridge; both links shaped (tbf, each way) to each
+              |           |            rate of `link_rates` in turn
+            store      prefill
+     master + holder    this process: the prefill engine and its store client
+     (the prefix's KV)  (tsukimi/engine: the worker's engine, one torch thread)
+
+The prefix (`prefix_tokens`, whole `block_tokens` blocks) is published to the pool once, the
+link unshaped. Then, per link rate, after a warm-up read of the whole prefix (its time and the
+link's kernel byte counters give the measured fetch rate), `repeats` rounds, in alternating
+order, of one request (prefix + `new_tokens` fresh tokens) on a fresh engine (an empty local
+cache: a worker that never saw the prefix), timed from `add_request` to its first token:
+
+  fetch      the engine's KV connector on the pool: every layer of the prefix's blocks read
+             at admission (StoreKVConnector.load, as a prefill worker does), then the rest
+  recompute  no connector: the whole prompt computed in `chunk_tokens` chunks
+
+and after each, a second request on the same engine, the prefix in its local cache then: the
+new tokens' compute alone (`suffix_ttft_s`), so that fetch TTFT - the warm-up read - that is
+what a fetch costs beyond its bytes and compute (`fetch_overhead_s`).
+
+NOTE: live serving cannot force either per request (a worker reads whatever the pool holds),
+so this drives the prefill worker's code path (LLMEngine + StoreKVConnector) directly.
+
+The Conductor's side: its cost model fitted in the same run to this engine on this machine
+(tsukimi/engine/profile.py `profile`, wall-clock medians at the chunk shapes the requests
+run), `kv_bandwidth_bytes_s` the shaped rate (and, apart, the measured one), the prefix in its
+index at the pool; its decision for the request (queue 0) is its pick and estimate, and the
+other option's estimate comes from the same arithmetic (`fetch_estimate_s`). Figures and
+goals: prefix_link_report.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import torch
+
+from tsukimi.bench.layerwise import first_token_s
+from tsukimi.bench.prefix_link_report import goals
+from tsukimi.bench.report import BenchReport, begin, finish
+from tsukimi.config import ROUTER_CONDUCTOR
+from tsukimi.engine.engine import LLMEngine
+from tsukimi.engine.kv_cache import KVLayout, PagedKVCache
+from tsukimi.engine.kv_pool import KVFormat, StoreKVConnector
+from tsukimi.engine.profile import ProfileResult, Timing, profile
+from tsukimi.engine.weights import LoadedModel, load_model
+from tsukimi.errors import ConfigError
+from tsukimi.lab import HOST_ID_ENV, Lab, LinkShape, Topology
+from tsukimi.lab.counters import nic_bytes
+from tsukimi.lab.topology import parse_rate
+from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
+from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest
+from tsukimi.scheduler.cost_model import CostModel, chunked_prefill_s
+from tsukimi.scheduler.prefix_index import PrefixIndex, location
+from tsukimi.store.client import StoreClient
+from tsukimi.testing.lab_store import start_spread_store
+
+STORE, PREFILL = "store", "prefill"
+POOL_LOCATION = location("pool", "dram")  # NOTE: where the router's index puts pooled blocks
+Row = dict[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLinkConfig:
+    """One run: the model, the request's shape, the link rates (each way) and the rounds.
+    `lease_s`: the master's read lease: a read must end within 0.8 of it (replica_io.py), so it
+    must cover the whole prefix at the slowest link."""
+
+    model: str = "random:smollm2-135m"
+    prefix_tokens: int = 2048
+    new_tokens: int = 64
+    block_tokens: int = 512
+    chunk_tokens: int = 512
+    link_rates: tuple[str, ...] = ("50mbit", "400mbit")
+    repeats: int = 3
+    dtype: str = "float32"
+    lease_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.prefix_tokens < self.block_tokens or self.prefix_tokens % self.block_tokens:
+            raise ConfigError(f"--prefix-tokens must be whole blocks of {self.block_tokens} tokens")
+        if self.new_tokens < 1 or self.repeats < 1 or self.chunk_tokens < 1:
+            raise ConfigError("--new-tokens, --repeats and the chunk must be >= 1")
+        if not self.link_rates or any(parse_rate(r, "--link-rates") == 0 for r in self.link_rates):
+            raise ConfigError("the bench needs shaped links: --link-rates such as 50mbit,400mbit, not unlimited")
+
+
+QUICK = PrefixLinkConfig(model="tiny", link_rates=("20mbit", "400mbit"), repeats=1)
+
+
+class _Requests:
+    """The model, the prompts and fresh engines over one store client (the worker's, kept)."""
+
+    def __init__(self, cfg: PrefixLinkConfig, loaded: LoadedModel, client: StoreClient) -> None:
+        mc = loaded.config
+        self.cfg, self.loaded = cfg, loaded
+        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_tokens, mc.torch_dtype)
+        self.connector = StoreKVConnector(client, KVFormat.of(mc.identity, self.layout))
+        self.prefix = [(7 * i + 3) % (mc.vocab_size - 10) + 5 for i in range(cfg.prefix_tokens)]
+        self.hashes: list[BlockHash] = hash_blocks(self.prefix, cfg.block_tokens)
+        self.num_blocks = -(-(cfg.prefix_tokens + cfg.new_tokens + 1) // cfg.block_tokens) + 1
+        self._serial = 0
+
+    @property
+    def input_tokens(self) -> int:
+        return self.cfg.prefix_tokens + self.cfg.new_tokens
+
+    @property
+    def prefix_bytes(self) -> int:
+        """What a fetch moves: every (block, layer) object, trailer included."""
+        return len(self.hashes) * self.layout.num_layers * self.layout.slot_bytes
+
+    def prompt(self) -> list[int]:
+        """The prefix and `new_tokens` tokens no earlier prompt had."""
+        self._serial += 1
+        return self.prefix + [(self._serial * 131 + i) % 1000 + 10 for i in range(self.cfg.new_tokens)]
+
+    def engine(self, pooled: bool) -> LLMEngine:
+        mc = self.loaded.config
+        connector = self.connector if pooled else None
+        return LLMEngine(
+            self.loaded.model, self.layout, self.num_blocks, mc.eos_token_ids, self.cfg.chunk_tokens, connector
+        )
+
+    def publish(self) -> None:
+        """One request on a pooled engine: its prefix blocks go to the pool. Raises
+        AssertionError when the pool does not then hold every block."""
+        engine = self.engine(pooled=True)
+        first_token_s(engine, self.prompt())
+        self.connector.flush()
+        held = self.connector.probe(self.hashes)
+        assert held == len(self.hashes), f"the pool holds {held} of the prefix's {len(self.hashes)} blocks"
+
+    def ttft_s(self, mode: str) -> tuple[float, float]:
+        """TTFT of one request on a fresh engine ("fetch": pooled, "recompute": not), and of a
+        second one on it, the prefix in its local cache then (the new tokens' compute alone).
+        Raises AssertionError when the fetch did not read the whole prefix from the pool."""
+        gc.collect()  # NOTE: the previous engine's cache is freed before this one is timed
+        engine = self.engine(pooled=mode == "fetch")
+        loaded_before = self.connector.loaded_blocks
+        seconds = first_token_s(engine, self.prompt())
+        fetched = self.connector.loaded_blocks - loaded_before
+        want = len(self.hashes) if mode == "fetch" else 0
+        assert fetched == want, f"{mode}: {fetched} blocks loaded from the pool, expected {want}"
+        return seconds, first_token_s(engine, self.prompt())
+
+    def load_s(self) -> float:
+        """Every layer of every prefix block into a fresh cache, nothing else (the fetch alone)."""
+        cache = PagedKVCache(self.layout, self.num_blocks)
+        start = time.perf_counter()
+        loaded = self.connector.load(self.hashes, list(range(len(self.hashes))), cache)
+        elapsed = time.perf_counter() - start
+        assert loaded == len(self.hashes), f"only {loaded} of {len(self.hashes)} prefix blocks read from the pool"
+        return elapsed
+
+
+def fit_cost(cfg: PrefixLinkConfig, requests: _Requests) -> ProfileResult:
+    """The linear cost model of this engine here: prefills at the shapes the requests run (each
+    chunk of a recompute after the chunks before it; the new tokens after the prefix), wall-clock
+    medians after a warm-up each (the TTFTs are wall-clock too)."""
+    chunk, total = cfg.chunk_tokens, requests.input_tokens
+    recompute = [(min(chunk, total - done), done) for done in range(0, total, chunk)]
+    points = tuple(dict.fromkeys([*recompute, (cfg.new_tokens, cfg.prefix_tokens), (cfg.new_tokens, 0)]))
+    decode = ((1, 64), (2, 256), (4, 512))  # NOTE: the fit needs them; no request here decodes
+    timing = Timing(warm_each=True)
+    return profile(requests.loaded.model, requests.layout, points, decode, repeats=3, timing=timing)
+
+
+def conductor_estimates(
+    cfg: PrefixLinkConfig, cost: CostModel, hashes: list[BlockHash], bandwidth_bytes_s: float
+) -> Row:
+    """The Conductor's decision for the request (the prefix in the pool, nothing queued), its
+    estimates of both options and its pick, at `bandwidth_bytes_s` (pure)."""
+    conductor_cfg = dataclasses.replace(
+        ROUTER_CONDUCTOR,
+        block_tokens=cfg.block_tokens,
+        prefill_chunk_tokens=cfg.chunk_tokens,
+        kv_bandwidth_bytes_s=bandwidth_bytes_s,
+        rejection="none",
+        reuse="global",
+        balancing_threshold=1.0,
+    )
+    index = PrefixIndex()
+    index.stored(POOL_LOCATION, hashes)
+    conductor = Conductor(conductor_cfg, cost, index, [PREFILL], ["decode"], 1 << 30)
+    tokens = cfg.prefix_tokens + cfg.new_tokens
+    decision: Decision = conductor.schedule(ScheduleRequest(1, tokens, hashes, max_tokens=1), now=0.0)
+    recompute_s = chunked_prefill_s(cost, tokens, 0, cfg.chunk_tokens)
+    fetch_s = fetch_estimate_s(cost, cfg, bandwidth_bytes_s)
+    pick = "fetch" if decision.fetch_from == POOL_LOCATION else "recompute"
+    expected = math.isclose(decision.ttft_s, fetch_s if pick == "fetch" else recompute_s)
+    assert expected and decision.queue_s == 0, f"the Conductor's decision {decision} is not its own arithmetic"
+    return {
+        "pick": pick,
+        "fetch_s": round(fetch_s, 4),
+        "fetch_transfer_s": round(cost.transfer_s(cfg.prefix_tokens, bandwidth_bytes_s), 4),
+        "recompute_s": round(recompute_s, 4),
+    }
+
+
+def fetch_estimate_s(cost: CostModel, cfg: PrefixLinkConfig, bandwidth_bytes_s: float) -> float:
+    """The Conductor's fetch option (`Conductor._best_prefill`): the prefix's transfer, then
+    the new tokens after it (pure)."""
+    transfer_s = cost.transfer_s(cfg.prefix_tokens, bandwidth_bytes_s)
+    return transfer_s + chunked_prefill_s(cost, cfg.new_tokens, cfg.prefix_tokens, cfg.chunk_tokens)
+
+
+def measure_link(lab: Lab, requests: _Requests, rate: str, cost: CostModel, say: Callable[[str], None]) -> Row:
+    """Shape both links to `rate`, then the warm-up read, the rounds and the estimates."""
+    cfg = requests.cfg
+    for host in (STORE, PREFILL):
+        lab.set_link(host, 0, rate=rate)
+    before = nic_bytes(lab, PREFILL)
+    load_s = requests.load_s()
+    wire_bytes = (nic_bytes(lab, PREFILL) - before).rx_bytes
+    rate_bytes_s = parse_rate(rate) / 8
+    fetch_rate = requests.prefix_bytes / load_s
+    say(f"{rate}: the prefix ({requests.prefix_bytes / 2**20:.1f} MiB) read in {load_s:.2f} s")
+    samples: dict[str, list[float]] = {"fetch": [], "recompute": [], "suffix": []}
+    for index in range(cfg.repeats):
+        order = ("fetch", "recompute") if index % 2 == 0 else ("recompute", "fetch")
+        for mode in order:
+            ttft_s, suffix_s = requests.ttft_s(mode)
+            samples[mode].append(ttft_s)
+            samples["suffix"].append(suffix_s)
+        say(f"{rate} round {index + 1}: " + ", ".join(f"{m} {v[-1]:.2f} s" for m, v in samples.items()))
+    measured = {mode: statistics.median(v) for mode, v in samples.items()}
+    shaped = conductor_estimates(cfg, cost, requests.hashes, rate_bytes_s)
+    at_measured = conductor_estimates(cfg, cost, requests.hashes, fetch_rate)
+    return {
+        "link_rate": rate,
+        "link_bytes_s": rate_bytes_s,
+        "prefix_bytes": requests.prefix_bytes,
+        "load_s": round(load_s, 4),
+        "fetch_bytes_s": round(fetch_rate),
+        "fetch_x_link": round(fetch_rate / rate_bytes_s, 3),
+        "wire_bytes": wire_bytes,
+        "wire_x_link": round(wire_bytes / load_s / rate_bytes_s, 3),
+        "fetch_ttft_s": round(measured["fetch"], 4),
+        "recompute_ttft_s": round(measured["recompute"], 4),
+        "suffix_ttft_s": round(measured["suffix"], 4),
+        "fetch_overhead_s": round(measured["fetch"] - load_s - measured["suffix"], 4),
+        "fetch_ttft_samples_s": [round(v, 4) for v in samples["fetch"]],
+        "recompute_ttft_samples_s": [round(v, 4) for v in samples["recompute"]],
+        "faster": "fetch" if measured["fetch"] < measured["recompute"] else "recompute",
+        "estimate": shaped,
+        "estimate_at_measured_rate": at_measured,
+        "fetch_error": round(float(str(shaped["fetch_s"])) / measured["fetch"] - 1, 4),
+        "recompute_error": round(float(str(shaped["recompute_s"])) / measured["recompute"] - 1, 4),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+@contextmanager
+def _host_identity(identity: str) -> Iterator[None]:
+    """This process reports `identity` (its store client's segment: tcp to the other host)."""
+    before = os.environ.get(HOST_ID_ENV)
+    os.environ[HOST_ID_ENV] = identity
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(HOST_ID_ENV, None)
+        else:
+            os.environ[HOST_ID_ENV] = before
+
+
+def run(cfg: PrefixLinkConfig, say: Callable[[str], None] = lambda _: None) -> Row:
+    """Build the lab, publish the prefix, fit the cost model, measure every link rate, tear it
+    all down; the figures (see the module).
+
+    Raises:
+        ConfigError: no namespaces here (naming what is missing).
+        PeerError / OSError: the store did not come up.
+    """
+    torch.set_num_threads(1)  # NOTE: as a worker's engine thread runs
+    loaded = load_model(cfg.model, cfg.dtype)  # type: ignore[arg-type]
+    kv_bytes = loaded.config.kv_bytes_per_token * cfg.prefix_tokens
+    topology = Topology.of(STORE, PREFILL, link=LinkShape(rate_bps=0))
+    say(f"building the lab: {STORE} (master + holder), {PREFILL} (the engine)")
+    with Lab(topology) as lab, lab.entered(PREFILL), _host_identity(lab.host_id(PREFILL)):
+        log_dir = Path(tempfile.mkdtemp(prefix="tsukimi-prefix-link-"))
+        lease = (f"lease_ttl_s={cfg.lease_s}", f"put_timeout_s={cfg.lease_s}")
+        store = start_spread_store(lab, STORE, [STORE], PREFILL, log_dir, 2 * kv_bytes + (64 << 20), lease)
+        try:
+            requests = _Requests(cfg, loaded, store.deployment.client())
+            say("publishing the prefix (links unshaped)")
+            requests.publish()
+            say("fitting the cost model to this engine")
+            fitted = fit_cost(cfg, requests)
+            cost = cast(CostModel, fitted.model)  # NOTE: frozen, as the router's config model (worker_costs.py)
+            links = [measure_link(lab, requests, rate, cost, say) for rate in cfg.link_rates]
+        finally:
+            store.close()
+        hosts = [{"name": h, "address": lab.address(h)} for h in (STORE, PREFILL)]
+    return {
+        "topology": {
+            "hosts": hosts,
+            "roles": {STORE: "store master + holder of the prefix", PREFILL: "prefill engine + store client"},
+            "shaping": "tbf, each way, on both hosts' links",
+        },
+        "model": cfg.model,
+        "kv_bytes_per_token": loaded.config.kv_bytes_per_token,
+        "input_tokens": requests.input_tokens,
+        "cost_model": fitted.as_dict(),
+        "bandwidth_used": "the shaped rate (estimate); the measured fetch rate (estimate_at_measured_rate)",
+        "links": links,
+    }
+
+
+def run_report(cfg: PrefixLinkConfig, say: Callable[[str], None] = lambda _: None) -> BenchReport:
+    """`tsukimi bench prefix-link`: run (see `run`) and report, the issue's goals as verdicts
+    (prefix_link_report.py).
+
+    Raises:
+        As `run`.
+    """
+    start = begin("bench prefix-link", cfg)
+    figures = run(cfg, say)
+    links = figures["links"]
+    assert isinstance(links, list)
+    return finish(start, figures, goals(links))
