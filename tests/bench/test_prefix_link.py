@@ -8,25 +8,29 @@ from typing import cast
 
 import pytest
 
-from tsukimi.bench.prefix_link import PrefixLinkConfig, conductor_estimates, fetch_estimate_s
+from tsukimi.bench.prefix_link import PrefixLinkConfig
+from tsukimi.bench.prefix_link_estimate import Estimate, RequestShape, conductor_estimate
 from tsukimi.bench.prefix_link_report import goals, render_markdown
 from tsukimi.errors import ConfigError
 from tsukimi.scheduler.block_hash import BlockHash
 from tsukimi.scheduler.cost_model import CostModel, LinearCostModel
 
-CFG = PrefixLinkConfig(prefix_tokens=2048, new_tokens=64)
+SHAPE = RequestShape(2048, 64, 512, 512, tuple(BlockHash(h) for h in (11, 12, 13, 14)))
 # NOTE: 1 ms a token, no fixed or attention cost; 40 000 B of KV a token: the prefix is 81.92 MB
 COST = cast(CostModel, LinearCostModel((0.0, 1e-3, 0.0), (0.0, 0.0, 0.0), 40_000))
-HASHES = [BlockHash(h) for h in (11, 12, 13, 14)]
 
 
 def test_the_conductor_recomputes_where_the_link_is_slower_than_the_engine() -> None:
     # the engine computes 1000 tokens/s = 40 MB/s of KV: below that, recompute wins
-    slow = conductor_estimates(CFG, COST, HASHES, 20e6)
-    assert slow == {"pick": "recompute", "fetch_s": 4.16, "fetch_transfer_s": 4.096, "recompute_s": 2.112}
-    fast = conductor_estimates(CFG, COST, HASHES, 80e6)
-    assert fast == {"pick": "fetch", "fetch_s": 1.088, "fetch_transfer_s": 1.024, "recompute_s": 2.112}
-    assert fetch_estimate_s(COST, CFG, 80e6) == pytest.approx(1.088)
+    slow = conductor_estimate(SHAPE, COST, 20e6)
+    assert _rounded(slow) == Estimate("recompute", 4.16, 4.096, 2.112, 1.0)
+    fast = conductor_estimate(SHAPE, COST, 80e6, slowdown=1.5)
+    assert _rounded(fast) == Estimate("fetch", 1.088, 1.024, 2.112, 1.5)
+    assert (fast.of("fetch"), fast.of("recompute")) == (fast.fetch_s, fast.recompute_s)
+
+
+def _rounded(e: Estimate) -> Estimate:
+    return Estimate(e.pick, round(e.fetch_s, 6), round(e.transfer_s, 6), round(e.recompute_s, 6), e.slowdown)
 
 
 def _row(rate: str, bytes_s: float, fetch: tuple[float, float], recompute: tuple[float, float], pick: str) -> dict:

@@ -143,7 +143,7 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     pl.add_argument("--prefix-tokens", type=int, default=2048, help="whole 512-token blocks")
     pl.add_argument("--new-tokens", type=int, default=64)
     pl.add_argument(
-        "--link-rates", type=parse_names, default=("50mbit", "400mbit"), help="each way, e.g. 50mbit,400mbit"
+        "--link-rates", type=parse_names, default=("25mbit", "400mbit"), help="each way, e.g. 25mbit,400mbit"
     )
     pl.add_argument("--repeats", type=int, default=3)
     pl.add_argument("--quick", action="store_true", help="the tiny model, links 20mbit,400mbit, one round")

@@ -24,53 +24,45 @@ what a fetch costs beyond its bytes and compute (`fetch_overhead_s`).
 NOTE: live serving cannot force either per request (a worker reads whatever the pool holds),
 so this drives the prefill worker's code path (LLMEngine + StoreKVConnector) directly.
 
-The Conductor's side: its cost model fitted in the same run to this engine on this machine
-(tsukimi/engine/profile.py `profile`, wall-clock medians at the chunk shapes the requests
-run), `kv_bandwidth_bytes_s` the shaped rate (and, apart, the measured one), the prefix in its
-index at the pool; its decision for the request (queue 0) is its pick and estimate, and the
-other option's estimate comes from the same arithmetic (`fetch_estimate_s`). Figures and
-goals: prefix_link_report.py.
+The Conductor's side (prefix_link_estimate.py): the engine's start-up profile and step meter,
+as a worker's, and before each request the Conductor's decision for it, as the router would
+make it then (queue 0; the prefix in its index at the pool; `kv_bandwidth_bytes_s` the shaped
+rate, and apart the measured one). Figures and goals: prefix_link_report.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-import math
 import os
 import statistics
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 import torch
 
 from tsukimi.bench.layerwise import first_token_s
+from tsukimi.bench.prefix_link_estimate import PREFILL, Estimate, RequestShape, WorkerEstimates
 from tsukimi.bench.prefix_link_report import goals
 from tsukimi.bench.report import BenchReport, begin, finish
-from tsukimi.config import ROUTER_CONDUCTOR
 from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.kv_cache import KVLayout, PagedKVCache
 from tsukimi.engine.kv_pool import KVFormat, StoreKVConnector
-from tsukimi.engine.profile import ProfileResult, Timing, profile
 from tsukimi.engine.weights import LoadedModel, load_model
 from tsukimi.errors import ConfigError
 from tsukimi.lab import HOST_ID_ENV, Lab, LinkShape, Topology
 from tsukimi.lab.counters import nic_bytes
 from tsukimi.lab.topology import parse_rate
-from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
-from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest
-from tsukimi.scheduler.cost_model import CostModel, chunked_prefill_s
-from tsukimi.scheduler.prefix_index import PrefixIndex, location
+from tsukimi.scheduler.block_hash import hash_blocks
 from tsukimi.store.client import StoreClient
 from tsukimi.testing.lab_store import start_spread_store
 
-STORE, PREFILL = "store", "prefill"
-POOL_LOCATION = location("pool", "dram")  # NOTE: where the router's index puts pooled blocks
+STORE = "store"
+MODES = ("fetch", "recompute")
 Row = dict[str, object]
 
 
@@ -85,7 +77,7 @@ class PrefixLinkConfig:
     new_tokens: int = 64
     block_tokens: int = 512
     chunk_tokens: int = 512
-    link_rates: tuple[str, ...] = ("50mbit", "400mbit")
+    link_rates: tuple[str, ...] = ("25mbit", "400mbit")
     repeats: int = 3
     dtype: str = "float32"
     lease_s: float = 120.0
@@ -96,14 +88,14 @@ class PrefixLinkConfig:
         if self.new_tokens < 1 or self.repeats < 1 or self.chunk_tokens < 1:
             raise ConfigError("--new-tokens, --repeats and the chunk must be >= 1")
         if not self.link_rates or any(parse_rate(r, "--link-rates") == 0 for r in self.link_rates):
-            raise ConfigError("the bench needs shaped links: --link-rates such as 50mbit,400mbit, not unlimited")
+            raise ConfigError("the bench needs shaped links: --link-rates such as 25mbit,400mbit, not unlimited")
 
 
 QUICK = PrefixLinkConfig(model="tiny", link_rates=("20mbit", "400mbit"), repeats=1)
 
 
 class _Requests:
-    """The model, the prompts and fresh engines over one store client (the worker's, kept)."""
+    """The model, the prompts and fresh metered engines over one store client (the worker's, kept)."""
 
     def __init__(self, cfg: PrefixLinkConfig, loaded: LoadedModel, client: StoreClient) -> None:
         mc = loaded.config
@@ -111,18 +103,16 @@ class _Requests:
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_tokens, mc.torch_dtype)
         self.connector = StoreKVConnector(client, KVFormat.of(mc.identity, self.layout))
         self.prefix = [(7 * i + 3) % (mc.vocab_size - 10) + 5 for i in range(cfg.prefix_tokens)]
-        self.hashes: list[BlockHash] = hash_blocks(self.prefix, cfg.block_tokens)
+        hashes = tuple(hash_blocks(self.prefix, cfg.block_tokens))
+        self.shape = RequestShape(cfg.prefix_tokens, cfg.new_tokens, cfg.block_tokens, cfg.chunk_tokens, hashes)
         self.num_blocks = -(-(cfg.prefix_tokens + cfg.new_tokens + 1) // cfg.block_tokens) + 1
+        self.worker = WorkerEstimates(loaded.model, self.layout, cfg.chunk_tokens)
         self._serial = 0
-
-    @property
-    def input_tokens(self) -> int:
-        return self.cfg.prefix_tokens + self.cfg.new_tokens
 
     @property
     def prefix_bytes(self) -> int:
         """What a fetch moves: every (block, layer) object, trailer included."""
-        return len(self.hashes) * self.layout.num_layers * self.layout.slot_bytes
+        return len(self.shape.hashes) * self.layout.num_layers * self.layout.slot_bytes
 
     def prompt(self) -> list[int]:
         """The prefix and `new_tokens` tokens no earlier prompt had."""
@@ -130,11 +120,11 @@ class _Requests:
         return self.prefix + [(self._serial * 131 + i) % 1000 + 10 for i in range(self.cfg.new_tokens)]
 
     def engine(self, pooled: bool) -> LLMEngine:
-        mc = self.loaded.config
-        connector = self.connector if pooled else None
-        return LLMEngine(
+        mc, connector = self.loaded.config, self.connector if pooled else None
+        engine = LLMEngine(
             self.loaded.model, self.layout, self.num_blocks, mc.eos_token_ids, self.cfg.chunk_tokens, connector
         )
+        return self.worker.metered(engine)
 
     def publish(self) -> None:
         """One request on a pooled engine: its prefix blocks go to the pool. Raises
@@ -142,8 +132,8 @@ class _Requests:
         engine = self.engine(pooled=True)
         first_token_s(engine, self.prompt())
         self.connector.flush()
-        held = self.connector.probe(self.hashes)
-        assert held == len(self.hashes), f"the pool holds {held} of the prefix's {len(self.hashes)} blocks"
+        held = self.connector.probe(self.shape.hashes)
+        assert held == len(self.shape.hashes), f"the pool holds {held} of the prefix's {len(self.shape.hashes)} blocks"
 
     def ttft_s(self, mode: str) -> tuple[float, float]:
         """TTFT of one request on a fresh engine ("fetch": pooled, "recompute": not), and of a
@@ -154,93 +144,67 @@ class _Requests:
         loaded_before = self.connector.loaded_blocks
         seconds = first_token_s(engine, self.prompt())
         fetched = self.connector.loaded_blocks - loaded_before
-        want = len(self.hashes) if mode == "fetch" else 0
+        want = len(self.shape.hashes) if mode == "fetch" else 0
         assert fetched == want, f"{mode}: {fetched} blocks loaded from the pool, expected {want}"
         return seconds, first_token_s(engine, self.prompt())
 
     def load_s(self) -> float:
         """Every layer of every prefix block into a fresh cache, nothing else (the fetch alone)."""
-        cache = PagedKVCache(self.layout, self.num_blocks)
+        cache, hashes = PagedKVCache(self.layout, self.num_blocks), self.shape.hashes
         start = time.perf_counter()
-        loaded = self.connector.load(self.hashes, list(range(len(self.hashes))), cache)
+        loaded = self.connector.load(hashes, list(range(len(hashes))), cache)
         elapsed = time.perf_counter() - start
-        assert loaded == len(self.hashes), f"only {loaded} of {len(self.hashes)} prefix blocks read from the pool"
+        assert loaded == len(hashes), f"only {loaded} of {len(hashes)} prefix blocks read from the pool"
         return elapsed
 
 
-def fit_cost(cfg: PrefixLinkConfig, requests: _Requests) -> ProfileResult:
-    """The linear cost model of this engine here: prefills at the shapes the requests run (each
-    chunk of a recompute after the chunks before it; the new tokens after the prefix), wall-clock
-    medians after a warm-up each (the TTFTs are wall-clock too)."""
-    chunk, total = cfg.chunk_tokens, requests.input_tokens
-    recompute = [(min(chunk, total - done), done) for done in range(0, total, chunk)]
-    points = tuple(dict.fromkeys([*recompute, (cfg.new_tokens, cfg.prefix_tokens), (cfg.new_tokens, 0)]))
-    decode = ((1, 64), (2, 256), (4, 512))  # NOTE: the fit needs them; no request here decodes
-    timing = Timing(warm_each=True)
-    return profile(requests.loaded.model, requests.layout, points, decode, repeats=3, timing=timing)
+@dataclass(slots=True)
+class _Samples:
+    """Per option: the measured TTFTs and the estimates made just before each."""
+
+    measured: dict[str, list[float]]
+    estimates: dict[str, list[Estimate]]
+    at_measured_rate: dict[str, list[Estimate]]
+    suffix_s: list[float]
+
+    def error(self, mode: str, at_measured_rate: bool = False) -> float:
+        """The median over the requests of estimated / measured - 1."""
+        made = (self.at_measured_rate if at_measured_rate else self.estimates)[mode]
+        return statistics.median(e.of(mode) / m - 1 for e, m in zip(made, self.measured[mode], strict=True))
+
+    def median(self, mode: str, what: str) -> float:
+        return statistics.median(getattr(e, what) for e in self.estimates[mode])
 
 
-def conductor_estimates(
-    cfg: PrefixLinkConfig, cost: CostModel, hashes: list[BlockHash], bandwidth_bytes_s: float
-) -> Row:
-    """The Conductor's decision for the request (the prefix in the pool, nothing queued), its
-    estimates of both options and its pick, at `bandwidth_bytes_s` (pure)."""
-    conductor_cfg = dataclasses.replace(
-        ROUTER_CONDUCTOR,
-        block_tokens=cfg.block_tokens,
-        prefill_chunk_tokens=cfg.chunk_tokens,
-        kv_bandwidth_bytes_s=bandwidth_bytes_s,
-        rejection="none",
-        reuse="global",
-        balancing_threshold=1.0,
-    )
-    index = PrefixIndex()
-    index.stored(POOL_LOCATION, hashes)
-    conductor = Conductor(conductor_cfg, cost, index, [PREFILL], ["decode"], 1 << 30)
-    tokens = cfg.prefix_tokens + cfg.new_tokens
-    decision: Decision = conductor.schedule(ScheduleRequest(1, tokens, hashes, max_tokens=1), now=0.0)
-    recompute_s = chunked_prefill_s(cost, tokens, 0, cfg.chunk_tokens)
-    fetch_s = fetch_estimate_s(cost, cfg, bandwidth_bytes_s)
-    pick = "fetch" if decision.fetch_from == POOL_LOCATION else "recompute"
-    expected = math.isclose(decision.ttft_s, fetch_s if pick == "fetch" else recompute_s)
-    assert expected and decision.queue_s == 0, f"the Conductor's decision {decision} is not its own arithmetic"
-    return {
-        "pick": pick,
-        "fetch_s": round(fetch_s, 4),
-        "fetch_transfer_s": round(cost.transfer_s(cfg.prefix_tokens, bandwidth_bytes_s), 4),
-        "recompute_s": round(recompute_s, 4),
-    }
-
-
-def fetch_estimate_s(cost: CostModel, cfg: PrefixLinkConfig, bandwidth_bytes_s: float) -> float:
-    """The Conductor's fetch option (`Conductor._best_prefill`): the prefix's transfer, then
-    the new tokens after it (pure)."""
-    transfer_s = cost.transfer_s(cfg.prefix_tokens, bandwidth_bytes_s)
-    return transfer_s + chunked_prefill_s(cost, cfg.new_tokens, cfg.prefix_tokens, cfg.chunk_tokens)
-
-
-def measure_link(lab: Lab, requests: _Requests, rate: str, cost: CostModel, say: Callable[[str], None]) -> Row:
-    """Shape both links to `rate`, then the warm-up read, the rounds and the estimates."""
-    cfg = requests.cfg
+def measure_link(lab: Lab, requests: _Requests, rate: str, say: Callable[[str], None]) -> Row:
+    """Shape both links to `rate`, then the warm-up read and the rounds, each request estimated
+    just before it runs."""
     for host in (STORE, PREFILL):
         lab.set_link(host, 0, rate=rate)
     before = nic_bytes(lab, PREFILL)
     load_s = requests.load_s()
     wire_bytes = (nic_bytes(lab, PREFILL) - before).rx_bytes
-    rate_bytes_s = parse_rate(rate) / 8
-    fetch_rate = requests.prefix_bytes / load_s
+    rate_bytes_s, fetch_rate = parse_rate(rate) / 8, requests.prefix_bytes / load_s
     say(f"{rate}: the prefix ({requests.prefix_bytes / 2**20:.1f} MiB) read in {load_s:.2f} s")
-    samples: dict[str, list[float]] = {"fetch": [], "recompute": [], "suffix": []}
-    for index in range(cfg.repeats):
-        order = ("fetch", "recompute") if index % 2 == 0 else ("recompute", "fetch")
-        for mode in order:
+    got = _Samples({m: [] for m in MODES}, {m: [] for m in MODES}, {m: [] for m in MODES}, [])
+    for index in range(requests.cfg.repeats):
+        for mode in MODES if index % 2 == 0 else MODES[::-1]:
+            got.estimates[mode].append(requests.worker.estimate(requests.shape, rate_bytes_s))
+            got.at_measured_rate[mode].append(requests.worker.estimate(requests.shape, fetch_rate))
             ttft_s, suffix_s = requests.ttft_s(mode)
-            samples[mode].append(ttft_s)
-            samples["suffix"].append(suffix_s)
-        say(f"{rate} round {index + 1}: " + ", ".join(f"{m} {v[-1]:.2f} s" for m, v in samples.items()))
-    measured = {mode: statistics.median(v) for mode, v in samples.items()}
-    shaped = conductor_estimates(cfg, cost, requests.hashes, rate_bytes_s)
-    at_measured = conductor_estimates(cfg, cost, requests.hashes, fetch_rate)
+            got.measured[mode].append(ttft_s)
+            got.suffix_s.append(suffix_s)
+        say(f"{rate} round {index + 1}: " + ", ".join(f"{m} {got.measured[m][-1]:.2f} s" for m in MODES))
+    return _link_row(requests, rate, (load_s, wire_bytes), got)
+
+
+def _link_row(requests: _Requests, rate: str, read: tuple[float, int], got: _Samples) -> Row:
+    """The figures of one link (see prefix_link_report.py)."""
+    load_s, wire_bytes = read
+    rate_bytes_s, fetch_rate = parse_rate(rate) / 8, requests.prefix_bytes / load_s
+    measured = {mode: statistics.median(v) for mode, v in got.measured.items()}
+    suffix_s = statistics.median(got.suffix_s)
+    picks = Counter(e.pick for made in got.estimates.values() for e in made)
     return {
         "link_rate": rate,
         "link_bytes_s": rate_bytes_s,
@@ -252,15 +216,21 @@ def measure_link(lab: Lab, requests: _Requests, rate: str, cost: CostModel, say:
         "wire_x_link": round(wire_bytes / load_s / rate_bytes_s, 3),
         "fetch_ttft_s": round(measured["fetch"], 4),
         "recompute_ttft_s": round(measured["recompute"], 4),
-        "suffix_ttft_s": round(measured["suffix"], 4),
-        "fetch_overhead_s": round(measured["fetch"] - load_s - measured["suffix"], 4),
-        "fetch_ttft_samples_s": [round(v, 4) for v in samples["fetch"]],
-        "recompute_ttft_samples_s": [round(v, 4) for v in samples["recompute"]],
+        "suffix_ttft_s": round(suffix_s, 4),
+        "fetch_overhead_s": round(measured["fetch"] - load_s - suffix_s, 4),
+        "samples_s": {mode: [round(v, 4) for v in got.measured[mode]] for mode in MODES},
         "faster": "fetch" if measured["fetch"] < measured["recompute"] else "recompute",
-        "estimate": shaped,
-        "estimate_at_measured_rate": at_measured,
-        "fetch_error": round(float(str(shaped["fetch_s"])) / measured["fetch"] - 1, 4),
-        "recompute_error": round(float(str(shaped["recompute_s"])) / measured["recompute"] - 1, 4),
+        "estimate": {
+            "pick": picks.most_common(1)[0][0],
+            "picks": dict(picks),
+            "fetch_s": round(got.median("fetch", "fetch_s"), 4),
+            "transfer_s": round(got.median("fetch", "transfer_s"), 4),
+            "recompute_s": round(got.median("recompute", "recompute_s"), 4),
+            "prefill_slowdown": round(got.median("recompute", "slowdown"), 3),
+        },
+        "fetch_error": round(got.error("fetch"), 4),
+        "recompute_error": round(got.error("recompute"), 4),
+        "fetch_error_at_measured_rate": round(got.error("fetch", at_measured_rate=True), 4),
         "load_avg_1m": os.getloadavg()[0],
     }
 
@@ -280,7 +250,7 @@ def _host_identity(identity: str) -> Iterator[None]:
 
 
 def run(cfg: PrefixLinkConfig, say: Callable[[str], None] = lambda _: None) -> Row:
-    """Build the lab, publish the prefix, fit the cost model, measure every link rate, tear it
+    """Build the lab, publish the prefix, profile the engine, measure every link rate, tear it
     all down; the figures (see the module).
 
     Raises:
@@ -291,7 +261,7 @@ def run(cfg: PrefixLinkConfig, say: Callable[[str], None] = lambda _: None) -> R
     loaded = load_model(cfg.model, cfg.dtype)  # type: ignore[arg-type]
     kv_bytes = loaded.config.kv_bytes_per_token * cfg.prefix_tokens
     topology = Topology.of(STORE, PREFILL, link=LinkShape(rate_bps=0))
-    say(f"building the lab: {STORE} (master + holder), {PREFILL} (the engine)")
+    say(f"building the lab: {STORE} (master + holder), {PREFILL} (the engine); profiling the engine")
     with Lab(topology) as lab, lab.entered(PREFILL), _host_identity(lab.host_id(PREFILL)):
         log_dir = Path(tempfile.mkdtemp(prefix="tsukimi-prefix-link-"))
         lease = (f"lease_ttl_s={cfg.lease_s}", f"put_timeout_s={cfg.lease_s}")
@@ -300,10 +270,7 @@ def run(cfg: PrefixLinkConfig, say: Callable[[str], None] = lambda _: None) -> R
             requests = _Requests(cfg, loaded, store.deployment.client())
             say("publishing the prefix (links unshaped)")
             requests.publish()
-            say("fitting the cost model to this engine")
-            fitted = fit_cost(cfg, requests)
-            cost = cast(CostModel, fitted.model)  # NOTE: frozen, as the router's config model (worker_costs.py)
-            links = [measure_link(lab, requests, rate, cost, say) for rate in cfg.link_rates]
+            links = [measure_link(lab, requests, rate, say) for rate in cfg.link_rates]
         finally:
             store.close()
         hosts = [{"name": h, "address": lab.address(h)} for h in (STORE, PREFILL)]
@@ -315,9 +282,9 @@ def run(cfg: PrefixLinkConfig, say: Callable[[str], None] = lambda _: None) -> R
         },
         "model": cfg.model,
         "kv_bytes_per_token": loaded.config.kv_bytes_per_token,
-        "input_tokens": requests.input_tokens,
-        "cost_model": fitted.as_dict(),
-        "bandwidth_used": "the shaped rate (estimate); the measured fetch rate (estimate_at_measured_rate)",
+        "input_tokens": cfg.prefix_tokens + cfg.new_tokens,
+        "cost_model": requests.worker.profile.as_dict(),
+        "bandwidth": "estimate: the shaped rate; estimate_at_measured_rate: the warm-up read's rate",
         "links": links,
     }
 
