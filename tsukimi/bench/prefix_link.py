@@ -173,7 +173,8 @@ class _Samples:
         return statistics.median(e.of(mode) / m - 1 for e, m in zip(made, self.measured[mode], strict=True))
 
     def median(self, mode: str, what: str) -> float:
-        return statistics.median(getattr(e, what) for e in self.estimates[mode])
+        """The median of field `what` of the estimates made before `mode`'s requests."""
+        return statistics.median(float(getattr(e, what)) for e in self.estimates[mode])
 
 
 def measure_link(lab: Lab, requests: _Requests, rate: str, say: Callable[[str], None]) -> Row:
