@@ -10,8 +10,9 @@ measured, next to the Conductor's TTFT estimate of each and its pick (issue 24, 
 The prefix (`prefix_tokens`, whole `block_tokens` blocks) is published to the pool once, the
 link unshaped. Then, per link rate, after a warm-up read of the whole prefix (its time and the
 link's kernel byte counters give the measured fetch rate), `repeats` rounds, in alternating
-order, of one request (prefix + `new_tokens` fresh tokens) on a fresh engine (an empty local
-cache: a worker that never saw the prefix), timed from `add_request` to its first token:
+order, of one request (prefix + `new_tokens` fresh tokens) on an engine whose local cache was
+just emptied (a worker that does not hold the prefix), timed from `add_request` to its first
+token:
 
   fetch      the engine's KV connector on the pool: every layer of the prefix's blocks read
              at admission (StoreKVConnector.load, as a prefill worker does), then the rest
@@ -95,7 +96,8 @@ QUICK = PrefixLinkConfig(model="tiny", link_rates=("20mbit", "400mbit"), repeats
 
 
 class _Requests:
-    """The model, the prompts and fresh metered engines over one store client (the worker's, kept)."""
+    """The model, the prompts, one store client and two metered engines, each long-lived as a
+    worker's: one with the KV pool (fetch), one without (recompute)."""
 
     def __init__(self, cfg: PrefixLinkConfig, loaded: LoadedModel, client: StoreClient) -> None:
         mc = loaded.config
@@ -107,6 +109,7 @@ class _Requests:
         self.shape = RequestShape(cfg.prefix_tokens, cfg.new_tokens, cfg.block_tokens, cfg.chunk_tokens, hashes)
         self.num_blocks = -(-(cfg.prefix_tokens + cfg.new_tokens + 1) // cfg.block_tokens) + 1
         self.worker = WorkerEstimates(loaded.model, self.layout, cfg.chunk_tokens)
+        self.engines = {"fetch": self._engine(pooled=True), "recompute": self._engine(pooled=False)}
         self._serial = 0
 
     @property
@@ -119,7 +122,7 @@ class _Requests:
         self._serial += 1
         return self.prefix + [(self._serial * 131 + i) % 1000 + 10 for i in range(self.cfg.new_tokens)]
 
-    def engine(self, pooled: bool) -> LLMEngine:
+    def _engine(self, pooled: bool) -> LLMEngine:
         mc, connector = self.loaded.config, self.connector if pooled else None
         engine = LLMEngine(
             self.loaded.model, self.layout, self.num_blocks, mc.eos_token_ids, self.cfg.chunk_tokens, connector
@@ -127,20 +130,21 @@ class _Requests:
         return self.worker.metered(engine)
 
     def publish(self) -> None:
-        """One request on a pooled engine: its prefix blocks go to the pool. Raises
+        """One request on the pooled engine: its prefix blocks go to the pool. Raises
         AssertionError when the pool does not then hold every block."""
-        engine = self.engine(pooled=True)
-        first_token_s(engine, self.prompt())
+        first_token_s(self.engines["fetch"], self.prompt())
         self.connector.flush()
         held = self.connector.probe(self.shape.hashes)
         assert held == len(self.shape.hashes), f"the pool holds {held} of the prefix's {len(self.shape.hashes)} blocks"
 
     def ttft_s(self, mode: str) -> tuple[float, float]:
-        """TTFT of one request on a fresh engine ("fetch": pooled, "recompute": not), and of a
-        second one on it, the prefix in its local cache then (the new tokens' compute alone).
-        Raises AssertionError when the fetch did not read the whole prefix from the pool."""
-        gc.collect()  # NOTE: the previous engine's cache is freed before this one is timed
-        engine = self.engine(pooled=mode == "fetch")
+        """TTFT of one request on `mode`'s engine ("fetch": pooled, "recompute": not), its
+        local cache emptied first (a worker that does not hold the prefix), and of a second one
+        after it, the prefix in its local cache then (the new tokens' compute alone). Raises
+        AssertionError when the fetch did not read the whole prefix from the pool."""
+        engine = self.engines[mode]
+        engine.cache.pool.drop_cached()
+        gc.collect()  # NOTE: no collection inside the timed part
         loaded_before = self.connector.loaded_blocks
         seconds = first_token_s(engine, self.prompt())
         fetched = self.connector.loaded_blocks - loaded_before

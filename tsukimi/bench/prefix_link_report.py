@@ -1,14 +1,17 @@
 """The figures of `tsukimi bench prefix-link` (tsukimi/bench/prefix_link.py): issue 24's goals
 as verdicts, the check that the link bounds the fetch, and the table.
 
-Per link rate R (the Conductor's estimates at the shaped rate):
-  fetch_error_R        |estimated / measured - 1| of the pooled-prefix TTFT     <= 0.2
+Per link rate R (the Conductor's estimates at the shaped rate, each request's made just before
+it ran; an error is the median over the requests of estimated / measured - 1, the table's
+estimates the medians of the estimates):
+  fetch_error_R        |that error| of the pooled-prefix TTFT                   <= 0.2
   recompute_error_R    the same for recomputing the prefix                      <= 0.2
   link_bound_R         the prefix's read rate / the shaped rate                 >= 0.8
 Over the rates:
   slow_link_recompute  at the slowest link the Conductor picks recompute, and recompute is
                        measured faster (met: both)
   fast_link_fetch      at the fastest link it picks fetch, and fetch is measured faster
+(its pick: the most frequent over the requests' decisions; `picks` counts them all)
 Reported, never asserted (the machine is shared: docs/benchmarks.md).
 """
 
