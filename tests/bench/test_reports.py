@@ -5,8 +5,10 @@ shape and its verdicts, `quiet_machine` among them. Speed is never asserted.
 
 Smallest configurations: transfer and store `--quick` on fewer cells; p2p an 8 MiB checkpoint
 in 1 MiB shards to N = 1, 2 (far below `--quick`'s 256 MiB); p2p `--lab --quick` (3 receivers
-on emulated hosts, 8 MiB, 100 Mbit/s links; skipped, saying why, where namespaces are refused:
-CI has them); scheduler the sample trace with 200
+on emulated hosts, 8 MiB, 100 Mbit/s links), transfer `--lab --quick` (two hosts of two
+200 Mbit/s NICs, 16 MiB batches, one NIC cut mid-run) and hot-lab `--quick` (3 holders, 4
+readers, 30 requests, off then on) (the lab ones skipped, saying why, where namespaces are
+refused: CI has them); scheduler the sample trace with 200
 decisions; cpp a 300-token prompt, one repeat; prefix-link `--quick` (the tiny model, a 2048-token
 pooled prefix across a 20 and a 400 Mbit/s lab link; skipped where namespaces are refused);
 layerwise a 64-token prefix; serve `--quick` (chat
@@ -115,6 +117,31 @@ def _p2p(report: BenchReport) -> None:
             assert row["origin_bytes"] >= ckpt
         assert row["transport"] == "tcp"
     assert _verdicts(report) == {"origin_x_checkpoint_tcp", "seconds_x_naive_tcp", "gbps_x_gloo_tcp", QUIET_MACHINE}
+
+
+def _transfer_lab(report: BenchReport) -> None:
+    figures = report.figures
+    assert report.configuration["nic_rate"] == "200mbit"
+    hosts = figures["topology"]["hosts"]  # type: ignore[index]
+    assert [(h["name"], len(h["addresses"])) for h in hosts] == [("a", 2), ("b", 2), ("meta", 1)]
+    cells = figures["cells"]
+    assert isinstance(cells, list)
+    assert [(c["nics"], c["op"], c["shaped"]) for c in cells] == [
+        (n, op, shaped) for n, shaped in ((1, True), (2, True), (2, False)) for op in ("write", "read")
+    ]
+    for cell in cells:
+        assert cell["seconds"] > 0 and cell["errors"] == [], cell
+        used = [nic for nic, moved in cell["nic_bytes"].items() if moved >= cell["batch_bytes"] // 4]
+        assert used == (["eth0"] if cell["nics"] == 1 else ["eth0", "eth1"]), cell  # NOTE: 1 NIC: eth0 only
+    failure = figures["nic_failure"]
+    assert isinstance(failure, dict) and len(failure["batches"]) == 4 and failure["time_lost_s"] >= 0
+    assert _verdicts(report) == {
+        "two_nics_x_one",
+        "failed_batches_nic_down",
+        "one_nic_link_busy",
+        "unshaped_x_shaped",
+        QUIET_MACHINE,
+    }
 
 
 def _p2p_lab(report: BenchReport) -> None:
@@ -274,6 +301,36 @@ def _verdicts(report: BenchReport) -> set[str]:
     return {v.name for v in report.verdicts}
 
 
+def _hot_lab(report: BenchReport) -> None:
+    figures = report.figures
+    assert report.configuration["holders"] == 3 and report.configuration["readers"] == 4
+    topo = figures["topology"]
+    assert isinstance(topo, dict) and topo["hosts"] == ["m", "h1", "h2", "h3", "r1", "r2", "r3", "r4"]
+    assert topo["transport"] == "tcp" and topo["link_rate_bps"] == 100_000_000
+    runs = figures["runs"]
+    assert isinstance(runs, list) and [r["hot_threshold"] for r in runs] == [0.0, 1.0]
+    off, on = runs
+    for row in runs:
+        assert row["requests"] == 30 and 0 < row["p50_ttft_s"] <= row["p90_ttft_s"], row
+        assert row["fetched_bytes"] == row["shared_requests"] * figures["prefix_bytes"]  # type: ignore[operator]
+        assert set(row["holder_link_bytes"]) == {"h1", "h2", "h3"} and set(row["holder_cpu_x_core"]) == {
+            "h1",
+            "h2",
+            "h3",
+        }
+    # NOTE: off, the prompt's only replica is on h1: h1 serves every byte, no copy is made
+    assert off["hot_replications"] == 0 and off["prefix_replicas_at_end"] == [1, 1, 1, 1]
+    assert off["holder_link_bytes"]["h1"] >= off["fetched_bytes"] > 10 * off["holder_link_bytes"]["h2"]
+    assert on["hot_replications"] > 0 and max(on["prefix_replicas_at_end"]) > 1
+    assert _verdicts(report) == {
+        "p90_ttft_on_x_off",
+        "busiest_holder_link_off",
+        "cpu_busy_on",
+        "holder_cpu_max",
+        QUIET_MACHINE,
+    }
+
+
 _VLLM = pytest.mark.skipif(bool(VLLM_MISSING), reason=f"no vLLM here: {VLLM_MISSING}")
 _LAB = pytest.mark.skipif(bool(NAMESPACES_REFUSED), reason=f"this machine refuses namespaces: {NAMESPACES_REFUSED}")
 
@@ -297,6 +354,8 @@ CASES = [
         ),
     ),
     _case("p2p-lab", Case(("p2p", "--lab", "--quick", "--timeout", "60"), _p2p_lab, 90), _LAB),
+    _case("transfer-lab", Case(("transfer", "--lab", "--quick"), _transfer_lab, 90), _LAB),
+    _case("hot-lab", Case(("hot-lab", "--quick", "--timeout", "60"), _hot_lab, 120), _LAB),
     _case(
         "scheduler",
         Case(

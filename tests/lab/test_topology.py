@@ -1,10 +1,16 @@
-"""The topology file and the drop filter's program: parsing, errors, pure functions only."""
+"""The topology file, the drop filter's program and the delay line's jitter: parsing, errors,
+pure functions only."""
 
 from __future__ import annotations
+
+import itertools
+import random
+import statistics
 
 import pytest
 
 from tsukimi.errors import ConfigError
+from tsukimi.lab.delay_line import Jitter
 from tsukimi.lab.shaping import drop_program, root_commands
 from tsukimi.lab.topology import LinkShape, Topology, parse_rate, parse_topology
 
@@ -94,5 +100,36 @@ def test_root_commands() -> None:
         ],
     ]
     assert root_commands("ns", "eth0", LinkShape(rate_bps=0))[1:] == []
-    delayed = root_commands("ns", "eth0", LinkShape(delay_ms=50.0))
-    assert "netem" in delayed[1] and "tbf" in delayed[2]
+    # NOTE: delay is a delay line's (tsukimi/lab/delay_line.py), never tc's: the same tbf as without
+    gbit = [*plain[1][:-7], "tbf", "rate", "1000000000bit", "burst", "500000", "latency", "50ms"]
+    assert root_commands("ns", "eth0", LinkShape(delay_ms=50.0, jitter_ms=5.0)) == [plain[0], gbit]
+
+
+def test_which_shapes_need_a_delay_line() -> None:
+    assert not LinkShape().delayed and not LinkShape(rate_bps=0, loss_pct=5.0).delayed
+    assert LinkShape(delay_ms=0.1).delayed and LinkShape(delay_ms=5.0, jitter_ms=5.0).delayed
+
+
+def test_a_shape_in_one_line() -> None:
+    assert LinkShape().summary == "1000 Mbit/s"
+    assert LinkShape(rate_bps=0, delay_ms=25.0, jitter_ms=2.5, loss_pct=1.0).summary == (
+        "unshaped, 25 ms +- 2.5 ms delay, 1 % loss"
+    )
+    assert LinkShape(delay_ms=50.0).summary == "1000 Mbit/s, 50 ms delay"
+
+
+def test_jitter_wanders_within_its_span_around_the_delay_and_never_reorders() -> None:
+    """Frames every 0.5 ms for 20 s under +-10 ms: each offset within the span, the mean near
+    0 (the delay itself), spread over most of the span, release times strictly rising."""
+    jitter = Jitter(random.Random(24))
+    arrivals_s = [i * 0.0005 for i in range(40_000)]
+    offsets_ms = [jitter.offset_s(t, 10.0) * 1000 for t in arrivals_s]
+    assert all(-10.0 <= o <= 10.0 for o in offsets_ms)
+    assert abs(statistics.mean(offsets_ms)) < 1.5
+    deciles = statistics.quantiles(offsets_ms, n=10)
+    assert deciles[-1] - deciles[0] > 8.0, deciles
+    releases = [t + o / 1000 for t, o in zip(arrivals_s, offsets_ms, strict=True)]
+    assert all(b > a for a, b in itertools.pairwise(releases))
+    now = jitter.offset_s(30.0, 10.0)
+    assert jitter.offset_s(30.0, 10.0) == now  # NOTE: no time passed, no step
+    assert jitter.offset_s(31.0, 0.0) == 0.0

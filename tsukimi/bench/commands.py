@@ -72,7 +72,9 @@ def _add_io_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) 
     tr.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians")
     tr.add_argument("--compare-mooncake", action="store_true", help="also run the real Mooncake TE (tcp)")
     tr.add_argument("--compare-nixl", action="store_true", help="also run NIXL itself (make nixl)")
-    tr.add_argument("--quick", action="store_true", help="a small grid for CI smoke runs")
+    tr.add_argument("--quick", action="store_true", help="a small grid for CI smoke runs (--lab: 200mbit, 16 MiB)")
+    tr.add_argument("--lab", action="store_true", help="tcp over two shaped NICs between two emulated hosts (root)")
+    tr.add_argument("--nic-rate", default="300mbit", help="--lab: every NIC's link, each way (tbf), e.g. 300mbit")
     _add_output(tr)
     st = bench.add_parser("store", help="store put/get throughput and latency (vs Mooncake's store)")
     st.add_argument(
@@ -93,6 +95,7 @@ def _add_io_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) 
     st.add_argument("--quick", action="store_true", help="a small grid for CI")
     _add_output(st)
     _add_p2p_bench_parser(bench)
+    _add_hot_lab_parser(bench)
     _add_model_bench_parsers(bench)
 
 
@@ -120,6 +123,26 @@ def _add_p2p_bench_parser(bench: argparse._SubParsersAction[argparse.ArgumentPar
         "--quick", action="store_true", help="N = 1, 4 with a 256 MiB checkpoint (--lab: N = 3, 8 MiB, 100mbit links)"
     )
     _add_output(pp)
+
+
+def _add_hot_lab_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tsukimi bench hot-lab` (tsukimi/bench/hot_lab.py; mutates `bench`)."""
+    hl = bench.add_parser(
+        "hot-lab", help="hot-key replication off vs on: skewed pool reads across emulated hosts (root), links shaped"
+    )
+    hl.add_argument("--holders", type=int, default=4, help="holder hosts (the prompt starts on the first)")
+    hl.add_argument("--readers", type=int, default=6, help="reader hosts (stand-ins for prefill instances)")
+    hl.add_argument("--link-rate", default="100mbit", help="every host's link, each way (tbf)")
+    hl.add_argument("--requests", type=int, default=120)
+    hl.add_argument("--rate", type=float, default=None, help="requests per second (Poisson; default 1.6, --quick 4)")
+    hl.add_argument("--shared", type=float, default=0.9, help="fraction sharing the system prompt")
+    hl.add_argument("--prefix-tokens", type=int, default=512)
+    hl.add_argument("--prefill-tokens-per-s", type=float, default=1000.0, help="the stated compute rate (a sleep)")
+    hl.add_argument("--hot-threshold", type=float, default=1.0, help="the on run's master.hot_threshold (reads/s)")
+    hl.add_argument("--seed", type=int, default=0)
+    hl.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
+    hl.add_argument("--quick", action="store_true", help="3 holders, 4 readers, 30 requests, a 256-token prompt, 4/s")
+    _add_output(hl)
 
 
 def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -21,6 +21,7 @@ is a GPU's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import random
 import statistics
@@ -32,11 +33,13 @@ import torch
 
 from tsukimi.bench.client import CompletionRequest, complete
 from tsukimi.bench.up_cluster import launch_up, serving_settings
+from tsukimi.engine.model import ModelConfig
 from tsukimi.engine.prefill_timing import time_prefill
+from tsukimi.engine.presets import PRESETS
+from tsukimi.engine.weights import TINY_CONFIG
 
 Figure = float | str
 MODEL_SPECS = {"llama3-8b": "random:llama3-8b", "smollm2-135m": "random:smollm2-135m", "tiny": "tiny"}
-VOCAB = {"llama3-8b": 128256, "smollm2-135m": 49152, "tiny": 256}
 _TIMEOUT_S = 600.0
 
 
@@ -66,7 +69,7 @@ def process_rows(
     spec = MODEL_SPECS[shape]
     rng = random.Random(prompt_tokens)
     blocks = 2 * (prompt_tokens + new_tokens) // 16 * (repeats + 2) + 64
-    kv_bytes = 128 << 10 if shape == "llama3-8b" else 16 << 10  # NOTE: per token, for the pool's share
+    kv_bytes = shape_config(shape, device).kv_bytes_per_token  # NOTE: sizes the pool's share
     extra = [
         f'workers.device="{device}"',
         f"workers.max_batched_tokens={prompt_tokens}",
@@ -94,8 +97,15 @@ def process_rows(
     return figures
 
 
+def shape_config(shape: str, device: str) -> ModelConfig:
+    """The model config of the bench's `shape` in the dtype `--dtype auto` picks on `device`
+    (bfloat16 on cuda, float32 on cpu), without building weights (pure)."""
+    base = TINY_CONFIG if shape == "tiny" else PRESETS[shape]
+    return dataclasses.replace(base, dtype="bfloat16" if device.startswith("cuda") else "float32")
+
+
 def _prompt(rng: random.Random, shape: str, n: int) -> list[int]:
-    return [rng.randrange(3, VOCAB[shape]) for _ in range(n)]
+    return [rng.randrange(3, shape_config(shape, "cpu").vocab_size) for _ in range(n)]
 
 
 async def _ttfts(url: str, model: str, prompts: Sequence[Sequence[int]]) -> list[float]:

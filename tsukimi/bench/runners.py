@@ -29,6 +29,7 @@ def run(args: argparse.Namespace, console: Console) -> None:
         "transfer": _bench_transfer,
         "store": _bench_store,
         "p2p": _bench_p2p,
+        "hot-lab": _bench_hot_lab,
         "serve": _bench_serve,
         "vllm": _bench_vllm,
         "vllm-pd": _bench_vllm_pd,
@@ -52,6 +53,8 @@ def _say(console: Console) -> Callable[[str], None]:
 def _bench_transfer(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
     from tsukimi.bench import transfer
 
+    if args.lab:
+        return _bench_transfer_lab(args, console)
     cfg = transfer.TransferBenchConfig(
         transports=args.transport,
         ops=args.op,
@@ -66,6 +69,21 @@ def _bench_transfer(args: argparse.Namespace, console: Console) -> tuple[BenchRe
     )
     with console.status("benchmarking") as status:
         return transfer.run_report(cfg, progress=lambda text: status.update(text)), transfer.VIEWS
+
+
+def _bench_transfer_lab(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
+    from tsukimi.bench import transfer_lab, transfer_lab_report
+
+    cfg = transfer_lab.TransferLabConfig(
+        nic_rate="200mbit" if args.quick else args.nic_rate,
+        block_bytes=4 * KIB * KIB if args.quick else 16 * KIB * KIB,
+        rounds=1 if args.quick else args.repeats,
+        failure_batches=4 if args.quick else 8,
+        cut_after_s=0.5 if args.quick else 1.4,
+        connections=max(args.connections),
+    )
+    with console.status("benchmarking tcp over two shaped NICs") as status:
+        return transfer_lab.run_report(cfg, progress=lambda text: status.update(text)), transfer_lab_report.VIEWS
 
 
 def _bench_store(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
@@ -127,6 +145,31 @@ def _bench_p2p_lab(args: argparse.Namespace, console: Console) -> tuple[BenchRep
     )
     with console.status("benchmarking the p2p store across emulated hosts") as status:
         return p2p_lab.run_report(cfg, progress=lambda text: status.update(text)), p2p_lab_report.VIEWS
+
+
+def _bench_hot_lab(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
+    from tsukimi.bench import hot_lab, hot_lab_report
+    from tsukimi.bench.skewed import SkewedWorkload
+
+    quick = args.quick
+    workload = SkewedWorkload(
+        requests=30 if quick else args.requests,
+        shared=args.shared,
+        prefix_tokens=256 if quick else args.prefix_tokens,
+        rate=args.rate or (4.0 if quick else 1.6),
+        seed=args.seed,
+    )
+    cfg = hot_lab.HotLabConfig(
+        holders=3 if quick else args.holders,
+        readers=4 if quick else args.readers,
+        link_rate=args.link_rate,
+        workload=workload,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        hot_threshold=args.hot_threshold,
+        timeout_s=args.timeout,
+    )
+    with console.status("benchmarking hot-key replication across emulated hosts") as status:
+        return hot_lab.run_report(cfg, progress=lambda text: status.update(text)), hot_lab_report.VIEWS
 
 
 def _bench_serve(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:

@@ -31,6 +31,11 @@ class TransferConfig:
     bind_host: the address the segment server listens on; several, comma-separated, for
         several NICs ("10.0.0.5,10.0.1.5"): the engine serves on each and publishes them all,
         and tcp peers stripe over them and retry a broken path on another.
+    stall_s: a tcp connection with slices in flight that neither receives nor has a byte
+        acknowledged for this long, while another path to the same peer progressed, is
+        broken and its slices retried on another path (a NIC that died silently; much longer
+        silence breaks it also with no other path: transports/tcp_stall.py). A few RTTs at
+        least; a false positive costs a resend.
     nixl: turn on the optional NIXL transport (RDMA NICs through UCX; `make nixl` installs
         it; docs/rdma.md). nixl_staging_bytes: its registered bounce buffer for local memory
         that is not registered with the engine.
@@ -46,6 +51,7 @@ class TransferConfig:
     timeout_s: float = 30.0
     connect_timeout_s: float = 3.0
     max_retries: int = 2
+    stall_s: float = 0.5
     num_shm_workers: int = 2
     max_server_connections: int = 256
     shm_dir: str = "/dev/shm"
@@ -78,6 +84,7 @@ class TransferConfig:
         require(self.nixl_staging_bytes >= 1 * MIB, "transfer.nixl_staging_bytes must be >= 1 MiB")
         require(self.connect_timeout_s > 0, "transfer.connect_timeout_s must be > 0")
         require(0 <= self.max_retries <= 16, "transfer.max_retries must be in 0..16")
+        require(0.1 <= self.stall_s <= 3600, f"transfer.stall_s must be in 0.1..3600 s, got {self.stall_s}")
         require(1 <= self.num_shm_workers <= 64, "transfer.num_shm_workers must be in 1..64")
         require(self.max_server_connections >= 1, "transfer.max_server_connections must be >= 1")
 

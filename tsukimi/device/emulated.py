@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from tsukimi.device.base import DeviceRange, OpenedRange, host_address
 from tsukimi.errors import InvalidBufferError
+from tsukimi.owners import reap_dead_owners
 
 _MAGIC = b"TEMU"
 _HEADER = struct.Struct("<4sIIQ")  # magic, pid, device index, offset; then the file name
@@ -268,18 +269,7 @@ def _mapping_address(mm: mmap.mmap) -> int:
 
 def _reap(shm_dir: str) -> None:
     """Unlink emulated-device files whose process is gone."""
-    with contextlib.suppress(OSError):
-        for name in os.listdir(shm_dir):
-            match = _NAME_RE.match(name)
-            if match is None:
-                continue
-            try:
-                os.kill(int(match.group(1)), 0)
-            except ProcessLookupError:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(shm_dir, name))
-            except PermissionError:
-                continue
+    reap_dead_owners(shm_dir, _NAME_RE)
 
 
 def _same_length(memory: DeviceRange, view: memoryview) -> None:

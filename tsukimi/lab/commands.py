@@ -62,7 +62,7 @@ def _table(lab: Lab) -> Table:
     for column in ("host", "namespace", "addresses", "host id", "links"):
         table.add_column(column)
     for host in lab.topology.hosts:
-        links = ", ".join(f"{s.rate_bps / 1e6:g} Mbit/s" if s.rate_bps else "unshaped" for s in host.links)
+        links = "; ".join(shape.summary for shape in host.links)
         table.add_row(
             host.name, lab.namespace(host.name), ", ".join(lab.addresses(host.name)), lab.host_id(host.name), links
         )

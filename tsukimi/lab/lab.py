@@ -16,6 +16,11 @@ nothing behind, also when the runner is SIGKILLed.
         with lab.entered("a"): httpx.get(...)    this thread's sockets inside host "a"
         lab.set_link("a", 0, rate="100mbit"); lab.link_down("b", 1); lab.partition("a", "b"); lab.heal()
 
+A link with delay or jitter is a delay line instead of a veth pair (tsukimi/lab/delay_line.py):
+two TAPs named as the veth ends would be (eth0 in the host, hNnK on the bridge) and a forwarder
+process in the hub that holds each frame for the delay; rate, loss and partitions are the same
+tc on either kind. `set_link(delay=...)` retimes a delay line, or rebuilds a veth link as one.
+
 Each lab's subnets (10.64.0.0/11, one /24 per NIC index) are derived from its id (runner pid,
 serial), so two labs' logs never show the same addresses; being in separate namespaces, two
 labs could not reach each other anyway, and no lab has a route out of its namespaces.
@@ -47,6 +52,7 @@ from typing import IO
 
 from tsukimi.errors import ConfigError
 from tsukimi.lab import netns
+from tsukimi.lab.delay_handle import DelayLine, Timing
 from tsukimi.lab.shaping import filter_commands, root_commands
 from tsukimi.lab.topology import HostSpec, LinkShape, Topology
 from tsukimi.lifeline import Lifeline
@@ -58,10 +64,6 @@ _SUBNET_BASE = int(ipaddress.IPv4Address("10.64.0.0"))
 _NUM_SLOTS = 4096  # NOTE: 2 NIC subnets a slot: 10.64.0.0 .. 10.95.255.0
 _STOP_GRACE_S = 3.0
 _JANITOR_EXIT_S = 10.0
-_NETEM_MISSING = (
-    "delay and jitter need the kernel's netem qdisc (CONFIG_NET_SCH_NETEM, module sch_netem), which this "
-    "kernel lacks; rate (tbf), loss and partitions work without it"
-)
 Stream = int | IO[bytes] | None
 
 
@@ -85,6 +87,7 @@ class Lab:
         self._shapes = {(h.name, k): shape for h in topology.hosts for k, shape in enumerate(h.links)}
         self._blocked: dict[str, set[str]] = {h.name: set() for h in topology.hosts}
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._lines: dict[tuple[str, int], DelayLine] = {}
         self._closed = False
         self._lifeline = Lifeline()
         self._janitor = self._start_janitor()
@@ -144,19 +147,28 @@ class Lab:
         for k in range(self.topology.num_nics):
             netns.run_tool("ip", "-n", self.hub, "link", "add", f"br{k}", "type", "bridge")
             netns.run_tool("ip", "-n", self.hub, "link", "set", f"br{k}", "up")
-        for i, host in enumerate(self.topology.hosts):
+        for host in self.topology.hosts:
             ns = self.namespace(host.name)
             netns.run_tool("ip", "netns", "add", ns)
             netns.run_tool("ip", "-n", ns, "link", "set", "lo", "up")
             for k in range(host.num_nics):
-                port = f"h{i}n{k}"
-                netns.run_tool(
-                    "ip", "-n", self.hub, "link", "add", port, "type", "veth", "peer", "eth" + str(k), "netns", ns
-                )
-                netns.run_tool("ip", "-n", self.hub, "link", "set", port, "master", f"br{k}", "up")
-                netns.run_tool("ip", "-n", ns, "addr", "add", f"{self.address(host.name, k)}/24", "dev", f"eth{k}")
-                netns.run_tool("ip", "-n", ns, "link", "set", f"eth{k}", "up")
-                self._apply(host.name, k)
+                self._make_link(host.name, k)
+
+    def _make_link(self, host: str, nic: int, mac: str | None = None) -> None:
+        """One link, as its shape needs: a veth pair, or a delay line (two TAPs and the
+        forwarder between them, tsukimi/lab/delay_line.py) when it has delay or jitter."""
+        ns, (_, port) = self.namespace(host), self._ends(host, nic)[1]
+        shape, device = self._shapes[host, nic], f"eth{nic}"
+        if shape.delayed:
+            self._lines[host, nic] = DelayLine(ns, device, self.hub, port, Timing(shape.delay_ms, shape.jitter_ms))
+        else:
+            netns.run_tool("ip", "-n", self.hub, "link", "add", port, "type", "veth", "peer", device, "netns", ns)
+        if mac is not None:
+            netns.run_tool("ip", "-n", ns, "link", "set", device, "address", mac)
+        netns.run_tool("ip", "-n", self.hub, "link", "set", port, "master", f"br{nic}", "up")
+        netns.run_tool("ip", "-n", ns, "addr", "add", f"{self.address(host, nic)}/24", "dev", device)
+        netns.run_tool("ip", "-n", ns, "link", "set", device, "up")
+        self._apply(host, nic)
 
     def _ends(self, host: str, nic: int) -> list[tuple[str, str]]:
         """(namespace, device) of both ends of a link: the host's, then the hub's."""
@@ -169,16 +181,14 @@ class Lab:
         """Set the link's shape and drop filters on both of its ends (idempotent)."""
         shape = self._shapes[host, nic]
         blocked = sorted(a for other in self._blocked[host] for a in self.addresses(other))
+        line = self._lines.get((host, nic))
+        if line is not None and line.timing != Timing(shape.delay_ms, shape.jitter_ms):
+            line.retime(Timing(shape.delay_ms, shape.jitter_ms))
         for end, (ns, device) in enumerate(self._ends(host, nic)):
             first, *rest = root_commands(ns, device, shape)
             netns.run_tool(*first, check=False)
             for command in rest:
-                try:
-                    netns.run_tool(*command)
-                except ConfigError as exc:
-                    if "netem" in command and "unknown" in str(exc):
-                        raise ConfigError(_NETEM_MISSING) from exc
-                    raise
+                netns.run_tool(*command)
             reset, install = filter_commands(ns, device, shape.loss_pct, blocked if end == 0 else ())
             for command in reset:
                 netns.run_tool(*command, check=False)
@@ -255,19 +265,45 @@ class Lab:
         """Reshape a link at runtime, both directions: `rate="100mbit"`, `delay="50ms"`,
         `jitter="5ms"`, `loss="1%"`; unnamed settings keep their value. The new shape.
 
+        A delay line (tsukimi/lab/delay_line.py) is retimed in place. A veth link given delay
+        or jitter is rebuilt as a delay line: its NIC goes away for a few ms and comes back
+        with the same MAC and address (open connections survive; the link is up after it,
+        also if it was down). A delay line set back to 0 ms stays one (forwarding at once).
+
         Raises:
-            ConfigError: no such host/NIC, a bad setting, or delay/jitter without netem.
+            ConfigError: no such host/NIC, a bad setting, or the delay line could not start.
         """
         self._check_nic(self.topology.host(host), nic)
         before = self._shapes[host, nic]
         self._shapes[host, nic] = before.with_settings(shape, f"set_link({host!r}, {nic})")
+        rebuild = self._shapes[host, nic].delayed and (host, nic) not in self._lines
+        mac = self._mac(host, nic) if rebuild else None
         try:
-            self._apply(host, nic)
+            if rebuild:
+                self._rebuild(host, nic, mac)
+            else:
+                self._apply(host, nic)
         except ConfigError:
             self._shapes[host, nic] = before  # NOTE: the link keeps its old shape, not none
-            self._apply(host, nic)
+            if rebuild:
+                self._rebuild(host, nic, mac)
+            else:
+                self._apply(host, nic)
             raise
         return self._shapes[host, nic]
+
+    def _mac(self, host: str, nic: int) -> str:
+        shown = netns.run_tool("ip", "-n", self.namespace(host), "-o", "link", "show", f"eth{nic}")
+        words = shown.split()
+        return words[words.index("link/ether") + 1]
+
+    def _rebuild(self, host: str, nic: int, mac: str | None) -> None:
+        """Delete the link (both ends) and make it again as its shape needs, keeping `mac`."""
+        line = self._lines.pop((host, nic), None)
+        if line is not None:
+            line.close()
+        netns.run_tool("ip", "-n", self.hub, "link", "del", self._ends(host, nic)[1][1], check=False)
+        self._make_link(host, nic, mac)
 
     def link_down(self, host: str, nic: int = 0) -> None:
         """Take `host`'s NIC `nic` down (its peer on the hub loses carrier)."""
@@ -320,6 +356,9 @@ class Lab:
                 proc.wait(timeout=_STOP_GRACE_S)
             _kill_group(proc)
         self._procs.clear()
+        for line in self._lines.values():
+            line.close()  # NOTE: after the processes: their clean stops may still need the link
+        self._lines.clear()
         netns.delete_namespaces([n for n in netns.lab_namespaces() if n.startswith(self.prefix)])
         self._lifeline.close()  # NOTE: the janitor wakes up, finds nothing left, and exits
         try:

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tsukimi.errors import ConfigError
+from tsukimi.owners import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -90,16 +91,6 @@ def lab_namespaces() -> list[str]:
     return sorted(n for n in names if runner_of(n) is not None)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def delete_namespaces(names: list[str]) -> None:
     """Kill every process inside each namespace, then delete them, hosts before hubs (the
     veth pairs and bridges go with them). Idempotent; never raises for one already gone."""
@@ -114,7 +105,7 @@ def delete_namespaces(names: list[str]) -> None:
 def reap_dead() -> list[str]:
     """Delete the namespaces of every runner that is no longer alive (see the module);
     the names deleted."""
-    dead = [name for name in lab_namespaces() if not _alive(runner_of(name) or 0)]
+    dead = [name for name in lab_namespaces() if not pid_alive(runner_of(name) or 0)]
     if dead:
         logger.info("reaping %d namespaces of dead lab runners: %s", len(dead), ", ".join(dead))
         delete_namespaces(dead)
@@ -128,6 +119,30 @@ def reap_all() -> list[str]:
     return names
 
 
+def switch_to(namespace: str) -> None:
+    """Move the calling thread into `namespace`'s network for good (setns(2)); in a
+    single-threaded process (the delay line, tsukimi/lab/delay_line.py) that is the process,
+    so `ip netns pids` lists it there (mutates the thread).
+
+    Raises:
+        ConfigError: no such namespace, or setns failed.
+    """
+    try:
+        target = os.open(NETNS_DIR / namespace, os.O_RDONLY)
+    except FileNotFoundError:
+        raise ConfigError(f"no network namespace {namespace!r}") from None
+    try:
+        _setns(target, namespace)
+    finally:
+        os.close(target)
+
+
+def _setns(fd: int, namespace: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        raise ConfigError(f"setns into {namespace!r} failed: {os.strerror(ctypes.get_errno())}")
+
+
 @contextlib.contextmanager
 def entered(namespace: str) -> Iterator[None]:
     """Run the body with the calling thread inside `namespace`'s network (setns(2)): the
@@ -137,22 +152,12 @@ def entered(namespace: str) -> Iterator[None]:
     Raises:
         ConfigError: no such namespace, or setns failed.
     """
-    libc = ctypes.CDLL(None, use_errno=True)
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
-        try:
-            target = os.open(NETNS_DIR / namespace, os.O_RDONLY)
-        except FileNotFoundError:
-            raise ConfigError(f"no network namespace {namespace!r}") from None
-        try:
-            if libc.setns(target, _CLONE_NEWNET) != 0:
-                raise ConfigError(f"setns into {namespace!r} failed: {os.strerror(ctypes.get_errno())}")
-        finally:
-            os.close(target)
+        switch_to(namespace)
         try:
             yield
         finally:
-            if libc.setns(own, _CLONE_NEWNET) != 0:  # NOTE: cannot fail for a namespace we came from
-                raise AssertionError(f"setns back failed: {os.strerror(ctypes.get_errno())}")
+            _setns(own, "the thread's own namespace")  # NOTE: cannot fail for a namespace we came from
     finally:
         os.close(own)

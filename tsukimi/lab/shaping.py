@@ -2,14 +2,14 @@
 
 Each direction of a link is shaped on the egress of the interface it leaves by:
 
-    root qdisc       tbf (rate)                              delay/jitter = 0
-                     netem (delay, jitter) -> child tbf       delay/jitter > 0 (needs sch_netem)
+    root qdisc       tbf (rate)
     clsact egress    one classic-BPF filter, direct action:  loss (a random draw per packet)
                                                               + partitions (destination dropped)
 
 Loss and partitions use a classic BPF program rather than netem's `loss` or a firewall:
 cls_bpf is in every kernel that has tc filters, while netem, nftables and iptables binaries
-are often missing (netem is, on the CI machines' kernel). The program:
+are often missing (netem is, on the CI machines' kernel). Delay and jitter are not tc's at all:
+a user-space delay line carries such a link (tsukimi/lab/delay_line.py). The program:
 
     ld rand ; jgt #KEEP -> drop            (loss_pct > 0: drop when the draw exceeds KEEP)
     ldh [12] ; jne #0x0800 -> pass         (blocked addresses: IPv4 only)
@@ -28,7 +28,6 @@ from tsukimi.lab.topology import LinkShape
 
 _TBF_LATENCY_MS = 50  # NOTE: the queue tbf keeps: enough for TCP to fill the link, bounded bloat
 _MIN_BURST_BYTES = 96 * 1024  # NOTE: > one veth GSO packet (64 KiB), else tbf must split each
-_NETEM_LIMIT_PACKETS = 100_000
 _BPF_LD_RAND = (0x20, 0xFFFFF038)  # ld [SKF_AD_OFF + SKF_AD_RANDOM]
 _LDH_ABS, _LD_ABS, _JEQ_K, _JGT_K, _RET_K = 0x28, 0x20, 0x15, 0x25, 0x06
 _TC_ACT_SHOT, _TC_ACT_UNSPEC = 2, 0xFFFFFFFF
@@ -38,18 +37,13 @@ Insn = tuple[int, int | str, int | str, int]  # code, jt, jf, k: a jump target m
 
 
 def root_commands(namespace: str, device: str, shape: LinkShape) -> list[list[str]]:
-    """The commands that set `shape`'s rate, delay and jitter on `device`'s egress, from any
-    prior state (the first deletes what was there; it may fail harmlessly)."""
+    """The commands that set `shape`'s rate on `device`'s egress, from any prior state (the
+    first deletes what was there; it may fail harmlessly)."""
     tc = ["tc", "-n", namespace, "qdisc"]
     commands = [[*tc, "del", "dev", device, "root"]]
     tbf = ["tbf", "rate", f"{shape.rate_bps}bit", "burst", str(_burst_bytes(shape.rate_bps))]
     tbf += ["latency", f"{_TBF_LATENCY_MS}ms"]
-    if shape.needs_netem:
-        netem = ["netem", "delay", f"{shape.delay_ms}ms", f"{shape.jitter_ms}ms", "limit", str(_NETEM_LIMIT_PACKETS)]
-        commands.append([*tc, "add", "dev", device, "root", "handle", "1:", *netem])
-        if shape.rate_bps:
-            commands.append([*tc, "add", "dev", device, "parent", "1:1", "handle", "10:", *tbf])
-    elif shape.rate_bps:
+    if shape.rate_bps:
         commands.append([*tc, "add", "dev", device, "root", "handle", "1:", *tbf])
     return commands
 

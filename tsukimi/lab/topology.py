@@ -58,9 +58,20 @@ class LinkShape:
             raise ConfigError(f"a link's jitter ({self.jitter_ms} ms) exceeds its delay ({self.delay_ms} ms)")
 
     @property
-    def needs_netem(self) -> bool:
-        """Whether this shape delays packets (which only the kernel's netem qdisc can do)."""
+    def delayed(self) -> bool:
+        """Whether this shape delays packets (a delay line carries such a link: the kernels the
+        lab runs on have no netem; tsukimi/lab/delay_line.py)."""
         return self.delay_ms > 0 or self.jitter_ms > 0
+
+    @property
+    def summary(self) -> str:
+        """One line for people: "100 Mbit/s, 25 ms +- 5 ms delay, 1 % loss" (pure)."""
+        parts = [f"{self.rate_bps / 1e6:g} Mbit/s" if self.rate_bps else "unshaped"]
+        if self.delayed:
+            parts.append(f"{self.delay_ms:g} ms" + (f" +- {self.jitter_ms:g} ms" if self.jitter_ms else "") + " delay")
+        if self.loss_pct:
+            parts.append(f"{self.loss_pct:g} % loss")
+        return ", ".join(parts)
 
     def with_settings(self, settings: Mapping[str, object], where: str) -> LinkShape:
         """This shape with some of `rate`, `delay`, `jitter`, `loss` given as strings

@@ -2,8 +2,9 @@
 
 The master hands out replica addresses; this module moves the bytes. `write_replicas` WRITEs
 every replica of every started put in one TE batch; `read_replicas` READs each object from
-its first replica, the failed ones from their next, and so on, all before the read lease
-ends (a read that could finish later might read blocks already given to another object).
+one of its replicas picked at random (`spread`), the failed ones from the next in the master's
+order, and so on, all before the read lease ends (a read that could finish later might read
+blocks already given to another object).
 `read_disk_copies` then reads the objects that have no readable memory replica from a copy
 on a holder's disk (tsukimi/store/disk_server.py).
 
@@ -23,6 +24,7 @@ moved, `RpcTimeout`, `PeerError`, ...) is chained as its `__cause__`.
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +39,7 @@ from tsukimi.transfer import OpCode, RequestState, RequestStatus, TransferEngine
 
 logger = logging.getLogger(__name__)
 
+_PICK = random.Random()
 LEASE_SHARE = 0.8  # reads must end within this share of the read lease
 MIN_READ_S = 0.05
 
@@ -117,6 +120,22 @@ class _Target:
     checksum: int | None
 
 
+def spread(replicas: Sequence[p.ReplicaLocation], rng: random.Random = _PICK) -> list[p.ReplicaLocation]:
+    """The order in which a get tries `replicas` (the master's order): one picked at random
+    first, then the others in the master's order. Pure but for `rng`.
+
+    NOTE: always reading the master's first replica would leave a hot key's extra replicas
+    (master/hot.py) idle: every reader would still pull from the one holder. A random first
+    pick spreads reads over the holders' links, as Mooncake's client does. The master lists
+    replicas on silent holders last; a random pick may start there (1 in N while a holder is
+    silent but not yet dropped), and then fails over to the master's first.
+    """
+    if len(replicas) < 2:
+        return list(replicas)
+    first = rng.randrange(len(replicas))
+    return [replicas[first], *(r for i, r in enumerate(replicas) if i != first)]
+
+
 def transfer_error(status: RequestStatus, what: str) -> TransferError:
     """A TransferError for a failed request, naming `what`, with the engine's error as cause."""
     error = TransferError(f"{what}: {status.reason}")
@@ -180,7 +199,7 @@ def read_replicas(
                 continue
             if len(dest) > result.size:
                 dest = memoryview(dest)[: result.size]
-            targets[i] = _Target(keys[i], (dest,), list(result.replicas), result.checksum if checksum else None)
+            targets[i] = _Target(keys[i], (dest,), spread(result.replicas), result.checksum if checksum else None)
     for i, failure in _read_rounds(engine, clock, targets, _lease_end(clock, found)).items():
         results[i] = GetResult(error=failure) if failure else GetResult(targets[i].parts[0])
     return results
@@ -209,7 +228,7 @@ def read_parts(
                 what = f"{keys[i]!r} is {result.size} bytes; its {len(into[i])} buffers hold {total}"
                 results[i] = PartsResult(error=InvalidBufferError(what))
                 continue
-            targets[i] = _Target(keys[i], into[i], list(result.replicas), result.checksum if checksum else None)
+            targets[i] = _Target(keys[i], into[i], spread(result.replicas), result.checksum if checksum else None)
     for i, failure in _read_rounds(engine, clock, targets, _lease_end(clock, found)).items():
         results[i] = PartsResult(error=failure) if failure else PartsResult(True, sum(map(len, targets[i].parts)))
     return results

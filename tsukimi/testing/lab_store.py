@@ -39,16 +39,16 @@ _LOOPBACK = "127.0.0.1"
 def store_plan(
     num_holders: int, holder_bytes: int = HOLDER_BYTES, master_settings: Sequence[str] = ()
 ) -> list[list[ProcessSpec]]:
-    """The master, then `num_holders` holders of `holder_bytes` (a group of their own: they
-    need the master), all on 127.0.0.1, for `place` to spread (pure). `master_settings`
-    ("lease_ttl_s=60") override deployments.MASTER's after them."""
+    """The master (with `master_settings` after the defaults, e.g. "hot_threshold=2"), then
+    `num_holders` holders of `holder_bytes` (a group of their own: they need the master), all
+    on 127.0.0.1, for `place` to spread (pure)."""
     env = (("COLUMNS", "200"),)
     master = (
         "master",
         f'--set=master.host="{_LOOPBACK}"',
         f"--set=master.rpc_port={MASTER_RPC_PORT}",
         f"--set=master.http_port={MASTER_HTTP_PORT}",
-        *(f"--set=master.{s}" for s in (*MASTER_SETTINGS, *master_settings)),
+        *(f"--set=master.{s}" for s in [*MASTER_SETTINGS, *master_settings]),
     )
     holder = (
         "holder",
@@ -94,8 +94,7 @@ def start_spread_store(
 ) -> SpreadStore:
     """Start the master on `master_host` and one holder on each of `holder_hosts`, checked
     from `client_host`; returns once every holder's segment is mounted. Call it from inside
-    `lab.entered(client_host)` (its checks and clients are there). `master_settings`: as
-    `store_plan`'s (e.g. a read lease long enough for a slow link).
+    `lab.entered(client_host)` (its checks and clients are there).
 
     Raises:
         ConfigError: a host is not in the lab, or something stayed on 127.0.0.1.

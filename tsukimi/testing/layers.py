@@ -5,7 +5,7 @@ Layers, bottom (0) up, by the top-level module or package under tsukimi/; a modu
 from its own layer or any lower one, never from a higher one:
 
     0  clock, errors, eviction, config,     (foundation: no tsukimi imports above it)
-       retry, lifeline, extras
+       retry, lifeline, extras, quantiles, owners
     1  netio, auth, netserver, rpc, httpd,  (sockets, the greeting, the control plane;
        device                               device memory: GPUs, emulated)
     2  transfer                             (the Transfer Engine)
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Literal
 
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"clock", "errors", "eviction", "config", "retry", "lifeline", "extras", "quantiles"}),
+    frozenset({"clock", "errors", "eviction", "config", "retry", "lifeline", "extras", "quantiles", "owners"}),
     frozenset({"netio", "auth", "netserver", "rpc", "httpd", "device"}),
     frozenset({"transfer"}),
     frozenset({"store", "scheduler", "p2p"}),

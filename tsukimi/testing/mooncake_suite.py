@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -122,11 +123,14 @@ def run_file(where: SuitePaths, spec: SuiteFile, mode: str, logs: Path) -> tuple
     for plugin in spec.plugins:
         args += ["-p", plugin]
     started = time.monotonic()
-    for _ in range(2):  # NOTE: once more when pytest never ran (run.sh gives a master 20 s to come up)
-        with open(logs / f"{mode}-{spec.name.replace('/', '_')}.log", "ab") as log:
-            subprocess.run(args, cwd=where.checkout, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
-        if report.exists():
-            break
+    try:
+        for _ in range(2):  # NOTE: once more when pytest never ran (run.sh gives a master 20 s to come up)
+            with open(logs / f"{mode}-{spec.name.replace('/', '_')}.log", "ab") as log:
+                subprocess.run(args, cwd=where.checkout, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+            if report.exists():
+                break
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
     return _outcomes(report), time.monotonic() - started
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -107,6 +108,9 @@ class VllmServer:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
+        # NOTE: vLLM names its zmq ipc sockets after uuids in $VLLM_RPC_BASE_PATH (default /tmp)
+        # and leaves them behind; a folder of this server's own is removed by close()
+        self._rpc_dir = tempfile.mkdtemp(prefix="tsukimi-vllm-rpc-")
         args = [
             str(paths.venv_python(config.venv)),
             "-m",
@@ -133,6 +137,7 @@ class VllmServer:
             "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
             "PYTHONUNBUFFERED": "1",
             "VLLM_LOGGING_LEVEL": "INFO",
+            "VLLM_RPC_BASE_PATH": self._rpc_dir,
             **config.env,
         }
         # NOTE: a session of its own: close() signals the whole group, the engine core included
@@ -193,6 +198,7 @@ class VllmServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
         self.log.close()
+        shutil.rmtree(self._rpc_dir, ignore_errors=True)
 
     def __enter__(self) -> VllmServer:
         return self

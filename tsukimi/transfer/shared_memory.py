@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass
 
 from tsukimi.errors import ConfigError, InvalidBufferError, OutOfSpace
+from tsukimi.owners import reap_dead_owners
 
 logger = logging.getLogger(__name__)
 
@@ -130,31 +131,5 @@ class SharedMemoryAllocator:
 
 def reap_stale(shm_dir: str) -> int:
     """Unlink tsukimi shm files whose creating process is gone; returns how many."""
-    reaped = 0
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return 0
-    for name in names:
-        match = _NAME_RE.match(name)
-        if match is None or _alive(int(match.group(1))):
-            continue
-        try:
-            if os.stat(os.path.join(shm_dir, name)).st_uid == os.getuid():
-                os.unlink(os.path.join(shm_dir, name))
-                reaped += 1
-        except OSError:
-            continue
-    if reaped:
-        logger.info("reaped %d shared-memory files of dead processes", reaped)
-    return reaped
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    return reap_dead_owners(shm_dir, _NAME_RE)
     return True

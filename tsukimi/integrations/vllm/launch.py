@@ -152,6 +152,7 @@ def vllm_process(
         "VLLM_CPU_OMP_THREADS_BIND": str(index % max(1, os.cpu_count() or 1)),
         "VLLM_CPU_KVCACHE_SPACE": f"{config.kv_cache_gib:g}",
         "VLLM_HOST_IP": h,
+        "VLLM_RPC_BASE_PATH": str(workdir.resolve()),  # NOTE: its ipc sockets, else left in /tmp
         **MOONCAKE_ENV,
     }
     if config.connector == "mooncake_store":

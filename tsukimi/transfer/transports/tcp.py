@@ -2,8 +2,11 @@
 
 Each peer gets a `PeerPool` of `num_connections` connections (tcp_connection.py), opened on
 first use and spread over the peer's endpoints (one per NIC), like Mooncake's multi-NIC
-striping. A path (endpoint) whose connection broke is avoided for SUSPECT_S: new slices go to
-the other paths, and a slice that failed on it is retried on another. Slices
+striping. A path (endpoint) whose connection broke or stalled (a NIC that died silently:
+tcp_stall.py) is avoided for SUSPECT_S: new slices go to the other paths, and a slice that
+failed on it is retried on another. While another path is healthy, a connection on a path that
+failed reconnects without slices in hand (a probe: tcp_connection.py), so a connect to a dead
+NIC never holds a request up; the path is used again once a probe connects. Slices
 are dealt in groups of about `slice_bytes`, so large transfers stripe over every connection
 while a burst of small requests stays on one. A slice whose connection broke is retried on
 the next connection, up to `max_retries` times (a `Retry` policy), unless its deadline passed;
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 
 from tsukimi.clock import Clock
@@ -25,10 +29,12 @@ from tsukimi.transfer import wire
 from tsukimi.transfer.segment import BufferDescriptor, Endpoint, SegmentDescriptor
 from tsukimi.transfer.transports.base import Slice, TransportContext, register_transport
 from tsukimi.transfer.transports.tcp_connection import COALESCE_BYTES, Connection, PeerLink, connect
+from tsukimi.transfer.transports.tcp_stall import StallPolicy
 
 logger = logging.getLogger(__name__)
 
 SUSPECT_S = 1.0  # a path whose connection broke is avoided this long
+LONE_STALL_FACTOR = 8  # silence breaks a connection after this many stall_s with no path to compare
 
 
 def handshake(endpoint: Endpoint, payload: bytes, timeout_s: float, secret: bytes | None = None) -> bytes:
@@ -68,13 +74,14 @@ class PeerPool:
         self.clock = clock
         self.closed = False
         self._retry = Retry(attempts=config.max_retries + 1)  # NOTE: no backoff: another connection
-        link = PeerLink(desc.name, config, clock, secret)
-        self.connections = [
-            Connection(link, i, self.endpoints[i % len(self.endpoints)], self.retry)
-            for i in range(config.num_connections)
-        ]
+        self._policy = StallPolicy(config.stall_s, LONE_STALL_FACTOR * config.stall_s)
         self._next = itertools.count()
         self._suspect_until = [0.0] * len(self.endpoints)  # per endpoint: avoided until then
+        self._failed = [False] * len(self.endpoints)  # per endpoint: failed, no connect since
+        link = PeerLink(desc.name, config, clock, secret)
+        self.connections = [
+            Connection(link, i, self.endpoints[i % len(self.endpoints)], self) for i in range(config.num_connections)
+        ]
 
     def _pick(self, after: int | None = None) -> Connection:
         """The next connection (after connection `after`, for a retry) on a path not suspect;
@@ -113,7 +120,9 @@ class PeerPool:
         says the connection broke on a deadline; the slice's own deadline decides.)"""
         piece.attempts += 1
         if len(self.endpoints) > 1 and not timed_out:
-            self._suspect_until[failed_on % len(self.endpoints)] = self.clock.now() + SUSPECT_S
+            path = failed_on % len(self.endpoints)
+            self._failed[path] = True
+            self._suspect_until[path] = max(self._suspect_until[path], self.clock.now() + SUSPECT_S)
         if self.closed:
             piece.record.slice_failed(f"connection pool to {self.name} closed ({reason})", ClosedError.code)
         elif self.clock.now() >= piece.record.deadline:
@@ -126,10 +135,56 @@ class PeerPool:
             )
         else:
             logger.debug("retrying a slice to %s on another connection: %s", self.name, reason)
-            conn = self._pick(after=failed_on)
-            conn.queue.put(piece)
-            if self.closed:
-                conn.fail_queued()
+            self.reroute(piece, failed_on)
+
+    def reroute(self, piece: Slice, index: int) -> None:
+        """Queue a slice on the next usable connection after connection `index` (mutates)."""
+        conn = self._pick(after=index)
+        conn.queue.put(piece)
+        if self.closed:
+            conn.fail_queued()
+
+    def stalled(self, index: int, silent_s: float, peer_unanswered: bool) -> bool:
+        """Whether connection `index`, silent for `silent_s` with slices in flight, is stalled:
+        another path progressed since it fell silent (or is connected and idle, having answered
+        all it was given), or long silence with the peer's kernel not answering either
+        (tcp_stall.py). Does not mutate."""
+        since = self.connections[index].progress_at
+        path, num_paths = index % len(self.endpoints), len(self.endpoints)
+        # NOTE: idle counts: a path that finished its share of the batch early must not leave
+        # the stalled share waiting for the deadline; a path stuck itself has slices in flight.
+        alive = any(
+            c.progress_at > since or (c.sock is not None and not c.inflight and not self._failed[c.index % num_paths])
+            for c in self.connections
+            if c.index % num_paths != path
+        )
+        return self._policy.stalled(silent_s, alive, peer_unanswered)
+
+    def probe_first(self, index: int) -> bool:
+        """True when connection `index` should reconnect without slices in hand: its path
+        failed and no connect succeeded since, while another path is healthy and connected.
+        Marks the path suspect for the probe's duration (mutates)."""
+        num_paths = len(self.endpoints)
+        path = index % num_paths
+        if not self._failed[path]:
+            return False
+        now = self.clock.now()
+        usable = {p for p in range(num_paths) if p != path and not self._failed[p] and self._suspect_until[p] <= now}
+        healthy = any(c.sock is not None and c.index % num_paths in usable for c in self.connections)
+        if healthy:
+            self._suspect_until[path] = math.inf  # NOTE: until the probe ends (`probed`)
+        return healthy
+
+    def probed(self, index: int, ok: bool) -> None:
+        """Connection `index` connected (`ok`: its path is usable again) or failed to (its path
+        stays suspect SUSPECT_S more). Mutates."""
+        path = index % len(self.endpoints)
+        if ok:
+            self._failed[path] = False
+            self._suspect_until[path] = 0.0
+        elif len(self.endpoints) > 1:
+            self._failed[path] = True
+            self._suspect_until[path] = self.clock.now() + SUSPECT_S
 
     def stop(self) -> None:
         """Close every connection; in-flight and queued slices end (mutates; blocks briefly)."""

@@ -10,8 +10,15 @@ Invariants (all under `lock`): `inflight` order is wire order (every write holds
 `send_lock` from append to sendmsg); nothing is appended once `stopping` is set; every slot
 is released exactly once, when its slice leaves `inflight` or fails before entering it.
 When either thread hits an error, `_broken` bumps the generation, closes the socket and
-hands every in-flight slice to `on_broken` (the pool's retry policy, tcp.py), which retries it
-on another connection or ends it. Waits are bounded by the earliest deadline among the in-flight slices.
+hands every in-flight slice to the pool's `retry` (tcp.py), which retries it on another
+connection or ends it. Waits are bounded by the earliest deadline among the in-flight slices.
+
+A path that dies silently (no reset) is caught by the receiver: at each I/O tick it spends
+waiting for an answer it asks whether the connection progressed (tcp_stall.py); when the pool
+judges it stalled, the connection breaks with `BrokenConnectionError`, not a timeout, so its
+slices move to another path. A connection whose path failed does not reconnect with slices in
+hand while another path is healthy: it hands them back to the pool (`reroute`, no attempt
+counted) and reconnects on its own thread, as a probe of the path (`probe_first`, `probed`).
 
 Every connection runs the cluster-secret handshake (tsukimi/auth.py) right after connecting,
 within `connect_timeout_s`. An `AuthError` is final: the slices that wanted the connection
@@ -31,15 +38,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from tsukimi import auth
 from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
-from tsukimi.errors import AuthError, ClosedError, OutOfBounds, PeerError, ProtocolError
+from tsukimi.errors import AuthError, BrokenConnectionError, ClosedError, OutOfBounds, PeerError, ProtocolError
 from tsukimi.transfer import wire
 from tsukimi.transfer.batch import OpCode
 from tsukimi.transfer.segment import Endpoint
 from tsukimi.transfer.transports.base import Slice
+from tsukimi.transfer.transports.tcp_stall import enable_keepalive, read_progress
 
 logger = logging.getLogger(__name__)
 
@@ -82,18 +91,36 @@ class PeerLink:
     secret: bytes | None = None
 
 
-OnBroken = Callable[[Slice, int, str, bool], None]
-"""Called with (slice, connection index, reason, timed_out) for each slice whose connection broke."""
+class PoolHooks(Protocol):
+    """What a connection asks of its pool (tcp.py's `PeerPool`); `index` names the connection."""
+
+    def retry(self, piece: Slice, failed_on: int, reason: str, timed_out: bool) -> None:
+        """Retry or end a slice whose connection broke (`timed_out`: it broke on a deadline)."""
+
+    def reroute(self, piece: Slice, index: int) -> None:
+        """Give a slice that was never sent to another connection (no attempt counted)."""
+
+    def stalled(self, index: int, silent_s: float, peer_unanswered: bool) -> bool:
+        """Whether a connection with slices in flight, silent for `silent_s`, is stalled."""
+
+    def probe_first(self, index: int) -> bool:
+        """Whether to reconnect without slices in hand (its path failed, another is healthy)."""
+
+    def probed(self, index: int, ok: bool) -> None:
+        """A connection (re)connected (`ok`) or failed to."""
 
 
 class Connection:
     """One connection of a peer's pool (see the module); its threads start at once."""
 
-    def __init__(self, link: PeerLink, index: int, endpoint: Endpoint, on_broken: OnBroken) -> None:
+    def __init__(self, link: PeerLink, index: int, endpoint: Endpoint, hooks: PoolHooks) -> None:
         self.link = link
         self.index = index
         self.endpoint = endpoint
-        self._on_broken = on_broken
+        self._hooks = hooks
+        self.progress_at = 0.0  # when an answer, or any sign of life, last came (the link's clock)
+        self._seen: tuple[int, int] = (0, 0)  # (request, bytes of its answer) at the last look
+        self._kernel_seen: tuple[int, int] = (0, 0)  # the kernel's (acked, received) bytes then
         self.queue: queue.SimpleQueue[Slice | None] = queue.SimpleQueue()
         self.sock: socket.socket | None = None
         self.gen = 0
@@ -199,9 +226,17 @@ class Connection:
                     break
             if not may_connect:
                 return False
+            if self._hooks.probe_first(self.index):
+                for piece in pieces:
+                    self.slots.release()
+                    self._hooks.reroute(piece, self.index)
+                self._reroute_queued()  # NOTE: nothing waits here while the probe connects
+                self._probe()
+                return True
             try:
                 self._connect(min(piece.record.deadline for piece in pieces))
             except AuthError as exc:
+                self._hooks.probed(self.index, False)
                 for piece in pieces:
                     self.slots.release()
                     where = f"{self.endpoint.host}:{self.endpoint.port}"
@@ -210,8 +245,9 @@ class Connection:
             except (OSError, ValueError) as exc:  # ValueError: e.g. UnicodeError from a bad host name
                 for piece in pieces:
                     self.slots.release()
-                    self._on_broken(piece, self.index, f"cannot connect to {self.endpoint}: {exc}", False)
+                    self._hooks.retry(piece, self.index, f"cannot connect to {self.endpoint}: {exc}", False)
                 return True
+            self._hooks.probed(self.index, True)
         if parts is None or sock is None:  # stopping: nothing was appended
             for piece in pieces:
                 self.slots.release()
@@ -246,11 +282,35 @@ class Connection:
             return self.stopping or clock.now() >= deadline
 
         sock = connect(self.endpoint, self.link.config.connect_timeout_s, self.link.secret, stop)
+        with contextlib.suppress(OSError):
+            enable_keepalive(sock)
         with self.lock:
             if self.sock is None and not self.stopping:
                 self.sock = sock
                 return
         sock.close()
+
+    def _reroute_queued(self) -> None:
+        """Hand every queued slice back to the pool (a stop request stays queued)."""
+        while True:
+            try:
+                piece = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if piece is None:
+                self.queue.put(None)
+                return
+            self._hooks.reroute(piece, self.index)
+
+    def _probe(self) -> None:
+        """Reconnect with no slice waiting on it, and tell the pool how it went."""
+        try:
+            self._connect(self.link.clock.now() + self.link.config.connect_timeout_s)
+        except (OSError, ValueError, AuthError) as exc:
+            logger.debug("connection %d to %s: probe of %s failed: %s", self.index, self.link.name, self.endpoint, exc)
+            self._hooks.probed(self.index, False)
+        else:
+            self._hooks.probed(self.index, True)
 
     # -- receiver ----------------------------------------------------------------------
 
@@ -265,7 +325,7 @@ class Connection:
                 self.tail_deadline = min((p.record.deadline for _, p, _, _ in self.inflight), default=math.inf)
             try:
                 self._receive(sock, piece, seq)
-            except (OSError, ProtocolError) as exc:
+            except (OSError, PeerError) as exc:  # PeerError: a protocol violation, or a stall
                 self._broken(gen, exc, piece)
             else:
                 self.slots.release()
@@ -273,10 +333,14 @@ class Connection:
     def _receive(self, sock: socket.socket, piece: Slice, seq: int) -> None:
         clock, deadline = self.link.clock, piece.record.deadline
 
-        def expired(_: int) -> bool:
+        def expired(received: int) -> bool:
             # NOTE: the earliest deadline in flight, not just the head's: a stalled peer must
             # not hold a later, shorter request past its deadline.
-            return self.stopping or clock.now() >= min(deadline, self.tail_deadline)
+            now = clock.now()
+            if self.stopping or now >= min(deadline, self.tail_deadline):
+                return True
+            self._watch(sock, (seq, received), now)
+            return False
 
         wire.recv_exact(sock, self._head_view, expired)
         magic, status, _flags, got_seq, length = wire.RESPONSE.unpack_from(self._head)
@@ -288,6 +352,7 @@ class Connection:
                 raise ProtocolError(f"{piece.op.value} answer carries {length} bytes, expected {expected}")
             if expected:
                 wire.recv_exact(sock, piece.local, expired, strict=True)
+            self.progress_at = clock.now()
             piece.record.slice_done(len(piece.local))
             return
         response = wire.decode_response(self._head)  # raises on an unknown status
@@ -296,7 +361,28 @@ class Connection:
         reason = bytearray(length)
         wire.recv_exact(sock, memoryview(reason), expired, strict=True)
         code = _STATUS_CODES.get(response.status, PeerError.code)
+        self.progress_at = clock.now()
         piece.record.slice_failed(reason.decode(errors="replace"), code)
+
+    def _watch(self, sock: socket.socket, seen: tuple[int, int], now: float) -> None:
+        """At a tick (or a partial answer) of the receiver: note progress, or raise when the
+        pool judges this connection stalled (tcp_stall.py).
+
+        Raises:
+            BrokenConnectionError: stalled.
+        """
+        if seen != self._seen:  # a new request awaited, or bytes of its answer came: no syscall
+            self._seen, self.progress_at = seen, now
+            return
+        kernel = read_progress(sock)
+        if kernel is not None and (kernel.acked_bytes, kernel.received_bytes) != self._kernel_seen:
+            self._kernel_seen, self.progress_at = (kernel.acked_bytes, kernel.received_bytes), now
+            return
+        silent_s = now - self.progress_at
+        if self._hooks.stalled(self.index, silent_s, kernel is not None and kernel.peer_unanswered):
+            raise BrokenConnectionError(
+                f"no progress from {self.endpoint.host}:{self.endpoint.port} for {silent_s:.2f} s (path stalled)"
+            )
 
     # -- failure and shutdown ----------------------------------------------------------
 
@@ -317,7 +403,7 @@ class Connection:
         timed_out = isinstance(exc, TimeoutError)
         for piece in pieces:
             self.slots.release()
-            self._on_broken(piece, self.index, f"{type(exc).__name__}: {exc}", timed_out)
+            self._hooks.retry(piece, self.index, f"{type(exc).__name__}: {exc}", timed_out)
 
     def stop(self) -> None:
         """Stop accepting work and wake both threads (mutates; returns at once)."""
