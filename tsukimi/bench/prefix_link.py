@@ -50,6 +50,7 @@ from tsukimi.bench.layerwise import first_token_s
 from tsukimi.bench.prefix_link_estimate import PREFILL, Estimate, RequestShape, WorkerEstimates
 from tsukimi.bench.prefix_link_report import goals
 from tsukimi.bench.report import BenchReport, begin, finish
+from tsukimi.config import MasterConfig
 from tsukimi.engine.engine import LLMEngine
 from tsukimi.engine.kv_cache import KVLayout, PagedKVCache
 from tsukimi.engine.kv_pool import KVFormat, StoreKVConnector
@@ -60,9 +61,13 @@ from tsukimi.lab.counters import nic_bytes
 from tsukimi.lab.topology import parse_rate
 from tsukimi.scheduler.block_hash import hash_blocks
 from tsukimi.store.client import StoreClient
+from tsukimi.store.replica_io import LEASE_SHARE
 from tsukimi.testing.lab_store import start_spread_store
 
 STORE = "store"
+# NOTE: a read must end within this share of its lease: with the master's default lease, a longer
+# pooled read fails whole (none of its blocks load, as the read is spread over all of them)
+DEFAULT_READ_LIMIT_S = LEASE_SHARE * MasterConfig().lease_ttl_s
 MODES = ("fetch", "recompute")
 Row = dict[str, object]
 
@@ -71,7 +76,8 @@ Row = dict[str, object]
 class PrefixLinkConfig:
     """One run: the model, the request's shape, the link rates (each way) and the rounds.
     `lease_s`: the master's read lease: a read must end within 0.8 of it (replica_io.py), so it
-    must cover the whole prefix at the slowest link."""
+    must cover the whole prefix at the slowest link (each link's `fits_default_lease` says
+    whether its read would have fitted the master's default lease)."""
 
     model: str = "random:smollm2-135m"
     prefix_tokens: int = 2048
@@ -223,6 +229,7 @@ def _link_row(requests: _Requests, rate: str, read: tuple[float, int], got: _Sam
         "recompute_ttft_s": round(measured["recompute"], 4),
         "suffix_ttft_s": round(suffix_s, 4),
         "fetch_overhead_s": round(measured["fetch"] - load_s - suffix_s, 4),
+        "fits_default_lease": load_s <= DEFAULT_READ_LIMIT_S,
         "samples_s": {mode: [round(v, 4) for v in got.measured[mode]] for mode in MODES},
         "faster": "fetch" if measured["fetch"] < measured["recompute"] else "recompute",
         "estimate": {
@@ -290,6 +297,8 @@ def run(cfg: PrefixLinkConfig, say: Callable[[str], None] = lambda _: None) -> R
         "input_tokens": cfg.prefix_tokens + cfg.new_tokens,
         "cost_model": requests.worker.profile.as_dict(),
         "bandwidth": "estimate: the shaped rate; estimate_at_measured_rate: the warm-up read's rate",
+        "lease_s": cfg.lease_s,
+        "default_read_limit_s": DEFAULT_READ_LIMIT_S,
         "links": links,
     }
 
