@@ -202,9 +202,8 @@ def _prefix_link(report: BenchReport) -> None:
     for row in links:
         assert row["fetch_ttft_s"] > 0 and row["recompute_ttft_s"] > 0 and row["wire_bytes"] >= row["prefix_bytes"] > 0
         assert row["estimate"]["pick"] in ("fetch", "recompute") and row["estimate"]["fetch_s"] > 0
-        assert (
-            row["faster"] in ("fetch", "recompute") and row["fits_default_lease"] is True
-        )  # NOTE: 4 MiB, >= 20 Mbit/s
+        assert row["faster"] in ("fetch", "recompute")
+        assert row["fits_default_lease"] is True  # NOTE: 4 MiB at >= 20 Mbit/s: under 2 s
     assert figures["cost_model"]["kv_bytes_per_token"] == figures["kv_bytes_per_token"]  # type: ignore[index]
     per_link = {
         f"{goal}_{rate}" for goal in ("fetch_error", "recompute_error", "link_bound") for rate in ("20mbit", "400mbit")
