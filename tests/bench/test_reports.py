@@ -9,7 +9,9 @@ on emulated hosts, 8 MiB, 100 Mbit/s links), transfer `--lab --quick` (two hosts
 200 Mbit/s NICs, 16 MiB batches, one NIC cut mid-run) and hot-lab `--quick` (3 holders, 4
 readers, 30 requests, off then on) (the lab ones skipped, saying why, where namespaces are
 refused: CI has them); scheduler the sample trace with 200
-decisions; cpp a 300-token prompt, one repeat; layerwise a 64-token prefix; serve `--quick` (chat
+decisions; cpp a 300-token prompt, one repeat; prefix-link `--quick` (the tiny model, a 2048-token
+pooled prefix across a 20 and a 400 Mbit/s lab link; skipped where namespaces are refused);
+layerwise a 64-token prefix; serve `--quick` (chat
 4 x 2) without the no-reuse run; overload `--quick`; kv-burst 4 prompts of 200 tokens; vllm one
 system `--quick` and vllm-pd `--quick` (skipped, saying why, without .venv-vllm and its model);
 gpu `--quick --repeats 1` (without CUDA: host memcpy and the tiny model, GPU rows not measured).
@@ -190,6 +192,25 @@ def _layerwise(report: BenchReport) -> None:
     assert isinstance(medians, dict) and set(medians) == {"layerwise", "whole", "load_only", "compute_only", "compute"}
 
 
+def _prefix_link(report: BenchReport) -> None:
+    figures = report.figures
+    assert report.configuration["model"] == "tiny" and report.configuration["link_rates"] == ["20mbit", "400mbit"]
+    hosts = figures["topology"]["hosts"]  # type: ignore[index]
+    assert [h["name"] for h in hosts] == ["store", "prefill"] and hosts[0]["address"] != hosts[1]["address"]
+    links = figures["links"]
+    assert isinstance(links, list) and [row["link_rate"] for row in links] == ["20mbit", "400mbit"]
+    for row in links:
+        assert row["fetch_ttft_s"] > 0 and row["recompute_ttft_s"] > 0 and row["wire_bytes"] >= row["prefix_bytes"] > 0
+        assert row["estimate"]["pick"] in ("fetch", "recompute") and row["estimate"]["fetch_s"] > 0
+        assert row["faster"] in ("fetch", "recompute")
+        assert row["fits_default_lease"] is True  # NOTE: 4 MiB at >= 20 Mbit/s: under 2 s
+    assert figures["cost_model"]["kv_bytes_per_token"] == figures["kv_bytes_per_token"]  # type: ignore[index]
+    per_link = {
+        f"{goal}_{rate}" for goal in ("fetch_error", "recompute_error", "link_bound") for rate in ("20mbit", "400mbit")
+    }
+    assert _verdicts(report) == {*per_link, "slow_link_recompute", "fast_link_fetch", QUIET_MACHINE}
+
+
 def _serve(report: BenchReport) -> None:
     runs = report.figures["runs"]
     assert isinstance(runs, dict) and list(runs) == ["reuse"]
@@ -347,6 +368,7 @@ CASES = [
         "cpp",
         Case(("cpp", "--prompt-tokens", "300", "--chunk-tokens", "128", "--stages", "1", "2", "--repeats", "1"), _cpp),
     ),
+    _case("prefix-link", Case(("prefix-link", "--quick"), _prefix_link, 90), _LAB),
     _case("layerwise", Case(("layerwise", "--prefix-tokens", "64", "--new-tokens", "4", "--repeats", "1"), _layerwise)),
     _case("serve", Case(("serve", "--quick", "--no-compare"), _serve, 200)),
     _case("overload", Case(("serve", "--workload", "overload", "--quick"), _overload, 240)),

@@ -3,6 +3,7 @@ one prints the one report type (tsukimi/bench/report.py): `--json`, `--markdown`
 
 transfer, store, p2p      the Transfer Engine, the store, the P2P store (processes on this host)
 scheduler, cpp, layerwise the Conductor's decisions, chunked pipeline prefill, layer-wise loading
+prefix-link               a pooled prefix across a shaped lab link vs recomputing it, and the Conductor's estimate
 serve, kv-burst           the serving stack end to end (`tsukimi up`'s plan, launched here)
 vllm, vllm-pd             vLLM instances: three ways of serving them; the PD hand-over
 gpu                       the raw host<->GPU copies and prefill/reuse limits (issue 23)
@@ -160,6 +161,16 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     cpp.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     cpp.add_argument("--repeats", type=int, default=3)
     _add_output(cpp)
+    pl = bench.add_parser("prefix-link", help="a pooled prefix read across a shaped link vs recomputing it (lab)")
+    pl.add_argument("--model", default="random:smollm2-135m")
+    pl.add_argument("--prefix-tokens", type=int, default=2048, help="whole 512-token blocks")
+    pl.add_argument("--new-tokens", type=int, default=64)
+    pl.add_argument(
+        "--link-rates", type=parse_names, default=("25mbit", "400mbit"), help="each way, e.g. 25mbit,400mbit"
+    )
+    pl.add_argument("--repeats", type=int, default=3)
+    pl.add_argument("--quick", action="store_true", help="the tiny model, links 20mbit,400mbit, one round")
+    _add_output(pl)
     lw = bench.add_parser("layerwise", help="TTFT with a pooled prefix: layer-wise loading vs loading it whole first")
     lw.add_argument("--model", default="tiny")
     lw.add_argument("--prefix-tokens", type=int, default=2048)

@@ -82,7 +82,7 @@ class _Bench:
     def publish(self) -> None:
         with StoreClient.connect(self.master) as client:
             engine = self.engine(client, layerwise=False)
-            _first_token(engine, self.prefix + self.new_suffix())
+            first_token_s(engine, self.prefix + self.new_suffix())
             assert engine.connector is not None
             engine.connector.flush()
 
@@ -92,7 +92,7 @@ class _Bench:
         with StoreClient.connect(self.master) as client:
             engine = self.engine(None if mode == "compute" else client, layerwise=mode == "layerwise")
             try:
-                return _first_token(engine, self.prefix + self.new_suffix())
+                return first_token_s(engine, self.prefix + self.new_suffix())
             finally:
                 if engine.loader is not None:
                     engine.loader.close()
@@ -102,8 +102,8 @@ class _Bench:
     def compute_only_s(self) -> float:
         """The new tokens alone: the prefix already in the engine's local cache."""
         engine = self.engine(None, layerwise=False)
-        _first_token(engine, self.prefix + self.new_suffix())
-        return _first_token(engine, self.prefix + self.new_suffix())
+        first_token_s(engine, self.prefix + self.new_suffix())
+        return first_token_s(engine, self.prefix + self.new_suffix())
 
     def load_only_s(self) -> float:
         """Every layer of every prefix block into a fresh cache, nothing else."""
@@ -118,7 +118,7 @@ class _Bench:
         return elapsed
 
 
-def _first_token(engine: LLMEngine, prompt: list[int]) -> float:
+def first_token_s(engine: LLMEngine, prompt: list[int]) -> float:
     """Seconds from add_request to the first token of `prompt`."""
     start = time.perf_counter()
     engine.add_request(f"r{start}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))

@@ -36,6 +36,7 @@ def run(args: argparse.Namespace, console: Console) -> None:
         "scheduler": _bench_scheduler,
         "cpp": _bench_cpp,
         "layerwise": _bench_layerwise,
+        "prefix-link": _bench_prefix_link,
         "kv-burst": _bench_kv_burst,
         "gpu": _bench_gpu,
     }
@@ -251,6 +252,19 @@ def _bench_layerwise(args: argparse.Namespace, console: Console) -> tuple[BenchR
 
     cfg = layerwise.LayerwiseBenchConfig(args.model, args.prefix_tokens, args.new_tokens, repeats=args.repeats)
     return layerwise.run_report(cfg, _say(console)), layerwise.VIEWS
+
+
+def _bench_prefix_link(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
+    from tsukimi.bench import prefix_link, prefix_link_report
+
+    cfg = prefix_link.QUICK if args.quick else prefix_link.PrefixLinkConfig()
+    cfg = dataclasses.replace(
+        cfg,
+        **({} if args.quick else {"model": args.model, "link_rates": args.link_rates, "repeats": args.repeats}),
+        prefix_tokens=args.prefix_tokens,
+        new_tokens=args.new_tokens,
+    )
+    return prefix_link.run_report(cfg, _say(console)), prefix_link_report.VIEWS
 
 
 def _bench_scheduler(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
