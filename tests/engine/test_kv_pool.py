@@ -5,9 +5,12 @@ another format are refused. The store is a real master and holders in this proce
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import pytest
 
+from tsukimi.clock import VirtualClock
+from tsukimi.engine import kv_pool
 from tsukimi.engine.engine import LLMEngine, StepOutput
 from tsukimi.engine.kv_cache import KVLayout
 from tsukimi.engine.kv_pool import KVFormat, StoreKVConnector
@@ -16,6 +19,7 @@ from tsukimi.engine.sampling import SamplingParams
 from tsukimi.engine.weights import LoadedModel
 from tsukimi.scheduler.block_hash import BlockHash, hash_blocks
 from tsukimi.store.client import StoreClient
+from tsukimi.store.replica_io import GetResult
 from tsukimi.testing.deployments import Deployment, start_deployment
 
 BLOCK = 8
@@ -156,3 +160,67 @@ def test_a_block_lost_after_the_probe_is_recomputed(tiny: LoadedModel, store: De
     rest = _run(decode, "d", prompt + expected[:1], NEW - 1)
     assert [t for o in rest for t in o.token_ids] == expected[1:]
     assert (rest[0].pool_tokens, pool.loaded_blocks) == (0, 0)  # found late: the whole prefix recomputed
+
+
+class _SlowLink:
+    """A store client whose batches take `seconds_per_byte` of a virtual clock: records the
+    size of each batch (keys) a load makes."""
+
+    def __init__(self, client: StoreClient, clock: VirtualClock, seconds_per_byte: float) -> None:
+        self.client, self.clock, self.seconds_per_byte = client, clock, seconds_per_byte
+        self.batches: list[int] = []
+        self.lose = ""
+
+    def __getattr__(self, name: str) -> object:  # put, batch_put, ...: the real client's
+        return getattr(self.client, name)
+
+    def batch_get(self, keys: Sequence[str], into: Sequence[memoryview]) -> list[GetResult]:
+        if self.lose:
+            assert self.client.remove(self.lose, force=True)
+            self.lose = ""
+        self.batches.append(len(keys))
+        self.clock.advance(sum(len(v) for v in into) * self.seconds_per_byte)
+        return self.client.batch_get(keys, into)
+
+
+def test_a_load_reads_in_order_in_batches_sized_to_the_link(
+    tiny: LoadedModel, store: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tiny.config
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK)
+    monkeypatch.setattr(kv_pool, "FIRST_GROUP_BYTES", 2 * layout.slot_bytes)  # 2 objects first
+    monkeypatch.setattr(kv_pool, "GROUP_S", 1.0)
+    prefill, _ = _engine(tiny, store.client())
+    prompt = PROMPTS[0]  # 41 tokens: 5 full blocks = 20 objects of 4 layers
+    expected = list(generate_greedy_reference(tiny.model, prompt, NEW))
+    _run(prefill, "p", prompt, 1)
+    clock = VirtualClock()
+    link = _SlowLink(store.client(), clock, seconds_per_byte=1.0 / (3 * layout.slot_bytes))  # 3 objects/s
+    pool = StoreKVConnector(cast(StoreClient, link), KVFormat.of(tiny.source, layout), clock=clock)
+    decode = LLMEngine(tiny.model, layout, 128, cfg.eos_token_ids, connector=pool)
+    rest = _run(decode, "d", prompt + expected[:1], NEW - 1)
+    assert [t for o in rest for t in o.token_ids] == expected[1:]
+    assert pool.loaded_blocks == 5
+    assert link.batches[0] == 2 and set(link.batches[1:-1]) == {3}  # 1 s of the link's rate each
+    assert sum(link.batches) == 5 * cfg.num_layers
+
+
+def test_a_load_stops_at_the_first_lost_object_and_reads_no_further(
+    tiny: LoadedModel, store: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tiny.config
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK)
+    monkeypatch.setattr(kv_pool, "FIRST_GROUP_BYTES", 2 * layout.slot_bytes)
+    prefill, _ = _engine(tiny, store.client())
+    prompt = PROMPTS[0]
+    expected = list(generate_greedy_reference(tiny.model, prompt, NEW))
+    _run(prefill, "p", prompt, 1)
+    clock = VirtualClock()
+    link = _SlowLink(store.client(), clock, seconds_per_byte=1.0 / (2 * layout.slot_bytes))  # 2 objects/s
+    pool = StoreKVConnector(cast(StoreClient, link), KVFormat.of(tiny.source, layout), clock=clock)
+    link.lose = pool.format.key(hash_blocks(prompt, BLOCK)[1], 1)  # block 1, layer 1: the 6th object
+    decode = LLMEngine(tiny.model, layout, 128, cfg.eos_token_ids, connector=pool)
+    rest = _run(decode, "d", prompt + expected[:1], NEW - 1)
+    assert [t for o in rest for t in o.token_ids] == expected[1:]
+    assert pool.loaded_blocks == 1  # block 0 whole; block 1 lost a layer: computed from there
+    assert sum(link.batches) == 6  # 2 + 2 + 2: the batch with the lost object is the last

@@ -65,8 +65,10 @@ from tsukimi.store.replica_io import LEASE_SHARE
 from tsukimi.testing.lab_store import start_spread_store
 
 STORE = "store"
-# NOTE: a read must end within this share of its lease: with the master's default lease, a longer
-# pooled read fails whole (none of its blocks load, as the read is spread over all of them)
+# NOTE: a store batch's reads must end within this share of its lease: with the master's default
+# lease, one longer batch fails whole (the link is shared by all its objects). The worker's load
+# reads in batches sized to the link (engine/kv_pool.py `_read_groups`); the bench's link check
+# reads the prefix in one batch, hence its long lease.
 DEFAULT_READ_LIMIT_S = LEASE_SHARE * MasterConfig().lease_ttl_s
 MODES = ("fetch", "recompute")
 Row = dict[str, object]

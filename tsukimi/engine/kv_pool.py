@@ -26,7 +26,9 @@ and the block is not used::
 
 Loading stops at the first block that the pool does not hold in full (lost, evicted or never
 written): the engine computes the rest, so a lost block costs time, never correctness.
-Loading comes in two shapes: `load` reads every layer of the blocks at once, before the step;
+Loading comes in two shapes: `load` reads every layer of the blocks before the step, in order,
+in store batches sized to the link (a batch must end within its read lease: one batch for a long
+prefix over a slow link would lose all of it; `_read_groups`);
 `probe` then `load_layer` (one batch per layer) let the forward start on layer 0 while later
 layers still arrive (tsukimi/engine/layer_loading.py).
 """
@@ -38,12 +40,13 @@ import hashlib
 import json
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
 
+from tsukimi.clock import Clock, WallClock
 from tsukimi.engine.block_manager import INITIAL_WEIGHTS
 from tsukimi.engine.kv_cache import KVLayout, PagedKVCache
 from tsukimi.engine.kv_staging import HostArena, SlotStaging
@@ -58,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 _TRAILER = struct.Struct("<4sI16sQQI")
 _MAGIC, _VERSION = b"TSKV", 3
+FIRST_GROUP_BYTES = 4 << 20  # a load's first store batch; the next ones sized by its rate
+GROUP_S = 1.0  # NOTE: a group's target duration: a quarter of the default read lease's share
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +136,11 @@ class StoreKVConnector:
         to run the GPU path's gather/scatter on the CPU); a cache on a device always stages.
     """
 
-    def __init__(self, client: StoreClient, fmt: KVFormat, replicas: int = 1, staged: bool = False) -> None:
+    def __init__(
+        self, client: StoreClient, fmt: KVFormat, replicas: int = 1, staged: bool = False, clock: Clock | None = None
+    ) -> None:
         self.client, self.format, self.replicas, self.staged = client, fmt, replicas, staged
+        self._clock = clock or WallClock()
         self._staging: _Staging | None = None
         self.loaded_blocks = self.saved_blocks = self.refused_blocks = 0
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsukimi-kv-publish")
@@ -155,6 +163,8 @@ class StoreKVConnector:
             self.client.put(f"{fmt.prefix}/format", described, pin="soft")
 
     def load(self, hashes: Sequence[BlockHash], blocks: Sequence[int], cache: PagedKVCache) -> int:
+        """Read every layer of the blocks `hashes` into `blocks`, in order, in groups (see
+        `_read_groups`); how many leading blocks arrived whole and in this format."""
         if not hashes:
             return 0
         layers = self.format.num_layers
@@ -165,19 +175,15 @@ class StoreKVConnector:
             staging.publish.take(len(pairs)) if staging is not None else None
         )  # NOTE: between steps: no publish in flight
         slots = _views(rows) if rows is not None else [cache.slot(b, layer) for _, b, layer in pairs]
-        try:
-            got = self.client.batch_get(keys, slots)
-        except TsukimiError as exc:  # the pool is an optimisation: compute instead
-            logger.warning("KV pool unavailable for a load (%s): computing instead", exc)
-            return 0
-        loaded = 0
-        for n, block_hash in enumerate(hashes[: len(blocks)]):
-            span = range(n * layers, (n + 1) * layers)
-            if not all(  # missing, unreadable or refused: compute from here
-                self._verified(got[i], slots[i], block_hash, layer, cache.layout) for layer, i in enumerate(span)
-            ):
+        usable = 0  # leading (block, layer) objects that arrived whole and in this format
+        for start, got in self._read_groups(keys, slots, cache.layout.slot_bytes):
+            for i, result in enumerate(got, start):
+                if not self._verified(result, slots[i], hashes[i // layers], i % layers, cache.layout):
+                    break  # missing, unreadable or refused: compute from here
+                usable = i + 1
+            if usable < start + len(got):
                 break
-            loaded += 1
+        loaded = usable // layers
         if staging is not None and rows is not None:  # NOTE: the verified blocks only: one copy, one scatter
             # NOTE: after the last forward, which may still read blocks freed since (a step that sampled nothing)
             cache.order.side_waits(cache.order.mark_current())
@@ -188,6 +194,34 @@ class StoreKVConnector:
             staging.publish.reset()
         self.loaded_blocks += loaded
         return loaded
+
+    def _read_groups(
+        self, keys: Sequence[str], slots: Sequence[memoryview], object_bytes: int
+    ) -> Iterator[tuple[int, list[GetResult]]]:
+        """Read `keys` into `slots` in order, one store batch per group: (index of the group's
+        first key, its results). The first group is about FIRST_GROUP_BYTES; each next one is
+        sized to take about GROUP_S at the rate the last one ran. Stops after a batch the
+        store refused as a whole (the pool is an optimisation: the engine computes the rest).
+
+        NOTE: a batch's reads must end within the read lease the master granted for it (0.8 x
+        `master.lease_ttl_s`, tsukimi/store/replica_io.py); one batch for a long prefix over a
+        slow link shares the link among every object, so none ends in time and the whole load
+        is lost. In groups, each with its own lease, the prefix arrives in order and a slow
+        link costs only time; on a fast link the first group's rate makes the rest one batch.
+        """
+        start, budget = 0, FIRST_GROUP_BYTES
+        while start < len(keys):
+            count = max(1, min(len(keys) - start, budget // max(1, object_bytes)))
+            began = self._clock.now()
+            try:
+                got = self.client.batch_get(keys[start : start + count], slots[start : start + count])
+            except TsukimiError as exc:
+                logger.warning("KV pool unavailable for a load (%s): computing instead", exc)
+                return
+            yield start, got
+            elapsed = max(self._clock.now() - began, 1e-6)
+            budget = int(count * object_bytes / elapsed * GROUP_S)
+            start += count
 
     def reserve_publish(self, num_blocks: int, cache: PagedKVCache) -> None:
         """Allocate now the staging rows of every layer of `num_blocks` blocks that the next
