@@ -3,20 +3,23 @@ snapshots, and clients that follow the leader by themselves (docs/reliability.md
 
 from __future__ import annotations
 
+import functools
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
 from tests.etcd_server import EtcdProcess, run_etcd
 from tests.store.procs import Master, ProcessGroup, key_states, process_group, read_records, wait_for
 from tests.store.workload import value_of
 from tsukimi.config import ClientConfig, Config, MasterConfig
-from tsukimi.errors import NotLeader
-from tsukimi.rpc import RpcClient
+from tsukimi.errors import NotLeader, RpcTimeout
+from tsukimi.rpc import NO_RETRY, RpcClient
 from tsukimi.store import protocol as p
 from tsukimi.store.client import StoreClient
 from tsukimi.store.leader_record import LeaderInfo, leader_key
@@ -178,3 +181,43 @@ def test_snapshots_and_the_log_rebuild_every_object_on_the_next_leader(etcd: Etc
     finally:
         second.close()
         first.close()
+
+
+def _answered(endpoint: str, request: msgspec.Struct) -> bool:
+    """Whether a master answers `request` within 0.3 s (on a new connection, as a client's
+    retry); NotLeader is no answer."""
+    with RpcClient(CODEC, endpoint, timeout_s=5, retry=NO_RETRY) as rpc:
+        try:
+            rpc.call(request, timeout_s=0.3)
+        except (RpcTimeout, NotLeader):
+            return False
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_a_retry_or_a_read_is_answered_only_once_what_it_saw_is_logged(etcd: EtcdProcess) -> None:
+    """Regression (tests/lab/test_ha_partition.py, the leader cut off from etcd only): a
+    PutStart whose record could not reach etcd, retried with the same put id, was answered at
+    once from memory, so the client wrote and then found the put gone on the next leader
+    (ObjectNotFound); a retried PutEnd would have acknowledged a put the next leader never
+    sees, and a read returned it. Each now waits for what it saw to be in etcd (etcd paused
+    here: it times out; resumed: answered)."""
+    config = MasterConfig(rpc_port=0, http_port=0, ha_etcd=etcd.url, ha_lease_ttl_s=10, heartbeat_interval_s=0.2)
+    master = MasterServer(config)
+    try:
+        wait_for(lambda: master.role == "leader", 10, "the master leads")
+        with StoreClient(client_config(etcd, segment_bytes=8 << 20)):
+            start = p.PutStart("writer", "k", 100, p.ReplicaConfig(), put_id=7)
+            end = p.PutEnd("writer", "k", put_id=7)
+            for request, then in ((start, p.GetReplicas("k")), (end, p.GetReplicas("k"))):
+                etcd.process.send_signal(signal.SIGSTOP)
+                try:
+                    assert not _answered(master.endpoint, request)  # its record waits for etcd
+                    assert not _answered(master.endpoint, request), "a retry answered before the first was logged"
+                    assert not _answered(master.endpoint, then), "a read answered what is not logged"
+                finally:
+                    etcd.process.send_signal(signal.SIGCONT)
+                wait_for(functools.partial(_answered, master.endpoint, request), 5, "answered once etcd is back")
+            assert master.role == "leader"
+    finally:
+        master.close()

@@ -18,10 +18,12 @@ leader stops before a successor can be elected. A monotonic clock keeps counting
 process is stopped, so a SIGSTOPped leader that resumes finds itself expired at once.
 
 Durability: the master appends the records of each operation under its lock (`append`
-returns the operation's number) and answers only after `wait(n)`; a committer thread writes
-what accumulated in one guarded transaction (group commit), in order, so an acknowledged
-operation and everything before it are in etcd. After `ha_snapshot_records` records the
-committer writes a snapshot and drops the log entries it covers.
+returns the operation's number) and answers only after `wait(n)`; an operation that changed
+nothing (a read, a retry) waits for the last one appended (`barrier`), whose effects it may
+have seen. A committer thread writes what accumulated in one guarded transaction (group
+commit), in order, so an acknowledged operation and everything before it are in etcd. After
+`ha_snapshot_records` records the committer writes a snapshot and drops the log entries it
+covers.
 """
 
 from __future__ import annotations
@@ -108,6 +110,15 @@ class HAController:
             self._appended += 1
             self._queue.append((self._appended, records))
             self._cond.notify_all()
+            return self.term, self._appended
+
+    def barrier(self) -> tuple[int, int]:
+        """(term, the number of the last operation appended): what an answer that changed
+        nothing has seen (caller holds the master lock); `wait` on it before answering. NOTE:
+        a retried request (a PutStart of the same put id, a second PutEnd) or a read finds in
+        memory what an operation still waiting for etcd changed; answered at once, it would
+        acknowledge what a successor, replaying the log, never sees."""
+        with self._cond:
             return self.term, self._appended
 
     def wait(self, term: int, number: int) -> None:
