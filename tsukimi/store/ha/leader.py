@@ -72,6 +72,10 @@ class HAController:
         self.config = config
         self.info = info
         self.kv = EtcdKV(config.ha_etcd, timeout_s=min(2.0, config.ha_commit_timeout_s))
+        # NOTE: keepalives have their own client and a short deadline: one lost in a brief partition
+        # waits in TCP's retransmission backoff (0.2, 0.4, 0.8 s ...) on its connection, which could
+        # outlast the lease; timed out, the next goes out on a new connection as soon as the link heals
+        self._lease_kv = EtcdKV(config.ha_etcd, timeout_s=max(0.25, config.ha_lease_ttl_s / 4))
         self._elected, self._deposed, self._snapshot = elected, deposed, snapshot
         self._prefix = f"/tsukimi/{config.ha_cluster}/".encode()
         self._leader_key = leader_key(config.ha_cluster)
@@ -139,6 +143,7 @@ class HAController:
         self._thread.join(timeout=5)
         self._keeper.join(timeout=5)
         self.kv.close()
+        self._lease_kv.close()
 
     # -- the campaign and the committer -------------------------------------------------
 
@@ -191,34 +196,47 @@ class HAController:
                 batch, self._queue = self._queue, []
             if not self.leading():
                 raise MetadataError("the leader lease lapsed (etcd unreachable or this process was paused)")
-            if batch:
-                self._commit(batch)
+            if batch and not self._commit(batch):
+                self._stop.wait(_POLL_S)  # NOTE: etcd did not answer: the batch is queued again
+                continue
             if self._since_snapshot >= self.config.ha_snapshot_records:
                 self._write_snapshot()
 
-    def _commit(self, batch: list[tuple[int, list[journal.Record]]]) -> None:
+    def _commit(self, batch: list[tuple[int, list[journal.Record]]]) -> bool:
+        """Log `batch` (the operations in order); False if etcd did not answer: the batch is
+        back at the head of the queue, to be put again (the same keys, the same values) while
+        the lease holds. Raises MetadataError: fenced (no longer the leader)."""
         entries: list[tuple[int, bytes]] = []
         first, records = batch[0][0], []
         for number, recs in batch:
             records.extend(recs)
             if len(records) >= 2000 or number == batch[-1][0]:
                 entries.append((first, journal.encode(records)))
-                self._since_snapshot += len(records)
                 first, records = number + 1, []
         for start in range(0, len(entries), 8):  # NOTE: keeps each request under etcd's size limit
             ops = [put_op(self._key("log", n), data) for n, data in entries[start : start + 8]]
-            self._guarded(ops)
+            try:
+                landed = self.kv.txn([created_at(self._leader_key, self.term)], ops).succeeded
+            except MetadataError as exc:  # NOTE: a brief partition need not cost a failover
+                logger.warning("master %s: logging operations failed, retrying: %s", self.info.name, exc)
+                with self._cond:
+                    self._queue[:0] = batch
+                return False
+            if not landed:
+                raise MetadataError(f"fenced: the leader key is no longer ours (term {self.term})")
+        self._since_snapshot += sum(len(recs) for _, recs in batch)
         with self._cond:
             self._durable = batch[-1][0]
             self._cond.notify_all()
+        return True
 
     def _write_snapshot(self) -> None:
         upto, records = self._snapshot()
         with self._cond:  # operations up to `upto` are in the state: log them first
             batch = [item for item in self._queue if item[0] <= upto]
             self._queue = [item for item in self._queue if item[0] > upto]
-        if batch:
-            self._commit(batch)
+        if batch and not self._commit(batch):
+            return  # NOTE: etcd did not answer; the next round tries again
         chunks = [journal.encode(records[i : i + 5000]) for i in range(0, max(1, len(records)), 5000)]
         for i, chunk in enumerate(chunks):
             self._guarded([put_op(self._key("snap", upto) + b"/%06d" % i, chunk)])
@@ -273,7 +291,7 @@ class HAController:
                 continue
             sent = self._clock.now()
             try:
-                ttl = self.kv.keepalive(lease)
+                ttl = self._lease_kv.keepalive(lease)
             except MetadataError as exc:
                 logger.warning("master %s: lease keepalive failed: %s", self.info.name, exc)
                 continue
