@@ -55,6 +55,7 @@ STANDBY_BOUND_S = 10.0  # NOTE: healed: the old leader's pending etcd calls time
 # NOTE: longer than a client's stall (a cut, an RPC attempt's 1 s): a put whose PutEnd came later
 # would have been reclaimed and failed with ObjectNotFound (MASTER_SETTINGS' 1 s did, in a 0.8 s cut)
 PUT_TIMEOUT_S = 5.0
+REMOUNT_BOUND_S = 10.0
 SETTLE_PUTS = 5  # NOTE: puts acknowledged after the failover before the partition heals
 VALUE_BYTES = 20_000
 _POLL_S = 0.05
@@ -347,10 +348,13 @@ class Figures:
 
 
 def _check_after(work: Workload, store: HAStore, leader: str) -> None:
-    """The invariants once healed: one leader (`leader`), the other a standby; every
-    acknowledged put byte-exact; the versioned key not stale; every op within OP_BOUND_S."""
+    """The invariants once healed: one leader (`leader`), the other a standby; both holders'
+    segments mounted on it (within REMOUNT_BOUND_S); every acknowledged put byte-exact; the
+    versioned key not stale; every op within OP_BOUND_S."""
     assert {h: store.role(h) for h in MASTERS} == {h: ("leader" if h == leader else "standby") for h in MASTERS}
     assert store.leader() == leader
+    segments = store.masters[leader].http + "/segments"
+    wait_until(lambda: len(httpx.get(segments, timeout=2).json()) == len(HOLDERS), REMOUNT_BOUND_S)
     lost = sorted(k for k, v in work.acked.items() if (got := work.client.get(k)) is None or bytes(got) != v)
     assert not lost, f"acknowledged puts lost or changed: {lost}"
     work.check_version()

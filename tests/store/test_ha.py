@@ -248,3 +248,29 @@ def test_etcd_silent_past_a_commits_deadline_but_within_the_lease_costs_no_step_
         assert master.role == "leader" and master.ha is not None and master.ha.takeovers == 1
     finally:
         master.close()
+
+
+@pytest.mark.timeout(60)
+def test_log_commits_failing_for_ha_commit_timeout_hand_over(etcd: EtcdProcess) -> None:
+    """The other side of the retry above: a leader whose commits etcd has not answered for
+    `ha_commit_timeout_s` steps down (the write gets NotLeader, the client asks the next
+    leader) rather than retrying for as long as its lease holds."""
+    config = MasterConfig(
+        rpc_port=0, http_port=0, ha_etcd=etcd.url, ha_lease_ttl_s=10, ha_commit_timeout_s=1.0, heartbeat_interval_s=0.2
+    )
+    master = MasterServer(config)
+    try:
+        wait_for(lambda: master.role == "leader", 10, "the master leads")
+        with StoreClient(client_config(etcd, segment_bytes=8 << 20)), RpcClient(CODEC, master.endpoint) as rpc:
+            etcd.process.send_signal(signal.SIGSTOP)
+            started = time.monotonic()
+            try:
+                with pytest.raises(NotLeader):
+                    rpc.call(p.PutStart("writer", "k", 100, p.ReplicaConfig(), put_id=7), timeout_s=8)
+                gave_up_s = time.monotonic() - started
+                assert master.role == "standby"
+            finally:
+                etcd.process.send_signal(signal.SIGCONT)
+        assert 1.0 <= gave_up_s < 4.0
+    finally:
+        master.close()

@@ -89,6 +89,7 @@ class HAController:
         self._appended = 0  # number of the last operation appended
         self._durable = 0  # number of the last operation in etcd
         self._since_snapshot = 0
+        self._failing_since: float | None = None  # when log commits began to fail (None: they work)
         self.takeovers = 0
         self._thread = threading.Thread(target=self._run, name="tsukimi-master-ha", daemon=True)
         self._keeper = threading.Thread(target=self._keepalive_loop, name="tsukimi-master-lease", daemon=True)
@@ -175,6 +176,7 @@ class HAController:
         tables, upto = self._load()
         with self._cond:
             self._queue, self._appended, self._durable = [], upto, upto
+        self._failing_since = None
         self._elected(tables)
         with self._cond:
             self.term = result.revision
@@ -205,7 +207,8 @@ class HAController:
     def _commit(self, batch: list[tuple[int, list[journal.Record]]]) -> bool:
         """Log `batch` (the operations in order); False if etcd did not answer: the batch is
         back at the head of the queue, to be put again (the same keys, the same values) while
-        the lease holds. Raises MetadataError: fenced (no longer the leader)."""
+        the lease holds. Raises MetadataError: fenced (no longer the leader), or commits have
+        failed for `ha_commit_timeout_s` (etcd refuses them: let another master try)."""
         entries: list[tuple[int, bytes]] = []
         first, records = batch[0][0], []
         for number, recs in batch:
@@ -218,6 +221,11 @@ class HAController:
             try:
                 landed = self.kv.txn([created_at(self._leader_key, self.term)], ops).succeeded
             except MetadataError as exc:  # NOTE: a brief partition need not cost a failover
+                now = self._clock.now()
+                if self._failing_since is None:
+                    self._failing_since = now
+                if now - self._failing_since >= self.config.ha_commit_timeout_s:
+                    raise
                 logger.warning("master %s: logging operations failed, retrying: %s", self.info.name, exc)
                 with self._cond:
                     self._queue[:0] = batch
@@ -225,6 +233,7 @@ class HAController:
             if not landed:
                 raise MetadataError(f"fenced: the leader key is no longer ours (term {self.term})")
         self._since_snapshot += sum(len(recs) for _, recs in batch)
+        self._failing_since = None
         with self._cond:
             self._durable = batch[-1][0]
             self._cond.notify_all()
