@@ -17,6 +17,11 @@ before etcd (which counts from when it *received* it) expires the lease, so a pa
 leader stops before a successor can be elected. A monotonic clock keeps counting while a
 process is stopped, so a SIGSTOPped leader that resumes finds itself expired at once.
 
+Brief partitions: keepalives (every TTL/4) go on a client of their own with a TTL/4 deadline,
+so one lost in a cut is not stuck in TCP's backoff but followed by a new one when the link
+heals; a log commit etcd did not answer is put again, unchanged, while the lease holds (for at
+most `ha_commit_timeout_s`, then the leader steps down). A cut under ~TTL/2 costs no failover.
+
 Durability: the master appends the records of each operation under its lock (`append`
 returns the operation's number) and answers only after `wait(n)`; an operation that changed
 nothing (a read, a retry) waits for the last one appended (`barrier`), whose effects it may
