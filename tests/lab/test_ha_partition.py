@@ -148,7 +148,8 @@ def store(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HAStor
         made = HAStore(f"etcd://{lab.address(ETCD)}:{ETCD_PORT}", masters, cluster)
         with lab.entered(CLIENT):
             wait_until(lambda: made.leader() is not None, timeout_s=30)
-            wait_until(lambda: len(httpx.get(masters[made.leader() or "a"].http + "/segments").json()) == 2, 30)
+            segments = masters[made.leader() or ""].http + "/segments"
+            wait_until(lambda: len(httpx.get(segments, timeout=2).json()) == len(HOLDERS), timeout_s=30)
         yield made
     finally:
         cluster.stop()
@@ -282,11 +283,12 @@ class Watcher:
 
 class Probe:
     """From c, straight to one master (no failover), every 50 ms: a read (GetReplicas of `key`)
-    and a write (PutStart of a fresh key). `answered`: (kind, when the answer came back) of
-    each that succeeded; NotLeader, timeouts and broken connections are not answers."""
+    and, with `writes`, then a write (PutStart of a fresh key). `answered`: (kind, when the
+    answer came back) of each that succeeded; NotLeader, timeouts and broken connections are
+    not answers."""
 
-    def __init__(self, lab: Lab, rpc: str, key: str) -> None:
-        self._lab, self._rpc, self._key = lab, rpc, key
+    def __init__(self, lab: Lab, rpc: str, key: str, writes: bool = True) -> None:
+        self._lab, self._rpc, self._key, self._writes = lab, rpc, key, writes
         self.answered: list[tuple[str, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -298,7 +300,7 @@ class Probe:
                 if self._stop.wait(_POLL_S):
                     return
                 request: p.PutStart | p.GetReplicas = p.GetReplicas(self._key)
-                if n % 2:
+                if self._writes and n % 2:
                     request = p.PutStart("probe", f"probe-{os.getpid()}-{n}", 100, p.ReplicaConfig())
                 try:
                     with RpcClient(p.CODEC, self._rpc, timeout_s=0.3, retry=NO_RETRY) as rpc:
@@ -472,6 +474,45 @@ def test_a_partition_shorter_than_the_lease_heals_without_failover(lab: Lab, sto
                 )
             )
             assert failover is None, f"a partition of {SHORT_CUT_S} s cost a failover"
+        finally:
+            client.remove_all(force=True)
+            client.close()
+
+
+def test_a_leader_cut_off_from_etcd_serves_reads_only_inside_its_lease(lab: Lab, store: HAStore) -> None:
+    """The leader cut off from etcd with only reads coming: it may answer them while it can
+    prove its lease (TTL - 0.3 s after its last renewal was sent), and then NotLeader; its last
+    answer comes back before the standby can have been elected. (It often stops sooner: once
+    anything it changed, a tick's expiry say, waits for etcd, so does every answer after it.)"""
+    with lab.entered(CLIENT):
+        old = store.leader()
+        assert old is not None
+        client = store.client(lab)
+        try:
+            client.put("read-me", b"r" * 1000, replicas=2)
+            watcher = Watcher(lab, store, next(h for h in MASTERS if h != old))
+            probe = Probe(lab, store.masters[old].rpc, "read-me", writes=False)
+            time.sleep(0.3)
+            cut_at = time.monotonic()
+            lab.partition(old, ETCD)
+            try:
+                wait_until(lambda: watcher.new_seen_s is not None, FAILOVER_BOUND_S, interval_s=_POLL_S)
+            finally:
+                lab.heal()
+            watcher.stop()
+            probe.stop()
+            assert watcher.new_seen_s is not None
+            after = [at for _, at in probe.answered if at > cut_at]
+            last = max(after, default=cut_at)
+            margin_s = watcher.before_new_s - last
+            assert margin_s > 0, f"{old} answered a read {-margin_s:.2f} s after its successor may have been elected"
+            timed_wait(lambda: store.role(old) == "standby", STANDBY_BOUND_S)
+            assert client.get("read-me") == b"r" * 1000
+            print(
+                f"\nleader cut off from etcd, reads only: it answered {len(after)} reads after the cut, the last"
+                f" {last - cut_at:.2f} s after it and {margin_s:.2f} s before a successor could lead;"
+                f" failover {watcher.new_seen_s - cut_at:.2f} s"
+            )
         finally:
             client.remove_all(force=True)
             client.close()
