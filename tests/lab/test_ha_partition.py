@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -59,6 +60,7 @@ REMOUNT_BOUND_S = 10.0
 SETTLE_PUTS = 5  # NOTE: puts acknowledged after the failover before the partition heals
 VALUE_BYTES = 20_000
 _POLL_S = 0.05
+R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,13 +192,13 @@ class Workload:
         self.version_acked = -1
         self.ops: list[Outcome] = []
         self.violations: list[str] = []
-        self._round = 0
+        self.rounds = 0
 
     @property
     def version_key(self) -> str:
         return f"{self.tag}-ver"
 
-    def _timed(self, op: str, key: str, fn: Callable[[], object]) -> tuple[bool, object]:
+    def _timed(self, op: str, key: str, fn: Callable[[], R]) -> tuple[bool, R | None]:
         start = time.monotonic()
         try:
             result = fn()
@@ -207,8 +209,8 @@ class Workload:
         return True, result
 
     def one_round(self) -> None:
-        i = self._round
-        self._round += 1
+        i = self.rounds
+        self.rounds += 1
         key, value = f"{self.tag}{i}", os.urandom(VALUE_BYTES)
         if self._timed("put", key, lambda: self.client.put(key, value, replicas=2))[0]:
             self.acked[key], self.acked_at[key] = value, time.monotonic()
@@ -221,7 +223,7 @@ class Workload:
         old = f"{self.tag}{i // 2}"
         if old in self.acked:
             ok, got = self._timed("get", old, lambda: self.client.get(old))
-            if ok and (got is None or bytes(got) != self.acked[old]):  # type: ignore[arg-type]
+            if ok and (got is None or bytes(got) != self.acked[old]):
                 self.violations.append(
                     f"{old}: {'lost' if got is None else 'other bytes'} after its put was acknowledged"
                 )
@@ -235,7 +237,7 @@ class Workload:
         if got is None:
             self.violations.append(f"{self.version_key}: missing, version {floor} acknowledged")
             return
-        data = bytes(got)  # type: ignore[call-overload]
+        data = bytes(got)
         version = int(data[:8])
         if version < floor or self.versions.get(version) != data:
             self.violations.append(f"{self.version_key}: read version {version}, {floor} acknowledged (stale or torn)")
@@ -375,7 +377,7 @@ def _partitioned_leader(lab: Lab, store: HAStore, tag: str, cut_off: Callable[[s
     client = store.client(lab)
     try:
         work = Workload(client, tag)
-        work.run(lambda: work._round >= 3, max_s=OP_BOUND_S)
+        work.run(lambda: work.rounds >= 3, max_s=OP_BOUND_S)
         assert len(work.acked) == 3 and not work.violations, (work.ops, work.violations)
         watcher, probe = Watcher(lab, store, new), Probe(lab, store.masters[old].rpc, f"{tag}0")
         time.sleep(0.3)
@@ -451,7 +453,7 @@ def test_a_partition_shorter_than_the_lease_heals_without_failover(lab: Lab, sto
         client = store.client(lab)
         try:
             work = Workload(client, "short")
-            work.run(lambda: work._round >= 3, max_s=OP_BOUND_S)
+            work.run(lambda: work.rounds >= 3, max_s=OP_BOUND_S)
             watcher = Watcher(lab, store, next(h for h in MASTERS if h != leader))
             cut_at = time.monotonic()
             for host in (h for h in (ETCD, *MASTERS, *HOLDERS, CLIENT) if h != leader):
