@@ -18,9 +18,10 @@ leader stops before a successor can be elected. A monotonic clock keeps counting
 process is stopped, so a SIGSTOPped leader that resumes finds itself expired at once.
 
 Brief partitions: keepalives (every TTL/4) go on a client of their own with a TTL/4 deadline,
-so one lost in a cut is not stuck in TCP's backoff but followed by a new one when the link
-heals; a log commit etcd did not answer is put again, unchanged, while the lease holds (for at
-most `ha_commit_timeout_s`, then the leader steps down). A cut under ~TTL/2 costs no failover.
+so one lost in a cut is not stuck in TCP's backoff but followed at once by a new one, which
+gets through when the link heals; a log commit etcd did not answer is put again, unchanged,
+while the lease holds (for at most `ha_commit_timeout_s`, then the leader steps down). A cut
+under ~TTL/2 costs no failover.
 
 Durability: the master appends the records of each operation under its lock (`append`
 returns the operation's number) and answers only after `wait(n)`; an operation that changed
@@ -299,8 +300,9 @@ class HAController:
         return ttl - max(0.2, 0.15 * ttl)  # NOTE: the margin covers clock-rate drift and scheduling
 
     def _keepalive_loop(self) -> None:
-        while not self._stop.wait(self.config.ha_lease_ttl_s / 4):
-            lease = self._lease
+        pause_s = self.config.ha_lease_ttl_s / 4
+        while not self._stop.wait(pause_s):
+            lease, pause_s = self._lease, self.config.ha_lease_ttl_s / 4
             if not lease:
                 continue
             sent = self._clock.now()
@@ -308,6 +310,7 @@ class HAController:
                 ttl = self._lease_kv.keepalive(lease)
             except MetadataError as exc:
                 logger.warning("master %s: lease keepalive failed: %s", self.info.name, exc)
+                pause_s = _POLL_S  # NOTE: it already waited out its deadline: try again at once
                 continue
             with self._cond:
                 if ttl > 0 and lease == self._lease:
