@@ -438,9 +438,9 @@ def test_the_leader_cut_off_from_etcd_only_steps_down_before_a_successor(lab: La
     print(figures.line("leader cut off from etcd only"))
 
 
-# NOTE: the leader renews every TTL/4 (0.5 s), a renewal times out after TTL/4 and is retried at
-# once, and it serves for TTL - 0.3 s after the last renewal it sent: a cut under ~1 s (TTL/2) is
-# always bridged. Healing takes 0.1-0.5 s more here (tc, under load): 0.5 s leaves that slack.
+# NOTE: the leader renews every TTL/4 (0.5 s), each renewal on a connection of its own, and serves
+# for TTL - 0.3 s after the last renewal it sent that was answered: a cut under ~1.1 s is always
+# bridged. Healing takes 0.1-0.5 s more here (tc, under load): 0.5 s leaves that slack.
 SHORT_CUT_S = 0.5
 
 

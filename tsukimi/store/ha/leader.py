@@ -17,11 +17,10 @@ before etcd (which counts from when it *received* it) expires the lease, so a pa
 leader stops before a successor can be elected. A monotonic clock keeps counting while a
 process is stopped, so a SIGSTOPped leader that resumes finds itself expired at once.
 
-Brief partitions: keepalives (every TTL/4) go on a client of their own with a TTL/4 deadline,
-so one lost in a cut is not stuck in TCP's backoff but followed at once by a new one, which
-gets through when the link heals; a log commit etcd did not answer is put again, unchanged,
-while the lease holds (for at most `ha_commit_timeout_s`, then the leader steps down). A cut
-under ~TTL/2 costs no failover.
+Brief partitions: each keepalive (every TTL/4) goes out on a connection of its own, so one
+lost in a cut does not hold back the next, which gets through as soon as the link heals; a
+log commit etcd did not answer is put again, unchanged, while the lease holds (for at most
+`ha_commit_timeout_s`, then the leader steps down). A cut under ~TTL/2 costs no failover.
 
 Durability: the master appends the records of each operation under its lock (`append`
 returns the operation's number) and answers only after `wait(n)`; an operation that changed
@@ -78,10 +77,6 @@ class HAController:
         self.config = config
         self.info = info
         self.kv = EtcdKV(config.ha_etcd, timeout_s=min(2.0, config.ha_commit_timeout_s))
-        # NOTE: keepalives have their own client and a short deadline: one lost in a brief partition
-        # waits in TCP's retransmission backoff (0.2, 0.4, 0.8 s ...) on its connection, which could
-        # outlast the lease; timed out, the next goes out on a new connection as soon as the link heals
-        self._lease_kv = EtcdKV(config.ha_etcd, timeout_s=max(0.25, config.ha_lease_ttl_s / 4))
         self._elected, self._deposed, self._snapshot = elected, deposed, snapshot
         self._prefix = f"/tsukimi/{config.ha_cluster}/".encode()
         self._leader_key = leader_key(config.ha_cluster)
@@ -150,7 +145,6 @@ class HAController:
         self._thread.join(timeout=5)
         self._keeper.join(timeout=5)
         self.kv.close()
-        self._lease_kv.close()
 
     # -- the campaign and the committer -------------------------------------------------
 
@@ -300,24 +294,33 @@ class HAController:
         return ttl - max(0.2, 0.15 * ttl)  # NOTE: the margin covers clock-rate drift and scheduling
 
     def _keepalive_loop(self) -> None:
-        pause_s = self.config.ha_lease_ttl_s / 4
-        while not self._stop.wait(pause_s):
-            lease, pause_s = self._lease, self.config.ha_lease_ttl_s / 4
-            if not lease:
-                continue
-            sent = self._clock.now()
-            try:
-                ttl = self._lease_kv.keepalive(lease)
-            except MetadataError as exc:
-                logger.warning("master %s: lease keepalive failed: %s", self.info.name, exc)
-                pause_s = _POLL_S  # NOTE: it already waited out its deadline: try again at once
-                continue
-            with self._cond:
-                if ttl > 0 and lease == self._lease:
-                    self.valid_until = sent + self._valid_s()
-                elif ttl <= 0:
-                    self.valid_until = 0.0
-                    self._cond.notify_all()
+        """Every TTL/4, a keepalive of its own (a thread, a new connection): one lost in a brief
+        partition sits in TCP's retransmission backoff (0.2, 0.4, 0.8 s ...) and must not hold
+        back the next, which gets through as soon as the link heals; a slow answer still counts."""
+        while not self._stop.wait(self.config.ha_lease_ttl_s / 4):
+            if self._lease:
+                threading.Thread(
+                    target=self._renew, args=(self._lease,), name="tsukimi-lease-renew", daemon=True
+                ).start()
+
+    def _renew(self, lease: int) -> None:
+        kv = EtcdKV(self.config.ha_etcd, timeout_s=self.config.ha_lease_ttl_s)
+        sent = self._clock.now()
+        try:
+            ttl = kv.keepalive(lease)
+        except MetadataError as exc:
+            logger.warning("master %s: lease keepalive failed: %s", self.info.name, exc)
+            return
+        finally:
+            kv.close()
+        with self._cond:
+            if lease != self._lease:
+                return
+            if ttl > 0:  # NOTE: answers may come out of order: the latest send counts
+                self.valid_until = max(self.valid_until, sent + self._valid_s())
+            else:
+                self.valid_until = 0.0
+                self._cond.notify_all()
 
     def _step_down(self, why: str) -> None:
         with self._cond:
