@@ -3,20 +3,24 @@ snapshots, and clients that follow the leader by themselves (docs/reliability.md
 
 from __future__ import annotations
 
+import functools
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
 from tests.etcd_server import EtcdProcess, run_etcd
 from tests.store.procs import Master, ProcessGroup, key_states, process_group, read_records, wait_for
 from tests.store.workload import value_of
 from tsukimi.config import ClientConfig, Config, MasterConfig
-from tsukimi.errors import NotLeader
-from tsukimi.rpc import RpcClient
+from tsukimi.errors import NotLeader, RpcTimeout
+from tsukimi.rpc import NO_RETRY, RpcClient
 from tsukimi.store import protocol as p
 from tsukimi.store.client import StoreClient
 from tsukimi.store.leader_record import LeaderInfo, leader_key
@@ -178,3 +182,95 @@ def test_snapshots_and_the_log_rebuild_every_object_on_the_next_leader(etcd: Etc
     finally:
         second.close()
         first.close()
+
+
+def _answered(endpoint: str, request: msgspec.Struct) -> bool:
+    """Whether a master answers `request` within 0.3 s (on a new connection, as a client's
+    retry); NotLeader is no answer."""
+    with RpcClient(CODEC, endpoint, timeout_s=5, retry=NO_RETRY) as rpc:
+        try:
+            rpc.call(request, timeout_s=0.3)
+        except (RpcTimeout, NotLeader):
+            return False
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_a_retry_or_a_read_is_answered_only_once_what_it_saw_is_logged(etcd: EtcdProcess) -> None:
+    """Regression (tests/lab/test_ha_partition.py, the leader cut off from etcd only): a
+    PutStart whose record could not reach etcd, retried with the same put id, was answered at
+    once from memory, so the client wrote and then found the put gone on the next leader
+    (ObjectNotFound); a retried PutEnd would have acknowledged a put the next leader never
+    sees, and a read returned it. Each now waits for what it saw to be in etcd (etcd paused
+    here: it times out; resumed: answered)."""
+    config = MasterConfig(rpc_port=0, http_port=0, ha_etcd=etcd.url, ha_lease_ttl_s=10, heartbeat_interval_s=0.2)
+    master = MasterServer(config)
+    try:
+        wait_for(lambda: master.role == "leader", 10, "the master leads")
+        with StoreClient(client_config(etcd, segment_bytes=8 << 20)):
+            start = p.PutStart("writer", "k", 100, p.ReplicaConfig(), put_id=7)
+            end = p.PutEnd("writer", "k", put_id=7)
+            for request, then in ((start, p.GetReplicas("k")), (end, p.GetReplicas("k"))):
+                etcd.process.send_signal(signal.SIGSTOP)
+                try:
+                    assert not _answered(master.endpoint, request)  # its record waits for etcd
+                    assert not _answered(master.endpoint, request), "a retry answered before the first was logged"
+                    assert not _answered(master.endpoint, then), "a read answered what is not logged"
+                finally:
+                    etcd.process.send_signal(signal.SIGCONT)
+                wait_for(functools.partial(_answered, master.endpoint, request), 5, "answered once etcd is back")
+            assert master.role == "leader"
+    finally:
+        master.close()
+
+
+@pytest.mark.timeout(60)
+def test_etcd_silent_past_a_commits_deadline_but_within_the_lease_costs_no_step_down(etcd: EtcdProcess) -> None:
+    """Regression (tests/lab/test_ha_partition.py, a partition shorter than the lease): a log
+    commit etcd did not answer within its deadline (2 s) made the leader step down, and its
+    lease, still alive in etcd, then kept every master out until it expired. Now the commit
+    is retried while the lease holds: the put waits out etcd's pause and the leader stays."""
+    config = MasterConfig(rpc_port=0, http_port=0, ha_etcd=etcd.url, ha_lease_ttl_s=10, heartbeat_interval_s=0.2)
+    master = MasterServer(config)
+    try:
+        wait_for(lambda: master.role == "leader", 10, "the master leads")
+        with StoreClient(client_config(etcd, segment_bytes=8 << 20)) as client:
+            client.put("before", b"b" * 1000)
+            resume = threading.Timer(2.5, etcd.process.send_signal, (signal.SIGCONT,))
+            etcd.process.send_signal(signal.SIGSTOP)
+            resume.start()
+            try:
+                client.put("during", b"d" * 1000)  # its log entry waits for etcd to answer again
+            finally:
+                resume.join()
+                etcd.process.send_signal(signal.SIGCONT)
+            assert client.get("during") == b"d" * 1000 and client.get("before") == b"b" * 1000
+        assert master.role == "leader" and master.ha is not None and master.ha.takeovers == 1
+    finally:
+        master.close()
+
+
+@pytest.mark.timeout(60)
+def test_log_commits_failing_for_ha_commit_timeout_hand_over(etcd: EtcdProcess) -> None:
+    """The other side of the retry above: a leader whose commits etcd has not answered for
+    `ha_commit_timeout_s` steps down (the write gets NotLeader, the client asks the next
+    leader) rather than retrying for as long as its lease holds."""
+    config = MasterConfig(
+        rpc_port=0, http_port=0, ha_etcd=etcd.url, ha_lease_ttl_s=10, ha_commit_timeout_s=1.0, heartbeat_interval_s=0.2
+    )
+    master = MasterServer(config)
+    try:
+        wait_for(lambda: master.role == "leader", 10, "the master leads")
+        with StoreClient(client_config(etcd, segment_bytes=8 << 20)), RpcClient(CODEC, master.endpoint) as rpc:
+            etcd.process.send_signal(signal.SIGSTOP)
+            started = time.monotonic()
+            try:
+                with pytest.raises(NotLeader):
+                    rpc.call(p.PutStart("writer", "k", 100, p.ReplicaConfig(), put_id=7), timeout_s=8)
+                gave_up_s = time.monotonic() - started
+                assert master.role == "standby"
+            finally:
+                etcd.process.send_signal(signal.SIGCONT)
+        assert 1.0 <= gave_up_s < 4.0
+    finally:
+        master.close()

@@ -17,11 +17,18 @@ before etcd (which counts from when it *received* it) expires the lease, so a pa
 leader stops before a successor can be elected. A monotonic clock keeps counting while a
 process is stopped, so a SIGSTOPped leader that resumes finds itself expired at once.
 
+Brief partitions: each keepalive (every TTL/4) goes out on a connection of its own, so one
+lost in a cut does not hold back the next, which gets through as soon as the link heals; a
+log commit etcd did not answer is put again, unchanged, while the lease holds (for at most
+`ha_commit_timeout_s`, then the leader steps down). A cut under ~TTL/2 costs no failover.
+
 Durability: the master appends the records of each operation under its lock (`append`
-returns the operation's number) and answers only after `wait(n)`; a committer thread writes
-what accumulated in one guarded transaction (group commit), in order, so an acknowledged
-operation and everything before it are in etcd. After `ha_snapshot_records` records the
-committer writes a snapshot and drops the log entries it covers.
+returns the operation's number) and answers only after `wait(n)`; an operation that changed
+nothing (a read, a retry) waits for the last one appended (`barrier`), whose effects it may
+have seen. A committer thread writes what accumulated in one guarded transaction (group
+commit), in order, so an acknowledged operation and everything before it are in etcd. After
+`ha_snapshot_records` records the committer writes a snapshot and drops the log entries it
+covers.
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ class HAController:
         self._appended = 0  # number of the last operation appended
         self._durable = 0  # number of the last operation in etcd
         self._since_snapshot = 0
+        self._failing_since: float | None = None  # when log commits began to fail (None: they work)
         self.takeovers = 0
         self._thread = threading.Thread(target=self._run, name="tsukimi-master-ha", daemon=True)
         self._keeper = threading.Thread(target=self._keepalive_loop, name="tsukimi-master-lease", daemon=True)
@@ -108,6 +116,15 @@ class HAController:
             self._appended += 1
             self._queue.append((self._appended, records))
             self._cond.notify_all()
+            return self.term, self._appended
+
+    def barrier(self) -> tuple[int, int]:
+        """(term, the number of the last operation appended): what an answer that changed
+        nothing has seen (caller holds the master lock); `wait` on it before answering. NOTE:
+        a retried request (a PutStart of the same put id, a second PutEnd) or a read finds in
+        memory what an operation still waiting for etcd changed; answered at once, it would
+        acknowledge what a successor, replaying the log, never sees."""
+        with self._cond:
             return self.term, self._appended
 
     def wait(self, term: int, number: int) -> None:
@@ -159,6 +176,7 @@ class HAController:
         tables, upto = self._load()
         with self._cond:
             self._queue, self._appended, self._durable = [], upto, upto
+        self._failing_since = None
         self._elected(tables)
         with self._cond:
             self.term = result.revision
@@ -180,34 +198,54 @@ class HAController:
                 batch, self._queue = self._queue, []
             if not self.leading():
                 raise MetadataError("the leader lease lapsed (etcd unreachable or this process was paused)")
-            if batch:
-                self._commit(batch)
+            if batch and not self._commit(batch):
+                self._stop.wait(_POLL_S)  # NOTE: etcd did not answer: the batch is queued again
+                continue
             if self._since_snapshot >= self.config.ha_snapshot_records:
                 self._write_snapshot()
 
-    def _commit(self, batch: list[tuple[int, list[journal.Record]]]) -> None:
+    def _commit(self, batch: list[tuple[int, list[journal.Record]]]) -> bool:
+        """Log `batch` (the operations in order); False if etcd did not answer: the batch is
+        back at the head of the queue, to be put again (the same keys, the same values) while
+        the lease holds. Raises MetadataError: fenced (no longer the leader), or commits have
+        failed for `ha_commit_timeout_s` (etcd refuses them: let another master try)."""
         entries: list[tuple[int, bytes]] = []
         first, records = batch[0][0], []
         for number, recs in batch:
             records.extend(recs)
             if len(records) >= 2000 or number == batch[-1][0]:
                 entries.append((first, journal.encode(records)))
-                self._since_snapshot += len(records)
                 first, records = number + 1, []
         for start in range(0, len(entries), 8):  # NOTE: keeps each request under etcd's size limit
             ops = [put_op(self._key("log", n), data) for n, data in entries[start : start + 8]]
-            self._guarded(ops)
+            try:
+                landed = self.kv.txn([created_at(self._leader_key, self.term)], ops).succeeded
+            except MetadataError as exc:  # NOTE: a brief partition need not cost a failover
+                now = self._clock.now()
+                if self._failing_since is None:
+                    self._failing_since = now
+                if now - self._failing_since >= self.config.ha_commit_timeout_s:
+                    raise
+                logger.warning("master %s: logging operations failed, retrying: %s", self.info.name, exc)
+                with self._cond:
+                    self._queue[:0] = batch
+                return False
+            if not landed:
+                raise MetadataError(f"fenced: the leader key is no longer ours (term {self.term})")
+        self._since_snapshot += sum(len(recs) for _, recs in batch)
+        self._failing_since = None
         with self._cond:
             self._durable = batch[-1][0]
             self._cond.notify_all()
+        return True
 
     def _write_snapshot(self) -> None:
         upto, records = self._snapshot()
         with self._cond:  # operations up to `upto` are in the state: log them first
             batch = [item for item in self._queue if item[0] <= upto]
             self._queue = [item for item in self._queue if item[0] > upto]
-        if batch:
-            self._commit(batch)
+        if batch and not self._commit(batch):
+            return  # NOTE: etcd did not answer; the next round tries again
         chunks = [journal.encode(records[i : i + 5000]) for i in range(0, max(1, len(records)), 5000)]
         for i, chunk in enumerate(chunks):
             self._guarded([put_op(self._key("snap", upto) + b"/%06d" % i, chunk)])
@@ -256,22 +294,33 @@ class HAController:
         return ttl - max(0.2, 0.15 * ttl)  # NOTE: the margin covers clock-rate drift and scheduling
 
     def _keepalive_loop(self) -> None:
+        """Every TTL/4, a keepalive of its own (a thread, a new connection): one lost in a brief
+        partition sits in TCP's retransmission backoff (0.2, 0.4, 0.8 s ...) and must not hold
+        back the next, which gets through as soon as the link heals; a slow answer still counts."""
         while not self._stop.wait(self.config.ha_lease_ttl_s / 4):
-            lease = self._lease
-            if not lease:
-                continue
-            sent = self._clock.now()
-            try:
-                ttl = self.kv.keepalive(lease)
-            except MetadataError as exc:
-                logger.warning("master %s: lease keepalive failed: %s", self.info.name, exc)
-                continue
-            with self._cond:
-                if ttl > 0 and lease == self._lease:
-                    self.valid_until = sent + self._valid_s()
-                elif ttl <= 0:
-                    self.valid_until = 0.0
-                    self._cond.notify_all()
+            if self._lease:
+                threading.Thread(
+                    target=self._renew, args=(self._lease,), name="tsukimi-lease-renew", daemon=True
+                ).start()
+
+    def _renew(self, lease: int) -> None:
+        kv = EtcdKV(self.config.ha_etcd, timeout_s=self.config.ha_lease_ttl_s)
+        sent = self._clock.now()
+        try:
+            ttl = kv.keepalive(lease)
+        except MetadataError as exc:
+            logger.warning("master %s: lease keepalive failed: %s", self.info.name, exc)
+            return
+        finally:
+            kv.close()
+        with self._cond:
+            if lease != self._lease:
+                return
+            if ttl > 0:  # NOTE: answers may come out of order: the latest send counts
+                self.valid_until = max(self.valid_until, sent + self._valid_s())
+            else:
+                self.valid_until = 0.0
+                self._cond.notify_all()
 
     def _step_down(self, why: str) -> None:
         with self._cond:

@@ -143,11 +143,12 @@ class MasterServer:
             self.ha.wait(*logged)
 
     def _log_changes(self) -> tuple[int, int] | None:
-        """Queue the rows the last operation changed for the HA log (caller holds the lock)."""
+        """Queue the rows the last operation changed for the HA log (caller holds the lock); the
+        log entry to wait for before answering (one that changed nothing: the last one queued)."""
         if self.ha is None:
             return None
         changes = self.state.take_changes()
-        return self.ha.append(journal.records_of(self.state, changes)) if changes else None
+        return self.ha.append(journal.records_of(self.state, changes)) if changes else self.ha.barrier()
 
     def _install(self, tables: journal.Tables) -> None:
         """Become the leader with the state the log holds (HA campaign thread)."""
