@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from rich.table import Table
 
 from tsukimi.bench.p2p_report import Row
-from tsukimi.bench.report import FigureViews, Verdict, goal
+from tsukimi.bench.report import FigureViews, Verdict, cells_markdown, cells_table, goal
 
 COLUMNS = (
     "hot_threshold",
@@ -111,19 +111,12 @@ def _title(figures: Mapping[str, object]) -> str:
 
 def render_table(figures: Mapping[str, object]) -> Table:
     """The runs as a rich table (the verdicts are the report's). Pure."""
-    table = Table(title=_title(figures))
-    for name in COLUMNS:
-        table.add_column(name, justify="right")
-    for cells in _rows(figures):
-        table.add_row(*cells)
-    return table
+    return cells_table(_title(figures), COLUMNS, _rows(figures))
 
 
 def render_markdown(figures: Mapping[str, object]) -> str:
     """The runs as a Markdown table (what docs/benchmarks.md shows). Pure."""
-    lines = [_title(figures), "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cells) + " |" for cells in _rows(figures)]
-    return "\n".join(lines)
+    return "\n".join([_title(figures), "", *cells_markdown(COLUMNS, _rows(figures))])
 
 
 VIEWS = FigureViews(render_markdown, render_table)

@@ -15,7 +15,7 @@ from typing import Literal
 
 from rich.table import Table
 
-from tsukimi.bench.report import FigureViews, Verdict, goal
+from tsukimi.bench.report import FigureViews, Verdict, cells_markdown, goal
 
 Row = dict[str, object]
 GOALS: tuple[tuple[str, Literal["<=", ">="], float], ...] = (
@@ -97,9 +97,7 @@ def render_markdown(figures: Mapping[str, object]) -> str:
     verdicts). Pure."""
     runs = figures["runs"]
     assert isinstance(runs, list)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cells(row)) + " |" for row in runs]
-    return "\n".join(lines)
+    return "\n".join(cells_markdown(COLUMNS, [_cells(row) for row in runs]))
 
 
 VIEWS = FigureViews(render_markdown, render_table)

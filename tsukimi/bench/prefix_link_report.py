@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 from rich.table import Table
 
-from tsukimi.bench.report import FigureViews, Verdict, goal
+from tsukimi.bench.report import FigureViews, Verdict, cells_markdown, cells_table, goal
 
 Row = dict[str, object]
 COLUMNS = (
@@ -108,23 +108,16 @@ def _title(figures: Mapping[str, object]) -> str:
 
 def render_table(figures: Mapping[str, object]) -> Table:
     """The links as a rich table (the goals are the report's verdicts). Pure."""
-    table = Table(title=_title(figures))
-    for name in COLUMNS:
-        table.add_column(name, justify="left" if name == "link" else "right")
     links = figures["links"]
     assert isinstance(links, list)
-    for row in links:
-        table.add_row(*_cells(row))
-    return table
+    return cells_table(_title(figures), COLUMNS, [_cells(row) for row in links], left=("link",))
 
 
 def render_markdown(figures: Mapping[str, object]) -> str:
     """The links as a Markdown table (what docs/benchmarks.md shows). Pure."""
     links = figures["links"]
     assert isinstance(links, list)
-    lines = [_title(figures), "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cells(row)) + " |" for row in links]
-    return "\n".join(lines)
+    return "\n".join([_title(figures), "", *cells_markdown(COLUMNS, [_cells(row) for row in links])])
 
 
 VIEWS = FigureViews(render_markdown, render_table)

@@ -252,6 +252,27 @@ def render_markdown(report: BenchReport, views: FigureViews | None = None) -> st
     return "\n".join([header(report), "", figures, "", "| verdict | goal | met | detail |", "|---|---|---|---|", *rows])
 
 
+def cells_table(
+    title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], left: Sequence[str] = (), caption: str = ""
+) -> Table:
+    """A rich table of text cells: `columns` right-aligned but those named in `left`. Pure."""
+    table = Table(title=title, caption=caption or None)
+    for name in columns:
+        table.add_column(name, justify="left" if name in left else "right")
+    for cells in rows:
+        table.add_row(*cells)
+    return table
+
+
+def cells_markdown(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The lines of a Markdown table of text cells. Pure."""
+    return [
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+        *("| " + " | ".join(c) + " |" for c in rows),
+    ]
+
+
 def verdict_table(verdicts: Sequence[Verdict]) -> Table:
     """The verdicts as a rich table (pure)."""
     table = Table(title="verdicts")

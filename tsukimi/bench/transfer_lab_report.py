@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from rich.table import Table
 
 from tsukimi.bench.p2p_report import Row
-from tsukimi.bench.report import FigureViews, Verdict, goal
+from tsukimi.bench.report import FigureViews, Verdict, cells_markdown, cells_table, goal
 
 COLUMNS = ("NICs", "op", "shaped", "batch (MiB)", "seconds", "Mbit/s", "links busy", "CPUs busy")
 
@@ -91,19 +91,12 @@ def _failure_line(figures: Mapping[str, object]) -> str:
 
 def render_table(figures: Mapping[str, object]) -> Table:
     """The cells as a rich table, the failure run in its caption. Pure."""
-    table = Table(title=_title(figures), caption=_failure_line(figures))
-    for name in COLUMNS:
-        table.add_column(name, justify="right")
-    for cells in _rows(figures):
-        table.add_row(*cells)
-    return table
+    return cells_table(_title(figures), COLUMNS, _rows(figures), caption=_failure_line(figures))
 
 
 def render_markdown(figures: Mapping[str, object]) -> str:
     """The cells as a Markdown table and the failure run in a line (docs/benchmarks.md). Pure."""
-    lines = [_title(figures), "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cells) + " |" for cells in _rows(figures)]
-    return "\n".join([*lines, "", _failure_line(figures)])
+    return "\n".join([_title(figures), "", *cells_markdown(COLUMNS, _rows(figures)), "", _failure_line(figures)])
 
 
 VIEWS = FigureViews(render_markdown, render_table)
