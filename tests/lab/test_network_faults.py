@@ -10,7 +10,6 @@ master drops a holder silent for client_ttl_s = 2 s). Figures measured here are 
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
@@ -21,12 +20,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tsukimi.config import ClusterConfig, load
 from tsukimi.errors import TsukimiError
 from tsukimi.lab import HOST_ID_ENV, HostSpec, Lab, LinkShape, Topology
-from tsukimi.lab.cluster import launch, place
-from tsukimi.serving.cluster.launcher import LaunchConfig
-from tsukimi.serving.cluster.up import plan
 from tsukimi.testing.engine_pairs import MIB, initiator_config
 from tsukimi.testing.host_pairs import RemoteTarget
 from tsukimi.testing.lab_services import start_metadata_server, worker_in
@@ -35,6 +30,7 @@ from tsukimi.testing.processes import wait_until
 from tsukimi.transfer import TransferEngine
 
 from .conftest import needs_namespaces
+from .pd_over_hosts import pd_over_hosts
 
 pytestmark = [needs_namespaces, pytest.mark.timeout(180)]
 
@@ -242,7 +238,6 @@ def test_a_nic_taken_down_mid_transfer_striped_over_two(tmp_path: Path, monkeypa
             peer.stop()
 
 
-PD_PLACEMENT = {"master": "m", "metadata": "m", "prefill": "p", "decode": "d", "router": "r"}
 REQUEST_BOUND_S = 30.0
 
 
@@ -252,36 +247,9 @@ def test_packet_loss_on_a_workers_link_keeps_greedy_tokens(tmp_path: Path, loss:
     """PD serving spread over five hosts (as test_cluster.py), `loss` of the packets dropped
     both ways on the decode worker's link: every request ends within REQUEST_BOUND_S with
     one host's greedy tokens, or with a clear error status (never wrong tokens, never a hang)."""
-    from tsukimi.engine.model import generate_greedy_reference
-    from tsukimi.engine.weights import random_tiny
-
-    model = random_tiny(0).model
-    prompts = [list(range(5 + i, 5 + i + 70)) for i in range(4)]  # 4 full blocks of 16 each through the pool
-    new = 8
-    expected = [list(generate_greedy_reference(model, prompt, new)) for prompt in prompts]
-    ports = itertools.count(20000)
-    groups = plan(load(ClusterConfig, None, ['model="tiny"']), port=lambda: next(ports))
-    with Lab(Topology.of("m", "p", "d", "r", "client")) as lab:
-        placed = place(lab, groups, PD_PLACEMENT)
-        cluster = launch(lab, placed, LaunchConfig(tmp_path, startup_timeout_s=120), control="client")
-        try:
-            lab.set_link("d", 0, loss=loss)
-            outcomes: list[str] = []
-            slowest_s = 0.0
-            with lab.entered("client"):
-                for prompt, tokens in zip(prompts, expected, strict=True):
-                    body = {"model": "tiny", "prompt": prompt, "max_tokens": new, "temperature": 0}
-                    body |= {"ignore_eos": True, "return_token_ids": True}
-                    start = time.monotonic()
-                    answer = httpx.post(cluster.api + "/v1/completions", json=body, timeout=REQUEST_BOUND_S)
-                    slowest_s = max(slowest_s, time.monotonic() - start)
-                    if answer.status_code == 200:
-                        assert answer.json()["choices"][0]["token_ids"] == tokens
-                        outcomes.append("ok")
-                    else:
-                        assert answer.status_code >= 500 and "error" in answer.json(), answer.text
-                        outcomes.append(str(answer.status_code))
-            print(f"\nloss {loss} on the decode link: {outcomes}, slowest request {slowest_s:.2f} s")
-            assert "ok" in outcomes, outcomes
-        finally:
-            cluster.stop()
+    with pd_over_hosts(tmp_path) as pd:
+        pd.lab.set_link("d", 0, loss=loss)
+        outcomes, latencies_s = pd.serve(REQUEST_BOUND_S)
+        slowest_s = max(latencies_s)
+    print(f"\nloss {loss} on the decode link: {outcomes}, slowest request {slowest_s:.2f} s")
+    assert "ok" in outcomes, outcomes

@@ -86,3 +86,36 @@ def test_master_restart_clients_remount_and_keep_working(deployment: Deployment)
     client.put("after", b"y" * 5000, replicas=2)
     assert client.get("after") == b"y" * 5000
     assert client.get("before") is None  # metadata is not persisted yet (HA is a later issue)
+
+
+def test_a_put_the_master_gave_up_before_its_end_fails_as_a_transfer_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The master reclaims a put whose writes outlast `put_timeout_s` (here: revoked by hand
+    while its bytes are written): its PutEnd finds no put in progress, and the client says a
+    transfer did not land in time (TransferError, the master's ObjectNotFound as the cause),
+    not that the key is missing; nothing is stored."""
+    from tsukimi.errors import ObjectNotFound
+    from tsukimi.store import protocol as p
+    from tsukimi.store import puts
+    from tsukimi.store.master_batch import call_batch
+
+    dep = start_deployment("inprocess")
+    try:
+        client = dep.client()
+        real = puts.write_replicas
+        path = client._puts  # NOTE: the put path's own link to the master
+
+        def slow_write(engine: object, items: object, started: list[p.BatchResultItem], errors: object) -> None:
+            for item, result in zip(items, started, strict=True):  # type: ignore[call-overload]
+                assert isinstance(result, p.PutStartResult)
+                call_batch(path._link, [p.PutRevoke(path._client_id, item.key, result.put_id)])
+            real(engine, items, started, errors)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(puts, "write_replicas", slow_write)
+        with pytest.raises(TransferError, match="did not complete in time") as caught:
+            client.put("late", b"x" * 1000)
+        assert isinstance(caught.value.__cause__, ObjectNotFound)
+        assert not client.exists("late")
+    finally:
+        dep.close()

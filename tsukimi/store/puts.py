@@ -7,7 +7,8 @@
 Puts go `p.MAX_BATCH` per round trip. A put the master refused with OffloadPending (memory is
 being copied to a holder's disk to make room) is put again, backing off, for up to
 `client.put_wait_s`. A started put is never left pending: when the writes raise, it is
-revoked before the exception goes on.
+revoked before the exception goes on. A put the master reclaimed before its PutEnd (its writes
+took longer than `master.put_timeout_s`) fails as a TransferError, never as ObjectNotFound.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 
 from tsukimi.clock import Clock
 from tsukimi.config import ClientConfig
-from tsukimi.errors import OffloadPending, TransferError, TsukimiError
+from tsukimi.errors import ObjectNotFound, OffloadPending, TransferError, TsukimiError
 from tsukimi.store import protocol as p
 from tsukimi.store.master_batch import call_batch
 from tsukimi.store.master_link import MasterLink
@@ -116,7 +117,7 @@ class PutPath:
                 errors[i] = errors[i] or exc
             return
         for i, result in zip(live, ended, strict=True):
-            errors[i] = errors[i] or _error(result)
+            errors[i] = errors[i] or _end_error(puts[i].key, result)
 
 
 def _new_put_id() -> int:
@@ -126,3 +127,16 @@ def _new_put_id() -> int:
 
 def _error(result: p.BatchResultItem) -> TsukimiError | None:
     return p.error_of(result) if isinstance(result, p.Failure) else None
+
+
+def _end_error(key: str, result: p.BatchResultItem) -> TsukimiError | None:
+    """The error of a PutEnd (or PutRevoke) answer. A put the master no longer has in progress
+    at PutEnd was reclaimed (its writes outlasted `master.put_timeout_s`, or a holder it
+    wrote to was lost): not stored, a transfer that did not land in time, so a TransferError
+    with the master's ObjectNotFound as its cause (the key itself was never missing)."""
+    error = _error(result)
+    if isinstance(error, ObjectNotFound):
+        lost = TransferError(f"the put of {key!r} did not complete in time: the master gave it up ({error})")
+        lost.__cause__ = error
+        return lost
+    return error
