@@ -42,6 +42,7 @@ from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OK, code_of
 from tsukimi.compat.mooncake.connection import StoreConnection
 from tsukimi.compat.mooncake.dummy import MemPool
 from tsukimi.compat.mooncake.engine import TransferEngine as EngineFacade
+from tsukimi.compat.mooncake.host_alloc import MooncakeHostMemAllocator
 from tsukimi.compat.mooncake.multi_buffers import MultiBufferCalls
 from tsukimi.compat.mooncake.objects import ObjectCalls, joined
 from tsukimi.compat.mooncake.ranges import RangeReads, Ranges
@@ -74,6 +75,7 @@ __all__ = [
     "DiskDescriptor",
     "MemoryDescriptor",
     "MooncakeDistributedStore",
+    "MooncakeHostMemAllocator",
     "QueryTaskResponse",
     "ReplicaDescriptor",
     "ReplicaStatus",
