@@ -114,6 +114,11 @@ class AppHandle:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The thread serving the app (alive while it serves)."""
+        return self._thread
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Shut down gracefully, then forcibly; idempotent. Waits at most about `timeout_s`."""
         self._server.should_exit = True

@@ -7,6 +7,8 @@ Mooncake's own transfer_engine_initiator_test.py runs against this facade throug
 from __future__ import annotations
 
 import ctypes
+import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -60,6 +62,27 @@ def test_initialize_arguments() -> None:
     for args in [("h", "P2PHANDSHAKE", "nvlink"), ("h:port", "P2PHANDSHAKE", "tcp"), ("h", "redis://r:1", "tcp")]:
         with pytest.raises(ConfigError):
             engine_setup(*args)
+
+
+def test_rdma_without_nixl_is_tcp_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang's default protocol is "rdma": without NIXL it must serve over tcp, not fail."""
+    from tsukimi.compat.mooncake import rdma, setup_args
+
+    monkeypatch.setattr(rdma, "nixl_installed", lambda: False)
+    monkeypatch.setattr(rdma, "_warned", threading.Event())
+    with caplog.at_level(logging.WARNING, logger=rdma.__name__):
+        assert not engine_setup("", "P2PHANDSHAKE", "rdma").config.transfer.nixl
+        store = setup_args.from_args("127.0.0.1", "P2PHANDSHAKE", 1 << 24, 1 << 22, "rdma", "", "127.0.0.1:50051")
+        assert not store.nixl
+        engine = mc.TransferEngine()
+        assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+    assert [r.message for r in caplog.records].count(
+        "protocol rdma: NIXL is not installed here (make nixl); using tcp"
+    ) == 1
+    monkeypatch.setattr(rdma, "nixl_installed", lambda: True)
+    assert engine_setup("", "P2PHANDSHAKE", "rdma").config.transfer.nixl
 
 
 def test_initialize_returns_codes() -> None:

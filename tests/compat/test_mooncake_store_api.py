@@ -243,3 +243,23 @@ def test_setup_args_refuse_what_tsukimi_does_not_do() -> None:
     assert asked.enable_ssd_offload and asked.ssd_offload_path == "/d"  # a disk when the master offloads
     assert setup_args.master_url("etcd://a:2379;b:2379") == "etcd://a:2379,b:2379"
     assert setup_args.from_args("h", "10.0.0.1:2379").metadata_url == "etcd://10.0.0.1:2379"
+
+
+def test_setup_shares_an_engine_given_as_the_facade_or_as_its_get_engine(master: MasterServer) -> None:
+    """SGLang's HiCache (`SGLANG_HICACHE_MOONCAKE_REUSE_TE`) passes the PD engine's
+    `get_engine()` result; Mooncake's own code passes the TransferEngine itself."""
+    from tsukimi.compat.mooncake.engine import TransferEngine as EngineFacade
+
+    address = master.endpoint.removeprefix("tcp://")
+    for n, get_engine in enumerate((True, False)):
+        engine = EngineFacade()
+        assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        hostname = f"127.0.0.1:{engine.get_rpc_port()}"
+        given = engine.get_engine() if get_engine else engine
+        store = MooncakeDistributedStore()
+        assert store.setup(hostname, "P2PHANDSHAKE", 16 * MIB, 4 * MIB, "tcp", "", address, given) == 0
+        assert store.get_hostname() == hostname
+        assert store.put(f"shared{n}", b"x" * 1000) == 0 and store.get(f"shared{n}") == b"x" * 1000
+        assert store.close() == 0
+    wrong = MooncakeDistributedStore().setup("127.0.0.1", "P2PHANDSHAKE", 16 * MIB, 4 * MIB, "tcp", "", address, 7)
+    assert wrong == -600

@@ -1,5 +1,5 @@
-"""The master's Mooncake-style HTTP endpoints: /metrics/summary, /get_all_keys (paged) and
-/batch_query_keys, and the disk tier's Prometheus metrics."""
+"""The master's Mooncake-style HTTP endpoints: /metrics/summary, /get_all_keys (paged),
+/get_all_segments and /batch_query_keys, and the disk tier's Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -25,11 +25,13 @@ def test_summary_keys_pages_and_batch_queries(tmp_path: Path) -> None:
     with MasterServer(cfg) as master:
         url = master.http.base_url
         client_cfg = ClientConfig(master=master.endpoint, segment_bytes=4 * MIB, ssd_dir=str(tmp_path), ssd_bytes=MIB)
+        assert httpx.get(f"{url}/get_all_segments").text == ""  # nobody mounted yet
         with StoreClient(replace(Config(), client=client_cfg)) as holder:
             for key in ("b", "a", "c"):
                 holder.put(key, key.encode() * 1000)
             wait_until(lambda: all(master.state.objects[k].disks for k in "abc"))  # copied at put
             assert httpx.get(f"{url}/get_all_keys").text == "a\nb\nc\n"
+            assert httpx.get(f"{url}/get_all_segments").text == f"{holder.engine.name}\n"
             first = httpx.get(f"{url}/get_all_keys", params={"limit": 2})
             assert first.text == "a\nb\n" and first.headers["X-Next-Start-After"] == "b"
             last = httpx.get(f"{url}/get_all_keys", params={"limit": 2, "start_after": "b"})

@@ -12,7 +12,8 @@ its segment name, the address it serves on, where it publishes, and which transp
 | metadata_server "host:port[/path]"      | etcd://host:port, or metadata_type://... (initialize_ext)|
 | protocol "tcp"                          | transfer.transport auto: shm or cma with a peer on     |
 |                                         | this host, tcp otherwise                               |
-| protocol "rdma"                         | auto with the nixl transport on (`make nixl`)          |
+| protocol "rdma"                         | auto with the nixl transport on (`make nixl`); tcp,    |
+|                                         | with one warning, where NIXL is not installed (rdma.py)|
 | device_name                             | unused (NIXL/UCX choose the NICs)                      |
 
 `started(engine)` is how every part of the facade asks for the engine `initialize` started.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tsukimi.compat.mooncake.rdma import rdma_uses_nixl
 from tsukimi.config import Config, MetadataConfig, TransferConfig
 from tsukimi.errors import ConfigError
 from tsukimi.transfer import TransferEngine
@@ -49,7 +51,7 @@ def engine_setup(local_hostname: str, metadata_server: str, protocol: str, metad
         raise ConfigError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     host, port = _host_port(local_hostname)
     p2p = metadata_server.strip().upper() in (P2P, "")
-    transfer = TransferConfig(bind_host=host, port=port if p2p else 0, nixl=protocol == "rdma")
+    transfer = TransferConfig(bind_host=host, port=port if p2p else 0, nixl=protocol == "rdma" and rdma_uses_nixl())
     config = replace(
         Config(), transfer=transfer, metadata=MetadataConfig(url="p2p" if p2p else _url(metadata_server, metadata_type))
     )

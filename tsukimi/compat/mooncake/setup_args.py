@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tsukimi.compat.mooncake import offload
+from tsukimi.compat.mooncake.rdma import rdma_uses_nixl
 from tsukimi.config import ClientConfig, Config, MetadataConfig, TransferConfig
 from tsukimi.errors import ConfigError
 from tsukimi.store.client import StoreClient
@@ -203,11 +204,12 @@ def _metadata_url(server: str) -> str:
 
 def _protocol(protocol: str) -> tuple[str, bool]:
     """(transfer.transport, transfer.nixl): "tcp" lets tsukimi pick per peer (shared memory
-    on this host, TCP elsewhere); "rdma" adds the NIXL transport (RDMA NICs)."""
+    on this host, TCP elsewhere); "rdma" adds the NIXL transport (RDMA NICs) where NIXL is
+    installed, else it is tcp (rdma.py: one warning)."""
     if protocol == "tcp":
         return "auto", False
     if protocol == "rdma":
-        return "auto", True
+        return "auto", rdma_uses_nixl()
     raise ConfigError(f"protocol must be tcp or rdma, got {protocol!r}")
 
 

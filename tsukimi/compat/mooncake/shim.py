@@ -17,7 +17,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, ModuleType
 
 TARGET = "tsukimi.compat.mooncake"
 
@@ -40,6 +40,16 @@ class _Alias(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         return None  # NOTE: imported (and run) once, under its tsukimi name
+
+    def get_code(self, fullname: str) -> CodeType | None:
+        """The target's code: what `python -m mooncake.X` runs (runpy asks the loader)."""
+        spec = importlib.util.find_spec(self._target)
+        loader = spec.loader if spec is not None else None
+        return loader.get_code(self._target) if isinstance(loader, importlib.abc.InspectLoader) else None
+
+    def is_package(self, fullname: str) -> bool:
+        spec = importlib.util.find_spec(self._target)
+        return spec is not None and spec.submodule_search_locations is not None
 
 
 class MooncakeFinder(importlib.abc.MetaPathFinder):

@@ -42,6 +42,7 @@ from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OK, code_of
 from tsukimi.compat.mooncake.connection import StoreConnection
 from tsukimi.compat.mooncake.dummy import MemPool
 from tsukimi.compat.mooncake.engine import TransferEngine as EngineFacade
+from tsukimi.compat.mooncake.host_alloc import MooncakeHostMemAllocator
 from tsukimi.compat.mooncake.multi_buffers import MultiBufferCalls
 from tsukimi.compat.mooncake.objects import ObjectCalls, joined
 from tsukimi.compat.mooncake.ranges import RangeReads, Ranges
@@ -74,6 +75,7 @@ __all__ = [
     "DiskDescriptor",
     "MemoryDescriptor",
     "MooncakeDistributedStore",
+    "MooncakeHostMemAllocator",
     "QueryTaskResponse",
     "ReplicaDescriptor",
     "ReplicaStatus",
@@ -119,7 +121,8 @@ class MooncakeDistributedStore:
         """Connect to the master and mount `global_segment_size` bytes; or `setup(config)`
         with Mooncake's dictionary (sizes may be "16MB"). `local_hostname` "host:port" names
         this client's segment (`get_hostname()`); a bare host gets a port in 12300..14300.
-        `engine`: a `mooncake.engine.TransferEngine` to share. 0, or a negative code."""
+        `engine`: a `mooncake.engine.TransferEngine` to share, or what its `get_engine()` returned
+        (SGLang passes that). 0, or a negative code."""
         try:
             if isinstance(local_hostname, Mapping):
                 if metadata_server is not None:
@@ -633,10 +636,17 @@ class MooncakeDistributedStore:
 
 
 def _shared_engine(engine: object) -> TransferEngine | None:
-    """tsukimi's engine inside a `mooncake.engine.TransferEngine` (None: none given)."""
+    """tsukimi's engine from what `setup(..., engine)` was given (None: none given): a
+    `mooncake.engine.TransferEngine`, or what its `get_engine()` returned (SGLang's HiCache
+    passes that when it shares its PD engine: `SGLANG_HICACHE_MOONCAKE_REUSE_TE`)."""
     if engine is None:
         return None
-    wrong = ConfigError("engine must be an initialized mooncake.engine.TransferEngine")
+    if isinstance(engine, TransferEngine):
+        return engine
+    wrong = ConfigError(
+        "engine must be an initialized mooncake.engine.TransferEngine or what its get_engine() returned,"
+        f" got {type(engine).__name__}"
+    )
     if not isinstance(engine, EngineFacade):
         raise wrong
     try:

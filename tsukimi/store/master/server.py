@@ -226,7 +226,8 @@ class MasterServer:
         return app
 
     def _mooncake_routes(self, app: FastAPI, signed: Callable[[Request], Awaitable[None]]) -> None:
-        """Mooncake's master endpoints: /metrics/summary, /get_all_keys, /batch_query_keys."""
+        """Mooncake's master endpoints: /metrics/summary, /get_all_keys, /batch_query_keys,
+        /get_all_segments (SGLang's `MOONCAKE_CHECK_SERVER` polls it until a segment is there)."""
 
         @app.get("/metrics/summary")
         def metrics_summary() -> PlainTextResponse:
@@ -241,6 +242,14 @@ class MasterServer:
                 keys, after = reports.all_keys(self.state, start_after, limit)
             headers = {"X-Next-Start-After": after} if after else {}
             return PlainTextResponse("".join(f"{k}\n" for k in keys), headers=headers)
+
+        @app.get("/get_all_segments", dependencies=[Depends(signed)])
+        def get_all_segments() -> PlainTextResponse:
+            if self.role != "leader":
+                raise HTTPException(503, "this master is a standby: ask the leader")
+            with self._lock:
+                names = {info.te_segment for info in self.state.registry.infos(self.state.clock.now())}
+            return PlainTextResponse("".join(f"{name}\n" for name in sorted(names)))
 
         @app.get("/batch_query_keys", dependencies=[Depends(signed)])
         def batch_query_keys(keys: str = "") -> JSONResponse:
