@@ -459,8 +459,13 @@ def test_a_partition_shorter_than_the_lease_heals_without_failover(lab: Lab, sto
             for host in (h for h in (ETCD, *MASTERS, *HOLDERS, CLIENT) if h != leader):
                 lab.partition(leader, host)  # NOTE: etcd first: the lease is what a short cut endangers
             healed: list[float] = []
+
+            def heal() -> None:
+                lab.heal()
+                healed.append(time.monotonic())
+
             delay_s = max(0.0, cut_at + SHORT_CUT_S - time.monotonic())
-            healer = threading.Timer(delay_s, lambda: (lab.heal(), healed.append(time.monotonic())))
+            healer = threading.Timer(delay_s, heal)
             healer.start()
             try:
                 work.run(lambda: bool(healed) and work.puts_acked_after(healed[0]) >= 3, 30)
