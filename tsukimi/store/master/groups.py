@@ -45,7 +45,7 @@ class ObjectTable(TrackedDict[ObjectRecord]):
         self._leave(key, self[key])
         super().__delitem__(key)
 
-    def pop(self, key: str, default: ObjectRecord | None = None) -> ObjectRecord | None:
+    def pop(self, key: str, default: ObjectRecord | None = None) -> ObjectRecord | None:  # type: ignore[override]
         if key in self:
             self._leave(key, self[key])
         return super().pop(key, default)

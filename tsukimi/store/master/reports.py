@@ -104,5 +104,6 @@ def batch_query(state: MasterState, keys: list[str]) -> dict[str, dict[str, obje
             "nof_values": None,
         }
         # NOTE: tsukimi's additions, only when set: the replica group and the writer's session
-        out[key].update({name: value for name, value in (("group_id", info.group), ("session_id", info.session)) if value})
+        extras = {"group_id": info.group, "session_id": info.session}
+        out[key].update({name: value for name, value in extras.items() if value})
     return out
