@@ -201,7 +201,9 @@ class ReplicateConfig:
         """
         if self.nof_replica_num or self.dfs_replica_num or self.preferred_nof_segments:
             raise InvalidArgument("NoF / DFS replicas are not supported by tsukimi")
-        groups, sessions = self._ids(1) if per_key else ([], [])
+        groups, sessions = (self._group_ids or [], self._session_ids) if per_key else ([], [])
+        if len(groups) > 1 or len(sessions) > 1:
+            raise InvalidArgument("this put takes at most one group_ids / session_ids entry, for all its objects")
         preferred = [self._preferred_segment] if self._preferred_segment else []
         preferred += [s for s in self._preferred_segments if s not in preferred]
         if self.prefer_alloc_in_same_node and own_segment:
