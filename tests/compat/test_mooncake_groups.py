@@ -68,6 +68,9 @@ def test_puts_split_the_ids_per_key(store: MooncakeDistributedStore, master: Mas
     assert [state.describe(k).session for k in ("k1", "k3", "k4", "m1")] == ["writer-a", "writer-b", "writer-c", ""]
     assert store.pub_tensor("t1", torch.arange(4), config_of(["page3"])) == 0  # one entry: the whole put
     assert state.objects.groups["page3"] == {"t1"}
+    two = [torch.zeros(2), torch.ones(2)]
+    with pytest.raises(InvalidArgument, match="at most one"):  # the wheel: [0, 0] (a known difference)
+        store.batch_pub_tensor(["t2", "t3"], two, config_of(["a", "b"]))
 
 
 def test_a_length_mismatch_fails_every_key_and_stores_nothing(
