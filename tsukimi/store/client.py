@@ -81,6 +81,17 @@ INCARNATION = uuid.uuid4().hex
 PinName = str  # "", "soft" or "hard"
 
 
+def _per_item(
+    items: Sequence[object], configs: Sequence[p.ReplicaConfig] | None, config: p.ReplicaConfig
+) -> list[p.ReplicaConfig]:
+    """Each item's config: its own from `configs`, else `config`. Raises InvalidArgument."""
+    if configs is None:
+        return [config] * len(items)
+    if len(configs) != len(items):
+        raise InvalidArgument(f"{len(configs)} configs for {len(items)} items: one per item")
+    return list(configs)
+
+
 def replica_config(replicas: int = 1, pin: PinName = "", preferred: Sequence[str] = ()) -> p.ReplicaConfig:
     """Raises InvalidArgument for a bad count or pin."""
     if pin not in ("", "soft", "hard"):
@@ -240,25 +251,36 @@ class StoreClient:
         *,
         upsert: bool = False,
         config: p.ReplicaConfig | None = None,
+        configs: Sequence[p.ReplicaConfig] | None = None,
     ) -> list[TsukimiError | None]:
         """Put several objects; each key's error, or None where it succeeded. A value may be
         device memory (a CUDA tensor, EmulatedMemory, a DeviceRange: staged, device_io.py).
-        Raises only for the whole call (InvalidArgument, RpcTimeout / MasterUnavailable;
-        DeviceError: a device copy failed)."""
-        config = config or replica_config(replicas, pin, preferred)
+        `configs`, when given, is each item's own config (e.g. its replica group), replacing
+        the others. Raises only for the whole call (InvalidArgument, also for `configs` of
+        another length than `items`; RpcTimeout / MasterUnavailable; DeviceError: a device
+        copy failed)."""
+        each = _per_item(items, configs, config or replica_config(replicas, pin, preferred))
         parts = [as_part(data) for _, data in items]
         if has_device(parts):
-            puts = [DevicePut(key, (part,), config, upsert) for (key, _), part in zip(items, parts, strict=True)]
+            puts = [DevicePut(key, (part,), c, upsert) for (key, _), part, c in zip(items, parts, each, strict=True)]
             return self.device.put(puts, self._puts.put)
         views = cast(list[memoryview], parts)
-        return self._puts.put([PutItem(key, (v,), config, upsert) for (key, _), v in zip(items, views, strict=True)])
+        host = [PutItem(key, (v,), c, upsert) for (key, _), v, c in zip(items, views, each, strict=True)]
+        return self._puts.put(host)
 
     def batch_put_parts(
-        self, items: Sequence[PartsPut], config: p.ReplicaConfig | None = None, *, upsert: bool = False
+        self,
+        items: Sequence[PartsPut],
+        config: p.ReplicaConfig | None = None,
+        *,
+        upsert: bool = False,
+        configs: Sequence[p.ReplicaConfig] | None = None,
     ) -> list[TsukimiError | None]:
         """Put each key as the concatenation of its buffers, zero-copy (`PartsIO.batch_put_parts`,
-        parts.py); `config` defaults to one replica, no pins. Each key's error, or None."""
-        return self._parts.batch_put_parts(items, config, upsert=upsert)
+        parts.py); `config` defaults to one replica, no pins; `configs`, when given, is each
+        item's own (as `batch_put`). Each key's error, or None."""
+        each = _per_item(items, configs, config or p.ReplicaConfig())
+        return self._parts.batch_put_parts(items, upsert=upsert, configs=each)
 
     # -- reads -------------------------------------------------------------------------
 
