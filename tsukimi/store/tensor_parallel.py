@@ -277,9 +277,8 @@ def get_with_parallelism(
     results = [TensorResult()] * len(keys)
     # NOTE: a full read under a layout never reads the plain key (Mooncake's rule)
     direct = [i for i, t in enumerate(targets) if not (t.mode == "full" and t.parallelism is not None)]
-    found = client.batch_get(
-        [targets[i].first_key(keys[i]) for i in direct], None if into is None else [into[i] for i in direct]
-    )
+    buffers = None if into is None else [into[i] for i in direct]
+    found = client.batch_get([targets[i].first_key(keys[i]) for i in direct], buffers) if direct else []
     for i, r in zip(direct, found, strict=True):
         results[i] = decode_result(r.data, r.error, targets[i].tp_size)
     todo = [i for i, r in enumerate(results) if not r.found and r.error is None and targets[i].mode != "as_stored"]
@@ -295,9 +294,10 @@ def _rebuild(client: StoreClient, keys: list[str], targets: list[ReadTarget]) ->
     or from the TP shards of their layout."""
     results = [TensorResult()] * len(keys)
     by_layout = [(i, t.parallelism) for i, t in enumerate(targets) if t.mode == "full" and t.parallelism is not None]
-    rebuilt = read_tp_full(client, [keys[i] for i, _ in by_layout], [p for _, p in by_layout])
-    for (i, _), result in zip(by_layout, rebuilt, strict=True):
-        results[i] = result
+    if by_layout:
+        rebuilt = _read_tp_full(client, [keys[i] for i, _ in by_layout], [p for _, p in by_layout])
+        for (i, _), result in zip(by_layout, rebuilt, strict=True):
+            results[i] = result
     done = {i for i, _ in by_layout}
     probes = [(i, part) for i, t in enumerate(targets) if (part := _as_partition(t)) is not None]
     if probes:
@@ -348,7 +348,7 @@ def _read_full(client: StoreClient, keys: list[str]) -> list[TensorResult]:
     return results
 
 
-def read_tp_full(client: StoreClient, keys: Sequence[str], layouts: Sequence[TensorParallelism]) -> list[TensorResult]:
+def _read_tp_full(client: StoreClient, keys: Sequence[str], layouts: Sequence[TensorParallelism]) -> list[TensorResult]:
     """Each key's whole tensor put back from the TP shards of its layout (module docstring:
     "full, a parallelism"), in at most three batches: the manifests, the shards, and the
     shards again for a one-TP-axis key stored for another TP size without a manifest."""
