@@ -1,5 +1,6 @@
 """Full reads under a parallelism (`get_tensor_with_parallelism` with a "full" `ReadTarget`)
-put the tensor back from its TP shards, as Mooncake's store_py.cpp does.
+put the tensor back from its TP shards, as Mooncake's store_py.cpp does; a "shard" read of
+another TP size is cut from that whole tensor.
 
 The expectations are Mooncake's (store_py_parallel_read.h, and what the real 0.3.13.post1
 wheel answers): shards r = 0..n-1 under "{key}_tp_{r}" for one TP axis, or under the
@@ -70,8 +71,14 @@ class Layouts:
         return parallelism
 
     def full(self, *axes: object) -> object:
+        return self._target("full", axes)
+
+    def shard(self, *axes: object) -> object:
+        return self._target("shard", axes)
+
+    def _target(self, mode: str, axes: tuple[object, ...]) -> object:
         target = self._module.ReadTarget()
-        target.mode = "full"
+        target.mode = mode
         target.parallelism = self.layout(*axes) if axes else None
         return target
 
@@ -93,6 +100,9 @@ def full_reads_script(store: ParallelStore, module: ModuleType) -> None:
     assert store.get_tensor_with_parallelism(key, lay.full(lay.axis("tp", 0, 4))) is None  # no split_dim
     assert store.get_tensor_with_parallelism(key, lay.full(lay.axis("dp", 0, 4))) is None  # no TP axis
     assert store.get_tensor_with_parallelism(key, lay.full()) is None  # no writer partitions, no plain key
+    for rank, size in ((1, 4), (1, 2), (3, 8)):  # a shard of another TP size is cut from the whole
+        got = store.get_tensor_with_parallelism(key, lay.shard(lay.axis("tp", rank, size, 0)))
+        assert same(got, whole.chunk(size, 0)[rank])
 
     # DP2 x TP2: each writer puts its DP group's whole tensor; each DP rank reads its own back
     key = f"dp2tp2-{run}"
@@ -107,6 +117,9 @@ def full_reads_script(store: ParallelStore, module: ModuleType) -> None:
         reordered = lay.full(lay.axis("tp", size - 1, size, 1), lay.axis("dp", dp, 2))  # axes in any order
         assert same(store.get_tensor_with_parallelism(key, reordered), groups[dp])
     assert store.get_tensor_with_parallelism(key, lay.full(lay.axis("dp", 0, 4), lay.axis("tp", 0, 2, 1))) is None
+    for rank, size in ((1, 2), (2, 3)):
+        got = store.get_tensor_with_parallelism(key, lay.shard(lay.axis("dp", 1, 2), lay.axis("tp", rank, size, 1)))
+        assert same(got, groups[1].chunk(size, 1)[rank])
     assert store.get_tensor_with_parallelism(key, lay.full(lay.axis("tp", 0, 2, 1))) is None  # the DP axis is part
 
     # a missing shard, and shards whose metadata does not match their key: None
@@ -126,6 +139,8 @@ def full_reads_script(store: ParallelStore, module: ModuleType) -> None:
     key = f"with-tp-{run}"
     assert store.put_tensor_with_tp(key, whole, tp_rank=0, tp_size=2, split_dim=1) == 0
     assert same(store.get_tensor_with_parallelism(key, lay.full(lay.axis("tp", 0, 2, 1))), whole)
+    assert same(store.get_tensor_with_parallelism(key, lay.full(lay.axis("tp", 0, 3, 1))), whole)
+    assert same(store.get_tensor_with_parallelism(key, lay.shard(lay.axis("tp", 1, 3, 1))), whole.chunk(3, 1)[1])
 
     # a plain object: a full read without a parallelism is the object, with one it is not
     key = f"plain-{run}"

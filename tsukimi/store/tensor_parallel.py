@@ -37,9 +37,12 @@ A read (`ReadTarget`), as Mooncake's store_py.cpp does it:
                               stored size (one TP axis) or the asked one. Each shard's rank,
                               size and split_dim must match and the shards be equal: anything
                               else is a KVFormatError. No TP axis with a split_dim: a miss.
-    shard                     the object stored for that very layout, else the writer
-                              partition of its one split axis, else the shard cut from the
-                              full tensor
+    shard                     the object stored for that very layout; else (a TP axis with a
+                              split_dim) its TP chunk cut from the whole tensor put back as
+                              "full, a parallelism" does (so a shard of another TP size is
+                              re-cut, as Mooncake does); else the writer partition of its one
+                              split axis; else the shard cut from the full tensor (the plain
+                              key or writer partitions: tsukimi's, the wheel answers None)
 """
 
 from __future__ import annotations
@@ -281,25 +284,42 @@ def get_with_parallelism(
     found = client.batch_get([targets[i].first_key(keys[i]) for i in direct], buffers) if direct else []
     for i, r in zip(direct, found, strict=True):
         results[i] = decode_result(r.data, r.error, targets[i].tp_size)
-    todo = [i for i, r in enumerate(results) if not r.found and r.error is None and targets[i].mode != "as_stored"]
+    todo = [i for i, r in enumerate(results) if _retry(r, targets[i])]
     if todo:
         rebuilt = _rebuild(client, [keys[i] for i in todo], [targets[i] for i in todo])
         for i, result in zip(todo, rebuilt, strict=True):
-            results[i] = result if into is None else _placed(result, into[i])
+            if result.found or result.error is not None or results[i].error is None:
+                results[i] = result if into is None else _placed(result, into[i])
     return results
 
 
+def _retry(result: TensorResult, target: ReadTarget) -> bool:
+    """Whether a key's first read leaves more to try: a miss of a full or shard read, or a
+    shard stored for another TP size (re-cut from the shards put back whole, as Mooncake)."""
+    if target.mode == "as_stored" or result.found:
+        return False
+    return result.error is None or (isinstance(result.error, KVFormatError) and _tp_split(target) is not None)
+
+
 def _rebuild(client: StoreClient, keys: list[str], targets: list[ReadTarget]) -> list[TensorResult]:
-    """Shards from writer partitions or cut from the full tensor; full tensors from partitions,
-    or from the TP shards of their layout."""
+    """Full tensors from the TP shards of their layout, or from writer partitions; shards cut
+    from the TP shards put back whole, else writer partitions, else cut from the full tensor."""
     results = [TensorResult()] * len(keys)
-    by_layout = [(i, t.parallelism) for i, t in enumerate(targets) if t.mode == "full" and t.parallelism is not None]
-    if by_layout:
-        rebuilt = _read_tp_full(client, [keys[i] for i, _ in by_layout], [p for _, p in by_layout])
-        for (i, _), result in zip(by_layout, rebuilt, strict=True):
-            results[i] = result
-    done = {i for i, _ in by_layout}
-    probes = [(i, part) for i, t in enumerate(targets) if (part := _as_partition(t)) is not None]
+    by_layout = [
+        (i, layout)
+        for i, t in enumerate(targets)
+        if (layout := t.parallelism) is not None and (t.mode == "full" or _tp_split(t) is not None)
+    ]
+    rebuilt = _read_tp_full(client, [keys[i] for i, _ in by_layout], [layout for _, layout in by_layout])
+    for (i, _), whole in zip(by_layout, rebuilt, strict=True):
+        tp = _tp_split(targets[i])
+        if tp is None:
+            results[i] = whole
+        elif whole.tensor is not None:  # NOTE: a shard's other fallbacks run when this one fails
+            assert tp.split_dim is not None
+            results[i] = TensorResult(split_uniform(whole.tensor, tp.size, tp.split_dim)[tp.rank])
+    done = {i for i, _ in by_layout if targets[i].mode == "full" or results[i].found}
+    probes = [(i, part) for i, t in enumerate(targets) if i not in done and (part := _as_partition(t)) is not None]
     if probes:
         found = batch_get_tensors(client, [part.key(keys[i]) for i, part in probes])
         for (i, _), result in zip(probes, found, strict=True):
@@ -315,6 +335,13 @@ def _rebuild(client: StoreClient, keys: list[str], targets: list[ReadTarget]) ->
         except InvalidArgument as exc:
             results[i] = TensorResult(error=KVFormatError(f"{keys[i]!r} does not cut into that shard: {exc}"))
     return results
+
+
+def _tp_split(target: ReadTarget) -> ParallelAxis | None:
+    """The TP axis of a shard target, when it has a split_dim (the shard can then be cut
+    from the TP shards put back whole)."""
+    tp = target.parallelism.tp if target.mode == "shard" and target.parallelism is not None else None
+    return tp if tp is not None and tp.split_dim is not None else None
 
 
 def _as_partition(target: ReadTarget) -> WriterPartition | None:
