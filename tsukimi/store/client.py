@@ -12,11 +12,12 @@ object with no readable memory replica reads a disk copy from its holder (disk_s
 The API is a batch core with thin single-key helpers: `batch_put` / `put`, `batch_get` /
 `get` / `get_into`, `batch_exists` / `exists`, `size_of`, `remove`, `remove_all`; objects
 made of several buffers: `batch_put_parts` / `put_parts`, `batch_get_parts`; byte ranges:
-`get_ranges`; replica sets and tasks: `clear_replicas`, `remove_matching`, `describe`, `copy`,
-`move`, `task`, `wait_task`. A batch costs one master round trip and one Transfer Engine
-batch per phase, whatever its size (it is cut into `MAX_BATCH` operations per round trip). A
-get's result is a `GetResult`; a miss is never an error. `AsyncStoreClient`
-(async_client.py) wraps a client for asyncio.
+`get_ranges` (or `locate` once, then `get_ranges_located`); puts split in steps:
+`start_puts` / `write_ranges` / `end_puts` / `revoke_puts`; replica sets and tasks:
+`clear_replicas`, `remove_matching`, `describe`, `copy`, `move`, `task`, `wait_task`. A batch
+costs one master round trip and one Transfer Engine batch per phase, whatever its size (it is
+cut into `MAX_BATCH` operations per round trip). A get's result is a `GetResult`; a miss is
+never an error. `AsyncStoreClient` (async_client.py) wraps a client for asyncio.
 
 Values and destinations may be device memory (CUDA tensors, DeviceRanges): `DeviceIO` stages
 them through host staging this client allocates from its engine (device_io.py). On a host with
@@ -44,7 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -63,8 +64,8 @@ from tsukimi.store.disk_server import DiskReader
 from tsukimi.store.master_batch import call_batch
 from tsukimi.store.master_link import MasterLink
 from tsukimi.store.parts import PartsIO, PartsPut
-from tsukimi.store.puts import PutPath
-from tsukimi.store.ranges import RangeRead, RangeReads
+from tsukimi.store.puts import OpenPut, PutPath, RangeWrite, Reservation
+from tsukimi.store.ranges import Lookup, RangeRead, RangeReads
 from tsukimi.store.replica_admin import ReplicaAdmin
 from tsukimi.store.replica_io import GetResult, PartsResult, PutItem, read_disk_copies, read_replicas
 from tsukimi.store.task_runner import TaskRunner
@@ -253,6 +254,26 @@ class StoreClient:
         views = cast(list[memoryview], parts)
         return self._puts.put([PutItem(key, (v,), config, upsert) for (key, _), v in zip(items, views, strict=True)])
 
+    def start_puts(self, reservations: Sequence[Reservation]) -> list[OpenPut | TsukimiError]:
+        """Start puts without their bytes; each an OpenPut to `write_ranges` into and then
+        `end_puts` or `revoke_puts` within `master.put_timeout_s` (`PutPath.start`, puts.py),
+        or its error. Raises only for the whole call (RpcTimeout / MasterUnavailable)."""
+        return self._puts.start(reservations)
+
+    def write_ranges(self, writes: Sequence[RangeWrite]) -> list[TsukimiError | None]:
+        """WRITE byte ranges into every replica of open puts, in one Transfer Engine batch
+        (`PutPath.write`); each write's error, or None."""
+        return self._puts.write(writes)
+
+    def end_puts(self, puts: Sequence[OpenPut]) -> list[TsukimiError | None]:
+        """PutEnd for open puts (they become readable); each one's error, or None. Raises
+        only for the whole call."""
+        return self._puts.end(puts)
+
+    def revoke_puts(self, puts: Sequence[OpenPut]) -> list[TsukimiError | None]:
+        """PutRevoke for open puts; each one's error, or None. Raises only for the whole call."""
+        return self._puts.revoke(puts)
+
     def batch_put_parts(
         self, items: Sequence[PartsPut], config: p.ReplicaConfig | None = None, *, upsert: bool = False
     ) -> list[TsukimiError | None]:
@@ -330,6 +351,17 @@ class StoreClient:
         `GetResult`, in order (`RangeReads.get_ranges`, ranges.py). Raises only for the whole
         call (RpcTimeout / MasterUnavailable)."""
         return self._ranges.get_ranges(reads)
+
+    def locate(self, keys: Sequence[str]) -> list[Lookup]:
+        """Each key's replicas under a read lease, for `get_ranges_located` (`RangeReads.locate`,
+        ranges.py): a `Located`, the key's error, or None on a miss. Raises only for the
+        whole call (RpcTimeout / MasterUnavailable)."""
+        return self._ranges.locate(keys)
+
+    def get_ranges_located(self, reads: Sequence[RangeRead], located: Mapping[str, Lookup]) -> list[GetResult]:
+        """`get_ranges` from replicas `locate` found (no master round trip); the caller checks
+        `Located.expired` first. Each read's `GetResult`, in order."""
+        return self._ranges.get_ranges(reads, located)
 
     # -- metadata ----------------------------------------------------------------------
 
