@@ -60,7 +60,7 @@ from tsukimi.compat.mooncake.connection import StoreConnection
 from tsukimi.compat.mooncake.replicate import ReplicateConfig
 from tsukimi.errors import InvalidBufferError, TsukimiError
 from tsukimi.store.puts import OpenPut, RangeWrite, Reservation
-from tsukimi.store.ranges import Located, RangeRead
+from tsukimi.store.ranges import Located, Lookup, RangeRead
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +93,9 @@ class GetSessions:
         client = self._connection.ready()
         if client is None:
             return [RPC_FAIL] * len(keys)
-        unique = list(dict.fromkeys(keys))
+        unique = list(dict.fromkeys(k for k in keys if isinstance(k, str)))
         try:
-            lookups = dict(zip(unique, client.locate(unique), strict=True))
+            lookups: dict[str, Lookup] = dict(zip(unique, client.locate(unique), strict=True))
         except TsukimiError as exc:
             logger.error("batch_get_session_start failed: %s", exc)
             return [code_of(exc)] * len(keys)
@@ -107,6 +107,10 @@ class GetSessions:
                     self._located.pop(key, None)
         codes = []
         for key in keys:
+            if not isinstance(key, str):
+                logger.error("batch_get_session_start: a key must be a str, got %r", key)
+                codes.append(INVALID_PARAMS)
+                continue
             found = lookups[key]
             if isinstance(found, TsukimiError):
                 logger.error("get session %r: %s", key, found)
