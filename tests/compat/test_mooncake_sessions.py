@@ -1,12 +1,15 @@
 """Put and get sessions with their `*_multi_buffer_ranges` calls on tsukimi's facade (what
 SGLang's direct linker and vLLM-Ascend's layer-wise store call: one ranges call per layer).
-The codes were probed against mooncake-transfer-engine-non-cuda 0.3.13.post1 and its
-`mooncake_master` (sessions.py lists them and where tsukimi differs)."""
+The codes are those of mooncake-transfer-engine-non-cuda 0.3.13.post1 and its
+`mooncake_master` (sessions.py lists them and where tsukimi differs): `run_script` makes the
+same calls on both, and where the real wheel is installed it runs against it too."""
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -42,6 +45,89 @@ def buffer(data: bytes) -> tuple[ctypes.Array[ctypes.c_char], int]:
 
 def value(n: int) -> bytes:
     return bytes((n * 7 + i) % 251 for i in range(SIZE))
+
+
+def run_script(store: Any, prefix: str) -> list[object]:
+    """The same calls on the facade or the real wheel: each call's answer, in order (the wheel
+    is typed Any: it has no stubs)."""
+    src, ps = buffer(bytes(range(250)) * 12)
+    out, po = buffer(bytes(SIZE))
+    s1, s2, s3, nope = (prefix + name for name in ("s1", "s2", "s3", "nope"))
+    put = store.batch_put_from_multi_buffer_ranges
+    get = store.batch_get_into_multi_buffer_ranges
+    answers: list[object] = [
+        store.batch_put_session_start([s1, s2], [SIZE, SIZE]),
+        store.batch_put_session_start([s1], [SIZE]),
+        store.batch_put_session_start([s3, nope], [SIZE]),
+        store.batch_put_session_start([s3], [0]),
+    ]
+    for at in (0, 1000, 2000):
+        answers.append(put([s1, s2], [[ps + at, ps + at + 600]] * 2, [[600, 400]] * 2, [[at, at + 600]] * 2))
+    answers += [
+        put([s1], [[ps]], [[100]], [[SIZE - 50]]),  # past the end
+        put([nope, s1], [[ps], [ps]], [[10], [10]], [[0], [0]]),  # no session, alone
+        put([s1, s2], [[ps]], [[10]], [[0]]),  # ragged
+        put([s1], [[ps, ps]], [[10]], [[0]]),  # a key's lists are ragged
+        put([s1], [[]], [[]], [[]]),
+        put([s1], [[ps]], [[0]], [[0]]),
+        store.is_exist(s1),
+        store.batch_put_session_end([s1, nope]),
+        store.batch_put_session_end([s1]),
+        store.batch_put_session_revoke([s2]),
+        store.batch_put_session_revoke([s2]),
+        store.is_exist(s2),
+        store.batch_put_session_start([s1], [SIZE]),  # the object exists
+        get([s1], [[po]], [[10]], [[0]]),  # no session
+        store.batch_get_session_start([s1, nope]),
+    ]
+    for at in (0, 1000, 2000):
+        answers.append(get([s1], [[po + at + 500, po + at]], [[500, 500]], [[at, at + 500]]))
+    answers += [
+        out.raw == b"".join(src.raw[at + 500 : at + 1000] + src.raw[at : at + 500] for at in (0, 1000, 2000)),
+        get([s1], [[po]], [[100]], [[SIZE - 50]]),  # past the end
+        get([s1, s1], [[po]], [[10]], [[0]]),  # ragged
+        get([s1], [[po, po]], [[10]], [[0]]),
+        get([s1], [[]], [[]], [[]]),
+        get([s1], [[po]], [[0]], [[0]]),
+        get([s1, s1], [[po], [po + 10]], [[10], [10]], [[0], [10]]),
+        store.remove(s1),  # the session's read lease
+        store.batch_get_session_start([s1]),  # again
+        store.batch_get_session_end([s1, nope]),
+        store.batch_get_session_end([s1]),
+        get([s1], [[po]], [[10]], [[0]]),  # ended
+    ]
+    return answers
+
+
+SCRIPT_ANSWERS: list[object] = [
+    *([0, 0], [-600], [-600, -600], [-600]),
+    *([[1000, 1000]] * 3),
+    *([-600], [-600, 10], [-600, -600], [-600], [-702], [0], 0),
+    *([0, -600], [-600], [0], [-600], 0, [-705], [-600], [0, -704]),
+    *([[1000]] * 3),
+    *(True, [-600], [-600, -600], [-600], [0], [0], [10, 10], -706, [0], 0, 0, [-600]),
+]
+
+
+def test_the_wheels_answers(store: MooncakeDistributedStore) -> None:
+    assert run_script(store, "facade-") == SCRIPT_ANSWERS
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mooncake") is None, reason="the real mooncake wheel is not installed here"
+)
+def test_the_real_wheel_answers_the_same() -> None:
+    from tsukimi.bench.mooncake_cluster import MooncakeCluster, mooncake_store_available, new_store, unique_hostname
+
+    if not mooncake_store_available():
+        pytest.skip("the real mooncake wheel or its mooncake_master is missing here")
+    with MooncakeCluster(16 * MIB, num_holders=1) as cluster:
+        wheel, _config = new_store()
+        assert wheel.setup(unique_hostname(), "P2PHANDSHAKE", 16 * MIB, MIB, "tcp", "", cluster.master_addr) == 0
+        try:
+            assert run_script(wheel, "wheel-") == SCRIPT_ANSWERS
+        finally:
+            wheel.close()
 
 
 def test_a_layer_wise_put_in_three_range_calls_then_end_is_readable(store: MooncakeDistributedStore) -> None:
