@@ -15,6 +15,7 @@ import pytest
 
 from tsukimi.compat.mooncake.store import MooncakeDistributedStore, ReplicateConfig
 from tsukimi.config import MasterConfig
+from tsukimi.device import EMULATED, EmulatedDevice
 from tsukimi.store import ranges
 from tsukimi.store.master.server import MasterServer
 
@@ -214,6 +215,35 @@ def test_a_get_session_range_call_asks_no_master(
         assert store.batch_get_into_multi_buffer_ranges(["nm"], [[po + at]], [[1000]], [[at]]) == [1000]
     assert out.raw == data
     assert store.batch_get_session_end(["nm"]) == 0
+
+
+def test_device_memory_layer_by_layer_one_copy_per_call(store: MooncakeDistributedStore) -> None:
+    keys = ["dev0", "dev1"]
+    data = [value(20), value(21)]
+    with EmulatedDevice(0).alloc(2 * SIZE) as src, EmulatedDevice(0).alloc(2 * SIZE) as dst:
+        src.write(0, data[0] + data[1])
+        base, out = src.range.address, dst.range.address
+        assert store.batch_put_session_start(keys, [SIZE, SIZE]) == [0, 0]
+        assert store.put("devhost", value(22)) == 0 and store.batch_get_session_start(["devhost"]) == [0]
+        host, ph = buffer(bytes(SIZE))  # a host object read alongside
+        for at in (0, 1000, 2000):
+            before = EMULATED.stats["to_host"]
+            ptrs = [[base + at], [base + SIZE + at]]
+            assert store.batch_put_from_multi_buffer_ranges(keys, ptrs, [[1000]] * 2, [[at]] * 2) == [1000, 1000]
+            assert EMULATED.stats["to_host"] == before + 1  # the layer crossed in one copy
+        assert store.batch_put_session_end(keys) == [0, 0]
+        assert store.batch_get_session_start(keys) == [0, 0]
+        for at in (0, 1000, 2000):
+            before = EMULATED.stats["from_host"]
+            ptrs = [[out + at], [out + SIZE + at], [ph + at]]
+            got = store.batch_get_into_multi_buffer_ranges([*keys, "devhost"], ptrs, [[1000]] * 3, [[at]] * 3)
+            assert got == [1000] * 3 and EMULATED.stats["from_host"] == before + 1
+        assert dst.read(0, 2 * SIZE) == data[0] + data[1] and host.raw == value(22)
+        get = store.batch_get_into_multi_buffer_ranges
+        assert get(keys[:1], [[out]], [[100]], [[SIZE - 50]]) == [-600]  # past the object
+        assert get(keys[:1], [[out]], [[3 * SIZE]], [[0]]) == [-600]  # past the device allocation
+        assert dst.read(0, 2 * SIZE) == data[0] + data[1]  # untouched by both
+        assert store.batch_get_session_end([*keys, "devhost"]) == 0
 
 
 def test_an_expired_get_session_is_707_once() -> None:

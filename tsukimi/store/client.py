@@ -55,9 +55,9 @@ from tsukimi.clock import WallClock
 from tsukimi.config import Config
 from tsukimi.device import DeviceRange
 from tsukimi.device.batch_copy import HostBuffer, HostStaging
-from tsukimi.errors import InvalidArgument, ObjectNotFound, TsukimiError
+from tsukimi.errors import InvalidArgument, InvalidBufferError, ObjectNotFound, TsukimiError
 from tsukimi.store import protocol as p
-from tsukimi.store.device_io import DeviceIO, DevicePut, as_part, has_device, pin_for_gpus
+from tsukimi.store.device_io import DeviceIO, DevicePut, Part, as_part, has_device, pin_for_gpus
 from tsukimi.store.disk import DiskStore
 from tsukimi.store.disk_holder import DiskHolder
 from tsukimi.store.disk_server import DiskReader
@@ -262,8 +262,25 @@ class StoreClient:
 
     def write_ranges(self, writes: Sequence[RangeWrite]) -> list[TsukimiError | None]:
         """WRITE byte ranges into every replica of open puts, in one Transfer Engine batch
-        (`PutPath.write`); each write's error, or None."""
-        return self._puts.write(writes)
+        (`PutPath.write`); each write's error, or None. Device sources are staged (DeviceIO:
+        one device->host copy per staged group). Raises DeviceError (a device copy failed)."""
+        parts = [_part_or_empty(w.source, writable=False) for w in writes]
+        if not has_device(parts):
+            return self._puts.write(writes)
+        staged = iter(range(len(writes)))
+
+        def write_host(items: list[PutItem]) -> list[TsukimiError | None]:
+            # NOTE: DeviceIO hands back its items in order, group by group, their device parts staged
+            ranges = []
+            for item in items:
+                w = writes[next(staged)]
+                ranges.append(RangeWrite(w.put, w.offset, item.parts[0] if len(item.parts[0]) else w.source))
+            return self._puts.write(ranges)
+
+        config = p.ReplicaConfig()  # NOTE: DeviceIO carries it along; the puts are started already
+        return self.device.put(
+            [DevicePut(w.put.key, (part,), config, False) for w, part in zip(writes, parts, strict=True)], write_host
+        )
 
     def end_puts(self, puts: Sequence[OpenPut]) -> list[TsukimiError | None]:
         """PutEnd for open puts (they become readable); each one's error, or None. Raises
@@ -360,8 +377,27 @@ class StoreClient:
 
     def get_ranges_located(self, reads: Sequence[RangeRead], located: Mapping[str, Lookup]) -> list[GetResult]:
         """`get_ranges` from replicas `locate` found (no master round trip); the caller checks
-        `Located.expired` first. Each read's `GetResult`, in order."""
-        return self._ranges.get_ranges(reads, located)
+        `Located.expired` first. Each read's `GetResult`, in order; a read into device memory
+        is staged (DeviceIO: one host->device copy per staged group) and its result holds
+        `device`. Raises DeviceError (a device copy failed)."""
+        parts = [_part_or_empty(r.dest, writable=True) for r in reads]
+        if not has_device(parts):
+            return self._ranges.get_ranges(reads, located)
+
+        def read_host(group: list[int], views: list[tuple[memoryview, ...]]) -> list[GetResult]:
+            ranges = [
+                RangeRead(reads[i].key, reads[i].offset, v[0] if len(v[0]) else reads[i].dest)
+                for i, v in zip(group, views, strict=True)
+            ]
+            return self._ranges.get_ranges(ranges, located)
+
+        results = self.device.get(
+            [(part,) for part in parts], read_host, lambda r: r.size if r.found and r.error is None else None
+        )
+        return [
+            GetResult(device=part) if isinstance(part, DeviceRange) and r.found else r
+            for part, r in zip(parts, results, strict=True)
+        ]
 
     # -- metadata ----------------------------------------------------------------------
 
@@ -502,3 +538,12 @@ class StoreClient:
 
 def _nothing() -> None:
     return None
+
+
+def _part_or_empty(data: object, writable: bool) -> Part:
+    """`as_part(data)`, or an empty view for what is no buffer at all (the host path then
+    answers that range with its InvalidBufferError). Pure."""
+    try:
+        return as_part(data, writable)
+    except InvalidBufferError:
+        return memoryview(b"")

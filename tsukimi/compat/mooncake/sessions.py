@@ -23,9 +23,10 @@ lease ran out -707, once (the session is dropped, so the next call is -600); a p
 call with no fragment for a key -702. A second put start for a key with an open put session
 is -600, a put start for an existing object -705, a size of 0 -600; a get start for a missing
 key -704, again for a started key 0 (it looks the key up afresh). `batch_get_session_end`
-answers 0 whatever the keys. Buffers need not be registered (as in the wheel, over TCP).
-Where tsukimi differs: device memory is refused with -600 (range calls move host memory
-only here); a get start on an object still being put is -704 (the wheel: -703).
+answers 0 whatever the keys. Buffers need not be registered (as in the wheel, over TCP);
+device memory (GPU) is staged through the client's host staging, one copy per call and
+device, as the other zero-copy calls do. Where tsukimi differs: a get start on an object
+still being put is -704 (the wheel: -703).
 
 A get session keeps a share of the read lease the master granted (`Located.lease_end`,
 tsukimi/store/ranges.py): the master's `lease_ttl_s` (Mooncake's `default_kv_lease_ttl`)
@@ -58,6 +59,7 @@ from tsukimi.compat.mooncake.codes import (
 )
 from tsukimi.compat.mooncake.connection import StoreConnection
 from tsukimi.compat.mooncake.replicate import ReplicateConfig
+from tsukimi.device import DeviceRange
 from tsukimi.errors import InvalidBufferError, TsukimiError
 from tsukimi.store.puts import OpenPut, RangeWrite, Reservation
 from tsukimi.store.ranges import Located, Lookup, RangeRead
@@ -69,9 +71,10 @@ Fragments = list[list[int]]  # per key, per fragment: an address, a size or an o
 
 @dataclass(frozen=True, slots=True)
 class _Fragment:
-    """`size` bytes between host memory at `address` and byte `offset` of the object."""
+    """`size` bytes between `memory` (device memory, or the (address, size) host buffer) and
+    byte `offset` of the object."""
 
-    address: int
+    memory: DeviceRange | tuple[int, int]
     size: int
     offset: int
 
@@ -147,7 +150,7 @@ class GetSessions:
                     located[key] = found
                     for f in fragments:
                         if f.size:
-                            reads.append(RangeRead(key, f.offset, (f.address, f.size)))
+                            reads.append(RangeRead(key, f.offset, f.memory))
                             owners.append(i)
                         codes[i] += f.size
         if not reads:
@@ -258,7 +261,7 @@ class PutSessions:
                 else:
                     for f in fragments:
                         if f.size:
-                            writes.append(RangeWrite(put, f.offset, (f.address, f.size)))
+                            writes.append(RangeWrite(put, f.offset, f.memory))
                             owners.append(i)
                         codes[i] += f.size
         if not writes:
@@ -347,16 +350,14 @@ def _plan(
 
 def _fragments(key: str, ptrs: Sequence[int], sizes: Sequence[int], offsets: Sequence[int]) -> list[_Fragment]:
     """Raises InvalidBufferError: lists of different lengths, a bad address, size or
-    offset, device memory (range calls move host memory only); TypeError: not lists."""
+    offset, device memory past its allocation; TypeError: not lists."""
     if not isinstance(key, str) or not len(ptrs) == len(sizes) == len(offsets):
         raise InvalidBufferError(f"{len(ptrs)} buffers, {len(sizes)} sizes, {len(offsets)} offsets")
     fragments = []
     for ptr, size, offset in zip(ptrs, sizes, offsets, strict=True):
         if not all(isinstance(v, int) for v in (ptr, size, offset)) or ptr <= 0 or size < 0 or offset < 0:
             raise InvalidBufferError(f"cannot move {size!r} bytes at {ptr!r} to offset {offset!r}")
-        if size and not isinstance(memory_at(ptr, size), tuple):
-            raise InvalidBufferError(f"the buffer at {ptr:#x} is device memory; range calls move host memory")
-        fragments.append(_Fragment(ptr, size, offset))
+        fragments.append(_Fragment(memory_at(ptr, size) if size else (ptr, size), size, offset))
     return fragments
 
 
