@@ -12,11 +12,12 @@ object with no readable memory replica reads a disk copy from its holder (disk_s
 The API is a batch core with thin single-key helpers: `batch_put` / `put`, `batch_get` /
 `get` / `get_into`, `batch_exists` / `exists`, `size_of`, `remove`, `remove_all`; objects
 made of several buffers: `batch_put_parts` / `put_parts`, `batch_get_parts`; byte ranges:
-`get_ranges`; replica sets and tasks: `clear_replicas`, `remove_matching`, `describe`, `copy`,
-`move`, `task`, `wait_task`. A batch costs one master round trip and one Transfer Engine
-batch per phase, whatever its size (it is cut into `MAX_BATCH` operations per round trip). A
-get's result is a `GetResult`; a miss is never an error. `AsyncStoreClient`
-(async_client.py) wraps a client for asyncio.
+`get_ranges` (or `locate` once, then `get_ranges_located`); puts split in steps:
+`start_puts` / `write_ranges` / `end_puts` / `revoke_puts`; replica sets and tasks:
+`clear_replicas`, `remove_matching`, `describe`, `copy`, `move`, `task`, `wait_task`. A batch
+costs one master round trip and one Transfer Engine batch per phase, whatever its size (it is
+cut into `MAX_BATCH` operations per round trip). A get's result is a `GetResult`; a miss is
+never an error. `AsyncStoreClient` (async_client.py) wraps a client for asyncio.
 
 Values and destinations may be device memory (CUDA tensors, DeviceRanges): `DeviceIO` stages
 them through host staging this client allocates from its engine (device_io.py). On a host with
@@ -44,7 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -54,17 +55,17 @@ from tsukimi.clock import WallClock
 from tsukimi.config import Config
 from tsukimi.device import DeviceRange
 from tsukimi.device.batch_copy import HostBuffer, HostStaging
-from tsukimi.errors import InvalidArgument, ObjectNotFound, TsukimiError
+from tsukimi.errors import InvalidArgument, InvalidBufferError, ObjectNotFound, TsukimiError
 from tsukimi.store import protocol as p
-from tsukimi.store.device_io import DeviceIO, DevicePut, as_part, has_device, pin_for_gpus
+from tsukimi.store.device_io import DeviceIO, DevicePut, Part, as_part, has_device, pin_for_gpus
 from tsukimi.store.disk import DiskStore
 from tsukimi.store.disk_holder import DiskHolder
 from tsukimi.store.disk_server import DiskReader
 from tsukimi.store.master_batch import call_batch
 from tsukimi.store.master_link import MasterLink
 from tsukimi.store.parts import PartsIO, PartsPut
-from tsukimi.store.puts import PutPath
-from tsukimi.store.ranges import RangeRead, RangeReads
+from tsukimi.store.puts import OpenPut, PutPath, RangeWrite, Reservation
+from tsukimi.store.ranges import Lookup, RangeRead, RangeReads
 from tsukimi.store.replica_admin import ReplicaAdmin
 from tsukimi.store.replica_io import GetResult, PartsResult, PutItem, read_disk_copies, read_replicas
 from tsukimi.store.task_runner import TaskRunner
@@ -268,6 +269,43 @@ class StoreClient:
         host = [PutItem(key, (v,), c, upsert) for (key, _), v, c in zip(items, views, each, strict=True)]
         return self._puts.put(host)
 
+    def start_puts(self, reservations: Sequence[Reservation]) -> list[OpenPut | TsukimiError]:
+        """Start puts without their bytes; each an OpenPut to `write_ranges` into and then
+        `end_puts` or `revoke_puts` within `master.put_timeout_s` (`PutPath.start`, puts.py),
+        or its error. Raises only for the whole call (RpcTimeout / MasterUnavailable)."""
+        return self._puts.start(reservations)
+
+    def write_ranges(self, writes: Sequence[RangeWrite]) -> list[TsukimiError | None]:
+        """WRITE byte ranges into every replica of open puts, in one Transfer Engine batch
+        (`PutPath.write`); each write's error, or None. Device sources are staged (DeviceIO:
+        one device->host copy per staged group). Raises DeviceError (a device copy failed)."""
+        parts = [_part_or_empty(w.source, writable=False) for w in writes]
+        if not has_device(parts):
+            return self._puts.write(writes)
+        staged = iter(range(len(writes)))
+
+        def write_host(items: list[PutItem]) -> list[TsukimiError | None]:
+            # NOTE: DeviceIO hands back its items in order, group by group, their device parts staged
+            ranges = []
+            for item in items:
+                w = writes[next(staged)]
+                ranges.append(RangeWrite(w.put, w.offset, item.parts[0] if len(item.parts[0]) else w.source))
+            return self._puts.write(ranges)
+
+        config = p.ReplicaConfig()  # NOTE: DeviceIO carries it along; the puts are started already
+        return self.device.put(
+            [DevicePut(w.put.key, (part,), config, False) for w, part in zip(writes, parts, strict=True)], write_host
+        )
+
+    def end_puts(self, puts: Sequence[OpenPut]) -> list[TsukimiError | None]:
+        """PutEnd for open puts (they become readable); each one's error, or None. Raises
+        only for the whole call."""
+        return self._puts.end(puts)
+
+    def revoke_puts(self, puts: Sequence[OpenPut]) -> list[TsukimiError | None]:
+        """PutRevoke for open puts; each one's error, or None. Raises only for the whole call."""
+        return self._puts.revoke(puts)
+
     def batch_put_parts(
         self,
         items: Sequence[PartsPut],
@@ -352,6 +390,36 @@ class StoreClient:
         `GetResult`, in order (`RangeReads.get_ranges`, ranges.py). Raises only for the whole
         call (RpcTimeout / MasterUnavailable)."""
         return self._ranges.get_ranges(reads)
+
+    def locate(self, keys: Sequence[str]) -> list[Lookup]:
+        """Each key's replicas under a read lease, for `get_ranges_located` (`RangeReads.locate`,
+        ranges.py): a `Located`, the key's error, or None on a miss. Raises only for the
+        whole call (RpcTimeout / MasterUnavailable)."""
+        return self._ranges.locate(keys)
+
+    def get_ranges_located(self, reads: Sequence[RangeRead], located: Mapping[str, Lookup]) -> list[GetResult]:
+        """`get_ranges` from replicas `locate` found (no master round trip); the caller checks
+        `Located.expired` first. Each read's `GetResult`, in order; a read into device memory
+        is staged (DeviceIO: one host->device copy per staged group) and its result holds
+        `device`. Raises DeviceError (a device copy failed)."""
+        parts = [_part_or_empty(r.dest, writable=True) for r in reads]
+        if not has_device(parts):
+            return self._ranges.get_ranges(reads, located)
+
+        def read_host(group: list[int], views: list[tuple[memoryview, ...]]) -> list[GetResult]:
+            ranges = [
+                RangeRead(reads[i].key, reads[i].offset, v[0] if len(v[0]) else reads[i].dest)
+                for i, v in zip(group, views, strict=True)
+            ]
+            return self._ranges.get_ranges(ranges, located)
+
+        results = self.device.get(
+            [(part,) for part in parts], read_host, lambda r: r.size if r.found and r.error is None else None
+        )
+        return [
+            GetResult(device=part) if isinstance(part, DeviceRange) and r.found else r
+            for part, r in zip(parts, results, strict=True)
+        ]
 
     # -- metadata ----------------------------------------------------------------------
 
@@ -492,3 +560,12 @@ class StoreClient:
 
 def _nothing() -> None:
     return None
+
+
+def _part_or_empty(data: object, writable: bool) -> Part:
+    """`as_part(data)`, or an empty view for what is no buffer at all (the host path then
+    answers that range with its InvalidBufferError). Pure."""
+    try:
+        return as_part(data, writable)
+    except InvalidBufferError:
+        return memoryview(b"")

@@ -18,6 +18,8 @@ store makes it (the connection, the registered buffers) and keeps its own state:
 | replicas.py `ReplicaAdmin`           | replica descriptors, replica clear, remove_by_regex, tasks    |
 | ranges.py `RangeReads`               | get_into_ranges (inside the registered buffers)               |
 | multi_buffers.py `MultiBufferCalls`  | batch_put_from_multi_buffers, batch_get_into_multi_buffers    |
+| sessions.py `GetSessions`            | get sessions and batch_get_into_multi_buffer_ranges           |
+| sessions.py `PutSessions`            | put sessions and batch_put_from_multi_buffer_ranges           |
 | dummy.py `MemPool`                   | setup_dummy's pool: alloc_from_mem_pool                       |
 | tensors.py `Tensors`                 | the tensor family, with_tp included                           |
 | tensor_parallel.py `ParallelTensors` | the with_parallelism family                                   |
@@ -59,6 +61,7 @@ from tsukimi.compat.mooncake.replicas import (
     TaskType,
 )
 from tsukimi.compat.mooncake.replicate import ReplicateConfig, SoftPinAction
+from tsukimi.compat.mooncake.sessions import GetSessions, PutSessions
 from tsukimi.compat.mooncake.tensor_calls import ReplicaSettings
 from tsukimi.compat.mooncake.tensor_parallel import ParallelTensors
 from tsukimi.compat.mooncake.tensor_types import ParallelAxis, ReadTarget, TensorParallelism  # noqa: F401 (re-exported)
@@ -101,6 +104,8 @@ class MooncakeDistributedStore:
         self._multi_buffers = MultiBufferCalls(self._connection)
         self._tensors = Tensors(self._connection)
         self._parallel = ParallelTensors(self._connection)
+        self._get_sessions = GetSessions(self._connection)
+        self._put_sessions = PutSessions(self._connection)
 
     def setup(
         self,
@@ -281,6 +286,52 @@ class MooncakeDistributedStore:
 
     def get_size(self, key: str) -> int:
         return self._objects.size_of(key)
+
+    # -- sessions: objects read or written range by range, one call per layer (sessions.py) --
+
+    def batch_get_session_start(self, keys: list[str]) -> list[int]:
+        """Look the keys up once (a read lease) and keep their replicas: 0 or a negative code per key."""
+        return self._get_sessions.start(keys)
+
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        all_src_offsets: list[list[int]],
+    ) -> list[int]:
+        """Per key, read `all_sizes[i][j]` bytes from object offset `all_src_offsets[i][j]`
+        into `all_buffer_ptrs[i][j]` with its get session: bytes read or a negative code."""
+        return self._get_sessions.read(keys, all_buffer_ptrs, all_sizes, all_src_offsets)
+
+    def batch_get_session_end(self, keys: list[str]) -> int:
+        """Drop the keys' get sessions (local): 0."""
+        return self._get_sessions.end(keys)
+
+    def batch_put_session_start(
+        self, keys: list[str], sizes: list[int], config: ReplicateConfig | None = None
+    ) -> list[int]:
+        """Reserve the objects (not readable until their session ends): 0 or a negative code per key."""
+        return self._put_sessions.start(keys, sizes, config)
+
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        all_dst_offsets: list[list[int]],
+    ) -> list[int]:
+        """Per key, write `all_sizes[i][j]` bytes from `all_buffer_ptrs[i][j]` at object offset
+        `all_dst_offsets[i][j]` with its put session: bytes written or a negative code."""
+        return self._put_sessions.write(keys, all_buffer_ptrs, all_sizes, all_dst_offsets)
+
+    def batch_put_session_end(self, keys: list[str]) -> list[int]:
+        """Complete the keys' puts (readable from now on): 0 or a negative code per key."""
+        return self._put_sessions.end(keys)
+
+    def batch_put_session_revoke(self, keys: list[str]) -> list[int]:
+        """Drop the keys' unfinished puts: 0 or a negative code per key."""
+        return self._put_sessions.revoke(keys)
 
     # -- metadata and removal --------------------------------------------------------------
 
@@ -625,6 +676,8 @@ class MooncakeDistributedStore:
 
     def close(self) -> int:
         """Unmount this client's segment (its objects are gone) and disconnect."""
+        self._put_sessions.clear()  # NOTE: before the client goes: it revokes the open puts
+        self._get_sessions.clear()
         self._connection.close()
         self._pool = None
         self._buffers.clear()
