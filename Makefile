@@ -82,8 +82,9 @@ $(MODELS_STAMP): $(VLLM_STAMP) $(STAMP) tsukimi/integrations/vllm/models.py
 # and tsukimi's own HiCache backend (docs/sglang.md). sglang goes in --no-deps: its requirements
 # pull flashinfer, sgl-kernel and a CUDA torch. tests/integrations/sglang/requirements.txt lists
 # what its Mooncake code paths import; constraints.txt keeps the CPU torch. torchvision has no CPU
-# wheel on the registry, so the tests put an import stub (tests/integrations/sglang/stubs) on
-# the SGLang processes' path. The real Mooncake wheel is there too, for `tsukimi bench sglang`.
+# wheel on the registry, so a .pth file puts an import stub (tests/integrations/sglang/stubs) on
+# this venv's path, and only this one's. The real Mooncake wheel is there too, for `tsukimi bench
+# sglang` (its side (a); `tsukimi compat exec` puts the facade first either way).
 SGLANG_VENV  ?= .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_REQS  := tests/integrations/sglang
@@ -98,6 +99,8 @@ $(SGLANG_STAMP): pyproject.toml $(SGLANG_REQS)/requirements.txt $(SGLANG_REQS)/c
 	$(SGLANG_VENV)/bin/pip install -q --no-deps 'sglang==0.5.23' 'mooncake-transfer-engine-non-cuda==0.3.13.post1'
 	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_REQS)/constraints.txt -r $(SGLANG_REQS)/requirements.txt
 	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_REQS)/constraints.txt -e .
+	echo "$(abspath $(SGLANG_REQS)/stubs)" > \
+		"$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/tsukimi-torchvision-stub.pth"
 	touch $(SGLANG_STAMP)
 
 mooncake: $(STAMP)
