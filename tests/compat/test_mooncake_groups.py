@@ -63,8 +63,11 @@ def test_puts_split_the_ids_per_key(store: MooncakeDistributedStore, master: Mas
     assert store.batch_put_from(["k1", "k2", "k3"], [ptr] * 3, [64] * 3, grouped) == [0, 0, 0]
     assert store.put("k4", b"v", config_of(["page1"], ["writer-c"])) == 0
     assert store.batch_put_from_multi_buffers(["m1"], [[ptr, ptr]], [[8, 8]], config_of(["page2"])) == [0]
+    assert store.batch_put_session_start(["s1", "s2"], [8, 8], config_of(["page5", "page5"])) == [0, 0]
+    assert store.batch_put_session_start(["s3"], [8], config_of(["a", "b"])) == [-600]
+    assert store.batch_put_session_end(["s1", "s2"]) == [0, 0]
     state = master.state
-    assert state.objects.groups == {"page1": {"k1", "k2", "k4"}, "page2": {"m1"}}
+    assert state.objects.groups == {"page1": {"k1", "k2", "k4"}, "page2": {"m1"}, "page5": {"s1", "s2"}}
     assert [state.describe(k).session for k in ("k1", "k3", "k4", "m1")] == ["writer-a", "writer-b", "writer-c", ""]
     assert store.pub_tensor("t1", torch.arange(4), config_of(["page3"])) == 0  # one entry: the whole put
     assert state.objects.groups["page3"] == {"t1"}

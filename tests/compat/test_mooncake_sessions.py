@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tsukimi.compat.mooncake.master_flags import parse
 from tsukimi.compat.mooncake.store import MooncakeDistributedStore, ReplicateConfig
 from tsukimi.config import MasterConfig
 from tsukimi.device import EMULATED, EmulatedDevice
@@ -260,3 +261,8 @@ def test_before_setup_and_after_close() -> None:
     assert store.batch_get_session_start(["a"]) == [-900] and store.batch_put_session_start(["a"], [1]) == [-900]
     assert store.batch_get_into_multi_buffer_ranges(["a"], [[1]], [[1]], [[0]]) == [-900]
     assert store.batch_put_session_end(["a"]) == [-900] and store.batch_get_session_end(["a"]) == 0
+
+
+def test_mooncakes_put_start_discard_timeout_is_the_put_sessions_limit() -> None:
+    assert parse(["--put_start_discard_timeout_sec=120"]).master.put_timeout_s == 120.0
+    assert parse([]).master.put_timeout_s == 30.0

@@ -202,7 +202,7 @@ class PutSessions:
         if client is None:
             return [RPC_FAIL] * len(keys)
         try:
-            replica = (config or ReplicateConfig()).to_tsukimi(self._connection.hostname)
+            replicas = (config or ReplicateConfig()).per_key(len(keys), self._connection.hostname)
         except TsukimiError as exc:
             logger.error("batch_put_session_start: %s", exc)
             return [code_of(exc)] * len(keys)
@@ -220,7 +220,7 @@ class PutSessions:
                     self._starting.add(key)
                     slots.append(i)
         try:
-            started = client.start_puts([Reservation(keys[i], sizes[i], replica) for i in slots])
+            started = client.start_puts([Reservation(keys[i], sizes[i], replicas[i]) for i in slots])
         except TsukimiError as exc:
             logger.error("batch_put_session_start failed: %s", exc)
             started = [exc] * len(slots)
