@@ -69,11 +69,15 @@ def test_puts_split_the_ids_per_key(store: MooncakeDistributedStore, master: Mas
     state = master.state
     assert state.objects.groups == {"page1": {"k1", "k2", "k4"}, "page2": {"m1"}, "page5": {"s1", "s2"}}
     assert [state.describe(k).session for k in ("k1", "k3", "k4", "m1")] == ["writer-a", "writer-b", "writer-c", ""]
-    assert store.pub_tensor("t1", torch.arange(4), config_of(["page3"])) == 0  # one entry: the whole put
+    assert store.pub_tensor("t1", torch.arange(4), config_of(["page3"])) == 0
     assert state.objects.groups["page3"] == {"t1"}
-    two = [torch.zeros(2), torch.ones(2)]
-    with pytest.raises(InvalidArgument, match="at most one"):  # the wheel: [0, 0] (a known difference)
-        store.batch_pub_tensor(["t2", "t3"], two, config_of(["a", "b"]))
+    two = [torch.zeros(4), torch.ones(4)]
+    assert store.batch_pub_tensor(["t2", "t3"], two, config_of(["a", "b"])) == [0, 0]  # the wheel: [0, 0]
+    assert state.objects.groups["a"] == {"t2"} and state.objects.groups["b"] == {"t3"}
+    # every object a key is stored as (its TP shards) joins that key's group
+    assert store.batch_pub_tensor_with_tp(["w1", "w2"], two, config_of(["c", "d"]), tp_size=2) == [0, 0]
+    assert state.objects.groups["c"] == {"w1_tp_0", "w1_tp_1"} and state.objects.groups["d"] == {"w2_tp_0", "w2_tp_1"}
+    assert store.batch_pub_tensor(["t4", "t5"], two, config_of(["a"])) == [-600, -600]
 
 
 def test_a_length_mismatch_fails_every_key_and_stores_nothing(
@@ -88,4 +92,4 @@ def test_a_length_mismatch_fails_every_key_and_stores_nothing(
     assert store.batch_put_from_multi_buffers(["x1"], [[ptr]], [[16]], two) == [-600]
     assert store.batch_put_from(["x1", "x2", "x3"], [ptr] * 3, [16] * 3, config_of(None, ["s"])) == [-600] * 3
     assert store.batch_is_exist(["x1", "x2", "x3"]) == [0, 0, 0]
-    assert not {"a", "b"} & set(master.state.objects.groups)
+    assert not {"x1", "x2", "x3"} & set().union(*master.state.objects.groups.values())

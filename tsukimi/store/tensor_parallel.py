@@ -231,7 +231,8 @@ def put_with_parallelism(client: StoreClient, items: Sequence[ParallelPut], opti
             prepared.append(entry)
             owners.append((i, counts))
     errors: list[PutError] = [None] * len(items)
-    for (i, counts), error in zip(owners, put_prepared(client, prepared, options), strict=True):
+    keys = [i for i, _ in owners]
+    for (i, counts), error in zip(owners, put_prepared(client, prepared, options, keys), strict=True):
         if counts or not isinstance(error, ObjectExists):
             errors[i] = errors[i] or error
     return errors

@@ -60,9 +60,9 @@ class ParallelTensors:
     ) -> list[int]:
         """The tensors `load` gives (called once the client is there), each under its layout
         or writer partition: 0 or a negative code per key."""
-        options = put_options(config, upsert)
 
         def run(client: StoreClient) -> list[PutError]:
+            options = put_options(config, upsert, len(keys))
             tensors = load()
             if len(tensors) != len(keys):
                 raise InvalidArgument(f"{len(keys)} keys but {len(tensors)} tensors")
