@@ -29,9 +29,9 @@ from tsukimi.netio import free_port
 from tsukimi.testing.processes import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
-SGLANG_VENV = Path(os.environ.get(paths.VENV_ENV) or ROOT / paths.DEFAULT_VENV)
+SGLANG_VENV = Path(os.environ.get(paths.VENV_ENV) or ROOT / paths.DEFAULT_VENV).absolute()
 SGLANG_PYTHON = SGLANG_VENV / "bin" / "python"
-SITE_PACKAGES = SGLANG_VENV / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+SITE_PACKAGES = next(SGLANG_VENV.glob("lib/python3*/site-packages"), SGLANG_VENV / "lib" / "site-packages")
 TSUKIMI = Path(sys.executable).with_name("tsukimi")
 SEGMENT_BYTES = 64 << 20  # per store (SGLang divides it by tp_size); only "gb" or plain bytes parse
 DRIVER_TIMEOUT_S = 600.0

@@ -25,3 +25,6 @@ def test_sglangs_mooncake_store_test_passes_unchanged(master: Master) -> None:
     assert run.output.count("✅ Batch operation passed") == 4, run.output[-6000:]
     assert "✅ Single operation passed" in run.output and "✅ All tests passed" in run.output
     assert "❌" not in run.output
+    # its five stores ran on tsukimi's transfer engine (tsukimi/transfer/engine.py logs this; the
+    # real wheel, also in the venv, does not)
+    assert run.output.count(" serving on 127.0.0.1:") == 5, run.output[-6000:]
