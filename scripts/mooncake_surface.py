@@ -204,7 +204,9 @@ def describe_module(module: ModuleType) -> Record:
             continue
         if isinstance(obj, type):
             if own or public is not None:
-                names[name] = describe_class(obj) if own else {"kind": "class", "from": f"{obj.__module__}.{obj.__qualname__}"}
+                names[name] = (
+                    describe_class(obj) if own else {"kind": "class", "from": f"{obj.__module__}.{obj.__qualname__}"}
+                )
         elif _is_enum_value(obj):
             if own or public is not None or type(obj).__module__ == module.__name__:
                 names[name] = {"kind": "enum_value", "value": _enum_name(obj)}
@@ -231,7 +233,7 @@ def main(argv: list[str]) -> int:
             continue  # NOTE: shared libraries shipped in the package, not Python modules
         try:
             module = importlib.import_module(info.name)
-        except Exception as exc:  # noqa: BLE001 - the reason is the record
+        except Exception as exc:  # NOTE: the reason is the record
             modules[info.name] = {"import_error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
             continue
         modules[info.name] = describe_module(module)

@@ -122,7 +122,7 @@ def _fields(cls: type) -> set[str]:
     names = {name for klass in cls.__mro__ for name in getattr(klass, "__annotations__", {})}
     try:
         instance = cls()
-    except Exception:  # noqa: BLE001 - a class that needs arguments: declared names only
+    except Exception:  # NOTE: a class that needs arguments: declared names only
         return names
     return names | set(getattr(instance, "__dict__", {})) | {n for n in dir(instance) if not n.startswith("_")}
 
@@ -174,7 +174,10 @@ def _binds(sig: inspect.Signature, params: Params) -> str:
     required = [p for p in positional if "default" not in p]
     calls = {
         "all positionally": (len(positional), {}),
-        "only the required ones": (len(required), {p["name"]: 0 for p in plain if p["kind"] == "kw" and "default" not in p}),
+        "only the required ones": (
+            len(required),
+            {p["name"]: 0 for p in plain if p["kind"] == "kw" and "default" not in p},
+        ),
         "by keyword": (
             len([p for p in positional if _anonymous(p) or p["kind"] == "pos"]),
             {p["name"]: 0 for p in plain if not _anonymous(p) and p["kind"] != "pos"},
@@ -186,9 +189,13 @@ def _binds(sig: inspect.Signature, params: Params) -> str:
         except TypeError as exc:
             return f"a call with the arguments {label} fails: {exc}"
         for index, name in enumerate(bound.arguments):
-            if index < count and index < len(positional) and not _anonymous(positional[index]):
-                if name != positional[index]["name"] and sig.parameters[name].kind != inspect.Parameter.VAR_POSITIONAL:
-                    return f"positional argument {index} is {name!r}, the wheel's {positional[index]['name']!r}"
+            named = index < count and index < len(positional) and not _anonymous(positional[index])
+            if (
+                named
+                and name != positional[index]["name"]
+                and sig.parameters[name].kind != inspect.Parameter.VAR_POSITIONAL
+            ):
+                return f"positional argument {index} is {name!r}, the wheel's {positional[index]['name']!r}"
     for p in plain:
         default = p.get("default")
         ours = sig.parameters.get(p["name"])

@@ -7,32 +7,26 @@ here to still be a difference. docs/compat.md shows the same rows (`markdown()` 
 the test checks the doc carries each).
 
 A key is (module, name): name "*" is the whole module, "**" the package and every module
-under it, `Class` or `Class.member` one name. Reasons name what is missing on this machine
+under it, `Class` or `Class.member` one name. The async store inherits the store's methods,
+so a store row covers its async twin. Reasons name what is missing on this machine
 (a GPU, RDMA/EFA/NVMe-oF hardware, a third-party framework) or why a piece is out of scope.
 """
 
 from __future__ import annotations
 
-GPU = "GPU-only: needs a CUDA/MUSA/MACA build of Mooncake (the non-cuda wheel cannot import or use it either)"
-HARDWARE = "hardware-only: needs RDMA/EFA/NVMe-oF devices that tsukimi's transports do not drive"
-NOT_BUILT = "the wheel itself fails to import it here"
-C_ABI = "returns the address of a C++ object or function for native code; tsukimi has no C++ engine to point at"
-OUT_OF_SCOPE = "not yet on tsukimi: a separate tool on top of the store, outside issue 25"
-RESHARD = (
-    "not yet on tsukimi: Mooncake's framework-neutral weight-resharding planner (pure Python, no store "
-    "calls); a large separate library"
-)
-STRUCTURED = (
-    "not yet on tsukimi: the structured store's bundle transfer and DataProto references "
-    "(tsukimi has the structured put/get, see docs/compat.md)"
-)
-SEGMENTS = (
-    "not yet on tsukimi: extra segments mounted after setup (tsukimi's client mounts its one segment at "
-    "setup; tsukimi's disk tier replaces Mooncake's local-disk segment)"
-)
+GPU = "GPU-only (a CUDA/MUSA build of Mooncake)"
+HARDWARE = "hardware-only (RDMA/EFA/NVMe-oF devices, which tsukimi does not drive)"
+NOT_BUILT = "the non-cuda wheel cannot import it either"
+C_ABI = "a native pointer into Mooncake's C++ engine; tsukimi has none"
+CORO_RPC = "Mooncake's C++ coro_rpc wire protocol (yalantinglibs); not on tsukimi"
+OUT_OF_SCOPE = "not on tsukimi yet: a separate tool, outside issue 25"
+RESHARD = "not on tsukimi yet: Mooncake's weight-resharding planner, a separate pure-Python library"
+STRUCTURED = "not on tsukimi yet: bundle transfers and DataProto references (the structured put/get are)"
+SEGMENTS = "not on tsukimi yet: segments mounted after setup (tsukimi mounts one at setup)"
+SETUP_KW = "`setup(config)` works, `setup(config=...)` does not: the config is taken positionally"
 
 DIFFERENCES: dict[tuple[str, str], str] = {
-    ("mooncake._fast_copy", "*"): "a C extension with the wheel's private memcpy helper; tsukimi copies with torch/ctypes",
+    ("mooncake._fast_copy", "*"): "the wheel's private C copy helper; tsukimi copies with torch",
     ("mooncake.cli", "*"): OUT_OF_SCOPE + " (the `mooncake` command line; tsukimi's is `tsukimi compat`)",
     ("mooncake.cli_bench", "*"): OUT_OF_SCOPE + " (use `tsukimi bench`)",
     ("mooncake.cli_client", "*"): OUT_OF_SCOPE + " (use `tsukimi compat mooncake-client`)",
@@ -41,35 +35,31 @@ DIFFERENCES: dict[tuple[str, str], str] = {
     ("mooncake.pg", "*"): GPU + "; " + NOT_BUILT + " (Mooncake's torch ProcessGroup backend)",
     ("mooncake.mooncake_ep_buffer", "*"): GPU + " (expert-parallel all-to-all buffers on mooncake.ep)",
     ("mooncake.mooncake_elastic_buffer", "*"): GPU + " (elastic EP buffers on mooncake.ep)",
-    ("mooncake.fabric_allocator_utils", "*"): GPU + " (finds the NVLink/fabric allocator .so for torch's pluggable allocator)",
-    ("mooncake.shared_segment", "*"): GPU + " (cross-process CUDA-registered shared segments)",
-    ("mooncake.mooncake_connector_v1", "*"): (
-        NOT_BUILT + " without vLLM; tsukimi's vLLM connector is tsukimi.integrations.vllm"
-    ),
+    ("mooncake.fabric_allocator_utils", "*"): GPU + " (the NVLink/fabric allocator for torch)",
+    ("mooncake.shared_segment", "*"): GPU + " (CUDA-registered shared segments)",
+    ("mooncake.mooncake_connector_v1", "*"): "needs vLLM (so does the wheel's); tsukimi's is tsukimi.integrations.vllm",
     ("mooncake.mooncake_ssd_register", "*"): HARDWARE + " (NVMe-oF SSD registration over SSH, paramiko)",
     ("mooncake.mooncake_ssd_unregister", "*"): HARDWARE + " (NVMe-oF SSD registration over SSH, paramiko)",
     ("mooncake.spdk_tgt_create", "*"): HARDWARE + " (SPDK NVMe-oF targets over SSH, paramiko)",
     ("mooncake.mooncake_store_service", "*"): OUT_OF_SCOPE + " (the aiohttp REST store service, mc_store_rest_server)",
-    ("mooncake.vllm_v1_proxy_server", "*"): OUT_OF_SCOPE + " (a FastAPI prefill/decode proxy; tsukimi's router is `tsukimi up`)",
+    ("mooncake.vllm_v1_proxy_server", "*"): OUT_OF_SCOPE + " (a FastAPI PD proxy; see `tsukimi up`)",
     ("mooncake.transfer_engine_topology_dump", "*"): HARDWARE + " (dumps the RDMA NIC/GPU topology)",
     ("mooncake.reshard", "**"): RESHARD,
-    ("mooncake.engine", "CoroRPCInterface"): HARDWARE + " (the C++ coroutine RPC over the transfer engine)",
-    ("mooncake.engine", "RpcInterface"): HARDWARE + " (the C++ coroutine RPC over the transfer engine)",
-    ("mooncake.engine", "ReceivedData"): HARDWARE + " (made by CoroRPCInterface only)",
-    ("mooncake.engine", "ReceivedTensor"): HARDWARE + " (made by CoroRPCInterface only)",
-    ("mooncake.engine", "create_rpc_client"): HARDWARE + " (CoroRPCInterface)",
-    ("mooncake.engine", "create_rpc_server"): HARDWARE + " (CoroRPCInterface)",
+    ("mooncake.engine", "CoroRPCInterface"): CORO_RPC,
+    ("mooncake.engine", "RpcInterface"): CORO_RPC,
+    ("mooncake.engine", "ReceivedData"): CORO_RPC + " (made by CoroRPCInterface only)",
+    ("mooncake.engine", "ReceivedTensor"): CORO_RPC + " (made by CoroRPCInterface only)",
+    ("mooncake.engine", "create_rpc_client"): CORO_RPC,
+    ("mooncake.engine", "create_rpc_server"): CORO_RPC,
     ("mooncake.engine", "SharedSegment"): GPU + " (see mooncake.shared_segment)",
     ("mooncake.engine", "TransferEngine.get_engine_ptr"): C_ABI,
     ("mooncake.engine", "TransferEngine.warmup_efa_segment"): HARDWARE + " (EFA)",
     ("mooncake.store", "MooncakeDistributedStore.get_tensor_into_cuda"): GPU,
     ("mooncake.store", "MooncakeDistributedStore.batch_get_tensor_into_cuda"): GPU,
-    ("mooncake.async_store", "MooncakeDistributedStoreAsync.get_tensor_into_cuda"): GPU,
-    ("mooncake.async_store", "MooncakeDistributedStoreAsync.batch_get_tensor_into_cuda"): GPU,
     ("mooncake.store", "MooncakeDistributedNoFRegister"): HARDWARE + " (NVMe-oF)",
     ("mooncake.store", "get_alloc_func_addr"): C_ABI + " (torch CUDAPluggableAllocator hooks)",
     ("mooncake.store", "get_free_func_addr"): C_ABI + " (torch CUDAPluggableAllocator hooks)",
-    ("mooncake.store", "bind_to_numa_node"): "not yet on tsukimi: pins the calling thread's memory to a NUMA node (libnuma)",
+    ("mooncake.store", "bind_to_numa_node"): "not on tsukimi yet: binds the thread's memory to a NUMA node (libnuma)",
     ("mooncake.store", "EngramStore"): OUT_OF_SCOPE + " (Engram n-gram embedding tables over the store)",
     ("mooncake.store", "EngramStoreConfig"): OUT_OF_SCOPE + " (Engram n-gram embedding tables over the store)",
     ("mooncake.store", "MooncakeDistributedStore.mount_segment"): SEGMENTS,
@@ -77,21 +67,9 @@ DIFFERENCES: dict[tuple[str, str], str] = {
     ("mooncake.store", "MooncakeDistributedStore.unmount_segment"): SEGMENTS,
     ("mooncake.store", "MooncakeDistributedStore.unmount_and_free_segment"): SEGMENTS,
     ("mooncake.store", "MooncakeDistributedStore.unmount_local_disk_segment"): SEGMENTS,
-    ("mooncake.async_store", "MooncakeDistributedStoreAsync.mount_segment"): SEGMENTS,
-    ("mooncake.async_store", "MooncakeDistributedStoreAsync.allocate_and_mount_segment"): SEGMENTS,
-    ("mooncake.async_store", "MooncakeDistributedStoreAsync.unmount_segment"): SEGMENTS,
-    ("mooncake.async_store", "MooncakeDistributedStoreAsync.unmount_and_free_segment"): SEGMENTS,
-    ("mooncake.async_store", "MooncakeDistributedStoreAsync.unmount_local_disk_segment"): SEGMENTS,
-    ("mooncake.store", "MooncakeDistributedStore.setup"): (
-        "the one-argument overload takes its config positionally only (`setup(config)` works, `setup(config=...)` does not)"
-    ),
-    ("mooncake.async_store", "MooncakeDistributedStoreAsync.setup"): (
-        "the one-argument overload takes its config positionally only (`setup(config)` works, `setup(config=...)` does not)"
-    ),
-    ("mooncake.store", "QueryTaskResponse.__init__"): "made by query_task() only; the wheel's empty constructor is not offered",
-    ("mooncake.http_metadata_server", "KVBootstrapServer.__init__"): (
-        "host defaults to 127.0.0.1, not 0.0.0.0 (tsukimi binds loopback unless told; `--host` still works)"
-    ),
+    ("mooncake.store", "MooncakeDistributedStore.setup"): SETUP_KW,
+    ("mooncake.store", "QueryTaskResponse.__init__"): "made by query_task() only: no empty constructor",
+    ("mooncake.http_metadata_server", "KVBootstrapServer.__init__"): "host defaults to 127.0.0.1 (the wheel: 0.0.0.0)",
     ("mooncake.structured_object_store", "infer_structure"): "the private `_depth` argument is named `depth`",
 }
 for _name in (
@@ -137,6 +115,9 @@ def covering(module: str, name: str) -> tuple[str, str] | None:
     """
     if (module, name) in DIFFERENCES:
         return module, name
+    inherited = name.removeprefix("MooncakeDistributedStoreAsync.")
+    if module == "mooncake.async_store" and inherited != name:
+        return covering("mooncake.store", f"MooncakeDistributedStore.{inherited}")
     parts = module.split(".")
     for end in range(len(parts), 0, -1):
         package = ".".join(parts[:end])
