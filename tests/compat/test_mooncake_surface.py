@@ -55,3 +55,39 @@ def test_the_shim_serves_every_module_the_facade_has() -> None:
     assert facade_module("mooncake").__name__ == "tsukimi.compat.mooncake"  # type: ignore[union-attr]
     assert facade_module("mooncake.store").__name__ == "tsukimi.compat.mooncake.store"  # type: ignore[union-attr]
     assert facade_module("mooncake.reshard.weight") is None
+
+
+def test_the_comparison_finds_what_a_caller_would_hit() -> None:
+    param = {"name": "key", "kind": "pos_or_kw"}
+    surface: dict[str, dict[str, object]] = {
+        "mooncake.store": {
+            "names": {
+                "NoSuchName": {"kind": "function", "sigs": [[]]},
+                "ObjectDataType": {"kind": "enum", "attrs": {}, "members": {"UNKNOWN": 0, "KVCACHE": 7}},
+                "MooncakeDistributedStore": {
+                    "kind": "class",
+                    "attrs": {
+                        "is_exist": {"kind": "method", "sigs": [[param]]},
+                        "remove": {
+                            "kind": "method",
+                            "sigs": [[param, {"name": "force", "kind": "pos_or_kw", "default": "True"}]],
+                        },
+                        "get": {"kind": "method", "sigs": [[{"name": "name", "kind": "pos_or_kw"}]]},
+                        "put": {"kind": "property", "readonly": False},
+                    },
+                },
+            }
+        },
+        "mooncake.nowhere": {"names": {}},
+    }
+    found = {(module, name): what for module, name, what in differences(surface)}  # type: ignore[arg-type]
+    assert set(found) == {
+        ("mooncake.nowhere", "*"),
+        ("mooncake.store", "NoSuchName"),
+        ("mooncake.store", "ObjectDataType"),
+        ("mooncake.store", "MooncakeDistributedStore.remove"),
+        ("mooncake.store", "MooncakeDistributedStore.get"),
+        ("mooncake.store", "MooncakeDistributedStore.put"),
+    }
+    assert "default of 'force'" in found["mooncake.store", "MooncakeDistributedStore.remove"]
+    assert "'key', the wheel's 'name'" in found["mooncake.store", "MooncakeDistributedStore.get"]
