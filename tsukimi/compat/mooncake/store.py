@@ -23,6 +23,11 @@ store makes it (the connection, the registered buffers) and keeps its own state:
 | dummy.py `MemPool`                   | setup_dummy's pool: alloc_from_mem_pool                       |
 | tensors.py `Tensors`                 | the tensor family, with_tp included                           |
 | tensor_parallel.py `ParallelTensors` | the with_parallelism family                                   |
+| safetensor_files.py                  | save_tensor_to_safetensor / load_tensor_from_safetensor       |
+
+Also named here, as in the wheel: `BufferPool` and its leases (buffer_pool.py, over this
+store's register_buffer), `ObjectDataType` (replicate.py), and every enum value at module level
+(pybind11's export_values). What of the wheel's surface is missing, and why: gaps.py.
 
 Parts never reach into one another; the facade makes them in `__init__` (and a new
 `ObjectCalls` per setup, with that setup's local buffer size) and owns nothing else but
