@@ -15,8 +15,10 @@ Mooncake's attribute names and type checks, turned into tsukimi's `ReplicaConfig
 
 Mooncake refuses a TTL without ENABLE (INVALID_PARAMS), and so does tsukimi; so is a
 `group_ids` or `session_ids` list whose length is not the number of keys put (every key of
-the call fails, nothing is stored). NoF and DFS replicas and data types do not exist here: a
-put that asks for them fails with INVALID_PARAMS rather than silently storing something else.
+the call fails, nothing is stored). NoF and DFS replicas do not exist here: a put that asks
+for them fails with INVALID_PARAMS rather than silently storing something else. `data_type`
+(an `ObjectDataType`, type-checked as the wheel does) labels the object for the master's
+per-type statistics in Mooncake; tsukimi's master keeps none, so the label changes nothing.
 """
 
 from __future__ import annotations
@@ -39,11 +41,27 @@ class SoftPinAction(enum.IntEnum):
     DISABLE = 2
 
 
+class ObjectDataType(enum.IntEnum):
+    """`mooncake.store.ObjectDataType`: what an object holds (Mooncake's values)."""
+
+    UNKNOWN = 0
+    KVCACHE = 1
+    TENSOR = 2
+    WEIGHT = 3
+    SAMPLE = 4
+    ACTIVATION = 5
+    GRADIENT = 6
+    OPTIMIZER_STATE = 7
+    METADATA = 8
+    GENERAL = 9
+
+
 class ReplicateConfig:
     """Mooncake's put options; attributes are type-checked on assignment (TypeError), as
     Mooncake's bindings do, and unknown attributes are refused (AttributeError)."""
 
     __slots__ = (
+        "_data_type",
         "_group_ids",
         "_preferred_segment",
         "_preferred_segments",
@@ -52,7 +70,6 @@ class ReplicateConfig:
         "_soft_pin_action",
         "_soft_pin_ttl_ms",
         "_with_hard_pin",
-        "data_type",
         "dfs_replica_num",
         "nof_replica_num",
         "prefer_alloc_in_same_node",
@@ -72,7 +89,7 @@ class ReplicateConfig:
         self.preferred_nof_segments: list[str] = []
         self._group_ids: list[str] | None = None
         self._session_ids: list[str] = []
-        self.data_type: object = None
+        self._data_type = ObjectDataType.UNKNOWN
 
     @property
     def replica_num(self) -> int:
@@ -156,6 +173,16 @@ class ReplicateConfig:
     @session_ids.setter
     def session_ids(self, value: list[str] | None) -> None:
         self._session_ids = [] if value is None else _strings("session_ids", value)
+
+    @property
+    def data_type(self) -> ObjectDataType:
+        return self._data_type
+
+    @data_type.setter
+    def data_type(self, value: ObjectDataType) -> None:
+        if not isinstance(value, ObjectDataType):
+            raise TypeError(f"data_type must be a mooncake.store.ObjectDataType, got {value!r}")
+        self._data_type = value
 
     def __str__(self) -> str:
         ttl = "default" if self._soft_pin_ttl_ms is None else str(self._soft_pin_ttl_ms)

@@ -23,6 +23,11 @@ store makes it (the connection, the registered buffers) and keeps its own state:
 | dummy.py `MemPool`                   | setup_dummy's pool: alloc_from_mem_pool                       |
 | tensors.py `Tensors`                 | the tensor family, with_tp included                           |
 | tensor_parallel.py `ParallelTensors` | the with_parallelism family                                   |
+| safetensor_files.py                  | save_tensor_to_safetensor / load_tensor_from_safetensor       |
+
+Also named here, as in the wheel: `BufferPool` and its leases (buffer_pool.py, over this
+store's register_buffer), `ObjectDataType` (replicate.py), and every enum value at module level
+(pybind11's export_values). What of the wheel's surface is missing, and why: gaps.py.
 
 Parts never reach into one another; the facade makes them in `__init__` (and a new
 `ObjectCalls` per setup, with that setup's local buffer size) and owns nothing else but
@@ -38,7 +43,8 @@ from collections.abc import Mapping
 
 import torch
 
-from tsukimi.compat.mooncake import dummy, setup_args
+from tsukimi.compat.mooncake import dummy, safetensor_files, setup_args
+from tsukimi.compat.mooncake.buffer_pool import BufferLease, BufferLeaseView, BufferPool, RegisteredBufferPool
 from tsukimi.compat.mooncake.buffers import BufferHandle, LocalBuffer, RegisteredBuffers
 from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OK, code_of
 from tsukimi.compat.mooncake.connection import StoreConnection
@@ -60,7 +66,7 @@ from tsukimi.compat.mooncake.replicas import (
     TaskStatus,
     TaskType,
 )
-from tsukimi.compat.mooncake.replicate import ReplicateConfig, SoftPinAction
+from tsukimi.compat.mooncake.replicate import ObjectDataType, ReplicateConfig, SoftPinAction
 from tsukimi.compat.mooncake.sessions import GetSessions, PutSessions
 from tsukimi.compat.mooncake.tensor_calls import ReplicaSettings
 from tsukimi.compat.mooncake.tensor_parallel import ParallelTensors
@@ -74,12 +80,19 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "BufferHandle",
+    "BufferLease",
+    "BufferLeaseView",
+    "BufferPool",
     "Descriptor",
     "DiskDescriptor",
     "MemoryDescriptor",
     "MooncakeDistributedStore",
     "MooncakeHostMemAllocator",
+    "ObjectDataType",
     "QueryTaskResponse",
+    "RegisteredBufferLease",
+    "RegisteredBufferLeaseView",
+    "RegisteredBufferPool",
     "ReplicaDescriptor",
     "ReplicaStatus",
     "ReplicateConfig",
@@ -88,6 +101,22 @@ __all__ = [
     "TaskType",
 ]
 _SIZE = setup_args.DEFAULT_SIZE
+
+RegisteredBufferLease = BufferLease
+RegisteredBufferLeaseView = BufferLeaseView
+# NOTE: pybind11's export_values(): the wheel's store module also names every enum value; where
+# two enums share a name (FAILED, PROCESSING) the task status, bound last, wins there as here.
+UNDEFINED, INITIALIZED, COMPLETE, REMOVED = (
+    ReplicaStatus[n] for n in ("UNDEFINED", "INITIALIZED", "COMPLETE", "REMOVED")
+)
+REPLICA_COPY, REPLICA_MOVE = TaskType.REPLICA_COPY, TaskType.REPLICA_MOVE
+PENDING, PROCESSING, FAILED, SUCCESS = (TaskStatus[n] for n in ("PENDING", "PROCESSING", "FAILED", "SUCCESS"))
+UNKNOWN, KVCACHE, TENSOR, WEIGHT, SAMPLE = (
+    ObjectDataType[n] for n in ("UNKNOWN", "KVCACHE", "TENSOR", "WEIGHT", "SAMPLE")
+)
+ACTIVATION, GRADIENT, OPTIMIZER_STATE, METADATA, GENERAL = (
+    ObjectDataType[n] for n in ("ACTIVATION", "GRADIENT", "OPTIMIZER_STATE", "METADATA", "GENERAL")
+)
 Config = ReplicaSettings | None  # a tensor call's ReplicateConfig
 
 
@@ -237,6 +266,22 @@ class MooncakeDistributedStore:
         """Put each key from its buffers, concatenated (zero-copy): 0 or a negative code per
         key (multi_buffers.py)."""
         return self._multi_buffers.put(keys, all_buffer_ptrs, all_sizes, config)
+
+    def put_from_with_metadata(
+        self,
+        key: str,
+        buffer_ptr: int,
+        metadata_buffer_ptr: int,
+        size: int,
+        metadata_size: int,
+        config: ReplicateConfig | None = None,
+    ) -> int:
+        """One object: the `metadata_size` bytes at `metadata_buffer_ptr`, then the `size`
+        bytes at `buffer_ptr` (zero-copy; an empty or null part is left out, as the wheel):
+        0 or a negative code."""
+        parts = [(p, n) for p, n in ((metadata_buffer_ptr, metadata_size), (buffer_ptr, size)) if p and n]
+        ptrs, sizes = [p for p, _ in parts], [n for _, n in parts]
+        return self.batch_put_from_multi_buffers([key], [ptrs], [sizes], config)[0]
 
     # -- gets ------------------------------------------------------------------------------
 
@@ -656,6 +701,15 @@ class MooncakeDistributedStore:
     ) -> list[torch.Tensor | None]:
         """Each key read as its target asks, into its buffer (a view of it)."""
         return self._parallel.get_into(keys, buffer_ptrs, sizes, targets)
+
+    def save_tensor_to_safetensor(self, key: str, file_name: str | None = None) -> int:
+        """Write the tensor under `key` to a safetensors file: 0 or a negative code
+        (safetensor_files.py)."""
+        return safetensor_files.save(self.get_tensor, key, file_name)
+
+    def load_tensor_from_safetensor(self, key: str | None = None, file_name: str = "") -> torch.Tensor | None:
+        """Put a safetensors file's tensor under `key`; the tensor, or None (safetensor_files.py)."""
+        return safetensor_files.load(self.put_tensor, key, file_name)
 
     # -- the client ------------------------------------------------------------------------
 
