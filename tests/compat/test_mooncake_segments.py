@@ -3,13 +3,11 @@ answers the real wheel gave against `mooncake_master`, and the memory behind eac
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tsukimi.compat.mooncake.store import MooncakeDistributedStore
-from tsukimi.config import MasterConfig
 from tsukimi.store.master.server import MasterServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -17,9 +15,8 @@ MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def master() -> Iterator[MasterServer]:
-    with MasterServer(MasterConfig(rpc_port=0, http_port=0, lease_ttl_s=0.2)) as server:
-        yield server
+def master(module_master: MasterServer) -> MasterServer:
+    return module_master
 
 
 def store_of(master: MasterServer, segment: int = 0, **extra: object) -> MooncakeDistributedStore:

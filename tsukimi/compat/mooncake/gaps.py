@@ -40,7 +40,6 @@ DIFFERENCES: dict[tuple[str, str], str] = {
     ("mooncake.mooncake_ssd_register", "*"): HARDWARE + " (NVMe-oF SSD registration over SSH, paramiko)",
     ("mooncake.mooncake_ssd_unregister", "*"): HARDWARE + " (NVMe-oF SSD registration over SSH, paramiko)",
     ("mooncake.spdk_tgt_create", "*"): HARDWARE + " (SPDK NVMe-oF targets over SSH, paramiko)",
-    ("mooncake.mooncake_store_service", "*"): OUT_OF_SCOPE + " (the aiohttp REST store service, mc_store_rest_server)",
     ("mooncake.vllm_v1_proxy_server", "*"): OUT_OF_SCOPE + " (a FastAPI PD proxy; see `tsukimi up`)",
     ("mooncake.transfer_engine_topology_dump", "*"): HARDWARE + " (dumps the RDMA NIC/GPU topology)",
     ("mooncake.reshard", "**"): RESHARD,
