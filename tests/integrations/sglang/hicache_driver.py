@@ -94,7 +94,7 @@ def round_trip(storage: Any, pool: Any, keys: list[str]) -> dict[str, Any]:
     """Write pages 0.. from the pool, read them into pages PAGES.., compare."""
     wrote = storage.batch_set_v1(keys, slots(0))
     again = storage.batch_set_v1(keys, slots(0))
-    exists = storage.batch_exists(keys + ["missing-page"])
+    exists = storage.batch_exists([*keys, "missing-page"])
     pool.kv_buffer.view(torch.uint8)[:, PAGES * PAGE :].zero_()
     read = storage.batch_get_v1(keys, slots(PAGES))
     return {
