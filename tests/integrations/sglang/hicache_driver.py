@@ -169,6 +169,12 @@ def scenario_misc(master: str) -> dict[str, Any]:
     out["clear"] = storage.clear()
     out["after_clear"] = storage.batch_exists(keys)
     storage.close()
+    # NOTE: a dead client: every call answers its failure value, nothing raises into SGLang
+    out["closed"] = [
+        storage.batch_set_v1(keys[:2], slots(0)[: 2 * PAGE]),
+        storage.batch_exists(keys),
+        storage.exists("x"),
+    ]
     return out
 
 

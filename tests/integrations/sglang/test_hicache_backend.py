@@ -67,6 +67,7 @@ def test_misses_and_bad_calls_answer_false_without_raising(checks: dict[str, Any
     misc = checks["misc"]
     assert misc["type"] == "TsukimiHiCacheStorage"
     assert (misc["miss_get"], misc["miss_exists"], misc["bad_indices"]) == ([False, False], 0, [False])
+    assert misc["closed"] == [[False, False], 0, False]
 
 
 def test_legacy_pointer_calls(checks: dict[str, Any]) -> None:
