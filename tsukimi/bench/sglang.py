@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tsukimi
 from tsukimi.bench.child import module_args
 from tsukimi.bench.report import BenchReport, Figures, FigureViews, Verdict, begin, finish, goal
 from tsukimi.bench.sglang_rank import PAGE_BYTES
@@ -190,7 +189,7 @@ def _ranks(cfg: SglangBenchConfig, system: str, tp: int, port: int, python: Path
     # NOTE: JsonWorker runs `WRAPPER sys.executable -m ...`: the wrapper drops that interpreter
     # and execs SGLang's (under the compat hook for (b)) with the same `-m ...` arguments
     wrapper = ["sh", "-c", f'shift; exec {shlex.join(prefix)} "$@"', "sh"]
-    checkout = Path(tsukimi.__file__).resolve().parent.parent
+    checkout = Path(__file__).resolve().parents[2]  # NOTE: this checkout first on the ranks' path
     key_prefix = f"bench-{uuid.uuid4().hex[:8]}"
 
     def start(rank: int) -> JsonWorker:
@@ -231,6 +230,7 @@ def _extra_config(system: str, port: int, tp: int, segment_bytes: int) -> dict[s
             "backend_name": "tsukimi",
             "module_path": "tsukimi.integrations.sglang.hicache",
             "class_name": "TsukimiHiCacheStorage",
+            "interface_v1": 1,  # NOTE: unused by the bench (it calls v1 itself), as SGLang needs it
             "master": f"tcp://{_HOST}:{port}",
             "segment_bytes": segment_bytes,
         }

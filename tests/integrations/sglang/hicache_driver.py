@@ -33,7 +33,7 @@ def mha_pool() -> Any:
     size = 2 * PAGES * PAGE
     pool.kv_buffer = torch.zeros(2, size, LAYERS, HEADS, DIM, dtype=torch.bfloat16)
     pool.page_size, pool.size, pool.layer_num, pool.head_num, pool.head_dim = PAGE, size, LAYERS, HEADS, DIM
-    pool.dtype, pool.layout = torch.bfloat16, "page_first"
+    pool.dtype, pool.layout, pool.device, pool.pin_memory = torch.bfloat16, "page_first", "cpu", False
     return pool
 
 
@@ -51,6 +51,7 @@ def backend(master: str, pool: Any, tp_rank: int, tp_size: int, mla: bool = Fals
         "backend_name": "tsukimi",
         "module_path": "tsukimi.integrations.sglang.hicache",
         "class_name": "TsukimiHiCacheStorage",
+        "interface_v1": 1,
         "master": master,
         "segment_bytes": 8 << 20,
         "rpc_timeout_s": 2.0,
@@ -134,6 +135,19 @@ def scenario_mla(master: str) -> dict[str, Any]:
     return {"rank0": first, "rank1_exists": seen, "rank1_get": all(got), "rank1_equal": shared}
 
 
+def generic_path(storage: Any, pool: Any) -> dict[str, Any]:
+    """What SGLang's cache controller does without "interface_v1": one flat tensor per page
+    through batch_set / batch_get (its _generic_page_set / _generic_page_get)."""
+    keys = [f"flat-page-{i}" for i in range(PAGES)]
+    stored = storage.batch_set(keys, [pool.get_data_page(i * PAGE) for i in range(PAGES)])
+    pages = storage.batch_get([*keys, "flat-missing"], [pool.get_dummy_flat_data_page() for _ in range(PAGES + 1)])
+    pool.kv_buffer.view(torch.uint8)[:, PAGES * PAGE :].zero_()
+    for i, page in enumerate(pages[:PAGES]):
+        pool.set_from_flat_data_page((PAGES + i) * PAGE, page)
+    equal = pages_of(pool, 0) == pages_of(pool, PAGES)
+    return {"generic_set": stored, "generic_miss": pages[-1] is None, "generic_equal": equal}
+
+
 def scenario_misc(master: str) -> dict[str, Any]:
     """Misses, the legacy (pointer, size) calls, the v2 calls with a side pool, clear."""
     pool, side = mha_pool(), mha_pool()
@@ -156,6 +170,7 @@ def scenario_misc(master: str) -> dict[str, Any]:
     out["legacy_equal"] = bytes(dst) == src
     out["legacy_batch_set"] = storage.batch_set(["l1", "l2"], target_locations=[addr, addr], target_sizes=[8, 8])
     out["legacy_batch_get"] = storage.batch_get(["l1", "l2", "l3"], [dst_addr] * 3, [8] * 3)
+    out.update(generic_path(storage, pool))
     keys = [f"v2-page-{i}" for i in range(PAGES)]
     transfers = [PoolTransfer(PoolName.KV, slots(0), keys=keys), PoolTransfer(PoolName.SWA, slots(0), keys=keys)]
     out["v2_set"] = {str(k): all(v) for k, v in storage.batch_set_v2(transfers).items()}

@@ -76,6 +76,11 @@ def test_legacy_pointer_calls(checks: dict[str, Any]) -> None:
     assert misc["legacy_batch_set"] and misc["legacy_batch_get"] == 2
 
 
+def test_generic_path_flat_pages_without_interface_v1(checks: dict[str, Any]) -> None:
+    misc = checks["misc"]
+    assert (misc["generic_set"], misc["generic_miss"], misc["generic_equal"]) == (True, True, True)
+
+
 def test_v2_calls_move_kv_and_side_pools_and_clear_empties(checks: dict[str, Any]) -> None:
     misc = checks["misc"]
     assert misc["v2_set"] == {"kv": True, "swa": True} == misc["v2_get"]

@@ -5,7 +5,8 @@ imported here at module load):
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "tsukimi",
         "module_path": "tsukimi.integrations.sglang.hicache",
-        "class_name": "TsukimiHiCacheStorage", "master": "tcp://127.0.0.1:50051"}'
+        "class_name": "TsukimiHiCacheStorage", "interface_v1": 1,
+        "master": "tcp://127.0.0.1:50051"}'
 
 The factory calls `TsukimiHiCacheStorage(storage_config, kwargs)`; the other extra_config keys
 are settings.py's. Each rank holds one `StoreClient` and moves bytes zero-copy between the
@@ -18,7 +19,8 @@ MLA layer_first: one per layer).
     batch_get_v1   one get batch straight into the pages
     batch_exists   one exists batch; the leading run of complete pages
     *_v2           the same over every PoolTransfer of the call at once (KV and side pools)
-    get/set/batch_get/batch_set/exists   the legacy calls on (pointer, size) targets
+    get/set/batch_get/batch_set/exists   the legacy calls: SGLang's generic path (one flat
+                   tensor per page, without "interface_v1") and (pointer, size) targets
 
 Every call is bounded by the client's timeouts (settings.py) and answers failures as False
 (0 pages) with one log line; no exception reaches SGLang's cache controller.
@@ -105,6 +107,10 @@ class TsukimiHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
         self._config = p.ReplicaConfig(self.settings.replicas)
         self._client = StoreClient(self.settings.tsukimi_config())
         logger.info("tsukimi HiCache storage on %s, keys sglang/%s/*", self.settings.master, self.keys.model)
+        if not (storage_config.extra_config or {}).get("interface_v1"):
+            logger.warning(
+                'extra_config has no "interface_v1": 1: SGLang copies every page through batch_get/batch_set'
+            )
 
     # -- v1: the KV pool ---------------------------------------------------------------
 
@@ -281,20 +287,31 @@ class TsukimiHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
 
     # -- legacy calls on (pointer, size) targets -------------------------------------------
 
-    def get(self, key: str, target_location: object = None, target_sizes: object = None) -> bool:
-        """Read `key` into the target (a pointer and size, lists of them, or a tensor)."""
-        return self.batch_get([key], [target_location], [target_sizes]) == 1
+    def get(self, key: str, target_location: object = None, target_sizes: object = None) -> object:
+        """Read `key` into the target: a tensor (returned filled, or None on a miss), or a
+        pointer and size, or lists of them (returns whether it was read)."""
+        got = self.batch_get([key], [target_location], [target_sizes])
+        return got[0] if isinstance(got, list) else got == 1
 
-    def batch_get(self, keys: list[str], target_locations: object = None, target_sizes: object = None) -> int:
-        """Read `keys` into their targets; how many, from the first, were read."""
+    def batch_get(
+        self, keys: list[str], target_locations: object = None, target_sizes: object = None
+    ) -> list[object] | int:
+        """Read `keys` into their targets. Tensors (SGLang's generic path, `target_sizes`
+        None): each target filled, or None where it was not read. Pointers: how many, from
+        the first, were read."""
+        tensors = target_sizes is None or all(size is None for size in _listed(target_sizes))
 
-        def go() -> int:
+        def go() -> list[object] | int:
             targets = _targets(keys, target_locations, target_sizes)
             results = self._client.batch_get_parts([self.keys.raw(k) for k in keys], targets)
             _log_first("get", [r.error for r in results if r.error is not None])
-            return _leading([r.found and r.error is None for r in results])
+            ok = [r.found and r.error is None for r in results]
+            if tensors:
+                return [t[0] if good else None for t, good in zip(targets, ok, strict=True)]
+            return _leading(ok)
 
-        return self._guard("batch_get", 0, go)
+        failed: list[object] | int = [None] * len(keys) if tensors else 0
+        return self._guard("batch_get", failed, go)
 
     def set(self, key: str, value: object = None, target_location: object = None, target_sizes: object = None) -> bool:
         """Store `key` from `value` (a buffer) or the target (pointer and size, or lists)."""
@@ -397,6 +414,11 @@ def _stop_points(transfer: PoolTransfer, present: list[bool]) -> list[int]:
         window = max(1, len(transfer.keys or []))
         return [n for n in range(1, len(present) + 1) if all(present[max(0, n - window) : n])]
     raise InvalidArgument(f"hit policy {transfer.hit_policy} is not served by tsukimi's HiCache backend")
+
+
+def _listed(value: object) -> list[object]:
+    """`value` as a list (a non-sequence, e.g. one size, as a list of itself). Pure."""
+    return list(value) if isinstance(value, Sequence) else [value]
 
 
 def _targets(keys: Sequence[str], locations: object, sizes: object) -> list[Sequence[object]]:

@@ -2,7 +2,8 @@
 
     sglang/{model}/{page_key}/{suffix}                 a KV page (one object per suffix)
     sglang/{model}/{page_key}/{suffix}/{pool}          the page of a v2 side pool (Mamba, SWA...)
-    sglang/{model}/raw/{key}                           the legacy get/set calls' own keys
+    sglang/{model}/{page_key}/{suffix}/flat            a page by the legacy get/set calls (SGLang's
+                                                       generic path: one flat tensor per page)
 
 The suffix tells ranks apart the way SGLang's MooncakeStore does:
 
@@ -73,5 +74,6 @@ class PageKeys:
         return [f"{base}{page}/{suffix}{tail}" for page in page_keys for suffix in self.suffixes]
 
     def raw(self, key: str) -> str:
-        """The store key of a legacy call's `key`."""
-        return f"{PREFIX}/{self.model}/raw/{key}"
+        """The store key of a legacy call's `key` (this rank's first suffix: the generic path
+        moves a rank's whole page as one flat tensor)."""
+        return f"{PREFIX}/{self.model}/{key}/{self.suffixes[0]}/flat"

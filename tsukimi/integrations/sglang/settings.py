@@ -4,6 +4,10 @@
 Keys (all optional but the dynamic factory's own; unknown keys are a ConfigError):
 
     backend_name, module_path, class_name   the factory's (`dynamic` loads the class by them)
+    interface_v1    SGLang's own: 1 makes its cache controller call batch_get_v1 / batch_set_v1
+                    (zero-copy into the host pool; without it, the generic path's batch_get /
+                    batch_set of one flat tensor per page); also SGLang's tp_lcm_size,
+                    enable_metadata_cache, metadata_ttl (read by SGLang, ignored here)
     master          the store master's RPC endpoint                       "tcp://127.0.0.1:50051"
     metadata        Transfer Engine metadata ("p2p", "http://HOST:PORT/metadata", ...)  "p2p"
     transport       "auto", "shm", "cma" or "tcp"                                     "auto"
@@ -24,6 +28,7 @@ from tsukimi.errors import ConfigError
 from tsukimi.integrations.vllm.config import TsukimiConnectorConfig
 
 FACTORY_KEYS = ("backend_name", "module_path", "class_name")
+SGLANG_KEYS = ("interface_v1", "tp_lcm_size", "enable_metadata_cache", "metadata_ttl")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +56,7 @@ class HiCacheSettings:
             ConfigError: an unknown key, or a value of the wrong type.
         """
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known - set(FACTORY_KEYS))
+        unknown = sorted(set(extra) - known - set(FACTORY_KEYS) - set(SGLANG_KEYS))
         if unknown:
             raise ConfigError(f"unknown hicache extra_config keys {unknown}; valid: {sorted(known)}")
         defaults = cls()
