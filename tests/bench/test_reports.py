@@ -14,7 +14,8 @@ pooled prefix across a 20 and a 400 Mbit/s lab link; skipped where namespaces ar
 layerwise a 64-token prefix; serve `--quick` (chat
 4 x 2) without the no-reuse run; overload `--quick`; kv-burst 4 prompts of 200 tokens; vllm one
 system `--quick` and vllm-pd `--quick` (skipped, saying why, without .venv-vllm and its model);
-gpu `--quick --repeats 1` (without CUDA: host memcpy and the tiny model, GPU rows not measured).
+gpu `--quick --repeats 1` (without CUDA: host memcpy and the tiny model, GPU rows not measured);
+sglang `--quick --systems tsukimi` (128 pages at TP 1; skipped, saying why, without .venv-sglang).
 """
 
 from __future__ import annotations
@@ -32,11 +33,23 @@ from tsukimi.bench.commands import add_parser
 from tsukimi.bench.report import QUIET_MACHINE, BenchReport
 from tsukimi.bench.runners import overload_config, serve_config
 from tsukimi.errors import ConfigError
+from tsukimi.integrations.sglang.paths import check_venv
 from tsukimi.lab.netns import require_namespaces
 from tsukimi.testing.vllm_server import missing_reason
 
 MIB = 1 << 20
 VLLM_MISSING = missing_reason("tiny")
+
+
+def _sglang_missing() -> str:
+    try:
+        check_venv()
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+SGLANG_MISSING = _sglang_missing()
 
 
 def _namespaces_refused() -> str:
@@ -263,6 +276,16 @@ def _vllm_pd(report: BenchReport) -> None:
     assert report.figures["num_prompts"] == 1 and report.verdict("tokens_equal") is not None
 
 
+def _sglang(report: BenchReport) -> None:
+    rows = report.figures["rows"]
+    assert isinstance(rows, list) and [(r["system"], r["op"]) for r in rows] == [
+        ("tsukimi", "set"),
+        ("tsukimi", "exists"),
+        ("tsukimi", "get"),
+    ], report.figures
+    assert all(r["pages_ok"] == r["pages"] == 128 for r in rows) and report.verdict("byte_exact").met  # type: ignore[union-attr]
+
+
 def _gpu(report: BenchReport) -> None:
     figures, cuda = report.figures, report.host.device != "cpu"
     assert figures["device"] == report.host.device
@@ -333,6 +356,7 @@ def _hot_lab(report: BenchReport) -> None:
 
 
 _VLLM = pytest.mark.skipif(bool(VLLM_MISSING), reason=f"no vLLM here: {VLLM_MISSING}")
+_SGLANG = pytest.mark.skipif(bool(SGLANG_MISSING), reason=f"no SGLang here: {SGLANG_MISSING}")
 _LAB = pytest.mark.skipif(bool(NAMESPACES_REFUSED), reason=f"this machine refuses namespaces: {NAMESPACES_REFUSED}")
 
 
@@ -382,6 +406,7 @@ CASES = [
     _case("gpu", Case(("gpu", "--quick", "--repeats", "1"), _gpu, 180)),
     _case("vllm", Case(("vllm", "--quick", "--systems", "vllm_rr"), _vllm, 600), _VLLM),
     _case("vllm-pd", Case(("vllm-pd", "--quick"), _vllm_pd, 600), _VLLM),
+    _case("sglang", Case(("sglang", "--quick", "--systems", "tsukimi"), _sglang, 180), _SGLANG),
 ]
 
 
