@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
+from tests.compat.surface_diff import load_surface
 from tsukimi.compat.commands import run_with_mooncake
 from tsukimi.compat.mooncake import cli, cli_client, numa, setup_args
 from tsukimi.compat.mooncake.store import MooncakeDistributedStore, bind_to_numa_node
@@ -44,6 +45,17 @@ def test_setup_binds_both_of_mooncakes_forms() -> None:
     ):
         with pytest.raises(TypeError):
             setup_args.bind(args, kwargs)
+
+
+def test_setup_binds_every_call_the_wheel_s_recorded_overloads_take() -> None:
+    # NOTE: setup is (*args, **kwargs), as the wheel's: the surface test cannot hold it to the overloads
+    setup = load_surface()["mooncake.store"]["names"]["MooncakeDistributedStore"]["attrs"]["setup"]  # type: ignore[index]
+    values = {"config": {"local_hostname": "h"}, "engine": None}
+    for params in setup["sigs"]:
+        names = [p["name"] for p in params]
+        by_position = setup_args.bind(tuple(values.get(n, "x") for n in names), {})
+        by_keyword = setup_args.bind((), {n: values.get(n, "x") for n in names})
+        assert by_position == by_keyword and (by_keyword.config is None) == ("config" not in names)
 
 
 def test_setup_takes_the_config_by_keyword(master: MasterServer) -> None:
