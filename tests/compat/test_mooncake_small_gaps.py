@@ -58,8 +58,8 @@ def test_setup_binds_every_call_the_wheel_s_recorded_overloads_take() -> None:
         assert by_position == by_keyword and (by_keyword.config is None) == ("config" not in names)
 
 
-def test_setup_takes_the_config_by_keyword(master: MasterServer) -> None:
-    address = master.endpoint.removeprefix("tcp://")
+def test_setup_takes_the_config_by_keyword(module_master: MasterServer) -> None:
+    address = module_master.endpoint.removeprefix("tcp://")
     config: dict[str, object] = {
         "local_hostname": "127.0.0.1",
         "metadata_server": "P2PHANDSHAKE",

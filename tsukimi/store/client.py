@@ -56,6 +56,7 @@ from tsukimi.config import Config
 from tsukimi.device import DeviceRange
 from tsukimi.device.batch_copy import HostBuffer, HostStaging
 from tsukimi.errors import InvalidArgument, InvalidBufferError, ObjectNotFound, TsukimiError
+from tsukimi.store import disk_protocol as dp
 from tsukimi.store import protocol as p
 from tsukimi.store.device_io import DeviceIO, DevicePut, Part, as_part, has_device, pin_for_gpus
 from tsukimi.store.disk import DiskStore
@@ -496,6 +497,58 @@ class StoreClient:
         """Poll a task until it has succeeded or failed; its final state. Raises
         TaskNotFound, RpcTimeout (still in flight after `timeout_s`), InvalidArgument."""
         return self._replicas.wait_task(task_id, timeout_s)
+
+    # -- segments mounted after the start ----------------------------------------------
+
+    def mount(self, base: int, size: int) -> str:
+        """Contribute [base, base + size) of this client's engine memory (registered already)
+        as another segment; its segment id. Remounted after a master restart, unmounted at
+        close, like the segment of `client.segment_bytes`.
+
+        Raises:
+            InvalidArgument (too small, bad base), ObjectExists (mounted with other
+            parameters), RpcTimeout / MasterUnavailable.
+        """
+        mount = p.MountSegment(
+            self.client_id, f"{self.engine.name}/{base:x}", self.engine.name, base, size, INCARNATION
+        )
+        self._call(mount)
+        # NOTE: a new list, not append: the heartbeat thread iterates the old one unlocked
+        self._mounts = [*self._mounts, mount]
+        return mount.segment_id
+
+    def unmount(self, segment_id: str) -> None:
+        """Withdraw a segment `mount` added: the master drops the replicas in it at once (an
+        object left with none is gone). The memory stays the caller's to free.
+
+        Raises:
+            ObjectNotFound (not a segment `mount` added, or unmounted already),
+            RpcTimeout / MasterUnavailable.
+        """
+        first = f"{self.engine.name}/{self._segment_base:x}" if self._segment else ""
+        if segment_id == first or segment_id not in {m.segment_id for m in self._mounts}:
+            raise ObjectNotFound(f"this client mounted no segment {segment_id!r} after its start")
+        self._call(p.UnmountSegment(self.client_id, segment_id))
+        self._mounts = [m for m in self._mounts if m.segment_id != segment_id]
+
+    def unmount_disk(self, grace_s: float = 0.0) -> bool:
+        """Withdraw this holder's disk tier: the master forgets its copies at once (readers
+        get a clean miss), reads already in flight get `grace_s` seconds to finish, then the
+        disk stops serving and is released. False when this client serves no disk.
+
+        Raises:
+            InvalidArgument (negative grace), RpcTimeout / MasterUnavailable (the disk still serves).
+        """
+        if grace_s < 0:
+            raise InvalidArgument(f"grace_s must be >= 0, got {grace_s}")
+        disk = self.disk
+        if disk is None:
+            return False
+        self._link.call(dp.UnmountDisk(self.client_id, disk.store.disk_id))
+        self.disk = None
+        self._stop.wait(grace_s)
+        disk.close()  # NOTE: its own UnmountDisk then fails, logged at info only
+        return True
 
     # -- plumbing ----------------------------------------------------------------------
 

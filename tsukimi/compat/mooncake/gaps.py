@@ -22,7 +22,6 @@ CORO_RPC = "Mooncake's C++ coro_rpc wire protocol (yalantinglibs); not on tsukim
 OUT_OF_SCOPE = "not on tsukimi yet: a separate tool, outside issue 25"
 RESHARD = "not on tsukimi yet: Mooncake's weight-resharding planner, a separate pure-Python library"
 STRUCTURED = "not on tsukimi yet: bundle transfers and DataProto references (the structured put/get are)"
-SEGMENTS = "not on tsukimi yet: segments mounted after setup (tsukimi mounts one at setup)"
 
 DIFFERENCES: dict[tuple[str, str], str] = {
     ("mooncake._fast_copy", "*"): "the wheel's private C copy helper; tsukimi copies with torch",
@@ -41,7 +40,6 @@ DIFFERENCES: dict[tuple[str, str], str] = {
     ("mooncake.mooncake_ssd_register", "*"): HARDWARE + " (NVMe-oF SSD registration over SSH, paramiko)",
     ("mooncake.mooncake_ssd_unregister", "*"): HARDWARE + " (NVMe-oF SSD registration over SSH, paramiko)",
     ("mooncake.spdk_tgt_create", "*"): HARDWARE + " (SPDK NVMe-oF targets over SSH, paramiko)",
-    ("mooncake.mooncake_store_service", "*"): OUT_OF_SCOPE + " (the aiohttp REST store service, mc_store_rest_server)",
     ("mooncake.vllm_v1_proxy_server", "*"): OUT_OF_SCOPE + " (a FastAPI PD proxy; see `tsukimi up`)",
     ("mooncake.transfer_engine_topology_dump", "*"): HARDWARE + " (dumps the RDMA NIC/GPU topology)",
     ("mooncake.reshard", "**"): RESHARD,
@@ -61,11 +59,6 @@ DIFFERENCES: dict[tuple[str, str], str] = {
     ("mooncake.store", "get_free_func_addr"): C_ABI + " (torch CUDAPluggableAllocator hooks)",
     ("mooncake.store", "EngramStore"): OUT_OF_SCOPE + " (Engram n-gram embedding tables over the store)",
     ("mooncake.store", "EngramStoreConfig"): OUT_OF_SCOPE + " (Engram n-gram embedding tables over the store)",
-    ("mooncake.store", "MooncakeDistributedStore.mount_segment"): SEGMENTS,
-    ("mooncake.store", "MooncakeDistributedStore.allocate_and_mount_segment"): SEGMENTS,
-    ("mooncake.store", "MooncakeDistributedStore.unmount_segment"): SEGMENTS,
-    ("mooncake.store", "MooncakeDistributedStore.unmount_and_free_segment"): SEGMENTS,
-    ("mooncake.store", "MooncakeDistributedStore.unmount_local_disk_segment"): SEGMENTS,
     ("mooncake.store", "QueryTaskResponse.__init__"): "made by query_task() only: no empty constructor",
     ("mooncake.http_metadata_server", "KVBootstrapServer.__init__"): "host defaults to 127.0.0.1 (the wheel: 0.0.0.0)",
 }

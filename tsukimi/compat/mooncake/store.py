@@ -24,10 +24,12 @@ store makes it (the connection, the registered buffers) and keeps its own state:
 | tensors.py `Tensors`                 | the tensor family, with_tp included                           |
 | tensor_parallel.py `ParallelTensors` | the with_parallelism family                                   |
 | safetensor_files.py                  | save_tensor_to_safetensor / load_tensor_from_safetensor       |
+| segments.py `MountedSegments`        | segments mounted after setup, their memory; the disk's unmount|
 
 Also named here, as in the wheel: `BufferPool` and its leases (buffer_pool.py, over this
 store's register_buffer), `ObjectDataType` (replicate.py), `bind_to_numa_node` (numa.py), and
-every enum value at module level (pybind11's export_values). What of the wheel's surface is missing, and why: gaps.py.
+every enum value at module level (pybind11's export_values). What of the wheel's surface is
+missing, and why: gaps.py.
 
 Parts never reach into one another; the facade makes them in `__init__` (and a new
 `ObjectCalls` per setup, with that setup's local buffer size) and owns nothing else but
@@ -67,6 +69,7 @@ from tsukimi.compat.mooncake.replicas import (
     TaskType,
 )
 from tsukimi.compat.mooncake.replicate import ObjectDataType, ReplicateConfig, SoftPinAction
+from tsukimi.compat.mooncake.segments import MountedSegments, MountResult
 from tsukimi.compat.mooncake.sessions import GetSessions, PutSessions
 from tsukimi.compat.mooncake.tensor_calls import ReplicaSettings
 from tsukimi.compat.mooncake.tensor_parallel import ParallelTensors
@@ -136,6 +139,7 @@ class MooncakeDistributedStore:
         self._parallel = ParallelTensors(self._connection)
         self._get_sessions = GetSessions(self._connection)
         self._put_sessions = PutSessions(self._connection)
+        self._segments = MountedSegments(self._connection)
 
     def setup(self, *args: object, **kwargs: object) -> int:
         """Connect to the master and mount `global_segment_size` bytes. Mooncake's two forms:
@@ -704,11 +708,38 @@ class MooncakeDistributedStore:
             return 2
         return 0
 
+    # -- segments mounted after setup (segments.py) ----------------------------------------
+
+    def mount_segment(
+        self, path: str, size: int, offset: int = 0, protocol: str = "tcp", location: str = ""
+    ) -> MountResult:
+        """Map [offset, offset + size) of the file at `path` (e.g. in /dev/shm) and mount it as
+        another segment: {"ret": 0 or a code, "segment_ids": [...]}."""
+        return self._segments.mount(path, size, offset, protocol, location)
+
+    def unmount_segment(self, segment_ids: list[str], grace_period_seconds: int = 0) -> int:
+        """Unmount segments `mount_segment` mounted; 0, or the first failure's code."""
+        return self._segments.unmount(segment_ids, grace_period_seconds, allocated=False)
+
+    def allocate_and_mount_segment(self, size: int, protocol: str = "tcp", location: str = "") -> MountResult:
+        """Allocate `size` bytes (rounded up to 16 MiB) and mount them: {"ret", "segment_ids",
+        "allocated_size"}."""
+        return self._segments.allocate(size, protocol, location)
+
+    def unmount_and_free_segment(self, segment_ids: list[str], grace_period_seconds: int = 0) -> int:
+        """Unmount segments `allocate_and_mount_segment` mounted, and free them; 0 or a code."""
+        return self._segments.unmount(segment_ids, grace_period_seconds, allocated=True)
+
+    def unmount_local_disk_segment(self, grace_period_seconds: int = 0) -> int:
+        """Withdraw this holder's disk tier after the grace period; 0 (also with none) or a code."""
+        return self._segments.unmount_local_disk(grace_period_seconds)
+
     def close(self) -> int:
         """Unmount this client's segment (its objects are gone) and disconnect."""
         self._put_sessions.clear()  # NOTE: before the client goes: it revokes the open puts
         self._get_sessions.clear()
         self._connection.close()
+        self._segments.clear()  # NOTE: after: the client unmounted them at the master first
         self._pool = None
         self._buffers.clear()
         return OK
