@@ -27,8 +27,9 @@ store makes it (the connection, the registered buffers) and keeps its own state:
 | segments.py `MountedSegments`        | segments mounted after setup, their memory; the disk's unmount|
 
 Also named here, as in the wheel: `BufferPool` and its leases (buffer_pool.py, over this
-store's register_buffer), `ObjectDataType` (replicate.py), and every enum value at module level
-(pybind11's export_values). What of the wheel's surface is missing, and why: gaps.py.
+store's register_buffer), `ObjectDataType` (replicate.py), `bind_to_numa_node` (numa.py), and
+every enum value at module level (pybind11's export_values). What of the wheel's surface is
+missing, and why: gaps.py.
 
 Parts never reach into one another; the facade makes them in `__init__` (and a new
 `ObjectCalls` per setup, with that setup's local buffer size) and owns nothing else but
@@ -40,7 +41,6 @@ A store whose object is garbage-collected is closed (its segment unmounted).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 
 import torch
 
@@ -53,6 +53,7 @@ from tsukimi.compat.mooncake.dummy import MemPool
 from tsukimi.compat.mooncake.engine import TransferEngine as EngineFacade
 from tsukimi.compat.mooncake.host_alloc import MooncakeHostMemAllocator
 from tsukimi.compat.mooncake.multi_buffers import MultiBufferCalls
+from tsukimi.compat.mooncake.numa import bind_to_numa_node
 from tsukimi.compat.mooncake.objects import ObjectCalls, joined
 from tsukimi.compat.mooncake.ranges import RangeReads, Ranges
 from tsukimi.compat.mooncake.replicas import (
@@ -101,6 +102,7 @@ __all__ = [
     "SoftPinAction",
     "TaskStatus",
     "TaskType",
+    "bind_to_numa_node",
 ]
 _SIZE = setup_args.DEFAULT_SIZE
 
@@ -139,50 +141,25 @@ class MooncakeDistributedStore:
         self._put_sessions = PutSessions(self._connection)
         self._segments = MountedSegments(self._connection)
 
-    def setup(
-        self,
-        local_hostname: str | Mapping[str, object],
-        metadata_server: str | None = None,
-        global_segment_size: int | str = _SIZE,
-        local_buffer_size: int | str = _SIZE,
-        protocol: str = "tcp",
-        rdma_devices: str = "",
-        master_server_addr: str = "127.0.0.1:50051",
-        engine: object = None,
-        enable_ssd_offload: bool = False,
-        ssd_offload_path: str = "",
-        tenant_id: str = "default",
-        enable_client_http_server: bool = False,
-        client_http_port: int = 9300,
-    ) -> int:
-        """Connect to the master and mount `global_segment_size` bytes; or `setup(config)`
-        with Mooncake's dictionary (sizes may be "16MB"). `local_hostname` "host:port" names
-        this client's segment (`get_hostname()`); a bare host gets a port in 12300..14300.
-        `engine`: a `mooncake.engine.TransferEngine` to share, or what its `get_engine()` returned
-        (SGLang passes that). 0, or a negative code."""
+    def setup(self, *args: object, **kwargs: object) -> int:
+        """Connect to the master and mount `global_segment_size` bytes. Mooncake's two forms:
+
+            setup(local_hostname, metadata_server, global_segment_size, local_buffer_size,
+                  protocol, rdma_devices, master_server_addr, engine=None,
+                  enable_ssd_offload=False, ssd_offload_path="", tenant_id="default",
+                  enable_client_http_server=False, client_http_port=9300)
+            setup(config)    # or setup(config=...): Mooncake's dictionary (sizes may be "16MB")
+
+        `local_hostname` "host:port" names this client's segment (`get_hostname()`); a bare
+        host gets a port in 12300..14300. `engine`: a `mooncake.engine.TransferEngine` to
+        share, or what its `get_engine()` returned (SGLang passes that). 0, or a negative code.
+        Raises TypeError, as the wheel does, for a call neither form binds (setup_args.bind)."""
+        call = setup_args.bind(args, kwargs)
         try:
-            if isinstance(local_hostname, Mapping):
-                if metadata_server is not None:
-                    raise TypeError("setup(config) takes the dictionary alone")
-                parsed = setup_args.from_dict(local_hostname)
-            else:
-                parsed = setup_args.from_args(
-                    local_hostname,
-                    metadata_server,  # type: ignore[arg-type]
-                    global_segment_size,
-                    local_buffer_size,
-                    protocol,
-                    rdma_devices,
-                    master_server_addr,
-                    enable_ssd_offload,
-                    ssd_offload_path,
-                    tenant_id,
-                    enable_client_http_server,
-                    client_http_port,
-                )
-            if enable_client_http_server:
+            parsed = call.parse()
+            if call.client_http_server:
                 logger.warning("setup: the client HTTP server is not served by tsukimi (the master's /metrics is)")
-            self._start(parsed, _shared_engine(engine))
+            self._start(parsed, _shared_engine(call.engine))
         except (TsukimiError, OSError) as exc:
             logger.error("setup failed: %s", exc)
             return code_of(exc) if isinstance(exc, TsukimiError) else INVALID_PARAMS
