@@ -7,11 +7,14 @@ absent, a tiny random Llama built for the test (tests/integrations/tiny_vllm_mod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,15 +45,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture
-def cluster(
-    model_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
-) -> Iterator[tuple[str, dict[str, object], Callable[[], None]]]:
-    """`tsukimi up --engine vllm` with the flags the test's `up_args` marker gives (default: one
-    colocated instance)."""
-    marker = request.node.get_closest_marker("up_args")
-    extra = list(marker.args) if marker else ["--instances", "1"]
-    state, port = tmp_path / "state.json", free_port()
+Up = tuple[str, dict[str, object], Callable[[], None]]  # the API's URL, the state file, stop()
+
+
+@contextlib.contextmanager
+def _up(model_dir: Path, workdir: Path, extra: list[str]) -> Iterator[Up]:
+    """`tsukimi up --engine vllm --model MODEL_DIR EXTRA...` in a process of its own, until it
+    wrote its state file; stopped (SIGTERM, then SIGKILL) on the way out."""
+    state, port = workdir / "state.json", free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -66,20 +68,41 @@ def cluster(
         "--state-file",
         str(state),
         "--log-dir",
-        str(tmp_path / "logs"),
+        str(workdir / "logs"),
     ]
-    with (tmp_path / "up.log").open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # NOTE: vLLM leaves `vllm_dist_*` rendezvous files in $TMPDIR: a folder of its own, removed
+    temp = tempfile.mkdtemp(prefix="tsukimi-up-vllm-")
+    with (workdir / "up.log").open("wb") as log:
+        env = {**os.environ, "TMPDIR": temp}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + 400
         while not state.exists():
-            assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+            assert proc.poll() is None, (workdir / "up.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "tsukimi up did not come up in 400 s"
             time.sleep(0.5)
         info = json.loads(state.read_text())
         yield str(info["api"]), info, lambda: _stop(proc)
     finally:
         _stop(proc)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    """One colocated instance, shared by this module's tests: started once (a minute on two
+    CPUs); test_completion_events_and_cache_hit, which stops it, runs last of them."""
+    with _up(model_dir, tmp_path_factory.mktemp("colocated"), ["--instances", "1"]) as up:
+        yield up
+
+
+@pytest.fixture
+def cluster(model_dir: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Up]:
+    """`tsukimi up --engine vllm` with the flags the test's `up_args` marker gives."""
+    marker = request.node.get_closest_marker("up_args")
+    assert marker is not None, "a test on its own cluster names its flags: @pytest.mark.up_args(...)"
+    with _up(model_dir, tmp_path, list(marker.args)) as up:
+        yield up
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -101,10 +124,35 @@ def _group_alive(pid: int) -> bool:
     return True
 
 
-def test_completion_events_and_cache_hit(
-    cluster: tuple[str, dict[str, object], Callable[[], None]], model_dir: Path
-) -> None:
-    api, info, stop = cluster
+def test_bench_vllm_reports_on_a_running_cluster(colocated: Up, model_dir: Path) -> None:
+    """`tsukimi bench vllm --quick`'s report (2 conversations of 2 turns) measured on this
+    module's cluster instead of clusters of its own (`run_bench` launches one per system; the
+    CLI's flags are checked in tests/bench/test_reports.py): the row and the verdicts' shape.
+    The row is `tsukimi_routing` (Conductor placement, local prefix caching, no pool), what
+    `tsukimi up --engine vllm` runs; its prompts share no block with the test below."""
+    from tests.bench.report_checks import check_report, verdict_names
+    from tsukimi.bench import vllm as bench
+    from tsukimi.bench.report import begin, finish
+
+    api, info, _ = colocated
+    processes = info["processes"]
+    assert isinstance(processes, list)
+    urls = [str(p["url"]) for p in processes if str(p["name"]).startswith("vllm-")]
+    cfg = bench.VllmBenchConfig(model=str(model_dir), systems=("tsukimi_routing",), conversations=2, turns=2)
+    start = begin("bench vllm", cfg)
+    row, _ = bench.measure_system(cfg, "tsukimi_routing", api, urls, None)
+    figures = {"runs": [row], "ratios": bench.ratios([row])}
+    report = check_report(finish(start, figures, bench.verdicts(figures)), "bench vllm")
+    runs = report.figures["runs"]
+    assert isinstance(runs, list) and [r["system"] for r in runs] == ["tsukimi_routing"]
+    assert "error" not in runs[0] and runs[0]["requests"] == 4, runs[0]
+    assert verdict_names(report) >= {"tsukimi_vs_vllm_rr", "tokens_equal"}
+    assert "| tsukimi_routing |" in bench.markdown(report.figures)
+
+
+def test_completion_events_and_cache_hit(colocated: Up, model_dir: Path) -> None:
+    """Runs last of the tests on `colocated`: it stops the cluster."""
+    api, info, stop = colocated
     prompt = list(range(100, 100 + 3 * 128 + 5))  # three full 128-token blocks
     body = {"model": str(model_dir), "prompt": prompt, "max_tokens": 4, "temperature": 0}
     first = httpx.post(f"{api}/v1/completions", json=body, timeout=120)
@@ -134,7 +182,7 @@ def test_completion_events_and_cache_hit(
 
 
 @pytest.mark.up_args("--mode", "pd", "--connector", "tsukimi")
-def test_pd_through_the_pool(cluster: tuple[str, dict[str, object], Callable[[], None]], model_dir: Path) -> None:
+def test_pd_through_the_pool(cluster: Up, model_dir: Path) -> None:
     """The router's two steps on real vLLM + TsukimiConnector: the prefill instance makes the
     first token, the decode instance continues from it, loading the prompt's full blocks from
     the pool instead of computing them."""
