@@ -2,12 +2,15 @@
 a completion through the router, the instance's KV events in the router's index, the repeat
 of the prompt placed on it and served from its cache, and every process gone after SIGTERM.
 
+The same cluster first serves `tsukimi bench vllm --quick`'s workload (its report's shape);
+the PD cluster of test_pd_through_the_pool starts beside it (two CPUs start three vLLM
+processes faster than two, then two more).
+
 Skipped when .venv-vllm is missing. The model is `.models/tiny` (make vllm) or, when that is
 absent, a tiny random Llama built for the test (tests/integrations/tiny_vllm_model.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -46,63 +49,60 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 Up = tuple[str, dict[str, object], Callable[[], None]]  # the API's URL, the state file, stop()
+PD_ARGS = ("--mode", "pd", "--connector", "tsukimi")
 
 
-@contextlib.contextmanager
-def _up(model_dir: Path, workdir: Path, extra: list[str]) -> Iterator[Up]:
-    """`tsukimi up --engine vllm --model MODEL_DIR EXTRA...` in a process of its own, until it
-    wrote its state file; stopped (SIGTERM, then SIGKILL) on the way out."""
-    state, port = workdir / "state.json", free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "tsukimi.cli",
-        "up",
-        "--engine",
-        "vllm",
-        "--model",
-        str(model_dir),
-        *extra,
-        "--port",
-        str(port),
-        "--state-file",
-        str(state),
-        "--log-dir",
-        str(workdir / "logs"),
-    ]
-    # NOTE: vLLM leaves `vllm_dist_*` rendezvous files in $TMPDIR: a folder of its own, removed
-    temp = tempfile.mkdtemp(prefix="tsukimi-up-vllm-")
-    with (workdir / "up.log").open("wb") as log:
-        env = {**os.environ, "TMPDIR": temp}
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    try:
-        deadline = time.monotonic() + 400
-        while not state.exists():
-            assert proc.poll() is None, (workdir / "up.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "tsukimi up did not come up in 400 s"
+class _Starting:
+    """`tsukimi up --engine vllm --model MODEL_DIR EXTRA...`, started in a process of its own at
+    once; `ready()` waits for its state file. `close()` stops it (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, model_dir: Path, workdir: Path, extra: tuple[str, ...]) -> None:
+        self.workdir, self.state = workdir, workdir / "state.json"
+        cmd = [sys.executable, "-m", "tsukimi.cli", "up", "--engine", "vllm", "--model", str(model_dir), *extra]
+        cmd += ["--port", str(free_port()), "--state-file", str(self.state), "--log-dir", str(workdir / "logs")]
+        # NOTE: vLLM leaves `vllm_dist_*` rendezvous files in $TMPDIR: a folder of its own, removed
+        self.temp = tempfile.mkdtemp(prefix="tsukimi-up-vllm-")
+        with (workdir / "up.log").open("wb") as log:
+            env = {**os.environ, "TMPDIR": self.temp}
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.started = time.monotonic()
+
+    def ready(self) -> Up:
+        """The API's URL, the state file's content and stop(), once up (AssertionError with the
+        log's tail when it exits or is not up 400 s after its start)."""
+        while not self.state.exists():
+            assert self.proc.poll() is None, (self.workdir / "up.log").read_text()[-3000:]
+            assert time.monotonic() < self.started + 400, "tsukimi up did not come up in 400 s"
             time.sleep(0.5)
-        info = json.loads(state.read_text())
-        yield str(info["api"]), info, lambda: _stop(proc)
-    finally:
-        _stop(proc)
-        shutil.rmtree(temp, ignore_errors=True)
+        info = json.loads(self.state.read_text())
+        return str(info["api"]), info, self.close
+
+    def close(self) -> None:
+        _stop(self.proc)
+        shutil.rmtree(self.temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def colocated(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+def pd_starting(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Starting]:
+    """The PD cluster (`PD_ARGS`), starting beside the colocated one (three vLLM starts on two
+    CPUs take less than two after one another); its test asks `ready()`."""
+    starting = _Starting(model_dir, tmp_path_factory.mktemp("pd"), PD_ARGS)
+    try:
+        yield starting
+    finally:
+        starting.close()
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dir: Path, pd_starting: _Starting, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     """One colocated instance, shared by this module's tests: started once (a minute on two
-    CPUs); test_completion_events_and_cache_hit, which stops it, runs last of them."""
-    with _up(model_dir, tmp_path_factory.mktemp("colocated"), ["--instances", "1"]) as up:
-        yield up
-
-
-@pytest.fixture
-def cluster(model_dir: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Up]:
-    """`tsukimi up --engine vllm` with the flags the test's `up_args` marker gives."""
-    marker = request.node.get_closest_marker("up_args")
-    assert marker is not None, "a test on its own cluster names its flags: @pytest.mark.up_args(...)"
-    with _up(model_dir, tmp_path, list(marker.args)) as up:
-        yield up
+    CPUs), just after the PD cluster began to start; test_completion_events_and_cache_hit,
+    which stops it, runs last of them."""
+    starting = _Starting(model_dir, tmp_path_factory.mktemp("colocated"), ("--instances", "1"))
+    try:
+        yield starting.ready()
+    finally:
+        starting.close()
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -181,12 +181,11 @@ def test_completion_events_and_cache_hit(colocated: Up, model_dir: Path) -> None
     assert [p["name"] for p in processes if _group_alive(p["pid"])] == []
 
 
-@pytest.mark.up_args("--mode", "pd", "--connector", "tsukimi")
-def test_pd_through_the_pool(cluster: Up, model_dir: Path) -> None:
+def test_pd_through_the_pool(pd_starting: _Starting, model_dir: Path) -> None:
     """The router's two steps on real vLLM + TsukimiConnector: the prefill instance makes the
     first token, the decode instance continues from it, loading the prompt's full blocks from
     the pool instead of computing them."""
-    api, info, _ = cluster
+    api, info, _ = pd_starting.ready()
     prompt = list(range(100, 100 + 5 * 128))
     body = {
         "model": str(model_dir),
