@@ -10,14 +10,14 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 MOONCAKE_TESTS ?= ../shared/mooncake-tests
 
-.PHONY: demo test lint bench bench-store mooncake mooncake-tests nixl vllm system-deps clean gpu-check gpu-wheels
+.PHONY: demo test lint bench bench-store mooncake mooncake-tests nixl vllm sglang system-deps clean gpu-check gpu-wheels
 
 # The whole local cluster: store master, a prefill and a decode worker (SmolLM2-135M-Instruct),
 # the OpenAI API on 127.0.0.1:8000; Ctrl-C stops every process. (`tsukimi demo`: the TE demo.)
 demo: $(STAMP)
 	$(BIN)/tsukimi up
 
-test: $(STAMP) $(NIXL_STAMP) system-deps lint vllm
+test: $(STAMP) $(NIXL_STAMP) system-deps lint vllm sglang
 	$(BIN)/python -m pytest -q --durations=25  # the slowest 25: CI keeps the suite under ~40 min
 	$(BIN)/python -m tsukimi.testing.mooncake_suite --tests-dir $(MOONCAKE_TESTS) --modes tsukimi
 
@@ -77,6 +77,31 @@ $(MODELS_STAMP): $(VLLM_STAMP) $(STAMP) tsukimi/integrations/vllm/models.py
 	$(VLLM_VENV)/bin/python -m tsukimi.integrations.vllm.models --out $(MODELS_DIR) \
 		--gguf "$$($(BIN)/python -c 'from tsukimi.engine.weights import default_gguf_path; print(default_gguf_path())')"
 	touch $(MODELS_STAMP)
+
+# SGLang 0.5.23 (CPU) in a venv of its own, for its Mooncake backends under `tsukimi compat exec`
+# and tsukimi's own HiCache backend (docs/sglang.md). sglang goes in --no-deps: its requirements
+# pull flashinfer, sgl-kernel and a CUDA torch. tests/integrations/sglang/requirements.txt lists
+# what its Mooncake code paths import; constraints.txt keeps the CPU torch. torchvision has no CPU
+# wheel on the registry, so a .pth file puts an import stub (tests/integrations/sglang/stubs) on
+# this venv's path, and only this one's. The real Mooncake wheel is there too, for `tsukimi bench
+# sglang` (its side (a); `tsukimi compat exec` puts the facade first either way).
+SGLANG_VENV  ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_REQS  := tests/integrations/sglang
+export TSUKIMI_SGLANG_VENV := $(abspath $(SGLANG_VENV))
+
+sglang: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): pyproject.toml $(SGLANG_REQS)/requirements.txt $(SGLANG_REQS)/constraints.txt
+	@test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/pip install -q 'torch==2.13.0'
+	$(SGLANG_VENV)/bin/pip install -q --no-deps 'sglang==0.5.23' 'mooncake-transfer-engine-non-cuda==0.3.13.post1'
+	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_REQS)/constraints.txt -r $(SGLANG_REQS)/requirements.txt
+	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_REQS)/constraints.txt -e .
+	echo "$(abspath $(SGLANG_REQS)/stubs)" > \
+		"$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/tsukimi-torchvision-stub.pth"
+	touch $(SGLANG_STAMP)
 
 mooncake: $(STAMP)
 	@dpkg -s libibverbs1 >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libibverbs1)

@@ -13,7 +13,8 @@ decisions; cpp a 300-token prompt, one repeat; prefix-link `--quick` (the tiny m
 pooled prefix across a 20 and a 400 Mbit/s lab link; skipped where namespaces are refused);
 layerwise a 64-token prefix; serve `--quick` (chat
 4 x 2) without the no-reuse run; overload `--quick`; kv-burst 4 prompts of 200 tokens;
-gpu `--quick --repeats 1` (without CUDA: host memcpy and the tiny model, GPU rows not measured).
+gpu `--quick --repeats 1` (without CUDA: host memcpy and the tiny model, GPU rows not measured);
+sglang `--quick --systems tsukimi` (128 pages at TP 1; skipped, saying why, without .venv-sglang).
 
 vllm and vllm-pd: here only their flags (what `--quick` picks reaches the bench, the report is
 printed); their reports are measured on the vLLM servers the integration tests run anyway
@@ -42,9 +43,21 @@ from tsukimi.bench.runners import overload_config, serve_config
 from tsukimi.bench.vllm import VllmBenchConfig
 from tsukimi.bench.vllm_pd import QUICK as VLLM_PD_QUICK
 from tsukimi.errors import ConfigError
+from tsukimi.integrations.sglang.paths import check_venv
 from tsukimi.lab.netns import require_namespaces
 
 MIB = 1 << 20
+
+
+def _sglang_missing() -> str:
+    try:
+        check_venv()
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+SGLANG_MISSING = _sglang_missing()
 
 
 def _namespaces_refused() -> str:
@@ -260,6 +273,16 @@ def _kv_burst(report: BenchReport) -> None:
     assert _verdicts(report) >= {"ttft_rejections_predicted", "served_within_slo", "same_tokens", "no_other_errors"}
 
 
+def _sglang(report: BenchReport) -> None:
+    rows = report.figures["rows"]
+    assert isinstance(rows, list) and [(r["system"], r["op"]) for r in rows] == [
+        ("tsukimi", "set"),
+        ("tsukimi", "exists"),
+        ("tsukimi", "get"),
+    ], report.figures
+    assert all(r["pages_ok"] == r["pages"] == 128 for r in rows) and report.verdict("byte_exact").met  # type: ignore[union-attr]
+
+
 def _gpu(report: BenchReport) -> None:
     figures, cuda = report.figures, report.host.device != "cpu"
     assert figures["device"] == report.host.device
@@ -325,6 +348,7 @@ def _hot_lab(report: BenchReport) -> None:
     }
 
 
+_SGLANG = pytest.mark.skipif(bool(SGLANG_MISSING), reason=f"no SGLang here: {SGLANG_MISSING}")
 _LAB = pytest.mark.skipif(bool(NAMESPACES_REFUSED), reason=f"this machine refuses namespaces: {NAMESPACES_REFUSED}")
 
 
@@ -372,6 +396,7 @@ CASES = [
         ),
     ),
     _case("gpu", Case(("gpu", "--quick", "--repeats", "1"), _gpu, 180)),
+    _case("sglang", Case(("sglang", "--quick", "--systems", "tsukimi"), _sglang, 180), _SGLANG),
 ]
 
 

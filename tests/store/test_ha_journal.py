@@ -56,9 +56,11 @@ class JournalMachine(RuleBasedStateMachine):
         replicas=st.integers(1, 3),
         upsert=st.booleans(),
         end=st.sampled_from(["end", "revoke", "leave"]),
+        group=st.sampled_from(["", "g0", "g1"]),
     )
-    def put(self, client: str, key: str, size: int, replicas: int, upsert: bool, end: str) -> None:
-        self._apply(lambda: self.state.put_start(client, key, size, ReplicaConfig(replicas=replicas), upsert))
+    def put(self, client: str, key: str, size: int, replicas: int, upsert: bool, end: str, group: str) -> None:
+        config = ReplicaConfig(replicas=replicas, group=group)
+        self._apply(lambda: self.state.put_start(client, key, size, config, upsert))
         if end == "end":
             self._apply(lambda: self.state.put_end(client, key))
         elif end == "revoke":
@@ -97,6 +99,7 @@ class JournalMachine(RuleBasedStateMachine):
             k: [(p.segment_id, p.offset) for p in r.replicas] for k, r in self.state.objects.items()
         }
         assert set(restored.pending) == set(self.state.pending)
+        assert restored.objects.groups == self.state.objects.groups
         for sid, seg in self.state.registry.segments.items():
             assert restored.registry.segments[sid].allocator.blocks() == seg.allocator.blocks()
 

@@ -23,6 +23,7 @@ SEGMENTS = st.integers(0, 3)
 HOLDERS = st.sampled_from(["te0", "te1"])
 SOFT_TTLS = st.sampled_from([None, 0.0, 1.0, 100.0])
 PINS = st.sampled_from(["", "soft", "hard", "keep"])
+GROUPS = st.sampled_from(["", "g0", "g1"])
 
 
 class MasterModel(RuleBasedStateMachine):
@@ -33,6 +34,7 @@ class MasterModel(RuleBasedStateMachine):
         self.state = MasterState(cfg, self.clock)
         self.complete: set[str] = set()  # keys put_end'ed and not removed by us
         self.hard: set[str] = set()
+        self.groups: dict[str, str] = {}  # complete key -> the group its first version joined
         self.pending: dict[str, str] = {}  # key -> writer
         self.tasks: set[int] = set()  # task ids created and not yet finished by the model
         self.segments_lost = False  # a step that unmounted or dropped segments may lose objects
@@ -58,9 +60,10 @@ class MasterModel(RuleBasedStateMachine):
         upsert=st.booleans(),
         writer=SEGMENTS,
         ttl=SOFT_TTLS,
+        group=GROUPS,
     )
     def put_start(
-        self, key: str, kib: int, replicas: int, pin: str, upsert: bool, writer: int, ttl: float | None
+        self, key: str, kib: int, replicas: int, pin: str, upsert: bool, writer: int, ttl: float | None, group: str
     ) -> None:
         soft = pin == "soft"
         config = ReplicaConfig(
@@ -69,6 +72,7 @@ class MasterModel(RuleBasedStateMachine):
             hard_pin=pin == "hard",
             soft_pin_ttl_s=ttl if soft else None,
             keep_soft_pin=pin == "keep",
+            group=group,
         )
         try:
             locations = self.state.put_start(f"client{writer % 2}", key, kib * 1024, config, upsert)
@@ -90,6 +94,8 @@ class MasterModel(RuleBasedStateMachine):
         except ObjectNotFound:
             return  # reclaimed or lost with a segment
         self.complete.add(key)
+        group = self.groups.setdefault(key, self.state.objects[key].config.group)
+        assert self.state.objects[key].config.group == group, "an upsert moved a key to another group"
         if self.state.objects[key].config.hard_pin:
             self.hard.add(key)
         else:
@@ -197,6 +203,14 @@ class MasterModel(RuleBasedStateMachine):
             self.segments_lost = True
 
     @invariant()
+    def groups_hold_existing_members(self) -> None:
+        """Every group member exists and names that group; every grouped object is a member."""
+        objects = self.state.objects
+        for group, members in objects.groups.items():
+            assert members and all(objects[key].config.group == group for key in members)
+        assert {k for k, r in objects.items() if r.config.group} == set().union(*objects.groups.values())
+
+    @invariant()
     def consistent(self) -> None:
         self.state.check_invariants()
         visible = set(self.state.objects)
@@ -206,6 +220,7 @@ class MasterModel(RuleBasedStateMachine):
             assert not (gone & self.hard), f"hard-pinned {gone & self.hard} evicted"
         self.complete -= gone
         self.hard -= gone
+        self.groups = {k: g for k, g in self.groups.items() if k in self.complete}
         self.segments_lost = False
 
 

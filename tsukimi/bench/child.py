@@ -12,6 +12,7 @@ bench ...` subcommands; nothing under bench/ has a `__main__` of its own but thi
     mooncake-store   bench/mooncake_store.py    the real Mooncake store's self-test
     p2p-worker       bench/p2p_worker.py        `bench p2p`'s origin, receivers, gloo ranks
     health-probe     bench/overload_monitor.py  the overload bench's /health prober
+    sglang-rank      bench/sglang_rank.py       `bench sglang`'s SGLang ranks (in .venv-sglang)
 
 Each runs under this interpreter (every one imports tsukimi; the vLLM servers that `bench vllm`
 and `bench vllm-pd` start under .venv-vllm are `tsukimi up --engine vllm` processes and
@@ -33,6 +34,7 @@ CHILDREN: dict[str, str] = {
     "mooncake-store": "tsukimi.bench.mooncake_store",
     "p2p-worker": "tsukimi.bench.p2p_worker",
     "health-probe": "tsukimi.bench.overload_monitor",
+    "sglang-rank": "tsukimi.bench.sglang_rank",
 }
 
 

@@ -6,6 +6,7 @@ scheduler, cpp, layerwise the Conductor's decisions, chunked pipeline prefill, l
 prefix-link               a pooled prefix across a shaped lab link vs recomputing it, and the Conductor's estimate
 serve, kv-burst           the serving stack end to end (`tsukimi up`'s plan, launched here)
 vllm, vllm-pd             vLLM instances: three ways of serving them; the PD hand-over
+sglang                    SGLang's HiCache L3 calls: MooncakeStore (real, under compat) vs tsukimi's backend
 gpu                       the raw host<->GPU copies and prefill/reuse limits (issue 23)
 """
 
@@ -232,6 +233,12 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     vp.add_argument("--no-save-per-layer", dest="save_per_layer", action="store_false")
     vp.add_argument("--quick", action="store_true", help="a smoke run: 1 prompt of 512 tokens")
     _add_output(vp)
+    sg = bench.add_parser("sglang", help="SGLang HiCache L3 calls: MooncakeStore (real / compat) vs tsukimi's backend")
+    sg.add_argument("--systems", default="mooncake,compat,tsukimi", help="comma-separated, in run order")
+    sg.add_argument("--pages", type=int, default=1000, help="pages per rank (64 KiB each)")
+    sg.add_argument("--tp", type=parse_ints, default=(1, 4), help="TP sizes, e.g. 1,4")
+    sg.add_argument("--quick", action="store_true", help="a smoke run: 128 pages, TP 1")
+    _add_output(sg)
     _add_kv_burst_parser(bench)
     _add_gpu_parser(bench)
 

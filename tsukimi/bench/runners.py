@@ -33,6 +33,7 @@ def run(args: argparse.Namespace, console: Console) -> None:
         "serve": _bench_serve,
         "vllm": _bench_vllm,
         "vllm-pd": _bench_vllm_pd,
+        "sglang": _bench_sglang,
         "scheduler": _bench_scheduler,
         "cpp": _bench_cpp,
         "layerwise": _bench_layerwise,
@@ -245,6 +246,17 @@ def _bench_vllm_pd(args: argparse.Namespace, console: Console) -> tuple[BenchRep
     )
     cfg = dataclasses.replace(base, model=args.model or base.model, save_per_layer=args.save_per_layer)
     return vllm_pd.run_report(cfg, _say(console)), vllm_pd.VIEWS
+
+
+def _bench_sglang(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:
+    from tsukimi.bench import sglang
+
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    if args.quick:
+        cfg = dataclasses.replace(sglang.QUICK, systems=systems)
+    else:
+        cfg = sglang.SglangBenchConfig(pages=args.pages, tps=tuple(args.tp), systems=systems)
+    return sglang.run_report(cfg, _say(console)), sglang.VIEWS
 
 
 def _bench_layerwise(args: argparse.Namespace, console: Console) -> tuple[BenchReport, FigureViews]:

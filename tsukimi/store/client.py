@@ -12,11 +12,12 @@ object with no readable memory replica reads a disk copy from its holder (disk_s
 The API is a batch core with thin single-key helpers: `batch_put` / `put`, `batch_get` /
 `get` / `get_into`, `batch_exists` / `exists`, `size_of`, `remove`, `remove_all`; objects
 made of several buffers: `batch_put_parts` / `put_parts`, `batch_get_parts`; byte ranges:
-`get_ranges`; replica sets and tasks: `clear_replicas`, `remove_matching`, `describe`, `copy`,
-`move`, `task`, `wait_task`. A batch costs one master round trip and one Transfer Engine
-batch per phase, whatever its size (it is cut into `MAX_BATCH` operations per round trip). A
-get's result is a `GetResult`; a miss is never an error. `AsyncStoreClient`
-(async_client.py) wraps a client for asyncio.
+`get_ranges` (or `locate` once, then `get_ranges_located`); puts split in steps:
+`start_puts` / `write_ranges` / `end_puts` / `revoke_puts`; replica sets and tasks:
+`clear_replicas`, `remove_matching`, `describe`, `copy`, `move`, `task`, `wait_task`. A batch
+costs one master round trip and one Transfer Engine batch per phase, whatever its size (it is
+cut into `MAX_BATCH` operations per round trip). A get's result is a `GetResult`; a miss is
+never an error. `AsyncStoreClient` (async_client.py) wraps a client for asyncio.
 
 Values and destinations may be device memory (CUDA tensors, DeviceRanges): `DeviceIO` stages
 them through host staging this client allocates from its engine (device_io.py). On a host with
@@ -44,7 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -54,17 +55,18 @@ from tsukimi.clock import WallClock
 from tsukimi.config import Config
 from tsukimi.device import DeviceRange
 from tsukimi.device.batch_copy import HostBuffer, HostStaging
-from tsukimi.errors import InvalidArgument, ObjectNotFound, TsukimiError
+from tsukimi.errors import InvalidArgument, InvalidBufferError, ObjectNotFound, TsukimiError
+from tsukimi.store import disk_protocol as dp
 from tsukimi.store import protocol as p
-from tsukimi.store.device_io import DeviceIO, DevicePut, as_part, has_device, pin_for_gpus
+from tsukimi.store.device_io import DeviceIO, DevicePut, Part, as_part, has_device, pin_for_gpus
 from tsukimi.store.disk import DiskStore
 from tsukimi.store.disk_holder import DiskHolder
 from tsukimi.store.disk_server import DiskReader
 from tsukimi.store.master_batch import call_batch
 from tsukimi.store.master_link import MasterLink
 from tsukimi.store.parts import PartsIO, PartsPut
-from tsukimi.store.puts import PutPath
-from tsukimi.store.ranges import RangeRead, RangeReads
+from tsukimi.store.puts import OpenPut, PutPath, RangeWrite, Reservation
+from tsukimi.store.ranges import Lookup, RangeRead, RangeReads
 from tsukimi.store.replica_admin import ReplicaAdmin
 from tsukimi.store.replica_io import GetResult, PartsResult, PutItem, read_disk_copies, read_replicas
 from tsukimi.store.task_runner import TaskRunner
@@ -79,6 +81,17 @@ WILDCARD_HOSTS = ("0.0.0.0", "::")  # NOTE: no address a peer could connect to
 INCARNATION = uuid.uuid4().hex
 
 PinName = str  # "", "soft" or "hard"
+
+
+def _per_item(
+    items: Sequence[object], configs: Sequence[p.ReplicaConfig] | None, config: p.ReplicaConfig
+) -> list[p.ReplicaConfig]:
+    """Each item's config: its own from `configs`, else `config`. Raises InvalidArgument."""
+    if configs is None:
+        return [config] * len(items)
+    if len(configs) != len(items):
+        raise InvalidArgument(f"{len(configs)} configs for {len(items)} items: one per item")
+    return list(configs)
 
 
 def replica_config(replicas: int = 1, pin: PinName = "", preferred: Sequence[str] = ()) -> p.ReplicaConfig:
@@ -240,25 +253,73 @@ class StoreClient:
         *,
         upsert: bool = False,
         config: p.ReplicaConfig | None = None,
+        configs: Sequence[p.ReplicaConfig] | None = None,
     ) -> list[TsukimiError | None]:
         """Put several objects; each key's error, or None where it succeeded. A value may be
         device memory (a CUDA tensor, EmulatedMemory, a DeviceRange: staged, device_io.py).
-        Raises only for the whole call (InvalidArgument, RpcTimeout / MasterUnavailable;
-        DeviceError: a device copy failed)."""
-        config = config or replica_config(replicas, pin, preferred)
+        `configs`, when given, is each item's own config (e.g. its replica group), replacing
+        the others. Raises only for the whole call (InvalidArgument, also for `configs` of
+        another length than `items`; RpcTimeout / MasterUnavailable; DeviceError: a device
+        copy failed)."""
+        each = _per_item(items, configs, config or replica_config(replicas, pin, preferred))
         parts = [as_part(data) for _, data in items]
         if has_device(parts):
-            puts = [DevicePut(key, (part,), config, upsert) for (key, _), part in zip(items, parts, strict=True)]
+            puts = [DevicePut(key, (part,), c, upsert) for (key, _), part, c in zip(items, parts, each, strict=True)]
             return self.device.put(puts, self._puts.put)
         views = cast(list[memoryview], parts)
-        return self._puts.put([PutItem(key, (v,), config, upsert) for (key, _), v in zip(items, views, strict=True)])
+        host = [PutItem(key, (v,), c, upsert) for (key, _), v, c in zip(items, views, each, strict=True)]
+        return self._puts.put(host)
+
+    def start_puts(self, reservations: Sequence[Reservation]) -> list[OpenPut | TsukimiError]:
+        """Start puts without their bytes; each an OpenPut to `write_ranges` into and then
+        `end_puts` or `revoke_puts` within `master.put_timeout_s` (`PutPath.start`, puts.py),
+        or its error. Raises only for the whole call (RpcTimeout / MasterUnavailable)."""
+        return self._puts.start(reservations)
+
+    def write_ranges(self, writes: Sequence[RangeWrite]) -> list[TsukimiError | None]:
+        """WRITE byte ranges into every replica of open puts, in one Transfer Engine batch
+        (`PutPath.write`); each write's error, or None. Device sources are staged (DeviceIO:
+        one device->host copy per staged group). Raises DeviceError (a device copy failed)."""
+        parts = [_part_or_empty(w.source, writable=False) for w in writes]
+        if not has_device(parts):
+            return self._puts.write(writes)
+        staged = iter(range(len(writes)))
+
+        def write_host(items: list[PutItem]) -> list[TsukimiError | None]:
+            # NOTE: DeviceIO hands back its items in order, group by group, their device parts staged
+            ranges = []
+            for item in items:
+                w = writes[next(staged)]
+                ranges.append(RangeWrite(w.put, w.offset, item.parts[0] if len(item.parts[0]) else w.source))
+            return self._puts.write(ranges)
+
+        config = p.ReplicaConfig()  # NOTE: DeviceIO carries it along; the puts are started already
+        return self.device.put(
+            [DevicePut(w.put.key, (part,), config, False) for w, part in zip(writes, parts, strict=True)], write_host
+        )
+
+    def end_puts(self, puts: Sequence[OpenPut]) -> list[TsukimiError | None]:
+        """PutEnd for open puts (they become readable); each one's error, or None. Raises
+        only for the whole call."""
+        return self._puts.end(puts)
+
+    def revoke_puts(self, puts: Sequence[OpenPut]) -> list[TsukimiError | None]:
+        """PutRevoke for open puts; each one's error, or None. Raises only for the whole call."""
+        return self._puts.revoke(puts)
 
     def batch_put_parts(
-        self, items: Sequence[PartsPut], config: p.ReplicaConfig | None = None, *, upsert: bool = False
+        self,
+        items: Sequence[PartsPut],
+        config: p.ReplicaConfig | None = None,
+        *,
+        upsert: bool = False,
+        configs: Sequence[p.ReplicaConfig] | None = None,
     ) -> list[TsukimiError | None]:
         """Put each key as the concatenation of its buffers, zero-copy (`PartsIO.batch_put_parts`,
-        parts.py); `config` defaults to one replica, no pins. Each key's error, or None."""
-        return self._parts.batch_put_parts(items, config, upsert=upsert)
+        parts.py); `config` defaults to one replica, no pins; `configs`, when given, is each
+        item's own (as `batch_put`). Each key's error, or None."""
+        each = _per_item(items, configs, config or p.ReplicaConfig())
+        return self._parts.batch_put_parts(items, upsert=upsert, configs=each)
 
     # -- reads -------------------------------------------------------------------------
 
@@ -330,6 +391,36 @@ class StoreClient:
         `GetResult`, in order (`RangeReads.get_ranges`, ranges.py). Raises only for the whole
         call (RpcTimeout / MasterUnavailable)."""
         return self._ranges.get_ranges(reads)
+
+    def locate(self, keys: Sequence[str]) -> list[Lookup]:
+        """Each key's replicas under a read lease, for `get_ranges_located` (`RangeReads.locate`,
+        ranges.py): a `Located`, the key's error, or None on a miss. Raises only for the
+        whole call (RpcTimeout / MasterUnavailable)."""
+        return self._ranges.locate(keys)
+
+    def get_ranges_located(self, reads: Sequence[RangeRead], located: Mapping[str, Lookup]) -> list[GetResult]:
+        """`get_ranges` from replicas `locate` found (no master round trip); the caller checks
+        `Located.expired` first. Each read's `GetResult`, in order; a read into device memory
+        is staged (DeviceIO: one host->device copy per staged group) and its result holds
+        `device`. Raises DeviceError (a device copy failed)."""
+        parts = [_part_or_empty(r.dest, writable=True) for r in reads]
+        if not has_device(parts):
+            return self._ranges.get_ranges(reads, located)
+
+        def read_host(group: list[int], views: list[tuple[memoryview, ...]]) -> list[GetResult]:
+            ranges = [
+                RangeRead(reads[i].key, reads[i].offset, v[0] if len(v[0]) else reads[i].dest)
+                for i, v in zip(group, views, strict=True)
+            ]
+            return self._ranges.get_ranges(ranges, located)
+
+        results = self.device.get(
+            [(part,) for part in parts], read_host, lambda r: r.size if r.found and r.error is None else None
+        )
+        return [
+            GetResult(device=part) if isinstance(part, DeviceRange) and r.found else r
+            for part, r in zip(parts, results, strict=True)
+        ]
 
     # -- metadata ----------------------------------------------------------------------
 
@@ -407,6 +498,58 @@ class StoreClient:
         TaskNotFound, RpcTimeout (still in flight after `timeout_s`), InvalidArgument."""
         return self._replicas.wait_task(task_id, timeout_s)
 
+    # -- segments mounted after the start ----------------------------------------------
+
+    def mount(self, base: int, size: int) -> str:
+        """Contribute [base, base + size) of this client's engine memory (registered already)
+        as another segment; its segment id. Remounted after a master restart, unmounted at
+        close, like the segment of `client.segment_bytes`.
+
+        Raises:
+            InvalidArgument (too small, bad base), ObjectExists (mounted with other
+            parameters), RpcTimeout / MasterUnavailable.
+        """
+        mount = p.MountSegment(
+            self.client_id, f"{self.engine.name}/{base:x}", self.engine.name, base, size, INCARNATION
+        )
+        self._call(mount)
+        # NOTE: a new list, not append: the heartbeat thread iterates the old one unlocked
+        self._mounts = [*self._mounts, mount]
+        return mount.segment_id
+
+    def unmount(self, segment_id: str) -> None:
+        """Withdraw a segment `mount` added: the master drops the replicas in it at once (an
+        object left with none is gone). The memory stays the caller's to free.
+
+        Raises:
+            ObjectNotFound (not a segment `mount` added, or unmounted already),
+            RpcTimeout / MasterUnavailable.
+        """
+        first = f"{self.engine.name}/{self._segment_base:x}" if self._segment else ""
+        if segment_id == first or segment_id not in {m.segment_id for m in self._mounts}:
+            raise ObjectNotFound(f"this client mounted no segment {segment_id!r} after its start")
+        self._call(p.UnmountSegment(self.client_id, segment_id))
+        self._mounts = [m for m in self._mounts if m.segment_id != segment_id]
+
+    def unmount_disk(self, grace_s: float = 0.0) -> bool:
+        """Withdraw this holder's disk tier: the master forgets its copies at once (readers
+        get a clean miss), reads already in flight get `grace_s` seconds to finish, then the
+        disk stops serving and is released. False when this client serves no disk.
+
+        Raises:
+            InvalidArgument (negative grace), RpcTimeout / MasterUnavailable (the disk still serves).
+        """
+        if grace_s < 0:
+            raise InvalidArgument(f"grace_s must be >= 0, got {grace_s}")
+        disk = self.disk
+        if disk is None:
+            return False
+        self._link.call(dp.UnmountDisk(self.client_id, disk.store.disk_id))
+        self.disk = None
+        self._stop.wait(grace_s)
+        disk.close()  # NOTE: its own UnmountDisk then fails, logged at info only
+        return True
+
     # -- plumbing ----------------------------------------------------------------------
 
     def _call(self, request: msgspec.Struct) -> msgspec.Struct:
@@ -470,3 +613,12 @@ class StoreClient:
 
 def _nothing() -> None:
     return None
+
+
+def _part_or_empty(data: object, writable: bool) -> Part:
+    """`as_part(data)`, or an empty view for what is no buffer at all (the host path then
+    answers that range with its InvalidBufferError). Pure."""
+    try:
+        return as_part(data, writable)
+    except InvalidBufferError:
+        return memoryview(b"")

@@ -62,11 +62,17 @@ class PartsIO:
         self._checksum = checksum
 
     def batch_put_parts(
-        self, items: Sequence[PartsPut], config: p.ReplicaConfig | None = None, *, upsert: bool = False
+        self,
+        items: Sequence[PartsPut],
+        config: p.ReplicaConfig | None = None,
+        *,
+        upsert: bool = False,
+        configs: Sequence[p.ReplicaConfig] | None = None,
     ) -> list[TsukimiError | None]:
         """Put each key as the concatenation of its buffers (any buffers `byte_view` takes:
         bytes-like objects, CPU tensors, (address, length) tuples), zero-copy; `config`
-        defaults to one replica, no pins. Mutates the store.
+        defaults to one replica, no pins; `configs` (one per item, the same length), when
+        given, is each item's own. Mutates the store.
 
         Returns:
             Each key's error, or None where it was stored: InvalidBufferError (a part that is
@@ -74,13 +80,14 @@ class PartsIO:
         Raises:
             Only for the whole call: RpcTimeout / MasterUnavailable.
         """
-        config = config or p.ReplicaConfig()
+        each = list(configs) if configs is not None else [config or p.ReplicaConfig()] * len(items)
+        assert len(each) == len(items), "one config per item"
         errors: list[TsukimiError | None] = [None] * len(items)
         puts: list[DevicePut] = []
         slots: list[int] = []
         for i, (key, parts) in enumerate(items):
             try:
-                puts.append(DevicePut(key, _parts(key, parts, writable=False), config, upsert))
+                puts.append(DevicePut(key, _parts(key, parts, writable=False), each[i], upsert))
             except TsukimiError as exc:
                 errors[i] = exc
                 continue
@@ -89,7 +96,7 @@ class PartsIO:
             stored = self._device.put(puts, self._puts.put)
         else:
             stored = self._puts.put(
-                [PutItem(u.key, cast(tuple[memoryview, ...], u.parts), config, upsert) for u in puts]
+                [PutItem(u.key, cast(tuple[memoryview, ...], u.parts), u.config, upsert) for u in puts]
             )
         for i, error in zip(slots, stored, strict=True):
             errors[i] = error

@@ -41,7 +41,12 @@ class ReplicaConfig(msgspec.Struct, frozen=True):
 
     A soft pin lasts `soft_pin_ttl_s` (None: the master's `soft_pin_ttl_s`); then the object
     is evicted like any other. `keep_soft_pin`: the new version of an upsert takes the old
-    version's soft pin as it is (none for a new key); it excludes `soft_pin` and a TTL."""
+    version's soft pin as it is (none for a new key); it excludes `soft_pin` and a TTL.
+
+    `group` ("" none) makes the object a member of a replica group (master/groups.py): a read
+    of any member renews every member's lease, and eviction takes the members along. A key
+    joins its group when its first version completes and stays in it while it exists.
+    `session` names the writing session (Mooncake's `session_ids`), kept as metadata."""
 
     replicas: int = 1
     soft_pin: bool = False
@@ -49,6 +54,8 @@ class ReplicaConfig(msgspec.Struct, frozen=True):
     preferred_segments: tuple[str, ...] = ()
     soft_pin_ttl_s: float | None = None
     keep_soft_pin: bool = False
+    group: str = ""
+    session: str = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= MAX_REPLICAS:
@@ -57,6 +64,9 @@ class ReplicaConfig(msgspec.Struct, frozen=True):
             raise InvalidArgument(f"soft_pin_ttl_s {self.soft_pin_ttl_s} needs soft_pin and a value in [0, 1e9)")
         if self.keep_soft_pin and self.soft_pin:
             raise InvalidArgument("keep_soft_pin takes the old version's soft pin: it excludes soft_pin")
+        for name, value in (("group", self.group), ("session", self.session)):
+            if len(value.encode()) > MAX_KEY_BYTES:
+                raise InvalidArgument(f"{name} of {len(value.encode())} bytes is over the limit of {MAX_KEY_BYTES}")
 
 
 class ReplicaLocation(msgspec.Struct, frozen=True):
@@ -281,6 +291,8 @@ class ObjectInfo(msgspec.Struct, frozen=True, tag=True):
     hard_pin: bool
     lease_remaining_s: float
     disk_replicas: list[DiskLocation] = []
+    group: str = ""  # the replica group ("" none: ReplicaConfig.group)
+    session: str = ""  # the session that wrote this version ("" none: ReplicaConfig.session)
 
 
 class SegmentInfo(msgspec.Struct, frozen=True):

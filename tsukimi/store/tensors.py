@@ -55,13 +55,15 @@ class PutOptions:
     """How tensors are stored: replica count, pin ("", "soft", "hard"), preferred
     segments, and `upsert` (replace an object of the same key instead of failing with
     ObjectExists); `config`, when given, replaces the first three (soft pin TTLs and the
-    rest of `ReplicaConfig`)."""
+    rest of `ReplicaConfig`); `per_key`, when given, is one config per key of the call (each
+    key's replica group, writer session), for every object that key is stored as."""
 
     replicas: int = 1
     pin: PinName = ""
     preferred: tuple[str, ...] = ()
     upsert: bool = False
     config: p.ReplicaConfig | None = None
+    per_key: tuple[p.ReplicaConfig, ...] = ()
 
 
 DEFAULT_PUT = PutOptions()
@@ -98,21 +100,49 @@ class DeviceObject:
 Prepared = tuple[str, object] | TsukimiError  # an object (a buffer or a DeviceObject) ready to put, or why not
 
 
-def put_prepared(client: StoreClient, items: Sequence[Prepared], options: PutOptions) -> list[PutError]:
-    """Put the prepared objects in one batch; items that are already an error keep it."""
+def put_prepared(
+    client: StoreClient, items: Sequence[Prepared], options: PutOptions, owners: Sequence[int] | None = None
+) -> list[PutError]:
+    """Put the prepared objects in one batch; items that are already an error keep it.
+    `owners` names each item's key of the call (its `options.per_key` entry); by default
+    item i is key i.
+
+    Raises:
+        InvalidArgument: `options.per_key` does not cover every owner.
+    """
     ready = [item for item in items if not isinstance(item, TsukimiError)]
     if not ready:
         return [item for item in items if isinstance(item, TsukimiError)]
+    configs = _configs_of(items, options, range(len(items)) if owners is None else owners)
     if any(isinstance(value, DeviceObject) for _, value in ready):
         config = options.config or replica_config(options.replicas, options.pin, options.preferred)
-        stored = iter(client.batch_put_parts([(k, _parts_of(v)) for k, v in ready], config, upsert=options.upsert))
+        stored = iter(
+            client.batch_put_parts(
+                [(k, _parts_of(v)) for k, v in ready], config, upsert=options.upsert, configs=configs
+            )
+        )
     else:
         stored = iter(
             client.batch_put(
-                ready, options.replicas, options.pin, options.preferred, upsert=options.upsert, config=options.config
+                ready,
+                options.replicas,
+                options.pin,
+                options.preferred,
+                upsert=options.upsert,
+                config=options.config,
+                configs=configs,
             )
         )
     return [item if isinstance(item, TsukimiError) else next(stored) for item in items]
+
+
+def _configs_of(items: Sequence[Prepared], options: PutOptions, owners: Sequence[int]) -> list[p.ReplicaConfig] | None:
+    """Each ready item's own config from `options.per_key`, or None when there is none."""
+    if not options.per_key:
+        return None
+    if len(owners) != len(items) or any(not 0 <= i < len(options.per_key) for i in owners):
+        raise InvalidArgument(f"{len(options.per_key)} per-key configs do not cover the put's {len(items)} objects")
+    return [options.per_key[i] for item, i in zip(items, owners, strict=True) if not isinstance(item, TsukimiError)]
 
 
 def _parts_of(value: object) -> tuple[object, ...]:
@@ -305,7 +335,7 @@ def batch_put_tensors_with_tp(
         items += shards
         owners += [i] * len(shards)
     errors: list[PutError] = [None] * len(keys)
-    for owner, error in zip(owners, put_prepared(client, items, options), strict=True):
+    for owner, error in zip(owners, put_prepared(client, items, options, owners), strict=True):
         errors[owner] = errors[owner] or error
     return errors
 

@@ -22,9 +22,11 @@ from tsukimi.errors import (
 OK = 0
 NO_SPACE = -200
 INVALID_PARAMS = -600
+INVALID_REPLICA = -702  # the wheel's answer to a put session ranges call with no fragment for a key
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
+LEASE_EXPIRED = -707  # a get session read after its read lease ran out
 OBJECT_HAS_REPLICATION_TASK = -708
 TRANSFER_FAIL = -800
 RPC_FAIL = -900

@@ -17,6 +17,8 @@ TransferEngine, which does the work:
 | batch_transfer_async[...], transfer_submit_write,     | submit, through compat.BatchTable    |
 | get_batch_transfer_status, transfer_check_status      | (engine_batches.py)                  |
 | send_probe                                            | probe                                |
+| get_local_topology                                    | (the NUMA nodes; no RDMA NICs)       |
+| InnerTransferEngine (what get_engine() returns)       | tsukimi.transfer.TransferEngine      |
 
 The class is Mooncake's API surface: `initialize` starts tsukimi's engine and hands it to the
 parts, which own their state (`LocalMemory`: the managed buffers; `BatchTransfers`: the batch
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 from tsukimi.compat.mooncake.engine_batches import BatchTransfers
 from tsukimi.compat.mooncake.engine_codes import ERR_INVALID_ARGUMENT, FAILED, OK, failed
@@ -51,6 +54,7 @@ __all__ = [
     "SUPPORT_INTRA_NVLINK",
     "SUPPORT_MNNVL",
     "SUPPORT_MUSA",
+    "InnerTransferEngine",
     "Read",
     "TransferEngine",
     "TransferNotify",
@@ -60,6 +64,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+InnerTransferEngine = _Engine  # NOTE: the wheel's name for the C++ engine get_engine() returns
 Read = TransferOpcode.Read
 Write = TransferOpcode.Write
 # NOTE: what Mooncake's wheel was built with; tsukimi moves host memory only
@@ -70,6 +75,8 @@ class TransferEngine:
     """`mooncake.engine.TransferEngine` on tsukimi (see the module). Once initialized, its
     calls may come from several threads; `close()` (not in Mooncake) frees it before the
     process ends."""
+
+    TransferOpcode = TransferOpcode  # NOTE: the wheel binds the enum inside the class too
 
     def __init__(self) -> None:
         self._attach(None)
@@ -115,6 +122,16 @@ class TransferEngine:
     def get_local_hostname(self) -> str:
         """This engine's segment name (not in Mooncake's API)."""
         return started(self._engine).name
+
+    def get_local_topology(self, device_name: str | None = None) -> str:
+        """The wheel's topology JSON: per NUMA node `"cpu:N"`, its preferred and other RDMA
+        NICs (narrowed to `device_name`'s when given). tsukimi drives none, so both lists are
+        empty, as the wheel answers on a host without RDMA NICs; works before initialize."""
+        if device_name is not None and not isinstance(device_name, str):
+            raise TypeError(f"device_name must be a str or None, got {device_name!r}")
+        nodes = sorted(int(p.name[4:]) for p in Path("/sys/devices/system/node").glob("node[0-9]*")) or [0]
+        entries = ",\n".join(f'\t"cpu:{n}" : \n\t[\n\t\t[],\n\t\t[]\n\t]' for n in nodes)
+        return "{\n" + entries + "\n}\n"  # NOTE: JsonCpp's styled layout, as the wheel prints it
 
     def get_engine(self) -> _Engine:
         """The tsukimi TransferEngine underneath (Mooncake returns its C++ engine). Raises

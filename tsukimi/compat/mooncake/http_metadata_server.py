@@ -70,8 +70,12 @@ class KVBootstrapServer:
         return KVPoll.Success
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Serve until SIGINT or SIGTERM; 0, or 1 when the server cannot start."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (`argv`, default sys.argv[1:]): port, host, log_level.
+
+    Raises:
+        SystemExit: bad arguments, or --help (argparse's usage message).
+    """
     parser = argparse.ArgumentParser(
         prog="python -m mooncake.http_metadata_server",
         description="Mooncake's HTTP metadata server, on tsukimi",
@@ -82,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], default="INFO", help="logging level"
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve until SIGINT or SIGTERM; 0, or 1 when the server cannot start."""
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s - %(name)s - %(levelname)s - %(message)s")
     server = KVBootstrapServer(args.port, args.host)
     if server.run() is None:

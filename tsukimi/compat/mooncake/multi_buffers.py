@@ -47,7 +47,8 @@ class MultiBufferCalls:
         config: ReplicateConfig | None,
     ) -> list[int]:
         """Put each key from its buffers (zero-copy): 0 or a negative code per key (an
-        existing key answers 0 and keeps its value, as Mooncake's puts do)."""
+        existing key answers 0 and keeps its value, as Mooncake's puts do; per-key ids in
+        `config` of another length than `keys`: -600 for every key, nothing stored)."""
         if config is not None and not isinstance(config, ReplicateConfig):
             raise TypeError(f"config must be a ReplicateConfig, got {type(config).__name__}")
         plan = _plan(keys, all_buffer_ptrs, all_sizes, "put")
@@ -56,8 +57,9 @@ class MultiBufferCalls:
             return [RPC_FAIL] * len(keys)
         codes, slots, parts = _split(plan)
         try:
-            replica = (config or ReplicateConfig()).to_tsukimi(self._connection.hostname)
-            errors = client.batch_put_parts([(keys[i], p) for i, p in zip(slots, parts, strict=True)], replica)
+            replicas = (config or ReplicateConfig()).per_key(len(keys), self._connection.hostname)
+            items = [(keys[i], p) for i, p in zip(slots, parts, strict=True)]
+            errors = client.batch_put_parts(items, configs=[replicas[i] for i in slots])
         except TsukimiError as exc:
             logger.error("batch_put_from_multi_buffers failed: %s", exc)
             return [code_of(exc)] * len(keys)

@@ -18,6 +18,7 @@ from tsukimi.compat.mooncake.connection import StoreConnection
 from tsukimi.compat.mooncake.replicate import ReplicateConfig
 from tsukimi.device import DeviceRange
 from tsukimi.errors import ObjectExists, TsukimiError
+from tsukimi.store import protocol as p
 from tsukimi.store.device_io import as_part
 
 logger = logging.getLogger(__name__)
@@ -38,20 +39,36 @@ class ObjectCalls:
     ) -> list[int]:
         """Each item's code: 0 (also for an existing key on a put: the old value stays, as
         Mooncake) or negative. `copy`: the values are Python's bytes, held to the local buffer.
+        `config`'s per-key ids (group_ids, session_ids) have one entry per item, else every
+        item fails with -600.
 
         Raises:
             TypeError: `config` is not a ReplicateConfig (as Mooncake's bindings).
         """
+        return self._put(items, self._configs(config, len(items)), upsert, copy)
+
+    def _configs(self, config: ReplicateConfig | None, num_keys: int) -> list[p.ReplicaConfig] | int:
+        """tsukimi's config per key, or the code every key fails with (logged)."""
         if config is not None and not isinstance(config, ReplicateConfig):
             raise TypeError(f"config must be a ReplicateConfig, got {type(config).__name__}")
+        try:
+            return (config or ReplicateConfig()).per_key(num_keys, self._connection.hostname)
+        except TsukimiError as exc:
+            logger.error("put failed: %s", exc)
+            return code_of(exc)
+
+    def _put(
+        self, items: Sequence[tuple[str, object]], configs: list[p.ReplicaConfig] | int, upsert: bool, copy: bool
+    ) -> list[int]:
         client = self._connection.ready()
         if client is None:
             return [RPC_FAIL] * len(items)
+        if isinstance(configs, int):
+            return [configs] * len(items)
         codes = [OK] * len(items)
         views: list[tuple[str, object]] = []
         slots: list[int] = []
         try:
-            replica = (config or ReplicateConfig()).to_tsukimi(self._connection.hostname)
             for i, (key, value) in enumerate(items):
                 try:
                     view = as_part(value)
@@ -63,7 +80,7 @@ class ObjectCalls:
                     continue
                 views.append((key, view))
                 slots.append(i)
-            errors = client.batch_put(views, upsert=upsert, config=replica)
+            errors = client.batch_put(views, upsert=upsert, configs=[configs[i] for i in slots])
         except TsukimiError as exc:
             logger.error("put failed: %s", exc)
             return [code_of(exc)] * len(items)
@@ -88,16 +105,21 @@ class ObjectCalls:
         if not len(keys) == len(ptrs) == len(sizes):
             logger.error("%d keys, %d buffers, %d sizes", len(keys), len(ptrs), len(sizes))
             return [INVALID_PARAMS] * len(keys)
+        configs = self._configs(config, len(keys))
+        if isinstance(configs, int):
+            return [configs] * len(keys)
         items: list[tuple[str, object]] = []
+        item_configs: list[p.ReplicaConfig] = []
         codes: list[int | None] = []
-        for key, ptr, n in zip(keys, ptrs, sizes, strict=True):
+        for key, ptr, n, replica in zip(keys, ptrs, sizes, configs, strict=True):
             try:
                 items.append((key, memory_at(ptr, n)))
+                item_configs.append(replica)
                 codes.append(None)
             except TsukimiError as exc:
                 logger.error("put %r: %s", key, exc)
                 codes.append(code_of(exc))
-        stored = iter(self.put(items, config, upsert, False))
+        stored = iter(self._put(items, item_configs, upsert, False))
         return [next(stored) if code is None else code for code in codes]
 
     # -- gets --------------------------------------------------------------------------

@@ -10,15 +10,22 @@ Mooncake's attribute names and type checks, turned into tsukimi's `ReplicaConfig
 | with_hard_pin                    | hard_pin                                                 |
 | preferred_segment(s)             | preferred_segments (TE segment names, `get_hostname()`)  |
 | prefer_alloc_in_same_node        | this client's own segment first                          |
+| group_ids (one per key)          | group, per key ("" none): master/groups.py               |
+| session_ids (one per key)        | session, per key: the writer's session, kept as metadata |
 
-Mooncake refuses a TTL without ENABLE (INVALID_PARAMS), and so does tsukimi. NoF and DFS
-replicas, replica groups and data types do not exist here: a put that asks for them fails
-with INVALID_PARAMS rather than silently storing something else.
+Mooncake refuses a TTL without ENABLE (INVALID_PARAMS), and so does tsukimi; so is a
+`group_ids` or `session_ids` list whose length is not the number of keys put (every key of
+the call fails, nothing is stored). NoF and DFS replicas do not exist here: a put that asks
+for them fails with INVALID_PARAMS rather than silently storing something else. `data_type`
+(an `ObjectDataType`, type-checked as the wheel does) labels the object for the master's
+per-type statistics in Mooncake; tsukimi's master keeps none, so the label changes nothing.
 """
 
 from __future__ import annotations
 
 import enum
+
+import msgspec
 
 from tsukimi.errors import InvalidArgument
 from tsukimi.store import protocol as p
@@ -34,20 +41,36 @@ class SoftPinAction(enum.IntEnum):
     DISABLE = 2
 
 
+class ObjectDataType(enum.IntEnum):
+    """`mooncake.store.ObjectDataType`: what an object holds (Mooncake's values)."""
+
+    UNKNOWN = 0
+    KVCACHE = 1
+    TENSOR = 2
+    WEIGHT = 3
+    SAMPLE = 4
+    ACTIVATION = 5
+    GRADIENT = 6
+    OPTIMIZER_STATE = 7
+    METADATA = 8
+    GENERAL = 9
+
+
 class ReplicateConfig:
     """Mooncake's put options; attributes are type-checked on assignment (TypeError), as
     Mooncake's bindings do, and unknown attributes are refused (AttributeError)."""
 
     __slots__ = (
+        "_data_type",
+        "_group_ids",
         "_preferred_segment",
         "_preferred_segments",
         "_replica_num",
+        "_session_ids",
         "_soft_pin_action",
         "_soft_pin_ttl_ms",
         "_with_hard_pin",
-        "data_type",
         "dfs_replica_num",
-        "group_ids",
         "nof_replica_num",
         "prefer_alloc_in_same_node",
         "preferred_nof_segments",
@@ -64,8 +87,9 @@ class ReplicateConfig:
         self.dfs_replica_num = 0
         self.prefer_alloc_in_same_node = False
         self.preferred_nof_segments: list[str] = []
-        self.group_ids: object = None
-        self.data_type: object = None
+        self._group_ids: list[str] | None = None
+        self._session_ids: list[str] = []
+        self._data_type = ObjectDataType.UNKNOWN
 
     @property
     def replica_num(self) -> int:
@@ -132,6 +156,34 @@ class ReplicateConfig:
             raise TypeError(f"preferred_segments must be a list of str, got {value!r}")
         self._preferred_segments = list(value)
 
+    @property
+    def group_ids(self) -> list[str] | None:
+        """The replica group of each key put ("" none); None (the default) or [] groups none."""
+        return None if self._group_ids is None else list(self._group_ids)
+
+    @group_ids.setter
+    def group_ids(self, value: list[str] | None) -> None:
+        self._group_ids = None if value is None else _strings("group_ids", value)
+
+    @property
+    def session_ids(self) -> list[str]:
+        """The writing session of each key put (newer Mooncake builds); [] names none."""
+        return list(self._session_ids)
+
+    @session_ids.setter
+    def session_ids(self, value: list[str] | None) -> None:
+        self._session_ids = [] if value is None else _strings("session_ids", value)
+
+    @property
+    def data_type(self) -> ObjectDataType:
+        return self._data_type
+
+    @data_type.setter
+    def data_type(self, value: ObjectDataType) -> None:
+        if not isinstance(value, ObjectDataType):
+            raise TypeError(f"data_type must be a mooncake.store.ObjectDataType, got {value!r}")
+        self._data_type = value
+
     def __str__(self) -> str:
         ttl = "default" if self._soft_pin_ttl_ms is None else str(self._soft_pin_ttl_ms)
         return (
@@ -142,11 +194,43 @@ class ReplicateConfig:
             f"prefer_alloc_in_same_node: {int(self.prefer_alloc_in_same_node)} }}"
         )
 
-    def to_tsukimi(self, own_segment: str = "") -> p.ReplicaConfig:
-        """tsukimi's config; `own_segment` (this client's TE segment) serves
-        prefer_alloc_in_same_node. Raises InvalidArgument (what tsukimi cannot store)."""
-        if self.nof_replica_num or self.dfs_replica_num or self.preferred_nof_segments or self.group_ids:
-            raise InvalidArgument("NoF / DFS replicas and replica groups are not supported by tsukimi")
+    def per_key(self, num_keys: int, own_segment: str = "") -> list[p.ReplicaConfig]:
+        """tsukimi's config for each of `num_keys` keys put in one call: `group_ids` and
+        `session_ids` give one entry per key. Pure.
+
+        Raises:
+            InvalidArgument: a list of per-key ids whose length is not `num_keys`, or what
+                `to_tsukimi` refuses.
+        """
+        groups, sessions = self._ids(num_keys)
+        base = self.to_tsukimi(own_segment, per_key=False)
+        if not groups and not sessions:
+            return [base] * num_keys
+        return [
+            msgspec.structs.replace(base, group=groups[i] if groups else "", session=sessions[i] if sessions else "")
+            for i in range(num_keys)
+        ]
+
+    def _ids(self, num_keys: int) -> tuple[list[str], list[str]]:
+        groups, sessions = self._group_ids or [], self._session_ids
+        for name, ids in (("group_ids", groups), ("session_ids", sessions)):
+            if ids and len(ids) != num_keys:
+                raise InvalidArgument(f"{name} has {len(ids)} entries for {num_keys} keys: it needs one per key")
+        return groups, sessions
+
+    def to_tsukimi(self, own_segment: str = "", *, per_key: bool = True) -> p.ReplicaConfig:
+        """tsukimi's config, for every object of the put; `own_segment` (this client's TE
+        segment) serves prefer_alloc_in_same_node. A single `group_ids` / `session_ids` entry
+        applies to every object (`per_key` False: they are left to `per_key`). Pure.
+
+        Raises:
+            InvalidArgument: what tsukimi cannot store, or several per-key ids (use `per_key`).
+        """
+        if self.nof_replica_num or self.dfs_replica_num or self.preferred_nof_segments:
+            raise InvalidArgument("NoF / DFS replicas are not supported by tsukimi")
+        groups, sessions = (self._group_ids or [], self._session_ids) if per_key else ([], [])
+        if len(groups) > 1 or len(sessions) > 1:
+            raise InvalidArgument("this put takes at most one group_ids / session_ids entry, for all its objects")
         preferred = [self._preferred_segment] if self._preferred_segment else []
         preferred += [s for s in self._preferred_segments if s not in preferred]
         if self.prefer_alloc_in_same_node and own_segment:
@@ -159,7 +243,16 @@ class ReplicateConfig:
             preferred_segments=tuple(dict.fromkeys(preferred)),
             soft_pin_ttl_s=None if ttl_ms is None else ttl_ms / 1000,
             keep_soft_pin=self._soft_pin_action is SoftPinAction.PRESERVE,
+            group=groups[0] if groups else "",
+            session=sessions[0] if sessions else "",
         )
+
+
+def _strings(name: str, value: list[str]) -> list[str]:
+    """Mooncake's `Optional[list[str]]` attributes (a tuple is taken too): TypeError for anything else."""
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{name} must be a list of str, got {value!r}")
+    return list(value)
 
 
 def _uint(name: str, value: int) -> int:

@@ -5,6 +5,11 @@ dictionary form, whose sizes may be written "16MB", "1.5 GB", "512 KB" or plain 
     setup("localhost", "http://h:8080/metadata", 3200 << 20, 512 << 20, "tcp", "", "h:50051")
     setup({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
            "global_segment_size": "16MB", "master_server_addr": "h:50051"})
+    setup(config={...})
+
+`bind` picks the form as the wheel's pybind11 overloads do: a dictionary, alone, positionally
+or as `config=`, is the dictionary form; anything else binds the arguments by name, and a
+call that binds neither is a TypeError.
 
 `local_hostname` names this client's Transfer Engine segment, as in Mooncake: "host:port"
 binds its segment server there; a bare "host" picks a free port in 12300..14300. Every
@@ -14,6 +19,7 @@ problem is a ConfigError naming the argument (the store answers INVALID_PARAMS).
 from __future__ import annotations
 
 import errno
+import inspect
 import random
 import re
 from collections.abc import Mapping
@@ -123,6 +129,75 @@ def parse_size(name: str, value: object) -> int:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class SetupCall:
+    """One `setup(...)` call bound to a form: the dictionary (`config`), or the arguments by
+    name (`arguments`: from_args's), with the engine to share (None: own one)."""
+
+    config: Mapping[str, object] | None
+    arguments: Mapping[str, object]
+    engine: object = None
+
+    def parse(self) -> StoreSetup:
+        """The checked setup. Raises ConfigError."""
+        if self.config is not None:
+            return from_dict(self.config)
+        return from_args(**self.arguments)  # type: ignore[arg-type]
+
+    @property
+    def client_http_server(self) -> bool:
+        """Whether the call asks for Mooncake's client HTTP server."""
+        return bool((self.config or self.arguments).get("enable_client_http_server", False))
+
+
+def bind(args: tuple[object, ...], kwargs: Mapping[str, object]) -> SetupCall:
+    """Bind `setup(*args, **kwargs)` to one of Mooncake's two forms (see the module).
+
+    Args:
+        args: the positional arguments, self aside.
+        kwargs: the keyword arguments.
+
+    Returns:
+        The bound call (its values still unchecked: SetupCall.parse checks them).
+
+    Raises:
+        TypeError: neither form binds the call, or a dictionary comes with other arguments.
+    """
+    try:
+        config = _CONFIG_FORM.bind(*args, **kwargs).arguments["config"]
+    except TypeError:
+        config = None
+    if isinstance(config, Mapping):
+        return SetupCall(config, {})
+    try:
+        bound = _ARGS_FORM.bind(*args, **kwargs)
+    except TypeError as exc:
+        forms = "setup(local_hostname, metadata_server, global_segment_size, ...) and setup(config)"
+        raise TypeError(f"setup(): {exc}; the forms are {forms}") from None
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    if isinstance(arguments["local_hostname"], Mapping):
+        raise TypeError("setup(config) takes the dictionary alone")
+    engine = arguments.pop("engine", None)
+    return SetupCall(None, arguments, engine)
+
+
+def _args_form() -> inspect.Signature:
+    """Mooncake's first form: from_args's parameters with `engine` after master_server_addr,
+    as in the wheel (a missing metadata_server binds, and is from_args's ConfigError)."""
+    params = [
+        p.replace(default=None) if p.name == "metadata_server" else p
+        for p in inspect.signature(from_args).parameters.values()
+    ]
+    at = [p.name for p in params].index("master_server_addr") + 1
+    params.insert(at, inspect.Parameter("engine", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None))
+    return inspect.Signature(params)
+
+
+def _config_form(config: Mapping[str, object]) -> None:
+    """Mooncake's second form (its signature only)."""
+
+
 def from_dict(config: Mapping[str, object]) -> StoreSetup:
     """The dictionary form. Raises ConfigError (an unknown key among them, naming the known ones)."""
     unknown = sorted(set(config) - set(DICT_KEYS))
@@ -220,3 +295,7 @@ def _host_port(name: str, text: str, port_optional: bool) -> tuple[str, int]:
     if not host or not port.isdigit() or not 0 <= int(port) < 65536 or (int(port) == 0 and not port_optional):
         raise ConfigError(f"{name} must be host:port{' or host' if port_optional else ''}, got {text!r}")
     return host.strip("[]"), int(port)
+
+
+_ARGS_FORM = _args_form()
+_CONFIG_FORM = inspect.signature(_config_form)

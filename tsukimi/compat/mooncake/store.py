@@ -18,9 +18,18 @@ store makes it (the connection, the registered buffers) and keeps its own state:
 | replicas.py `ReplicaAdmin`           | replica descriptors, replica clear, remove_by_regex, tasks    |
 | ranges.py `RangeReads`               | get_into_ranges (inside the registered buffers)               |
 | multi_buffers.py `MultiBufferCalls`  | batch_put_from_multi_buffers, batch_get_into_multi_buffers    |
+| sessions.py `GetSessions`            | get sessions and batch_get_into_multi_buffer_ranges           |
+| sessions.py `PutSessions`            | put sessions and batch_put_from_multi_buffer_ranges           |
 | dummy.py `MemPool`                   | setup_dummy's pool: alloc_from_mem_pool                       |
 | tensors.py `Tensors`                 | the tensor family, with_tp included                           |
 | tensor_parallel.py `ParallelTensors` | the with_parallelism family                                   |
+| safetensor_files.py                  | save_tensor_to_safetensor / load_tensor_from_safetensor       |
+| segments.py `MountedSegments`        | segments mounted after setup, their memory; the disk's unmount|
+
+Also named here, as in the wheel: `BufferPool` and its leases (buffer_pool.py, over this
+store's register_buffer), `ObjectDataType` (replicate.py), `bind_to_numa_node` (numa.py), and
+every enum value at module level (pybind11's export_values). What of the wheel's surface is
+missing, and why: gaps.py.
 
 Parts never reach into one another; the facade makes them in `__init__` (and a new
 `ObjectCalls` per setup, with that setup's local buffer size) and owns nothing else but
@@ -32,11 +41,11 @@ A store whose object is garbage-collected is closed (its segment unmounted).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 
 import torch
 
-from tsukimi.compat.mooncake import dummy, setup_args
+from tsukimi.compat.mooncake import dummy, safetensor_files, setup_args
+from tsukimi.compat.mooncake.buffer_pool import BufferLease, BufferLeaseView, BufferPool, RegisteredBufferPool
 from tsukimi.compat.mooncake.buffers import BufferHandle, LocalBuffer, RegisteredBuffers
 from tsukimi.compat.mooncake.codes import INVALID_PARAMS, OK, code_of
 from tsukimi.compat.mooncake.connection import StoreConnection
@@ -44,6 +53,7 @@ from tsukimi.compat.mooncake.dummy import MemPool
 from tsukimi.compat.mooncake.engine import TransferEngine as EngineFacade
 from tsukimi.compat.mooncake.host_alloc import MooncakeHostMemAllocator
 from tsukimi.compat.mooncake.multi_buffers import MultiBufferCalls
+from tsukimi.compat.mooncake.numa import bind_to_numa_node
 from tsukimi.compat.mooncake.objects import ObjectCalls, joined
 from tsukimi.compat.mooncake.ranges import RangeReads, Ranges
 from tsukimi.compat.mooncake.replicas import (
@@ -58,7 +68,9 @@ from tsukimi.compat.mooncake.replicas import (
     TaskStatus,
     TaskType,
 )
-from tsukimi.compat.mooncake.replicate import ReplicateConfig, SoftPinAction
+from tsukimi.compat.mooncake.replicate import ObjectDataType, ReplicateConfig, SoftPinAction
+from tsukimi.compat.mooncake.segments import MountedSegments, MountResult
+from tsukimi.compat.mooncake.sessions import GetSessions, PutSessions
 from tsukimi.compat.mooncake.tensor_calls import ReplicaSettings
 from tsukimi.compat.mooncake.tensor_parallel import ParallelTensors
 from tsukimi.compat.mooncake.tensor_types import ParallelAxis, ReadTarget, TensorParallelism  # noqa: F401 (re-exported)
@@ -71,20 +83,44 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "BufferHandle",
+    "BufferLease",
+    "BufferLeaseView",
+    "BufferPool",
     "Descriptor",
     "DiskDescriptor",
     "MemoryDescriptor",
     "MooncakeDistributedStore",
     "MooncakeHostMemAllocator",
+    "ObjectDataType",
     "QueryTaskResponse",
+    "RegisteredBufferLease",
+    "RegisteredBufferLeaseView",
+    "RegisteredBufferPool",
     "ReplicaDescriptor",
     "ReplicaStatus",
     "ReplicateConfig",
     "SoftPinAction",
     "TaskStatus",
     "TaskType",
+    "bind_to_numa_node",
 ]
 _SIZE = setup_args.DEFAULT_SIZE
+
+RegisteredBufferLease = BufferLease
+RegisteredBufferLeaseView = BufferLeaseView
+# NOTE: pybind11's export_values(): the wheel's store module also names every enum value; where
+# two enums share a name (FAILED, PROCESSING) the task status, bound last, wins there as here.
+UNDEFINED, INITIALIZED, COMPLETE, REMOVED = (
+    ReplicaStatus[n] for n in ("UNDEFINED", "INITIALIZED", "COMPLETE", "REMOVED")
+)
+REPLICA_COPY, REPLICA_MOVE = TaskType.REPLICA_COPY, TaskType.REPLICA_MOVE
+PENDING, PROCESSING, FAILED, SUCCESS = (TaskStatus[n] for n in ("PENDING", "PROCESSING", "FAILED", "SUCCESS"))
+UNKNOWN, KVCACHE, TENSOR, WEIGHT, SAMPLE = (
+    ObjectDataType[n] for n in ("UNKNOWN", "KVCACHE", "TENSOR", "WEIGHT", "SAMPLE")
+)
+ACTIVATION, GRADIENT, OPTIMIZER_STATE, METADATA, GENERAL = (
+    ObjectDataType[n] for n in ("ACTIVATION", "GRADIENT", "OPTIMIZER_STATE", "METADATA", "GENERAL")
+)
 Config = ReplicaSettings | None  # a tensor call's ReplicateConfig
 
 
@@ -101,51 +137,29 @@ class MooncakeDistributedStore:
         self._multi_buffers = MultiBufferCalls(self._connection)
         self._tensors = Tensors(self._connection)
         self._parallel = ParallelTensors(self._connection)
+        self._get_sessions = GetSessions(self._connection)
+        self._put_sessions = PutSessions(self._connection)
+        self._segments = MountedSegments(self._connection)
 
-    def setup(
-        self,
-        local_hostname: str | Mapping[str, object],
-        metadata_server: str | None = None,
-        global_segment_size: int | str = _SIZE,
-        local_buffer_size: int | str = _SIZE,
-        protocol: str = "tcp",
-        rdma_devices: str = "",
-        master_server_addr: str = "127.0.0.1:50051",
-        engine: object = None,
-        enable_ssd_offload: bool = False,
-        ssd_offload_path: str = "",
-        tenant_id: str = "default",
-        enable_client_http_server: bool = False,
-        client_http_port: int = 9300,
-    ) -> int:
-        """Connect to the master and mount `global_segment_size` bytes; or `setup(config)`
-        with Mooncake's dictionary (sizes may be "16MB"). `local_hostname` "host:port" names
-        this client's segment (`get_hostname()`); a bare host gets a port in 12300..14300.
-        `engine`: a `mooncake.engine.TransferEngine` to share, or what its `get_engine()` returned
-        (SGLang passes that). 0, or a negative code."""
+    def setup(self, *args: object, **kwargs: object) -> int:
+        """Connect to the master and mount `global_segment_size` bytes. Mooncake's two forms:
+
+            setup(local_hostname, metadata_server, global_segment_size, local_buffer_size,
+                  protocol, rdma_devices, master_server_addr, engine=None,
+                  enable_ssd_offload=False, ssd_offload_path="", tenant_id="default",
+                  enable_client_http_server=False, client_http_port=9300)
+            setup(config)    # or setup(config=...): Mooncake's dictionary (sizes may be "16MB")
+
+        `local_hostname` "host:port" names this client's segment (`get_hostname()`); a bare
+        host gets a port in 12300..14300. `engine`: a `mooncake.engine.TransferEngine` to
+        share, or what its `get_engine()` returned (SGLang passes that). 0, or a negative code.
+        Raises TypeError, as the wheel does, for a call neither form binds (setup_args.bind)."""
+        call = setup_args.bind(args, kwargs)
         try:
-            if isinstance(local_hostname, Mapping):
-                if metadata_server is not None:
-                    raise TypeError("setup(config) takes the dictionary alone")
-                parsed = setup_args.from_dict(local_hostname)
-            else:
-                parsed = setup_args.from_args(
-                    local_hostname,
-                    metadata_server,  # type: ignore[arg-type]
-                    global_segment_size,
-                    local_buffer_size,
-                    protocol,
-                    rdma_devices,
-                    master_server_addr,
-                    enable_ssd_offload,
-                    ssd_offload_path,
-                    tenant_id,
-                    enable_client_http_server,
-                    client_http_port,
-                )
-            if enable_client_http_server:
+            parsed = call.parse()
+            if call.client_http_server:
                 logger.warning("setup: the client HTTP server is not served by tsukimi (the master's /metrics is)")
-            self._start(parsed, _shared_engine(engine))
+            self._start(parsed, _shared_engine(call.engine))
         except (TsukimiError, OSError) as exc:
             logger.error("setup failed: %s", exc)
             return code_of(exc) if isinstance(exc, TsukimiError) else INVALID_PARAMS
@@ -233,6 +247,22 @@ class MooncakeDistributedStore:
         key (multi_buffers.py)."""
         return self._multi_buffers.put(keys, all_buffer_ptrs, all_sizes, config)
 
+    def put_from_with_metadata(
+        self,
+        key: str,
+        buffer_ptr: int,
+        metadata_buffer_ptr: int,
+        size: int,
+        metadata_size: int,
+        config: ReplicateConfig | None = None,
+    ) -> int:
+        """One object: the `metadata_size` bytes at `metadata_buffer_ptr`, then the `size`
+        bytes at `buffer_ptr` (zero-copy; an empty or null part is left out, as the wheel):
+        0 or a negative code."""
+        parts = [(p, n) for p, n in ((metadata_buffer_ptr, metadata_size), (buffer_ptr, size)) if p and n]
+        ptrs, sizes = [p for p, _ in parts], [n for _, n in parts]
+        return self.batch_put_from_multi_buffers([key], [ptrs], [sizes], config)[0]
+
     # -- gets ------------------------------------------------------------------------------
 
     def get(self, key: str) -> bytes:
@@ -281,6 +311,52 @@ class MooncakeDistributedStore:
 
     def get_size(self, key: str) -> int:
         return self._objects.size_of(key)
+
+    # -- sessions: objects read or written range by range, one call per layer (sessions.py) --
+
+    def batch_get_session_start(self, keys: list[str]) -> list[int]:
+        """Look the keys up once (a read lease) and keep their replicas: 0 or a negative code per key."""
+        return self._get_sessions.start(keys)
+
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        all_src_offsets: list[list[int]],
+    ) -> list[int]:
+        """Per key, read `all_sizes[i][j]` bytes from object offset `all_src_offsets[i][j]`
+        into `all_buffer_ptrs[i][j]` with its get session: bytes read or a negative code."""
+        return self._get_sessions.read(keys, all_buffer_ptrs, all_sizes, all_src_offsets)
+
+    def batch_get_session_end(self, keys: list[str]) -> int:
+        """Drop the keys' get sessions (local): 0."""
+        return self._get_sessions.end(keys)
+
+    def batch_put_session_start(
+        self, keys: list[str], sizes: list[int], config: ReplicateConfig | None = None
+    ) -> list[int]:
+        """Reserve the objects (not readable until their session ends): 0 or a negative code per key."""
+        return self._put_sessions.start(keys, sizes, config)
+
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        all_dst_offsets: list[list[int]],
+    ) -> list[int]:
+        """Per key, write `all_sizes[i][j]` bytes from `all_buffer_ptrs[i][j]` at object offset
+        `all_dst_offsets[i][j]` with its put session: bytes written or a negative code."""
+        return self._put_sessions.write(keys, all_buffer_ptrs, all_sizes, all_dst_offsets)
+
+    def batch_put_session_end(self, keys: list[str]) -> list[int]:
+        """Complete the keys' puts (readable from now on): 0 or a negative code per key."""
+        return self._put_sessions.end(keys)
+
+    def batch_put_session_revoke(self, keys: list[str]) -> list[int]:
+        """Drop the keys' unfinished puts: 0 or a negative code per key."""
+        return self._put_sessions.revoke(keys)
 
     # -- metadata and removal --------------------------------------------------------------
 
@@ -606,6 +682,15 @@ class MooncakeDistributedStore:
         """Each key read as its target asks, into its buffer (a view of it)."""
         return self._parallel.get_into(keys, buffer_ptrs, sizes, targets)
 
+    def save_tensor_to_safetensor(self, key: str, file_name: str | None = None) -> int:
+        """Write the tensor under `key` to a safetensors file: 0 or a negative code
+        (safetensor_files.py)."""
+        return safetensor_files.save(self.get_tensor, key, file_name)
+
+    def load_tensor_from_safetensor(self, key: str | None = None, file_name: str = "") -> torch.Tensor | None:
+        """Put a safetensors file's tensor under `key`; the tensor, or None (safetensor_files.py)."""
+        return safetensor_files.load(self.put_tensor, key, file_name)
+
     # -- the client ------------------------------------------------------------------------
 
     def get_hostname(self) -> str:
@@ -623,9 +708,38 @@ class MooncakeDistributedStore:
             return 2
         return 0
 
+    # -- segments mounted after setup (segments.py) ----------------------------------------
+
+    def mount_segment(
+        self, path: str, size: int, offset: int = 0, protocol: str = "tcp", location: str = ""
+    ) -> MountResult:
+        """Map [offset, offset + size) of the file at `path` (e.g. in /dev/shm) and mount it as
+        another segment: {"ret": 0 or a code, "segment_ids": [...]}."""
+        return self._segments.mount(path, size, offset, protocol, location)
+
+    def unmount_segment(self, segment_ids: list[str], grace_period_seconds: int = 0) -> int:
+        """Unmount segments `mount_segment` mounted; 0, or the first failure's code."""
+        return self._segments.unmount(segment_ids, grace_period_seconds, allocated=False)
+
+    def allocate_and_mount_segment(self, size: int, protocol: str = "tcp", location: str = "") -> MountResult:
+        """Allocate `size` bytes (rounded up to 16 MiB) and mount them: {"ret", "segment_ids",
+        "allocated_size"}."""
+        return self._segments.allocate(size, protocol, location)
+
+    def unmount_and_free_segment(self, segment_ids: list[str], grace_period_seconds: int = 0) -> int:
+        """Unmount segments `allocate_and_mount_segment` mounted, and free them; 0 or a code."""
+        return self._segments.unmount(segment_ids, grace_period_seconds, allocated=True)
+
+    def unmount_local_disk_segment(self, grace_period_seconds: int = 0) -> int:
+        """Withdraw this holder's disk tier after the grace period; 0 (also with none) or a code."""
+        return self._segments.unmount_local_disk(grace_period_seconds)
+
     def close(self) -> int:
         """Unmount this client's segment (its objects are gone) and disconnect."""
+        self._put_sessions.clear()  # NOTE: before the client goes: it revokes the open puts
+        self._get_sessions.clear()
         self._connection.close()
+        self._segments.clear()  # NOTE: after: the client unmounted them at the master first
         self._pool = None
         self._buffers.clear()
         return OK

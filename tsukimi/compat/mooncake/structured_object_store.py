@@ -147,17 +147,24 @@ def _items(rows: Sequence[object]) -> list[object] | None:
 
 
 def infer_structure(
-    path: str, values: Sequence[object], leaves: list[StructureLeaf], nodes: list[StructureNode], depth: int = 0
+    path: str,
+    values: Sequence[object],
+    leaves: list[StructureLeaf],
+    nodes: list[StructureNode],
+    *,
+    _depth: int = 0,
 ) -> None:
     """Append the nodes and leaves of the column `values` under `path` (mutates `leaves`
-    and `nodes`; a node comes before its children). Raises ValueError past MAX_DEPTH."""
-    if depth > MAX_DEPTH:
+    and `nodes`; a node comes before its children). `_depth`, the nesting level of `path`,
+    is the recursion's own (keyword-only and private, as in the wheel). Raises ValueError
+    past MAX_DEPTH."""
+    if _depth > MAX_DEPTH:
         raise ValueError(f"{path!r} nests deeper than {MAX_DEPTH} levels")
     present = [v for v in values if not _absent(v)]
     if present and all(isinstance(v, dict) for v in present):
-        _infer_dict(path, values, leaves, nodes, depth)
+        _infer_dict(path, values, leaves, nodes, _depth)
     elif present and any(isinstance(x, dict | list | tuple) for x in _items(present) or ()):
-        _infer_list(path, values, leaves, nodes, depth)
+        _infer_list(path, values, leaves, nodes, _depth)
     else:
         leaves.append(StructureLeaf(path, list(values), _choose_leaf_codec(values)))
 
@@ -172,7 +179,7 @@ def _infer_dict(
     nodes.append(StructureNode(path, "dict", list(keys), [isinstance(v, dict) for v in values]))
     for key in keys:
         column = [row.get(key, MISSING) if isinstance(row, dict) else row for row in values]
-        infer_structure(f"{path}.{_escape_key(str(key))}", column, leaves, nodes, depth + 1)
+        infer_structure(f"{path}.{_escape_key(str(key))}", column, leaves, nodes, _depth=depth + 1)
 
 
 def _infer_list(
@@ -185,4 +192,4 @@ def _infer_list(
     )
     for i in range(width):
         column = [(row[i] if i < len(row) else MISSING) if isinstance(row, list | tuple) else row for row in values]
-        infer_structure(f"{path}[{i}]", column, leaves, nodes, depth + 1)
+        infer_structure(f"{path}[{i}]", column, leaves, nodes, _depth=depth + 1)

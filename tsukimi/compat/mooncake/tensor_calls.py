@@ -24,14 +24,19 @@ logger = logging.getLogger(__name__)
 class ReplicaSettings(Protocol):
     """What the facade's `ReplicateConfig` offers this module."""
 
-    def to_tsukimi(self, own_segment: str = "") -> p.ReplicaConfig: ...
+    def per_key(self, num_keys: int, own_segment: str = "") -> list[p.ReplicaConfig]: ...
 
 
-def put_options(config: ReplicaSettings | None, upsert: bool) -> PutOptions:
-    """The tsukimi put options for a Mooncake `ReplicateConfig` (None: one replica)."""
+def put_options(config: ReplicaSettings | None, upsert: bool, num_keys: int) -> PutOptions:
+    """The tsukimi put options for a Mooncake `ReplicateConfig` (None: one replica) given to
+    a put of `num_keys` keys: each key's own config (its `group_ids` / `session_ids` entry).
+
+    Raises:
+        InvalidArgument: what tsukimi cannot store, or per-key ids for another number of keys.
+    """
     if config is None:
         return PutOptions(upsert=upsert)
-    return PutOptions(upsert=upsert, config=config.to_tsukimi())
+    return PutOptions(upsert=upsert, per_key=tuple(config.per_key(num_keys)))
 
 
 def address_buffers(ptrs: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int]]:

@@ -5,8 +5,9 @@ stored and read.
 
 Arguments may be Mooncake's types (tensor_types.py), tsukimi's, or any object with the same
 attributes. Giving both a parallelism and a writer partition for a key is -600 for it; a
-batch's `parallelisms` / `writer_partitions` / `targets` are None or one per key (a single
-`ReadTarget` applies to every key).
+batch's `parallelisms` / `writer_partitions` / `targets` are None or one per key (anything
+else, a single `ReadTarget` too, fails every key, as in Mooncake). A "full" read under a
+parallelism puts the tensor back from its TP shards (tsukimi/store/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ def _per_key(values: object, count: int, what: str) -> list[object]:
 
 
 def _targets(targets: object, count: int) -> list[tp.ReadTarget]:
-    if targets is not None and not isinstance(targets, list | tuple):
-        return [target_of(targets)] * count
+    """One read target per key (None: as stored). Raises InvalidArgument."""
     return [target_of(x) for x in _per_key(targets, count, "targets")]
 
 
@@ -60,9 +60,9 @@ class ParallelTensors:
     ) -> list[int]:
         """The tensors `load` gives (called once the client is there), each under its layout
         or writer partition: 0 or a negative code per key."""
-        options = put_options(config, upsert)
 
         def run(client: StoreClient) -> list[PutError]:
+            options = put_options(config, upsert, len(keys))
             tensors = load()
             if len(tensors) != len(keys):
                 raise InvalidArgument(f"{len(keys)} keys but {len(tensors)} tensors")

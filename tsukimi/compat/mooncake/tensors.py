@@ -38,10 +38,12 @@ class Tensors:
         self, keys: list[str], tensors_list: list[torch.Tensor], config: ReplicaSettings | None, upsert: bool
     ) -> list[int]:
         """Each tensor under its key: 0 or a negative code per key."""
-        options = put_options(config, upsert)
         what = "upsert_tensor" if upsert else "put_tensor"
         return put_codes(
-            self._connection, what, len(keys), lambda c: t.batch_put_tensors(c, keys, tensors_list, options)
+            self._connection,
+            what,
+            len(keys),
+            lambda c: t.batch_put_tensors(c, keys, tensors_list, put_options(config, upsert, len(keys))),
         )
 
     def get(self, keys: list[str]) -> list[torch.Tensor | None]:
@@ -65,7 +67,7 @@ class Tensors:
 
     def put_from(self, keys: list[str], ptrs: list[int], sizes: list[int], upsert: bool) -> list[int]:
         """Store `[header][payload]` buffers as they are (zero-copy)."""
-        options = put_options(None, upsert)
+        options = put_options(None, upsert, len(keys))
         return put_codes(
             self._connection,
             "put_tensor_from",
@@ -85,10 +87,10 @@ class Tensors:
         split_dim: int,
     ) -> list[int]:
         """Every shard of every tensor; -600 for a tensor that does not split evenly."""
-        options = put_options(config, upsert=False)
 
         def run(client: StoreClient) -> list[t.PutError]:
             _check_tp(tp_rank, tp_size)
+            options = put_options(config, False, len(base_keys))
             return t.batch_put_tensors_with_tp(client, base_keys, tensors_list, tp_size, split_dim, options)
 
         return put_codes(self._connection, "put_tensor_with_tp", len(base_keys), run)

@@ -42,7 +42,10 @@ class HotHost(Protocol):
     config: MasterConfig
     clock: Clock
     registry: SegmentRegistry
-    objects: dict[str, ObjectRecord]
+
+    @property
+    def objects(self) -> dict[str, ObjectRecord]: ...  # NOTE: read-only here: the table is MasterState's
+
     counters: Counter[str]
     retired: list[tuple[float, Placement]]
     tasks: TaskTable

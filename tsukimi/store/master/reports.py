@@ -70,7 +70,8 @@ def all_keys(state: MasterState, start_after: str = "", limit: int = MAX_KEYS_PA
 
 def batch_query(state: MasterState, keys: list[str]) -> dict[str, dict[str, object]]:
     """Each key's replicas in Mooncake's shape (`values`: memory, `local_disk_values`: disk
-    copies); keys beyond MAX_BATCH are left out (pure)."""
+    copies), plus `group_id` / `session_id` where the object has them; keys beyond MAX_BATCH
+    are left out (pure)."""
     out: dict[str, dict[str, object]] = {}
     now = state.clock.now()
     for key in keys[:MAX_BATCH]:
@@ -102,4 +103,7 @@ def batch_query(state: MasterState, keys: list[str]) -> dict[str, dict[str, obje
             "local_disk_values": disk or None,
             "nof_values": None,
         }
+        # NOTE: tsukimi's additions, only when set: the replica group and the writer's session
+        extras = {"group_id": info.group, "session_id": info.session}
+        out[key].update({name: value for name, value in extras.items() if value})
     return out

@@ -28,8 +28,9 @@ from tsukimi.errors import (
     Recovering,
 )
 from tsukimi.eviction import EvictionPolicy, make_policy
-from tsukimi.store.master import pins
+from tsukimi.store.master import groups, pins
 from tsukimi.store.master.changes import Changes, TrackedDict
+from tsukimi.store.master.groups import ObjectTable
 from tsukimi.store.master.hot import HotReplication
 from tsukimi.store.master.records import ObjectRecord
 from tsukimi.store.master.segments import Placement, SegmentRegistry
@@ -53,7 +54,7 @@ class MasterState:
         self._put_ids = itertools.count((epoch << 32) + 1)
         self.clock = clock
         self.registry = SegmentRegistry(config)
-        self.objects: dict[str, ObjectRecord] = TrackedDict()  # complete, visible
+        self.objects = ObjectTable()  # complete, visible; with the replica groups' members (groups.py)
         self.pending: dict[str, ObjectRecord] = TrackedDict()  # put started, not ended
         self.retired: list[tuple[float, Placement]] = []  # (free at, block) of replaced/removed leased objects
         self.policy: EvictionPolicy[str] = policy or make_policy(config.eviction)
@@ -148,6 +149,7 @@ class MasterState:
         del self.pending[key]
         old = self.objects.pop(key, None)
         pins.settle(record, old, self.clock.now(), self.config.soft_pin_ttl_s)
+        groups.settle(record, old)
         if old is not None:
             self._retire(old, self.clock.now())
         self.objects[key] = record
@@ -181,8 +183,10 @@ class MasterState:
             self.counters["misses"] += 1
             return [], 0
         now = self.clock.now()
-        record.lease_until = max(record.lease_until, now + self.config.lease_ttl_s)
-        self.policy.touch(key)
+        for member in [record, *self.objects.others(record)]:  # NOTE: a group is read, and kept, as one
+            member.lease_until = max(member.lease_until, now + self.config.lease_ttl_s)
+            if member.key in self.policy:
+                self.policy.touch(member.key)
         self.tiers.on_hit(record, now)
         self.hot.on_read(key, now)
         self.counters["hits"] += 1
@@ -236,6 +240,8 @@ class MasterState:
             record.config.hard_pin,
             max(0.0, record.lease_until - self.clock.now()),
             self.tiers.locations(record, self.clock.now()),
+            record.config.group,
+            record.config.session,
         )
 
     # -- segments and time -----------------------------------------------------------
@@ -282,29 +288,41 @@ class MasterState:
 
     def _evict(self, target_bytes: int, now: float) -> int:
         """Evict unleased, unpinned objects in the policy's order (LRU by default), soft-pinned last,
-        until `target_bytes` are freed. An object on a holder's disk only loses its memory; one
-        a holder's disk can take is offloaded instead (kept until its copy is made), up to
-        `target_bytes` of such offloads (tiers.on_evict). Returns the bytes freed now."""
+        until `target_bytes` are freed; a member of a replica group takes along the other members
+        that pass the same checks (groups.py). An object on a holder's disk only loses its
+        memory; one a holder's disk can take is offloaded instead (kept until its copy is made),
+        up to `target_bytes` of such offloads (tiers.on_evict). Returns the bytes freed now."""
         freed, offloading = self.hot.shed(target_bytes, now), 0  # extras of cooled keys go first
         for soft_pass in (False, True) if freed < target_bytes else ():
             for key in self.policy.victims():
-                record = self.objects[key]
-                if record.config.hard_pin or pins.soft_pinned(record, now) != soft_pass or record.lease_until > now:
+                record = self.objects.get(key)  # NOTE: None: gone with its group earlier in this pass
+                if record is None or pins.soft_pinned(record, now) != soft_pass:
                     continue
-                kept = self.tiers.on_evict(record, now, may_offload=offloading < target_bytes)
-                if kept is None:
-                    del self.objects[key]
-                    self.policy.remove(key)
-                    self._free(record)
-                    kept = record.size * len(record.replicas)
-                    self.counters["evictions"] += 1
-                    self.counters["evicted_bytes"] += record.size
-                elif not kept:
-                    offloading += record.size * len(record.replicas)
-                freed += kept
+                if not self._evictable(record, now, soft_pass):
+                    continue
+                along = [m for m in self.objects.others(record) if self._evictable(m, now, soft_pass)]
+                for victim in [record, *along]:
+                    kept = self.tiers.on_evict(victim, now, may_offload=offloading < target_bytes)
+                    if kept is None:
+                        del self.objects[victim.key]
+                        self.policy.remove(victim.key)
+                        self._free(victim)
+                        kept = victim.size * len(victim.replicas)
+                        self.counters["evictions"] += 1
+                        self.counters["evicted_bytes"] += victim.size
+                    elif not kept:
+                        offloading += victim.size * len(victim.replicas)
+                    freed += kept
                 if freed >= target_bytes:
                     return freed
         return freed
+
+    def _evictable(self, record: ObjectRecord, now: float, soft_pass: bool) -> bool:
+        """Whether eviction may take `record` now: in memory, unleased, not hard-pinned, and
+        not soft-pinned unless this is the soft-pinned pass."""
+        if record.config.hard_pin or record.lease_until > now or record.key not in self.policy:
+            return False
+        return soft_pass or not pins.soft_pinned(record, now)
 
     def _retire(self, record: ObjectRecord, now: float) -> None:
         self.tiers.drop_copies(record, now)
@@ -384,5 +402,6 @@ class MasterState:
             seg.allocator.check_invariants()
             assert seg.allocator.num_allocations == per_segment[sid], f"{sid}: leaked or foreign blocks"
         assert set(per_segment) <= set(self.registry.segments), "a replica in an unmounted segment"
+        self.objects.check_invariants()
         in_memory = [key for key, record in self.objects.items() if record.replicas]
         assert len(self.policy) == len(in_memory) and all(key in self.policy for key in in_memory)

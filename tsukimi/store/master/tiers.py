@@ -40,7 +40,10 @@ class TierHost(Protocol):
     config: MasterConfig
     clock: Clock
     registry: SegmentRegistry
-    objects: dict[str, ObjectRecord]
+
+    @property
+    def objects(self) -> dict[str, ObjectRecord]: ...  # NOTE: read-only here: the table is MasterState's
+
     policy: EvictionPolicy[str]
     counters: Counter[str]
 
