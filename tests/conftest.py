@@ -8,7 +8,9 @@
 - `master`: a store master on ephemeral ports, closed after the test; a module or test marked
   `@pytest.mark.master(lease_ttl_s=0.2, ...)` gets those `MasterConfig` fields;
 - `@pytest.mark.gpu`: skipped, saying "needs a CUDA GPU", where torch sees no CUDA device (CI);
-  `make gpu-check` runs them (`pytest -m gpu`) on a GPU machine.
+  `make gpu-check` runs them (`pytest -m gpu`) on a GPU machine;
+- every vLLM process the suite starts (directly, through `tsukimi up --engine vllm` or a bench)
+  caches its compiled model the way that works with this torch: VLLM_USE_AOT_COMPILE=0.
 """
 
 from __future__ import annotations
@@ -48,6 +50,18 @@ def _same_working_directory(request: pytest.FixtureRequest) -> Iterator[None]:
     if after != before:
         os.chdir(before)
         pytest.fail(f"{request.node.nodeid} changed the working directory to {after!r}", pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_compile_cache() -> Iterator[None]:
+    """VLLM_USE_AOT_COMPILE=0 in the environment the suite's processes inherit (unless set).
+
+    NOTE: vLLM 0.32 on torch 2.13 saves its AOT-compiled model but fails to load it ("'function'
+    object has no attribute 'finalize_loading'"), so every server compiled again (C++ included:
+    10-30 s of a 40-90 s start on two CPUs); its older cache loads. Same graph, same tokens."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_USE_AOT_COMPILE", os.environ.get("VLLM_USE_AOT_COMPILE", "0"))
+        yield
 
 
 @pytest.fixture(scope="module")

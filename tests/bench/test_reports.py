@@ -12,15 +12,20 @@ refused: CI has them); scheduler the sample trace with 200
 decisions; cpp a 300-token prompt, one repeat; prefix-link `--quick` (the tiny model, a 2048-token
 pooled prefix across a 20 and a 400 Mbit/s lab link; skipped where namespaces are refused);
 layerwise a 64-token prefix; serve `--quick` (chat
-4 x 2) without the no-reuse run; overload `--quick`; kv-burst 4 prompts of 200 tokens; vllm one
-system `--quick` and vllm-pd `--quick` (skipped, saying why, without .venv-vllm and its model);
+4 x 2) without the no-reuse run; overload `--quick`; kv-burst 4 prompts of 200 tokens;
 gpu `--quick --repeats 1` (without CUDA: host memcpy and the tiny model, GPU rows not measured);
 sglang `--quick --systems tsukimi` (128 pages at TP 1; skipped, saying why, without .venv-sglang).
+
+vllm and vllm-pd: here only their flags (what `--quick` picks reaches the bench, the report is
+printed); their reports are measured on the vLLM servers the integration tests run anyway
+(tests/integrations/test_vllm_e2e.py, tests/integrations/vllm/test_vllm_pd.py: a vLLM server
+takes a minute to start on two CPUs).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import signal
 import subprocess
 import sys
@@ -28,17 +33,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+from rich.console import Console
 
+from tests.bench.report_checks import check_report
+from tests.bench.report_checks import verdict_names as _verdicts
 from tsukimi.bench.commands import add_parser
-from tsukimi.bench.report import QUIET_MACHINE, BenchReport
+from tsukimi.bench.report import QUIET_MACHINE, BenchReport, begin, finish
 from tsukimi.bench.runners import overload_config, serve_config
+from tsukimi.bench.vllm import VllmBenchConfig
+from tsukimi.bench.vllm_pd import QUICK as VLLM_PD_QUICK
 from tsukimi.errors import ConfigError
 from tsukimi.integrations.sglang.paths import check_venv
 from tsukimi.lab.netns import require_namespaces
-from tsukimi.testing.vllm_server import missing_reason
 
 MIB = 1 << 20
-VLLM_MISSING = missing_reason("tiny")
 
 
 def _sglang_missing() -> str:
@@ -265,17 +273,6 @@ def _kv_burst(report: BenchReport) -> None:
     assert _verdicts(report) >= {"ttft_rejections_predicted", "served_within_slo", "same_tokens", "no_other_errors"}
 
 
-def _vllm(report: BenchReport) -> None:
-    runs = report.figures["runs"]
-    assert isinstance(runs, list) and [r["system"] for r in runs] == ["vllm_rr"]
-    assert "error" not in runs[0], runs[0]
-    assert _verdicts(report) >= {"tsukimi_vs_vllm_rr", "tokens_equal"}
-
-
-def _vllm_pd(report: BenchReport) -> None:
-    assert report.figures["num_prompts"] == 1 and report.verdict("tokens_equal") is not None
-
-
 def _sglang(report: BenchReport) -> None:
     rows = report.figures["rows"]
     assert isinstance(rows, list) and [(r["system"], r["op"]) for r in rows] == [
@@ -321,10 +318,6 @@ def _gpu(report: BenchReport) -> None:
     assert all(report.verdict(name).met is None for name in gpu_goals)  # type: ignore[union-attr]
 
 
-def _verdicts(report: BenchReport) -> set[str]:
-    return {v.name for v in report.verdicts}
-
-
 def _hot_lab(report: BenchReport) -> None:
     figures = report.figures
     assert report.configuration["holders"] == 3 and report.configuration["readers"] == 4
@@ -355,7 +348,6 @@ def _hot_lab(report: BenchReport) -> None:
     }
 
 
-_VLLM = pytest.mark.skipif(bool(VLLM_MISSING), reason=f"no vLLM here: {VLLM_MISSING}")
 _SGLANG = pytest.mark.skipif(bool(SGLANG_MISSING), reason=f"no SGLang here: {SGLANG_MISSING}")
 _LAB = pytest.mark.skipif(bool(NAMESPACES_REFUSED), reason=f"this machine refuses namespaces: {NAMESPACES_REFUSED}")
 
@@ -404,8 +396,6 @@ CASES = [
         ),
     ),
     _case("gpu", Case(("gpu", "--quick", "--repeats", "1"), _gpu, 180)),
-    _case("vllm", Case(("vllm", "--quick", "--systems", "vllm_rr"), _vllm, 600), _VLLM),
-    _case("vllm-pd", Case(("vllm-pd", "--quick"), _vllm_pd, 600), _VLLM),
     _case("sglang", Case(("sglang", "--quick", "--systems", "tsukimi"), _sglang, 180), _SGLANG),
 ]
 
@@ -433,17 +423,8 @@ def _bench(case: Case) -> tuple[int, str, str]:
 def test_every_bench_prints_the_one_report(case: Case) -> None:
     code, out, err = _bench(case)
     assert code == 0, out[-2000:] + err[-3000:]
-    report = BenchReport.from_json(out)
     flags = ("--workload", "overload") if "overload" in case.args else ("--lab",) if "--lab" in case.args else ()
-    command = "bench " + " ".join(case.args[:1] + flags)
-    assert report.command == command
-    assert report.configuration and report.revision and report.host.cpus >= 1 and report.host.device
-    assert len(report.host.load_avg_start) == len(report.host.load_avg_end) == 3
-    quiet = report.verdict(QUIET_MACHINE)
-    assert quiet is not None and quiet.met == (
-        max(report.host.load_avg_start[0], report.host.load_avg_end[0]) <= report.host.cpus
-    )
-    assert quiet.met or "loaded machine: figures not comparable with quiet runs" in quiet.detail
+    report = check_report(BenchReport.from_json(out), "bench " + " ".join(case.args[:1] + flags))
     case.check(report)
 
 
@@ -463,3 +444,33 @@ def test_serve_quick_shrinks_every_workload() -> None:
     assert (overload.duration_s, overload.calibrate_s) == (10.0, 6.0)
     full = serve_config(_serve_args())
     assert (full.chat.conversations, full.chat.turns, full.trace_limit, full.skewed.requests) == (8, 4, 200, 60)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (("vllm", "--quick", "--systems", "vllm_rr"), VllmBenchConfig(systems=("vllm_rr",), conversations=2, turns=2)),
+        (("vllm-pd", "--quick"), VLLM_PD_QUICK),
+    ],
+    ids=["vllm", "vllm-pd"],
+)
+def test_the_vllm_benches_quick_flags(
+    argv: tuple[str, ...], expected: object, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tsukimi bench vllm|vllm-pd --quick --json` hands the bench its quick config and prints
+    the report it returns (the bench itself is stubbed: its run is the integration tests')."""
+    from tsukimi.bench import runners, vllm, vllm_pd
+
+    seen: list[object] = []
+
+    def fake_report(cfg: object, progress: object = None) -> BenchReport:
+        seen.append(cfg)
+        return finish(begin(f"bench {argv[0]}", cfg), {"stub": True})
+
+    monkeypatch.setattr(vllm if argv[0] == "vllm" else vllm_pd, "run_report", fake_report)
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    runners.run(parser.parse_args(["bench", *argv, "--json"]), Console(file=io.StringIO()))
+    assert seen == [expected]
+    report = BenchReport.from_json(capsys.readouterr().out)
+    assert report.command == f"bench {argv[0]}" and report.figures == {"stub": True}

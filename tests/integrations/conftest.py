@@ -7,4 +7,3 @@ import pytest
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "instances(*NAME=ROLE, **options): the fake vLLM instances behind the router")
-    config.addinivalue_line("markers", "up_args(*ARGS): tsukimi up --engine vllm's flags in test_vllm_e2e")

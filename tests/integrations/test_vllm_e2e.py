@@ -2,6 +2,10 @@
 a completion through the router, the instance's KV events in the router's index, the repeat
 of the prompt placed on it and served from its cache, and every process gone after SIGTERM.
 
+The same cluster first serves `tsukimi bench vllm --quick`'s workload (its report's shape);
+the PD cluster of test_pd_through_the_pool starts beside it (two CPUs start three vLLM
+processes faster than two, then two more).
+
 Skipped when .venv-vllm is missing. The model is `.models/tiny` (make vllm) or, when that is
 absent, a tiny random Llama built for the test (tests/integrations/tiny_vllm_model.py)."""
 
@@ -9,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,44 +48,61 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture
-def cluster(
-    model_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
-) -> Iterator[tuple[str, dict[str, object], Callable[[], None]]]:
-    """`tsukimi up --engine vllm` with the flags the test's `up_args` marker gives (default: one
-    colocated instance)."""
-    marker = request.node.get_closest_marker("up_args")
-    extra = list(marker.args) if marker else ["--instances", "1"]
-    state, port = tmp_path / "state.json", free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "tsukimi.cli",
-        "up",
-        "--engine",
-        "vllm",
-        "--model",
-        str(model_dir),
-        *extra,
-        "--port",
-        str(port),
-        "--state-file",
-        str(state),
-        "--log-dir",
-        str(tmp_path / "logs"),
-    ]
-    with (tmp_path / "up.log").open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 400
-        while not state.exists():
-            assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "tsukimi up did not come up in 400 s"
+Up = tuple[str, dict[str, object], Callable[[], None]]  # the API's URL, the state file, stop()
+PD_ARGS = ("--mode", "pd", "--connector", "tsukimi")
+
+
+class _Starting:
+    """`tsukimi up --engine vllm --model MODEL_DIR EXTRA...`, started in a process of its own at
+    once; `ready()` waits for its state file. `close()` stops it (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, model_dir: Path, workdir: Path, extra: tuple[str, ...]) -> None:
+        self.workdir, self.state = workdir, workdir / "state.json"
+        cmd = [sys.executable, "-m", "tsukimi.cli", "up", "--engine", "vllm", "--model", str(model_dir), *extra]
+        cmd += ["--port", str(free_port()), "--state-file", str(self.state), "--log-dir", str(workdir / "logs")]
+        # NOTE: vLLM leaves `vllm_dist_*` rendezvous files in $TMPDIR: a folder of its own, removed
+        self.temp = tempfile.mkdtemp(prefix="tsukimi-up-vllm-")
+        with (workdir / "up.log").open("wb") as log:
+            env = {**os.environ, "TMPDIR": self.temp}
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.started = time.monotonic()
+
+    def ready(self) -> Up:
+        """The API's URL, the state file's content and stop(), once up (AssertionError with the
+        log's tail when it exits or is not up 400 s after its start)."""
+        while not self.state.exists():
+            assert self.proc.poll() is None, (self.workdir / "up.log").read_text()[-3000:]
+            assert time.monotonic() < self.started + 400, "tsukimi up did not come up in 400 s"
             time.sleep(0.5)
-        info = json.loads(state.read_text())
-        yield str(info["api"]), info, lambda: _stop(proc)
+        info = json.loads(self.state.read_text())
+        return str(info["api"]), info, self.close
+
+    def close(self) -> None:
+        _stop(self.proc)
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pd_starting(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Starting]:
+    """The PD cluster (`PD_ARGS`), starting beside the colocated one (three vLLM starts on two
+    CPUs take less than two after one another); its test asks `ready()`."""
+    starting = _Starting(model_dir, tmp_path_factory.mktemp("pd"), PD_ARGS)
+    try:
+        yield starting
     finally:
-        _stop(proc)
+        starting.close()
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dir: Path, pd_starting: _Starting, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    """One colocated instance, shared by this module's tests: started once (a minute on two
+    CPUs), just after the PD cluster began to start; test_completion_events_and_cache_hit,
+    which stops it, runs last of them."""
+    starting = _Starting(model_dir, tmp_path_factory.mktemp("colocated"), ("--instances", "1"))
+    try:
+        yield starting.ready()
+    finally:
+        starting.close()
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -101,10 +124,35 @@ def _group_alive(pid: int) -> bool:
     return True
 
 
-def test_completion_events_and_cache_hit(
-    cluster: tuple[str, dict[str, object], Callable[[], None]], model_dir: Path
-) -> None:
-    api, info, stop = cluster
+def test_bench_vllm_reports_on_a_running_cluster(colocated: Up, model_dir: Path) -> None:
+    """`tsukimi bench vllm --quick`'s report (2 conversations of 2 turns) measured on this
+    module's cluster instead of clusters of its own (`run_bench` launches one per system; the
+    CLI's flags are checked in tests/bench/test_reports.py): the row and the verdicts' shape.
+    The row is `tsukimi_routing` (Conductor placement, local prefix caching, no pool), what
+    `tsukimi up --engine vllm` runs; its prompts share no block with the test below."""
+    from tests.bench.report_checks import check_report, verdict_names
+    from tsukimi.bench import vllm as bench
+    from tsukimi.bench.report import begin, finish
+
+    api, info, _ = colocated
+    processes = info["processes"]
+    assert isinstance(processes, list)
+    urls = [str(p["url"]) for p in processes if str(p["name"]).startswith("vllm-")]
+    cfg = bench.VllmBenchConfig(model=str(model_dir), systems=("tsukimi_routing",), conversations=2, turns=2)
+    start = begin("bench vllm", cfg)
+    row, _ = bench.measure_system(cfg, "tsukimi_routing", api, urls, None)
+    figures = {"runs": [row], "ratios": bench.ratios([row])}
+    report = check_report(finish(start, figures, bench.verdicts(figures)), "bench vllm")
+    runs = report.figures["runs"]
+    assert isinstance(runs, list) and [r["system"] for r in runs] == ["tsukimi_routing"]
+    assert "error" not in runs[0] and runs[0]["requests"] == 4, runs[0]
+    assert verdict_names(report) >= {"tsukimi_vs_vllm_rr", "tokens_equal"}
+    assert "| tsukimi_routing |" in bench.markdown(report.figures)
+
+
+def test_completion_events_and_cache_hit(colocated: Up, model_dir: Path) -> None:
+    """Runs last of the tests on `colocated`: it stops the cluster."""
+    api, info, stop = colocated
     prompt = list(range(100, 100 + 3 * 128 + 5))  # three full 128-token blocks
     body = {"model": str(model_dir), "prompt": prompt, "max_tokens": 4, "temperature": 0}
     first = httpx.post(f"{api}/v1/completions", json=body, timeout=120)
@@ -133,12 +181,11 @@ def test_completion_events_and_cache_hit(
     assert [p["name"] for p in processes if _group_alive(p["pid"])] == []
 
 
-@pytest.mark.up_args("--mode", "pd", "--connector", "tsukimi")
-def test_pd_through_the_pool(cluster: tuple[str, dict[str, object], Callable[[], None]], model_dir: Path) -> None:
+def test_pd_through_the_pool(pd_starting: _Starting, model_dir: Path) -> None:
     """The router's two steps on real vLLM + TsukimiConnector: the prefill instance makes the
     first token, the decode instance continues from it, loading the prompt's full blocks from
     the pool instead of computing them."""
-    api, info, _ = cluster
+    api, info, _ = pd_starting.ready()
     prompt = list(range(100, 100 + 5 * 128))
     body = {
         "model": str(model_dir),

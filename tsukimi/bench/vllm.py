@@ -220,12 +220,27 @@ def run_bench(cfg: VllmBenchConfig, progress: Callable[[str], None]) -> dict[str
                 progress(f"{system}: could not start: {exc}")
                 continue
             with cluster:
-                asyncio.run(_warm(cfg, instances(cluster)))
                 progress(f"{system}: chat workload against {cluster.api}")
-                turns = asyncio.run(run_workload(cfg, cluster.api))
-        runs.append(summarize(system, turns, reference))
+                row, turns = measure_system(cfg, system, cluster.api, instances(cluster), reference)
+        runs.append(row)
         reference = reference or (turns if system == cfg.systems[0] else None)
     return {"runs": runs, "ratios": ratios(runs)}
+
+
+def measure_system(
+    cfg: VllmBenchConfig, system: str, api: str, instance_urls: list[str], reference: Turns | None
+) -> tuple[dict[str, object], Turns]:
+    """One system on its running cluster: warm each instance, run the chat workload through
+    the router at `api`; its row (see `summarize`) and how every turn ended.
+
+    Args:
+        cfg: the workload; `cfg.model` is the name the cluster serves.
+        system: the row's name. instance_urls: the vLLM instances (warmed directly).
+        reference: the first system's turns, whose tokens the row compares (None: this is it).
+    """
+    asyncio.run(_warm(cfg, instance_urls))
+    turns = asyncio.run(run_workload(cfg, api))
+    return summarize(system, turns, reference), turns
 
 
 def verdicts(figures: Mapping[str, object]) -> list[Verdict]:

@@ -111,32 +111,49 @@ def run(cfg: VllmPdBenchConfig, progress: Callable[[str], None] = lambda _: None
         progress("starting the producer and the consumer vLLM servers")
         producer, consumer = start_servers(producer_cfg, consumer_cfg)
         with producer, consumer:
-            for seed in range(2):  # warm-up: compile paths, first contacts
-                warm = _prompt(900 + seed, cfg.prompt_tokens)
-                pd_handover(producer, consumer, warm, 1, "direct")
-                pd_handover(producer, consumer, _prompt(950 + seed, cfg.prompt_tokens), 1, "pool")
-            rows: dict[str, list[float]] = {
-                "alone": [],
-                "direct": [],
-                "pool": [],
-                "prefill_direct": [],
-                "prefill_pool": [],
-            }
-            equal = True
-            loaded = {"direct": 0, "pool": 0}
-            for i in range(cfg.num_prompts):
-                for mode, seed in (("direct", 1000 + i), ("pool", 2000 + i)):
-                    text = _prompt(seed, cfg.prompt_tokens)
-                    alone = consumer.complete(text, 1)
-                    prefill, decode = pd_handover(producer, consumer, text, 1, mode)
-                    rows["alone"].append(alone.seconds)
-                    rows[mode].append(decode.seconds)
-                    rows[f"prefill_{mode}"].append(prefill.seconds)
-                    equal = equal and decode.token_ids == alone.token_ids and alone.cached_tokens == 0
-                    loaded[mode] += decode.cached_tokens
-            num_warm = 2  # the warm-up's loads per mode come first
-            load_ms = {mode: _p50(_load_ms(consumer, mode)[num_warm:]) for mode in ("direct", "pool")}
-            saves = _stat_sums(producer.log_text(), ("num_puts", "put_objects", "put_s", "save_wait_s"))
+            return measure(cfg, producer, consumer)
+
+
+def measure(cfg: VllmPdBenchConfig, producer: VllmServer, consumer: VllmServer) -> dict[str, object]:
+    """Warm up, then time every prompt three ways (see the module); the figures.
+
+    Args:
+        cfg: the prompts (its model must be the one the servers serve).
+        producer / consumer: running servers, kv_producer (with a `pd_port`) and kv_consumer
+            on one store, both logging at TSUKIMI_LOG_LEVEL=DEBUG with VLLM_LOG_STATS_INTERVAL
+            set (the load times and the saves come from their logs). Servers that served
+            before are fine: only their log lines from here on count.
+    """
+    # NOTE: what the logs held before this run is not this run's (`run`'s servers are fresh;
+    # the test suite measures on servers its other tests used)
+    loads_before = {mode: len(_load_ms(consumer, mode)) for mode in ("direct", "pool")}
+    producer_log_start = len(producer.log_text())
+    for seed in range(2):  # warm-up: compile paths, first contacts
+        warm = _prompt(900 + seed, cfg.prompt_tokens)
+        pd_handover(producer, consumer, warm, 1, "direct")
+        pd_handover(producer, consumer, _prompt(950 + seed, cfg.prompt_tokens), 1, "pool")
+    rows: dict[str, list[float]] = {
+        "alone": [],
+        "direct": [],
+        "pool": [],
+        "prefill_direct": [],
+        "prefill_pool": [],
+    }
+    equal = True
+    loaded = {"direct": 0, "pool": 0}
+    for i in range(cfg.num_prompts):
+        for mode, seed in (("direct", 1000 + i), ("pool", 2000 + i)):
+            text = _prompt(seed, cfg.prompt_tokens)
+            alone = consumer.complete(text, 1)
+            prefill, decode = pd_handover(producer, consumer, text, 1, mode)
+            rows["alone"].append(alone.seconds)
+            rows[mode].append(decode.seconds)
+            rows[f"prefill_{mode}"].append(prefill.seconds)
+            equal = equal and decode.token_ids == alone.token_ids and alone.cached_tokens == 0
+            loaded[mode] += decode.cached_tokens
+    num_warm = 2  # the warm-up's loads per mode come first
+    load_ms = {mode: _p50(_load_ms(consumer, mode)[loads_before[mode] + num_warm :]) for mode in ("direct", "pool")}
+    saves = _stat_sums(producer.log_text()[producer_log_start:], ("num_puts", "put_objects", "put_s", "save_wait_s"))
     expected = cfg.num_prompts * ((cfg.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE)
     return {
         "model": str(_model(cfg)),

@@ -76,7 +76,9 @@ def connector_config(role: str = "kv_both", **extra: object) -> dict[str, Any]:
 @dataclass(frozen=True)
 class VllmServerConfig:
     """One API server. model: its folder (default: tiny under paths.models_dir()). venv: the
-    vLLM virtualenv (default: paths.vllm_venv()). cpus: VLLM_CPU_OMP_THREADS_BIND ("0", "1", "0-1")."""
+    vLLM virtualenv (default: paths.vllm_venv()). cpus: VLLM_CPU_OMP_THREADS_BIND ("0", "1", "0-1").
+    log_dir: where its log goes (default: the system's temporary folder); the log outlives the
+    server, for post-mortems."""
 
     model: Path = field(default_factory=lambda: paths.models_dir() / "tiny")
     venv: Path = field(default_factory=paths.vllm_venv)
@@ -87,6 +89,7 @@ class VllmServerConfig:
     max_model_len: int = 4096
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    log_dir: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -107,9 +110,10 @@ class VllmServer:
         self.config = config
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
-        # NOTE: vLLM names its zmq ipc sockets after uuids in $VLLM_RPC_BASE_PATH (default /tmp)
-        # and leaves them behind; a folder of this server's own is removed by close()
+        self.log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False, dir=config.log_dir)  # noqa: SIM115
+        # NOTE: vLLM names its zmq ipc sockets after uuids in $VLLM_RPC_BASE_PATH and its
+        # rendezvous files `vllm_dist_*` in $TMPDIR (both default /tmp) and leaves them behind;
+        # a folder of this server's own is removed by close()
         self._rpc_dir = tempfile.mkdtemp(prefix="tsukimi-vllm-rpc-")
         args = [
             str(paths.venv_python(config.venv)),
@@ -138,6 +142,7 @@ class VllmServer:
             "PYTHONUNBUFFERED": "1",
             "VLLM_LOGGING_LEVEL": "INFO",
             "VLLM_RPC_BASE_PATH": self._rpc_dir,
+            "TMPDIR": self._rpc_dir,
             **config.env,
         }
         # NOTE: a session of its own: close() signals the whole group, the engine core included

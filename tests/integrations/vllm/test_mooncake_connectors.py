@@ -13,9 +13,11 @@ tsukimi even where the real wheel is installed too (checked first).
   none of the prompt (cached_tokens is the prompt's length). On CPU torch, vLLM's connector
   needs a one-line torch patch (CPU_ACCELERATOR_SHIM, below) that has nothing to do with Mooncake.
 
-One vLLM process at a time, except the PD pair. Skipped, saying why, without `.venv-vllm`
-(`make vllm`). The model: $TSUKIMI_VLLM_MODEL, else `make vllm`'s .models/tiny, else a seeded
-random tiny Llama written here (token-id prompts: no tokenizer needed).
+The reference tokens come from the package's plain vLLM server (conftest.py `plain_server`,
+CPU 1), which starts while the store connector's in-process vLLM (CPU 0) runs. Skipped, saying
+why, without `.venv-vllm` and `make vllm`'s .models/tiny (token-id prompts: no tokenizer needed).
+Every process here gets a temporary folder of its own as TMPDIR and VLLM_RPC_BASE_PATH (vLLM's
+ipc sockets, its `vllm_dist_*` rendezvous files, `tsukimi compat exec`'s shim), removed at the end.
 """
 
 from __future__ import annotations
@@ -23,20 +25,24 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.integrations.vllm.conftest import needs_vllm
 from tsukimi.errors import PeerError
 from tsukimi.netio import free_port
 from tsukimi.testing.processes import wait_until
+from tsukimi.testing.vllm_server import VllmServer, VllmServerConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -56,7 +62,7 @@ def _missing() -> str:
 
 
 SKIP = _missing()
-pytestmark = [pytest.mark.skipif(bool(SKIP), reason=SKIP or "vLLM is here"), pytest.mark.timeout(1200)]
+pytestmark = [needs_vllm, pytest.mark.skipif(bool(SKIP), reason=SKIP or "vLLM is here"), pytest.mark.timeout(1200)]
 
 
 def _prompts() -> tuple[list[int], list[int]]:
@@ -81,13 +87,19 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 class _Group:
-    """Processes started in sessions of their own, all SIGKILLed at the end."""
+    """Processes started in sessions of their own, all SIGKILLed at the end, their temporary
+    folders removed."""
 
     def __init__(self, logs: Path) -> None:
-        self.logs, self.procs = logs, list[subprocess.Popen[bytes]]()
+        self.logs, self.procs, self.temps = logs, list[subprocess.Popen[bytes]](), list[str]()
 
     def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        # NOTE: SIGKILLed, vLLM and `tsukimi compat exec` leave what they made in $TMPDIR and
+        # $VLLM_RPC_BASE_PATH (default /tmp): a short folder of their own (ipc paths are limited)
+        temp = tempfile.mkdtemp(prefix=f"tsukimi-vllm-{name}-")
+        self.temps.append(temp)
         log = (self.logs / f"{name}.log").open("wb")
+        env = {**env, "TMPDIR": temp, "VLLM_RPC_BASE_PATH": temp}
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
         return proc
@@ -105,6 +117,8 @@ class _Group:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        for temp in self.temps:
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -115,17 +129,9 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Group]:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    given = os.environ.get("TSUKIMI_VLLM_MODEL")
-    if given:
-        return Path(given)
-    if (ROOT / ".models" / "tiny" / ".complete").exists():
-        return ROOT / ".models" / "tiny"
-    from tsukimi.engine.weights import random_tiny, save_hf_dir
-
-    folder = tmp_path_factory.mktemp("tiny")
-    save_hf_dir(random_tiny(0), folder)
-    return folder
+def model() -> Path:
+    """The plain server's model (`make vllm`'s tiny)."""
+    return VllmServerConfig().model
 
 
 @pytest.fixture(scope="module")
@@ -157,17 +163,16 @@ def _drive(group: _Group, name: str, args: dict[str, object], env: dict[str, str
     return result
 
 
-@pytest.fixture(scope="module")
-def baseline(group: _Group, model: Path) -> list[list[int]]:
+def _baseline(plain_server: Future[VllmServer]) -> list[list[int]]:
     """vLLM's greedy tokens for A and B without a connector."""
-    args = {"model": str(model), "connector": False, "prompts": [A, B], "max_tokens": MAX_TOKENS}
-    result = _drive(group, "baseline", args, _env())
-    return [run["tokens"] for run in result["runs"]]
+    server = plain_server.result()
+    return [server.complete(prompt, MAX_TOKENS).token_ids for prompt in (A, B)]
 
 
-def test_under_the_hook_mooncake_is_tsukimi_even_beside_the_real_wheel() -> None:
+def test_under_the_hook_mooncake_is_tsukimi_even_beside_the_real_wheel(plain_server: Future[VllmServer]) -> None:
     """`tsukimi compat exec` wins over a real wheel in .venv-vllm (`tsukimi bench vllm`'s (c)
-    installs one there), so these tests run tsukimi's Mooncake either way."""
+    installs one there), so these tests run tsukimi's Mooncake either way. (It asks for the
+    plain server only to start it early.)"""
     probe = (
         "import mooncake.engine, mooncake.store; "
         "print(mooncake.engine.TransferEngine.__module__, mooncake.store.MooncakeDistributedStore.__module__)"
@@ -182,7 +187,7 @@ def test_under_the_hook_mooncake_is_tsukimi_even_beside_the_real_wheel() -> None
 
 
 def test_mooncake_store_connector_loads_the_prefix_from_tsukimis_pool(
-    group: _Group, model: Path, master: dict[str, str], baseline: list[list[int]]
+    group: _Group, model: Path, master: dict[str, str], plain_server: Future[VllmServer]
 ) -> None:
     config = group.logs / "mooncake.json"
     config.write_text(
@@ -207,7 +212,7 @@ def test_mooncake_store_connector_loads_the_prefix_from_tsukimis_pool(
         "min_keys": num_blocks,
     }
     result = _drive(group, "store", args, _env(MOONCAKE_CONFIG_PATH=str(config)))
-    runs = result["runs"]
+    runs, baseline = result["runs"], _baseline(plain_server)
     assert result["store_module"] == "tsukimi.compat.mooncake.store"
     assert [r["num_cached_tokens"] for r in runs] == [0, PREFIX_TOKENS, PREFIX_TOKENS]
     assert [r["keys"] for r in runs] == [num_blocks] * 3  # B's prefix blocks exist already: not put again
@@ -299,8 +304,9 @@ def _complete(url: str, model: Path, prompt: list[int], max_tokens: int, params:
 
 
 def test_mooncake_connector_pd_hands_kv_over_with_tsukimis_transfer_engine(
-    group: _Group, model: Path, baseline: list[list[int]]
+    group: _Group, model: Path, plain_server: Future[VllmServer]
 ) -> None:
+    baseline = _baseline(plain_server)
     bootstrap_port = free_port()
     bootstrap = f"127.0.0.1:{bootstrap_port}"
     with ThreadPoolExecutor(2) as pool:  # NOTE: the two start side by side

@@ -2,7 +2,8 @@
 the pool, a block lost between lookup and load, and the store master killed mid-run.
 
 Two servers side by side: vLLM with the connector (local prefix caching off, so every reused
-token comes from the pool) and plain vLLM, whose greedy tokens are the reference.
+token comes from the pool) and plain vLLM (the package's `plain_server`, conftest.py), whose
+greedy tokens are the reference.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 
@@ -18,24 +21,23 @@ from tests.integrations.vllm.conftest import needs_vllm, prompt
 from tsukimi.integrations.vllm.keys import block_key
 from tsukimi.store.client import StoreClient
 from tsukimi.testing.deployments import TsukimiCluster
-from tsukimi.testing.vllm_server import Completion, VllmServer, VllmServerConfig, connector_config, start_servers
+from tsukimi.testing.vllm_server import Completion, VllmServer, VllmServerConfig, connector_config
 
 pytestmark = [needs_vllm, pytest.mark.timeout(1200)]
 LOAD_DELAY_S = 1.0  # every load waits this long: the fault test removes blocks meanwhile
 
 
 @pytest.fixture(scope="module")
-def servers(store_cluster: TsukimiCluster) -> Iterator[tuple[VllmServer, VllmServer]]:
+def servers(
+    store_cluster: TsukimiCluster, plain_server: Future[VllmServer], vllm_logs: Path
+) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """vLLM with the connector (CPU 0), started beside the package's plain one if that is not
+    up yet."""
     connector = connector_config("kv_both", master=store_cluster.master_addr, fault_load_delay_s=LOAD_DELAY_S)
-    with_pool, plain = start_servers(
-        VllmServerConfig(connector=connector, cpus="0", env={"TSUKIMI_LOG_LEVEL": "DEBUG"}),
-        VllmServerConfig(connector=None, cpus="1"),
-    )
-    try:
-        yield with_pool, plain
-    finally:
-        with_pool.close()
-        plain.close()
+    with VllmServer(
+        VllmServerConfig(connector=connector, cpus="0", env={"TSUKIMI_LOG_LEVEL": "DEBUG"}, log_dir=vllm_logs)
+    ) as with_pool:
+        yield with_pool, plain_server.result()
 
 
 def test_prefix_reuse_in_one_process(servers: tuple[VllmServer, VllmServer]) -> None:
