@@ -97,8 +97,9 @@ $(SGLANG_STAMP): pyproject.toml $(SGLANG_REQS)/requirements.txt $(SGLANG_REQS)/c
 	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
 	$(SGLANG_VENV)/bin/pip install -q 'torch==2.13.0'
 	$(SGLANG_VENV)/bin/pip install -q --no-deps 'sglang==0.5.23' 'mooncake-transfer-engine-non-cuda==0.3.13.post1'
-	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_REQS)/constraints.txt -r $(SGLANG_REQS)/requirements.txt
-	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_REQS)/constraints.txt -e .
+	@# --no-warn-conflicts: pip would list every one of sglang's requirements left out on purpose
+	$(SGLANG_VENV)/bin/pip install -q --no-warn-conflicts -c $(SGLANG_REQS)/constraints.txt -r $(SGLANG_REQS)/requirements.txt
+	$(SGLANG_VENV)/bin/pip install -q --no-warn-conflicts -c $(SGLANG_REQS)/constraints.txt -e .
 	echo "$(abspath $(SGLANG_REQS)/stubs)" > \
 		"$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/tsukimi-torchvision-stub.pth"
 	touch $(SGLANG_STAMP)
