@@ -7,7 +7,9 @@ same calls on both, and where the real wheel is installed it runs against it too
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -266,3 +268,16 @@ def test_before_setup_and_after_close() -> None:
 def test_mooncakes_put_start_discard_timeout_is_the_put_sessions_limit() -> None:
     assert parse(["--put_start_discard_timeout_sec=120"]).master.put_timeout_s == 120.0
     assert parse([]).master.put_timeout_s == 30.0
+
+
+def test_a_put_session_past_the_masters_put_timeout_writes_nothing(store: MooncakeDistributedStore) -> None:
+    # NOTE: the master reclaims the put then, and its blocks may later hold another object
+    data = (ctypes.c_char * 16).from_buffer_copy(b"z" * 16)
+    assert store.batch_put_session_start(["late"], [16]) == [0]
+    sessions = store._put_sessions  # the facade's part; its deadline is the master's put timeout
+    opened = sessions._open["late"]
+    assert 25.0 < opened.deadline - time.monotonic() <= 30.0
+    sessions._open["late"] = dataclasses.replace(opened, deadline=time.monotonic() - 1.0)
+    assert store.batch_put_from_multi_buffer_ranges(["late"], [[ctypes.addressof(data)]], [[16]], [[0]])[0] < 0
+    # the next start forgets it: the key reaches the master again (which still holds the put)
+    assert store.batch_put_session_start(["late"], [16]) != [-600] and "late" not in sessions._open

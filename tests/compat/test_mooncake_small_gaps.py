@@ -106,11 +106,14 @@ def test_bind_to_a_missing_node_warns_and_binds_nothing(caplog: pytest.LogCaptur
         before = os.sched_getaffinity(0), numa.memory_policy()
         bind_to_numa_node(999)
         assert (os.sched_getaffinity(0), numa.memory_policy()) == before
+        bind_to_numa_node(-5)  # below -1 (unbind) is no node either
+        assert (os.sched_getaffinity(0), numa.memory_policy()) == before
         return before
 
     _in_a_thread(bind_and_read)
     assert "Invalid NUMA node: 999. Valid range: " in caplog.text
     assert "numa_run_on_node failed for node 999" in caplog.text and "Invalid argument" in caplog.text
+    assert "Invalid NUMA node: -5" in caplog.text
     with pytest.raises(TypeError):
         bind_to_numa_node("0")  # type: ignore[arg-type]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tsukimi.compat.mooncake import mooncake_store_service as service
 from tsukimi.compat.mooncake.mooncake_store_service import MooncakeStoreService, main
 from tsukimi.netio import free_port
 from tsukimi.store.master.server import MasterServer
@@ -94,6 +95,14 @@ def test_objects_put_get_exist_remove(api: httpx.Client) -> None:
     assert api.delete("/api/remove_all").json() == {"status": "success removed 3 keys"}
 
 
+def test_a_body_over_the_limit_is_413_declared_or_streamed(api: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service, "MAX_BODY_BYTES", 1024)
+    body = b'{"key": "big", "value": "' + b"v" * 2048 + b'"}'
+    error_of(api.put("/api/put", content=body), 413)
+    error_of(api.put("/api/put", content=iter([body[:1000], body[1000:]])), 413)  # chunked: no length
+    assert api.get("/api/exist/big").json() == {"exists": False}
+
+
 def test_mount_and_unmount_allocated_segments(api: httpx.Client) -> None:
     mounted = api.post("/api/mount", json={"size": 100}).json()
     assert mounted["status"] == "success" and mounted["allocated_size"] == 16 * MIB
@@ -141,6 +150,9 @@ def test_reconfigure_decode_mounts_before_it_breaks_and_prefill_unmounts(api: ht
     error_of(failed, 400)
     assert failed.json()["mode"] == "decode"  # the previous segment keeps serving
     error_of(api.post("/api/reconfigure", json={"mode": "decode", "size": MIB}), 400)
+    for elsewhere in ("/etc/hostname", "/dev/shm/../etc/hostname", f"/dev/shm/{shm_name}/../../etc/hostname"):
+        # NOTE: only shared memory is lent to the pool (the wheel maps any file it is given)
+        error_of(api.post("/api/reconfigure", json={"mode": "decode", "path": elsewhere, "size": MIB}), 400)
     error_of(api.post("/api/reconfigure", json={"mode": "both"}), 400)
     error_of(api.post("/api/unmount_shm", json={"segment_ids": first["segment_ids"]}), 400)  # retired already
     assert api.post("/api/reconfigure", json={"mode": "prefill"}).json() == {"status": "success", "mode": "prefill"}

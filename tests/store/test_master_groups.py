@@ -4,10 +4,13 @@ removes and upserts, HA replay, and where a writer's session is visible."""
 
 from __future__ import annotations
 
+import pytest
+
 from tsukimi.clock import VirtualClock
 from tsukimi.config import MasterConfig
+from tsukimi.errors import InvalidArgument
 from tsukimi.store.ha import journal
-from tsukimi.store.master import reports
+from tsukimi.store.master import groups, reports
 from tsukimi.store.master.state import MasterState
 from tsukimi.store.protocol import MountSegment, ReplicaConfig
 
@@ -125,3 +128,15 @@ def test_the_writers_session_is_in_the_objects_metadata() -> None:
     assert "group_id" not in query["plain"] and "session_id" not in query["plain"]
     put(state, "k", upsert=True, session="writer-2")  # a new version: its own writer
     assert state.describe("k").session == "writer-2"
+
+
+def test_a_group_takes_at_most_max_members(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(groups, "MAX_MEMBERS", 2)
+    state, _ = make_state()
+    put(state, "a", group="g")
+    put(state, "b", group="g")
+    with pytest.raises(InvalidArgument, match="has 2 members"):
+        put(state, "c", group="g")
+    put(state, "a", upsert=True, group="g")  # a member's new version is no new member
+    assert state.objects.groups == {"g": {"a", "b"}}
+    state.check_invariants()

@@ -291,7 +291,7 @@ def test_a_registration_retried_after_a_lost_reply_keeps_the_copy() -> None:
 
 def test_a_disk_never_seen_is_adopted_by_a_restarted_master_not_by_an_ha_restored_one() -> None:
     c = Cluster(offload_watermark=0.1)
-    put_id = c.put("k")
+    put_id = c.put("k", group="page", session="writer")
     c.advance(0.2)
     c.work()
     c.state.tiers.release_memory(c.state.objects["k"])
@@ -301,8 +301,13 @@ def test_a_disk_never_seen_is_adopted_by_a_restarted_master_not_by_an_ha_restore
     ha = Cluster(n=0)  # an HA leader that replayed the log: the copy is a lost copy until d0 registers
     ha.state = journal.restore(_tables(c.state), c.state.config, ha.clock, epoch=7)
     ha.files = {"d0": dict(c.files["d0"])}
-    assert ha.state.tiers.registry.lost == {"d0": {"k": put_id}} and "k" not in ha.state.objects
+    assert {d: {k: c[0] for k, c in copies.items()} for d, copies in ha.state.tiers.registry.lost.items()} == {
+        "d0": {"k": put_id}
+    }
+    assert "k" not in ha.state.objects
     assert ha.start(0) == [True] and ha.where("k") == (0, ["d0"])
+    adopted = ha.state.objects["k"].config  # a lost copy comes back in its group, with its writer
+    assert (adopted.group, adopted.session) == ("page", "writer") and ha.state.objects.groups == {"page": {"k"}}
     c.state.remove("k", force=True)  # removed before the failover: its file must not come back
     ha = Cluster(n=0)
     ha.state = journal.restore(_tables(c.state), c.state.config, ha.clock, epoch=8)

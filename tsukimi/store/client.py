@@ -114,6 +114,7 @@ class StoreClient:
         self.engine = engine or TransferEngine(config=self.config)
         self._link = MasterLink(cfg, p.CODEC, self.config.security.secret())
         self._mounts: list[p.MountSegment] = []
+        self._mounts_lock = threading.Lock()  # mount / unmount / the heartbeat's remount, one at a time
         self._segment_base = 0
         self._segment: RegisteredBuffer | None = None
         self._unpin_segment: Callable[[], None] = _nothing
@@ -512,9 +513,10 @@ class StoreClient:
         mount = p.MountSegment(
             self.client_id, f"{self.engine.name}/{base:x}", self.engine.name, base, size, INCARNATION
         )
-        self._call(mount)
-        # NOTE: a new list, not append: the heartbeat thread iterates the old one unlocked
-        self._mounts = [*self._mounts, mount]
+        with self._mounts_lock:
+            self._call(mount)
+            # NOTE: a new list, not append: close() iterates the old one unlocked
+            self._mounts = [*self._mounts, mount]
         return mount.segment_id
 
     def unmount(self, segment_id: str) -> None:
@@ -526,10 +528,17 @@ class StoreClient:
             RpcTimeout / MasterUnavailable.
         """
         first = f"{self.engine.name}/{self._segment_base:x}" if self._segment else ""
-        if segment_id == first or segment_id not in {m.segment_id for m in self._mounts}:
-            raise ObjectNotFound(f"this client mounted no segment {segment_id!r} after its start")
-        self._call(p.UnmountSegment(self.client_id, segment_id))
-        self._mounts = [m for m in self._mounts if m.segment_id != segment_id]
+        with self._mounts_lock:
+            if segment_id == first or segment_id not in {m.segment_id for m in self._mounts}:
+                raise ObjectNotFound(f"this client mounted no segment {segment_id!r} after its start")
+            before = self._mounts
+            # NOTE: out of the remount list before the call: a remount must never bring it back
+            self._mounts = [m for m in before if m.segment_id != segment_id]
+            try:
+                self._call(p.UnmountSegment(self.client_id, segment_id))
+            except BaseException:
+                self._mounts = before
+                raise
 
     def unmount_disk(self, grace_s: float = 0.0) -> bool:
         """Withdraw this holder's disk tier: the master forgets its copies at once (readers
@@ -562,9 +571,10 @@ class StoreClient:
                 if beat.tasks:
                     self._tasks.submit(beat.tasks)
                 if not beat.known and self._mounts:  # the master restarted: mount again
-                    logger.warning("the master does not know this client; remounting %d segments", len(self._mounts))
-                    for mount in self._mounts:
-                        self._call(mount)
+                    with self._mounts_lock:
+                        logger.warning("the master lost this client; remounting %d segments", len(self._mounts))
+                        for mount in self._mounts:
+                            self._call(mount)
             except TsukimiError as exc:
                 logger.warning("heartbeat to %s failed: %s", self.config.client.master, exc)
 

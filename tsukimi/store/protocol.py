@@ -235,8 +235,12 @@ class HeartbeatResult(msgspec.Struct, frozen=True, tag=True):
 
 
 class PutStartResult(msgspec.Struct, frozen=True, tag=True):
+    """Where to write; `timeout_s` is how long the master keeps the put open before it
+    reclaims it (0: a master that does not say)."""
+
     replicas: list[ReplicaLocation]
     put_id: int = 0
+    timeout_s: float = 0.0
 
 
 class GetReplicasResult(msgspec.Struct, frozen=True, tag=True):

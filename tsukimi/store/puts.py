@@ -39,6 +39,7 @@ from tsukimi.store.replica_io import PutItem, transfer_error, write_replicas
 from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
 from tsukimi.transfer.segment import byte_view
 
+DEFAULT_PUT_TIMEOUT_S = 30.0  # a master that does not say how long it keeps a put: MasterConfig's default
 _FIRST_WAIT_S = 0.002
 _MAX_WAIT_S = 0.05
 _Item = TypeVar("_Item")
@@ -56,12 +57,19 @@ class Reservation:
 
 @dataclass(frozen=True, slots=True)
 class OpenPut:
-    """A started put: where its replicas are, until it is ended or revoked."""
+    """A started put: where its replicas are, until it is ended or revoked, or until
+    `deadline` (the client's clock): the master reclaims it then, and its blocks may hold
+    another object later, so no write goes to them after it."""
 
     key: str
     size: int
     put_id: int
     replicas: tuple[p.ReplicaLocation, ...]
+    deadline: float = float("inf")
+
+    def expired(self, now: float) -> bool:
+        """Whether the master may have reclaimed this put by `now`."""
+        return now >= self.deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,9 +198,11 @@ class PutPath:
     def _start_chunk(self, reservations: list[Reservation]) -> list[OpenPut | TsukimiError]:
         starts = [p.PutStart(self._client_id, r.key, r.size, r.config, False, _new_put_id()) for r in reservations]
         outcomes: list[OpenPut | TsukimiError] = []
+        sent = self._clock.now()  # NOTE: the master's timeout counts from before its answer came
         for r, result in zip(reservations, call_batch(self._link, starts), strict=True):
             if isinstance(result, p.PutStartResult):
-                outcomes.append(OpenPut(r.key, r.size, result.put_id, tuple(result.replicas)))
+                timeout_s = result.timeout_s or DEFAULT_PUT_TIMEOUT_S
+                outcomes.append(OpenPut(r.key, r.size, result.put_id, tuple(result.replicas), sent + timeout_s))
             else:
                 outcomes.append(_error(result) or TransferError(f"no replicas for {r.key!r}"))
         return outcomes
@@ -208,7 +218,14 @@ class PutPath:
         errors: list[TsukimiError | None] = [None] * len(writes)
         requests: list[TransferRequest] = []
         owners: list[int] = []
+        now = self._clock.now()
         for i, write in enumerate(writes):
+            if write.put.expired(now):
+                errors[i] = TransferError(
+                    f"the put of {write.put.key!r} outlived the master's put timeout: it may be reclaimed,"
+                    " so nothing more is written to it (start it again)"
+                )
+                continue
             try:
                 view = byte_view(write.source, writable=False, with_address=False)[0]
                 if not isinstance(write.offset, int) or write.offset < 0 or write.offset + len(view) > write.put.size:

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -73,10 +74,24 @@ def _failed(what: str, code: int, **extra: object) -> BadRequest:
     return BadRequest(f"{what} failed, ret={code}", 400 if code in _CALLERS_CODES else 500, **extra)
 
 
+async def _body(request: Request) -> bytes:
+    """The request's body, at most MAX_BODY_BYTES (413 past it, before reading it whole)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BadRequest(f"request body over {MAX_BODY_BYTES} bytes", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BadRequest(f"request body over {MAX_BODY_BYTES} bytes", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _json(request: Request) -> Json:
     """The body as a JSON object. Raises BadRequest."""
     try:
-        data = json.loads(await request.body())
+        data = json.loads(await _body(request))
     except ValueError:
         raise BadRequest("Malformed JSON body") from None
     if not isinstance(data, dict):
@@ -117,6 +132,20 @@ def _shm_path(name: object) -> str:
     return f"/dev/shm/{plain}"
 
 
+def _decode_path(path: object) -> str:
+    """A decode-mode segment file: a file under /dev/shm only. Raises BadRequest.
+
+    NOTE: the wheel maps any path it is given, writable, and lends it to the pool; anyone who
+    can reach the port could then have other clients' puts overwrite any file this process may
+    write. Shared memory is what the service's mounts are for."""
+    if not isinstance(path, str) or not path:
+        raise BadRequest("Missing path or size for decode mode")
+    real = os.path.realpath(path)
+    if os.path.dirname(real) != "/dev/shm":
+        raise BadRequest(f"path must name a file in /dev/shm, got {path!r}")
+    return real
+
+
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -150,6 +179,7 @@ class MooncakeStoreService:
         self.mounted_segment_ids: list[str] = []
         self.last_mount_info: Json = {}
         self._state_lock = asyncio.Lock()
+        self._disk_unmount = asyncio.Lock()
         self._server: uvicorn.Server | None = None
         self._serving: asyncio.Task[None] | None = None
         self.config = MooncakeConfig.from_file(config_path) if config_path else MooncakeConfig.load_from_env()
@@ -356,7 +386,11 @@ class MooncakeStoreService:
         preStop hook's call; it holds for the grace period)."""
         data = await _json(request)
         grace = _count(data, "grace_period_seconds", 0, _MAX_UNMOUNT_LOCAL_DISK_GRACE_PERIOD_SECONDS)
-        code = await asyncio.to_thread(self._ready().unmount_local_disk_segment, grace)
+        store = self._ready()
+        if self._disk_unmount.locked():  # NOTE: each holds a worker thread for its grace period
+            raise BadRequest("an unmount of the local disk is running already", 409)
+        async with self._disk_unmount:
+            code = await asyncio.to_thread(store.unmount_local_disk_segment, grace)
         if code != 0:
             raise _failed("Unmount local disk", code)
         return _reply({"status": "success"})
@@ -382,9 +416,9 @@ class MooncakeStoreService:
         return _reply({"status": "success", "mode": self.current_mode})
 
     async def _decode(self, data: Json) -> Response:
-        path = data.get("path")
-        if not isinstance(path, str) or not path or "size" not in data:
+        if "size" not in data:
             raise BadRequest("Missing path or size for decode mode")
+        path = _decode_path(data.get("path"))
         size, offset = _count(data, "size"), _count(data, "offset", 0)
         protocol, location = _text(data, "protocol", self.config.protocol), _text(data, "location", "")
         store = self._ready()

@@ -54,13 +54,18 @@ def bind_to_numa_node(node: int) -> None:
     if not nodes:
         logger.warning("NUMA is not available on this system; binding skipped")
         return
-    if node not in nodes:
+    if node not in nodes and node != -1:
         logger.warning("Invalid NUMA node: %d. Valid range: %s", node, _text(nodes))
+        if node < -1:
+            return
     cpus = node_cpus(node)
     if cpus is None:
         logger.warning("numa_run_on_node failed for node %d", node)
     else:
-        os.sched_setaffinity(0, cpus)  # NOTE: pid 0 is the calling thread, not the whole process
+        try:
+            os.sched_setaffinity(0, cpus)  # NOTE: pid 0 is the calling thread, not the whole process
+        except OSError as exc:  # e.g. none of the node's CPUs is in this container's cpuset
+            logger.warning("numa_run_on_node failed for node %d: %s", node, exc)
     mask = frozenset() if node < 0 else frozenset({node})
     problem = _set_mempolicy(MPOL_PREFERRED, mask)
     if problem:

@@ -30,6 +30,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,6 +71,16 @@ def _once(release: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
+def _release_all(lock: threading.Lock, *tables: dict[str, _Segment]) -> None:
+    """Release every segment of `tables` (a MountedSegments collected without clear())."""
+    with lock:
+        segments = [segment for table in tables for segment in table.values()]
+        for table in tables:
+            table.clear()
+    for segment in segments:
+        segment.release()
+
+
 def _unregister(engine: TransferEngine, base: int) -> None:
     """Withdraw a buffer from the engine; nothing when the engine is closed or forgot it."""
     try:
@@ -108,6 +119,9 @@ class MountedSegments:
         self._mapped: dict[str, _Segment] = {}  # mount_segment's
         self._allocated: dict[str, _Segment] = {}  # allocate_and_mount_segment's
         self._timers: list[threading.Timer] = []
+        # NOTE: a store dropped without close() still frees them (its connection's finalizer
+        # unmounts them; release unregisters before it unmaps, so no peer writes into freed memory)
+        weakref.finalize(self, _release_all, self._lock, self._mapped, self._allocated)
 
     def mount(self, path: str, size: int, offset: int, protocol: str, location: str) -> MountResult:
         """Map [offset, offset + size) of the file at `path`, register and mount it."""

@@ -79,6 +79,9 @@ class _Fragment:
     offset: int
 
 
+SWEEP_AT = 65536  # open get sessions past which the expired ones are dropped at the next start
+
+
 class GetSessions:
     """Get sessions: the replicas of each started key, read range by range (see the module).
     Thread-safe."""
@@ -102,7 +105,10 @@ class GetSessions:
         except TsukimiError as exc:
             logger.error("batch_get_session_start failed: %s", exc)
             return [code_of(exc)] * len(keys)
+        now = self._clock.now()
         with self._lock:
+            if len(self._located) > SWEEP_AT:  # NOTE: sessions a caller never ended, long expired
+                self._located = {k: v for k, v in self._located.items() if not v.expired(now)}
             for key, found in lookups.items():
                 if isinstance(found, Located):
                     self._located[key] = found
@@ -184,8 +190,10 @@ class PutSessions:
     """Put sessions: started puts, written range by range, then ended or revoked (see the
     module). Thread-safe."""
 
-    def __init__(self, connection: StoreConnection) -> None:
+    def __init__(self, connection: StoreConnection, clock: Clock | None = None) -> None:
+        """`clock`: the client's (monotonic) clock, which put deadlines are read against."""
         self._connection = connection
+        self._clock = clock or WallClock()
         self._lock = threading.Lock()
         self._open: dict[str, OpenPut] = {}
         self._starting: set[str] = set()  # keys whose PutStart is on its way (a second start fails)
@@ -208,7 +216,12 @@ class PutSessions:
             return [code_of(exc)] * len(keys)
         codes = [OK] * len(keys)
         slots: list[int] = []
+        now = self._clock.now()
         with self._lock:
+            for key in [k for k, put in self._open.items() if put.expired(now)]:
+                # NOTE: the master has reclaimed it (or will): its key may be started afresh
+                logger.warning("put session %r outlived the master's put timeout; forgotten", key)
+                del self._open[key]
             for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
                 if not isinstance(key, str) or not isinstance(size, int) or size <= 0:
                     logger.error("batch_put_session_start: cannot reserve %r bytes for %r", size, key)
@@ -224,10 +237,12 @@ class PutSessions:
         except TsukimiError as exc:
             logger.error("batch_put_session_start failed: %s", exc)
             started = [exc] * len(slots)
-        finally:
+        except BaseException:
             with self._lock:
                 self._starting.difference_update(keys[i] for i in slots)
-        with self._lock:
+            raise
+        with self._lock:  # NOTE: one block: no start of these keys slips between the two sets
+            self._starting.difference_update(keys[i] for i in slots)
             for i, outcome in zip(slots, started, strict=True):
                 if isinstance(outcome, OpenPut):
                     self._open[keys[i]] = outcome

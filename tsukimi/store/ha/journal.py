@@ -189,7 +189,7 @@ def restore(tables: Tables, config: MasterConfig, clock: Clock, epoch: int) -> M
     for (slot, key), obj in tables.objects.items():
         placements = [Placement(sid, offset) for sid, offset in obj.placements if (sid, offset) in tables.blocks]
         for disk_id in obj.disks if slot == COMPLETE else ():
-            state.tiers.registry.lost.setdefault(disk_id, {})[key] = obj.put_id
+            state.tiers.registry.lost.setdefault(disk_id, {})[key] = (obj.put_id, obj.config)
         if not placements:
             continue
         owned.update((p.segment_id, p.offset) for p in placements)

@@ -85,11 +85,14 @@ def _adopt(tiers: Tiering, disk: Disk, file: dp.DiskFile) -> bool:
             return True  # NOTE: a registration retried after a lost reply: the copy is known
     else:
         lost = tiers.registry.lost.get(disk.disk_id)
-        adoptable = tiers.adopt_unknown if lost is None else lost.get(file.key) == file.put_id
+        copy = lost.get(file.key) if lost is not None else None
+        adoptable = tiers.adopt_unknown if lost is None else copy is not None and copy[0] == file.put_id
         if not adoptable or file.size <= 0:
             return False
+        # NOTE: its replica group and writer session again (its pins ended with its placements)
+        config = ReplicaConfig(group=copy[1].group, session=copy[1].session) if copy is not None else ReplicaConfig()
         record = ObjectRecord(
-            file.key, file.size, ReplicaConfig(), [], disk.client_id, 0.0, put_id=file.put_id, checksum=file.checksum
+            file.key, file.size, config, [], disk.client_id, 0.0, put_id=file.put_id, checksum=file.checksum
         )
     record.disks.append(disk.disk_id)
     objects[file.key] = record

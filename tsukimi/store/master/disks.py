@@ -19,6 +19,7 @@ from typing import Literal
 
 from tsukimi.eviction import LruPolicy
 from tsukimi.store.master.segments import Placement
+from tsukimi.store.protocol import ReplicaConfig
 
 TaskKind = Literal["offload", "promote", "delete"]
 
@@ -59,7 +60,9 @@ class DiskRegistry:
         self.disks: dict[str, Disk] = {}
         self.by_client: dict[str, str] = {}  # client id -> its disk id
         self.tasks: dict[int, Task] = {}
-        self.lost: dict[str, dict[str, int]] = {}  # disk id -> {key: put id} of copies it had
+        # disk id -> {key: (put id, config)} of the copies it had (an adopted copy's object
+        # gets its replica group and writer session back from the config)
+        self.lost: dict[str, dict[str, tuple[int, ReplicaConfig]]] = {}
         self._ids = itertools.count(1)
 
     def add(self, disk: Disk) -> None:

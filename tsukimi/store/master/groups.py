@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import msgspec
 
+from tsukimi.errors import InvalidArgument
 from tsukimi.store.master.changes import TrackedDict
 from tsukimi.store.master.records import ObjectRecord
+from tsukimi.store.protocol import ReplicaConfig
+
+MAX_MEMBERS = 1024  # objects in one replica group (see check_room)
 
 
 class ObjectTable(TrackedDict[ObjectRecord]):
@@ -71,6 +75,21 @@ class ObjectTable(TrackedDict[ObjectRecord]):
                 assert key in self and self[key].config.group == group, f"{key!r} is no member of {group!r}"
         grouped = sum(1 for record in self.values() if record.config.group)
         assert grouped == sum(len(m) for m in self.groups.values()), "a grouped object is missing from its group"
+
+
+def check_room(objects: ObjectTable, key: str, config: ReplicaConfig) -> None:
+    """Refuse a put that would grow a group past MAX_MEMBERS (pure).
+
+    NOTE: a read of one member renews every member, and eviction takes them all, under the
+    master's lock: a group is for the objects of one logical page (Mooncake's use: a KV
+    page's shards), not a namespace for a whole pool.
+
+    Raises:
+        InvalidArgument: the group is full and `key` is not a member.
+    """
+    members = objects.groups.get(config.group) if config.group else None
+    if members is not None and len(members) >= MAX_MEMBERS and key not in members:
+        raise InvalidArgument(f"replica group {config.group!r} has {MAX_MEMBERS} members already (the most)")
 
 
 def settle(record: ObjectRecord, old: ObjectRecord | None) -> None:

@@ -75,7 +75,7 @@ class MasterService:
     def _put_start(self, op: msgspec.Struct) -> p.PutStartResult:
         assert isinstance(op, p.PutStart)
         replicas = self.state.put_start(op.client_id, op.key, op.size, op.config, op.upsert, op.put_id, op.checksum)
-        return p.PutStartResult(replicas, self.state.pending[op.key].put_id)
+        return p.PutStartResult(replicas, self.state.pending[op.key].put_id, self.state.config.put_timeout_s)
 
     def _put_end(self, op: msgspec.Struct) -> p.Ok:
         assert isinstance(op, p.PutEnd)

@@ -106,6 +106,7 @@ class MasterState:
             raise ObjectExists(f"{key!r} is being written")
         if key in self.objects and not upsert:
             raise ObjectExists(f"{key!r} exists (use upsert to replace it)")
+        groups.check_room(self.objects, key, config)
         now = self.clock.now()
         placed = self._allocate(client_id, size, config, now)
         self.registry.know(client_id, now)  # NOTE: a dead writer's puts are reclaimed: see tick

@@ -329,7 +329,7 @@ class Tiering:
         for key in disk.keys.victims():
             record = objects[key]
             record.disks.remove(disk.disk_id)
-            lost[key] = record.put_id
+            lost[key] = (record.put_id, record.config)
             if record.replicas or record.disks:
                 objects[key] = record
             else:
