@@ -26,7 +26,7 @@ import pytest
 
 from tsukimi.integrations.sglang import paths
 from tsukimi.netio import free_port
-from tsukimi.testing.processes import wait_until
+from tsukimi.testing.processes import stop_processes, wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 SGLANG_VENV = Path(os.environ.get(paths.VENV_ENV) or ROOT / paths.DEFAULT_VENV).absolute()
@@ -94,12 +94,7 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
         wait_until(up, 30)
         yield Master(f"127.0.0.1:{rpc}", http, f"http://127.0.0.1:{meta}/metadata")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc], timeout_s=15)
         log.close()
 
 
