@@ -38,3 +38,11 @@ def test_replicas_on_this_host_come_first_in_the_masters_order() -> None:
         assert order[2:] == [REPLICAS[1]]
     everywhere = spread(REPLICAS, rng, on_this_host=lambda _: True)
     assert everywhere == REPLICAS  # all local: the master's order
+
+
+def test_the_readers_own_segment_comes_before_the_rest_of_its_host() -> None:
+    rng = random.Random(5)
+    here = {"h2:1", "h0:1"}
+    order = spread(REPLICAS, rng, on_this_host=here.__contains__, mine="h2:1")
+    assert [r.te_segment for r in order] == ["h2:1", "h0:1", "h1:1"]
+    assert spread(REPLICAS, rng, on_this_host=lambda _: True, mine="h1:1")[0] == REPLICAS[1]

@@ -33,6 +33,7 @@ from tsukimi.clock import Clock
 from tsukimi.config import ClientConfig
 from tsukimi.errors import InvalidArgument, ObjectNotFound, OffloadPending, TransferError, TsukimiError
 from tsukimi.store import protocol as p
+from tsukimi.store.local_replicas import gather, local_view
 from tsukimi.store.master_batch import call_batch
 from tsukimi.store.master_link import MasterLink
 from tsukimi.store.replica_io import PutItem, transfer_error, write_replicas
@@ -237,6 +238,10 @@ class PutPath:
                 errors[i] = exc
                 continue
             for loc in write.put.replicas:
+                mine = local_view(self._engine, loc.te_segment, loc.address + write.offset, len(view))
+                if mine is not None:  # in our own segment: a memcpy (local_replicas.py)
+                    gather([view], mine)
+                    continue
                 requests.append(TransferRequest(OpCode.WRITE, loc.te_segment, loc.address + write.offset, view))
                 owners.append(i)
         statuses = self._engine.transfer(requests) if requests else []

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from tsukimi.clock import Clock
 from tsukimi.errors import InvalidArgument, TsukimiError
 from tsukimi.store import protocol as p
+from tsukimi.store.local_replicas import local_view, scatter
 from tsukimi.store.master_batch import call_batch
 from tsukimi.store.master_link import MasterLink
 from tsukimi.store.replica_io import LEASE_SHARE, MIN_READ_S, GetResult, transfer_error
@@ -147,13 +148,21 @@ class RangeReads:
     def _read(self, pending: dict[int, _Pending], results: list[GetResult], lease_end: float) -> None:
         """READ rounds: every range still unread tries its next replica."""
         while pending:
-            order = list(pending)
+            order = []
             requests = []
-            for i in order:
-                loc = pending[i].replicas[pending[i].attempt]
-                requests.append(
-                    TransferRequest(OpCode.READ, loc.te_segment, loc.address + pending[i].offset, pending[i].view)
-                )
+            for i in list(pending):
+                target = pending[i]
+                loc = target.replicas[target.attempt]
+                mine = local_view(self._engine, loc.te_segment, loc.address + target.offset, len(target.view))
+                if mine is not None:  # in our own segment: a memcpy (local_replicas.py)
+                    scatter(mine, [target.view])
+                    results[i] = GetResult(target.view)
+                    del pending[i]
+                    continue
+                order.append(i)
+                requests.append(TransferRequest(OpCode.READ, loc.te_segment, loc.address + target.offset, target.view))
+            if not requests:
+                return
             timeout_s = max(MIN_READ_S, lease_end - self._clock.now())
             for i, status in zip(order, self._engine.transfer(requests, timeout_s=timeout_s), strict=True):
                 target = pending[i]

@@ -35,6 +35,7 @@ from tsukimi.device import DeviceRange
 from tsukimi.errors import ChecksumMismatch, InvalidBufferError, TransferError, TsukimiError
 from tsukimi.store import protocol as p
 from tsukimi.store.disk_server import DiskReader
+from tsukimi.store.local_replicas import gather, local_view, scatter
 from tsukimi.transfer import OpCode, RequestState, RequestStatus, TransferEngine, TransferRequest
 
 logger = logging.getLogger(__name__)
@@ -118,16 +119,19 @@ class _Target:
     parts: tuple[bytearray | memoryview, ...]
     replicas: list[p.ReplicaLocation]
     checksum: int | None
+    size: int
 
 
 def spread(
     replicas: Sequence[p.ReplicaLocation],
     rng: random.Random = _PICK,
     on_this_host: Callable[[str], bool] | None = None,
+    mine: str = "",
 ) -> list[p.ReplicaLocation]:
-    """The order in which a get tries `replicas` (the master's order): those on this host
-    first (`on_this_host(te_segment)`: shm or a local copy beats any link), then one of the
-    others picked at random, then the rest in the master's order. Pure but for `rng`.
+    """The order in which a get tries `replicas` (the master's order): those in the reader's
+    own segment `mine` first (a memcpy: local_replicas.py), then the others on this host
+    (`on_this_host(te_segment)`: shm beats any link), then one of the rest picked at random,
+    then the rest in the master's order. Pure but for `rng`.
 
     NOTE: always reading the master's first replica would leave a hot key's extra replicas
     (master/hot.py) idle: every reader would still pull from the one holder. A random first
@@ -138,6 +142,7 @@ def spread(
     if len(replicas) < 2:
         return list(replicas)
     local = [r for r in replicas if on_this_host(r.te_segment)] if on_this_host is not None else []
+    local.sort(key=lambda r: r.te_segment != mine)  # NOTE: stable: the master's order otherwise
     remote = [r for r in replicas if r not in local] if local else list(replicas)
     if len(remote) > 1:
         first = rng.randrange(len(remote))
@@ -165,6 +170,10 @@ def write_replicas(
     for i, result in enumerate(started):
         if isinstance(result, p.PutStartResult):
             for loc in result.replicas:
+                view = local_view(engine, loc.te_segment, loc.address, puts[i].size)
+                if view is not None:  # in our own segment: a memcpy (local_replicas.py)
+                    gather(puts[i].parts, view)
+                    continue
                 requests += _part_requests(OpCode.WRITE, loc, puts[i].parts)
                 owners += [i] * len(puts[i].parts)
     statuses = engine.transfer(requests) if requests else []
@@ -211,8 +220,9 @@ def read_replicas(
             targets[i] = _Target(
                 keys[i],
                 (dest,),
-                spread(result.replicas, on_this_host=engine.on_this_host),
+                spread(result.replicas, on_this_host=engine.on_this_host, mine=engine.name),
                 result.checksum if checksum else None,
+                result.size,
             )
     for i, failure in _read_rounds(engine, clock, targets, _lease_end(clock, found)).items():
         results[i] = GetResult(error=failure) if failure else GetResult(targets[i].parts[0])
@@ -245,8 +255,9 @@ def read_parts(
             targets[i] = _Target(
                 keys[i],
                 into[i],
-                spread(result.replicas, on_this_host=engine.on_this_host),
+                spread(result.replicas, on_this_host=engine.on_this_host, mine=engine.name),
                 result.checksum if checksum else None,
+                total,
             )
     for i, failure in _read_rounds(engine, clock, targets, _lease_end(clock, found)).items():
         results[i] = PartsResult(error=failure) if failure else PartsResult(True, sum(map(len, targets[i].parts)))
@@ -263,20 +274,32 @@ def _read_rounds(
     engine: TransferEngine, clock: Clock, targets: dict[int, _Target], lease_end: float
 ) -> dict[int, TsukimiError | None]:
     """One READ round per replica rank: the targets still unread try their next replica.
-    Each target's outcome: None (read, checksum matched) or why it failed on every replica."""
+    Each target's outcome: None (read, checksum matched) or why it failed on every replica.
+    A replica in our own segment is copied here and now (local_replicas.py)."""
     outcomes: dict[int, TsukimiError | None] = {}
     pending, attempt = dict(targets), 0
     while pending:
         order = list(pending)
         requests: list[TransferRequest] = []
+        copied: set[int] = set()
         for i in order:
-            requests += _part_requests(OpCode.READ, pending[i].replicas[attempt], pending[i].parts)
-        statuses = iter(engine.transfer(requests, timeout_s=max(MIN_READ_S, lease_end - clock.now())))
+            target = pending[i]
+            loc = target.replicas[attempt]
+            view = local_view(engine, loc.te_segment, loc.address, target.size)
+            if view is not None:
+                scatter(view, target.parts)
+                copied.add(i)
+            else:
+                requests += _part_requests(OpCode.READ, loc, target.parts)
+        timeout_s = max(MIN_READ_S, lease_end - clock.now())
+        statuses = iter(engine.transfer(requests, timeout_s=timeout_s) if requests else ())
         attempt += 1
         for i in order:
             target = pending[i]
-            parts_status = [next(statuses) for _ in target.parts]
-            failed = next((s for s in parts_status if s.state is not RequestState.COMPLETED), None)
+            failed = None
+            if i not in copied:
+                parts_status = [next(statuses) for _ in target.parts]
+                failed = next((s for s in parts_status if s.state is not RequestState.COMPLETED), None)
             if failed is None:
                 if target.checksum is None or parts_crc32c(target.parts) == target.checksum:
                     outcomes[i] = None
