@@ -64,7 +64,9 @@ class ObjectTable(TrackedDict[ObjectRecord]):
 
     def others(self, record: ObjectRecord) -> list[ObjectRecord]:
         """The other current members of `record`'s group, in key order; [] when ungrouped (pure)."""
-        members = self.groups.get(record.config.group, set()) if record.config.group else set()
+        if not record.config.group:  # NOTE: the common case, on every get: no set, no sort
+            return []
+        members = self.groups.get(record.config.group, set())
         return [self[key] for key in sorted(members) if key != record.key]
 
     def check_invariants(self) -> None:

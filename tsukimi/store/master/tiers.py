@@ -149,6 +149,8 @@ class Tiering:
 
     def locations(self, record: ObjectRecord, now: float) -> list[dp.DiskLocation]:
         """Where `record`'s copies are, those of healthy holders first (pure)."""
+        if not record.disks:
+            return []
         disks = [self.registry.disks[d] for d in record.disks]
         disks.sort(key=lambda d: not self.state.registry.healthy(d.client_id, now))
         return [dp.DiskLocation(d.endpoint, d.disk_id, record.put_id, record.size) for d in disks]
