@@ -82,10 +82,37 @@ def test_before_setup_every_key_is_an_rpc_failure() -> None:
 
 
 def test_every_buffer_moves_in_place(store: MooncakeDistributedStore) -> None:
-    """One Transfer Engine request per buffer, on the caller's own address: no staging copy."""
+    """A client that holds no memory: one Transfer Engine request per buffer, on the caller's
+    own address (no staging copy). The holder itself, whose segment has the replica, moves the
+    same buffers with a memcpy and no request at all (tsukimi/store/local_replicas.py)."""
     parts = [buffer(bytes([i]) * 4096) for i in range(4)]
     dests = [buffer(bytes(8192)) for _ in range(2)]
-    client = store._ready()
+    holder = store._ready()
+    assert holder is not None
+    reader = MooncakeDistributedStore()
+    master = holder.config.client.master.removeprefix("tcp://")
+    assert reader.setup("localhost", "P2PHANDSHAKE", 0, 0, "tcp", "", master) == 0
+    try:
+        seen = {"holder": _record_requests(store), "reader": _record_requests(reader)}
+        assert reader.batch_put_from_multi_buffers(["kv"], [[p for _, p in parts]], [[4096] * 4]) == [0]
+        assert [(r.op, byte_view(r.local)[1]) for r in seen["reader"]] == [(OpCode.WRITE, p) for _, p in parts]
+        seen["reader"].clear()
+        assert reader.batch_get_into_multi_buffers(["kv"], [[p for _, p in dests]], [[8192, 8192]]) == [16384]
+        assert [(r.op, byte_view(r.local)[1]) for r in seen["reader"]] == [(OpCode.READ, p) for _, p in dests]
+        expected = b"".join(bytes([i]) * 4096 for i in range(4))
+        assert b"".join(d.raw for d, _ in dests) == expected
+        for d, _ in dests:
+            ctypes.memset(ctypes.addressof(d), 0, 8192)
+        assert store.batch_get_into_multi_buffers(["kv"], [[p for _, p in dests]], [[8192, 8192]]) == [16384]
+        assert b"".join(d.raw for d, _ in dests) == expected
+        assert seen["holder"] == []
+    finally:
+        reader.close()
+
+
+def _record_requests(facade: MooncakeDistributedStore) -> list[TransferRequest]:
+    """The requests `facade`'s Transfer Engine is given from now on (the list fills up)."""
+    client = facade._ready()
     assert client is not None
     seen: list[TransferRequest] = []
     transfer = client.engine.transfer
@@ -95,9 +122,4 @@ def test_every_buffer_moves_in_place(store: MooncakeDistributedStore) -> None:
         return transfer(requests, **kw)  # type: ignore[return-value]
 
     client.engine.transfer = recording  # type: ignore[assignment, method-assign]
-    assert store.batch_put_from_multi_buffers(["kv"], [[p for _, p in parts]], [[4096] * 4]) == [0]
-    assert [(r.op, byte_view(r.local)[1]) for r in seen] == [(OpCode.WRITE, p) for _, p in parts]
-    seen.clear()
-    assert store.batch_get_into_multi_buffers(["kv"], [[p for _, p in dests]], [[8192, 8192]]) == [16384]
-    assert [(r.op, byte_view(r.local)[1]) for r in seen] == [(OpCode.READ, p) for _, p in dests]
-    assert b"".join(d.raw for d, _ in dests) == b"".join(bytes([i]) * 4096 for i in range(4))
+    return seen
