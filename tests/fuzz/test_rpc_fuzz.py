@@ -47,6 +47,7 @@ VALID_REQUESTS: list[msgspec.Struct] = [
     p.PutRevoke("c", "k"),
     p.GetReplicas("k"),
     p.Exists("k"),
+    p.ExistsMany(["k", "b"]),
     p.Remove("k", force=True),
     p.RemoveAll(),
     p.Batch([p.PutStart("c", "b", 10), p.Exists("b"), p.Remove("b")]),

@@ -309,3 +309,21 @@ def test_gets_list_replicas_on_silent_holders_last() -> None:
     clock.advance(2.6)  # past 2.5 heartbeat intervals
     state.registry.heartbeat("c1", clock.now())  # c0 (te0) is stopped or cut off
     assert [loc.te_segment for loc in state.get_replicas("k")[0]] == ["te1", "te0"]
+
+
+def test_exists_many_answers_each_key_in_order_and_refuses_a_bad_key_or_too_many() -> None:
+    from tsukimi.store.master.service import MasterService
+    from tsukimi.store.protocol import MAX_BATCH, ExistsMany, ExistsManyResult
+
+    state, _ = make_state()
+    service = MasterService(state)
+    put(state, "a")
+    put(state, "c")
+    leases = {key: state.objects[key].lease_until for key in ("a", "c")}
+    assert service.handle(ExistsMany(["c", "b", "a", "a"])) == ExistsManyResult([True, False, True, True])
+    assert service.handle(ExistsMany([])) == ExistsManyResult([])
+    assert {key: state.objects[key].lease_until for key in ("a", "c")} == leases  # no lease granted
+    with pytest.raises(InvalidArgument):
+        service.handle(ExistsMany(["a", ""]))
+    with pytest.raises(InvalidArgument, match="at most"):
+        service.handle(ExistsMany(["a"] * (MAX_BATCH + 1)))

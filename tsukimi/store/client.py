@@ -55,7 +55,7 @@ from tsukimi.clock import WallClock
 from tsukimi.config import Config
 from tsukimi.device import DeviceRange
 from tsukimi.device.batch_copy import HostBuffer, HostStaging
-from tsukimi.errors import InvalidArgument, InvalidBufferError, ObjectNotFound, TsukimiError
+from tsukimi.errors import InvalidArgument, InvalidBufferError, ObjectNotFound, ProtocolError, TsukimiError
 from tsukimi.store import disk_protocol as dp
 from tsukimi.store import protocol as p
 from tsukimi.store.device_io import DeviceIO, DevicePut, Part, as_part, has_device, pin_for_gpus
@@ -430,14 +430,16 @@ class StoreClient:
         return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key exists. Raises the first key's error (e.g. InvalidArgument)."""
-        results = call_batch(self._link, [p.Exists(k) for k in keys])
-        out = []
-        for result in results:
-            if isinstance(result, p.Failure):
-                raise p.error_of(result)
-            assert isinstance(result, p.ExistsResult)
-            out.append(result.exists)
+        """Whether each key exists: one master round trip per MAX_BATCH keys (grants no
+        lease). Raises InvalidArgument for a bad key (the whole call), RpcTimeout /
+        MasterUnavailable."""
+        out: list[bool] = []
+        for start in range(0, len(keys), p.MAX_BATCH):
+            chunk = list(keys[start : start + p.MAX_BATCH])
+            found = self._link.call_as(p.ExistsMany(chunk), p.ExistsManyResult).exists
+            if len(found) != len(chunk):
+                raise ProtocolError(f"the master answered {len(found)} of {len(chunk)} keys")
+            out += found
         return out
 
     def size_of(self, key: str) -> int | None:

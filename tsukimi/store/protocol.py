@@ -139,6 +139,14 @@ class Exists(msgspec.Struct, frozen=True, tag=True):
     key: str
 
 
+class ExistsMany(msgspec.Struct, frozen=True, tag=True):
+    """Whether each of `keys` (at most MAX_BATCH) exists: one message with one list of keys,
+    where a `Batch` of `Exists` would carry a tagged struct per key each way (the look-up
+    every vLLM/SGLang scheduler step makes). A bad key fails the whole call."""
+
+    keys: list[str]
+
+
 class Remove(msgspec.Struct, frozen=True, tag=True):
     key: str
     force: bool = False
@@ -262,6 +270,10 @@ class ExistsResult(msgspec.Struct, frozen=True, tag=True):
     exists: bool
 
 
+class ExistsManyResult(msgspec.Struct, frozen=True, tag=True):
+    exists: list[bool]
+
+
 class RemoveAllResult(msgspec.Struct, frozen=True, tag=True):
     removed: int
 
@@ -351,6 +363,7 @@ Request = (
     | PutRevoke
     | GetReplicas
     | Exists
+    | ExistsMany
     | Remove
     | RemoveAll
     | Batch
@@ -375,6 +388,7 @@ Response = (
     | PutStartResult
     | GetReplicasResult
     | ExistsResult
+    | ExistsManyResult
     | RemoveAllResult
     | BatchResult
     | ObjectInfo
@@ -397,6 +411,7 @@ REQUEST_TYPES: tuple[type[msgspec.Struct], ...] = (
     PutRevoke,
     GetReplicas,
     Exists,
+    ExistsMany,
     Remove,
     RemoveAll,
     Batch,
@@ -417,6 +432,7 @@ RESPONSE_TYPES: tuple[type[msgspec.Struct], ...] = (
     PutStartResult,
     GetReplicasResult,
     ExistsResult,
+    ExistsManyResult,
     RemoveAllResult,
     BatchResult,
     ObjectInfo,

@@ -62,6 +62,10 @@ def byte_exact_round_trips_and_misses(make_deployment: DeploymentMaker) -> None:
         registered.view[:] = bytes(4096)
         assert client.get_into("registered", registered) == 4096 and bytes(registered.view) == bytes(range(256)) * 16
         assert client.batch_exists(["rt0", "missing"]) == [True, False]
+        many = ["missing"] * p.MAX_BATCH + ["rt1", "rt2"]  # more than one master call holds
+        assert client.batch_exists(many) == [False] * p.MAX_BATCH + [True, True]
+        with raises(InvalidArgument):
+            client.batch_exists(["rt0", ""])
         with raises(InvalidBufferError):
             client.get_into("rt3", bytearray(10))
         with raises(InvalidArgument):

@@ -31,6 +31,7 @@ class MasterService:
             p.PutRevoke: self._put_revoke,
             p.GetReplicas: self._get_replicas,
             p.Exists: self._exists,
+            p.ExistsMany: self._exists_many,
             p.Remove: self._remove,
             p.RemoveAll: self._remove_all,
             p.Batch: self._batch,
@@ -99,6 +100,13 @@ class MasterService:
     def _exists(self, op: msgspec.Struct) -> p.ExistsResult:
         assert isinstance(op, p.Exists)
         return p.ExistsResult(self.state.exists(op.key))
+
+    def _exists_many(self, op: msgspec.Struct) -> p.ExistsManyResult:
+        assert isinstance(op, p.ExistsMany)
+        if len(op.keys) > p.MAX_BATCH:
+            raise InvalidArgument(f"at most {p.MAX_BATCH} keys per call, got {len(op.keys)}")
+        exists = self.state.exists
+        return p.ExistsManyResult([exists(key) for key in op.keys])
 
     def _remove(self, op: msgspec.Struct) -> p.Ok:
         assert isinstance(op, p.Remove)
