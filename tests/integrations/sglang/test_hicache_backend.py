@@ -55,6 +55,7 @@ def test_mha_pages_round_trip_byte_exact_per_rank(checks: dict[str, Any], tp: in
     assert result["ranks"] == [ROUND_TRIP] * tp
     assert result["distinct"]  # each rank's own pages came back, not another rank's
     assert result["backup_pages"] == PAGES  # get_stats: the second set found every page stored
+    assert result["local"] == [True] * tp  # local_first: each rank's pages sit in its own segment
 
 
 def test_mla_pages_are_rank_independent(checks: dict[str, Any]) -> None:

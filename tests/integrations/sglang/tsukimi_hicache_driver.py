@@ -115,10 +115,15 @@ def scenario_tp(master: str, tp_size: int) -> dict[str, Any]:
         fill(pool, seed=100 * tp_size + r)
     results = [round_trip(s, p, keys) for s, p in zip(ranks, pools, strict=True)]
     distinct = len({pages_of(p, 0) for p in pools}) == tp_size
+    local = [
+        all(info is not None and info.replicas[0].te_segment == s._client.engine.name for info in infos)
+        for s in ranks
+        for infos in [s._client.describe(s.keys.page_objects(keys, ""))]
+    ]
     stats = ranks[0].get_stats()
     for s in ranks:
         s.close()
-    return {"ranks": results, "distinct": distinct, "backup_pages": sum(stats.backup_pgs)}
+    return {"ranks": results, "distinct": distinct, "backup_pages": sum(stats.backup_pgs), "local": local}
 
 
 def scenario_mla(master: str) -> dict[str, Any]:

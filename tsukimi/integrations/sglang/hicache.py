@@ -104,8 +104,10 @@ class TsukimiHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is 
         self._metrics = storage_config.enable_storage_metrics
         self._pages: dict[str, list[int]] = {"prefetch": [], "backup": []}
         self._gbps: dict[str, list[float]] = {"prefetch": [], "backup": []}
-        self._config = p.ReplicaConfig(self.settings.replicas)
         self._client = StoreClient(self.settings.tsukimi_config())
+        # NOTE: a rank reads back the pages it wrote (its own TP shard): in its own segment that read is a memcpy
+        mine = (self._client.engine.name,) if self.settings.local_first and self.settings.segment_bytes else ()
+        self._config = p.ReplicaConfig(self.settings.replicas, preferred_segments=mine)
         logger.info("tsukimi HiCache storage on %s, keys sglang/%s/*", self.settings.master, self.keys.model)
         if not (storage_config.extra_config or {}).get("interface_v1"):
             logger.warning(

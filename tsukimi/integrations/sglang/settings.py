@@ -14,6 +14,9 @@ Keys (all optional but the dynamic factory's own; unknown keys are a ConfigError
     segment_bytes   memory this rank adds to the pool (0: a pure client)               0
     rpc_timeout_s   deadline of every master call; transfers get 5x (at least 5 s)     2.0
     replicas        replicas per page                                                   1
+    local_first     a page's first replica goes to this rank's own segment when it has    true
+                    room (each TP rank reads back its own pages: then a memcpy, no transfer;
+                    the master places it elsewhere when that segment is full or absent)
     model_tag       the model part of every key (default: SGLang's model name)         ""
     checksum        crc32c every object                                              false
 """
@@ -41,6 +44,7 @@ class HiCacheSettings:
     segment_bytes: int = 0
     rpc_timeout_s: float = 2.0
     replicas: int = 1
+    local_first: bool = True
     model_tag: str = ""
     checksum: bool = False
 
