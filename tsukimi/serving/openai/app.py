@@ -1,4 +1,5 @@
-"""The OpenAI-compatible front end over a `Router`: /v1/models, /v1/completions and
+"""The OpenAI-compatible front end over a `Router`: /v1/models (each model with the
+`generation_defaults` a request that omits temperature / top_p runs at), /v1/completions and
 /v1/chat/completions (server-sent events when `stream`, one JSON body otherwise), /health,
 /metrics (Prometheus, in the app's own registry), /stats (the router's prefix index, KV events
 and Conductor counters: `RouterStats`) and /decisions (the router's decision log).
@@ -42,6 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from tsukimi import auth, httpd
 from tsukimi.config import SecurityConfig
+from tsukimi.engine.generation_defaults import GenerationDefaults, generation_defaults
 from tsukimi.engine.tokenizer import StreamDecoder, Tokenizer
 from tsukimi.errors import InvalidArgument, Rejected, TsukimiError, WorkerUnavailable
 from tsukimi.serving.dashboard.series import SampledHistogram
@@ -172,19 +174,27 @@ class OpenAIServer:
         model_name: the id /v1/models lists; requests naming another model get 404.
         default_max_tokens: for chat requests without max_tokens.
         max_context_tokens: the served model's context (prompt + output tokens).
+        defaults: the served model's generation defaults, for what a request omits.
     """
 
     def __init__(
-        self, router: Router, tokenizer: Tokenizer, model_name: str, default_max_tokens: int, max_context_tokens: int
+        self,
+        router: Router,
+        tokenizer: Tokenizer,
+        model_name: str,
+        default_max_tokens: int,
+        max_context_tokens: int,
+        defaults: GenerationDefaults,
     ) -> None:
         self.router, self.tokenizer, self.model_name = router, tokenizer, model_name
         limits = ModelLimits(tokenizer.vocab_size, max_context_tokens)
-        self.checker = RequestChecker(tokenizer, model_name, limits, default_max_tokens)
+        self.checker = RequestChecker(tokenizer, model_name, limits, default_max_tokens, defaults)
         self.metrics = ApiMetrics()
         self._created = int(time.time())  # NOTE: calendar seconds for "created"; the Clock is monotonic
 
     def models(self) -> dict[str, object]:
         model = {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "tsukimi"}
+        model["generation_defaults"] = self.checker.defaults.body()  # NOTE: an extension, as vLLM's max_model_len
         return {"object": "list", "data": [model]}
 
     def health(self) -> dict[str, object]:
@@ -345,17 +355,22 @@ def create_app(
     model_name: str,
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
     max_context_tokens: int | None = None,
+    defaults: GenerationDefaults | None = None,
 ) -> FastAPI:
     """The FastAPI app. Its lifespan starts and closes `router`; served without a lifespan
     (httpd.start_in_thread), the router starts on the first request instead.
     `max_context_tokens`: the model's context; None reads it from the model spec `model_name`
     (openai_validation.model_context_tokens; ConfigError if it names no model).
+    `defaults`: the model's generation defaults; None reads them from the model spec
+    `model_name` (generation_defaults.generation_defaults; ConfigError likewise). Logs them once.
 
     Returns:
         The app; `app.state.server` is its `OpenAIServer` (metrics, for tests).
     """
     context = model_context_tokens(model_name) if max_context_tokens is None else max_context_tokens
-    server = OpenAIServer(router, tokenizer, model_name, default_max_tokens, context)
+    defaults = generation_defaults(model_name) if defaults is None else defaults
+    logger.info("%s: requests without temperature / top_p take %s", model_name, defaults)
+    server = OpenAIServer(router, tokenizer, model_name, default_max_tokens, context, defaults)
     secret, seen = SecurityConfig().secret(), auth.ReplayCache()  # NOTE: the workers' secret (docs/security.md)
 
     @asynccontextmanager

@@ -8,10 +8,13 @@ OpenAI's error bodies do ("messages[1].content[0].type"); another model is `Mode
 - types: msgspec decodes into openai_protocol's structs; its message loses its internal path
   and the path becomes `param`. Fields no struct declares are ignored (as vLLM does).
 - values: n = 1; temperature 0 or [1e-6, 2]; top_p [1e-6, 1] (the engine's float32 floor);
+  omitted, they are the served model's `GenerationDefaults` (the one place a request takes
+  them: tsukimi/engine/generation_defaults.py says which);
   seed 0..2**63-1; stop: at most 4 non-empty strings of at most 1024 characters;
   stop_token_ids and prompt token ids in the tokenizer's vocabulary; stream_options only with
   stream; max_tokens (or max_completion_tokens) >= 1 and prompt + max_tokens within the
-  model's context (`ModelLimits`). A default max_tokens is cut to what the context leaves.
+  model's context (`ModelLimits`). A default max_tokens (the model's max_new_tokens, else the
+  endpoint's) is cut to what the context leaves.
 - OpenAI parameters tsukimi does not implement (`UNSUPPORTED`): a 400 naming them unless their
   value is the one that means "off" (logprobs false, best_of 1, tools [] ...).
 - prompts: a string or token ids; a list of one prompt is that prompt; a batch of several is a
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import msgspec
 
+from tsukimi.engine.generation_defaults import OPENAI_DEFAULTS, GenerationDefaults
 from tsukimi.engine.sampling import MAX_TOKENS_LIMIT, MIN_SAMPLING_VALUE
 from tsukimi.engine.tokenizer import Tokenizer
 from tsukimi.engine.weights import TINY_CONFIG, default_gguf_path, open_gguf
@@ -101,12 +105,20 @@ class RequestChecker:
     Args:
         tokenizer: the model's (prompts, chat template, vocabulary size).
         model_name: the one id requests may name. limits: the model's vocabulary and context.
-        default_chat_max_tokens: for chat requests without max_tokens.
+        default_chat_max_tokens: for chat requests without max_tokens (unless `defaults` has one).
+        defaults: the model's generation defaults, for what a request omits.
     """
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, limits: ModelLimits, default_chat_max_tokens: int):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_name: str,
+        limits: ModelLimits,
+        default_chat_max_tokens: int,
+        defaults: GenerationDefaults = OPENAI_DEFAULTS,
+    ):
         self.tokenizer, self.model_name, self.limits = tokenizer, model_name, limits
-        self.default_chat_max_tokens = default_chat_max_tokens
+        self.default_chat_max_tokens, self.defaults = default_chat_max_tokens, defaults
 
     def check(self, raw: bytes, chat: bool) -> CheckedRequest:
         """The checked request of body `raw` (chat: /v1/chat/completions).
@@ -120,7 +132,7 @@ class RequestChecker:
             message = f"the model {req.model!r} does not exist; this server serves {self.model_name!r}"
             raise ModelNotFound(message, "model")
         _check_unsupported(req)
-        temperature, top_p = _check_sampling(req)
+        temperature, top_p = _check_sampling(req, self.defaults)
         stops = _stops(req.stop)
         stop_token_ids = tuple(req.stop_token_ids or ())
         if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -139,6 +151,7 @@ class RequestChecker:
             assert isinstance(req, CompletionRequest)
             prompt, prompt_param = self._prompt(req.prompt), "prompt"
             given, default, param = req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens"
+        default = default if self.defaults.max_tokens is None else self.defaults.max_tokens
         max_tokens = self._max_tokens(len(prompt), given, default, param, prompt_param)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return CheckedRequest(
@@ -257,15 +270,16 @@ def _check_unsupported(req: Params) -> None:
             raise InvalidArgument(f"'{name}' is not supported by this server (got {value!r})", name)
 
 
-def _check_sampling(req: Params) -> tuple[float, float]:
+def _check_sampling(req: Params, defaults: GenerationDefaults) -> tuple[float, float]:
+    """(temperature, top_p): the request's, else the model's defaults. Raises InvalidArgument."""
     if req.n is not None and req.n != 1:
         raise InvalidArgument(f"n must be 1 (one choice per request), got {req.n}", "n")
-    temperature = 1.0 if req.temperature is None else req.temperature
+    temperature = defaults.temperature if req.temperature is None else req.temperature
     if not (temperature == 0 or MIN_SAMPLING_VALUE <= temperature <= MAX_TEMPERATURE):
         raise InvalidArgument(
             f"temperature must be 0 or in [{MIN_SAMPLING_VALUE}, 2], got {temperature}", "temperature"
         )
-    top_p = 1.0 if req.top_p is None else req.top_p
+    top_p = defaults.top_p if req.top_p is None else req.top_p
     if not MIN_SAMPLING_VALUE <= top_p <= 1:
         raise InvalidArgument(f"top_p must be in [{MIN_SAMPLING_VALUE}, 1], got {top_p}", "top_p")
     if req.seed is not None and not 0 <= req.seed < 2**63:

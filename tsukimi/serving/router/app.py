@@ -6,7 +6,8 @@ router.
                     --> backend (config.backend: "tsukimi" here; another kind from `backends`,
                         e.g. "vllm", built by tsukimi/integrations/vllm/backend.py)
                     --> Router(workers, [router], [conductor], backend)
-                    --> the OpenAI front (tsukimi/serving/openai/app.py) with the model's tokenizer
+                    --> the OpenAI front (tsukimi/serving/openai/app.py) with the model's tokenizer,
+                        context and generation defaults
                     --> the dashboard (tsukimi/serving/dashboard/app.py) with its store probe
                         (master, master_http)
                     --> load shedding (shed_lag_ms; a shed request is logged as rejected
@@ -23,6 +24,7 @@ from fastapi import FastAPI
 
 from tsukimi.clock import Clock, WallClock
 from tsukimi.config import RouterAppConfig, SecurityConfig
+from tsukimi.engine.generation_defaults import generation_defaults
 from tsukimi.engine.tokenizer import Tokenizer, load_tokenizer
 from tsukimi.errors import ConfigError, Rejected
 from tsukimi.serving.dashboard import app as dashboard
@@ -78,7 +80,8 @@ def build_router_app(
     router = Router(workers, config.router, config.conductor, clock, backend)
     name = config.served_model_name or config.model
     tokens = tokenizer or load_tokenizer(config.model)
-    app = create_app(router, tokens, name, max_context_tokens=model_context_tokens(config.model))
+    context, defaults = model_context_tokens(config.model), generation_defaults(config.model)
+    app = create_app(router, tokens, name, max_context_tokens=context, defaults=defaults)
     secret = SecurityConfig().secret()  # NOTE: the workers' and the master's secret (docs/security.md)
     dashboard.mount(app, StoreProbe(config.master, config.master_http, secret))
     load_shedding.install(app, config.shed_lag_ms / 1000, _log_shed(app.state.server))
