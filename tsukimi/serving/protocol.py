@@ -85,7 +85,8 @@ def http_status(error: TsukimiError) -> int:
 class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One generation, as the router asks a worker (the body of POST /generate). The worker's
     role decides how much it generates: a prefill worker makes the first token only. Sampling
-    is greedy unless a temperature is given (the router always sends the client's).
+    is greedy unless a temperature is given (the router always sends one: the client's, else
+    the served model's default, tsukimi/engine/generation_defaults.py).
     `weights_version`: the weights the request must run on ("" = the worker's): the router
     sends the prefill's to the decode worker, so that no request continues on other weights
     than its first token's (a live weight update in between fails it with WorkerUnavailable)."""
