@@ -90,12 +90,12 @@ class MasterService:
 
     def _get_replicas(self, op: msgspec.Struct) -> p.GetReplicasResult:
         assert isinstance(op, p.GetReplicas)
-        replicas, size = self.state.get_replicas(op.key)
-        record = self.state.objects.get(op.key)
+        now = self.state.clock.now()
+        record, replicas = self.state.read(op.key, now)
         if record is None:
             return p.GetReplicasResult([], 0)
-        disk = self.state.tiers.locations(record, self.state.clock.now())
-        return p.GetReplicasResult(replicas, size, self.state.config.lease_ttl_s, record.checksum, disk)
+        disk = self.state.tiers.locations(record, now)
+        return p.GetReplicasResult(replicas, record.size, self.state.config.lease_ttl_s, record.checksum, disk)
 
     def _exists(self, op: msgspec.Struct) -> p.ExistsResult:
         assert isinstance(op, p.Exists)

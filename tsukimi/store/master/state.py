@@ -175,19 +175,30 @@ class MasterState:
 
     def get_replicas(self, key: str) -> tuple[list[ReplicaLocation], int]:
         """Complete replicas (empty on a miss), those on healthy holders first, and the size;
-        grants a read lease and marks the object recently used. An object only on disk has
-        no replica but its size (`tiers.locations` lists its copies); the get may promote it.
+        grants a read lease and marks the object recently used (`read` at the clock's now).
         Mutates."""
+        record, replicas = self.read(key, self.clock.now())
+        return replicas, 0 if record is None else record.size
+
+    def read(self, key: str, now: float) -> tuple[ObjectRecord | None, list[ReplicaLocation]]:
+        """A get of `key` at `now`: the complete object's record (None on a miss) and its
+        replicas, those on healthy holders first; grants a read lease and marks it recently
+        used. An object only on disk has no replica (`tiers.locations` lists its copies; the
+        get may promote it). Mutates. Raises InvalidArgument: a bad key.
+
+        NOTE: the hot path of every KV read (a batch calls it per key with one `now`)."""
         check_key(key)
         record = self.objects.get(key)
         if record is None:
             self.counters["misses"] += 1
-            return [], 0
-        now = self.clock.now()
-        for member in [record, *self.objects.others(record)]:  # NOTE: a group is read, and kept, as one
-            member.lease_until = max(member.lease_until, now + self.config.lease_ttl_s)
-            if member.key in self.policy:
-                self.policy.touch(member.key)
+            return None, []
+        lease_until = now + self.config.lease_ttl_s
+        policy = self.policy
+        for member in (record, *self.objects.others(record)) if record.config.group else (record,):
+            if member.lease_until < lease_until:  # NOTE: a group is read, and kept, as one
+                member.lease_until = lease_until
+            if member.key in policy:
+                policy.touch(member.key)
         self.tiers.on_hit(record, now)
         self.hot.on_read(key, now)
         self.counters["hits"] += 1
@@ -197,7 +208,7 @@ class MasterState:
         if len(order) > 1:
             segments, registry = self.registry.segments, self.registry
             order = sorted(order, key=lambda p: not registry.healthy(segments[p.segment_id].client_id, now))
-        return self._locations(order, record.size), record.size
+        return record, self._locations(order, record.size)
 
     def exists(self, key: str) -> bool:
         """Whether a complete object exists. Grants no lease and leaves the LRU order alone."""
