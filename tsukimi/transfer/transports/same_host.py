@@ -174,6 +174,25 @@ def live_slices(slices: list[Slice], clock: Clock) -> list[Slice]:
     return live
 
 
+def split_by_bytes(slices: list[Slice], parts: int) -> list[list[Slice]]:
+    """`slices` cut into at most `parts` runs of consecutive slices of about equal bytes: what
+    a large submit hands the copy workers (one queue item per run, not per slice)."""
+    total = sum(piece.nbytes for piece in slices)
+    share = max(1, -(-total // max(1, parts)))
+    runs: list[list[Slice]] = []
+    run: list[Slice] = []
+    size = 0
+    for piece in slices:
+        run.append(piece)
+        size += piece.nbytes
+        if size >= share:
+            runs.append(run)
+            run, size = [], 0
+    if run:
+        runs.append(run)
+    return runs
+
+
 def copy_now_or_hand_off(
     state: P, slices: list[Slice], run: Callable[[P, Slice], None], workers: CopyWorkers[tuple[P, Slice]], inline: int
 ) -> None:
