@@ -23,11 +23,12 @@ from tsukimi.errors import ConfigError, InvalidBufferError, OutOfBounds, Transfe
 from tsukimi.transfer.batch import OpCode, RequestRecord, SegmentHandle, TransferRequest
 from tsukimi.transfer.device_memory import request_memory
 from tsukimi.transfer.directory import SegmentDirectory
-from tsukimi.transfer.segment import NO_VIEW, BufferDescriptor, LocalSegment, SegmentDescriptor, byte_view
+from tsukimi.transfer.segment import NO_VIEW, BufferDescriptor, LocalSegment, SegmentDescriptor, byte_view, host_view
 from tsukimi.transfer.transports import Slice, Transport
 
 MAX_CHOICES = 4096  # remembered transport choices (see choose)
 Plan = tuple[SegmentHandle, OpCode, memoryview | DeviceRange, int]  # validated: where, what, which bytes, offset
+Group = tuple[Transport, SegmentDescriptor, list[Slice]]  # one transport's slices to one peer
 _HOST_TYPES = frozenset({bytes, bytearray, memoryview, np.ndarray})  # never device memory: no lookup
 
 
@@ -59,8 +60,11 @@ class Routes:
         if not isinstance(req.op, OpCode):
             raise ConfigError(f"op must be an OpCode, got {req.op!r}")
         local = req.local
-        memory = None if local.__class__ in _HOST_TYPES else request_memory(local, self._segment)
-        if memory is None:
+        if local.__class__ in _HOST_TYPES:  # NOTE: the common case: no device lookup, no other kinds
+            memory = None
+            view = host_view(local, req.op is OpCode.READ)
+            size = len(view)
+        elif (memory := request_memory(local, self._segment)) is None:
             view = byte_view(local, writable=req.op is OpCode.READ, with_address=False)[0]
             size = len(view)
         else:
@@ -85,8 +89,13 @@ class Routes:
 
     def dispatch(self, records: list[RequestRecord], plans: list[Plan]) -> None:
         """Route every request and hand each transport its slices, one hand-off per peer."""
+        self.hand_off(self.group(records, plans))
+
+    def group(self, records: list[RequestRecord], plans: list[Plan]) -> list[Group]:
+        """Route every request: its slices, grouped per (transport, peer). A request that
+        cannot be routed ends FAILED here."""
         refreshed: set[str] = set()
-        routes: dict[tuple[int, str], tuple[Transport, SegmentDescriptor, list[Slice]]] = {}
+        routes: dict[tuple[int, str], Group] = {}
         routed = 0
         try:
             for record, plan in zip(records, plans, strict=True):
@@ -106,7 +115,12 @@ class Routes:
                 for piece in pieces:
                     piece.record.slice_failed("submit was interrupted")
             raise
-        for transport, desc, pieces in routes.values():
+        return list(routes.values())
+
+    @staticmethod
+    def hand_off(groups: list[Group]) -> None:
+        """Give each transport its slices (one call per peer)."""
+        for transport, desc, pieces in groups:
             try:
                 transport.submit(desc, pieces)
             except TsukimiError as exc:  # closed concurrently

@@ -36,15 +36,19 @@ import logging
 import os
 from collections.abc import Callable
 
-import numpy as np
-
 from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
 from tsukimi.errors import ClosedError, OutOfBounds, PeerError, TsukimiError
 from tsukimi.transfer.batch import OpCode, RequestRecord
-from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
+from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor, view_address
 from tsukimi.transfer.transports.base import PreparedItem, Slice, TransportContext, register_transport
-from tsukimi.transfer.transports.same_host import CopyWorkers, PeerProcess, PeerTable, live_slices, still_registered
+from tsukimi.transfer.transports.same_host import (
+    CopyWorkers,
+    PeerProcess,
+    PeerTable,
+    live_slices,
+    still_registered,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +77,6 @@ for _op, _name in ((OpCode.READ, "process_vm_readv"), (OpCode.WRITE, "process_vm
     _call.restype = ctypes.c_ssize_t
     _CALLS[_op] = _call
 _READ = _CALLS[OpCode.READ]
-
-
-def _address(view: memoryview) -> int:
-    if view.readonly:  # NOTE: ctypes maps only writable buffers; numpy reads any (slower)
-        return int(np.frombuffer(view, np.uint8).ctypes.data)
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class VersionWord:
@@ -170,7 +168,7 @@ class CmaTransport:
         state = self._peers.get(peer)
         groups = []
         for op in (OpCode.READ, OpCode.WRITE):
-            pairs = [(_address(local), offset, len(local)) for kind, local, offset in items if kind is op]
+            pairs = [(view_address(local), offset, len(local)) for kind, local, offset in items if kind is op]
             if pairs:
                 groups.append((raw_call(op, state.pid, pairs), sum(size for _, _, size in pairs)))
 
@@ -257,7 +255,7 @@ class CmaTransport:
         local, remote = (_IoVec * count)(), (_IoVec * count)()
         for i, piece in enumerate(pieces):
             size = len(piece.local)
-            local[i].iov_base, local[i].iov_len = _address(piece.local), size
+            local[i].iov_base, local[i].iov_len = view_address(piece.local), size
             remote[i].iov_base, remote[i].iov_len = piece.remote_offset, size
         return int(_CALLS[op](peer.pid, local, count, remote, count, 0))
 

@@ -15,6 +15,7 @@ no staging. A mapping is pinned for a kind of device the first time it is used w
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections.abc import Callable
@@ -26,10 +27,16 @@ from tsukimi.config import TransferConfig
 from tsukimi.device import backend, pin_or_warn
 from tsukimi.errors import ClosedError, OutOfBounds, PeerError, TsukimiError
 from tsukimi.transfer.batch import OpCode, RequestRecord
-from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
+from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor, view_address
 from tsukimi.transfer.shared_memory import SharedMapping, map_shared, valid_shm_name
-from tsukimi.transfer.transports.base import Slice, TransportContext, register_transport
-from tsukimi.transfer.transports.same_host import CopyWorkers, PeerProcess, PeerTable, live_slices, split_by_bytes
+from tsukimi.transfer.transports.base import PreparedItem, Slice, TransportContext, register_transport
+from tsukimi.transfer.transports.same_host import (
+    CopyWorkers,
+    PeerProcess,
+    PeerTable,
+    live_slices,
+    split_by_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +130,50 @@ class ShmTransport:
             return
         for chunk in split_by_bytes(slices, self._num_workers):
             self._workers.put((state, chunk))
+
+    def prepare(self, peer: SegmentDescriptor, items: list[PreparedItem]) -> Callable[[], bool] | None:
+        """Prepared requests (tsukimi/transfer/prepared.py): each item's file mapped and both
+        addresses found once; a run checks liveness before and after the copies, and, under the
+        peer's lock, that each file is still mapped and not released, pinning its mapping for
+        the copies. Keeps no view of the items (addresses only: the caller keeps them alive).
+        None when an item is not in a mapped file of the peer, or for a batch too large for the
+        inline path."""
+        if sum(len(local) for _, local, _ in items) > INLINE_BYTES:
+            return None
+        state = self._peers.get(peer)
+        files: dict[str, SharedMapping] = {}
+        copies: list[tuple[int, int, int]] = []  # (destination, source, bytes)
+        for op, local, offset in items:
+            buffer = peer.find(offset, len(local))
+            if buffer is None or not buffer.shm_name or not valid_shm_name(buffer.shm_name):
+                return None
+            mapping = files.get(buffer.shm_name) or self._mapping(state, buffer.shm_name)
+            if isinstance(mapping, TsukimiError):
+                return None
+            files[buffer.shm_name] = mapping
+            start = offset - buffer.base + buffer.shm_offset
+            if start < 0 or start + len(local) > len(mapping.view):
+                return None
+            there, here = view_address(mapping.view) + start, view_address(local)
+            copies.append((there, here, len(local)) if op is OpCode.WRITE else (here, there, len(local)))
+        checks = tuple(files.items())
+
+        def run() -> bool:
+            if not state.alive():
+                return False
+            with state.lock:  # NOTE: drop() and close() unmap under this lock: the checks hold
+                try:
+                    if any(state.mappings.get(name) is not m or m.unlinked() for name, m in checks):
+                        return False
+                    pins = [m.view[0:0] for _, m in checks]  # NOTE: a live slice keeps the file mapped
+                except (OSError, ValueError):
+                    return False
+            for destination, source, size in copies:
+                ctypes.memmove(destination, source, size)
+            del pins
+            return state.alive()
+
+        return run
 
     def close(self) -> None:
         self._workers.close()
