@@ -16,9 +16,10 @@ once when the range is unknown), given a transport (the first registered one, by
 can serve it, unless one is forced), cut into slices and handed to that transport; submit
 never waits on the network. A list of requests submitted again (same buffers, offsets and
 peers) skips validation and routing, and where one transport prepared it, moves as
-`prepare(...).run()` does (tsukimi/transfer/plan_memo.py). Mooncake's batch-id API (allocate_batch_id / submit / status /
-free) lives in tsukimi/compat/batches.py over this one. Notifications and probes are control
-requests to the peer's segment server (control.py), whatever transport carries the data.
+`prepare(...).run()` does (tsukimi/transfer/plan_memo.py). Mooncake's batch-id API
+(allocate_batch_id / submit / status / free) lives in tsukimi/compat/batches.py over this one.
+Notifications and probes are control requests to the peer's segment server (control.py),
+whatever transport carries the data.
 With a cluster secret (`config.security`), every TCP connection to or from a peer and every
 request to an HTTP metadata server is authenticated with it (tsukimi/auth.py).
 """
