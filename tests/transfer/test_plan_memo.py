@@ -177,3 +177,20 @@ def test_a_change_makes_the_list_planned_anew(
             assert status.state is RequestState.FAILED and status.error_code == "out_of_bounds"
     else:
         assert np.array_equal(remote[4 * KIB : 8 * KIB], data)
+
+
+def test_a_large_list_is_copied_by_the_caller_and_the_workers(
+    engines: tuple[TransferEngine, TransferEngine, str],
+) -> None:
+    owner, user, transport = engines
+    base, remote = _target(owner, transport, 8192 * KIB)
+    data = np.random.default_rng(7).integers(0, 256, 8192 * KIB, dtype=np.uint8)  # above every inline limit
+    step = 32 * KIB
+    writes = [TransferRequest(OpCode.WRITE, "owner", base + i * step, data[i * step :], step) for i in range(256)]
+    user.lookup("owner", fresh=True)  # NOTE: prepare routes with the cached descriptor only
+    prepared = user.prepare(writes)
+    assert prepared.fast is (transport == "shm")  # NOTE: cma prepares up to its inline limit only
+    for run in (prepared.run, lambda: user.transfer(writes), lambda: user.transfer(writes)):
+        remote[:] = 0
+        assert all(s.state is RequestState.COMPLETED for s in run())
+        assert np.array_equal(remote, data)

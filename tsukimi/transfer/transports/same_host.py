@@ -174,17 +174,17 @@ def live_slices(slices: list[Slice], clock: Clock) -> list[Slice]:
     return live
 
 
-def split_by_bytes(slices: list[Slice], parts: int) -> list[list[Slice]]:
-    """`slices` cut into at most `parts` runs of consecutive slices of about equal bytes: what
-    a large submit hands the copy workers (one queue item per run, not per slice)."""
-    total = sum(piece.nbytes for piece in slices)
-    share = max(1, -(-total // max(1, parts)))
-    runs: list[list[Slice]] = []
-    run: list[Slice] = []
+def split_by_bytes(items: list[T], parts: int, size_of: Callable[[T], int]) -> list[list[T]]:
+    """`items` (slices, copies) cut into at most `parts` runs of consecutive items of about
+    equal bytes: what a large submit hands the copy workers (one queue item per run, not per
+    slice)."""
+    share = max(1, -(-sum(size_of(item) for item in items) // max(1, parts)))
+    runs: list[list[T]] = []
+    run: list[T] = []
     size = 0
-    for piece in slices:
-        run.append(piece)
-        size += piece.nbytes
+    for item in items:
+        run.append(item)
+        size += size_of(item)
         if size >= share:
             runs.append(run)
             run, size = [], 0

@@ -15,7 +15,6 @@ no staging. A mapping is pinned for a kind of device the first time it is used w
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from tsukimi.transfer.transports.same_host import (
     live_slices,
     split_by_bytes,
 )
+from tsukimi.transfer.transports.shm_copies import Copies, Copy, Latch, copy_all
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +107,8 @@ class ShmTransport:
         self._host_id = local_host_id
         self._peers: PeerTable[_ShmPeer] = PeerTable("shm", lambda desc: _ShmPeer(desc, config.shm_dir))
         self._num_workers = config.num_shm_workers
-        self._workers: CopyWorkers[tuple[_ShmPeer, list[Slice]]] = CopyWorkers(
-            config.num_shm_workers,
-            "tsukimi-shm",
-            lambda item: self._run(*item),
-            lambda item: _fail(item[1], "shm transport is closed", ClosedError.code),
+        self._workers: CopyWorkers[tuple[_ShmPeer, list[Slice]] | Copies] = CopyWorkers(
+            config.num_shm_workers, "tsukimi-shm", self._work, self._refuse
         )
 
     def can_serve(self, peer: SegmentDescriptor, buffer: BufferDescriptor) -> bool:
@@ -128,21 +125,19 @@ class ShmTransport:
         if sum(piece.nbytes for piece in slices) <= INLINE_BYTES:  # NOTE: the common small submit: no hand-off
             self._run(state, slices)
             return
-        for chunk in split_by_bytes(slices, self._num_workers):
+        for chunk in split_by_bytes(slices, self._num_workers, _nbytes):
             self._workers.put((state, chunk))
 
     def prepare(self, peer: SegmentDescriptor, items: list[PreparedItem]) -> Callable[[], bool] | None:
         """Prepared requests (tsukimi/transfer/prepared.py): each item's file mapped and both
         addresses found once; a run checks liveness before and after the copies, and, under the
         peer's lock, that each file is still mapped and not released, pinning its mapping for
-        the copies. Keeps no view of the items (addresses only: the caller keeps them alive).
-        None when an item is not in a mapped file of the peer, or for a batch too large for the
-        inline path."""
-        if sum(len(local) for _, local, _ in items) > INLINE_BYTES:
-            return None
+        the copies. A run above INLINE_BYTES shares its copies, cut as slices are, with the
+        workers. Keeps no view of the items (addresses only: the caller keeps them alive).
+        None when an item is not in a mapped file of the peer."""
         state = self._peers.get(peer)
         files: dict[str, SharedMapping] = {}
-        copies: list[tuple[int, int, int]] = []  # (destination, source, bytes)
+        copies: list[Copy] = []
         for op, local, offset in items:
             buffer = peer.find(offset, len(local))
             if buffer is None or not buffer.shm_name or not valid_shm_name(buffer.shm_name):
@@ -155,8 +150,12 @@ class ShmTransport:
             if start < 0 or start + len(local) > len(mapping.view):
                 return None
             there, here = view_address(mapping.view) + start, view_address(local)
-            copies.append((there, here, len(local)) if op is OpCode.WRITE else (here, there, len(local)))
+            for at in range(0, len(local), SLICE_BYTES):
+                size = min(SLICE_BYTES, len(local) - at)
+                copies.append((there + at, here + at, size) if op is OpCode.WRITE else (here + at, there + at, size))
         checks = tuple(files.items())
+        total = sum(size for _, _, size in copies)
+        shares = [copies] if total <= INLINE_BYTES else split_by_bytes(copies, self._num_workers + 1, _copy_bytes)
 
         def run() -> bool:
             if not state.alive():
@@ -168,16 +167,39 @@ class ShmTransport:
                     pins = [m.view[0:0] for _, m in checks]  # NOTE: a live slice keeps the file mapped
                 except (OSError, ValueError):
                     return False
-            for destination, source, size in copies:
-                ctypes.memmove(destination, source, size)
+            moved = self._copy_shares(shares)
             del pins
-            return state.alive()
+            return moved and state.alive()
 
         return run
+
+    def _copy_shares(self, shares: list[list[Copy]]) -> bool:
+        """Run the first share of copies here and the others on the workers; whether all ran."""
+        if len(shares) == 1:
+            copy_all(shares[0])
+            return True
+        latch = Latch(len(shares) - 1)
+        for share in shares[1:]:
+            self._workers.put(Copies(share, latch))
+        copy_all(shares[0])
+        return latch.wait()
 
     def close(self) -> None:
         self._workers.close()
         self._peers.close()
+
+    def _work(self, item: tuple[_ShmPeer, list[Slice]] | Copies) -> None:
+        if isinstance(item, Copies):
+            item.run()
+        else:
+            self._run(*item)
+
+    @staticmethod
+    def _refuse(item: tuple[_ShmPeer, list[Slice]] | Copies) -> None:
+        if isinstance(item, Copies):
+            item.refuse()
+        else:
+            _fail(item[1], "shm transport is closed", ClosedError.code)
 
     def _run(self, peer: _ShmPeer, slices: list[Slice]) -> None:
         """Copy a group of one peer's slices and end each (done, failed or timed out).
@@ -256,6 +278,14 @@ class ShmTransport:
             np.copyto(remote, local)
         else:
             np.copyto(local, remote)
+
+
+def _nbytes(piece: Slice) -> int:
+    return piece.nbytes
+
+
+def _copy_bytes(copy: Copy) -> int:
+    return copy[2]
 
 
 def _fail(pieces: list[Slice], reason: str, code: str = PeerError.code) -> None:
