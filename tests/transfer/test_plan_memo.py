@@ -189,7 +189,7 @@ def test_a_large_list_is_copied_by_the_caller_and_the_workers(
     writes = [TransferRequest(OpCode.WRITE, "owner", base + i * step, data[i * step :], step) for i in range(256)]
     user.lookup("owner", fresh=True)  # NOTE: prepare routes with the cached descriptor only
     prepared = user.prepare(writes)
-    assert prepared.fast is (transport == "shm")  # NOTE: cma prepares up to its inline limit only
+    assert prepared.fast is (transport != "tcp")
     for run in (prepared.run, lambda: user.transfer(writes), lambda: user.transfer(writes)):
         remote[:] = 0
         assert all(s.state is RequestState.COMPLETED for s in run())

@@ -15,6 +15,7 @@ no staging. A mapping is pinned for a kind of device the first time it is used w
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from tsukimi.transfer.transports.same_host import (
     live_slices,
     split_by_bytes,
 )
-from tsukimi.transfer.transports.shm_copies import Copies, Copy, Latch, copy_all
+from tsukimi.transfer.transports.shares import Copy, Share, copy_all, run_shares
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class ShmTransport:
         self._host_id = local_host_id
         self._peers: PeerTable[_ShmPeer] = PeerTable("shm", lambda desc: _ShmPeer(desc, config.shm_dir))
         self._num_workers = config.num_shm_workers
-        self._workers: CopyWorkers[tuple[_ShmPeer, list[Slice]] | Copies] = CopyWorkers(
+        self._workers: CopyWorkers[tuple[_ShmPeer, list[Slice]] | Share] = CopyWorkers(
             config.num_shm_workers, "tsukimi-shm", self._work, self._refuse
         )
 
@@ -156,6 +157,7 @@ class ShmTransport:
         checks = tuple(files.items())
         total = sum(size for _, _, size in copies)
         shares = [copies] if total <= INLINE_BYTES else split_by_bytes(copies, self._num_workers + 1, _copy_bytes)
+        works = [functools.partial(copy_all, share) for share in shares]
 
         def run() -> bool:
             if not state.alive():
@@ -167,36 +169,27 @@ class ShmTransport:
                     pins = [m.view[0:0] for _, m in checks]  # NOTE: a live slice keeps the file mapped
                 except (OSError, ValueError):
                     return False
-            moved = self._copy_shares(shares)
-            del pins
+            try:
+                moved = run_shares(works, self._workers.put)
+            finally:
+                del pins
             return moved and state.alive()
 
         return run
-
-    def _copy_shares(self, shares: list[list[Copy]]) -> bool:
-        """Run the first share of copies here and the others on the workers; whether all ran."""
-        if len(shares) == 1:
-            copy_all(shares[0])
-            return True
-        latch = Latch(len(shares) - 1)
-        for share in shares[1:]:
-            self._workers.put(Copies(share, latch))
-        copy_all(shares[0])
-        return latch.wait()
 
     def close(self) -> None:
         self._workers.close()
         self._peers.close()
 
-    def _work(self, item: tuple[_ShmPeer, list[Slice]] | Copies) -> None:
-        if isinstance(item, Copies):
+    def _work(self, item: tuple[_ShmPeer, list[Slice]] | Share) -> None:
+        if isinstance(item, Share):
             item.run()
         else:
             self._run(*item)
 
     @staticmethod
-    def _refuse(item: tuple[_ShmPeer, list[Slice]] | Copies) -> None:
-        if isinstance(item, Copies):
+    def _refuse(item: tuple[_ShmPeer, list[Slice]] | Share) -> None:
+        if isinstance(item, Share):
             item.refuse()
         else:
             _fail(item[1], "shm transport is closed", ClosedError.code)
