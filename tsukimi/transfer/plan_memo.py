@@ -26,6 +26,7 @@ import ctypes
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -39,10 +40,12 @@ _from_buffer, _addressof = ctypes.c_char.from_buffer, ctypes.addressof
 MEMO_ENTRIES = 128  # remembered (or seen) request lists; the oldest is dropped first
 _HOST_CLASSES = frozenset({bytes, bytearray, memoryview, np.ndarray})
 
-# (reading, segment name or (handle id, name, transport), remote offset, local offset, length,
-#  buffer address, buffer size, read-only)
-RequestKey = tuple[bool, str | tuple[int, str, str], int, int, int | None, int, int, bool]
-Key = tuple[RequestKey, ...]
+# per request: reading, handle id, segment name, handle transport (id and transport _BY_NAME
+# for a segment named by a string), remote offset, local offset, length, buffer address,
+# buffer size, read-only
+Key = tuple[object, ...]
+KEY_FIELDS = 10
+_BY_NAME = object()
 # one slice: (request index, start, stop in the request's buffer, op, remote offset, remote buffer)
 SliceTemplate = tuple[int, int, int, OpCode, int, BufferDescriptor]
 
@@ -87,40 +90,6 @@ class Remembered:
         ]
 
 
-def request_key(req: TransferRequest) -> tuple[RequestKey, memoryview] | None:
-    """A request's key and its buffer's flat view, or None when it is not memoizable (not a
-    plain host buffer, or malformed: planning it anew says why)."""
-    local, segment = req.local, req.segment
-    if (
-        local.__class__ not in _HOST_CLASSES
-        or req.op.__class__ is not OpCode
-        or req.remote_offset.__class__ is not int
-        or req.local_offset.__class__ is not int
-        or not (req.length is None or req.length.__class__ is int)
-    ):
-        return None
-    if type(segment) is SegmentHandle:
-        where: str | tuple[int, str, str] = (segment.handle_id, segment.name, segment.transport)
-    elif type(segment) is str:
-        where = segment
-    else:
-        return None
-    reading = req.op is OpCode.READ
-    # NOTE: host_view and view_address, inlined: this runs for every request of every submit
-    try:
-        view = memoryview(local)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-    if view.format != "B" or view.ndim != 1:
-        if not view.c_contiguous:
-            return None
-        view = view.cast("B")
-    if not view.c_contiguous or not view.nbytes or (reading and view.readonly):
-        return None
-    address = view_address(view) if view.readonly else _addressof(_from_buffer(view))
-    return (reading, where, req.remote_offset, req.local_offset, req.length, address, len(view), view.readonly), view
-
-
 class PlanMemo:
     """The engine's remembered request lists (see the module). Thread-safe."""
 
@@ -132,15 +101,46 @@ class PlanMemo:
         self._entries: dict[Key, Remembered | int] = {}
 
     def key(self, requests: Sequence[TransferRequest]) -> tuple[Key, list[memoryview]] | None:
-        """The list's key and each request's buffer view; None when a request is not memoizable."""
-        keys, views = [], []
+        """The list's key and each request's buffer (a flat byte view); None when a request is
+        not memoizable (not a plain host buffer, or malformed: planning it anew says why).
+
+        NOTE: one flat tuple of ints, strings and bools (hashed in C; an enum or a dataclass
+        would hash in Python), and host_view and view_address inlined: this runs for every
+        request of every submit."""
+        flat: list[object] = []
+        views: list[memoryview] = []
         for req in requests:
-            found = request_key(req)
-            if found is None:
+            local, segment, length = req.local, req.segment, req.length
+            if (
+                local.__class__ not in _HOST_CLASSES
+                or req.op.__class__ is not OpCode
+                or req.remote_offset.__class__ is not int
+                or req.local_offset.__class__ is not int
+                or not (length is None or length.__class__ is int)
+            ):
                 return None
-            keys.append(found[0])
-            views.append(found[1])
-        return tuple(keys), views
+            reading = req.op is OpCode.READ
+            if type(segment) is SegmentHandle:
+                flat += (reading, segment.handle_id, segment.name, segment.transport)
+            elif type(segment) is str:
+                flat += (reading, _BY_NAME, segment, _BY_NAME)
+            else:
+                return None
+            try:
+                view = memoryview(local)  # type: ignore[arg-type]
+            except TypeError:
+                return None
+            if view.format != "B" or view.ndim != 1:
+                if not view.c_contiguous:
+                    return None
+                view = view.cast("B")
+            readonly = view.readonly
+            if not view.c_contiguous or not view.nbytes or (reading and readonly):
+                return None
+            address = view_address(view) if readonly else _addressof(_from_buffer(view))
+            flat += (req.remote_offset, req.local_offset, length, address, len(view), readonly)
+            views.append(view)
+        return tuple(flat), views
 
     def get(self, key: Key) -> tuple[Remembered | None, bool]:
         """The entry for `key` while it is still valid (see the module), and whether the list
@@ -183,7 +183,9 @@ class PlanMemo:
             for piece in pieces:
                 i = index[id(piece.record)]
                 counts[i] += 1
-                start = key[i][3] + piece.remote_offset - plans[i][3]  # NOTE: local and remote advance together
+                start = (
+                    cast(int, key[i * KEY_FIELDS + 5]) + piece.remote_offset - plans[i][3]
+                )  # NOTE: local and remote advance together
                 templates.append((i, start, start + len(piece.local), piece.op, piece.remote_offset, piece.buffer))
             kept.append((transport, desc, tuple(templates)))
         if 0 in counts:  # a request ended FAILED in routing
