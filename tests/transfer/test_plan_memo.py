@@ -194,3 +194,24 @@ def test_a_large_list_is_copied_by_the_caller_and_the_workers(
         remote[:] = 0
         assert all(s.state is RequestState.COMPLETED for s in run())
         assert np.array_equal(remote, data)
+
+
+def test_requests_to_the_engines_own_segment_are_copied_in_place() -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    with TransferEngine("self", Config(metadata=MetadataConfig(url))) as engine:
+        memory = np.zeros(1024 * KIB, np.uint8)
+        base = engine.register(memory)
+        shared = engine.allocate(64 * KIB)
+        assert engine.transport_for("self", base) == engine.transport_for("self", shared.base) == "local"
+        assert engine.transport_for(engine.open_segment("self", "tcp"), base) == "tcp"
+        data = np.random.default_rng(3).integers(0, 256, 512 * KIB, dtype=np.uint8)  # above MEMCPY_BYTES too
+        back = np.zeros(4 * KIB, np.uint8)
+        for _ in range(3):  # planned, seen, remembered
+            assert engine.transfer([TransferRequest(OpCode.WRITE, "self", base + 4 * KIB, data)])[0].transferred_bytes
+            engine.write("self", shared.base, data[: 4 * KIB])
+            engine.read("self", base + 4 * KIB, back)
+        assert np.array_equal(memory[4 * KIB : 516 * KIB], data) and np.array_equal(back, data[: 4 * KIB])
+        assert bytes(shared.view[: 4 * KIB]) == data[: 4 * KIB].tobytes()
+        engine.unregister(base)
+        (status,) = engine.transfer([TransferRequest(OpCode.WRITE, "self", base + 4 * KIB, data)])
+        assert status.state is RequestState.FAILED and status.error_code == "out_of_bounds", status

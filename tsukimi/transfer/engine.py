@@ -67,6 +67,7 @@ from tsukimi.transfer.server import SegmentServer, ServerHooks
 from tsukimi.transfer.shared_memory import SharedMemoryAllocator
 from tsukimi.transfer.staging import StagingPool
 from tsukimi.transfer.transports import Preparable, SegmentAware, TransportContext, build_transports
+from tsukimi.transfer.transports.local import LocalCopy
 from tsukimi.transfer.transports.staged import Staging
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,8 @@ class TransferEngine:
             raise
         self._aware = [t for t in self._transports if isinstance(t, SegmentAware)]
         self._staging = Staging(self._clock)  # NOTE: device bytes over tcp; memory on first use
-        self._routes = Routes(self.config, self._directory, self._transports, self._segment, self._staging.wrap)
+        local = LocalCopy(self._segment, self._clock)
+        self._routes = Routes(self.config, self._directory, self._transports, self._segment, self._staging.wrap, local)
         self._memo = PlanMemo(self._directory, self._segment)
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()

@@ -1,7 +1,8 @@
 """Routing: a request -> (transport, peer descriptor, slices). `Routes` validates a request
 (`plan`), finds its peer's descriptor (re-fetched once when the range is unknown: a buffer
 registered after it was cached), picks the first transport, by rank, that can serve the
-buffer (or the one forced), remembers that choice per descriptor, cuts the slices and hands
+buffer (or the one forced; `auto` copies requests to this engine's own host memory in
+place, transports/local.py), remembers that choice per descriptor, cuts the slices and hands
 each transport its slices in one call per peer (`dispatch`).
 
 A request whose local buffer is device memory (a device object, or an (address, length)
@@ -48,11 +49,14 @@ class Routes:
         transports: Sequence[Transport],
         segment: LocalSegment,
         stage: Callable[[Transport], Transport],
+        local: Transport | None = None,
     ) -> None:
         """`segment`: this engine's (device buffers registered there are device memory in
-        requests too); `stage`: a host-only transport wrapped to take device-local slices."""
+        requests too); `stage`: a host-only transport wrapped to take device-local slices;
+        `local`: what `auto` gives requests to this engine's own host memory first
+        (transports/local.py)."""
         self.config, self._directory, self._transports = config, directory, list(transports)
-        self._segment, self._stage = segment, stage
+        self._segment, self._stage, self._local = segment, stage, local
         self._choices: dict[tuple[str, int, int, bool], tuple[SegmentDescriptor, Transport]] = {}
 
     def plan(self, req: TransferRequest) -> Plan:
@@ -182,7 +186,8 @@ class Routes:
         known = self._choices.get(key)
         if known is not None and known[0] is desc:
             return known[1]
-        for transport in self._transports:
+        mine = [self._local] if self._local is not None and handle.transport == "auto" and not device_local else []
+        for transport in (*mine, *self._transports):
             if handle.transport in ("auto", transport.name) and transport.can_serve(desc, buffer):
                 chosen = self._from_device(transport) if device_local else transport
                 if chosen is None:
