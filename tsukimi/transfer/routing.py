@@ -2,8 +2,8 @@
 (`plan`), finds its peer's descriptor (re-fetched once when the range is unknown: a buffer
 registered after it was cached), picks the first transport, by rank, that can serve the
 buffer (or the one forced; `auto` copies requests to this engine's own host memory in
-place, transports/local.py), remembers that choice per descriptor, cuts the slices and hands
-each transport its slices in one call per peer (`dispatch`).
+place, transports/local.py), remembers that choice per descriptor, cuts the slices (`group`) and
+hands each transport its slices in one call per peer (`hand_off`).
 
 A request whose local buffer is device memory (a device object, or an (address, length)
 inside a registered device buffer) is cut into device slices (`Slice.device`) and goes only
@@ -90,10 +90,6 @@ class Routes:
         if memory is not None:
             return handle, req.op, memory.sub(req.local_offset, length), req.remote_offset
         return handle, req.op, view[req.local_offset : req.local_offset + length], req.remote_offset
-
-    def dispatch(self, records: list[RequestRecord], plans: list[Plan]) -> None:
-        """Route every request and hand each transport its slices, one hand-off per peer."""
-        self.hand_off(self.group(records, plans))
 
     def group(self, records: list[RequestRecord], plans: list[Plan]) -> list[Group]:
         """Route every request: its slices, grouped per (transport, peer). A request that
