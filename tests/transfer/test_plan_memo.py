@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tsukimi.config import Config, MetadataConfig, TransferConfig
+from tsukimi.device import EmulatedDevice
 from tsukimi.errors import InvalidBufferError
 from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
 from tsukimi.transfer.batch import Batch
@@ -69,7 +70,7 @@ def test_the_memo_routes_as_planning_anew_would(engines: tuple[TransferEngine, T
     assert entry is not None
     keyed = user._memo.key(requests)
     assert keyed is not None
-    remembered = entry.slices(Batch([None] * len(requests), 1e18, user._clock).records, keyed[1])
+    remembered = entry.slices(Batch([None] * len(requests), 1e18, user._clock).records, requests, keyed[1])
     plans = [user._routes.plan(req) for req in requests]
     anew = user._routes.group(Batch([None] * len(requests), 1e18, user._clock).records, plans)
     assert _shape(remembered) == _shape(anew)
@@ -215,3 +216,28 @@ def test_requests_to_the_engines_own_segment_are_copied_in_place() -> None:
         engine.unregister(base)
         (status,) = engine.transfer([TransferRequest(OpCode.WRITE, "self", base + 4 * KIB, data)])
         assert status.state is RequestState.FAILED and status.error_code == "out_of_bounds", status
+
+
+def test_address_buffers_are_remembered_unless_they_are_device_memory(
+    engines: tuple[TransferEngine, TransferEngine, str],
+) -> None:
+    owner, user, transport = engines
+    base, remote = _target(owner, transport, 64 * KIB)
+    data = np.full(4 * KIB, 5, np.uint8)
+    requests = [TransferRequest(OpCode.WRITE, "owner", base, (int(data.ctypes.data), 4 * KIB))]
+    for round_no in range(3):
+        data[:] = round_no + 5
+        assert user.transfer(requests)[0].state is RequestState.COMPLETED
+        assert np.array_equal(remote[: 4 * KIB], data)
+    entry = _remembered(user, requests)
+    assert entry is not None and (entry.fast is not None) is (transport != "tcp")
+    with EmulatedDevice(0).alloc(4 * KIB) as device:  # registered device memory, named by address
+        user.register(device)
+        device.write(0, bytes(range(256)) * 16)
+        on_device = [TransferRequest(OpCode.WRITE, "owner", base, (device.range.address, 4 * KIB))]
+        states = {user.transfer(on_device)[0].state for _ in range(3)}  # cma refuses device memory
+        assert states == {RequestState.FAILED if transport == "cma" else RequestState.COMPLETED}
+        assert _remembered(user, on_device) is None
+        if transport != "cma":
+            assert bytes(remote[: 4 * KIB]) == bytes(range(256)) * 16
+        user.unregister(device.range.address)

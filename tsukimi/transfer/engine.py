@@ -299,7 +299,7 @@ class TransferEngine:
             if self._clock.now() < deadline and (statuses := entry.run_fast()) is not None:
                 return statuses
             batch = Batch([req.local for req in requests], deadline, self._clock)
-            self._routes.hand_off(entry.slices(batch.records, keyed[1]))
+            self._routes.hand_off(entry.slices(batch.records, requests, keyed[1]))
             return batch
         version = self._segment.version
         plans = [self._routes.plan(req) for req in requests]

@@ -5,8 +5,9 @@ as `prepare(...).run()` does (tsukimi/transfer/prepared.py) without the caller a
 A list's key is, per request: op, segment (name or handle), remote offset, local offset and
 length, and the local buffer's address, size and writability (never the object's id: a
 buffer freed and another allocated at its address are the same bytes, which is all a plan
-depends on). Only host buffers of the plain bytes-like classes are keyed; anything else
-(device memory, tensors, (address, length) tuples) is planned anew every time.
+depends on). Only host buffers of the plain bytes-like classes and (address, length) tuples
+(what the Mooncake API passes; one that turns out to be registered device memory is not
+remembered) are keyed; anything else (tensors, device objects) is planned anew every time.
 
 An entry holds each request's bytes within its buffer, the slices routing cut (transport,
 peer descriptor, buffer, offsets), and the prepared call, if any: addresses only, never a
@@ -33,7 +34,7 @@ import numpy as np
 from tsukimi.transfer.batch import OpCode, RequestRecord, RequestState, RequestStatus, SegmentHandle, TransferRequest
 from tsukimi.transfer.directory import SegmentDirectory
 from tsukimi.transfer.routing import Group, Plan, plan_bytes
-from tsukimi.transfer.segment import BufferDescriptor, LocalSegment, SegmentDescriptor, view_address
+from tsukimi.transfer.segment import BufferDescriptor, LocalSegment, SegmentDescriptor, byte_view, view_address
 from tsukimi.transfer.transports import Slice, Transport
 
 _from_buffer, _addressof = ctypes.c_char.from_buffer, ctypes.addressof
@@ -46,6 +47,7 @@ _HOST_CLASSES = frozenset({bytes, bytearray, memoryview, np.ndarray})
 Key = tuple[object, ...]
 KEY_FIELDS = 10
 _BY_NAME = object()
+_BY_ADDRESS = object()  # the read-only field of an (address, length) buffer (never read-only)
 # one slice: (request index, start, stop in the request's buffer, op, remote offset, remote buffer)
 SliceTemplate = tuple[int, int, int, OpCode, int, BufferDescriptor]
 
@@ -73,8 +75,14 @@ class Remembered:
             return None
         return list(self.completed) if moved else None
 
-    def slices(self, records: list[RequestRecord], views: list[memoryview]) -> list[Group]:
-        """The slices routing would cut for these records and buffers, per (transport, peer)."""
+    def slices(
+        self, records: list[RequestRecord], requests: Sequence[TransferRequest], keyed: list[memoryview | None]
+    ) -> list[Group]:
+        """The slices routing would cut for these records and requests (with the views
+        `PlanMemo.key` made), per (transport, peer)."""
+        views = [
+            view if view is not None else byte_view(req.local)[0] for view, req in zip(keyed, requests, strict=True)
+        ]
         for record, count in zip(records, self.counts, strict=True):
             record.slices_left = count
         return [
@@ -100,19 +108,20 @@ class PlanMemo:
         # an int counts the sightings of a list not (or no longer) remembered
         self._entries: dict[Key, Remembered | int] = {}
 
-    def key(self, requests: Sequence[TransferRequest]) -> tuple[Key, list[memoryview]] | None:
-        """The list's key and each request's buffer (a flat byte view); None when a request is
+    def key(self, requests: Sequence[TransferRequest]) -> tuple[Key, list[memoryview | None]] | None:
+        """The list's key and each request's buffer (a flat byte view; None for an (address,
+        length) buffer: `Remembered.slices` makes it if it needs it); None when a request is
         not memoizable (not a plain host buffer, or malformed: planning it anew says why).
 
         NOTE: one flat tuple of ints, strings and bools (hashed in C; an enum or a dataclass
         would hash in Python), and host_view and view_address inlined: this runs for every
         request of every submit."""
         flat: list[object] = []
-        views: list[memoryview] = []
+        views: list[memoryview | None] = []
         for req in requests:
             local, segment, length = req.local, req.segment, req.length
             if (
-                local.__class__ not in _HOST_CLASSES
+                (local.__class__ not in _HOST_CLASSES and local.__class__ is not tuple)
                 or req.op.__class__ is not OpCode
                 or req.remote_offset.__class__ is not int
                 or req.local_offset.__class__ is not int
@@ -126,6 +135,12 @@ class PlanMemo:
                 flat += (reading, _BY_NAME, segment, _BY_NAME)
             else:
                 return None
+            if type(local) is tuple:  # (address, length): the address is the key; a view only if needed
+                if len(local) != 2 or type(local[0]) is not int or type(local[1]) is not int or min(local) <= 0:
+                    return None
+                flat += (req.remote_offset, req.local_offset, length, local[0], local[1], _BY_ADDRESS)
+                views.append(None)
+                continue
             try:
                 view = memoryview(local)  # type: ignore[arg-type]
             except TypeError:
@@ -188,8 +203,8 @@ class PlanMemo:
                 )  # NOTE: local and remote advance together
                 templates.append((i, start, start + len(piece.local), piece.op, piece.remote_offset, piece.buffer))
             kept.append((transport, desc, tuple(templates)))
-        if 0 in counts:  # a request ended FAILED in routing
-            return None
+        if 0 in counts or not all(isinstance(plan[2], memoryview) for plan in plans):
+            return None  # NOTE: a request ended FAILED in routing, or an address was device memory
         sizes = tuple(plan_bytes(plan) for plan in plans)
         completed = tuple(RequestStatus(RequestState.COMPLETED, size) for size in sizes)
         fast = prepare(groups, plans)
