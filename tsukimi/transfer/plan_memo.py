@@ -39,6 +39,7 @@ from tsukimi.transfer.transports import Slice, Transport
 
 _from_buffer, _addressof = ctypes.c_char.from_buffer, ctypes.addressof
 MEMO_ENTRIES = 128  # remembered (or seen) request lists; the oldest is dropped first
+MEMO_MAX_REQUESTS = 512  # a longer list is planned anew every time (bounds the memo's memory: ~10 MiB)
 _HOST_CLASSES = frozenset({bytes, bytearray, memoryview, np.ndarray})
 
 # per request: reading, handle id, segment name, handle transport (id and transport _BY_NAME
@@ -116,6 +117,8 @@ class PlanMemo:
         NOTE: one flat tuple of ints, strings and bools (hashed in C; an enum or a dataclass
         would hash in Python), and host_view and view_address inlined: this runs for every
         request of every submit."""
+        if len(requests) > MEMO_MAX_REQUESTS:
+            return None
         flat: list[object] = []
         views: list[memoryview | None] = []
         for req in requests:
