@@ -187,6 +187,14 @@ class Batch:
             if self._on_done is not None:
                 self._on_done()
 
+    def complete_all(self, sizes: Sequence[int]) -> None:
+        """End every request COMPLETED with its size: a prepared call moved them all before
+        any slice was cut (tsukimi/transfer/plan_memo.py)."""
+        with self.lock:
+            for record, size in zip(self.records, sizes, strict=True):
+                record.done_bytes, record.slices_left = size, 0
+                record._finish()
+
     def set_on_done(self, on_done: Callable[[], None]) -> None:
         """Set the call made once every request ended (see the constructor); before any
         request can end."""

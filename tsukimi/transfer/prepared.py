@@ -5,9 +5,13 @@ a benchmark loop).
 `TransferEngine.prepare(requests)` returns a `PreparedTransfer`; `run()` moves the requests
 and returns their statuses, like `transfer`. When every request goes to one peer over one
 transport that can prepare them (`Preparable`: the cma transport builds its iovec lists
-once), `run()` is that transport's prepared call, with the statuses built once; when the call
+once, the shm transport finds both addresses of every copy once), `run()` is that
+transport's prepared call, with the statuses built once; when the call
 reports anything but complete success, or there is no prepared call, `run()` is an ordinary
 `transfer` of the same requests, which says what went wrong.
+
+`transfer`/`submit` take this path by themselves for a list of requests they saw before
+(tsukimi/transfer/plan_memo.py); `prepare` remains for a caller that wants it explicit.
 """
 
 from __future__ import annotations

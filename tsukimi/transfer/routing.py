@@ -1,8 +1,9 @@
 """Routing: a request -> (transport, peer descriptor, slices). `Routes` validates a request
 (`plan`), finds its peer's descriptor (re-fetched once when the range is unknown: a buffer
 registered after it was cached), picks the first transport, by rank, that can serve the
-buffer (or the one forced), remembers that choice per descriptor, cuts the slices and hands
-each transport its slices in one call per peer (`dispatch`).
+buffer (or the one forced; `auto` copies requests to this engine's own host memory in
+place, transports/local.py), remembers that choice per descriptor, cuts the slices (`group`) and
+hands each transport its slices in one call per peer (`hand_off`).
 
 A request whose local buffer is device memory (a device object, or an (address, length)
 inside a registered device buffer) is cut into device slices (`Slice.device`) and goes only
@@ -23,11 +24,12 @@ from tsukimi.errors import ConfigError, InvalidBufferError, OutOfBounds, Transfe
 from tsukimi.transfer.batch import OpCode, RequestRecord, SegmentHandle, TransferRequest
 from tsukimi.transfer.device_memory import request_memory
 from tsukimi.transfer.directory import SegmentDirectory
-from tsukimi.transfer.segment import NO_VIEW, BufferDescriptor, LocalSegment, SegmentDescriptor, byte_view
+from tsukimi.transfer.segment import NO_VIEW, BufferDescriptor, LocalSegment, SegmentDescriptor, byte_view, host_view
 from tsukimi.transfer.transports import Slice, Transport
 
 MAX_CHOICES = 4096  # remembered transport choices (see choose)
 Plan = tuple[SegmentHandle, OpCode, memoryview | DeviceRange, int]  # validated: where, what, which bytes, offset
+Group = tuple[Transport, SegmentDescriptor, list[Slice]]  # one transport's slices to one peer
 _HOST_TYPES = frozenset({bytes, bytearray, memoryview, np.ndarray})  # never device memory: no lookup
 
 
@@ -47,11 +49,14 @@ class Routes:
         transports: Sequence[Transport],
         segment: LocalSegment,
         stage: Callable[[Transport], Transport],
+        local: Transport | None = None,
     ) -> None:
         """`segment`: this engine's (device buffers registered there are device memory in
-        requests too); `stage`: a host-only transport wrapped to take device-local slices."""
+        requests too); `stage`: a host-only transport wrapped to take device-local slices;
+        `local`: what `auto` gives requests to this engine's own host memory first
+        (transports/local.py)."""
         self.config, self._directory, self._transports = config, directory, list(transports)
-        self._segment, self._stage = segment, stage
+        self._segment, self._stage, self._local = segment, stage, local
         self._choices: dict[tuple[str, int, int, bool], tuple[SegmentDescriptor, Transport]] = {}
 
     def plan(self, req: TransferRequest) -> Plan:
@@ -59,8 +64,11 @@ class Routes:
         if not isinstance(req.op, OpCode):
             raise ConfigError(f"op must be an OpCode, got {req.op!r}")
         local = req.local
-        memory = None if local.__class__ in _HOST_TYPES else request_memory(local, self._segment)
-        if memory is None:
+        if local.__class__ in _HOST_TYPES:  # NOTE: the common case: no device lookup, no other kinds
+            memory = None
+            view = host_view(local, req.op is OpCode.READ)
+            size = len(view)
+        elif (memory := request_memory(local, self._segment)) is None:
             view = byte_view(local, writable=req.op is OpCode.READ, with_address=False)[0]
             size = len(view)
         else:
@@ -83,10 +91,11 @@ class Routes:
             return handle, req.op, memory.sub(req.local_offset, length), req.remote_offset
         return handle, req.op, view[req.local_offset : req.local_offset + length], req.remote_offset
 
-    def dispatch(self, records: list[RequestRecord], plans: list[Plan]) -> None:
-        """Route every request and hand each transport its slices, one hand-off per peer."""
+    def group(self, records: list[RequestRecord], plans: list[Plan]) -> list[Group]:
+        """Route every request: its slices, grouped per (transport, peer). A request that
+        cannot be routed ends FAILED here."""
         refreshed: set[str] = set()
-        routes: dict[tuple[int, str], tuple[Transport, SegmentDescriptor, list[Slice]]] = {}
+        routes: dict[tuple[int, str], Group] = {}
         routed = 0
         try:
             for record, plan in zip(records, plans, strict=True):
@@ -106,7 +115,12 @@ class Routes:
                 for piece in pieces:
                     piece.record.slice_failed("submit was interrupted")
             raise
-        for transport, desc, pieces in routes.values():
+        return list(routes.values())
+
+    @staticmethod
+    def hand_off(groups: list[Group]) -> None:
+        """Give each transport its slices (one call per peer)."""
+        for transport, desc, pieces in groups:
             try:
                 transport.submit(desc, pieces)
             except TsukimiError as exc:  # closed concurrently
@@ -168,7 +182,8 @@ class Routes:
         known = self._choices.get(key)
         if known is not None and known[0] is desc:
             return known[1]
-        for transport in self._transports:
+        mine = [self._local] if self._local is not None and handle.transport == "auto" and not device_local else []
+        for transport in (*mine, *self._transports):
             if handle.transport in ("auto", transport.name) and transport.can_serve(desc, buffer):
                 chosen = self._from_device(transport) if device_local else transport
                 if chosen is None:

@@ -191,6 +191,20 @@ def byte_view(obj: object, writable: bool = True, with_address: bool = True) -> 
         return obj.view, obj.base if with_address else 0
     if hasattr(obj, "data_ptr") and hasattr(obj, "untyped_storage"):  # a torch tensor
         return _tensor_view(obj)
+    view = host_view(obj, writable)
+    if not with_address:  # NOTE: the per-request path only needs the view
+        return view, 0
+    return view, int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def host_view(obj: object, writable: bool = True) -> memoryview:
+    """A flat byte memoryview over a bytes-like object (bytearray, memoryview, mmap, numpy
+    array): `byte_view` without its other kinds of buffer, for callers that know the class.
+
+    Raises:
+        InvalidBufferError: not a buffer, not C-contiguous, empty, or read-only when
+            `writable` is required.
+    """
     try:
         view = memoryview(obj)  # type: ignore[arg-type]
     except TypeError:
@@ -201,10 +215,14 @@ def byte_view(obj: object, writable: bool = True, with_address: bool = True) -> 
         raise InvalidBufferError("buffer must be writable")
     if view.nbytes == 0:
         raise InvalidBufferError("buffer must not be empty")
-    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-    if not with_address:  # NOTE: the per-request path only needs the view
-        return view, 0
-    return view, int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def view_address(view: memoryview) -> int:
+    """Where the bytes of a flat byte view start in this process's memory."""
+    if view.readonly:  # NOTE: ctypes maps only writable buffers; numpy reads any (slower)
+        return int(np.frombuffer(view, np.uint8).ctypes.data)
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class _Device(Protocol):

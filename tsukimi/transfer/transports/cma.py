@@ -32,19 +32,26 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
 from collections.abc import Callable
-
-import numpy as np
 
 from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
 from tsukimi.errors import ClosedError, OutOfBounds, PeerError, TsukimiError
 from tsukimi.transfer.batch import OpCode, RequestRecord
-from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
+from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor, view_address
 from tsukimi.transfer.transports.base import PreparedItem, Slice, TransportContext, register_transport
-from tsukimi.transfer.transports.same_host import CopyWorkers, PeerProcess, PeerTable, live_slices, still_registered
+from tsukimi.transfer.transports.same_host import (
+    CopyWorkers,
+    PeerProcess,
+    PeerTable,
+    live_slices,
+    split_by_bytes,
+    still_registered,
+)
+from tsukimi.transfer.transports.shares import Share, run_shares
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +80,6 @@ for _op, _name in ((OpCode.READ, "process_vm_readv"), (OpCode.WRITE, "process_vm
     _call.restype = ctypes.c_ssize_t
     _CALLS[_op] = _call
 _READ = _CALLS[OpCode.READ]
-
-
-def _address(view: memoryview) -> int:
-    if view.readonly:  # NOTE: ctypes maps only writable buffers; numpy reads any (slower)
-        return int(np.frombuffer(view, np.uint8).ctypes.data)
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class VersionWord:
@@ -127,11 +128,9 @@ class CmaTransport:
         self._host_id, self._clock, self._fetch = local_host_id, clock, fetch
         self._refused: str = ""  # why the kernel refused CMA (then every peer is declined)
         self._peers: PeerTable[_CmaPeer] = PeerTable("cma", _CmaPeer)
-        self._workers: CopyWorkers[tuple[_CmaPeer, list[Slice]]] = CopyWorkers(
-            config.num_shm_workers,
-            "tsukimi-cma",
-            lambda item: self._run(*item),
-            lambda item: self._fail(item[1], ClosedError("cma transport is closed")),
+        self._num_workers = config.num_shm_workers
+        self._workers: CopyWorkers[tuple[_CmaPeer, list[Slice]] | Share] = CopyWorkers(
+            config.num_shm_workers, "tsukimi-cma", self._work, self._refuse
         )
 
     def can_serve(self, peer: SegmentDescriptor, buffer: BufferDescriptor) -> bool:
@@ -162,22 +161,32 @@ class CmaTransport:
             self._workers.put((state, group))
 
     def prepare(self, peer: SegmentDescriptor, items: list[PreparedItem]) -> Callable[[], bool] | None:
-        """Prepared requests (tsukimi/transfer/prepared.py): the iovec lists built once; each
-        run checks the owner's registration version and liveness as `submit` does, then makes
-        one call per op. None for a batch too large for the inline path."""
-        if sum(len(local) for _, local, _ in items) > INLINE_BYTES or len(items) > IOV_MAX:
-            return None
+        """Prepared requests (tsukimi/transfer/prepared.py): the iovec lists built once, cut in
+        groups as `submit` cuts slices; each run checks the owner's registration version and
+        liveness as `submit` does, then makes one call per group: all of them on the calling
+        thread up to INLINE_BYTES, above that shared with the workers (shares.py)."""
         state = self._peers.get(peer)
-        groups = []
+        calls: list[tuple[Callable[[], int], int]] = []
         for op in (OpCode.READ, OpCode.WRITE):
-            pairs = [(_address(local), offset, len(local)) for kind, local, offset in items if kind is op]
-            if pairs:
-                groups.append((raw_call(op, state.pid, pairs), sum(size for _, _, size in pairs)))
+            pairs = [(view_address(local), offset, len(local)) for kind, local, offset in items if kind is op]
+            group: list[tuple[int, int, int]] = []
+            group_bytes = 0
+            for pair in pairs:
+                group.append(pair)
+                group_bytes += pair[2]
+                if group_bytes >= GROUP_BYTES or len(group) == IOV_MAX:
+                    calls.append((raw_call(op, state.pid, group), group_bytes))
+                    group, group_bytes = [], 0
+            if group:
+                calls.append((raw_call(op, state.pid, group), group_bytes))
+        total = sum(size for _, size in calls)
+        shares = [calls] if total <= INLINE_BYTES else split_by_bytes(calls, self._num_workers + 1, _call_bytes)
+        works = [functools.partial(_all_moved, share) for share in shares]
 
         def run() -> bool:
             if self._refused or self._version(state, peer) not in (None, peer.version) or not state.alive():
                 return False
-            return all(call() == total for call, total in groups) and state.alive()
+            return run_shares(works, self._workers.put) and state.alive()
 
         return run
 
@@ -186,6 +195,18 @@ class CmaTransport:
         self._peers.close()
 
     # -- internals ---------------------------------------------------------------------
+
+    def _work(self, item: tuple[_CmaPeer, list[Slice]] | Share) -> None:
+        if isinstance(item, Share):
+            item.run()
+        else:
+            self._run(*item)
+
+    def _refuse(self, item: tuple[_CmaPeer, list[Slice]] | Share) -> None:
+        if isinstance(item, Share):
+            item.refuse()
+        else:
+            self._fail(item[1], ClosedError("cma transport is closed"))
 
     def _registered(self, state: _CmaPeer, peer: SegmentDescriptor, slices: list[Slice]) -> list[Slice]:
         """The slices whose ranges the owner still registers (see the module); the others end
@@ -257,7 +278,7 @@ class CmaTransport:
         local, remote = (_IoVec * count)(), (_IoVec * count)()
         for i, piece in enumerate(pieces):
             size = len(piece.local)
-            local[i].iov_base, local[i].iov_len = _address(piece.local), size
+            local[i].iov_base, local[i].iov_len = view_address(piece.local), size
             remote[i].iov_base, remote[i].iov_len = piece.remote_offset, size
         return int(_CALLS[op](peer.pid, local, count, remote, count, 0))
 
@@ -265,6 +286,15 @@ class CmaTransport:
     def _fail(pieces: list[Slice], error: TsukimiError) -> None:
         for piece in pieces:
             piece.record.slice_failed(str(error), error.code)
+
+
+def _all_moved(calls: list[tuple[Callable[[], int], int]]) -> bool:
+    """Make each prepared call; whether every one moved all its bytes."""
+    return all(call() == size for call, size in calls)
+
+
+def _call_bytes(call: tuple[Callable[[], int], int]) -> int:
+    return call[1]
 
 
 def raw_call(op: OpCode, pid: int, pairs: list[tuple[int, int, int]]) -> Callable[[], int]:

@@ -174,6 +174,25 @@ def live_slices(slices: list[Slice], clock: Clock) -> list[Slice]:
     return live
 
 
+def split_by_bytes(items: list[T], parts: int, size_of: Callable[[T], int]) -> list[list[T]]:
+    """`items` (slices, copies) cut into at most `parts` runs of consecutive items of about
+    equal bytes: what a large submit hands the copy workers (one queue item per run, not per
+    slice)."""
+    share = max(1, -(-sum(size_of(item) for item in items) // max(1, parts)))
+    runs: list[list[T]] = []
+    run: list[T] = []
+    size = 0
+    for item in items:
+        run.append(item)
+        size += size_of(item)
+        if size >= share:
+            runs.append(run)
+            run, size = [], 0
+    if run:
+        runs.append(run)
+    return runs
+
+
 def copy_now_or_hand_off(
     state: P, slices: list[Slice], run: Callable[[P, Slice], None], workers: CopyWorkers[tuple[P, Slice]], inline: int
 ) -> None:

@@ -1,9 +1,10 @@
 """Shared-memory transport: peers on this host map each other's shm files once and copy.
 
 The owner's process does no work. Copies run on a small pool of worker threads (numpy's
-copy releases the GIL, so large copies run in parallel with the caller). Before and after
-each copy the owner's liveness is checked through a pidfd, and the file's link count tells
-whether the owner unregistered the buffer, so writes into a dead or released segment are
+copy releases the GIL, so large copies run in parallel with the caller). A submit is worked
+on as a group, not slice by slice: before and after the group's copies the owner's liveness
+is checked through a pidfd, and each file's link count (once per group) tells whether the
+owner unregistered the buffer, so writes into a dead or released segment are
 reported as failures rather than silently landing in orphaned memory.
 
 Device memory on this side (`device_local = "direct"`) is copied straight between the peer's
@@ -14,6 +15,7 @@ no staging. A mapping is pinned for a kind of device the first time it is used w
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -22,17 +24,25 @@ import numpy as np
 
 from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
-from tsukimi.device import DeviceRange, backend, pin_or_warn
+from tsukimi.device import backend, pin_or_warn
 from tsukimi.errors import ClosedError, OutOfBounds, PeerError, TsukimiError
-from tsukimi.transfer.batch import OpCode
-from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor
+from tsukimi.transfer.batch import OpCode, RequestRecord
+from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor, view_address
 from tsukimi.transfer.shared_memory import SharedMapping, map_shared, valid_shm_name
-from tsukimi.transfer.transports.base import Slice, TransportContext, register_transport
-from tsukimi.transfer.transports.same_host import CopyWorkers, PeerProcess, PeerTable, copy_now_or_hand_off, live_slices
+from tsukimi.transfer.transports.base import PreparedItem, Slice, TransportContext, register_transport
+from tsukimi.transfer.transports.same_host import (
+    CopyWorkers,
+    PeerProcess,
+    PeerTable,
+    live_slices,
+    split_by_bytes,
+)
+from tsukimi.transfer.transports.shares import Copy, Share, copy_all, run_shares
 
 logger = logging.getLogger(__name__)
 
 INLINE_BYTES = 1 << 20  # a submit of at most this many bytes is copied by the submitting thread
+MEMCPY_BYTES = 256 << 10  # a slice up to this size is one memoryview assignment (larger: np.copyto, GIL released)
 SLICE_BYTES = 16 << 20
 
 
@@ -97,11 +107,9 @@ class ShmTransport:
         self._on_stale = on_stale  # told the name of a peer whose cached descriptor is stale
         self._host_id = local_host_id
         self._peers: PeerTable[_ShmPeer] = PeerTable("shm", lambda desc: _ShmPeer(desc, config.shm_dir))
-        self._workers: CopyWorkers[tuple[_ShmPeer, Slice]] = CopyWorkers(
-            config.num_shm_workers,
-            "tsukimi-shm",
-            lambda item: self._run(*item),
-            lambda item: item[1].record.slice_failed("shm transport is closed", ClosedError.code),
+        self._num_workers = config.num_shm_workers
+        self._workers: CopyWorkers[tuple[_ShmPeer, list[Slice]] | Share] = CopyWorkers(
+            config.num_shm_workers, "tsukimi-shm", self._work, self._refuse
         )
 
     def can_serve(self, peer: SegmentDescriptor, buffer: BufferDescriptor) -> bool:
@@ -114,59 +122,168 @@ class ShmTransport:
         return True
 
     def submit(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
-        copy_now_or_hand_off(self._peers.get(peer), slices, self._run, self._workers, INLINE_BYTES)
+        state = self._peers.get(peer)
+        if sum(piece.nbytes for piece in slices) <= INLINE_BYTES:  # NOTE: the common small submit: no hand-off
+            self._run(state, slices)
+            return
+        for chunk in split_by_bytes(slices, self._num_workers, _nbytes):
+            self._workers.put((state, chunk))
+
+    def prepare(self, peer: SegmentDescriptor, items: list[PreparedItem]) -> Callable[[], bool] | None:
+        """Prepared requests (tsukimi/transfer/prepared.py): each item's file mapped and both
+        addresses found once; a run checks liveness before and after the copies, and, under the
+        peer's lock, that each file is still mapped and not released, pinning its mapping for
+        the copies. A run above INLINE_BYTES shares its copies, cut as slices are, with the
+        workers. Keeps no view of the items (addresses only: the caller keeps them alive).
+        None when an item is not in a mapped file of the peer."""
+        state = self._peers.get(peer)
+        files: dict[str, SharedMapping] = {}
+        copies: list[Copy] = []
+        for op, local, offset in items:
+            buffer = peer.find(offset, len(local))
+            if buffer is None or not buffer.shm_name or not valid_shm_name(buffer.shm_name):
+                return None
+            mapping = files.get(buffer.shm_name) or self._mapping(state, buffer.shm_name)
+            if isinstance(mapping, TsukimiError):
+                return None
+            files[buffer.shm_name] = mapping
+            start = offset - buffer.base + buffer.shm_offset
+            if start < 0 or start + len(local) > len(mapping.view):
+                return None
+            there, here = view_address(mapping.view) + start, view_address(local)
+            for at in range(0, len(local), SLICE_BYTES):
+                size = min(SLICE_BYTES, len(local) - at)
+                copies.append((there + at, here + at, size) if op is OpCode.WRITE else (here + at, there + at, size))
+        checks = tuple(files.items())
+        total = sum(size for _, _, size in copies)
+        shares = [copies] if total <= INLINE_BYTES else split_by_bytes(copies, self._num_workers + 1, _copy_bytes)
+        works = [functools.partial(copy_all, share) for share in shares]
+
+        def run() -> bool:
+            if not state.alive():
+                return False
+            with state.lock:  # NOTE: drop() and close() unmap under this lock: the checks hold
+                try:
+                    if any(state.mappings.get(name) is not m or m.unlinked() for name, m in checks):
+                        return False
+                    pins = [m.view[0:0] for _, m in checks]  # NOTE: a live slice keeps the file mapped
+                except (OSError, ValueError):
+                    return False
+            try:
+                moved = run_shares(works, self._workers.put)
+            finally:
+                del pins
+            return moved and state.alive()
+
+        return run
 
     def close(self) -> None:
         self._workers.close()
         self._peers.close()
 
-    def _run(self, peer: _ShmPeer, piece: Slice) -> None:
-        """Copy one slice and end it (done, failed or timed out)."""
-        if not live_slices([piece], self._clock):
-            return
-        try:
-            self._copy(peer, piece)
-        except OutOfBounds as exc:  # the owner released the buffer: its range is gone, as tcp says too
-            piece.record.slice_failed(f"shm transfer to {peer.name} failed: {exc}", exc.code)
-        except (OSError, ValueError, PeerError) as exc:
-            piece.record.slice_failed(f"shm transfer to {peer.name} failed: {exc}", PeerError.code)
-        except TsukimiError as exc:  # the device's backend failed (DeviceError)
-            piece.record.slice_failed(f"shm transfer to {peer.name} failed: {exc}", exc.code)
+    def _work(self, item: tuple[_ShmPeer, list[Slice]] | Share) -> None:
+        if isinstance(item, Share):
+            item.run()
         else:
-            piece.record.slice_done(piece.nbytes)
+            self._run(*item)
 
-    def _copy(self, peer: _ShmPeer, piece: Slice) -> None:
+    @staticmethod
+    def _refuse(item: tuple[_ShmPeer, list[Slice]] | Share) -> None:
+        if isinstance(item, Share):
+            item.refuse()
+        else:
+            _fail(item[1], "shm transport is closed", ClosedError.code)
+
+    def _run(self, peer: _ShmPeer, slices: list[Slice]) -> None:
+        """Copy a group of one peer's slices and end each (done, failed or timed out).
+
+        NOTE: the work is per group, not per slice: one deadline check and one liveness check
+        before the copies, one after (a peer that died before or during them fails them all),
+        each file's mapping and release checked once, and one lock acquisition to end them."""
+        live = live_slices(slices, self._clock)
+        if not live:
+            return
         if not peer.alive():
-            raise PeerError(f"owner process {peer.pid} has exited")
-        mapping = peer.mapping(piece.buffer.shm_name)
-        if mapping.unlinked():  # released; its address may already hold a new buffer
-            peer.drop(piece.buffer.shm_name)
+            _fail(live, f"shm transfer to {peer.name} failed: owner process {peer.pid} has exited", PeerError.code)
+            return
+        files: dict[str, SharedMapping | TsukimiError] = {}
+        copied: list[Slice] = []
+        for piece in live:
+            name = piece.buffer.shm_name
+            mapping = files.get(name)
+            if mapping is None:
+                mapping = files[name] = self._mapping(peer, name)
+            try:
+                if isinstance(mapping, TsukimiError):
+                    raise mapping
+                self._copy(peer, mapping, piece)
+            except OutOfBounds as exc:  # the owner released the buffer: its range is gone, as tcp says too
+                piece.record.slice_failed(f"shm transfer to {peer.name} failed: {exc}", exc.code)
+            except (OSError, ValueError, PeerError) as exc:
+                piece.record.slice_failed(f"shm transfer to {peer.name} failed: {exc}", PeerError.code)
+            except TsukimiError as exc:  # the device's backend failed (DeviceError)
+                piece.record.slice_failed(f"shm transfer to {peer.name} failed: {exc}", exc.code)
+            else:
+                copied.append(piece)
+        if not copied:
+            return
+        if not peer.alive():
+            _fail(copied, f"shm transfer to {peer.name} failed: owner process {peer.pid} exited during the copy")
+            return
+        RequestRecord.slices_done([(piece.record, piece.nbytes) for piece in copied])
+
+    def _mapping(self, peer: _ShmPeer, shm_name: str) -> SharedMapping | TsukimiError:
+        """The peer's file mapped, or why it cannot be copied to (released: out of bounds)."""
+        try:
+            mapping = peer.mapping(shm_name)
+            released = mapping.unlinked()
+        except (OSError, ValueError) as exc:
+            return PeerError(str(exc))
+        if released:  # its address may already hold a new buffer
+            peer.drop(shm_name)
             self._on_stale(peer.name)
-            raise OutOfBounds("the owner released this buffer (descriptor dropped: the next request re-fetches it)")
+            return OutOfBounds("the owner released this buffer (descriptor dropped: the next request re-fetches it)")
+        return mapping
+
+    @staticmethod
+    def _copy(peer: _ShmPeer, mapping: SharedMapping, piece: Slice) -> None:
         start = piece.remote_offset - piece.buffer.base + piece.buffer.shm_offset
         if piece.device is not None:
-            self._copy_device(peer, mapping, piece, piece.device, start)
+            peer.pin(piece.buffer.shm_name, mapping, piece.device.kind)
+            remote_bytes = mapping.view[start : start + piece.device.length]
+            if piece.op is OpCode.WRITE:
+                backend(piece.device.device).to_host(piece.device, remote_bytes)
+            else:
+                backend(piece.device.device).from_host(piece.device, remote_bytes)
             return
-        remote = np.frombuffer(mapping.view, np.uint8, len(piece.local), start)
+        size = len(piece.local)
+        if start < 0 or start + size > len(mapping.view):
+            raise ValueError(f"[{start:#x}, +{size}) is outside the peer's file")
+        if size <= MEMCPY_BYTES:  # NOTE: a memoryview assignment is one memcpy, cheaper than two arrays
+            if piece.op is OpCode.WRITE:
+                mapping.view[start : start + size] = piece.local
+            else:
+                piece.local[:] = mapping.view[start : start + size]
+            return
+        remote = np.frombuffer(mapping.view, np.uint8, size, start)  # NOTE: np.copyto releases the GIL
         local = np.frombuffer(piece.local, np.uint8)
         if piece.op is OpCode.WRITE:
             np.copyto(remote, local)
         else:
             np.copyto(local, remote)
-        if not peer.alive():
-            raise PeerError(f"owner process {peer.pid} exited during the copy")
 
-    @staticmethod
-    def _copy_device(peer: _ShmPeer, mapping: SharedMapping, piece: Slice, device: DeviceRange, start: int) -> None:
-        """Copy between the mapped file and local device memory (see the module)."""
-        peer.pin(piece.buffer.shm_name, mapping, device.kind)
-        remote = mapping.view[start : start + device.length]
-        if piece.op is OpCode.WRITE:
-            backend(device.device).to_host(device, remote)
-        else:
-            backend(device.device).from_host(device, remote)
-        if not peer.alive():
-            raise PeerError(f"owner process {peer.pid} exited during the copy")
+
+def _nbytes(piece: Slice) -> int:
+    return piece.nbytes
+
+
+def _copy_bytes(copy: Copy) -> int:
+    return copy[2]
+
+
+def _fail(pieces: list[Slice], reason: str, code: str = PeerError.code) -> None:
+    for piece in pieces:
+        piece.record.slice_failed(reason, code)
 
 
 def _create(context: TransportContext) -> ShmTransport:

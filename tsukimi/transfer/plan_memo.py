@@ -1,0 +1,218 @@
+"""The plan memo: what `submit` learned about a list of requests, kept so that the same list
+submitted again skips validation and routing, and, where one transport prepared it, moves
+as `prepare(...).run()` does (tsukimi/transfer/prepared.py) without the caller asking.
+
+A list's key is, per request: op, segment (name or handle), remote offset, local offset and
+length, and the local buffer's address, size and writability (never the object's id: a
+buffer freed and another allocated at its address are the same bytes, which is all a plan
+depends on). Only host buffers of the plain bytes-like classes and (address, length) tuples
+(what the Mooncake API passes; one that turns out to be registered device memory is not
+remembered) are keyed; anything else (tensors, device objects) is planned anew every time.
+
+An entry holds each request's bytes within its buffer, the slices routing cut (transport,
+peer descriptor, buffer, offsets), and the prepared call, if any: addresses only, never a
+view, so it keeps no caller's memory alive (each run's requests hold their buffers; the
+records keep them as they always did). It is used only while every peer's cached descriptor
+is the very object it was routed with (a peer that re-registers publishes a new one, and a
+stale one is dropped from the cache) and the local segment's registration version is the one
+it saw; otherwise it is dropped and the list planned anew.
+
+NOTE: a list is remembered the second time it is seen: a caller that never repeats a list
+(new offsets every call) pays for its key only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+
+from tsukimi.transfer.batch import OpCode, RequestRecord, RequestState, RequestStatus, SegmentHandle, TransferRequest
+from tsukimi.transfer.directory import SegmentDirectory
+from tsukimi.transfer.routing import Group, Plan, plan_bytes
+from tsukimi.transfer.segment import BufferDescriptor, LocalSegment, SegmentDescriptor, byte_view, view_address
+from tsukimi.transfer.transports import Slice, Transport
+
+_from_buffer, _addressof = ctypes.c_char.from_buffer, ctypes.addressof
+MEMO_ENTRIES = 128  # remembered (or seen) request lists; the oldest is dropped first
+MEMO_MAX_REQUESTS = 512  # a longer list is planned anew every time (bounds the memo's memory: ~10 MiB)
+_HOST_CLASSES = frozenset({bytes, bytearray, memoryview, np.ndarray})
+
+# per request: reading, handle id, segment name, handle transport (id and transport _BY_NAME
+# for a segment named by a string), remote offset, local offset, length, buffer address,
+# buffer size, read-only
+Key = tuple[object, ...]
+KEY_FIELDS = 10
+_BY_NAME = object()
+_BY_ADDRESS = object()  # the read-only field of an (address, length) buffer (never read-only)
+# one slice: (request index, start, stop in the request's buffer, op, remote offset, remote buffer)
+SliceTemplate = tuple[int, int, int, OpCode, int, BufferDescriptor]
+
+
+@dataclass(frozen=True, slots=True)
+class Remembered:
+    """A remembered list (see the module)."""
+
+    peers: tuple[tuple[str, SegmentDescriptor], ...]  # the descriptors it was routed with
+    version: int  # the local segment's registration version then
+    sizes: tuple[int, ...]  # bytes each request moves
+    counts: tuple[int, ...]  # slices each request was cut into
+    groups: tuple[tuple[Transport, SegmentDescriptor, tuple[SliceTemplate, ...]], ...]
+    fast: Callable[[], bool] | None  # the prepared call of the one transport, if it made one
+    completed: tuple[RequestStatus, ...]  # what a run of `fast` that says True ends with
+
+    def run_fast(self) -> list[RequestStatus] | None:
+        """The statuses of a prepared call that moved every request; None when there is no
+        such call or it did not (the slices then say what went wrong)."""
+        if self.fast is None:
+            return None
+        try:
+            moved = self.fast()
+        except (OSError, ValueError):  # NOTE: the transport was closed under it
+            return None
+        return list(self.completed) if moved else None
+
+    def slices(
+        self, records: list[RequestRecord], requests: Sequence[TransferRequest], keyed: list[memoryview | None]
+    ) -> list[Group]:
+        """The slices routing would cut for these records and requests (with the views
+        `PlanMemo.key` made), per (transport, peer)."""
+        views = [
+            view if view is not None else byte_view(req.local)[0] for view, req in zip(keyed, requests, strict=True)
+        ]
+        for record, count in zip(records, self.counts, strict=True):
+            record.slices_left = count
+        return [
+            (
+                transport,
+                desc,
+                [
+                    Slice(records[i], op, views[i][start:stop], offset, buffer)
+                    for i, start, stop, op, offset, buffer in pieces
+                ],
+            )
+            for transport, desc, pieces in self.groups
+        ]
+
+
+class PlanMemo:
+    """The engine's remembered request lists (see the module). Thread-safe."""
+
+    def __init__(self, directory: SegmentDirectory, segment: LocalSegment, capacity: int = MEMO_ENTRIES) -> None:
+        self._directory, self._segment, self._capacity = directory, segment, capacity
+        self._lock = threading.Lock()
+        # NOTE: a plain dict, oldest first: a hit does not reorder (one hash per lookup);
+        # an int counts the sightings of a list not (or no longer) remembered
+        self._entries: dict[Key, Remembered | int] = {}
+
+    def key(self, requests: Sequence[TransferRequest]) -> tuple[Key, list[memoryview | None]] | None:
+        """The list's key and each request's buffer (a flat byte view; None for an (address,
+        length) buffer: `Remembered.slices` makes it if it needs it); None when a request is
+        not memoizable (not a plain host buffer, or malformed: planning it anew says why).
+
+        NOTE: one flat tuple of ints, strings and bools (hashed in C; an enum or a dataclass
+        would hash in Python), and host_view and view_address inlined: this runs for every
+        request of every submit."""
+        if len(requests) > MEMO_MAX_REQUESTS:
+            return None
+        flat: list[object] = []
+        views: list[memoryview | None] = []
+        for req in requests:
+            local, segment, length = req.local, req.segment, req.length
+            if (
+                (local.__class__ not in _HOST_CLASSES and local.__class__ is not tuple)
+                or req.op.__class__ is not OpCode
+                or req.remote_offset.__class__ is not int
+                or req.local_offset.__class__ is not int
+                or not (length is None or length.__class__ is int)
+            ):
+                return None
+            reading = req.op is OpCode.READ
+            if type(segment) is SegmentHandle:
+                flat += (reading, segment.handle_id, segment.name, segment.transport)
+            elif type(segment) is str:
+                flat += (reading, _BY_NAME, segment, _BY_NAME)
+            else:
+                return None
+            if type(local) is tuple:  # (address, length): the address is the key; a view only if needed
+                if len(local) != 2 or type(local[0]) is not int or type(local[1]) is not int or min(local) <= 0:
+                    return None
+                flat += (req.remote_offset, req.local_offset, length, local[0], local[1], _BY_ADDRESS)
+                views.append(None)
+                continue
+            try:
+                view = memoryview(local)  # type: ignore[arg-type]
+            except TypeError:
+                return None
+            if view.format != "B" or view.ndim != 1:
+                if not view.c_contiguous:
+                    return None
+                view = view.cast("B")
+            readonly = view.readonly
+            if not view.c_contiguous or not view.nbytes or (reading and readonly):
+                return None
+            address = view_address(view) if readonly else _addressof(_from_buffer(view))
+            flat += (req.remote_offset, req.local_offset, length, address, len(view), readonly)
+            views.append(view)
+        return tuple(flat), views
+
+    def get(self, key: Key) -> tuple[Remembered | None, bool]:
+        """The entry for `key` while it is still valid (see the module), and whether the list
+        is worth remembering now (seen before). Counts the sighting; drops an invalid entry."""
+        entry = self._entries.get(key)
+        if (
+            isinstance(entry, Remembered)
+            and entry.version == self._segment.version
+            and all(self._directory.cached(name) is desc for name, desc in entry.peers)
+        ):
+            return entry, False
+        with self._lock:
+            seen = self._entries.get(key)
+            self._entries[key] = 1 if not isinstance(seen, int) else seen + 1
+            while len(self._entries) > self._capacity:
+                del self._entries[next(iter(self._entries))]
+        return None, seen is not None
+
+    def remember(
+        self,
+        key: Key,
+        version: int,
+        records: list[RequestRecord],
+        plans: list[Plan],
+        groups: list[Group],
+        prepare: Callable[[list[Group], list[Plan]], Callable[[], bool] | None],
+    ) -> Remembered | None:
+        """Keep how `plans` (of the requests `key` names, made at local registration
+        `version`) were routed: `groups`, before any transport touched them. Nothing when a
+        request did not route or a peer's descriptor is no longer the cached one. `prepare`
+        makes the prepared call, if the routes allow one. Returns the entry kept."""
+        index = {id(record): i for i, record in enumerate(records)}
+        counts = [0] * len(records)
+        peers: dict[str, SegmentDescriptor] = {}
+        kept = []
+        for transport, desc, pieces in groups:
+            if peers.setdefault(desc.name, desc) is not desc or self._directory.cached(desc.name) is not desc:
+                return None
+            templates = []
+            for piece in pieces:
+                i = index[id(piece.record)]
+                counts[i] += 1
+                start = (
+                    cast(int, key[i * KEY_FIELDS + 5]) + piece.remote_offset - plans[i][3]
+                )  # NOTE: local and remote advance together
+                templates.append((i, start, start + len(piece.local), piece.op, piece.remote_offset, piece.buffer))
+            kept.append((transport, desc, tuple(templates)))
+        if 0 in counts or not all(isinstance(plan[2], memoryview) for plan in plans):
+            return None  # NOTE: a request ended FAILED in routing, or an address was device memory
+        sizes = tuple(plan_bytes(plan) for plan in plans)
+        completed = tuple(RequestStatus(RequestState.COMPLETED, size) for size in sizes)
+        fast = prepare(groups, plans)
+        entry = Remembered(tuple(peers.items()), version, sizes, tuple(counts), tuple(kept), fast, completed)
+        with self._lock:
+            if key in self._entries:  # NOTE: else it was dropped meanwhile: keep the bound
+                self._entries[key] = entry
+        return entry
