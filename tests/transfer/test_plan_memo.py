@@ -5,9 +5,12 @@ is planned anew after anything it depends on changed (table-driven below)."""
 from __future__ import annotations
 
 import gc
+import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,10 +18,12 @@ import pytest
 from tsukimi.config import Config, MetadataConfig, TransferConfig
 from tsukimi.device import EmulatedDevice
 from tsukimi.errors import InvalidBufferError
-from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest
+from tsukimi.transfer import OpCode, RequestState, TransferEngine, TransferRequest, plan_memo
 from tsukimi.transfer.batch import Batch
 from tsukimi.transfer.plan_memo import Remembered
 from tsukimi.transfer.routing import Group
+from tsukimi.transfer.transports import shm
+from tsukimi.transfer.transports.shares import Latch, Share
 
 KIB = 1 << 10
 
@@ -191,7 +196,7 @@ def test_a_large_list_is_copied_by_the_caller_and_the_workers(
     user.lookup("owner", fresh=True)  # NOTE: prepare routes with the cached descriptor only
     prepared = user.prepare(writes)
     assert prepared.fast is (transport != "tcp")
-    for run in (prepared.run, lambda: user.transfer(writes), lambda: user.transfer(writes)):
+    for run in (prepared.run, *[lambda: user.transfer(writes)] * 3):  # planned, remembered, then the memo's call
         remote[:] = 0
         assert all(s.state is RequestState.COMPLETED for s in run())
         assert np.array_equal(remote, data)
@@ -241,3 +246,206 @@ def test_address_buffers_are_remembered_unless_they_are_device_memory(
         if transport != "cma":
             assert bytes(remote[: 4 * KIB]) == bytes(range(256)) * 16
         user.unregister(device.range.address)
+
+
+# -- review findings (each failed before its fix)
+
+
+def _transport(user: TransferEngine, name: str) -> Any:
+    return next(t for t in user._transports if t.name == name)
+
+
+@pytest.fixture
+def same_host(engines: tuple[TransferEngine, TransferEngine, str]) -> tuple[TransferEngine, TransferEngine, str]:
+    """The engines where the transport prepares calls and copies with a pidfd (not tcp)."""
+    if engines[2] == "tcp":
+        pytest.skip("tcp prepares nothing and has no pidfd")
+    return engines
+
+
+def test_a_release_between_first_and_second_sighting_is_out_of_bounds(
+    engines: tuple[TransferEngine, TransferEngine, str],
+) -> None:
+    owner, user, transport = engines
+    base, _ = _target(owner, transport, 64 * KIB)
+    requests = [TransferRequest(OpCode.WRITE, "owner", base, np.ones(4 * KIB, np.uint8))]
+    assert user.transfer(requests)[0].state is RequestState.COMPLETED
+    owner.unregister(base)
+    for _ in range(3):  # the second sighting prepares: it must leave the released file to the slices
+        (status,) = user.transfer(requests)
+        assert status.state is RequestState.FAILED and status.error_code == "out_of_bounds", status
+
+
+def test_a_prepare_that_raises_still_hands_the_slices_off(
+    same_host: tuple[TransferEngine, TransferEngine, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    owner, user, transport = same_host
+    base, remote = _target(owner, transport, 64 * KIB)
+    data = np.full(4 * KIB, 3, np.uint8)
+    requests = [TransferRequest(OpCode.WRITE, "owner", base, data)]
+
+    def released(*args: object) -> None:  # what a concurrent run's drop() makes prepare meet
+        raise ValueError("operation forbidden on released memoryview object")
+
+    monkeypatch.setattr(_transport(user, transport), "prepare", released)
+    for _ in range(3):
+        assert user.transfer(requests)[0].state is RequestState.COMPLETED
+        assert user.prepare(requests).run()[0].state is RequestState.COMPLETED
+    assert np.array_equal(remote[: 4 * KIB], data)
+
+
+@pytest.mark.parametrize("nbytes", [64 * KIB, 2048 * KIB])  # inline, and handed to the workers
+def test_a_pidfd_closed_under_a_submit_fails_as_a_peer_error(
+    same_host: tuple[TransferEngine, TransferEngine, str], nbytes: int
+) -> None:
+    owner, user, transport = same_host
+    base, _ = _target(owner, transport, nbytes)
+    requests = [TransferRequest(OpCode.WRITE, "owner", base, np.ones(nbytes, np.uint8))]
+    assert user.transfer(requests)[0].state is RequestState.COMPLETED
+    state = _transport(user, transport)._peers.get(user.lookup("owner"))
+    pidfd, state.pidfd = state.pidfd, -1  # closed: what PeerTable.close() leaves a straggler with
+    try:
+        for _ in range(3):  # planned, remembered (prepared), then the memo's fast path
+            (status,) = user.submit(requests, timeout_s=5.0).wait()
+            assert status.state is RequestState.FAILED and status.error_code == "peer", status
+    finally:
+        state.pidfd = pidfd
+    assert user.transfer(requests)[0].state is RequestState.COMPLETED  # no worker died
+
+
+def test_the_prepared_call_ends_by_its_deadline_when_the_workers_are_busy(
+    same_host: tuple[TransferEngine, TransferEngine, str],
+) -> None:
+    owner, user, transport = same_host
+    base, remote = _target(owner, transport, 8192 * KIB)  # above every inline limit: shared with the workers
+    step = 1024 * KIB
+    data = np.full(8192 * KIB, 4, np.uint8)
+    writes = [TransferRequest(OpCode.WRITE, "owner", base + i * step, data[i * step :], step) for i in range(8)]
+    for _ in range(2):
+        assert all(s.state is RequestState.COMPLETED for s in user.transfer(writes))
+    prepared = user.prepare(writes, timeout_s=0.3)
+    assert prepared.fast
+    workers = _transport(user, transport)._workers
+    release = threading.Event()
+    blocked = threading.Timer(8.0, release.set)  # NOTE: only so that a failing run ends
+    blocked.start()
+    try:
+        for _ in range(len(workers._threads)):
+            workers.put(Share(lambda: release.wait() or True, Latch(1)))
+        for run in (lambda: user.transfer(writes, timeout_s=0.3), prepared.run):
+            started = time.monotonic()
+            statuses = run()
+            assert time.monotonic() - started < 3.0
+            assert {s.state for s in statuses} == {RequestState.TIMED_OUT}, statuses
+    finally:
+        release.set()
+        blocked.cancel()
+    remote[:] = 0
+    assert all(s.state is RequestState.COMPLETED for s in user.transfer(writes))
+    assert np.array_equal(remote, data)
+
+
+def test_submit_takes_the_prepared_call_only_when_it_runs_inline(
+    same_host: tuple[TransferEngine, TransferEngine, str],
+) -> None:
+    owner, user, transport = same_host
+    base = _target(owner, transport, 8192 * KIB)[0]
+    sizes = (8192 * KIB, 64 * KIB)
+    large, small = ([TransferRequest(OpCode.WRITE, "owner", base, np.ones(n, np.uint8))] for n in sizes)
+    for requests in (large, small):
+        for _ in range(3):
+            assert user.transfer(requests)[0].state is RequestState.COMPLETED
+    large_entry, small_entry = _remembered(user, large), _remembered(user, small)
+    assert large_entry is not None and small_entry is not None
+    assert large_entry.fast is not None and not large_entry.inline and small_entry.inline
+    batch = user._start(large, None, inline_only=True)
+    assert isinstance(batch, Batch)  # submit returns before the copy
+    assert batch.wait()[0].state is RequestState.COMPLETED
+    assert isinstance(user._start(small, None, inline_only=True), list)
+    assert isinstance(user._start(large, None), list)  # transfer waits anyway
+
+
+def test_a_list_of_many_slices_is_not_remembered(
+    engines: tuple[TransferEngine, TransferEngine, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    owner, user, transport = engines
+    monkeypatch.setattr(plan_memo, "MEMO_MAX_SLICES", 4)
+    base, _ = _target(owner, transport, 64 * KIB)
+    data = np.ones(8 * KIB, np.uint8)
+    requests = [TransferRequest(OpCode.WRITE, "owner", base + i * KIB, data[i * KIB :], KIB) for i in range(8)]
+    for _ in range(3):
+        assert all(s.state is RequestState.COMPLETED for s in user.transfer(requests))
+    assert _remembered(user, requests) is None
+
+
+def test_the_same_address_with_another_length_is_another_list(
+    engines: tuple[TransferEngine, TransferEngine, str],
+) -> None:
+    owner, user, transport = engines
+    memory = np.full(4 * KIB, 6, np.uint8)  # then its first half: the same address, another length
+    base, remote = _target(owner, transport, 64 * KIB)
+    for _ in range(3):
+        assert user.transfer([TransferRequest(OpCode.WRITE, "owner", base, memory)])[0].transferred_bytes == 4 * KIB
+    for _ in range(3):
+        remote[: 4 * KIB] = 0
+        (status,) = user.transfer([TransferRequest(OpCode.WRITE, "owner", base, memory[: 2 * KIB])])
+        assert status.state is RequestState.COMPLETED and status.transferred_bytes == 2 * KIB
+        assert remote[: 2 * KIB].tolist() == [6] * 2 * KIB and not remote[2 * KIB : 4 * KIB].any()
+
+
+@pytest.mark.parametrize("nbytes", [64 * KIB, 2048 * KIB])
+def test_threads_running_one_list_at_once(engines: tuple[TransferEngine, TransferEngine, str], nbytes: int) -> None:
+    owner, user, transport = engines
+    base, remote = _target(owner, transport, nbytes)
+    remote[:] = np.random.default_rng(11).integers(0, 256, nbytes, dtype=np.uint8)
+    back = np.zeros(nbytes, np.uint8)
+    quarter = nbytes // 4
+    reads = [TransferRequest(OpCode.READ, "owner", base + i * quarter, back[i * quarter :], quarter) for i in range(4)]
+    ends: list[list[int]] = []
+
+    def run() -> None:
+        for i in range(10):
+            statuses = user.submit(reads).wait() if i % 2 else user.transfer(reads)
+            ends.append([s.transferred_bytes if s.state is RequestState.COMPLETED else -1 for s in statuses])
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert ends == [[quarter] * 4] * 40
+    assert np.array_equal(back, remote)
+
+
+def test_a_file_dropped_during_a_run_is_unmapped_after_it(
+    engines: tuple[TransferEngine, TransferEngine, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    owner, user, transport = engines
+    if transport != "shm":
+        pytest.skip("shm maps the peer's files")
+    buf = owner.allocate(64 * KIB)
+    requests = [TransferRequest(OpCode.WRITE, "owner", buf.base, np.ones(4 * KIB, np.uint8))]
+    user.lookup("owner", fresh=True)
+    prepared = user.prepare(requests)
+    state = _transport(user, "shm")._peers.get(user.lookup("owner"))
+    mapping = state.mappings[buf.shm_name]
+    run_shares = shm.run_shares
+
+    def dropped_meanwhile(*args: Any) -> bool:  # drop() while the run pins the file
+        state.drop(buf.shm_name)
+        return run_shares(*args)
+
+    monkeypatch.setattr(shm, "run_shares", dropped_meanwhile)
+    assert prepared.run()[0].state is RequestState.COMPLETED  # the pins kept the file mapped for the copy
+    assert mapping.mm.closed
+
+
+def test_a_copy_within_the_engine_from_freed_memory_is_out_of_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    with TransferEngine("self", Config(metadata=MetadataConfig(url))) as engine:
+        base = engine.register(np.zeros(64 * KIB, np.uint8))
+        freed = memoryview(bytearray(4 * KIB))
+        freed.release()
+        monkeypatch.setattr(engine._segment, "resolve", lambda address, length: freed)  # freed after resolve()
+        (status,) = engine.transfer([TransferRequest(OpCode.WRITE, "self", base, np.ones(4 * KIB, np.uint8))])
+        assert status.state is RequestState.FAILED and status.error_code == "out_of_bounds", status

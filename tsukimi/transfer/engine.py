@@ -66,8 +66,9 @@ from tsukimi.transfer.segment import (
 from tsukimi.transfer.server import SegmentServer, ServerHooks
 from tsukimi.transfer.shared_memory import SharedMemoryAllocator
 from tsukimi.transfer.staging import StagingPool
-from tsukimi.transfer.transports import Preparable, SegmentAware, TransportContext, build_transports
+from tsukimi.transfer.transports import Preparable, PreparedItem, SegmentAware, TransportContext, build_transports
 from tsukimi.transfer.transports.local import LocalCopy
+from tsukimi.transfer.transports.same_host import live_slices
 from tsukimi.transfer.transports.staged import Staging
 
 logger = logging.getLogger(__name__)
@@ -281,37 +282,48 @@ class TransferEngine:
             InvalidBufferError / OutOfBounds / ConfigError: a request is malformed.
             ClosedError: the engine is closed.
         """
-        started = self._start(requests, timeout_s)
+        started = self._start(requests, timeout_s, inline_only=True)
         if isinstance(started, Batch):
             return started
         batch = Batch([None] * len(started), self._clock.now(), self._clock)
         batch.complete_all([status.transferred_bytes for status in started])
         return batch
 
-    def _start(self, requests: Sequence[TransferRequest], timeout_s: float | None) -> Batch | list[RequestStatus]:
+    def _start(
+        self, requests: Sequence[TransferRequest], timeout_s: float | None, inline_only: bool = False
+    ) -> Batch | list[RequestStatus]:
         """`submit`'s work: the batch started, or, where a remembered prepared call moved
-        every request, their statuses (tsukimi/transfer/plan_memo.py)."""
+        every request, their statuses (tsukimi/transfer/plan_memo.py). `inline_only`: take the
+        prepared call only where it runs on this thread alone (submit must not wait on workers)."""
         self._check_open()
         deadline = self._clock.now() + (timeout_s if timeout_s is not None else self.config.timeout_s)
         keyed = self._memo.key(requests)
         entry, wanted = self._memo.get(keyed[0]) if keyed is not None else (None, False)
         if entry is not None and keyed is not None:  # NOTE: the same list again: no validation, no routing
-            if self._clock.now() < deadline and (statuses := entry.run_fast()) is not None:
+            left = deadline - self._clock.now()
+            if left > 0 and (entry.inline or not inline_only) and (statuses := entry.run_fast(left)) is not None:
                 return statuses
             batch = Batch([req.local for req in requests], deadline, self._clock)
-            self._routes.hand_off(entry.slices(batch.records, requests, keyed[1]))
+            groups = entry.slices(batch.records, requests, keyed[1])
+            if self._clock.now() < deadline:
+                self._routes.hand_off(groups)
+            else:  # NOTE: the prepared call ran out the time: end them now, as a transport would
+                for _, _, pieces in groups:
+                    live_slices(pieces, self._clock)
             return batch
         version = self._segment.version
         plans = [self._routes.plan(req) for req in requests]
         batch = Batch([req.local for req in requests], deadline, self._clock)
         groups = self._routes.group(batch.records, plans)
-        if keyed is not None and wanted:  # NOTE: before the transports touch the slices
-            self._memo.remember(keyed[0], version, batch.records, plans, groups, self._prepared)
-        self._routes.hand_off(groups)
+        try:
+            if keyed is not None and wanted:  # NOTE: before the transports touch the slices
+                self._memo.remember(keyed[0], version, batch.records, plans, groups, self._prepared)
+        finally:  # NOTE: whatever remember met, the slices are handed off (they end the records)
+            self._routes.hand_off(groups)
         return batch
 
     @staticmethod
-    def _prepared(groups: list[Group], plans: list[Plan]) -> Callable[[], bool] | None:
+    def _prepared(groups: list[Group], plans: list[Plan]) -> Callable[[float], bool] | None:
         """The prepared call for host requests that all go to one peer over one transport
         that can prepare them (else None)."""
         if len(groups) != 1 or not isinstance(groups[0][0], Preparable):
@@ -319,10 +331,7 @@ class TransferEngine:
         items = [(op, local, offset) for _, op, local, offset in plans if isinstance(local, memoryview)]
         if len(items) != len(plans):
             return None
-        try:
-            return groups[0][0].prepare(groups[0][1], items)
-        except (TsukimiError, OSError):  # e.g. the peer is gone: the slices will say so
-            return None
+        return _prepare(groups[0][0], groups[0][1], items)
 
     def prepare(self, requests: Sequence[TransferRequest], timeout_s: float | None = None) -> PreparedTransfer:
         """Validate and route `requests` once, to run them many times (`run()` = `transfer`,
@@ -340,8 +349,9 @@ class TransferEngine:
             routes = [self._routes.locate(plan[0], plan[3], size) for plan, size in zip(plans, sizes, strict=True)]
             distinct = {(id(r[0]), id(r[1])) if r is not None else None for r in routes}
             if len(distinct) == 1 and (route := routes[0]) is not None and isinstance(route[0], Preparable):
-                fast = route[0].prepare(route[1], hosts)
-        return PreparedTransfer(requests, sizes, timeout_s, self.transfer, fast)
+                fast = _prepare(route[0], route[1], hosts)
+        timeout = timeout_s if timeout_s is not None else self.config.timeout_s
+        return PreparedTransfer(requests, sizes, timeout, self.transfer, fast, self._clock)
 
     def transport_for(self, segment: SegmentHandle | str, remote_offset: int, length: int = 1) -> str:
         """The name of the transport that would carry a request to `segment` at
@@ -486,3 +496,14 @@ class TransferEngine:
 
     def _on_handshake(self, raw: bytes) -> None:
         self._directory.learn_hint(decode_descriptor(raw))
+
+
+def _prepare(
+    transport: Preparable, peer: SegmentDescriptor, items: list[PreparedItem]
+) -> Callable[[float], bool] | None:
+    """`transport.prepare`, None where it cannot (e.g. the peer is gone, or a concurrent run
+    released a mapping it used: the ordinary path then says what is wrong)."""
+    try:
+        return transport.prepare(peer, items)
+    except (TsukimiError, OSError, ValueError):
+        return None

@@ -17,6 +17,11 @@ is the very object it was routed with (a peer that re-registers publishes a new 
 stale one is dropped from the cache) and the local segment's registration version is the one
 it saw; otherwise it is dropped and the list planned anew.
 
+`transfer` takes the prepared call at any size (bounded by its deadline: shares.py);
+`submit` only up to INLINE_FAST_BYTES, where the call runs on the submitting thread alone
+(larger ones are handed off as slices: submit never waits on the copy workers). A list cut
+into more than MEMO_MAX_SLICES slices is not remembered.
+
 NOTE: a list is remembered the second time it is seen: a caller that never repeats a list
 (new offsets every call) pays for its key only.
 """
@@ -40,6 +45,8 @@ from tsukimi.transfer.transports import Slice, Transport
 _from_buffer, _addressof = ctypes.c_char.from_buffer, ctypes.addressof
 MEMO_ENTRIES = 128  # remembered (or seen) request lists; the oldest is dropped first
 MEMO_MAX_REQUESTS = 512  # a longer list is planned anew every time (bounds the memo's memory: ~10 MiB)
+MEMO_MAX_SLICES = 1024  # a list cut into more slices is not remembered (an entry's size scales with them)
+INLINE_FAST_BYTES = 1 << 20  # `submit` takes the prepared call only up to this (it then runs on the caller's thread)
 _HOST_CLASSES = frozenset({bytes, bytearray, memoryview, np.ndarray})
 
 # per request: reading, handle id, segment name, handle transport (id and transport _BY_NAME
@@ -62,16 +69,17 @@ class Remembered:
     sizes: tuple[int, ...]  # bytes each request moves
     counts: tuple[int, ...]  # slices each request was cut into
     groups: tuple[tuple[Transport, SegmentDescriptor, tuple[SliceTemplate, ...]], ...]
-    fast: Callable[[], bool] | None  # the prepared call of the one transport, if it made one
+    fast: Callable[[float], bool] | None  # the prepared call of the one transport, if it made one
     completed: tuple[RequestStatus, ...]  # what a run of `fast` that says True ends with
+    inline: bool  # whether it moves at most INLINE_FAST_BYTES (`submit` may take it)
 
-    def run_fast(self) -> list[RequestStatus] | None:
-        """The statuses of a prepared call that moved every request; None when there is no
-        such call or it did not (the slices then say what went wrong)."""
+    def run_fast(self, timeout_s: float) -> list[RequestStatus] | None:
+        """The statuses of a prepared call that moved every request within `timeout_s`; None
+        when there is no such call or it did not (the slices then say what went wrong)."""
         if self.fast is None:
             return None
         try:
-            moved = self.fast()
+            moved = self.fast(timeout_s)
         except (OSError, ValueError):  # NOTE: the transport was closed under it
             return None
         return list(self.completed) if moved else None
@@ -184,12 +192,15 @@ class PlanMemo:
         records: list[RequestRecord],
         plans: list[Plan],
         groups: list[Group],
-        prepare: Callable[[list[Group], list[Plan]], Callable[[], bool] | None],
+        prepare: Callable[[list[Group], list[Plan]], Callable[[float], bool] | None],
     ) -> Remembered | None:
         """Keep how `plans` (of the requests `key` names, made at local registration
         `version`) were routed: `groups`, before any transport touched them. Nothing when a
-        request did not route or a peer's descriptor is no longer the cached one. `prepare`
-        makes the prepared call, if the routes allow one. Returns the entry kept."""
+        request did not route, a peer's descriptor is no longer the cached one, or the list
+        was cut into more than MEMO_MAX_SLICES slices. `prepare` makes the prepared call, if
+        the routes allow one. Returns the entry kept."""
+        if sum(len(pieces) for _, _, pieces in groups) > MEMO_MAX_SLICES:
+            return None
         index = {id(record): i for i, record in enumerate(records)}
         counts = [0] * len(records)
         peers: dict[str, SegmentDescriptor] = {}
@@ -211,7 +222,8 @@ class PlanMemo:
         sizes = tuple(plan_bytes(plan) for plan in plans)
         completed = tuple(RequestStatus(RequestState.COMPLETED, size) for size in sizes)
         fast = prepare(groups, plans)
-        entry = Remembered(tuple(peers.items()), version, sizes, tuple(counts), tuple(kept), fast, completed)
+        inline = sum(sizes) <= INLINE_FAST_BYTES
+        entry = Remembered(tuple(peers.items()), version, sizes, tuple(counts), tuple(kept), fast, completed, inline)
         with self._lock:
             if key in self._entries:  # NOTE: else it was dropped meanwhile: keep the bound
                 self._entries[key] = entry

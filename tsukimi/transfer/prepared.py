@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from tsukimi.clock import Clock
 from tsukimi.transfer.batch import RequestState, RequestStatus, TransferRequest
 
 Transfer = Callable[[Sequence[TransferRequest], float | None], list[RequestStatus]]
@@ -30,12 +31,13 @@ class PreparedTransfer:
         self,
         requests: Sequence[TransferRequest],
         sizes: Sequence[int],
-        timeout_s: float | None,
+        timeout_s: float,
         transfer: Transfer,
-        fast: Callable[[], bool] | None,
+        fast: Callable[[float], bool] | None,
+        clock: Clock,
     ) -> None:
         self.requests = list(requests)
-        self._timeout_s, self._transfer, self._fast = timeout_s, transfer, fast
+        self._timeout_s, self._transfer, self._fast, self._clock = timeout_s, transfer, fast, clock
         self._completed = [RequestStatus(RequestState.COMPLETED, size) for size in sizes]
 
     @property
@@ -44,7 +46,16 @@ class PreparedTransfer:
         return self._fast is not None
 
     def run(self) -> list[RequestStatus]:
-        """Move the requests now; their final statuses. Raises what `transfer` raises."""
-        if self._fast is not None and self._fast():
+        """Move the requests now; their final statuses, by the run's deadline (the prepared
+        call's time left goes to the ordinary transfer that redoes it). Raises what
+        `transfer` raises."""
+        if self._fast is None:
+            return self._transfer(self.requests, self._timeout_s)
+        deadline = self._clock.now() + self._timeout_s
+        try:
+            moved = self._fast(self._timeout_s)
+        except (OSError, ValueError):  # NOTE: the transport was closed under it
+            moved = False
+        if moved:
             return list(self._completed)
-        return self._transfer(self.requests, self._timeout_s)
+        return self._transfer(self.requests, max(0.0, deadline - self._clock.now()))

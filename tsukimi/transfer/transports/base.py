@@ -85,9 +85,10 @@ PreparedItem = tuple[OpCode, memoryview, int]  # what, the local bytes, the remo
 class Preparable(Protocol):
     """A transport with a fast path for requests run many times (tsukimi/transfer/prepared.py)."""
 
-    def prepare(self, peer: SegmentDescriptor, items: list[PreparedItem]) -> Callable[[], bool] | None:
-        """A call that moves every item at once and says whether all of them completed
-        (False: the engine redoes them the ordinary way, to learn which failed and why);
+    def prepare(self, peer: SegmentDescriptor, items: list[PreparedItem]) -> Callable[[float], bool] | None:
+        """A call that moves every item at once, within the seconds it is given, and says
+        whether all of them completed (False, also when the time ran out: the engine redoes
+        them the ordinary way, to learn which failed and why);
         None when this transport cannot prepare them. The caller keeps the buffers alive."""
         ...
 

@@ -160,11 +160,12 @@ class CmaTransport:
         if group:
             self._workers.put((state, group))
 
-    def prepare(self, peer: SegmentDescriptor, items: list[PreparedItem]) -> Callable[[], bool] | None:
+    def prepare(self, peer: SegmentDescriptor, items: list[PreparedItem]) -> Callable[[float], bool] | None:
         """Prepared requests (tsukimi/transfer/prepared.py): the iovec lists built once, cut in
         groups as `submit` cuts slices; each run checks the owner's registration version and
         liveness as `submit` does, then makes one call per group: all of them on the calling
-        thread up to INLINE_BYTES, above that shared with the workers (shares.py)."""
+        thread up to INLINE_BYTES, above that shared with the workers, waited for at most the
+        run's time left (shares.py)."""
         state = self._peers.get(peer)
         calls: list[tuple[Callable[[], int], int]] = []
         for op in (OpCode.READ, OpCode.WRITE):
@@ -183,10 +184,10 @@ class CmaTransport:
         shares = [calls] if total <= INLINE_BYTES else split_by_bytes(calls, self._num_workers + 1, _call_bytes)
         works = [functools.partial(_all_moved, share) for share in shares]
 
-        def run() -> bool:
+        def run(timeout_s: float) -> bool:
             if self._refused or self._version(state, peer) not in (None, peer.version) or not state.alive():
                 return False
-            return run_shares(works, self._workers.put) and state.alive()
+            return run_shares(works, self._workers.put, timeout_s) and state.alive()
 
         return run
 

@@ -57,6 +57,8 @@ class LocalCopy:
                 _copy(self._segment, piece.op, piece.local, piece.remote_offset)
             except (OutOfBounds, InvalidBufferError) as exc:  # released, or now device memory
                 piece.record.slice_failed(f"copy within {peer.name} failed: {exc}", exc.code)
+            except ValueError as exc:  # NOTE: freed between resolve() and the copy: released too
+                piece.record.slice_failed(f"copy within {peer.name} failed: {exc}", OutOfBounds.code)
             else:
                 done.append((piece.record, len(piece.local)))
         RequestRecord.slices_done(done)

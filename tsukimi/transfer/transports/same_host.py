@@ -39,9 +39,14 @@ class PeerProcess:
             raise ProcessLookupError(f"pid {desc.pid} is no longer the process that published {desc.name}")
 
     def alive(self) -> bool:
-        """Whether the process still runs (its pidfd turns readable when it exits).
+        """Whether the process still runs (its pidfd turns readable when it exits); False
+        too when the pidfd was closed under the caller (the transport closed, or a retired
+        peer's pidfd: the copy then fails as a peer error instead of raising).
         NOTE: select, not a kept poll object: that one refuses concurrent callers."""
-        readable, _, _ = select.select([self.pidfd], [], [], 0)
+        try:
+            readable, _, _ = select.select([self.pidfd], [], [], 0)
+        except (OSError, ValueError):
+            return False
         return not readable
 
     def close(self) -> None:

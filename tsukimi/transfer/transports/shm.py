@@ -15,6 +15,7 @@ no staging. A mapping is pinned for a kind of device the first time it is used w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -129,13 +130,14 @@ class ShmTransport:
         for chunk in split_by_bytes(slices, self._num_workers, _nbytes):
             self._workers.put((state, chunk))
 
-    def prepare(self, peer: SegmentDescriptor, items: list[PreparedItem]) -> Callable[[], bool] | None:
+    def prepare(self, peer: SegmentDescriptor, items: list[PreparedItem]) -> Callable[[float], bool] | None:
         """Prepared requests (tsukimi/transfer/prepared.py): each item's file mapped and both
         addresses found once; a run checks liveness before and after the copies, and, under the
         peer's lock, that each file is still mapped and not released, pinning its mapping for
         the copies. A run above INLINE_BYTES shares its copies, cut as slices are, with the
-        workers. Keeps no view of the items (addresses only: the caller keeps them alive).
-        None when an item is not in a mapped file of the peer."""
+        workers, waiting for them at most the run's time left (shares.py). Keeps no view of
+        the items (addresses only: the caller keeps them alive). None when an item is not in a
+        live file of the peer (a released one is left as it is: the slices say so)."""
         state = self._peers.get(peer)
         files: dict[str, SharedMapping] = {}
         copies: list[Copy] = []
@@ -143,8 +145,8 @@ class ShmTransport:
             buffer = peer.find(offset, len(local))
             if buffer is None or not buffer.shm_name or not valid_shm_name(buffer.shm_name):
                 return None
-            mapping = files.get(buffer.shm_name) or self._mapping(state, buffer.shm_name)
-            if isinstance(mapping, TsukimiError):
+            mapping = files.get(buffer.shm_name) or _mapped(state, buffer.shm_name)
+            if mapping is None:
                 return None
             files[buffer.shm_name] = mapping
             start = offset - buffer.base + buffer.shm_offset
@@ -159,7 +161,7 @@ class ShmTransport:
         shares = [copies] if total <= INLINE_BYTES else split_by_bytes(copies, self._num_workers + 1, _copy_bytes)
         works = [functools.partial(copy_all, share) for share in shares]
 
-        def run() -> bool:
+        def run(timeout_s: float) -> bool:
             if not state.alive():
                 return False
             with state.lock:  # NOTE: drop() and close() unmap under this lock: the checks hold
@@ -170,9 +172,10 @@ class ShmTransport:
                 except (OSError, ValueError):
                     return False
             try:
-                moved = run_shares(works, self._workers.put)
+                moved = run_shares(works, self._workers.put, timeout_s)
             finally:
                 del pins
+                _unmap_dropped(state, checks)
             return moved and state.alive()
 
         return run
@@ -271,6 +274,25 @@ class ShmTransport:
             np.copyto(remote, local)
         else:
             np.copyto(local, remote)
+
+
+def _mapped(peer: _ShmPeer, shm_name: str) -> SharedMapping | None:
+    """The peer's file mapped while it is not released, else None. NOTE: no side effect (a
+    released file stays mapped): the slices that follow a failed prepare say what happened."""
+    try:
+        mapping = peer.mapping(shm_name)
+        return None if mapping.unlinked() else mapping
+    except (OSError, ValueError):
+        return None
+
+
+def _unmap_dropped(peer: _ShmPeer, checks: tuple[tuple[str, SharedMapping], ...]) -> None:
+    """Unmap the files that drop() let go while a run pinned them (its mm.close() then failed,
+    and the file would stay mapped as long as the prepared call is kept)."""
+    for name, mapping in checks:
+        if peer.mappings.get(name) is not mapping:
+            with contextlib.suppress(BufferError, ValueError):
+                mapping.mm.close()
 
 
 def _nbytes(piece: Slice) -> int:
