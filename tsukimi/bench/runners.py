@@ -255,7 +255,7 @@ def _bench_sglang(args: argparse.Namespace, console: Console) -> tuple[BenchRepo
     if args.quick:
         cfg = dataclasses.replace(sglang.QUICK, systems=systems)
     else:
-        cfg = sglang.SglangBenchConfig(pages=args.pages, tps=tuple(args.tp), systems=systems)
+        cfg = sglang.SglangBenchConfig(pages=args.pages, tps=tuple(args.tp), systems=systems, repeats=args.repeats)
     return sglang.run_report(cfg, _say(console)), sglang.VIEWS
 
 

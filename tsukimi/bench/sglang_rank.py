@@ -10,7 +10,8 @@ It makes SGLang's own storage backend the way SGLang's cache controller does
 `pages` pages of PAGE_BYTES (k + v), filled with random bytes.
 
 It replies once when ready, then runs one op per command line (`{"cmd": "set" | "exists" |
-"get"}`) over all pages in calls of `batch` pages (SGLang's STORAGE_BATCH_SIZE) and replies
+"get", "round": N}`; round N's keys are its own) over all pages in calls of `batch` pages
+(SGLang's STORAGE_BATCH_SIZE) and replies
 `{"seconds", "pages_ok"}`; "get" zeroes the pool first (untimed) and adds `exact`: whether
 the pages read back equal those written. Speaks JSON lines on a private duplicate of stdout
 (mooncake_cluster.protocol_stream), so what the C++ library prints cannot corrupt it.
@@ -121,10 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         logger.exception("rank setup failed")
         child_reply({"ok": False, "error": f"setup: {exc}"}, out=proto)
         return 1
-    keys = [f"{spec['key_prefix']}-{i}" for i in range(spec["pages"])]
     child_reply({"tp_rank": spec["tp_rank"]}, out=proto)
     for line in sys.stdin:
-        child_reply(run_op(json.loads(line)["cmd"], backend, pool, keys, spec["batch"]), out=proto)
+        command = json.loads(line)
+        keys = [f"{spec['key_prefix']}-r{command.get('round', 0)}-{i}" for i in range(spec["pages"])]
+        child_reply(run_op(command["cmd"], backend, pool, keys, spec["batch"]), out=proto)
     proto.flush()
     sys.stderr.flush()
     os._exit(0)  # NOTE: the wheel's background threads may hang interpreter teardown
