@@ -1,10 +1,10 @@
 """Replicas in this client's own segment, moved with a memcpy on the caller's thread.
 
 A replica the master placed in the reader's (or writer's) own segment needs no transport:
-its bytes are this process's memory. Mooncake's client does the same (its LOCAL_MEMCPY
-strategy); going through the Transfer Engine instead would cost a request, a route and a
-slice per part, and a hand-off to a copy thread, for what is one memcpy (issue 25's TP 1
-HiCache figures: every page of one rank sits in its own segment).
+its bytes are this process's memory (copied by transfer/copies.py). Mooncake's client does
+the same (its LOCAL_MEMCPY strategy); going through the Transfer Engine instead would cost a
+request, a route and a slice per part for what is one memcpy (issue 25's TP 1 HiCache
+figures: every page of one rank sits in its own segment).
 
     view = local_view(engine, replica.te_segment, replica.address, size)   # None: not ours
     if view is not None:
@@ -20,12 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from tsukimi.errors import TsukimiError
 from tsukimi.transfer import TransferEngine
-
-GIL_FREE_BYTES = 256 << 10  # NOTE: larger copies go through numpy, which releases the GIL
+from tsukimi.transfer.copies import copy_bytes
 
 
 def local_view(engine: TransferEngine, te_segment: str, address: int, size: int) -> memoryview | None:
@@ -41,28 +38,18 @@ def local_view(engine: TransferEngine, te_segment: str, address: int, size: int)
 
 
 def scatter(view: memoryview, parts: Sequence[bytearray | memoryview]) -> None:
-    """Copy `view` into `parts`, in order; their sizes add up to `view`'s (the caller checked)."""
+    """Copy `view` into `parts` (flat byte views), in order; their sizes add up to `view`'s
+    (the caller checked)."""
     offset = 0
     for part in parts:
-        size = part.nbytes if isinstance(part, memoryview) else len(part)
-        _copy(part, view[offset : offset + size])
-        offset += size
+        copy_bytes(part, view[offset : offset + len(part)])
+        offset += len(part)
 
 
 def gather(parts: Sequence[bytearray | memoryview], view: memoryview) -> None:
-    """Copy `parts`, in order, into `view`; their sizes add up to `view`'s (the caller checked)."""
+    """Copy `parts` (flat byte views), in order, into `view`; their sizes add up to `view`'s
+    (the caller checked)."""
     offset = 0
     for part in parts:
-        size = part.nbytes if isinstance(part, memoryview) else len(part)
-        _copy(view[offset : offset + size], part)
-        offset += size
-
-
-def _copy(dst: bytearray | memoryview, src: bytearray | memoryview) -> None:
-    if len(src) >= GIL_FREE_BYTES:
-        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
-        return
-    try:
-        dst[:] = src
-    except (TypeError, ValueError):  # NOTE: a view of another format or shape: copy its bytes
-        memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
+        copy_bytes(view[offset : offset + len(part)], part)
+        offset += len(part)

@@ -3,8 +3,7 @@
 A segment's addresses are its owner's virtual addresses, so a request whose peer is this very
 engine (the store's local replica, a test) needs no transport at all: the remote range is
 resolved in the local segment (as the segment server would: out of bounds when it is not
-registered, so a released range is never written) and copied, by a memoryview assignment up
-to MEMCPY_BYTES and by numpy above (which releases the GIL). Only `transport="auto"` requests
+registered, so a released range is never written) and copied (copies.py). Only `transport="auto"` requests
 between host memory on both sides come here (routing.py); a forced transport still carries
 requests to this engine as it would any other peer's.
 
@@ -17,16 +16,14 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
 from tsukimi.clock import Clock
 from tsukimi.errors import InvalidBufferError, OutOfBounds
 from tsukimi.transfer.batch import OpCode, RequestRecord
+from tsukimi.transfer.copies import copy_bytes
 from tsukimi.transfer.segment import BufferDescriptor, LocalSegment, SegmentDescriptor
 from tsukimi.transfer.transports.base import Slice
 from tsukimi.transfer.transports.same_host import live_slices
 
-MEMCPY_BYTES = 256 << 10  # up to this many bytes, one memoryview assignment; above, np.copyto (GIL released)
 SLICE_BYTES = 64 << 20
 
 
@@ -71,12 +68,7 @@ def _copy(segment: LocalSegment, op: OpCode, local: memoryview, remote_offset: i
     """Copy one slice between `local` and the segment's registered bytes at `remote_offset`.
     Raises OutOfBounds / InvalidBufferError: the range is not registered host memory."""
     there = segment.resolve(remote_offset, len(local))
-    if len(local) <= MEMCPY_BYTES:
-        if op is OpCode.WRITE:
-            there[:] = local
-        else:
-            local[:] = there
-    elif op is OpCode.WRITE:
-        np.copyto(np.frombuffer(there, np.uint8), np.frombuffer(local, np.uint8))
+    if op is OpCode.WRITE:
+        copy_bytes(there, local)
     else:
-        np.copyto(np.frombuffer(local, np.uint8), np.frombuffer(there, np.uint8))
+        copy_bytes(local, there)

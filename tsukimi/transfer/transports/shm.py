@@ -21,13 +21,12 @@ import logging
 import threading
 from collections.abc import Callable
 
-import numpy as np
-
 from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
 from tsukimi.device import backend, pin_or_warn
 from tsukimi.errors import ClosedError, OutOfBounds, PeerError, TsukimiError
 from tsukimi.transfer.batch import OpCode, RequestRecord
+from tsukimi.transfer.copies import copy_bytes
 from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor, view_address
 from tsukimi.transfer.shared_memory import SharedMapping, map_shared, valid_shm_name
 from tsukimi.transfer.transports.base import PreparedItem, Slice, TransportContext, register_transport
@@ -43,7 +42,6 @@ from tsukimi.transfer.transports.shares import Copy, Share, copy_all, run_shares
 logger = logging.getLogger(__name__)
 
 INLINE_BYTES = 1 << 20  # a submit of at most this many bytes is copied by the submitting thread
-MEMCPY_BYTES = 256 << 10  # a slice up to this size is one memoryview assignment (larger: np.copyto, GIL released)
 SLICE_BYTES = 16 << 20
 
 
@@ -262,18 +260,11 @@ class ShmTransport:
         size = len(piece.local)
         if start < 0 or start + size > len(mapping.view):
             raise ValueError(f"[{start:#x}, +{size}) is outside the peer's file")
-        if size <= MEMCPY_BYTES:  # NOTE: a memoryview assignment is one memcpy, cheaper than two arrays
-            if piece.op is OpCode.WRITE:
-                mapping.view[start : start + size] = piece.local
-            else:
-                piece.local[:] = mapping.view[start : start + size]
-            return
-        remote = np.frombuffer(mapping.view, np.uint8, size, start)  # NOTE: np.copyto releases the GIL
-        local = np.frombuffer(piece.local, np.uint8)
+        remote = mapping.view[start : start + size]
         if piece.op is OpCode.WRITE:
-            np.copyto(remote, local)
+            copy_bytes(remote, piece.local)
         else:
-            np.copyto(local, remote)
+            copy_bytes(piece.local, remote)
 
 
 def _mapped(peer: _ShmPeer, shm_name: str) -> SharedMapping | None:
