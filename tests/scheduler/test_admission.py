@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 from tsukimi.config import SIMULATOR_CONDUCTOR
-from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
+from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest
 from tsukimi.scheduler.cost_model import LinearCostModel
 from tsukimi.scheduler.prefix_index import PrefixIndex
 
@@ -104,7 +104,7 @@ def test_a_cold_conductor_prices_decode_stages_with_the_cost_model_when_no_prior
     # NOTE: a burst of short-output requests (16 tokens: under 1 s in decode at this cost model's
     # TBT, 10 ms per step + 1 ms per request) must not be priced with a fixed 10 s stage: with it,
     # every request due in the next 10 s (prefills of 0.1 s) counts as in decode at once, and the
-    # TBT forecast misses the 30 ms SLO from the 20th on
+    # TBT forecast misses the 30 ms SLO from the 21st on, and they wait
     cost = LinearCostModel(prefill_coef=(0.0, 1e-4, 0.0), decode_coef=(0.01, 1e-3, 0.0), kv_bytes_per_token=1)
 
     def burst(prior_s: float) -> list[str]:
@@ -113,9 +113,9 @@ def test_a_cold_conductor_prices_decode_stages_with_the_cost_model_when_no_prior
         )
         conductor = Conductor(config, cost, PrefixIndex(), ["p0"], ["d0"], 10**9)
         decisions = [conductor.schedule(ScheduleRequest(i, 1000, [], max_tokens=16), now=0.0) for i in range(40)]
-        return [d.reason for d in decisions if not d.accepted]
+        return [d.reason or "queued" for d in decisions if d.queued or not d.accepted]
 
-    assert set(burst(10.0)) == {"tbt_slo"}
+    assert burst(10.0) == ["queued"] * 20  # the last 20 wait for the first to leave decode
     assert burst(0.0) == []
 
 
@@ -126,3 +126,82 @@ def test_a_table_that_sets_one_key_keeps_the_rest_of_its_fields_default() -> Non
     # (decode_estimate_s 0), also when [conductor] sets another key
     assert load(RouterAppConfig).conductor == ROUTER_CONDUCTOR and ROUTER_CONDUCTOR.decode_estimate_s == 0
     assert load(RouterAppConfig, None, ["conductor.ttft_slo_s=2"]).conductor.decode_estimate_s == 0
+
+
+# -- waiting for the TBT SLO ------------------------------------------------------------------
+# A decode step costs 10 ms + 1 ms per request in the batch; with a 12.5 ms TBT SLO a decode
+# instance takes two requests at a time.
+BATCHED = LinearCostModel(prefill_coef=(0.0, 1e-3, 0.0), decode_coef=(0.01, 1e-3, 0.0), kv_bytes_per_token=1)
+
+
+def _batched(**cfg: object) -> Conductor:
+    settings = {"block_tokens": 100, "kv_bandwidth_bytes_s": 1e12, "tbt_slo_s": 0.0125, **cfg}
+    config = dataclasses.replace(SIMULATOR_CONDUCTOR, **settings)  # type: ignore[arg-type]
+    return Conductor(config, BATCHED, PrefixIndex(), ["p0"], ["d0"], 10**6)
+
+
+def test_a_request_whose_decode_batch_would_break_the_tbt_slo_waits_at_arrival_and_is_released() -> None:
+    conductor = _batched(rejection="early", ttft_slo_s=60.0)
+    for rid, now in ((1, 0.0), (2, 0.0)):
+        assert conductor.schedule(_request(rid), now).accepted
+    conductor.admit_decode(1, 1.0)
+    conductor.admit_decode(2, 2.0)
+    third = conductor.schedule(_request(3), now=2.0)  # a batch of three: 13 ms > 12.5 ms
+    assert third.accepted and third.queued and "for TBT on d0" in third.message
+    # NOTE: the first is expected to leave after its 256 tokens at 13 ms (the ledger's stage before
+    # any is observed), at 4.328 s; then 1 s of prefill
+    assert third.wait_s == pytest.approx(2.328) and third.ttft_s == pytest.approx(3.328)
+    assert conductor.release(5.0) == []  # nobody left: the batch is still two
+    conductor.decode_finished(1, 6.0, 100)
+    [released] = conductor.release(6.0)
+    assert (released.request_id, released.queued, released.decode) == (3, True, "d0")
+    assert released.wait_s == pytest.approx(4.0)
+
+
+def test_a_request_predicted_to_wait_past_the_ttft_slo_for_the_tbt_is_rejected_saying_so() -> None:
+    conductor = _batched(rejection="early", ttft_slo_s=3.0)
+    for rid in (1, 2):
+        conductor.schedule(_request(rid), 0.0)
+        conductor.admit_decode(rid, float(rid))
+    rejected = conductor.schedule(_request(3), now=2.0)
+    assert (rejected.accepted, rejected.reason) == (False, "ttft_slo")
+    assert "for TBT on d0" in rejected.message and "> the TTFT SLO 3 s" in rejected.message
+
+
+def test_a_prefilled_request_waits_for_a_place_in_the_decode_batch_instead_of_being_rejected() -> None:
+    # NOTE: a 0.5 s prior: at arrival each request is predicted to find the others gone
+    conductor = _batched(rejection="predicted", decode_estimate_s=0.5, ttft_slo_s=60.0)
+    assert all(conductor.schedule(_request(rid), 0.0).accepted for rid in (1, 2, 3, 4))
+    assert conductor.admit_decode(1, 1.0, wait=True) == "d0"
+    assert conductor.admit_decode(2, 2.0, wait=True) == "d0"
+    waiting = conductor.admit_decode(3, 3.0, wait=True)  # the batch is still two: 13 ms > 12.5 ms
+    assert isinstance(waiting, Decision) and waiting.accepted and waiting.queued and waiting.decode == "d0"
+    assert "d0's batch to meet the TBT SLO" in waiting.message and conductor.queued == 1
+    # NOTE: the fourth waits behind the third, in arrival order; a newcomer queues behind both
+    assert isinstance(conductor.admit_decode(4, 4.0, wait=True), Decision) and conductor.queued == 2
+    assert conductor.schedule(_request(5), 4.0).queued and conductor.queued == 3
+    assert conductor.release(4.5) == []
+    conductor.decode_finished(1, 5.0, 100)
+    [third] = conductor.release(5.0)
+    assert (third.request_id, third.decode, third.queued) == (3, "d0", True) and third.wait_s == pytest.approx(5.0)
+    assert conductor.cancel(4) and conductor.queued == 1  # its client left: its booking goes too
+    conductor.decode_finished(2, 6.0, 100)
+    assert [d.request_id for d in conductor.release(6.0)] == [5]
+    conductor.decode_finished(3, 7.0, 100)
+    assert conductor.decode_capacity_tokens() == {"d0": 10**6}
+
+
+def test_without_wait_or_past_the_ttft_slo_a_request_is_rejected_at_decode() -> None:
+    for wait, slo in ((False, 60.0), (True, 3.5)):
+        conductor = _batched(rejection="predicted", decode_estimate_s=0.5, ttft_slo_s=slo)
+        for rid in (1, 2, 3):
+            conductor.schedule(_request(rid), 0.0)
+        conductor.admit_decode(1, 1.0)
+        conductor.admit_decode(2, 2.0)
+        answer = conductor.admit_decode(3, 3.0, wait=wait)
+        if wait:
+            assert isinstance(answer, Decision) and not answer.accepted and answer.reason == "ttft_slo"
+            assert "> the TTFT SLO 3.5 s" in answer.message
+        else:
+            assert answer is None
+        assert conductor.counters["rejected_at_decode"] == 1 and conductor.queued == 0

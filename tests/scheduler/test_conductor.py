@@ -3,7 +3,8 @@
 The cost model is linear with round numbers so every expected time is computed by hand:
 prefill costs 1 ms per uncached token (no attention term, no fixed cost), a decode step
 10 ms + 1 us per context token, KV moves at 1,000 tokens per ms (bandwidth 1e6 tokens/s of
-1-byte KV)."""
+1-byte KV). The rejection policies are tested as the paper has them, rejecting at once
+(`kv_wait` off); queue, then reject is tests/scheduler/test_admission.py."""
 
 from __future__ import annotations
 
@@ -25,9 +26,8 @@ CHAIN = list(range(1, 11))  # a 10-block, 1000-token prompt
 def _conductor(
     index: PrefixIndex | None = None, prefill: int = 2, decode: int = 2, capacity: int = 100_000, **cfg: object
 ) -> Conductor:
-    config = dataclasses.replace(
-        SIMULATOR_CONDUCTOR, block_tokens=BLOCK, kv_bandwidth_bytes_s=1e6, prefill_chunk_tokens=10_000, **cfg
-    )  # type: ignore[arg-type]
+    settings = {"block_tokens": BLOCK, "kv_bandwidth_bytes_s": 1e6, "prefill_chunk_tokens": 10_000, "kv_wait": False}
+    config = dataclasses.replace(SIMULATOR_CONDUCTOR, **{**settings, **cfg})  # type: ignore[arg-type]
     return Conductor(
         config,
         COST,

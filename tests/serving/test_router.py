@@ -10,6 +10,7 @@ The fakes are tests/serving/fakes.py.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import time
 
@@ -276,6 +277,38 @@ def test_pd_rejection_at_decode_comes_after_the_prefill(workers: list[FakeWorker
     assert len(workers[0].calls) == 1 and workers[1].calls == []  # the prefill was wasted (baseline mode)
     [record] = router.decisions.get(["r"])
     assert (record.accepted, record.reason, record.prefill, record.decode) == (False, "rejected_at_decode", "p0", "")
+
+
+def test_a_burst_whose_decode_batch_breaks_the_tbt_slo_waits_and_is_served_whole(workers: list[FakeWorker]) -> None:
+    # NOTE: the decode worker's profile: a step of 10 ms + 1 ms per request, so a 12.5 ms TBT SLO
+    # takes two at a time; each token takes 20 ms, so the burst's eight overlap in decode
+    prefill = {"prefill_coef": [0.001, 1e-5, 0.0], "decode_coef": [1.0, 1.0, 1.0], "kv_bytes_per_token": 64}
+    decode = {"prefill_coef": [1.0, 1.0, 1.0], "decode_coef": [0.01, 0.001, 0.0], "kv_bytes_per_token": 64}
+    workers += [FakeWorker("p0", "prefill", cost=prefill), FakeWorker("d0", "decode", cost=decode, delay_s=0.02)]
+
+    def burst(kv_wait: bool) -> tuple[list[list[int] | str], Router]:
+        config = dataclasses.replace(ROUTER_CONDUCTOR, tbt_slo_s=0.0125, kv_wait=kv_wait)
+        router = Router([w.spec for w in workers], FAST, config)
+
+        async def one(i: int) -> list[int] | str:
+            try:
+                return tokens(await collect(router, request(PROMPT, 4, f"b{i}"), f"burst-{i}"))
+            except Rejected as exc:
+                return exc.reason
+
+        async def body(router: Router) -> list[list[int] | str]:
+            return list(await asyncio.gather(*(one(i) for i in range(8))))
+
+        return run_with(router, body), router
+
+    served, router = burst(kv_wait=True)
+    assert served == [[110, 111, 112, 113]] * 8
+    records = router.decisions.get([f"burst-{i}" for i in range(8)])
+    waited = [r for r in records if r.queued or r.decode_wait_s is not None]
+    assert waited and all(r.accepted for r in records)
+    assert router.conductor is not None and router.conductor.counters["rejected_at_decode"] == 0
+    rejecting, _ = burst(kv_wait=False)  # NOTE: the paper's policies: the same burst is partly turned away
+    assert {r for r in rejecting if isinstance(r, str)} and [110, 111, 112, 113] in rejecting
 
 
 def test_pd_closing_early_aborts_decode_and_frees_the_conductor(workers: list[FakeWorker]) -> None:

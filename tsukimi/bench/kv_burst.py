@@ -2,16 +2,17 @@
 tiny model: queue, then reject (issue 17), measured end to end.
 
     tsukimi bench kv-burst [--requests 64] [--prompt-tokens 1500] [--max-tokens 16]
-        [--ttft-slo 30] [--decode-num-blocks 0] [--kv-cache-memory 512MiB] [--no-kv-wait] [--warm-up]
-        [--prefill-token-s S] [--json | --markdown]
+        [--prompts distinct|identical|mixed] [--no-stream] [--ttft-slo 30] [--tbt-slo S] [--decode-num-blocks 0]
+        [--kv-cache-memory 512MiB] [--no-kv-wait] [--warm-up] [--prefill-token-s S] [--json | --markdown]
 
 The cluster is `tsukimi up`'s own plan (tsukimi/bench/up_cluster.py): a store master, the
 metadata server, one prefill and one decode `tsukimi worker` (each KV cache sized by
 `--kv-cache-memory` unless `--decode-num-blocks` sets the decode worker's) and `tsukimi router`,
-whose Conductor gets this burst's settings (`--ttft-slo`, `--no-kv-wait`, `--prefill-token-s`)
+whose Conductor gets this burst's settings (`--ttft-slo`, `--tbt-slo`, `--no-kv-wait`, `--prefill-token-s`)
 as `--set`s. On the cold cluster (as right after `tsukimi up`; `--warm-up` sends one short
 request first, after which the Conductor knows a decode stage and an output length) it sends
-`--requests` streaming greedy /v1/completions at once, each with an `X-Request-Id` of its own,
+`--requests` greedy /v1/completions at once (streaming unless `--no-stream`; `--prompts`: distinct
+prompts, one identical prompt, or mixed lengths), each with an `X-Request-Id` of its own,
 then each prompt again one at a time, and reports: how many were served, queued and rejected
 (with the reason and message), the measured TTFT of each against the TTFT the Conductor
 predicted at its arrival (the router's decision records of those ids: tsukimi/bench/decisions.py),
@@ -31,6 +32,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import httpx
 
@@ -55,9 +57,12 @@ class BurstConfig:
     prompt_tokens: int = 1500
     max_tokens: int = 16
     ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.0  # 0: the router's own
     kv_cache_memory: str = "512MiB"
     decode_num_blocks: int = 0  # 0: sized from kv_cache_memory
     seed: int = 0
+    prompts: Literal["distinct", "identical", "mixed"] = "distinct"  # mixed: lengths from 1/8 to all of prompt_tokens
+    stream: bool = True
     kv_wait: bool = True  # False: the Conductor rejects what lacks decode KV at once (before issue 17)
     warm_up: bool = False  # one short request first: the Conductor then knows a decode stage and output length
     prefill_token_s: float = 0.0  # the router's cost model per prompt token (0: the workers' profiles)
@@ -65,6 +70,8 @@ class BurstConfig:
     def router_settings(self) -> tuple[str, ...]:
         """The `tsukimi router` arguments this burst's Conductor needs (pure)."""
         sets = [f"conductor.ttft_slo_s={self.ttft_slo_s}", f"conductor.kv_wait={str(self.kv_wait).lower()}"]
+        if self.tbt_slo_s:
+            sets.append(f"conductor.tbt_slo_s={self.tbt_slo_s}")
         if self.prefill_token_s:  # NOTE: the config's cost model instead of the workers' start-up profiles
             sets += [f"router.cost.prefill_token_s={self.prefill_token_s}", 'router.cost_model="config"']
         return tuple(f"--set={s}" for s in sets)
@@ -73,7 +80,8 @@ class BurstConfig:
 @dataclass(frozen=True, slots=True)
 class BurstOutcome:
     """One request of the burst: how it ended and what the Conductor predicted at its arrival
-    (None: the router kept no record of it)."""
+    (None: the router kept no record of it). `ttft_s` of a non-streaming request is its whole
+    latency (the first token's upper bound)."""
 
     index: int
     kind: Kind
@@ -85,6 +93,7 @@ class BurstOutcome:
     request_id: str
     predicted_ttft_s: float | None = None
     queued: bool = False
+    decode_wait_s: float | None = None  # its wait, prefilled, for a place in the decode batch
 
     @classmethod
     def of(cls, index: int, result: CompletionResult, record: DecisionRecord | None) -> BurstOutcome:
@@ -93,13 +102,14 @@ class BurstOutcome:
             index,
             result.kind,
             result.status,
-            result.ttft_s,
+            result.ttft_s if result.stream else result.latency_s,  # NOTE: not streamed: its bound, the whole answer
             result.text,
             result.reason,
             result.message,
             result.request_id,
             record.predicted_ttft_s if record is not None else None,
             record.queued if record is not None else False,
+            record.decode_wait_s if record is not None else None,
         )
 
 
@@ -128,6 +138,7 @@ class BurstResult:
             "served": len(served),
             "rejected": len(rejected),
             "queued": known(sum(o.queued for o in self.outcomes)),
+            "waited_at_decode": known(sum(o.decode_wait_s is not None for o in self.outcomes)),
             "other_errors": len(self.outcomes) - len(served) - len(rejected),
             "decision_records": records,
             "decode_capacity_tokens": self.decode_capacity_tokens,
@@ -242,14 +253,24 @@ def run_burst(cfg: BurstConfig, cluster: BurstCluster | None = None) -> BurstRes
 
 
 def _prompts(cfg: BurstConfig) -> list[tuple[int, ...]]:
+    """The burst's prompts: `distinct` ones of `prompt_tokens`, one `identical` prompt (one
+    system prompt, many users), or `mixed` lengths (pure: seeded)."""
     import random
 
     rng = random.Random(cfg.seed)
-    return [tuple(rng.randrange(1000, 30000) for _ in range(cfg.prompt_tokens)) for _ in range(cfg.requests)]
+
+    def prompt(tokens: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(1000, 30000) for _ in range(tokens))
+
+    if cfg.prompts == "identical":
+        return [prompt(cfg.prompt_tokens)] * cfg.requests
+    if cfg.prompts == "mixed":
+        return [prompt(rng.randint(max(1, cfg.prompt_tokens // 8), cfg.prompt_tokens)) for _ in range(cfg.requests)]
+    return [prompt(cfg.prompt_tokens) for _ in range(cfg.requests)]
 
 
 def _request(prompt: tuple[int, ...], cfg: BurstConfig, request_id: str) -> CompletionRequest:
-    return CompletionRequest(prompt, cfg.max_tokens, request_id=request_id, ignore_eos=True)
+    return CompletionRequest(prompt, cfg.max_tokens, stream=cfg.stream, request_id=request_id, ignore_eos=True)
 
 
 async def _all_at_once(api: str, requests: list[CompletionRequest]) -> list[CompletionResult]:

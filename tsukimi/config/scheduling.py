@@ -63,9 +63,12 @@ class ConductorConfig:
     ssd_read_bytes_s: read bandwidth of an instance's SSD tier (KV found only on SSD costs
         this to load, and the network bandwidth as well when it is another instance's).
     kv_wait: with "early" and the predicted modes, a request whose decode placement lacks KV
-        memory waits for it when its predicted TTFT, the wait included, meets the TTFT SLO
-        (queue, then reject; tsukimi/scheduler/admission.py); False: it is rejected at once
-        (the paper's policies, which the simulator's overload experiments reproduce).
+        memory or would break the TBT SLO waits, in one queue in arrival order, when its
+        predicted TTFT, the wait included, meets the TTFT SLO (queue, then reject;
+        tsukimi/scheduler/admission.py); with `recheck_decode`, a prefilled request whose decode
+        batch is too large now waits for a place in it the same way (callers that can hold it
+        pass `admit_decode(..., wait=True)`: the router, the simulator); False: it is rejected
+        at once (the paper's policies, which the simulator's overload experiments reproduce).
     """
 
     block_tokens: int

@@ -1,5 +1,5 @@
 """Queue, then reject: the Conductor's waiting room for requests whose decode placement lacks
-KV memory (`ConductorConfig.kv_wait`).
+KV memory or would break the TBT SLO (`ConductorConfig.kv_wait`).
 
 A decode instance's KV memory is a ledger: every request booked on it (in decode, or on its
 way from prefill) holds its prompt plus its expected output (the mean observed, capped by the
@@ -15,8 +15,11 @@ rejected otherwise:
 
 Freed memory (a request leaving decode, finishing at prefill, rejected or cancelled) releases
 queued requests in order while the head fits (`release`), each then placed on a prefill
-instance with the queues of that moment. Pure and driven by the caller's `now`, like the
-Conductor it serves (tsukimi/scheduler/conductor.py); not thread-safe.
+instance with the queues of that moment. The queue also holds requests whose prefill is done
+but whose decode instance's batch is too large for the TBT SLO now (`at_decode`): in arrival
+order with the rest, they keep their memory and join their instance when the batch shrinks.
+Pure and driven by the caller's `now`, like the Conductor it serves
+(tsukimi/scheduler/conductor.py); not thread-safe.
 """
 
 from __future__ import annotations
@@ -42,6 +45,17 @@ class QueuedRequest:
     prefill_end_s: float  # when its prefill was predicted to end
     depart_s: float  # when it was predicted to leave decode
     ttft_s: float  # its predicted time to first token, the wait included
+    at_decode: bool = False  # its prefill is done: it waits for a place in `decode`'s batch (TBT)
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A request's expected time in a decode batch, and the KV it holds there."""
+
+    joined_s: float
+    depart_s: float
+    size: int  # its KV reservation: prompt + expected output
+    context: int  # its context at mid-stage: prompt + half its output
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +105,7 @@ class KvLedger:
         for name, load in self._decode.items():
             if name in exclude or tokens > load.capacity_tokens:
                 continue
-            leaving = sorted(self._departures(name, now))
+            leaving = sorted(self.departures(name, now))
             need = sum(size for _, size in leaving) + tokens - load.capacity_tokens
             at = now
             for depart_s, size in leaving:
@@ -119,13 +133,23 @@ class KvLedger:
 
     def release(self, exclude: Container[str], place: Callable[[QueuedRequest, str], bool]) -> None:
         """Releases queued requests in order while the head fits: `place(head, decode)` books
-        it (False: it could not be placed now; the queue stops there). Mutates."""
+        it (False: it could not be placed now, e.g. the TBT SLO; the queue stops there). A
+        request waiting at decode holds its memory already: `place` gets its own instance.
+        Mutates."""
         while self.queue:
             head = self.queue[0]
-            name = self.room(head.tokens, exclude)
+            name = head.decode if head.at_decode else self.room(head.tokens, exclude)
             if name is None or not place(head, name):
                 return
             self.queue.popleft()
+
+    def enqueue(self, entry: QueuedRequest) -> None:
+        """Adds `entry` to the queue in arrival order (mutates): one waiting at decode arrived
+        before most of those waiting to start."""
+        at = len(self.queue)
+        while at and self.queue[at - 1].arrived_s > entry.arrived_s:
+            at -= 1
+        self.queue.insert(at, entry)
 
     def cancel(self, request_id: int) -> QueuedRequest | None:
         """Removes a queued request (it left or timed out); the entry, or None if not queued."""
@@ -139,17 +163,37 @@ class KvLedger:
         load = self._decode[name]
         return self._cost.decode_step_s(len(load.active) + len(load.incoming) + 1, self.used_tokens(name))
 
-    def _departures(self, name: str, now: float) -> Iterator[tuple[float, int]]:
-        """(expected departure, tokens) of every request holding or due to hold KV on `name`."""
+    def departures(self, name: str, now: float, active_only: bool = False) -> Iterator[tuple[float, int]]:
+        """(expected departure, tokens) of every request holding or due to hold KV on `name`
+        (`active_only`: of those in its batch now)."""
+        for span in self.spans(name, now):
+            if span.joined_s <= now or not active_only:
+                yield span.depart_s, span.size
+
+    def batch_at(self, name: str, now: float, at: float) -> tuple[int, int]:
+        """(requests, their context tokens at mid-stage) expected in `name`'s decode batch at
+        time `at`: those joined by then and not yet left, by the spans of `spans` (pure)."""
+        count = context = 0
+        for span in self.spans(name, now):
+            if span.joined_s <= at < span.depart_s:
+                count, context = count + 1, context + span.context
+        return count, context
+
+    def spans(self, name: str, now: float) -> Iterator[Span]:
+        """When each request holding or due to hold KV on `name` is expected in its batch: in
+        it now (joined in the past), on its way (joining when due), or queued for it (joining
+        when its prefill is predicted to end); each leaves after the expected decode stage."""
         load = self._decode[name]
         mean_s = self._stages.mean_s if self._stages.observed else None
         tbt_s = self._tbt_s(name) if mean_s is None else 0.0
         for rid, (joined, tokens) in load.active.items():
             size = self.reserved.get(rid, tokens)
-            yield max(now, joined + (mean_s if mean_s is not None else (size - tokens) * tbt_s)), size
+            stage = mean_s if mean_s is not None else (size - tokens) * tbt_s
+            yield Span(joined, max(now, joined + stage), size, (tokens + size) // 2)
         for rid, (due, tokens) in load.incoming.items():
             size = self.reserved.get(rid, tokens)
-            yield max(now, due) + (mean_s if mean_s is not None else (size - tokens) * tbt_s), size
+            stage = mean_s if mean_s is not None else (size - tokens) * tbt_s
+            yield Span(max(now, due), max(now, due) + stage, size, (tokens + size) // 2)
         for entry in self.queue:
-            if entry.decode == name:
-                yield entry.depart_s, entry.tokens
+            if entry.decode == name and not entry.at_decode:  # NOTE: one at decode is in `incoming` already
+                yield Span(entry.prefill_end_s, entry.depart_s, entry.tokens, entry.tokens)

@@ -55,6 +55,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 from tsukimi.config import ConductorConfig
 from tsukimi.errors import InvalidArgument
@@ -122,6 +123,7 @@ class Conductor:
         self._local = {name: location(name, tier) for name in self._prefill}  # type: ignore[arg-type]
         self._ssd = {name: location(name, "ssd") for name in self._prefill}
         self._requests: dict[int, tuple[str, str, int]] = {}  # id -> (prefill, decode, input tokens)
+        self._arrived: dict[int, float] = {}  # id -> when it arrived (booked requests)
         self._stages = DecodeStagePredictor(config.decode_estimate_s or 1.0)
         self._kv = KvLedger(self._decode, self._stages, cost)
         self._released: list[Decision] = []
@@ -159,8 +161,8 @@ class Conductor:
         if cfg.decode_estimate_s == 0 and not self._stages.observed:  # NOTE: no fixed prior: the cost model's
             self._stages.prior_s = max(1e-3, self._kv.cold_stage_s(self._output_reserve(request), exclude))
         decode, tbt_s, problem = self._best_decode(request.input_tokens, now, now + best.ttft_s, forecast)
-        if cfg.kv_wait and mode in WAITING_MODES and problem != "tbt_slo":
-            return self._place_or_queue(request, _replace(best, decode=decode, tbt_s=tbt_s), now)
+        if cfg.kv_wait and mode in WAITING_MODES:
+            return self._place_or_queue(request, _replace(best, decode=decode, tbt_s=tbt_s), now, problem)
         if mode in WAITING_MODES and problem:
             return self._reject(best, problem)
         decision = _replace(best, decode=decode, tbt_s=tbt_s)
@@ -168,48 +170,71 @@ class Conductor:
         self.counters["accepted"] += 1
         return decision
 
-    def admit_decode(self, request_id: int, now: float, exclude: Container[str] = ()) -> str | None:
+    @overload
+    def admit_decode(
+        self, request_id: int, now: float, exclude: Container[str] = (), *, wait: Literal[False] = False
+    ) -> str | None: ...
+
+    @overload
+    def admit_decode(
+        self, request_id: int, now: float, exclude: Container[str] = (), *, wait: bool
+    ) -> str | Decision | None: ...
+
+    def admit_decode(
+        self, request_id: int, now: float, exclude: Container[str] = (), *, wait: bool = False
+    ) -> str | Decision | None:
         """Prefill of `request_id` is done: the decode instance it goes to, or None when it is
         rejected now (when no instance meets the TBT SLO: "baseline" always, "early" and the
         predicted modes with `recheck_decode`; any mode when every decode instance is in
-        `exclude`). Mutates."""
+        `exclude`). Mutates.
+
+        With `wait` (a caller that can hold the request: the router, the simulator) and
+        `kv_wait`, a request that would break the TBT SLO now waits in the queue for its
+        instance's batch to shrink while its predicted TTFT, the wait included, meets the TTFT
+        SLO: the answer is then a `queued` Decision, and `release` places it later (or
+        `cancel` drops it); when it is predicted to miss the SLO, the answer is a rejected
+        Decision saying what was predicted (reason "ttft_slo")."""
         prefill, _, tokens = self._requests[request_id]
         self._prefill_done(prefill, request_id, now)
         for load in self._decode.values():
             load.incoming.pop(request_id, None)
         self._exclude = exclude
         if all(name in exclude for name in self._decode):
-            del self._requests[request_id]
-            self._kv.reserved.pop(request_id, None)
+            self._drop(request_id)
             self.counters["rejected_no_instance"] += 1
             return None
         chosen, _, problem = self._best_decode(tokens, now, now, "now")
         mode = self.config.rejection
         booked = self._requests[request_id][1]
         if request_id in self._kv.reserved and booked not in exclude:
-            # NOTE: kv_wait booked its memory there: it stays, and the ledger, not this check, judges memory
-            chosen, problem = booked, ("" if problem == "kv_memory" else problem)
+            # NOTE: kv_wait booked its memory there: it stays, and the ledger, not this check, judges
+            # memory; its TBT there is judged alone (best_decode names memory first when both fail)
+            chosen = booked
+            problem = "tbt_slo" if self._tbt_now_s(booked, tokens, now) > self.config.tbt_slo_s else ""
         if problem and (mode == "baseline" or (mode != "none" and self.config.recheck_decode)):
-            del self._requests[request_id]
-            self._kv.reserved.pop(request_id, None)
+            if wait and problem == "tbt_slo" and self.config.kv_wait and mode in WAITING_MODES:
+                waiting = self._wait_at_decode(request_id, chosen, now)
+                if waiting.accepted:
+                    return waiting
+                self._drop(request_id)
+                self.counters["rejected_at_decode"] += 1
+                return waiting
+            self._drop(request_id)
             self.counters["rejected_at_decode"] += 1
             return None
-        self._decode[chosen].active[request_id] = (now, tokens)
-        self._decode[chosen].active_tokens += tokens
-        self._requests[request_id] = (prefill, chosen, tokens)
+        self._join_decode(request_id, chosen, now)
         return chosen
 
     def finished_at_prefill(self, request_id: int, now: float) -> None:
-        """Prefill of `request_id` produced its only output token: it never reaches decode."""
-        prefill, _, _ = self._requests.pop(request_id)
-        self._prefill_done(prefill, request_id, now)
-        for load in self._decode.values():
-            load.incoming.pop(request_id, None)
-        self._kv.reserved.pop(request_id, None)
+        """Prefill of `request_id` produced its only output token: it never reaches decode (also:
+        a request released from the queue whose client left before it started)."""
+        self._prefill_done(self._requests[request_id][0], request_id, now)
+        self._drop(request_id)
 
     def decode_finished(self, request_id: int, now: float, output_tokens: int) -> None:
         """The request left its decode instance (mutates the load and the estimates)."""
         _, decode, _ = self._requests.pop(request_id)
+        self._arrived.pop(request_id, None)
         joined, tokens = self._decode[decode].active.pop(request_id)
         self._decode[decode].active_tokens -= tokens
         self._kv.reserved.pop(request_id, None)
@@ -222,17 +247,35 @@ class Conductor:
         return max(0.0, self._prefill[name].free_at - now)
 
     def release(self, now: float, exclude: Container[str] = ()) -> list[Decision]:
-        """Places the queued requests, in order, while the head's KV memory fits (each on the
-        prefill instance best for it now); their decisions, `queued` and with the wait they
-        had (mutates: books them). Call after every event that frees memory."""
+        """Places the queued requests, in order, while the head fits: its KV memory, and the
+        TBT SLO at its decode instance (each on the prefill instance best for it now; one
+        waiting at decode joins its instance's batch); their decisions, `queued` and with the
+        wait they had (mutates: books them). Call after every event that frees memory or
+        shrinks a decode batch (`decode_finished`, `finished_at_prefill`, a rejection at
+        `admit_decode`, `cancel`), and now and then while requests wait (the TBT forecast
+        moves with time)."""
         self._exclude = exclude
-        if not self._kv.queue or all(name in exclude for name in self._prefill):
+        if not self._kv.queue:
             return []
+        prefill_up = not all(name in exclude for name in self._prefill)
 
         def place(head: QueuedRequest, decode: str) -> bool:
-            request = self._waiting.pop(head.request_id)
-            best = _replace(self._best_prefill(request, now), decode=decode)
-            self._book(best, request, now, head.tokens)
+            if head.at_decode:
+                return self._release_at_decode(head, decode, now)
+            if not prefill_up:
+                return False
+            request = self._waiting[head.request_id]
+            best = self._best_prefill(request, now)
+            if self.config.rejection in WAITING_MODES and self._decode_busy():
+                # NOTE: the TBT check of `schedule`, at this moment; with every decode batch empty
+                # waiting cannot lower it (the instances' floor), so it goes
+                mode = self.config.rejection
+                forecast = mode if mode in ("predicted", "predicted_uniform") else "now"
+                if self._best_decode(request.input_tokens, now, now + best.ttft_s, forecast)[2] == "tbt_slo":
+                    return False
+            del self._waiting[head.request_id]
+            best = _replace(best, decode=decode)
+            self._book(best, request, now, head.tokens, head.arrived_s)
             waited = now - head.arrived_s
             self._released.append(_replace(best, queued=True, wait_s=waited, ttft_s=waited + best.ttft_s))
             if self.on_decision is not None:
@@ -246,10 +289,15 @@ class Conductor:
 
     def cancel(self, request_id: int) -> bool:
         """Takes a queued request out of the queue (its client left, or its deadline passed);
-        False when it is not queued (mutates). Call `release` after it."""
-        if self._kv.cancel(request_id) is None:
+        one waiting at decode gives back its booking too. False when it is not queued
+        (mutates). Call `release` after it."""
+        entry = self._kv.cancel(request_id)
+        if entry is None:
             return False
-        del self._waiting[request_id]
+        if entry.at_decode:
+            self._drop(request_id)
+        else:
+            del self._waiting[request_id]
         self.counters["cancelled"] += 1
         return True
 
@@ -264,12 +312,14 @@ class Conductor:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _place_or_queue(self, request: ScheduleRequest, best: Decision, now: float) -> Decision:
-        """`kv_wait`: place `best` now when its KV memory fits and nobody waits, else queue it
-        when the predicted TTFT with the wait meets the SLO, else reject it (mutates)."""
+    def _place_or_queue(self, request: ScheduleRequest, best: Decision, now: float, problem: str) -> Decision:
+        """`kv_wait`: place `best` now when its KV memory fits, its decode load meets the TBT
+        SLO (`problem` is not "tbt_slo") and nobody waits, else queue it when the predicted
+        TTFT with the wait meets the SLO, else reject it (mutates)."""
         out = self._output_reserve(request)
         tokens, slo = request.input_tokens + out, self.config.ttft_slo_s
-        name = None if self._kv.queue else self._kv.room(tokens, self._exclude)
+        tbt = problem == "tbt_slo"
+        name = None if self._kv.queue or tbt else self._kv.room(tokens, self._exclude)
         if name is not None:
             decision = _replace(best, decode=name)
             self._book(decision, request, now, tokens)
@@ -279,15 +329,23 @@ class Conductor:
         if plan.decode is None:
             return self._reject(best, "kv_memory", f"needs {tokens} KV tokens, more than any decode instance holds")
         assert best.prefill is not None
-        start = max(plan.release_s, now + best.queue_s, self._kv.prefill_end_s(best.prefill))
+        release_s, waiting_for = plan.release_s, "KV memory"
+        if tbt:
+            release_s, waiting_for = max(release_s, self._tbt_release_s(request, best, plan.release_s, now)), "TBT"
+            if release_s == float("inf"):
+                never = f"and no decode batch is predicted to shrink enough within the TTFT SLO {slo:g} s"
+                tbt_slo = self.config.tbt_slo_s
+                why = f"predicted TBT {best.tbt_s * 1e3:.1f} ms > the TBT SLO {tbt_slo * 1e3:g} ms, {never}"
+                return self._reject(best, "tbt_slo", why)
+        start = max(release_s, now + best.queue_s, self._kv.prefill_end_s(best.prefill))
         end = start + best.prefill_s + best.transfer_s
-        wait, ttft = plan.release_s - now, end - now
-        why = f"predicted TTFT {ttft:.2f} s (waiting {wait:.2f} s for KV memory on {plan.decode}) "
+        wait, ttft = release_s - now, end - now
+        why = f"predicted TTFT {ttft:.2f} s (waiting {wait:.2f} s for {waiting_for} on {plan.decode}) "
         if ttft > slo:
             return self._reject(_replace(best, ttft_s=ttft, wait_s=wait), "ttft_slo", f"{why}> the TTFT SLO {slo:g} s")
         depart = end + self._kv.stage_s(plan.decode, out)
-        self._kv.queue.append(
-            QueuedRequest(request.request_id, now, tokens, plan.decode, plan.release_s, best.prefill, end, depart, ttft)
+        self._kv.enqueue(
+            QueuedRequest(request.request_id, now, tokens, plan.decode, release_s, best.prefill, end, depart, ttft)
         )
         self._waiting[request.request_id] = request
         self.counters["queued"] += 1
@@ -300,6 +358,116 @@ class Conductor:
             ttft_s=ttft,
             message=f"{why}<= the TTFT SLO {slo:g} s",
         )
+
+    def _tbt_release_s(self, request: ScheduleRequest, best: Decision, after: float, now: float) -> float:
+        """The earliest time from `after` at which a decode instance's batch, as the ledger
+        expects it when the request would reach decode, meets the TBT SLO with the request in
+        it: tried where a request is expected to leave, up to the TTFT SLO; inf when none
+        does (pure). NOTE: the ledger's timeline, not the rejection mode's forecast: the
+        survival forecast keeps a request that outlived every observed stage forever."""
+        out = self._output_reserve(request)
+        mine = request.input_tokens + out // 2
+        candidates = [name for name in self._decode if name not in self._exclude]
+        times = {after} | {t for name in candidates for t, _ in self._kv.departures(name, now)}
+        for t in sorted(t for t in times if after <= t <= now + self.config.ttft_slo_s):
+            for name in candidates:
+                count, context = self._kv.batch_at(name, now, t + best.ttft_s)
+                if self.cost.decode_step_s(count + 1, context + mine) <= self.config.tbt_slo_s:
+                    return t
+        return float("inf")
+
+    def _wait_at_decode(self, request_id: int, decode: str, now: float) -> Decision:
+        """Queues a prefilled request for a place in `decode`'s batch when the TTFT predicted
+        with the wait meets the SLO (accepted, queued); else a rejection saying what was
+        predicted (nothing is queued). The wait: until enough of the batch has left for it,
+        and the ones waiting ahead of it there, to meet the TBT SLO (pure but for the queue)."""
+        prefill, _, tokens = self._requests[request_id]
+        arrived = self._arrived.get(request_id, now)
+        load, slo = self._decode[decode], self.config.tbt_slo_s
+        ahead = sum(1 for q in self._kv.queue if q.at_decode and q.decode == decode)
+        size = self._kv.reserved.get(request_id, tokens)
+        leaving = sorted(self._kv.departures(decode, now, active_only=True))
+        per_request = (load.active_tokens + tokens) / (len(load.active) + 1) + (size - tokens) / 2
+        release_s = float("inf")
+        for gone in range(len(leaving) + 1):
+            batch = len(load.active) - gone + ahead + 1
+            if self.cost.decode_step_s(batch, int(batch * per_request)) <= slo:
+                release_s = leaving[gone - 1][0] if gone else now
+                break
+        wait, ttft = release_s - now, release_s - arrived
+        why = f"predicted TTFT {ttft:.2f} s (waiting {wait:.2f} s for {decode}'s batch to meet the TBT SLO) "
+        if ttft > self.config.ttft_slo_s:
+            return Decision(
+                request_id,
+                False,
+                "ttft_slo",
+                prefill=prefill,
+                decode=decode,
+                ttft_s=ttft,
+                wait_s=wait,
+                message=f"{why}> the TTFT SLO {self.config.ttft_slo_s:g} s",
+            )
+        depart = release_s + self._kv.stage_s(decode, size - tokens)
+        self._kv.enqueue(
+            QueuedRequest(request_id, arrived, size, decode, release_s, "", 0.0, depart, ttft, at_decode=True)
+        )
+        self._decode[decode].incoming[request_id] = (now, tokens)  # NOTE: held there: the ledger counts its memory
+        self.counters["queued_at_decode"] += 1
+        return Decision(
+            request_id,
+            True,
+            prefill=prefill,
+            decode=decode,
+            queued=True,
+            wait_s=wait,
+            ttft_s=ttft,
+            message=f"{why}<= the TTFT SLO {self.config.ttft_slo_s:g} s",
+        )
+
+    def _release_at_decode(self, head: QueuedRequest, decode: str, now: float) -> bool:
+        """Places a request waiting at decode when its instance's batch now meets the TBT SLO
+        with it (the check of `admit_decode`); False otherwise (mutates on success)."""
+        if decode in self._exclude:
+            return False
+        tokens = self._requests[head.request_id][2]
+        if self._decode[decode].active and self._tbt_now_s(decode, tokens, now) > self.config.tbt_slo_s:
+            return False
+        self._decode[decode].incoming.pop(head.request_id, None)
+        self._join_decode(head.request_id, decode, now)
+        prefill = self._requests[head.request_id][0]
+        waited = now - head.arrived_s
+        self._released.append(
+            Decision(head.request_id, True, prefill=prefill, decode=decode, queued=True, wait_s=waited, ttft_s=waited)
+        )
+        self.counters["released_at_decode"] += 1
+        return True
+
+    def _tbt_now_s(self, decode: str, input_tokens: int, now: float) -> float:
+        """The TBT of `decode`'s batch now with a request of `input_tokens` added (pure)."""
+        mean_out = self._output_sum / self._output_n if self._output_n else _INITIAL_OUTPUT_TOKENS
+        forecast = DecodeForecast(self._stages, self.cost, self.config.tbt_slo_s, mean_out)
+        return best_decode({decode: self._decode[decode]}, forecast, input_tokens, now, now, "now")[1]
+
+    def _decode_busy(self) -> bool:
+        """Whether a decode instance not excluded has requests in its batch or on their way."""
+        return any(load.active or load.incoming for name, load in self._decode.items() if name not in self._exclude)
+
+    def _join_decode(self, request_id: int, decode: str, now: float) -> None:
+        prefill, _, tokens = self._requests[request_id]
+        self._decode[decode].active[request_id] = (now, tokens)
+        self._decode[decode].active_tokens += tokens
+        self._requests[request_id] = (prefill, decode, tokens)
+
+    def _drop(self, request_id: int) -> None:
+        """Forgets a request wherever it is booked (nothing observed; mutates)."""
+        _, decode, _ = self._requests.pop(request_id)
+        self._arrived.pop(request_id, None)
+        for load in self._decode.values():
+            load.incoming.pop(request_id, None)
+        active = self._decode[decode].active.pop(request_id, None)
+        if active is not None:
+            self._decode[decode].active_tokens -= active[1]
+        self._kv.reserved.pop(request_id, None)
 
     def _output_reserve(self, request: ScheduleRequest) -> int:
         """The output tokens a request's KV reservation counts: the mean observed, capped by its max_tokens."""
@@ -383,8 +551,11 @@ class Conductor:
             forecast,
         )
 
-    def _book(self, decision: Decision, request: ScheduleRequest, now: float, reserve_tokens: int = 0) -> None:
+    def _book(
+        self, decision: Decision, request: ScheduleRequest, now: float, reserve_tokens: int = 0, arrived: float = -1.0
+    ) -> None:
         assert decision.prefill is not None and decision.decode is not None
+        self._arrived[request.request_id] = now if arrived < 0 else arrived
         if reserve_tokens:
             self._kv.reserved[request.request_id] = reserve_tokens
         load = self._prefill[decision.prefill]
@@ -396,7 +567,9 @@ class Conductor:
 
     def _prefill_done(self, name: str, request_id: int, now: float) -> None:
         load = self._prefill[name]
-        booked_end = load.jobs.pop(request_id, now)
+        if request_id not in load.jobs:  # NOTE: done before (it waited at decode since)
+            return
+        booked_end = load.jobs.pop(request_id)
         if not load.jobs:
             load.free_at, load.shift = now, 0.0
             return

@@ -113,7 +113,8 @@ class _PdRun:
         self.links = SourceLinks(self._link_bytes_s, self._push) if contention else None
         self.conductor = Conductor(cfg, cost, self.index, self.prefill, list(self.decode), capacity, links=self.links)
         self.result = SimResult([])
-        self.waiting: dict[int, Job] = {}  # queued for KV memory (ConductorConfig.kv_wait)
+        self.waiting: dict[int, Job] = {}  # queued for KV memory or the TBT SLO (ConductorConfig.kv_wait)
+        self.waiting_at_decode: dict[int, tuple[str, Job]] = {}  # prefilled, queued for the TBT SLO: (prefill, job)
         self.wake_at = float("inf")  # the pending WAKE event, if any
         self.hot = HotReplicator(hot, self.caches, self.conductor, cost, self._push, self.links) if hot else None
 
@@ -161,7 +162,7 @@ class _PdRun:
                     self._prefill_done(instance_name, job, now)
                 else:
                     self.decode[instance_name].join(job, now)
-            if self.waiting:
+            if self.waiting or self.waiting_at_decode:
                 self._release(now)
         for instance in self.decode.values():
             instance.advance(float("inf"))
@@ -193,11 +194,17 @@ class _PdRun:
             self._start_prefill(decision.prefill, now)
 
     def _release(self, now: float) -> None:
-        """Starts the queued requests whose KV memory the Conductor finds now; while some still
-        wait, a WAKE event every TBT SLO keeps time moving (decode instances advance on events)."""
+        """Starts the queued requests the Conductor places now (KV memory found, the TBT SLO
+        met; one waiting at decode goes there); while some still wait, a WAKE event every TBT
+        SLO keeps time moving (decode instances advance on events)."""
         for decision in self.conductor.release(now):
-            self._enqueue(self.waiting.pop(decision.request_id), decision, now)
-        if self.waiting and self.wake_at == float("inf"):
+            if decision.request_id in self.waiting_at_decode:
+                assert decision.decode is not None
+                prefill, job = self.waiting_at_decode.pop(decision.request_id)
+                self._to_decode(prefill, decision.decode, job, now)
+            else:
+                self._enqueue(self.waiting.pop(decision.request_id), decision, now)
+        if (self.waiting or self.waiting_at_decode) and self.wake_at == float("inf"):
             self.wake_at = now + self.cfg.tbt_slo_s
             self._push(self.wake_at, WAKE, None)
 
@@ -239,18 +246,24 @@ class _PdRun:
             job.finish_s = now
             self._start_prefill(name, now)
             return
-        decode = self.conductor.admit_decode(job.request_id, now)
-        if decode is None:
+        decode = self.conductor.admit_decode(job.request_id, now, wait=True)
+        if isinstance(decode, Decision) and decode.accepted:  # NOTE: it waits for a place in the decode batch
+            self.waiting_at_decode[job.request_id] = (name, job)
+        elif decode is None or isinstance(decode, Decision):
             self.result.rejected[job.request_id] = "decode_overloaded"
         else:
-            job.instances = (name, decode)
-            if self.links is not None:  # NOTE: the KV leaves through the prefill instance's NIC
-                push_bytes = job.input_tokens * self.cost.kv_bytes_per_token
-                self.links.start(location(name, "dram"), push_bytes, now, lambda t: self._push(t, 2, (decode, job)))
-            else:
-                landed = now + self.cost.transfer_s(job.input_tokens, self.cfg.kv_bandwidth_bytes_s)
-                self._push(landed, 2, (decode, job))
+            self._to_decode(name, decode, job, now)
         self._start_prefill(name, now)
+
+    def _to_decode(self, prefill: str, decode: str, job: Job, now: float) -> None:
+        """Sends a prefilled job's KV to its decode instance, where it joins when it lands."""
+        job.instances = (prefill, decode)
+        if self.links is not None:  # NOTE: the KV leaves through the prefill instance's NIC
+            push_bytes = job.input_tokens * self.cost.kv_bytes_per_token
+            self.links.start(location(prefill, "dram"), push_bytes, now, lambda t: self._push(t, 2, (decode, job)))
+        else:
+            landed = now + self.cost.transfer_s(job.input_tokens, self.cfg.kv_bandwidth_bytes_s)
+            self._push(landed, 2, (decode, job))
 
     def _finished(self, job: Job, now: float) -> None:
         self.conductor.decode_finished(job.request_id, now, job.output_tokens)

@@ -10,6 +10,8 @@ the dashboard. The router's diagnostics live here, not in the OpenAI response bo
     PD prefill placed  expect(...)          what the prefix index expected the prefill worker
                                             to reuse (of it, from the pool; other prefills ran
                                             there then)
+    PD decode wait     waited_at_decode(...)  how long it waited after prefill for a place in
+                                            its decode worker's batch (the TBT SLO)
     tokens             reused(...)          what the request really reused (of it, from the pool)
     failure            rejected(...)        429 / 503 before any token
 
@@ -48,7 +50,8 @@ class DecisionRecord(msgspec.Struct):
     there when it was placed (None / False: colocated). cached_tokens / pool_tokens: what the
     request really reused, of it loaded from the pool (None until its first token).
     conductor_id: the Conductor's integer id of the request (None: no Conductor). seq: the
-    record's number, in arrival order.
+    record's number, in arrival order. decode_wait_s: how long it waited, prefilled, for a place
+    in its decode worker's batch (None: it did not wait there).
     """
 
     request_id: str
@@ -69,6 +72,7 @@ class DecisionRecord(msgspec.Struct):
     pool_tokens: int | None = None
     conductor_id: int | None = None
     seq: int = 0
+    decode_wait_s: float | None = None
 
     def placed(self, decision: Decision) -> None:
         """Takes a Conductor decision: the arrival's (or, once queued, its release's) placement,
@@ -96,6 +100,10 @@ class DecisionRecord(msgspec.Struct):
     def reused(self, cached_tokens: int, pool_tokens: int) -> None:
         """Takes what the request has reused so far (mutates)."""
         self.cached_tokens, self.pool_tokens = cached_tokens, pool_tokens
+
+    def waited_at_decode(self, wait_s: float) -> None:
+        """Takes the wait of a prefilled request for a place in its decode batch (mutates)."""
+        self.decode_wait_s = wait_s
 
     def rejected(self, reason: str, message: str = "") -> None:
         """Marks it turned away (mutates)."""

@@ -1,9 +1,12 @@
-"""The router's side of queue, then reject: requests the Conductor queued for decode KV
-memory (`Decision.queued`) each await their release here.
+"""The router's side of queue, then reject: requests the Conductor queued (`Decision.queued`)
+for decode KV memory or for the TBT SLO, at arrival or after their prefill, each await their
+release here.
 
     schedule -> queued ----------------------> wait(): the future of its release
+    admit_decode(wait=True) -> queued -------> wait_at_decode(): the same, after prefill
     decode_finished / finished_at_prefill /    wake(): Conductor.release(now) -> each released
-    rejection / cancel (memory freed)                  request's future gets its Decision
+    rejection / cancel (memory freed,                  request's future gets its Decision
+    a decode batch shrunk)
 
 A waiter is bounded by its deadline (arrival + the TTFT SLO): past it, it leaves the queue and
 is rejected ("ttft_slo", saying it waited longer than predicted), so no request is stranded;
@@ -59,6 +62,15 @@ class ReleaseWaits:
             return None
         return decision
 
+    async def wait_at_decode(self, conductor: Conductor, queued: Decision, deadline_s: float) -> Decision:
+        """The decision that places `queued`, a prefilled request waiting for a place in its
+        decode instance's batch (`Conductor.admit_decode(..., wait=True)`), by `deadline_s`.
+
+        Raises:
+            Rejected: the deadline passed first ("ttft_slo"; it left the queue and its booking).
+        """
+        return await self._wait(conductor, queued, deadline_s)
+
     async def _wait(self, conductor: Conductor, queued: Decision, deadline_s: float) -> Decision:
         rid = queued.request_id
         future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
@@ -70,7 +82,7 @@ class ReleaseWaits:
             if not conductor.cancel(rid):  # NOTE: released just now: it goes on
                 return future.result()
             self.wake(conductor)
-            why = f"waited past the TTFT deadline for decode KV memory ({queued.message})"
+            why = f"waited past the TTFT deadline ({queued.message})"
             raise Rejected("ttft_slo", why) from None
         except BaseException:
             if not conductor.cancel(rid) and future.done():  # released, then its client left

@@ -55,7 +55,7 @@ from tsukimi.errors import ConfigError, DuplicateRequest, InvalidArgument, Rejec
 from tsukimi.retry import Retry
 from tsukimi.scheduler.baselines import make_router
 from tsukimi.scheduler.block_hash import BlockHash
-from tsukimi.scheduler.conductor import Conductor, ScheduleRequest
+from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest
 from tsukimi.scheduler.index_sync import EventStats
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
 from tsukimi.serving.protocol import FinishReason, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
@@ -321,7 +321,7 @@ class Router:
     async def _generate_pd(self, request: GenerateRequest, record: DecisionRecord) -> AsyncGenerator[TokenEvent, None]:
         await self.start()
         conductor, rid, prompt = self.conductor, next(self._ids), request.prompt_ids
-        keys = self._keys(request)
+        arrived_s, keys = self.clock.now(), self._keys(request)
         prefilled = await self._place_and_prefill(rid, request, keys, record)
         first = prefilled.event
         if first.finish_reason == "stop" or len(first.token_ids) >= request.max_tokens:
@@ -330,7 +330,7 @@ class Router:
             yield dataclasses.replace(first, finish_reason=first.finish_reason or "length")
             return
         try:
-            decode, generated = self._admit_decode(rid), len(first.token_ids)
+            decode, generated = await self._admit_decode(rid, arrived_s, record), len(first.token_ids)
         except TsukimiError:
             record.decode = ""  # NOTE: the arrival's plan; it never got there
             raise
@@ -394,22 +394,30 @@ class Router:
             finally:
                 running.pop(rid, None)
 
-    def _admit_decode(self, rid: int) -> WorkerHandle:
-        """The decode worker the request goes to (the Conductor admits it, or the pick).
+    async def _admit_decode(self, rid: int, arrived_s: float, record: DecisionRecord) -> WorkerHandle:
+        """The decode worker the request goes to (the Conductor admits it, or the pick). A
+        request whose decode batch would break the TBT SLO now waits for a place in it (before
+        its first token is sent) while the Conductor predicts its TTFT to meet the SLO, and no
+        longer than the TTFT SLO from its arrival (`arrived_s`); `record` notes the wait.
 
         Raises:
-            Rejected: the Conductor turned it away now. WorkerUnavailable: every decode worker
-            is down.
+            Rejected: the Conductor turned it away now, or it waited past its deadline.
+            WorkerUnavailable: every decode worker is down.
         """
         down = {name for name, w in self._workers.items() if not w.healthy}
-        if self.conductor is None:
+        conductor = self.conductor
+        if conductor is None:
             return self._pick_worker("decode", down)
-        name = self.conductor.admit_decode(rid, self.clock.now(), down)
-        if name is None:
+        name = conductor.admit_decode(rid, self.clock.now(), down, wait=True)
+        if isinstance(name, Decision) and name.accepted:
+            waited_since, deadline_s = self.clock.now(), arrived_s + conductor.config.ttft_slo_s
+            name = (await self._waits.wait_at_decode(conductor, name, deadline_s)).decode
+            record.waited_at_decode(self.clock.now() - waited_since)
+        if not isinstance(name, str):
             self._wake()
             if all(w.spec.name in down for w in self._workers.values() if w.spec.role == "decode"):
                 raise WorkerUnavailable("no decode worker is reachable: all are marked down")
-            raise Rejected("rejected_at_decode")  # the Conductor's counter name
+            raise Rejected("rejected_at_decode", name.message if name is not None else "")  # the counter's name
         return self._workers[name]
 
     async def _prefill(self, worker: WorkerHandle, request: GenerateRequest) -> _Prefilled:
