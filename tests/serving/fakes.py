@@ -41,7 +41,9 @@ SCRIPTED: dict[int, Callable[[str], TsukimiError]] = {
     503: WorkerUnavailable,
 }
 BLOCK_TOKENS = 4
-FAST = RouterConfig(poll_interval_s=0.05, connect_timeout_s=1.0, read_timeout_s=5.0, startup_timeout_s=3.0)
+FAST = RouterConfig(
+    poll_interval_s=0.05, connect_timeout_s=1.0, read_timeout_s=5.0, startup_timeout_s=3.0, overhead_probe=False
+)
 
 
 class FakeWorker:

@@ -169,6 +169,10 @@ class RouterConfig:
         reports none falls back to `cost`, with a warning. "config": `cost` alone.
     cost: the `[router.cost]` table, a `LinearCostConfig` (tsukimi/serving/router/worker_costs.py
         builds the model from it).
+    overhead_probe: in pd mode, at start-up one short prompt (a block, one token) through a
+        prefill worker measures what a request spends outside the engine steps the cost model
+        prices (hops, the pool publish): the Conductor's per-request TTFT term until the
+        requests' own first tokens teach it (tsukimi/scheduler/ttft_overhead.py).
     """
 
     mode: Literal["auto", "colocated", "pd"] = "auto"
@@ -182,6 +186,7 @@ class RouterConfig:
     max_waiting_requests: int = 0
     cost_model: CostModelSource = "workers"
     cost: LinearCostConfig = field(default_factory=LinearCostConfig)
+    overhead_probe: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "colocated", "pd") or self.policy not in POLICY_NAMES:

@@ -66,6 +66,7 @@ from tsukimi.scheduler.decisions import Decision, ScheduleRequest, SourceLoad
 from tsukimi.scheduler.load_prediction import DecodeLoad, DecodeStagePredictor
 from tsukimi.scheduler.placement import DecodeForecast, best_decode, cached_tokens, fetch_bandwidth_bytes_s, no_load
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
+from tsukimi.scheduler.ttft_overhead import TtftOverhead
 
 __all__ = ["WAITING_MODES", "Conductor", "Decision", "ScheduleRequest", "SourceLoad", "fetch_bandwidth_bytes_s"]
 
@@ -124,6 +125,10 @@ class Conductor:
         self._ssd = {name: location(name, "ssd") for name in self._prefill}
         self._requests: dict[int, tuple[str, str, int]] = {}  # id -> (prefill, decode, input tokens)
         self._arrived: dict[int, float] = {}  # id -> when it arrived (booked requests)
+        self._expected_first: dict[int, float] = {}  # id -> when its first token is due, engine time only
+        # NOTE: the per-request TTFT term, learned from `first_token`; None (the simulator's):
+        # its instances spend nothing outside the cost model's steps
+        self.overhead: TtftOverhead | None = None
         self._stages = DecodeStagePredictor(config.decode_estimate_s or 1.0)
         self._kv = KvLedger(self._decode, self._stages, cost)
         self._released: list[Decision] = []
@@ -235,12 +240,20 @@ class Conductor:
         """The request left its decode instance (mutates the load and the estimates)."""
         _, decode, _ = self._requests.pop(request_id)
         self._arrived.pop(request_id, None)
+        self._expected_first.pop(request_id, None)
         joined, tokens = self._decode[decode].active.pop(request_id)
         self._decode[decode].active_tokens -= tokens
         self._kv.reserved.pop(request_id, None)
         self._stages.observe(now - joined)
         self._output_sum += output_tokens
         self._output_n += 1
+
+    def first_token(self, request_id: int, now: float) -> None:
+        """The caller got `request_id`'s first token now: with `overhead` set, how late it
+        came against the engine-time prediction teaches the per-request TTFT term (mutates)."""
+        expected = self._expected_first.pop(request_id, None)
+        if expected is not None and self.overhead is not None:
+            self.overhead.observe(now, now - expected)
 
     def prefill_queue_s(self, name: str, now: float) -> float:
         """The estimated wait before a new job would start on prefill instance `name`."""
@@ -339,7 +352,7 @@ class Conductor:
                 return self._reject(best, "tbt_slo", why)
         start = max(release_s, now + best.queue_s, self._kv.prefill_end_s(best.prefill))
         end = start + best.prefill_s + best.transfer_s
-        wait, ttft = release_s - now, end - now
+        wait, ttft = release_s - now, end - now + best.overhead_s
         why = f"predicted TTFT {ttft:.2f} s (waiting {wait:.2f} s for {waiting_for} on {plan.decode}) "
         if ttft > slo:
             return self._reject(_replace(best, ttft_s=ttft, wait_s=wait), "ttft_slo", f"{why}> the TTFT SLO {slo:g} s")
@@ -462,6 +475,7 @@ class Conductor:
         """Forgets a request wherever it is booked (nothing observed; mutates)."""
         _, decode, _ = self._requests.pop(request_id)
         self._arrived.pop(request_id, None)
+        self._expected_first.pop(request_id, None)
         for load in self._decode.values():
             load.incoming.pop(request_id, None)
         active = self._decode[decode].active.pop(request_id, None)
@@ -484,6 +498,7 @@ class Conductor:
         ranked = sorted(matches.items(), key=lambda i: (-i[1], busy(i[0]), i[0]))[:3] if cfg.reuse == "global" else []
         cost, block, chunk = self.cost, cfg.block_tokens, cfg.prefill_chunk_tokens
         tokens = request.input_tokens
+        extra = self.overhead.estimate_s(now) if self.overhead is not None else 0.0
         best: Decision | None = None
         prefill_s: dict[tuple[int, CppGroup | None], float] = {}  # instances share most estimates
 
@@ -519,7 +534,7 @@ class Conductor:
                 fetched_s = compute_s(fetched, group)
                 if transfer_s + fetched_s < option[0] + option[1]:
                     option = (fetched_s, transfer_s, source, held - local, fetched)
-            ttft_s = queue_s + option[0] + option[1]
+            ttft_s = queue_s + option[0] + option[1] + extra
             if best is None or ttft_s < best.ttft_s:
                 fetch_from, fetch_blocks = option[2], option[3]
                 best = Decision(
@@ -534,6 +549,7 @@ class Conductor:
                     prefill_s=option[0],
                     transfer_s=option[1],
                     ttft_s=ttft_s,
+                    overhead_s=extra,
                 )
         assert best is not None
         return best
@@ -556,6 +572,7 @@ class Conductor:
     ) -> None:
         assert decision.prefill is not None and decision.decode is not None
         self._arrived[request.request_id] = now if arrived < 0 else arrived
+        self._expected_first[request.request_id] = now + decision.ttft_s - decision.overhead_s
         if reserve_tokens:
             self._kv.reserved[request.request_id] = reserve_tokens
         load = self._prefill[decision.prefill]

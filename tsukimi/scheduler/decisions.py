@@ -31,6 +31,8 @@ class Decision:
     queued: it waits for KV memory (`kv_wait`): placed later, by `Conductor.release`, whose
     decision has `queued` too and `wait_s` the time it waited; ttft_s counts the wait.
     message: why it was rejected or queued, in words (e.g. the predicted TTFT vs the SLO).
+    overhead_s: the per-request term in ttft_s (time outside engine steps, learned:
+    tsukimi/scheduler/ttft_overhead.py).
     """
 
     request_id: int
@@ -50,6 +52,7 @@ class Decision:
     queued: bool = False
     wait_s: float = 0.0
     message: str = ""
+    overhead_s: float = 0.0
 
 
 class SourceLoad(Protocol):

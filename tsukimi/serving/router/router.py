@@ -58,6 +58,7 @@ from tsukimi.scheduler.block_hash import BlockHash
 from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest
 from tsukimi.scheduler.index_sync import EventStats
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
+from tsukimi.scheduler.ttft_overhead import TtftOverhead
 from tsukimi.serving.protocol import FinishReason, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
 from tsukimi.serving.router.backend import Handover, RouterBackend, Stage, StageChunk, WeightUpdates
 from tsukimi.serving.router.cpp_groups import conductor_groups, excluded
@@ -181,6 +182,7 @@ class Router:
                     self.block_tokens = self.block_tokens if self.conductor else self._agreed_block_tokens()
                     self._feed = IndexFeed(self.index, self.block_tokens, self.backend.pooled, cfg.connect_timeout_s)
                     self._feed.start(workers)
+                await self._probe_overhead()
             except BaseException:
                 await self.close()
                 raise
@@ -302,6 +304,7 @@ class Router:
                 async with contextlib.aclosing(self._events(worker, request, "whole")) as events:
                     async for event in events:
                         if booked:  # NOTE: the Conductor books a colocated worker until its first token
+                            self._first_token(rid)
                             self._free_prefill(rid)
                             booked = False
                         started = True
@@ -324,6 +327,7 @@ class Router:
         arrived_s, keys = self.clock.now(), self._keys(request)
         prefilled = await self._place_and_prefill(rid, request, keys, record)
         first = prefilled.event
+        self._first_token(rid)
         if first.finish_reason == "stop" or len(first.token_ids) >= request.max_tokens:
             if conductor is not None:
                 self._free_prefill(rid)
@@ -501,6 +505,37 @@ class Router:
     def _keys(self, request: GenerateRequest) -> list[BlockHash]:
         return self.backend.block_keys(request.prompt_ids, self.block_tokens)
 
+    async def _probe_overhead(self) -> None:
+        """`router.overhead_probe`: one block's prompt, one token, through the prefill worker the
+        Conductor picks; how late its first token came against the engine-time prediction is
+        the per-request TTFT term's prior (a failed probe leaves it at 0, with a warning)."""
+        conductor = self.conductor
+        if conductor is None or conductor.overhead is None or self.mode != "pd" or not self.config.overhead_probe:
+            return
+        rid, start = next(self._ids), self.clock.now()
+        request = GenerateRequest(f"tsukimi-overhead-probe-{rid}", tuple(range(1, self.block_tokens + 1)), 1)
+        decision = conductor.schedule(
+            ScheduleRequest(rid, len(request.prompt_ids), [], 1), start, excluded(self._workers.values(), request)
+        )
+        if not decision.accepted or decision.queued or decision.prefill is None:
+            conductor.cancel(rid)
+            return
+        try:
+            async with asyncio.timeout(self.config.read_timeout_s):
+                await self._prefill(self._workers[decision.prefill], request)
+            late = self.clock.now() - (start + decision.ttft_s - decision.overhead_s)
+            conductor.overhead.prior_s = min(conductor.overhead.cap_s, max(0.0, late))
+            logger.info("a request spends %.3f s outside engine steps (the start-up probe)", late)
+        except (TsukimiError, TimeoutError) as exc:
+            logger.warning("the start-up probe of the per-request TTFT term failed: %s", exc)
+        finally:
+            conductor.finished_at_prefill(rid, self.clock.now())
+
+    def _first_token(self, rid: int) -> None:
+        """The request's first token is here: the Conductor learns its TTFT's per-request term."""
+        if self.conductor is not None:
+            self.conductor.first_token(rid, self.clock.now())
+
     def _free_prefill(self, rid: int) -> None:
         """The Conductor's booking of `rid` ends at its prefill (mutates)."""
         if self.conductor is not None:
@@ -576,9 +611,11 @@ class Router:
         names = {role: [w.spec.name for w in self._workers.values() if w.spec.role == role] for role in ROLES}
         groups = conductor_groups(self._workers.values())  # NOTE: priced with the pipeline estimate
         cost = conductor_cost(self.config, self._workers.values())  # NOTE: the workers' profiles, or the config's
-        return Conductor(
+        conductor = Conductor(
             config, cost, self.index, names[roles[0]], names[roles[1]], capacity, self.backend.tier, groups=groups
         )
+        conductor.overhead = TtftOverhead()  # NOTE: learned from each request's first token (first_token)
+        return conductor
 
 
 def _resolve_mode(mode: str, workers: Sequence[WorkerSpec]) -> Literal["colocated", "pd"]:
