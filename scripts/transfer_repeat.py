@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tsukimi.bench.transfer import own_code_env
 from tsukimi.config import Config, MetadataConfig, TransferConfig
 from tsukimi.transfer import OpCode, RequestStatus, TransferEngine, TransferRequest
 
@@ -41,7 +42,8 @@ def main() -> None:
     cells = [c for c in ALL_CELLS if wanted in ("", f"{c[0] >> 10}x{c[1]}")]
     reps, seconds = int(os.environ.get("REPS", "3")), float(os.environ.get("DUR", "0.25"))
     args = [sys.executable, "-m", "tsukimi.bench.child", "transfer-peer", "target", str(SIZE), "p2p"]
-    target = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, **own_code_env()}  # NOTE: the target runs this checkout's code, whatever the cwd
+    target = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert target.stdout is not None
         ready = json.loads(target.stdout.readline())
