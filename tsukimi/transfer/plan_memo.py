@@ -131,7 +131,10 @@ class PlanMemo:
         key (plan it, nothing more); else its key and buffer views (`key`), its entry while it
         is valid (`get`), and whether to remember it once planned (see the module). Counts
         the sighting."""
-        if len(requests) > MEMO_MAX_REQUESTS:
+        if not requests or len(requests) > MEMO_MAX_REQUESTS:
+            return None
+        first = requests[0].local.__class__
+        if first not in _HOST_CLASSES and first is not tuple:  # NOTE: e.g. tensors (a KV connector): never keyed
             return None
         again = self.sighted(requests)
         keyed = self.key(requests) if again is not None else None
