@@ -29,7 +29,6 @@ from typing import Literal
 import numpy as np
 from rich.table import Table
 
-import tsukimi
 from tsukimi.bench.child import module_args
 from tsukimi.bench.measure import Spread, repeat
 from tsukimi.bench.mooncake_te import MooncakePair, mooncake_available
@@ -126,7 +125,7 @@ def own_code_env(pythonpath: str | None = None) -> dict[str, str]:
     started in one checkout with another on PYTHONPATH measured the other in its driver but
     the working directory's code in its peers (issue 27's "before" figures were the plan
     memo's own: docs/benchmarks.md). PYTHONSAFEPATH leaves the working directory out."""
-    tree = str(Path(tsukimi.__file__).resolve().parent.parent)
+    tree = str(Path(__file__).resolve().parents[2])  # the checkout holding this tsukimi package
     rest = os.environ.get("PYTHONPATH", "") if pythonpath is None else pythonpath
     return {"PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(p for p in (tree, rest) if p)}
 
