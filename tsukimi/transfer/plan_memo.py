@@ -22,14 +22,16 @@ it saw; otherwise it is dropped and the list planned anew.
 (larger ones are handed off as slices: submit never waits on the copy workers). A list cut
 into more than MEMO_MAX_SLICES slices is not remembered.
 
-A list first seen is planned without its key: it is only counted, by its remote offsets
-and its buffer objects' ids (a sighting). A list whose remote offsets were seen before is
-keyed and looked up, and remembered when its key was seen before or its buffer objects are
-the ones seen last time with these offsets (a hint only: the key decides what is reused).
+A list first seen is planned without its key: it is only sighted, by its mark (its length
+and its first and last requests' remote offsets) and those requests' buffer objects' ids. A
+list whose mark was seen before is keyed and looked up, and remembered when its key was seen
+before or its buffer objects are the ones seen last time with its mark (a hint only: the
+key decides what is reused; a mark shared by other lists only costs their key).
 
 NOTE: most callers never repeat a list (a store put writes where the master just allocated,
 a KV connector moves other blocks each step): for them the key (a memoryview and its address
-per request) was ~10 % of a 64 KiB x 4 transfer, and a sighting costs a fifth of it.
+per request) and its lookup were ~10 % of a 64 KiB x 4 transfer's profile, ~56k instructions;
+a sighting is ~9k (callgrind), and ~5k more for a list that repeats.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ class PlanMemo:
         # NOTE: a plain dict, oldest first: a hit does not reorder (one hash per lookup);
         # an int counts the sightings of a list not (or no longer) remembered
         self._entries: dict[Key, Remembered | int] = {}
-        self._sightings: dict[tuple[object, ...], tuple[int, ...]] = {}  # remote offsets -> buffer ids then
+        self._sightings: dict[tuple[object, ...], tuple[int, int]] = {}  # mark -> buffer ids then
 
     def find(
         self, requests: Sequence[TransferRequest]
@@ -144,17 +146,18 @@ class PlanMemo:
         return keyed, entry, wanted or bool(again)
 
     def sighted(self, requests: Sequence[TransferRequest]) -> bool | None:
-        """Count a sighting of `requests` (see the module): None when their remote offsets are
-        new (or not hashable), else whether their buffer objects are the ones seen last time."""
-        ids = tuple([id(req.local) for req in requests])
+        """Count a sighting of `requests` (see the module): None when its mark is new (or not
+        hashable), else whether its buffer objects are the ones seen last time with it."""
+        first, last = requests[0], requests[-1]
+        ids = (id(first.local), id(last.local))
+        mark = (len(requests), first.remote_offset, last.remote_offset)
         try:
-            offsets = tuple([req.remote_offset for req in requests])
-            seen = self._sightings.get(offsets)
-        except TypeError:  # NOTE: not an int: planning says so
+            seen = self._sightings.get(mark)
+        except TypeError:  # NOTE: an offset that is not an int: planning says so
             return None
         if seen != ids:
             with self._lock:
-                self._sightings[offsets] = ids
+                self._sightings[mark] = ids
                 while len(self._sightings) > self._capacity:
                     del self._sightings[next(iter(self._sightings))]
         return None if seen is None else seen == ids
