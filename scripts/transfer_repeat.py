@@ -1,4 +1,5 @@
-"""`transfer()` vs `prepare().run()` of one repeated request list, between two engines in two
+"""`transfer()` vs `prepare().run()` of one repeated request list, and `transfer()` of a list
+never repeated (new remote offsets every call, as a store put's), between two engines in two
 processes on this host (docs/benchmarks.md, "Small operations, in progress"):
 
     .venv/bin/python scripts/transfer_repeat.py            # CELL=64x4 REPS=3 DUR=1 to narrow it
@@ -6,10 +7,13 @@ processes on this host (docs/benchmarks.md, "Small operations, in progress"):
 The target is `tsukimi.bench.peer`'s (its shared memory `base`, moved over shm by `auto`, and
 its plain process memory `anon_base`, moved over cma); the initiator's buffer is a plain numpy
 array, never registered. Prints, per cell and op, the medians of REPS rounds of DUR seconds.
+`fresh` moves the same bytes shifted by 64 B x (call number mod FRESH_OFFSETS), more lists
+than the plan memo keeps: it shows what the memo costs a caller it never helps.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -20,11 +24,13 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tsukimi.bench.transfer import own_code_env
 from tsukimi.config import Config, MetadataConfig, TransferConfig
 from tsukimi.transfer import OpCode, RequestStatus, TransferEngine, TransferRequest
 
 SIZE = 64 << 20
 ALL_CELLS = ((64 << 10, 4), (32 << 10, 256), (4 << 20, 4))
+FRESH_OFFSETS = 512  # > plan_memo.MEMO_ENTRIES: no list is seen twice while remembered
 
 
 def _rate(step: Callable[[], int], seconds: float) -> float:
@@ -41,13 +47,15 @@ def main() -> None:
     cells = [c for c in ALL_CELLS if wanted in ("", f"{c[0] >> 10}x{c[1]}")]
     reps, seconds = int(os.environ.get("REPS", "3")), float(os.environ.get("DUR", "0.25"))
     args = [sys.executable, "-m", "tsukimi.bench.child", "transfer-peer", "target", str(SIZE), "p2p"]
-    target = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, **own_code_env()}  # NOTE: the target runs this checkout's code, whatever the cwd
+    target = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert target.stdout is not None
         ready = json.loads(target.stdout.readline())
         local = np.full(SIZE, 3, np.uint8)
         with TransferEngine(None, Config(transfer=TransferConfig(), metadata=MetadataConfig(url="p2p"))) as engine:
             handle = engine.open_segment(ready["name"])
+            calls = itertools.count()
             for where in ("base", "anon_base"):
                 for block, batch in cells:
                     for op in (OpCode.WRITE, OpCode.READ):
@@ -67,10 +75,28 @@ def main() -> None:
                             run()
                             return nbytes
 
-                        got = [(_rate(plain, seconds), _rate(fast, seconds)) for _ in range(reps)]
-                        t, p = statistics.median(g[0] for g in got), statistics.median(g[1] for g in got)
+                        def fresh(op: OpCode = op, block: int = block, batch: int = batch, at: str = where) -> int:
+                            shift = 64 * (next(calls) % FRESH_OFFSETS)
+                            requests = [
+                                TransferRequest(
+                                    op, handle, ready[at] + shift + i * block, local[i * block : (i + 1) * block]
+                                )
+                                for i in range(batch)
+                            ]
+                            assert all(s.state.value == "completed" for s in engine.transfer(requests))
+                            return block * batch
+
+                        got = [
+                            (_rate(plain, seconds), _rate(fast, seconds), _rate(fresh, seconds)) for _ in range(reps)
+                        ]
+                        t, p, f = (statistics.median(g[k] for g in got) for k in range(3))
                         name = f"{'shm ' if where == 'base' else 'anon'} {block >> 10:>5} KiB x {batch:<3} {op.value:5}"
-                        print(f"{name} transfer {t:6.2f} GB/s  prepared {p:6.2f} GB/s  ratio {t / p:.2f}", flush=True)
+                        print(
+                            f"{name} transfer {t:6.2f} GB/s  prepared {p:6.2f} GB/s  ratio {t / p:.2f}",
+                            f" fresh {f:6.2f} GB/s",
+                            sep="",
+                            flush=True,
+                        )
     finally:
         if target.stdin is not None:
             target.stdin.close()

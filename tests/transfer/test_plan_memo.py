@@ -449,3 +449,25 @@ def test_a_copy_within_the_engine_from_freed_memory_is_out_of_bounds(monkeypatch
         monkeypatch.setattr(engine._segment, "resolve", lambda address, length: freed)  # freed after resolve()
         (status,) = engine.transfer([TransferRequest(OpCode.WRITE, "self", base, np.ones(4 * KIB, np.uint8))])
         assert status.state is RequestState.FAILED and status.error_code == "out_of_bounds", status
+
+
+def test_a_list_seen_once_is_not_keyed_and_a_rebuilt_one_is_remembered(
+    engines: tuple[TransferEngine, TransferEngine, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    owner, user, transport = engines
+    base, remote = _target(owner, transport, 64 * KIB)
+    keyed: list[int] = []
+    key = user._memo.key
+    monkeypatch.setattr(user._memo, "key", lambda requests: keyed.append(len(requests)) or key(requests))
+    data = np.full(8 * KIB, 2, np.uint8)
+    for i in range(1, 5):  # new remote offsets every call (a store put): sighted only, never keyed
+        assert user.transfer([TransferRequest(OpCode.WRITE, "owner", base + i * KIB, data)])[0].transferred_bytes
+    assert keyed == [] and np.array_equal(remote[KIB : 12 * KIB], np.full(11 * KIB, 2, np.uint8))
+    where, memory = base + 4 * KIB + 512, np.zeros(4 * KIB, np.uint8)
+    for round_no in range(4):  # the same offsets, a new buffer object each call (a store get)
+        memory[:] = 0
+        (status,) = user.transfer([TransferRequest(OpCode.READ, "owner", where, memory[:])])
+        assert status.state is RequestState.COMPLETED and not (memory - 2).any()
+        assert len(keyed) == round_no  # keyed from its second sighting on
+    reads = [TransferRequest(OpCode.READ, "owner", where, memory[:])]
+    assert _remembered(user, reads) is not None  # the key (addresses) decides, whatever the objects

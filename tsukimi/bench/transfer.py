@@ -19,9 +19,11 @@ tcp; tcp 4 MiB >= 0.9x the raw socket. Each is the worst of its rows; n/a when a
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -114,6 +116,20 @@ def peer_cells(cfg: TransferBenchConfig, with_nixl: bool) -> list[TransferCell]:
     ]
 
 
+def own_code_env(pythonpath: str | None = None) -> dict[str, str]:
+    """The environment that makes a `python -m tsukimi.bench.child ...` child import the
+    tsukimi this process imported, whatever its working directory holds: this checkout first
+    on PYTHONPATH (`pythonpath`, default the current one, after it) and PYTHONSAFEPATH=1.
+
+    NOTE: `python -m` puts the working directory on sys.path ahead of PYTHONPATH, so a bench
+    started in one checkout with another on PYTHONPATH measured the other in its driver but
+    the working directory's code in its peers (issue 27's "before" figures were the plan
+    memo's own: docs/benchmarks.md). PYTHONSAFEPATH leaves the working directory out."""
+    tree = str(Path(__file__).resolve().parents[2])  # the checkout holding this tsukimi package
+    rest = os.environ.get("PYTHONPATH", "") if pythonpath is None else pythonpath
+    return {"PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(p for p in (tree, rest) if p)}
+
+
 def memcpy_gbps(nbytes: int = 256 * MIB, seconds: float = 1.0) -> float:
     """numpy copy bandwidth between two large arrays (bytes copied per second)."""
     src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
@@ -129,10 +145,12 @@ def memcpy_gbps(nbytes: int = 256 * MIB, seconds: float = 1.0) -> float:
 
 def socket_gbps(seconds: float) -> float:
     """A plain Python socket stream between two processes: 4 MiB sendall -> recv_into."""
-    sink = JsonWorker("socket sink", module_args("transfer-peer", "sink"))
+    sink = JsonWorker("socket sink", module_args("transfer-peer", "sink"), env=own_code_env())
     try:
         source = JsonWorker(
-            "socket source", module_args("transfer-peer", "source", str(sink.ready["port"]), str(seconds))
+            "socket source",
+            module_args("transfer-peer", "source", str(sink.ready["port"]), str(seconds)),
+            env=own_code_env(),
         )
         try:
             source.read_reply(seconds + _CALL_MARGIN_S)
@@ -148,7 +166,7 @@ class TsukimiPair:
 
     def __init__(self, buffer_bytes: int, metadata_url: str = "p2p", nixl: bool = False) -> None:
         args = [str(buffer_bytes), metadata_url]
-        env = {"TSUKIMI_BENCH_NIXL": "1" if nixl else "0"}
+        env = {"TSUKIMI_BENCH_NIXL": "1" if nixl else "0", **own_code_env()}
         self.target = JsonWorker("tsukimi target", module_args("transfer-peer", "target", *args), env=env)
         try:
             self.initiator = JsonWorker("tsukimi initiator", module_args("transfer-peer", "initiator", *args), env=env)
@@ -181,9 +199,12 @@ class NixlPair:
     """NIXL itself in two processes (bench/nixl_peer.py)."""
 
     def __init__(self, buffer_bytes: int) -> None:
-        self.target = JsonWorker("nixl target", module_args("nixl-peer", "target", str(buffer_bytes)))
+        env = own_code_env()
+        self.target = JsonWorker("nixl target", module_args("nixl-peer", "target", str(buffer_bytes)), env=env)
         try:
-            self.initiator = JsonWorker("nixl initiator", module_args("nixl-peer", "initiator", str(buffer_bytes)))
+            self.initiator = JsonWorker(
+                "nixl initiator", module_args("nixl-peer", "initiator", str(buffer_bytes)), env=env
+            )
         except BaseException:
             self.target.stop()
             raise

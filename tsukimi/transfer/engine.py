@@ -297,8 +297,8 @@ class TransferEngine:
         prepared call only where it runs on this thread alone (submit must not wait on workers)."""
         self._check_open()
         deadline = self._clock.now() + (timeout_s if timeout_s is not None else self.config.timeout_s)
-        keyed = self._memo.key(requests)
-        entry, wanted = self._memo.get(keyed[0]) if keyed is not None else (None, False)
+        found = self._memo.find(requests)
+        keyed, entry, wanted = found if found is not None else (None, None, False)
         if entry is not None and keyed is not None:  # NOTE: the same list again: no validation, no routing
             left = deadline - self._clock.now()
             if left > 0 and (entry.inline or not inline_only) and (statuses := entry.run_fast(left)) is not None:

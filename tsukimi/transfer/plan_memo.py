@@ -22,8 +22,16 @@ it saw; otherwise it is dropped and the list planned anew.
 (larger ones are handed off as slices: submit never waits on the copy workers). A list cut
 into more than MEMO_MAX_SLICES slices is not remembered.
 
-NOTE: a list is remembered the second time it is seen: a caller that never repeats a list
-(new offsets every call) pays for its key only.
+A list first seen is planned without its key: it is only sighted, by its mark (its length
+and its first and last requests' remote offsets) and those requests' buffer objects' ids. A
+list whose mark was seen before is keyed and looked up, and remembered when its key was seen
+before or its buffer objects are the ones seen last time with its mark (a hint only: the
+key decides what is reused; a mark shared by other lists only costs their key).
+
+NOTE: most callers never repeat a list (a store put writes where the master just allocated,
+a KV connector moves other blocks each step): for them the key (a memoryview and its address
+per request) and its lookup were ~10 % of a 64 KiB x 4 transfer's profile, ~56k instructions;
+a sighting is ~9k (callgrind), and ~5k more for a list that repeats.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from tsukimi.transfer.segment import BufferDescriptor, LocalSegment, SegmentDesc
 from tsukimi.transfer.transports import Slice, Transport
 
 _from_buffer, _addressof = ctypes.c_char.from_buffer, ctypes.addressof
-MEMO_ENTRIES = 128  # remembered (or seen) request lists; the oldest is dropped first
+MEMO_ENTRIES = 128  # remembered (or seen) request lists, and sightings; the oldest is dropped first
 MEMO_MAX_REQUESTS = 512  # a longer list is planned anew every time (bounds the memo's memory: ~10 MiB)
 MEMO_MAX_SLICES = 1024  # a list cut into more slices is not remembered (an entry's size scales with them)
 INLINE_FAST_BYTES = 1 << 20  # `submit` takes the prepared call only up to this (it then runs on the caller's thread)
@@ -116,6 +124,43 @@ class PlanMemo:
         # NOTE: a plain dict, oldest first: a hit does not reorder (one hash per lookup);
         # an int counts the sightings of a list not (or no longer) remembered
         self._entries: dict[Key, Remembered | int] = {}
+        self._sightings: dict[tuple[object, ...], tuple[int, int]] = {}  # mark -> buffer ids then
+
+    def find(
+        self, requests: Sequence[TransferRequest]
+    ) -> tuple[tuple[Key, list[memoryview | None]], Remembered | None, bool] | None:
+        """What the memo knows of `requests`: None for a first sighting or a list it cannot
+        key (plan it, nothing more); else its key and buffer views (`key`), its entry while it
+        is valid (`get`), and whether to remember it once planned (see the module). Counts
+        the sighting."""
+        if not requests or len(requests) > MEMO_MAX_REQUESTS:
+            return None
+        first = requests[0].local.__class__
+        if first not in _HOST_CLASSES and first is not tuple:  # NOTE: e.g. tensors (a KV connector): never keyed
+            return None
+        again = self.sighted(requests)
+        keyed = self.key(requests) if again is not None else None
+        if keyed is None:
+            return None
+        entry, wanted = self.get(keyed[0])
+        return keyed, entry, wanted or bool(again)
+
+    def sighted(self, requests: Sequence[TransferRequest]) -> bool | None:
+        """Count a sighting of `requests` (see the module): None when its mark is new (or not
+        hashable), else whether its buffer objects are the ones seen last time with it."""
+        first, last = requests[0], requests[-1]
+        ids = (id(first.local), id(last.local))
+        mark = (len(requests), first.remote_offset, last.remote_offset)
+        try:
+            seen = self._sightings.get(mark)
+        except TypeError:  # NOTE: an offset that is not an int: planning says so
+            return None
+        if seen != ids:
+            with self._lock:
+                self._sightings[mark] = ids
+                while len(self._sightings) > self._capacity:
+                    del self._sightings[next(iter(self._sightings))]
+        return None if seen is None else seen == ids
 
     def key(self, requests: Sequence[TransferRequest]) -> tuple[Key, list[memoryview | None]] | None:
         """The list's key and each request's buffer (a flat byte view; None for an (address,
@@ -154,7 +199,7 @@ class PlanMemo:
                 continue
             try:
                 view = memoryview(local)  # type: ignore[arg-type]
-            except TypeError:
+            except (TypeError, ValueError):  # NOTE: ValueError: a released memoryview
                 return None
             if view.format != "B" or view.ndim != 1:
                 if not view.c_contiguous:
