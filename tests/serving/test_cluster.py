@@ -108,6 +108,21 @@ def test_plan_colocated_has_no_master() -> None:
     assert "--master" not in groups[1][0].args and "--metadata-url" in groups[1][0].args
 
 
+def test_plan_runs_the_engines_at_a_lower_cpu_priority_than_the_router() -> None:
+    """`workers.nice` (default 10) goes to every engine, CPP stages included; the master, the
+    metadata server and the router keep ours, so that the router's loop runs first."""
+    groups = plan(load(ClusterConfig, None, ["model=tiny", "workers.cpp_groups=1"]), lambda: 1)
+    assert [[(s.name, s.nice) for s in g] for g in groups] == [
+        [("master", 0), ("metadata", 0)],
+        [("prefill-0", 10), ("decode-0", 10), ("cpp-0", 10), ("cpp-0-s1", 10)],
+        [("router", 0)],
+    ]
+    same = plan(load(ClusterConfig, None, ["model=tiny", "workers.nice=0"]), lambda: 1)
+    assert {s.nice for g in same for s in g} == {0}
+    with pytest.raises(ConfigError, match="workers.nice"):
+        load(ClusterConfig, None, ["workers.nice=20"])
+
+
 def parse_worker(args: tuple[str, ...]) -> WorkerConfig:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))

@@ -304,6 +304,10 @@ class ClusterWorkersConfig:
     cpp_groups: CPP prefill groups (mode "pd"; tsukimi/serving/cluster/cpp_plan.py) started beside
         the prefill workers, each of `cpp_stages` processes computing chunks of
         `cpp_chunk_tokens`; the router sends them the long greedy prompts.
+    nice: the engines' lower CPU priority (added to `tsukimi up`'s nice value, 0-19; 0 = the same):
+        on a host they share with the router, the router's loop gets the CPU first when it
+        needs it, so /health and admission answer under overload (the engines keep every
+        cycle it leaves; tsukimi/serving/cluster/supervisor.py).
     """
 
     prefill: int = 1
@@ -313,6 +317,7 @@ class ClusterWorkersConfig:
     cpp_groups: int = 0
     cpp_stages: int = 2
     cpp_chunk_tokens: int = 512
+    nice: int = 10
     worker: WorkerConfig = field(default_factory=WorkerConfig, metadata={INLINE_KEYS: SHARED_WORKER_KEYS})
 
     def __post_init__(self) -> None:
@@ -322,6 +327,7 @@ class ClusterWorkersConfig:
             self.cpp_stages >= 1 and self.cpp_chunk_tokens >= 1, "workers.cpp_stages and cpp_chunk_tokens must be >= 1"
         )
         _check_port(self.base_port, "workers.base_port")
+        require(0 <= self.nice <= 19, f"workers.nice must be within 0..19, got {self.nice}")
 
 
 @dataclass(frozen=True, slots=True)
