@@ -119,7 +119,7 @@ def test_plan_runs_the_engines_at_a_lower_cpu_priority_than_the_router() -> None
     ]
     same = plan(load(ClusterConfig, None, ["model=tiny", "workers.nice=0"]), lambda: 1)
     assert {s.nice for g in same for s in g} == {0}
-    with pytest.raises(ConfigError, match="workers.nice"):
+    with pytest.raises(ConfigError, match=r"workers\.nice"):
         load(ClusterConfig, None, ["workers.nice=20"])
 
 
@@ -273,3 +273,11 @@ def cmdline(proc: Path) -> bytes:
         return (proc / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_plan_gives_the_router_its_health_port_when_set() -> None:
+    """`router.health_port` (0: none) reaches the router as its `health_port` setting."""
+    [router] = plan(load(ClusterConfig, None, ["model=tiny", "router.health_port=8001"]), lambda: 1)[-1]
+    assert router.args[-1] == "--set=health_port=8001"
+    [plain] = plan(load(ClusterConfig, None, ["model=tiny"]), lambda: 1)[-1]
+    assert not any("health_port" in arg for arg in plain.args)

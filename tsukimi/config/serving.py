@@ -242,6 +242,8 @@ class RouterAppConfig:
     master / master_http: the store master, for the dashboard's store view ("" = none).
     shed_lag_ms: answer new completions 429 "overloaded" while the router's event loop lags
         more than this on average (0: never; tsukimi/serving/router/load_shedding.py).
+    health_port: a port of its own for /health and /metrics, served by threads off the event
+        loop, so that they answer under overload (0: none; tsukimi/serving/router/health_port.py).
     """
 
     workers: str = ""
@@ -253,6 +255,7 @@ class RouterAppConfig:
     master: str = ""
     master_http: str = ""
     shed_lag_ms: float = 250.0
+    health_port: int = 0
     router: RouterConfig = field(default_factory=RouterConfig)
     conductor: ConductorConfig = field(default_factory=lambda: ROUTER_CONDUCTOR)
     vllm: VllmBackendConfig = field(default_factory=VllmBackendConfig)
@@ -264,6 +267,7 @@ class RouterAppConfig:
         )
         require(self.shed_lag_ms >= 0, f"shed_lag_ms must be >= 0 (0: never shed), got {self.shed_lag_ms}")
         _check_port(self.port, "port")
+        _check_port(self.health_port, "health_port")
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,13 +336,16 @@ class ClusterWorkersConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClusterRouterConfig:
-    """Where the OpenAI API listens; served_model_name "" = the model spec."""
+    """Where the OpenAI API listens; served_model_name "" = the model spec; health_port: the
+    router's thread-served /health and /metrics (`RouterAppConfig.health_port`; 0: none)."""
 
     port: int = 8000
     served_model_name: str = ""
+    health_port: int = 0
 
     def __post_init__(self) -> None:
         _check_port(self.port, "router.port")
+        _check_port(self.health_port, "router.health_port")
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ settings `[workers]` gives them all (a `WorkerConfig`) with its own name, role, 
     segment_bytes = 268435456
     [router]
     port = 8000
+    health_port = 0     # /health and /metrics off the router's loop, on this port (0: none)
     [restart]
     max_restarts = 5    # within window_s = 300; backoff 0.5 s doubling up to max_backoff_s = 10
     [master]
@@ -141,6 +142,7 @@ def plan(
         "--served-model-name",
         config.router.served_model_name or config.model,
         *(("--master", master, "--master-http", master_http) if master else ()),
+        *((f"--set=health_port={config.router.health_port}",) if config.router.health_port else ()),
     )
     groups.append([ProcessSpec("router", "router", args, f"http://{url_host}:{router_port}")])
     return groups

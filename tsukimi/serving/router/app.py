@@ -12,8 +12,13 @@ router.
                         (master, master_http)
                     --> load shedding (shed_lag_ms; a shed request is logged as rejected
                         "overloaded" and counted in the rejections metric)
+                    --> the arrival stamp, outermost (arrivals.py: each request's admission
+                        latency, into its decision record and the admission metric)
+                    --> the health port (health_port > 0: /health and /metrics served by
+                        threads off the event loop; health_port.py)
 
-The app's lifespan starts and closes the router, the dashboard and the shedder's lag probe.
+The app's lifespan starts and closes the router, the dashboard, the shedder's lag probe and the
+health port.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from tsukimi.serving.dashboard import app as dashboard
 from tsukimi.serving.dashboard.store_probe import StoreProbe
 from tsukimi.serving.openai.app import OpenAIServer, create_app
 from tsukimi.serving.openai.validation import model_context_tokens
-from tsukimi.serving.router import load_shedding
+from tsukimi.serving.router import health_port, lifespan, load_shedding
+from tsukimi.serving.router.arrivals import ArrivalStamp
 from tsukimi.serving.router.backend import RouterBackend
+from tsukimi.serving.router.health_port import HealthPort
 from tsukimi.serving.router.router import Router
 from tsukimi.serving.router.worker_client import WorkerClient
 from tsukimi.serving.router.workers import WorkerSpec, parse_workers
@@ -84,7 +91,13 @@ def build_router_app(
     app = create_app(router, tokens, name, max_context_tokens=context, defaults=defaults)
     secret = SecurityConfig().secret()  # NOTE: the workers' and the master's secret (docs/security.md)
     dashboard.mount(app, StoreProbe(config.master, config.master_http, secret))
-    load_shedding.install(app, config.shed_lag_ms / 1000, _log_shed(app.state.server))
+    server: OpenAIServer = app.state.server
+    lag = load_shedding.install(app, config.shed_lag_ms / 1000, _log_shed(server))
+    admission = server.metrics.admission.observe
+    app.add_middleware(ArrivalStamp, decisions=router.decisions, clock=clock, on_admission=admission)
+    if config.health_port:
+        port = app.state.health_port = HealthPort(server, lag, config.host, config.health_port)
+        lifespan.add(app, lambda: health_port.serving(port))
     return app
 
 

@@ -2,6 +2,7 @@
 (its `X-Request-Id`, else the id the router gave it), served at `GET /decisions` and shown on
 the dashboard. The router's diagnostics live here, not in the OpenAI response body.
 
+    the door           arrived_s            when the request reached the router (arrivals.py)
     arrival            open(...)            mode, prompt size, arrival time
     Conductor          placed(...)          accepted / rejected (reason, message), queued, the
                                             predicted TTFT at arrival, the prefill and decode
@@ -48,7 +49,9 @@ class DecisionRecord(msgspec.Struct):
     there when it was placed (None / False: colocated). cached_tokens / pool_tokens: what the
     request really reused, of it loaded from the pool (None until its first token).
     conductor_id: the Conductor's integer id of the request (None: no Conductor). seq: the
-    record's number, in arrival order.
+    record's number, in arrival order. arrived_s: the router's clock when the request reached
+    the router's door, its body not yet read (tsukimi/serving/router/arrivals.py; None: not
+    known yet): `time_s - arrived_s` is how long its admission decision took.
     """
 
     request_id: str
@@ -69,6 +72,7 @@ class DecisionRecord(msgspec.Struct):
     pool_tokens: int | None = None
     conductor_id: int | None = None
     seq: int = 0
+    arrived_s: float | None = None
 
     def placed(self, decision: Decision) -> None:
         """Takes a Conductor decision: the arrival's (or, once queued, its release's) placement,
