@@ -159,6 +159,7 @@ def _handler(answer: Callable[[str], tuple[int, str, bytes]]) -> type[BaseHTTPRe
 async def serving(port: HealthPort) -> AsyncIterator[None]:
     """Serves `port` and publishes its snapshots on the running loop while inside (the router
     app's lifespan: tsukimi/serving/router/app.py)."""
+    port.publish()  # NOTE: fresh before the first probe, even if the loop is busy at once
     task = asyncio.create_task(port.publish_forever(), name="router-health-publish")
     port.start()
     try:
