@@ -7,7 +7,9 @@ rate on a shared 2-CPU host, the loop busy half of that time relaying streams). 
 on the API's port waits behind it. Here the loop publishes what /health and /metrics show every
 `interval_s` (a `HealthSnapshot`, swapped in whole: readers never see half of one), and a
 `ThreadingHTTPServer` answers from the latest snapshot without touching the loop; it waits for
-the GIL at most a switch interval (5 ms) while the loop runs Python.
+the GIL at most a switch interval (5 ms) while the loop runs Python, but for the whole of a
+garbage collection (the router app freezes its start-up heap so that those stay short:
+tsukimi/serving/router/app.py).
 
     GET /health   200 {"status": "ok" | "degraded", "mode", "model", "workers", "loop_lag_ms",
                   "age_ms"} as the API's /health, plus the loop's lag (its `LoopLag` mean) and the
