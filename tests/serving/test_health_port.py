@@ -1,15 +1,17 @@
-"""The router's front under a busy loop: /health and /metrics on the thread-served health port
-(tsukimi/serving/router/health_port.py) answer while the event loop is blocked, and say
-"stale" once the loop stops publishing; each completion's admission latency reaches its
+"""The router's front under a busy loop: /health and /metrics on the health port (a process
+beside the router: tsukimi/serving/router/health_port.py, health_sidecar.py) answer while the
+event loop is blocked, and say "stale" once the loop stops publishing; each completion's admission latency reaches its
 decision record and the admission metric (tsukimi/serving/router/arrivals.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
+import json
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,7 +19,7 @@ import pytest
 from tests.serving.fakes import FakeWorker, router_app
 from tsukimi import httpd
 from tsukimi.netio import free_port
-from tsukimi.serving.router import health_port
+from tsukimi.serving.router import health_port, health_sidecar
 from tsukimi.serving.router.health_port import HealthPort
 
 
@@ -51,8 +53,8 @@ def test_each_completion_records_its_admission_latency(served: tuple[httpd.AppHa
 
 
 def test_health_answers_while_the_event_loop_is_blocked(served: tuple[httpd.AppHandle, HealthPort]) -> None:
-    """The loop blocks (as in a long step under overload) until the health port has answered:
-    it did so with the loop blocked, and /metrics too."""
+    """The loop blocks (as in a long step or a garbage collection under overload) until the
+    health port has answered: it did so with the loop blocked, and /metrics too."""
     _, port = served
     answers: list[httpx.Response] = []
     answered = threading.Event()
@@ -74,18 +76,19 @@ def test_health_answers_while_the_event_loop_is_blocked(served: tuple[httpd.AppH
     assert metrics.status_code == 200 and 'tsukimi_router_worker_up{role="colocated",worker="w"} 1.0' in metrics.text
 
 
-def test_a_snapshot_the_loop_stopped_publishing_is_stale(served: tuple[httpd.AppHandle, HealthPort]) -> None:
-    _, port = served
-    port.start()
-    try:
-        port.snapshot = dataclasses.replace(port.snapshot, at_s=port.snapshot.at_s - 2 * port.stale_after_s)
-        stale = httpx.get(f"{port.url}/health")
-        assert (stale.status_code, stale.json()["status"]) == (503, "stale")
-        port.publish()
-        assert httpx.get(f"{port.url}/health").status_code == 200
-        assert httpx.get(f"{port.url}/v1/models").status_code == 404  # NOTE: only /health and /metrics here
-    finally:
-        port.close()
+def test_the_sidecar_answers_from_the_published_files_and_says_stale_when_they_age(tmp_path: Path) -> None:
+    """health_sidecar.answer, the sidecar's whole logic: nothing published yet or a snapshot
+    older than stale_after_s is 503 "stale" (a wedged loop fails a liveness probe)."""
+    assert health_sidecar.answer(tmp_path, "/health", 5.0)[0] == 503
+    assert health_sidecar.answer(tmp_path, "/metrics", 5.0)[0] == 503
+    snapshot = {"at_s": time.monotonic() - 10.0, "body": {"status": "ok", "workers": []}}
+    (tmp_path / health_sidecar.HEALTH_FILE).write_text(json.dumps(snapshot))
+    status, _, body = health_sidecar.answer(tmp_path, "/health", 5.0)
+    assert (status, json.loads(body)["status"]) == (503, "stale") and json.loads(body)["age_ms"] >= 10_000
+    assert health_sidecar.answer(tmp_path, "/health", 60.0)[0] == 200
+    (tmp_path / health_sidecar.METRICS_FILE).write_bytes(b"m 1\n")
+    assert health_sidecar.answer(tmp_path, "/metrics", 5.0) == (200, health_sidecar.METRICS_TYPE, b"m 1\n")
+    assert health_sidecar.answer(tmp_path, "/v1/models", 5.0)[0] == 404  # NOTE: only /health and /metrics there
 
 
 def test_the_apps_lifespan_serves_the_health_port_and_freezes_the_start_up_heap() -> None:
