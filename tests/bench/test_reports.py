@@ -255,7 +255,7 @@ def _overload(report: BenchReport) -> None:
     assert isinstance(post, dict) and post["ok"], post
     assert set(figures["rss_mib"]) >= {"router", "prefill-0", "decode-0", "master"}  # type: ignore[arg-type]
     health_port, admission = figures["health_port"], figures["admission"]
-    assert isinstance(health_port, dict) and health_port["probes"] > 0  # the router's thread-served /health
+    assert isinstance(health_port, dict) and health_port["probes"] > 0  # the router's health port
     assert isinstance(admission, dict) and admission["count"] > 0  # read from the decision log
     assert _verdicts(report) == {
         "health_under_100ms",

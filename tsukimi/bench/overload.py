@@ -9,8 +9,8 @@
 3. overload: Poisson arrivals at `factor` times that rate for `duration_s` (the mixed workload,
    `mixed_requests`), every request bounded by `request_timeout_s`, then the requests
    still running are drained (each ends by its timeout at the latest); meanwhile /health is
-   probed on a connection of its own, on the API's port and on the router's thread-served
-   health port (`health_url`; the bench's own cluster gets one: `router.health_port`), and
+   probed on a connection of its own, on the API's port and on the router's health port
+   (off its loop and process) (`health_url`; the bench's own cluster gets one: `router.health_port`), and
    every cluster process's RSS is sampled (overload_monitor.py); then each request's
    admission latency (from the router's door to its Conductor decision) is read from the
    decision log (`GET /decisions`; the newest 4096 requests: all of a --quick run's);

@@ -4,7 +4,7 @@ rich table or Markdown (docs/reliability.md).
 Verdicts (the report's), one per criterion of issue 17 item 3:
 - health_under_100ms: every /health probe during the load and the drain answered 200 within 100 ms
   (the same probe on the idle cluster, before the load, is shown beside it);
-- health_port_p99 / admission_p99 (issue 26 item 3): the router's thread-served health port's
+- health_port_p99 / admission_p99 (issue 26 item 3): the router's health port's
   /health p99 (every probe answered 200) and the admission decisions' p99 (the router's door to
   its Conductor decision, from the decision log) are <= 100 ms;
 - every_request_ended: no request failed (timeout, broken connection, 5xx or 429/503 without a

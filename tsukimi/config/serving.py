@@ -242,8 +242,9 @@ class RouterAppConfig:
     master / master_http: the store master, for the dashboard's store view ("" = none).
     shed_lag_ms: answer new completions 429 "overloaded" while the router's event loop lags
         more than this on average (0: never; tsukimi/serving/router/load_shedding.py).
-    health_port: a port of its own for /health and /metrics, served by threads off the event
-        loop, so that they answer under overload (0: none; tsukimi/serving/router/health_port.py).
+    health_port: a port of its own for /health and /metrics, answered by a process beside the
+        router from what its loop publishes, so that they answer under overload (0: none;
+        tsukimi/serving/router/health_port.py).
     """
 
     workers: str = ""
@@ -337,7 +338,7 @@ class ClusterWorkersConfig:
 @dataclass(frozen=True, slots=True)
 class ClusterRouterConfig:
     """Where the OpenAI API listens; served_model_name "" = the model spec; health_port: the
-    router's thread-served /health and /metrics (`RouterAppConfig.health_port`; 0: none)."""
+    router's /health and /metrics off its loop (`RouterAppConfig.health_port`; 0: none)."""
 
     port: int = 8000
     served_model_name: str = ""

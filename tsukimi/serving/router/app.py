@@ -14,8 +14,8 @@ router.
                         "overloaded" and counted in the rejections metric)
                     --> the arrival stamp, outermost (arrivals.py: each request's admission
                         latency, into its decision record and the admission metric)
-                    --> the health port (health_port > 0: /health and /metrics served by
-                        threads off the event loop; health_port.py)
+                    --> the health port (health_port > 0: /health and /metrics answered by a
+                        process beside the router, from what its loop publishes; health_port.py)
 
 The app's lifespan starts and closes the router, the dashboard, the shedder's lag probe and the
 health port; once they run, it freezes the heap the start-up made (`gc.freeze()`: the modules,

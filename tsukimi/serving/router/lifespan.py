@@ -1,6 +1,6 @@
 """Parts of the router app's lifespan beyond the router's own: `add(app, part)` runs `part`
 inside the lifespan the app has so far (the router started before it, closed after it), e.g. the
-shedder's lag probe (load_shedding.py) and the thread-served health port (health_port.py)."""
+shedder's lag probe (load_shedding.py) and the health port (health_port.py)."""
 
 from __future__ import annotations
 
