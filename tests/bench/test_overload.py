@@ -135,6 +135,8 @@ def test_the_figures_account_for_every_request_and_judge_each_criterion() -> Non
         rss,
         served,
         [served, CompletionResult("served", 200, "", False, 0.2, text="abd", completion_tokens=3)],
+        port_probes=[Probe(0.0, 0.02, True), Probe(0.2, 0.03, True)],
+        admission_s=[0.001, 0.002, 0.25],
     )
     figures = summarize(run)
     assert (figures["sent"], figures["served"], figures["rejected"], figures["failed"]) == (10, 6, 3, 1)
@@ -151,8 +153,18 @@ def test_the_figures_account_for_every_request_and_judge_each_criterion() -> Non
     assert figures["rss_mib"] == {
         "router": {"start": 100.0, "peak": 120.0, "end": 110.0, "late_growth": 0.0, "bounded": True}
     }
+    assert figures["admission"] == {
+        "count": 3,
+        "of_sent": 10,
+        "p50_ms": 2.0,
+        "p99_ms": 250.0,
+        "max_ms": 250.0,
+        "over_100ms": 1,
+    }
     assert {v.name: v.met for v in verdicts(figures)} == {
         "health_under_100ms": False,
+        "health_port_p99": True,  # NOTE: the health port answered every probe within 100 ms
+        "admission_p99": False,
         "every_request_ended": False,
         "tokens_or_429_503": False,
         "rss_bounded": True,

@@ -254,8 +254,13 @@ def _overload(report: BenchReport) -> None:
     post = figures["post_load"]
     assert isinstance(post, dict) and post["ok"], post
     assert set(figures["rss_mib"]) >= {"router", "prefill-0", "decode-0", "master"}  # type: ignore[arg-type]
+    health_port, admission = figures["health_port"], figures["admission"]
+    assert isinstance(health_port, dict) and health_port["probes"] > 0  # the router's health port
+    assert isinstance(admission, dict) and admission["count"] > 0  # read from the decision log
     assert _verdicts(report) == {
         "health_under_100ms",
+        "health_port_p99",
+        "admission_p99",
         "every_request_ended",
         "tokens_or_429_503",
         "rss_bounded",

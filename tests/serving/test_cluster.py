@@ -108,6 +108,21 @@ def test_plan_colocated_has_no_master() -> None:
     assert "--master" not in groups[1][0].args and "--metadata-url" in groups[1][0].args
 
 
+def test_plan_runs_the_engines_at_a_lower_cpu_priority_than_the_router() -> None:
+    """`workers.nice` (default 10) goes to every engine, CPP stages included; the master, the
+    metadata server and the router keep ours, so that the router's loop runs first."""
+    groups = plan(load(ClusterConfig, None, ["model=tiny", "workers.cpp_groups=1"]), lambda: 1)
+    assert [[(s.name, s.nice) for s in g] for g in groups] == [
+        [("master", 0), ("metadata", 0)],
+        [("prefill-0", 10), ("decode-0", 10), ("cpp-0", 10), ("cpp-0-s1", 10)],
+        [("router", 0)],
+    ]
+    same = plan(load(ClusterConfig, None, ["model=tiny", "workers.nice=0"]), lambda: 1)
+    assert {s.nice for g in same for s in g} == {0}
+    with pytest.raises(ConfigError, match=r"workers\.nice"):
+        load(ClusterConfig, None, ["workers.nice=20"])
+
+
 def parse_worker(args: tuple[str, ...]) -> WorkerConfig:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
@@ -258,3 +273,11 @@ def cmdline(proc: Path) -> bytes:
         return (proc / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_plan_gives_the_router_its_health_port_when_set() -> None:
+    """`router.health_port` (0: none) reaches the router as its `health_port` setting."""
+    [router] = plan(load(ClusterConfig, None, ["model=tiny", "router.health_port=8001"]), lambda: 1)[-1]
+    assert router.args[-1] == "--set=health_port=8001"
+    [plain] = plan(load(ClusterConfig, None, ["model=tiny"]), lambda: 1)[-1]
+    assert not any("health_port" in arg for arg in plain.args)

@@ -36,6 +36,24 @@ def crasher(tmp_path: Path) -> ProcessSpec:
     return ProcessSpec("crasher", "test", (), "http://127.0.0.1:1", argv=(sys.executable, "-c", code), health="none")
 
 
+@pytest.mark.timeout(30)
+def test_a_child_runs_at_its_specs_nice_value(tmp_path: Path) -> None:
+    """`ProcessSpec.nice` (the engines' `workers.nice`) is the child's priority from its start,
+    and a respawned child's too."""
+    code = "import time; time.sleep(60)"
+    spec = ProcessSpec("niced", "test", (), "http://127.0.0.1:1", argv=(sys.executable, "-c", code), nice=7)
+    supervisor = Supervisor(tmp_path, stop_timeout_s=5)
+    try:
+        supervisor.start_group([spec])
+        child = supervisor.children[0]
+        expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)  # NOTE: added to ours, as `nice -n 7`
+        assert os.getpriority(os.PRIO_PROCESS, child.proc.pid) == expected
+        supervisor.respawn(child)
+        assert os.getpriority(os.PRIO_PROCESS, child.proc.pid) == expected
+    finally:
+        supervisor.stop()
+
+
 @pytest.mark.timeout(60)
 def test_a_dying_child_is_restarted_until_a_crash_loop_stops_the_supervisor(tmp_path: Path) -> None:
     restart = ClusterRestartConfig(max_restarts=3, initial_backoff_s=0.05, max_backoff_s=0.1)

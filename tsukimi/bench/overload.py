@@ -9,8 +9,11 @@
 3. overload: Poisson arrivals at `factor` times that rate for `duration_s` (the mixed workload,
    `mixed_requests`), every request bounded by `request_timeout_s`, then the requests
    still running are drained (each ends by its timeout at the latest); meanwhile /health is
-   probed on a connection of its own and every cluster process's RSS is sampled
-   (overload_monitor.py);
+   probed on a connection of its own, on the API's port and on the router's health port
+   (off its loop and process) (`health_url`; the bench's own cluster gets one: `router.health_port`), and
+   every cluster process's RSS is sampled (overload_monitor.py); then each request's
+   admission latency (from the router's door to its Conductor decision) is read from the
+   decision log (`GET /decisions`; the newest 4096 requests: all of a --quick run's);
 4. after: `post_checks` requests of the baseline prompt (streamed and not) must all be served
    with the baseline's text and token count.
 
@@ -36,11 +39,12 @@ from pathlib import Path
 import numpy as np
 
 from tsukimi.bench.client import CompletionRequest, CompletionResult, complete
-from tsukimi.bench.overload_monitor import HealthProbe, Probe, RssSampler
+from tsukimi.bench.overload_monitor import HealthProbe, Probe, RssSampler, admission_latencies
 from tsukimi.bench.overload_report import LoadRun, summarize, verdicts
 from tsukimi.bench.report import BenchReport, begin, finish
 from tsukimi.bench.up_cluster import launch_up, serving_settings
 from tsukimi.errors import PeerError
+from tsukimi.netio import free_port
 
 _BASELINE = CompletionRequest(tuple(range(20, 52)), 8, stream=False)  # NOTE: fixed and greedy: the same answer
 _VOCAB = (3, 250)  # NOTE: ids every tokenizer here has (as in the chat and skewed workloads)
@@ -48,8 +52,8 @@ _VOCAB = (3, 250)  # NOTE: ids every tokenizer here has (as in the chat and skew
 
 @dataclass(frozen=True, slots=True)
 class OverloadConfig:
-    """`url` of a running API ("" starts `tsukimi up --model model --mode mode`; RSS is only
-    sampled then), and the phases' lengths and rates (see the module)."""
+    """`url` of a running API ("" starts `tsukimi up --model model --mode mode`, with a health
+    port; RSS is only sampled then), and the phases' lengths and rates (see the module)."""
 
     url: str = ""
     model: str = "tiny"
@@ -64,6 +68,7 @@ class OverloadConfig:
     post_checks: int = 4
     num_blocks: int = 512  # each worker's KV cache: `tsukimi up`'s default
     seed: int = 0
+    health_url: str = ""  # with `url`: its router's health port ("" = none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,14 +104,16 @@ def run_bench(cfg: OverloadConfig, progress: Callable[[str], None]) -> dict[str,
     if cfg.url:
         return asyncio.run(_run(cfg, cfg.url, {}, progress))
     progress(f"starting tsukimi up --model {cfg.model} --mode {cfg.mode}")
-    settings = serving_settings(cfg.model, cfg.mode, num_blocks=cfg.num_blocks)
+    port = free_port()
+    settings = serving_settings(cfg.model, cfg.mode, num_blocks=cfg.num_blocks, extra=[f"router.health_port={port}"])
     with (
         tempfile.TemporaryDirectory(prefix="tsukimi-bench-overload-") as workdir,
         launch_up(settings, Path(workdir)) as cluster,
         cluster.tending(),
     ):
         pids = {p.name: p.pid for p in cluster.processes}
-        return asyncio.run(_run(cfg, cluster.api, pids, progress))
+        own = dataclasses.replace(cfg, health_url=f"http://127.0.0.1:{port}")
+        return asyncio.run(_run(own, cluster.api, pids, progress))
 
 
 def run_report(cfg: OverloadConfig, progress: Callable[[str], None]) -> BenchReport:
@@ -137,6 +144,7 @@ async def _run(
         )
         load = await _overload(url, cfg, cfg.factor * sustainable, rss)
         progress(f"{len(load.outcomes)} requests ended; checking that the cluster serves normally")
+        admission = await admission_latencies(url, [o.request_id for o in load.outcomes if o.request_id])
         after = await _post_load(url, cfg)
     finally:
         samples = rss.stop()
@@ -149,6 +157,7 @@ async def _run(
         baseline=baseline,
         after=after,
         idle_probes=idle_probes,
+        admission_s=admission,
     )
     return summarize(run)
 
@@ -165,21 +174,29 @@ async def _idle_probes(url: str, cfg: OverloadConfig) -> list[Probe]:
 
 
 async def _overload(url: str, cfg: OverloadConfig, rate: float, rss: RssSampler) -> LoadRun:
-    """The open loop at `rate`, with /health probed and each process's CPU time noted."""
+    """The open loop at `rate`, with /health probed (the API's, the health port's) and each
+    process's CPU time noted."""
     health = HealthProbe(url, cfg.health_interval_s)
+    side = HealthProbe(cfg.health_url, cfg.health_interval_s) if cfg.health_url else None
     try:
         health.start()
+        if side is not None:
+            side.start()
         load_from, cpu_from = time.perf_counter() - rss.origin, rss.cpu_mark() | {"bench": time.process_time()}
         outcomes, sending_s, wall_s, lag_s = await _open_loop(url, cfg, rate)
         load_to, cpu_to = time.perf_counter() - rss.origin, rss.cpu_mark() | {"bench": time.process_time()}
     finally:
         probes = health.stop()
+        port_probes = side.stop() if side is not None else []
     cpu = {
         name: round(100 * (cpu_to[name] - cpu_from[name]) / (load_to - load_from), 1)
         for name in cpu_to
         if name in cpu_from
     }
-    return LoadRun(cfg.duration_s, rate, outcomes, sending_s, wall_s, lag_s, probes, (load_from, load_to), cpu)
+    window = (load_from, load_to)
+    return LoadRun(
+        cfg.duration_s, rate, outcomes, sending_s, wall_s, lag_s, probes, window, cpu, port_probes=port_probes
+    )
 
 
 async def _calibrate(url: str, cfg: OverloadConfig) -> list[Calibration]:

@@ -1,5 +1,6 @@
 """What `tsukimi bench serve --workload overload` watches while it loads the cluster: the API's
-`/health` latency and every cluster process's resident memory.
+`/health` latency (and the router's health port's), every cluster process's resident memory,
+and, once the load is over, each request's admission latency from the router's decision log.
 
 `/health` is asked from a process of its own (so that neither the load generator's event loop
 nor its GIL delays a probe), on a connection of its own (a sync httpx client), every
@@ -19,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -159,6 +160,22 @@ class RssSampler:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.sample()
+
+
+async def admission_latencies(url: str, request_ids: Sequence[str], batch: int = 100) -> list[float]:
+    """Seconds from the router's door to the admission decision of each of `request_ids` whose
+    decision record the router at `url` still holds with both times (`GET /decisions`, `batch`
+    ids a call; tsukimi/serving/router/arrivals.py), in the order asked. A router that keeps no
+    arrival times gives none. Raises httpx.HTTPError."""
+    out: list[float] = []
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        for at in range(0, len(request_ids), batch):
+            answer = await client.get(f"{url}/decisions", params={"request_id": list(request_ids[at : at + batch])})
+            answer.raise_for_status()
+            for record in answer.json()["decisions"]:
+                if record.get("arrived_s") is not None:
+                    out.append(max(0.0, record["time_s"] - record["arrived_s"]))
+    return out
 
 
 def main(argv: list[str]) -> None:

@@ -4,6 +4,9 @@ rich table or Markdown (docs/reliability.md).
 Verdicts (the report's), one per criterion of issue 17 item 3:
 - health_under_100ms: every /health probe during the load and the drain answered 200 within 100 ms
   (the same probe on the idle cluster, before the load, is shown beside it);
+- health_port_p99 / admission_p99 (issue 26 item 3): the router's health port's
+  /health p99 (every probe answered 200) and the admission decisions' p99 (the router's door to
+  its Conductor decision, from the decision log) are <= 100 ms;
 - every_request_ended: no request failed (timeout, broken connection, 5xx or 429/503 without a
   reason, no tokens, a stream cut short) and each one sent has exactly one outcome;
 - tokens_or_429_503: every request ended with tokens or a 429/503 naming a reason (no other error);
@@ -51,6 +54,8 @@ class LoadRun:
     baseline: CompletionResult | None = None
     after: list[CompletionResult] = field(default_factory=list)
     idle_probes: list[Probe] = field(default_factory=list)
+    port_probes: list[Probe] = field(default_factory=list)  # the router's health port (none: not probed)
+    admission_s: list[float] = field(default_factory=list)  # each request's admission latency
 
 
 def summarize(run: LoadRun) -> dict[str, object]:
@@ -82,6 +87,8 @@ def summarize(run: LoadRun) -> dict[str, object]:
         "latency_s": summary((o.latency_s for o in served if not o.stream), (0.5, 0.99), ndigits=4),
         "health": health,
         "health_idle": _health(run.idle_probes),
+        "health_port": _health(run.port_probes),
+        "admission": _admission(run.admission_s, len(outcomes)),
         "rss_mib": memory,
         "cpu_percent": run.cpu_percent,
         "post_load": {
@@ -110,6 +117,8 @@ def verdicts(figures: Mapping[str, object]) -> list[Verdict]:
             bool(health["probes"]) and health["failed"] == 0 and health["over_100ms"] == 0,
             f"{health['over_100ms']} of {health['probes']} over 100 ms or failed; p99 {health['p99_ms']} ms",
         ),
+        _p99_verdict("health_port_p99", "the health port's /health", figures.get("health_port")),
+        _p99_verdict("admission_p99", "admission decisions", figures.get("admission")),
         Verdict(
             "every_request_ended",
             "no request failed, and each one sent has exactly one outcome",
@@ -135,6 +144,28 @@ def verdicts(figures: Mapping[str, object]) -> list[Verdict]:
             "; ".join(str(a) for a in post["answers"]),
         ),
     ]
+
+
+def _p99_verdict(name: str, what: str, figures: object) -> Verdict:
+    """p99 <= 100 ms and nothing failed, of a `_health` or `_admission` figure (None: not measured)."""
+    f = figures if isinstance(figures, dict) else {}
+    p99, count = f.get("p99_ms"), int(f.get("probes", f.get("count", 0)) or 0)
+    ok = None if not count else f.get("failed", 0) == 0 and p99 is not None and p99 <= HEALTH_LIMIT_S * 1e3
+    detail = f"p99 {p99} ms of {count}; {f.get('over_100ms')} over 100 ms" if count else "not measured"
+    return Verdict(name, f"{what}: p99 <= 100 ms", ok, detail)
+
+
+def _admission(latencies: Sequence[float], sent: int) -> dict[str, object]:
+    """The admission latencies' figures: how many of the requests sent, p50 / p99 / max, over 100 ms."""
+    q = summary(latencies, (0.5, 0.99), ndigits=4)
+    return {
+        "count": len(latencies),
+        "of_sent": sent,
+        "p50_ms": _ms(q["p50"]),
+        "p99_ms": _ms(q["p99"]),
+        "max_ms": round(max(latencies) * 1e3, 1) if latencies else None,
+        "over_100ms": sum(s > HEALTH_LIMIT_S for s in latencies),
+    }
 
 
 def _same_answer(outcome: CompletionResult, baseline: CompletionResult) -> bool:
@@ -216,6 +247,8 @@ def rows(result: Mapping[str, object]) -> list[tuple[str, str]]:
             f"{idle.get('p50_ms')} / {idle.get('p99_ms')} / {idle.get('max_ms')} ms",
         ),
         ("/health probes over 100 ms or failed", f"{health['over_100ms']} of {health['probes']}"),
+        ("health port /health p50 / p99 / max (off the loop)", _quantiles(r.get("health_port"))),
+        ("admission decision p50 / p99 / max (door to Conductor)", _quantiles(r.get("admission"))),
         ("served throughput (load + drain)", f"{r['throughput_rps']} req/s; drain {r['drain_s']} s"),
         ("load generator lag (max)", f"{r['generator_lag_s']} s"),
     ]
@@ -230,6 +263,15 @@ def rows(result: Mapping[str, object]) -> list[tuple[str, str]]:
     assert isinstance(post, dict)
     out.append(("post-load check", "pass" if post["ok"] else f"FAIL: {post['answers']}"))
     return out
+
+
+def _quantiles(figures: object) -> str:
+    """ "p50 / p99 / max ms (over 100 ms of n)" of a `_health` / `_admission` figure ("-": none)."""
+    f = figures if isinstance(figures, dict) else {}
+    count = f.get("probes", f.get("count"))
+    if not count:
+        return "-"
+    return f"{f['p50_ms']} / {f['p99_ms']} / {f['max_ms']} ms ({f['over_100ms']} of {count} over 100 ms)"
 
 
 def _said(examples: object) -> str:

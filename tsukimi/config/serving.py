@@ -247,6 +247,9 @@ class RouterAppConfig:
     master / master_http: the store master, for the dashboard's store view ("" = none).
     shed_lag_ms: answer new completions 429 "overloaded" while the router's event loop lags
         more than this on average (0: never; tsukimi/serving/router/load_shedding.py).
+    health_port: a port of its own for /health and /metrics, answered by a process beside the
+        router from what its loop publishes, so that they answer under overload (0: none;
+        tsukimi/serving/router/health_port.py).
     """
 
     workers: str = ""
@@ -258,6 +261,7 @@ class RouterAppConfig:
     master: str = ""
     master_http: str = ""
     shed_lag_ms: float = 250.0
+    health_port: int = 0
     router: RouterConfig = field(default_factory=RouterConfig)
     conductor: ConductorConfig = field(default_factory=lambda: ROUTER_CONDUCTOR)
     vllm: VllmBackendConfig = field(default_factory=VllmBackendConfig)
@@ -269,6 +273,7 @@ class RouterAppConfig:
         )
         require(self.shed_lag_ms >= 0, f"shed_lag_ms must be >= 0 (0: never shed), got {self.shed_lag_ms}")
         _check_port(self.port, "port")
+        _check_port(self.health_port, "health_port")
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +314,10 @@ class ClusterWorkersConfig:
     cpp_groups: CPP prefill groups (mode "pd"; tsukimi/serving/cluster/cpp_plan.py) started beside
         the prefill workers, each of `cpp_stages` processes computing chunks of
         `cpp_chunk_tokens`; the router sends them the long greedy prompts.
+    nice: the engines' lower CPU priority (added to `tsukimi up`'s nice value, 0-19; 0 = the same):
+        on a host they share with the router, the router's loop gets the CPU first when it
+        needs it, so /health and admission answer under overload (the engines keep every
+        cycle it leaves; tsukimi/serving/cluster/supervisor.py).
     """
 
     prefill: int = 1
@@ -318,6 +327,7 @@ class ClusterWorkersConfig:
     cpp_groups: int = 0
     cpp_stages: int = 2
     cpp_chunk_tokens: int = 512
+    nice: int = 10
     worker: WorkerConfig = field(default_factory=WorkerConfig, metadata={INLINE_KEYS: SHARED_WORKER_KEYS})
 
     def __post_init__(self) -> None:
@@ -327,17 +337,21 @@ class ClusterWorkersConfig:
             self.cpp_stages >= 1 and self.cpp_chunk_tokens >= 1, "workers.cpp_stages and cpp_chunk_tokens must be >= 1"
         )
         _check_port(self.base_port, "workers.base_port")
+        require(0 <= self.nice <= 19, f"workers.nice must be within 0..19, got {self.nice}")
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterRouterConfig:
-    """Where the OpenAI API listens; served_model_name "" = the model spec."""
+    """Where the OpenAI API listens; served_model_name "" = the model spec; health_port: the
+    router's /health and /metrics off its loop (`RouterAppConfig.health_port`; 0: none)."""
 
     port: int = 8000
     served_model_name: str = ""
+    health_port: int = 0
 
     def __post_init__(self) -> None:
         _check_port(self.port, "router.port")
+        _check_port(self.health_port, "router.health_port")
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,10 @@ them in groups, waits for their health, restarts one that dies, and stops them a
 
     start_group(specs) -> each child: `python -m tsukimi.cli ARGS` (another command: under
                           `python -m tsukimi.lifeline`), a session of its own,
-                          LOG_DIR/NAME.log, and the read end of a lifeline (tsukimi/lifeline.py):
-                          when this process dies, even by SIGKILL, the children stop themselves
+                          LOG_DIR/NAME.log, its spec's nice value (the engines': a lower CPU
+                          priority than the router's), and the read end of a lifeline
+                          (tsukimi/lifeline.py): when this process dies, even by SIGKILL, the
+                          children stop themselves
     tend()             -> a child that exited is started again after a backoff (`ClusterRestartConfig`:
                           initial_backoff_s, doubling up to max_backoff_s); more than
                           max_restarts within window_s is a crash loop: PeerError (the cluster
@@ -107,6 +109,11 @@ class Supervisor:
                 start_new_session=True,
                 pass_fds=self._lifeline.pass_fds,
             )
+        if spec.nice:
+            # NOTE: at once, before the interpreter it starts can spawn a thread (Linux keeps a
+            # nice value per thread; new threads inherit their creator's). Raising it is never
+            # refused, and `preexec_fn` is unsafe beside this process's threads.
+            os.setpriority(os.PRIO_PROCESS, proc.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + spec.nice))
         logger.info("started %s (pid %d): %s", spec.name, proc.pid, " ".join(spec.args))
         return proc, log
 

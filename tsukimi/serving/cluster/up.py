@@ -8,7 +8,11 @@
         -> tsukimi router     (the OpenAI-compatible API, 127.0.0.1:8000 by default)
 
 Each group starts once the previous one answers GET /health with {"status": "ok"} (the router
-says "ok" once it reaches every worker). Children run in sessions of their own, log to
+says "ok" once it reaches every worker). The engines (workers, CPP stages) run at a lower CPU
+priority than the router, master and metadata server (`workers.nice`, default 10): on a host
+where they share the cores, the router's event loop runs as soon as it has work, so /health and
+admission answer under overload (`tsukimi bench serve --workload overload`), while the engines
+keep every cycle the router leaves. Children run in sessions of their own, log to
 LOG_DIR/NAME.log, and are supervised (tsukimi/serving/cluster/supervisor.py): one that dies is started
 again after a backoff (`[restart]`, a `ClusterRestartConfig`; a crash loop stops the cluster);
 on Ctrl-C or SIGTERM, and when startup fails or times out, every process started gets SIGTERM
@@ -27,10 +31,12 @@ settings `[workers]` gives them all (a `WorkerConfig`) with its own name, role, 
     decode = 1
     colocated = 1       # used in mode "colocated"
     cpp_groups = 0      # CPP prefill groups (mode "pd"), of cpp_stages processes each
+    nice = 10           # added to the engines' nice value (0: the router's priority)
     num_blocks = 512
     segment_bytes = 268435456
     [router]
     port = 8000
+    health_port = 0     # /health and /metrics off the router's loop, on this port (0: none)
     [restart]
     max_restarts = 5    # within window_s = 300; backoff 0.5 s doubling up to max_backoff_s = 10
     [master]
@@ -118,7 +124,7 @@ def plan(
         )
         workers.append(ProcessSpec(name, role, worker_args(worker), f"http://{url_host}:{worker_port}"))
     workers += group_processes(config, master, lambda j: w.base_port + len(roles) + j if w.base_port else pick())
-    groups.append(workers)
+    groups.append([dataclasses.replace(spec, nice=w.nice) for spec in workers])
     listed = ",".join(f"{s.name}={s.role}@{s.url}" for s in workers if s.role in ROLES)
     router_port = config.router.port or pick()
     args = (
@@ -136,6 +142,7 @@ def plan(
         "--served-model-name",
         config.router.served_model_name or config.model,
         *(("--master", master, "--master-http", master_http) if master else ()),
+        *((f"--set=health_port={config.router.health_port}",) if config.router.health_port else ()),
     )
     groups.append([ProcessSpec("router", "router", args, f"http://{url_host}:{router_port}")])
     return groups

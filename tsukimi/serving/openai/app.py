@@ -93,6 +93,8 @@ class ApiMetrics:
         self.requests = counter("requests", "Requests by endpoint and outcome", "endpoint", "outcome")
         self.rejections = counter("rejections", "Requests the Conductor rejected, by reason", "reason")
         self.ttft, self.tbt = histogram("ttft", "Time to first token"), histogram("tbt", "Time between tokens")
+        # NOTE: observed by the router's door (tsukimi/serving/router/arrivals.py)
+        self.admission = histogram("admission", "Time from a request's arrival to its admission decision")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens")
         self.completion_tokens = counter("completion_tokens", "Generated tokens")
         self.cached_tokens = counter("cached_prompt_tokens", "Prompt tokens whose KV was reused")

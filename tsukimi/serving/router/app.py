@@ -12,13 +12,25 @@ router.
                         (master, master_http)
                     --> load shedding (shed_lag_ms; a shed request is logged as rejected
                         "overloaded" and counted in the rejections metric)
+                    --> the arrival stamp, outermost (arrivals.py: each request's admission
+                        latency, into its decision record and the admission metric)
+                    --> the health port (health_port > 0: /health and /metrics answered by a
+                        process beside the router, from what its loop publishes; health_port.py)
 
-The app's lifespan starts and closes the router, the dashboard and the shedder's lag probe.
+The app's lifespan starts and closes the router, the dashboard, the shedder's lag probe and the
+health port; once they run, it freezes the heap the start-up made (`gc.freeze()`: the modules,
+the tokenizer) out of the garbage collector's way. NOTE: a full collection traverses every
+tracked object while it holds the GIL: with the start-up heap in it, one took 0.36-0.53 s under
+overload (`tsukimi bench serve --workload overload`), stalling the loop and the health port's
+threads alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import gc
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
@@ -31,11 +43,15 @@ from tsukimi.serving.dashboard import app as dashboard
 from tsukimi.serving.dashboard.store_probe import StoreProbe
 from tsukimi.serving.openai.app import OpenAIServer, create_app
 from tsukimi.serving.openai.validation import model_context_tokens
-from tsukimi.serving.router import load_shedding
+from tsukimi.serving.router import health_port, lifespan, load_shedding
+from tsukimi.serving.router.arrivals import ArrivalStamp
 from tsukimi.serving.router.backend import RouterBackend
+from tsukimi.serving.router.health_port import HealthPort
 from tsukimi.serving.router.router import Router
 from tsukimi.serving.router.worker_client import WorkerClient
 from tsukimi.serving.router.workers import WorkerSpec, parse_workers
+
+logger = logging.getLogger(__name__)
 
 BackendFactory = Callable[[RouterAppConfig, Sequence[WorkerSpec], Clock], RouterBackend]
 """Builds a kind of backend from the config, over the declared workers, on the router's clock.
@@ -84,8 +100,28 @@ def build_router_app(
     app = create_app(router, tokens, name, max_context_tokens=context, defaults=defaults)
     secret = SecurityConfig().secret()  # NOTE: the workers' and the master's secret (docs/security.md)
     dashboard.mount(app, StoreProbe(config.master, config.master_http, secret))
-    load_shedding.install(app, config.shed_lag_ms / 1000, _log_shed(app.state.server))
+    server: OpenAIServer = app.state.server
+    lag = load_shedding.install(app, config.shed_lag_ms / 1000, _log_shed(server))
+    admission = server.metrics.admission.observe
+    app.add_middleware(ArrivalStamp, decisions=router.decisions, clock=clock, on_admission=admission)
+    lifespan.add(app, _frozen_start_up_heap)
+    if config.health_port:
+        port = app.state.health_port = HealthPort(server, lag, config.host, config.health_port)
+        lifespan.add(app, lambda: health_port.serving(port))
     return app
+
+
+@asynccontextmanager
+async def _frozen_start_up_heap() -> AsyncIterator[None]:
+    """Moves every object alive now to the collector's permanent generation while the app
+    serves (see the module), and back when it stops (an app served in a test's process)."""
+    gc.collect()
+    gc.freeze()
+    logger.info("%d start-up objects frozen out of the garbage collector's way", gc.get_freeze_count())
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _log_shed(server: OpenAIServer) -> load_shedding.OnShed:

@@ -2,6 +2,7 @@
 (its `X-Request-Id`, else the id the router gave it), served at `GET /decisions` and shown on
 the dashboard. The router's diagnostics live here, not in the OpenAI response body.
 
+    the door           arrived_s            when the request reached the router (arrivals.py)
     arrival            open(...)            mode, prompt size, arrival time
     Conductor          placed(...)          accepted / rejected (reason, message), queued, the
                                             predicted TTFT at arrival, the prefill and decode
@@ -51,7 +52,10 @@ class DecisionRecord(msgspec.Struct):
     request really reused, of it loaded from the pool (None until its first token).
     conductor_id: the Conductor's integer id of the request (None: no Conductor). seq: the
     record's number, in arrival order. decode_wait_s: how long it waited, prefilled, for a place
-    in its decode worker's batch (None: it did not wait there).
+    in its decode worker's batch (None: it did not wait there). arrived_s: the router's clock
+    when the request reached the router's door, its body not yet read
+    (tsukimi/serving/router/arrivals.py; None: not known yet): `time_s - arrived_s` is how long
+    its admission decision took.
     """
 
     request_id: str
@@ -73,6 +77,7 @@ class DecisionRecord(msgspec.Struct):
     conductor_id: int | None = None
     seq: int = 0
     decode_wait_s: float | None = None
+    arrived_s: float | None = None
 
     def placed(self, decision: Decision) -> None:
         """Takes a Conductor decision: the arrival's (or, once queued, its release's) placement,

@@ -25,7 +25,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -33,6 +33,7 @@ from fastapi import FastAPI
 
 from tsukimi.errors import Rejected
 from tsukimi.serving.openai.protocol import REQUEST_ID_HEADER, error_body
+from tsukimi.serving.router import lifespan
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
 OnShed = Callable[[str, Rejected], None]  # (the request's id, its rejection): metrics, the decision log
-_ID_HEADER = REQUEST_ID_HEADER.lower().encode()
+ID_HEADER_KEY = REQUEST_ID_HEADER.lower().encode()  # X-Request-Id as ASGI names it
 
 
 def _ignore(request_id: str, rejection: Rejected) -> None:
@@ -90,7 +91,7 @@ class Shedder:
         if not (lagging and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in SHED_PATHS):
             await self.app(scope, receive, send)
             return
-        given = next((v for k, v in scope["headers"] if k == _ID_HEADER), b"")
+        given = next((v for k, v in scope["headers"] if k == ID_HEADER_KEY), b"")
         request_id = given.decode("latin-1") or uuid.uuid4().hex
         detail = f"the router is {self.lag.mean_s:.2f} s behind (over {self.threshold_s} s); retry in 1 s"
         rejection = Rejected("overloaded", detail)
@@ -99,7 +100,7 @@ class Shedder:
         headers = [
             (b"content-type", b"application/json"),
             (b"retry-after", b"1"),
-            (_ID_HEADER, request_id.encode("latin-1")),
+            (ID_HEADER_KEY, request_id.encode("latin-1")),
         ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": msgspec.json.encode(body)})
@@ -111,19 +112,16 @@ def install(app: FastAPI, threshold_s: float = DEFAULT_THRESHOLD_S, on_shed: OnS
     measured: `app.state.loop_lag`)."""
     lag = app.state.loop_lag = LoopLag()
     app.add_middleware(Shedder, lag=lag, threshold_s=threshold_s, on_shed=on_shed)
-    inner = app.router.lifespan_context
 
     @asynccontextmanager
-    async def lifespan(a: FastAPI) -> AsyncIterator[None]:
-        context: AbstractAsyncContextManager[None] = inner(a)  # type: ignore[assignment]
-        async with context:
-            task = asyncio.create_task(lag.run(), name="router-loop-lag")
-            try:
-                yield
-            finally:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+    async def sampling() -> AsyncIterator[None]:
+        task = asyncio.create_task(lag.run(), name="router-loop-lag")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
-    app.router.lifespan_context = lifespan
+    lifespan.add(app, sampling)
     return lag
