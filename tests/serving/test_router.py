@@ -311,15 +311,15 @@ def test_a_burst_whose_decode_batch_breaks_the_tbt_slo_waits_and_is_served_whole
     assert {r for r in rejecting if isinstance(r, str)} and [110, 111, 112, 113] in rejecting
 
 
-def test_the_start_up_probe_seeds_the_per_request_ttft_term(workers: list[FakeWorker]) -> None:
+def test_the_start_up_probe_seeds_the_per_job_prefill_term(workers: list[FakeWorker]) -> None:
     cost = {"prefill_coef": [1e-5, 1e-7, 0.0], "decode_coef": [1e-3, 0.0, 0.0], "kv_bytes_per_token": 64}
     workers += [FakeWorker("p0", "prefill", cost=cost), FakeWorker("d0", "decode", cost=cost)]
     router = Router([w.spec for w in workers], dataclasses.replace(FAST, overhead_probe=True), ROUTER_CONDUCTOR)
 
     async def body(router: Router) -> float:
         await router.start()
-        assert router.conductor is not None and router.conductor.overhead is not None
-        return router.conductor.overhead.prior_s
+        assert router.conductor is not None and router.conductor.service is not None
+        return router.conductor.service.prior_s
 
     prior = run_with(router, body)
     [probe] = workers[0].calls

@@ -172,7 +172,11 @@ class RouterConfig:
     overhead_probe: in pd mode, at start-up one short prompt (a block, one token) through a
         prefill worker measures what a request spends outside the engine steps the cost model
         prices (hops, the pool publish): the Conductor's per-request TTFT term until the
-        requests' own first tokens teach it (tsukimi/scheduler/ttft_overhead.py).
+        prefills' own ends teach it (tsukimi/scheduler/service_term.py).
+    prefill_concurrency: with the Conductor in pd mode, at most this many prompts in flight to
+        each prefill worker, sent in the order they were booked (0: no limit): the Conductor
+        prices a prefill queue served in order, which a worker handed a whole burst at once does
+        not keep.
     """
 
     mode: Literal["auto", "colocated", "pd"] = "auto"
@@ -187,6 +191,7 @@ class RouterConfig:
     cost_model: CostModelSource = "workers"
     cost: LinearCostConfig = field(default_factory=LinearCostConfig)
     overhead_probe: bool = True
+    prefill_concurrency: int = 2
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "colocated", "pd") or self.policy not in POLICY_NAMES:

@@ -66,7 +66,7 @@ from tsukimi.scheduler.decisions import Decision, ScheduleRequest, SourceLoad
 from tsukimi.scheduler.load_prediction import DecodeLoad, DecodeStagePredictor
 from tsukimi.scheduler.placement import DecodeForecast, best_decode, cached_tokens, fetch_bandwidth_bytes_s, no_load
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
-from tsukimi.scheduler.ttft_overhead import TtftOverhead
+from tsukimi.scheduler.service_term import ServiceTerm
 
 __all__ = ["WAITING_MODES", "Conductor", "Decision", "ScheduleRequest", "SourceLoad", "fetch_bandwidth_bytes_s"]
 
@@ -81,6 +81,8 @@ class _PrefillLoad:
     free_at: float = 0.0  # when its queue drains, by the estimates corrected by `shift`
     shift: float = 0.0  # how much later than booked the queue runs (the last finished job's error)
     jobs: dict[int, float] = field(default_factory=dict)  # request id -> end as booked (never shifted)
+    started: dict[int, tuple[float, float]] = field(default_factory=dict)  # id -> (booked at, engine-time work)
+    last_done: float = float("-inf")  # when its last job finished
 
 
 class Conductor:
@@ -125,10 +127,10 @@ class Conductor:
         self._ssd = {name: location(name, "ssd") for name in self._prefill}
         self._requests: dict[int, tuple[str, str, int]] = {}  # id -> (prefill, decode, input tokens)
         self._arrived: dict[int, float] = {}  # id -> when it arrived (booked requests)
-        self._expected_first: dict[int, float] = {}  # id -> when its first token is due, engine time only
-        # NOTE: the per-request TTFT term, learned from `first_token`; None (the simulator's):
-        # its instances spend nothing outside the cost model's steps
-        self.overhead: TtftOverhead | None = None
+        # NOTE: the per-job term a prefill instance serves a prompt with beyond its engine time
+        # (serialized: it delays the jobs queued behind), learned at each prefill's end; None
+        # (the simulator's): its instances spend nothing outside the cost model's steps
+        self.service: ServiceTerm | None = None
         self._stages = DecodeStagePredictor(config.decode_estimate_s or 1.0)
         self._kv = KvLedger(self._decode, self._stages, cost)
         self._released: list[Decision] = []
@@ -240,20 +242,12 @@ class Conductor:
         """The request left its decode instance (mutates the load and the estimates)."""
         _, decode, _ = self._requests.pop(request_id)
         self._arrived.pop(request_id, None)
-        self._expected_first.pop(request_id, None)
         joined, tokens = self._decode[decode].active.pop(request_id)
         self._decode[decode].active_tokens -= tokens
         self._kv.reserved.pop(request_id, None)
         self._stages.observe(now - joined)
         self._output_sum += output_tokens
         self._output_n += 1
-
-    def first_token(self, request_id: int, now: float) -> None:
-        """The caller got `request_id`'s first token now: with `overhead` set, how late it
-        came against the engine-time prediction teaches the per-request TTFT term (mutates)."""
-        expected = self._expected_first.pop(request_id, None)
-        if expected is not None and self.overhead is not None:
-            self.overhead.observe(now, now - expected)
 
     def prefill_queue_s(self, name: str, now: float) -> float:
         """The estimated wait before a new job would start on prefill instance `name`."""
@@ -352,7 +346,7 @@ class Conductor:
                 return self._reject(best, "tbt_slo", why)
         start = max(release_s, now + best.queue_s, self._kv.prefill_end_s(best.prefill))
         end = start + best.prefill_s + best.transfer_s
-        wait, ttft = release_s - now, end - now + best.overhead_s
+        wait, ttft = release_s - now, end - now
         why = f"predicted TTFT {ttft:.2f} s (waiting {wait:.2f} s for {waiting_for} on {plan.decode}) "
         if ttft > slo:
             return self._reject(_replace(best, ttft_s=ttft, wait_s=wait), "ttft_slo", f"{why}> the TTFT SLO {slo:g} s")
@@ -455,6 +449,10 @@ class Conductor:
         self.counters["released_at_decode"] += 1
         return True
 
+    def _service_s(self, now: float) -> float:
+        """The learned per-job term of a prefill instance's service (0: none learned)."""
+        return self.service.estimate_s(now) if self.service is not None else 0.0
+
     def _tbt_now_s(self, decode: str, input_tokens: int, now: float) -> float:
         """The TBT of `decode`'s batch now with a request of `input_tokens` added (pure)."""
         mean_out = self._output_sum / self._output_n if self._output_n else _INITIAL_OUTPUT_TOKENS
@@ -475,7 +473,6 @@ class Conductor:
         """Forgets a request wherever it is booked (nothing observed; mutates)."""
         _, decode, _ = self._requests.pop(request_id)
         self._arrived.pop(request_id, None)
-        self._expected_first.pop(request_id, None)
         for load in self._decode.values():
             load.incoming.pop(request_id, None)
         active = self._decode[decode].active.pop(request_id, None)
@@ -498,7 +495,7 @@ class Conductor:
         ranked = sorted(matches.items(), key=lambda i: (-i[1], busy(i[0]), i[0]))[:3] if cfg.reuse == "global" else []
         cost, block, chunk = self.cost, cfg.block_tokens, cfg.prefill_chunk_tokens
         tokens = request.input_tokens
-        extra = self.overhead.estimate_s(now) if self.overhead is not None else 0.0
+        service = self._service_s(now)
         best: Decision | None = None
         prefill_s: dict[tuple[int, CppGroup | None], float] = {}  # instances share most estimates
 
@@ -506,9 +503,9 @@ class Conductor:
             key, new = (cached, group), tokens - cached
             if key not in prefill_s:
                 if group is None:
-                    prefill_s[key] = chunked_prefill_s(cost, new, cached, chunk)
+                    prefill_s[key] = chunked_prefill_s(cost, new, cached, chunk) + service
                 else:
-                    prefill_s[key] = group.prefill_s(cost, new, cached, chunk)
+                    prefill_s[key] = group.prefill_s(cost, new, cached, chunk) + service
             return prefill_s[key]
 
         for name, load in self._prefill.items():
@@ -534,7 +531,7 @@ class Conductor:
                 fetched_s = compute_s(fetched, group)
                 if transfer_s + fetched_s < option[0] + option[1]:
                     option = (fetched_s, transfer_s, source, held - local, fetched)
-            ttft_s = queue_s + option[0] + option[1] + extra
+            ttft_s = queue_s + option[0] + option[1]
             if best is None or ttft_s < best.ttft_s:
                 fetch_from, fetch_blocks = option[2], option[3]
                 best = Decision(
@@ -549,7 +546,6 @@ class Conductor:
                     prefill_s=option[0],
                     transfer_s=option[1],
                     ttft_s=ttft_s,
-                    overhead_s=extra,
                 )
         assert best is not None
         return best
@@ -572,13 +568,14 @@ class Conductor:
     ) -> None:
         assert decision.prefill is not None and decision.decode is not None
         self._arrived[request.request_id] = now if arrived < 0 else arrived
-        self._expected_first[request.request_id] = now + decision.ttft_s - decision.overhead_s
         if reserve_tokens:
             self._kv.reserved[request.request_id] = reserve_tokens
         load = self._prefill[decision.prefill]
         start = max(load.free_at, now)
         load.free_at = start + decision.prefill_s + decision.transfer_s
         load.jobs[request.request_id] = load.free_at - load.shift
+        engine_s = decision.prefill_s + decision.transfer_s - self._service_s(now)
+        load.started[request.request_id] = (now, engine_s)
         self._decode[decision.decode].incoming[request.request_id] = (now + decision.ttft_s, request.input_tokens)
         self._requests[request.request_id] = (decision.prefill, decision.decode, request.input_tokens)
 
@@ -586,6 +583,10 @@ class Conductor:
         load = self._prefill[name]
         if request_id not in load.jobs:  # NOTE: done before (it waited at decode since)
             return
+        booked_at, engine_s = load.started.pop(request_id)
+        if self.service is not None:  # NOTE: one job at a time: it began when booked or when the last ended
+            self.service.observe(now, now - max(booked_at, load.last_done) - engine_s)
+        load.last_done = now
         booked_end = load.jobs.pop(request_id)
         if not load.jobs:
             load.free_at, load.shift = now, 0.0

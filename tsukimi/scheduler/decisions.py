@@ -31,8 +31,8 @@ class Decision:
     queued: it waits for KV memory (`kv_wait`): placed later, by `Conductor.release`, whose
     decision has `queued` too and `wait_s` the time it waited; ttft_s counts the wait.
     message: why it was rejected or queued, in words (e.g. the predicted TTFT vs the SLO).
-    overhead_s: the per-request term in ttft_s (time outside engine steps, learned:
-    tsukimi/scheduler/ttft_overhead.py).
+    prefill_s includes the prefill instance's learned per-job term (time outside engine steps:
+    tsukimi/scheduler/service_term.py).
     """
 
     request_id: int
@@ -52,7 +52,6 @@ class Decision:
     queued: bool = False
     wait_s: float = 0.0
     message: str = ""
-    overhead_s: float = 0.0
 
 
 class SourceLoad(Protocol):

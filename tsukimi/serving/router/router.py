@@ -58,7 +58,7 @@ from tsukimi.scheduler.block_hash import BlockHash
 from tsukimi.scheduler.conductor import Conductor, Decision, ScheduleRequest
 from tsukimi.scheduler.index_sync import EventStats
 from tsukimi.scheduler.prefix_index import PrefixIndex, location
-from tsukimi.scheduler.ttft_overhead import TtftOverhead
+from tsukimi.scheduler.service_term import ServiceTerm
 from tsukimi.serving.protocol import FinishReason, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
 from tsukimi.serving.router.backend import Handover, RouterBackend, Stage, StageChunk, WeightUpdates
 from tsukimi.serving.router.cpp_groups import conductor_groups, excluded
@@ -158,6 +158,7 @@ class Router:
         self._lock = asyncio.Lock()
         self._ids = itertools.count()
         self._running_prefills: dict[str, dict[int, list[BlockHash]]] = {}  # worker -> rid -> its block keys
+        self._dispatches: dict[str, asyncio.Semaphore] = {}  # prefill worker -> its prompts in flight
         self.decisions = DecisionLog()  # every request's placement, by the client's id
         self._waits = ReleaseWaits(self.clock)  # requests queued for decode KV memory
         self._running: set[str] = set()  # the client ids of the requests in flight
@@ -304,7 +305,6 @@ class Router:
                 async with contextlib.aclosing(self._events(worker, request, "whole")) as events:
                     async for event in events:
                         if booked:  # NOTE: the Conductor books a colocated worker until its first token
-                            self._first_token(rid)
                             self._free_prefill(rid)
                             booked = False
                         started = True
@@ -327,7 +327,6 @@ class Router:
         arrived_s, keys = self.clock.now(), self._keys(request)
         prefilled = await self._place_and_prefill(rid, request, keys, record)
         first = prefilled.event
-        self._first_token(rid)
         if first.finish_reason == "stop" or len(first.token_ids) >= request.max_tokens:
             if conductor is not None:
                 self._free_prefill(rid)
@@ -386,7 +385,8 @@ class Router:
             )
             running[rid] = keys
             try:
-                return await self._prefill(prefill, request)
+                async with self._dispatch(name):
+                    return await self._prefill(prefill, request)
             except WorkerUnavailable as exc:
                 self._free_prefill(rid)
                 prefill.healthy, tried[name] = False, exc
@@ -423,6 +423,17 @@ class Router:
                 raise WorkerUnavailable("no decode worker is reachable: all are marked down")
             raise Rejected("rejected_at_decode", name.message if name is not None else "")  # the counter's name
         return self._workers[name]
+
+    def _dispatch(self, name: str) -> contextlib.AbstractAsyncContextManager[object]:
+        """`router.prefill_concurrency`: at most that many prompts in flight to prefill worker
+        `name`, sent in the order the Conductor booked them (a FIFO wait here). The Conductor
+        prices its queue as served in that order; a worker handed the whole burst at once
+        serves it in the order its HTTP requests happen to land, and its first-booked request
+        may come last (0: no limit)."""
+        limit = self.config.prefill_concurrency
+        if not limit or self.conductor is None:
+            return contextlib.nullcontext()
+        return self._dispatches.setdefault(name, asyncio.Semaphore(limit))
 
     async def _prefill(self, worker: WorkerHandle, request: GenerateRequest) -> _Prefilled:
         """Runs the prefill stage (one token) to its end: one event with all its tokens, and
@@ -508,9 +519,9 @@ class Router:
     async def _probe_overhead(self) -> None:
         """`router.overhead_probe`: one block's prompt, one token, through the prefill worker the
         Conductor picks; how late its first token came against the engine-time prediction is
-        the per-request TTFT term's prior (a failed probe leaves it at 0, with a warning)."""
+        the prior of the per-job prefill term (a failed probe leaves it at 0, with a warning)."""
         conductor = self.conductor
-        if conductor is None or conductor.overhead is None or self.mode != "pd" or not self.config.overhead_probe:
+        if conductor is None or conductor.service is None or self.mode != "pd" or not self.config.overhead_probe:
             return
         rid, start = next(self._ids), self.clock.now()
         request = GenerateRequest(f"tsukimi-overhead-probe-{rid}", tuple(range(1, self.block_tokens + 1)), 1)
@@ -523,18 +534,16 @@ class Router:
         try:
             async with asyncio.timeout(self.config.read_timeout_s):
                 await self._prefill(self._workers[decision.prefill], request)
-            late = self.clock.now() - (start + decision.ttft_s - decision.overhead_s)
-            conductor.overhead.prior_s = min(conductor.overhead.cap_s, max(0.0, late))
+            late = self.clock.now() - (start + decision.ttft_s)
+            # NOTE: one probe cannot tell how much of it a prefill worker spends serially: all of
+            # it is taken as serial (it then delays the queue too), the safe side for the SLO;
+            # the probe's own end is the term's first error as well (it expires, the prior stays)
+            conductor.service.prior_s = min(conductor.service.cap_s, max(0.0, late))
             logger.info("a request spends %.3f s outside engine steps (the start-up probe)", late)
         except (TsukimiError, TimeoutError) as exc:
             logger.warning("the start-up probe of the per-request TTFT term failed: %s", exc)
         finally:
             conductor.finished_at_prefill(rid, self.clock.now())
-
-    def _first_token(self, rid: int) -> None:
-        """The request's first token is here: the Conductor learns its TTFT's per-request term."""
-        if self.conductor is not None:
-            self.conductor.first_token(rid, self.clock.now())
 
     def _free_prefill(self, rid: int) -> None:
         """The Conductor's booking of `rid` ends at its prefill (mutates)."""
@@ -614,7 +623,7 @@ class Router:
         conductor = Conductor(
             config, cost, self.index, names[roles[0]], names[roles[1]], capacity, self.backend.tier, groups=groups
         )
-        conductor.overhead = TtftOverhead()  # NOTE: learned from each request's first token (first_token)
+        conductor.service = ServiceTerm()  # NOTE: learned from each prefill's end (its first token)
         return conductor
 
 
