@@ -6,8 +6,11 @@ The JSON-lines protocol: the parent writes one JSON command per line on the chil
 reads one JSON reply per line; a reply is `{"ok": true, ...}` or `{"ok": false, "error": "..."}`.
 Every read has a deadline; stderr goes to a temporary file whose tail is quoted in errors;
 `stop()` closes stdin (the child's signal to exit), then kills, each wait bounded. The child
-imports tsukimi as this environment does (installed, or $PYTHONPATH), with the caller's
-`pythonpath` entries first (tests pass their checkout, so children run the code under test).
+imports the tsukimi its parent imported: the caller's `pythonpath` entries first (tests pass
+their checkout, so children run the code under test), then the parent's checkout, then
+$PYTHONPATH, and PYTHONSAFEPATH=1: `python -m` would otherwise put the working directory ahead
+of them all, and a bench run from one checkout with another on PYTHONPATH measured the working
+directory's code in its children (docs/benchmarks.md, issue 27).
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ class WorkerError(RuntimeError):
     """A worker process failed, hung or exited; the message quotes its stderr tail."""
 
 
+_CHECKOUT = Path(__file__).resolve().parents[2]  # the directory holding this tsukimi package
+
+
 class JsonWorker:
     """Parent-side handle on one `python -m ...` child speaking JSON lines.
 
@@ -103,8 +109,8 @@ class JsonWorker:
         self.label = label
         self._clock = WallClock()
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
-        full_env = {**os.environ, **(env or {})}
-        entries = [*map(str, pythonpath), full_env.get("PYTHONPATH", "")]
+        full_env = {"PYTHONSAFEPATH": "1", **os.environ, **(env or {})}
+        entries = [*map(str, pythonpath), str(_CHECKOUT), full_env.get("PYTHONPATH", "")]
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in entries if p)
         self._proc = subprocess.Popen(
             [*wrapper, sys.executable, "-m", *module_args],
