@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from itertools import count
 from pathlib import Path
 
@@ -34,6 +35,9 @@ def test_colocated_plan(tmp_path: Path) -> None:
     v0, v1 = groups[0]
     assert [dict(v.env)["VLLM_CPU_OMP_THREADS_BIND"] for v in (v0, v1)] == ["0", "1"]
     assert dict(v0.env)["VLLM_CPU_KVCACHE_SPACE"] == "1" and v0.health == "http"
+    # NOTE: what vLLM leaves in $TMPDIR goes to the cluster's folder; its AOT cache cannot load on this torch
+    assert dict(v0.env)["TMPDIR"] == str(tmp_path.resolve())
+    assert dict(v0.env)["VLLM_USE_AOT_COMPILE"] == os.environ.get("VLLM_USE_AOT_COMPILE", "0")
     assert (_flag(v0.argv, "--dtype"), _flag(v0.argv, "--model")) == ("float32", str(tmp_path / "models" / "tiny"))
     events = json.loads(_flag(v0.argv, "--kv-events-config"))
     assert events["endpoint"] == f"ipc://{tmp_path.resolve()}/vllm-0-events" and events["publisher"] == "zmq"

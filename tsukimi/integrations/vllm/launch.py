@@ -8,6 +8,7 @@ a connector needs one, and `tsukimi router --backend vllm` in front, supervised 
                       --dtype float32 --kv-events-config {zmq publisher on a free port + replay}
                       [--kv-transfer-config TsukimiConnector | MooncakeStoreConnector]
                       env VLLM_CPU_OMP_THREADS_BIND=<its core> VLLM_CPU_KVCACHE_SPACE=<GiB>
+                      TMPDIR=VLLM_RPC_BASE_PATH=<its work folder> VLLM_USE_AOT_COMPILE=0
     router          tsukimi router --backend vllm --model .models/MODEL --workers ... --kv-events ...
 
 Models are the folders `make vllm` builds under `.models/` (tiny, smollm2), or any Hugging
@@ -153,6 +154,10 @@ def vllm_process(
         "VLLM_CPU_KVCACHE_SPACE": f"{config.kv_cache_gib:g}",
         "VLLM_HOST_IP": h,
         "VLLM_RPC_BASE_PATH": str(workdir.resolve()),  # NOTE: its ipc sockets, else left in /tmp
+        "TMPDIR": str(workdir.resolve()),  # NOTE: its `vllm_dist_*` rendezvous files, else left in /tmp
+        # NOTE: vLLM 0.32 on torch 2.13 saves its AOT-compiled model but cannot load it back
+        # ("'function' object has no attribute 'finalize_loading'"): every start compiled again
+        "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0"),
         **MOONCAKE_ENV,
     }
     if config.connector == "mooncake_store":
