@@ -40,7 +40,7 @@ from pathlib import Path
 import msgspec
 
 from tsukimi.serving.openai.app import OpenAIServer
-from tsukimi.serving.router import health_sidecar
+from tsukimi.serving.router import health_sidecar, lifespan
 from tsukimi.serving.router.load_shedding import LoopLag
 from tsukimi.serving.router.workers import WorkerStatus
 
@@ -172,11 +172,8 @@ async def serving(port: HealthPort) -> AsyncIterator[None]:
     """Serves `port` and publishes its snapshots on the running loop while inside (the router
     app's lifespan: tsukimi/serving/router/app.py). Raises OSError as `HealthPort.start`."""
     await asyncio.to_thread(port.start)
-    task = asyncio.create_task(port.publish_forever(), name="router-health-publish")
     try:
-        yield
+        async with lifespan.running(port.publish_forever(), "router-health-publish"):
+            yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         port.close()

@@ -1,10 +1,13 @@
 """Parts of the router app's lifespan beyond the router's own: `add(app, part)` runs `part`
 inside the lifespan the app has so far (the router started before it, closed after it), e.g. the
-shedder's lag probe (load_shedding.py) and the health port (health_port.py)."""
+shedder's lag probe (load_shedding.py) and the health port (health_port.py); `running` keeps a
+background task alive for the span of a part."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import FastAPI
@@ -24,3 +27,15 @@ def add(app: FastAPI, part: Part) -> None:
             yield
 
     app.router.lifespan_context = lifespan
+
+
+@asynccontextmanager
+async def running(work: Coroutine[object, object, None], name: str) -> AsyncIterator[None]:
+    """Runs `work` as a task named `name` while inside; cancels it and waits for it on leaving."""
+    task = asyncio.create_task(work, name=name)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

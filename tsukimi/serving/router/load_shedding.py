@@ -19,13 +19,11 @@ buffering of streamed responses) in front of the app.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import msgspec
@@ -113,15 +111,5 @@ def install(app: FastAPI, threshold_s: float = DEFAULT_THRESHOLD_S, on_shed: OnS
     lag = app.state.loop_lag = LoopLag()
     app.add_middleware(Shedder, lag=lag, threshold_s=threshold_s, on_shed=on_shed)
 
-    @asynccontextmanager
-    async def sampling() -> AsyncIterator[None]:
-        task = asyncio.create_task(lag.run(), name="router-loop-lag")
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    lifespan.add(app, sampling)
+    lifespan.add(app, lambda: lifespan.running(lag.run(), "router-loop-lag"))
     return lag
