@@ -330,6 +330,32 @@ def test_the_start_up_probe_seeds_the_per_job_prefill_term(workers: list[FakeWor
     assert router.conductor is not None and router.conductor.prefill_queue_s("p0", router.clock.now()) == 0.0
 
 
+def test_a_prefill_worker_gets_at_most_two_prompts_at_a_time_in_booked_order(workers: list[FakeWorker]) -> None:
+    workers += [FakeWorker("p0", "prefill", delay_s=0.03), FakeWorker("d0", "decode")]
+    router = Router([w.spec for w in workers], FAST, NO_REJECTION)
+
+    async def body(router: Router) -> int:
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, router._workers["p0"].in_flight)
+                await asyncio.sleep(0.002)
+
+        await router.start()
+        watcher = asyncio.create_task(watch())
+        await asyncio.gather(*(collect(router, request(PROMPT, 2, f"o{i}"), f"order-{i}") for i in range(6)))
+        watcher.cancel()
+        return peak
+
+    assert run_with(router, body) == 2
+    # NOTE: each prompt reached the worker in the order the Conductor booked it
+    records = sorted(router.decisions.get([f"order-{i}" for i in range(6)]), key=lambda r: r.conductor_id or 0)
+    sent = [call["request_id"] for call in workers[0].calls]
+    assert sent == [f"o{r.request_id.removeprefix('order-')}" for r in records]
+
+
 def test_pd_closing_early_aborts_decode_and_frees_the_conductor(workers: list[FakeWorker]) -> None:
     router = pd_router(workers)
     workers[1].gated = True

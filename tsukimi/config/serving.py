@@ -173,8 +173,9 @@ class RouterConfig:
         prefill worker measures what a request spends outside the engine steps the cost model
         prices (hops, the pool publish): the Conductor's per-request TTFT term until the
         prefills' own ends teach it (tsukimi/scheduler/service_term.py).
-    prefill_concurrency: with the Conductor in pd mode, at most this many prompts in flight to
-        each prefill worker, sent in the order they were booked (0: no limit): the Conductor
+    prefill_concurrency: with the Conductor in pd mode over tsukimi workers, at most this many
+        prompts in flight to each prefill worker, sent in the order they were booked (0: no
+        limit; vLLM instances are never limited: they batch what they get): the Conductor
         prices a prefill queue served in order, which a worker handed a whole burst at once does
         not keep.
     """

@@ -429,9 +429,10 @@ class Router:
         `name`, sent in the order the Conductor booked them (a FIFO wait here). The Conductor
         prices its queue as served in that order; a worker handed the whole burst at once
         serves it in the order its HTTP requests happen to land, and its first-booked request
-        may come last (0: no limit)."""
+        may come last (0: no limit). NOTE: tsukimi workers only: a vLLM instance batches the
+        prompts it is given into its steps, which a limit here would starve."""
         limit = self.config.prefill_concurrency
-        if not limit or self.conductor is None:
+        if not limit or self.conductor is None or self.backend.kind != "tsukimi":
             return contextlib.nullcontext()
         return self._dispatches.setdefault(name, asyncio.Semaphore(limit))
 
