@@ -185,6 +185,7 @@ def serve_config(args: argparse.Namespace) -> ServeBenchConfig:
     """`tsukimi bench serve`'s config (not overload) from its arguments; `--quick` shrinks each
     workload (tsukimi/bench/serve.py). Pure."""
     from tsukimi.bench import serve
+    from tsukimi.bench.pool_workload import QUICK_POOL, PoolWorkload
     from tsukimi.bench.skewed import SkewedWorkload
 
     chat = serve.ChatWorkload(args.conversations, args.turns, args.prefix_tokens, rate=args.rate)
@@ -193,6 +194,16 @@ def serve_config(args: argparse.Namespace) -> ServeBenchConfig:
         chat = dataclasses.replace(serve.QUICK_CHAT, rate=args.rate)
         quick = serve.QUICK_SKEWED
         skewed = dataclasses.replace(skewed, requests=quick.requests, prefix_tokens=quick.prefix_tokens)
+    pool = PoolWorkload(
+        args.families,
+        args.turns,
+        trace_block_tokens=args.trace_block_tokens,
+        rate=args.rate,
+        cache_fraction=args.cache_fraction,
+        num_blocks=args.num_blocks,
+    )
+    if args.quick:
+        pool = dataclasses.replace(QUICK_POOL, cache_fraction=args.cache_fraction, num_blocks=args.num_blocks)
     return serve.ServeBenchConfig(
         args.url,
         args.model,
@@ -208,6 +219,7 @@ def serve_config(args: argparse.Namespace) -> ServeBenchConfig:
         args.prefill,
         args.compare_hot > 0,
         args.compare_hot,
+        pool,
     )
 
 
