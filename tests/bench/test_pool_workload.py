@@ -122,7 +122,7 @@ def test_the_pool_workload_runs_pd_with_the_pool_then_colocated_without() -> Non
     assert {'mode="pd"', "workers.num_blocks=300", "workers.prefill=2"} <= set(pool)
     assert {'mode="colocated"', "workers.num_blocks=300", "workers.colocated=3"} <= set(no_pool)
     figures = {"runs": {}, "pool_sizing": {}, "pool_ttft_p50_ratio": 0.4}
-    assert [(v.name, v.met) for v in verdicts(figures)][0] == ("pool_ttft_p50", True)
+    assert next((v.name, v.met) for v in verdicts(figures)) == ("pool_ttft_p50", True)
 
 
 def test_serve_flags_build_the_pool_workload_and_quick_shrinks_it() -> None:
