@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tsukimi.bench.commands import add_parser
-from tsukimi.bench.pool_serve import parse_sums, pool_counters, pool_settings, reuse_counters
+from tsukimi.bench.client import CompletionRequest, CompletionResult
+from tsukimi.bench.pool_serve import parse_sums, pool_counters, pool_settings, reuse_counters, turn_figures
 from tsukimi.bench.pool_workload import (
     QUICK_POOL,
     PoolRequest,
@@ -30,6 +31,7 @@ from tsukimi.bench.serve import ServeBenchConfig, ServeRun, planned_runs, run_po
 from tsukimi.bench.up_cluster import launch_up
 from tsukimi.errors import ConfigError
 from tsukimi.serving.cluster.launcher import LaunchedCluster
+from tsukimi.serving.router.decision_log import DecisionRecord
 from tsukimi.sim.commands import DEFAULT_TRACE
 from tsukimi.sim.trace import TraceRequest, load_trace
 
@@ -133,6 +135,20 @@ def test_serve_flags_build_the_pool_workload_and_quick_shrinks_it() -> None:
     assert full.pool == PoolWorkload(30, 3, trace_block_tokens=96, rate=3.0, cache_fraction=0.2)
     quick = serve_config(parser.parse_args(["bench", "serve", "--workload", "pool", "--quick", "--num-blocks", "40"]))
     assert quick.pool == dataclasses.replace(QUICK_POOL, num_blocks=40)
+
+
+def test_turn_figures_split_ttft_by_first_and_later_turns() -> None:
+    requests = [PoolRequest(0, 0, 0, (5, 6), 1), PoolRequest(1, 0, 1, (5, 6, 7), 1), PoolRequest(2, 1, 0, (8,), 1)]
+
+    def sent(prompt: tuple[int, ...], ttft_s: float) -> tuple[CompletionRequest, CompletionResult]:
+        return CompletionRequest(prompt, 1), CompletionResult("served", 200, "", True, ttft_s, token_times_s=(ttft_s,))
+
+    rejected = (CompletionRequest((9,), 1), CompletionResult("rejected", 429, "ttft_slo", True, 0.1))
+    records = [DecisionRecord("a", 0.0, "pd", 2, queued=True), None, DecisionRecord("b", 0.0, "pd", 3)]
+    figures = turn_figures([sent((5, 6), 2.0), sent((5, 6, 7), 0.5), sent((8,), 4.0), rejected], records, requests)
+    assert figures["ttft_first_turns_s"] == {"p50": 2.0, "p90": 4.0, "p99": 4.0}  # nearest rank
+    assert figures["ttft_later_turns_s"] == {"p50": 0.5, "p90": 0.5, "p99": 0.5}
+    assert figures["queued_before_prefill"] == 1
 
 
 def test_parse_sums_adds_every_label_and_the_counters_total() -> None:

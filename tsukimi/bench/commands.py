@@ -193,7 +193,9 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
         "--cache-fraction", type=float, default=0.25, help="pool: each worker's KV cache, a share of the working set"
     )
     sv.add_argument("--prefix-tokens", type=int, default=2000)
-    sv.add_argument("--rate", type=float, default=2.0, help="chat: first turns per second; skewed, pool: requests/s")
+    sv.add_argument(
+        "--rate", type=float, default=None, help="chat: first turns per second (2); skewed, pool: requests/s (2, 1)"
+    )
     sv.add_argument("--requests", type=int, default=60, help="skewed: how many requests")
     sv.add_argument("--shared", type=float, default=0.9, help="skewed: the fraction sharing the system prompt")
     sv.add_argument("--seed", type=int, default=0, help="skewed: prompts and arrival times")

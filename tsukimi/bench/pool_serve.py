@@ -23,8 +23,12 @@ from collections.abc import Sequence
 
 import httpx
 
+from tsukimi.bench.client import CompletionRequest, CompletionResult
+from tsukimi.bench.pool_workload import PoolRequest
 from tsukimi.bench.up_cluster import serving_settings
+from tsukimi.quantiles import summary
 from tsukimi.serving.cluster.launcher import LaunchedProcess
+from tsukimi.serving.router.decision_log import DecisionRecord
 
 POOL_RUNS = ("pool", "no_pool")
 _WORKER_COUNTERS = {"local": "tsukimi_worker_local_prompt_tokens", "pool": "tsukimi_worker_pool_prompt_tokens"}
@@ -44,6 +48,24 @@ def pool_settings(label: str, model: str, num_blocks: int, prefill: int, extra: 
     return serving_settings(
         model, "colocated", num_blocks=num_blocks, extra=(f"workers.colocated={prefill + 1}", *extra)
     )
+
+
+def turn_figures(
+    sent: Sequence[tuple[CompletionRequest, CompletionResult]],
+    records: Sequence[DecisionRecord | None],
+    requests: Sequence[PoolRequest],
+) -> dict[str, object]:
+    """Where TTFT goes: the served requests' TTFT split into first turns (nothing to reuse yet)
+    and later turns (their family's prefix to reuse), matched by prompt; and how many requests
+    the router's Conductor queued before prefill (`records`: the run's decision records, in
+    the order sent, None where the router kept none). Pure."""
+    turn = {r.prompt: r.turn for r in requests}
+    served = [(turn.get(q.prompt), r.ttft_s) for q, r in sent if r.kind == "served"]
+    return {
+        "ttft_first_turns_s": summary((t for k, t in served if k == 0), ndigits=4),
+        "ttft_later_turns_s": summary((t for k, t in served if k is not None and k > 0), ndigits=4),
+        "queued_before_prefill": sum(1 for r in records if r is not None and r.queued),
+    }
 
 
 def parse_sums(text: str, names: dict[str, str]) -> dict[str, float]:

@@ -51,7 +51,7 @@ class PoolWorkload:
     trace_block_tokens: int = 128  # 8 of the tiny model's blocks per trace block
     max_prompt_tokens: int = 4000  # NOTE: the tiny model's context is 4096 tokens, the output included
     max_tokens: int = 8
-    rate: float = 2.0  # requests per second
+    rate: float = 1.0  # requests per second (NOTE: one prefill worker keeps up on a loaded 2-CPU box)
     cache_fraction: float = 0.25
     num_blocks: int = 0
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from tsukimi.bench.client import CompletionRequest, CompletionResult, complete
 from tsukimi.bench.decisions import fetch_decisions, index_accuracy
-from tsukimi.bench.pool_serve import POOL_RUNS, pool_counters, pool_settings, reuse_counters
+from tsukimi.bench.pool_serve import POOL_RUNS, pool_counters, pool_settings, reuse_counters, turn_figures
 from tsukimi.bench.pool_workload import PoolRequest, PoolSizing, PoolWorkload, pool_requests, sizing
 from tsukimi.bench.report import BenchReport, FigureViews, Verdict, begin, finish, goal
 from tsukimi.bench.skewed import SkewedWorkload, skewed_requests
@@ -301,7 +301,11 @@ def _one_run(cfg: ServeBenchConfig, label: str, url: str, progress: Callable[[st
     progress(f"{label}: {cfg.workload} workload against {url}")
     run = ServeRun(label)
     asyncio.run(_workload(cfg, url, run))
-    return run.figures(fetch_decisions(url, run.request_ids()))
+    records = fetch_decisions(url, run.request_ids())
+    figures = run.figures(records)
+    if cfg.workload == "pool":
+        figures |= turn_figures(run.sent, [records.get(rid) for rid in run.request_ids()], _pool_requests(cfg))
+    return figures
 
 
 def pool_sizing(cfg: ServeBenchConfig) -> PoolSizing:
