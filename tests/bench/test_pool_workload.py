@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tsukimi.bench.commands import add_parser
 from tsukimi.bench.client import CompletionRequest, CompletionResult
+from tsukimi.bench.commands import add_parser
 from tsukimi.bench.pool_serve import parse_sums, pool_counters, pool_settings, reuse_counters, turn_figures
 from tsukimi.bench.pool_workload import (
     QUICK_POOL,
