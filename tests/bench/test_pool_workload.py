@@ -144,11 +144,16 @@ def test_turn_figures_split_ttft_by_first_and_later_turns() -> None:
         return CompletionRequest(prompt, 1), CompletionResult("served", 200, "", True, ttft_s, token_times_s=(ttft_s,))
 
     rejected = (CompletionRequest((9,), 1), CompletionResult("rejected", 429, "ttft_slo", True, 0.1))
-    records = [DecisionRecord("a", 0.0, "pd", 2, queued=True), None, DecisionRecord("b", 0.0, "pd", 3)]
+    records = [
+        DecisionRecord("a", 0.0, "pd", 2, queued=True),
+        None,
+        DecisionRecord("b", 0.0, "pd", 3, decode_wait_s=0.3),
+    ]
     figures = turn_figures([sent((5, 6), 2.0), sent((5, 6, 7), 0.5), sent((8,), 4.0), rejected], records, requests)
     assert figures["ttft_first_turns_s"] == {"p50": 2.0, "p90": 4.0, "p99": 4.0}  # nearest rank
     assert figures["ttft_later_turns_s"] == {"p50": 0.5, "p90": 0.5, "p99": 0.5}
     assert figures["queued_before_prefill"] == 1
+    assert figures["waited_at_decode"] == 1 and figures["decode_wait_s"] == {"p50": 0.3, "p90": 0.3, "p99": 0.3}
 
 
 def test_parse_sums_adds_every_label_and_the_counters_total() -> None:

@@ -58,13 +58,18 @@ def turn_figures(
     """Where TTFT goes: the served requests' TTFT split into first turns (nothing to reuse yet)
     and later turns (their family's prefix to reuse), matched by prompt; and how many requests
     the router's Conductor queued before prefill (`records`: the run's decision records, in
-    the order sent, None where the router kept none). Pure."""
+    the order sent, None where the router kept none), and how many waited, prefilled, for a
+    place in the decode batch and how long: in PD the router holds the first token until the
+    decode stage is admitted, so that wait is TTFT too. Pure."""
     turn = {r.prompt: r.turn for r in requests}
     served = [(turn.get(q.prompt), r.ttft_s) for q, r in sent if r.kind == "served"]
+    waits = [r.decode_wait_s for r in records if r is not None and r.decode_wait_s is not None]
     return {
         "ttft_first_turns_s": summary((t for k, t in served if k == 0), ndigits=4),
         "ttft_later_turns_s": summary((t for k, t in served if k is not None and k > 0), ndigits=4),
         "queued_before_prefill": sum(1 for r in records if r is not None and r.queued),
+        "waited_at_decode": len(waits),
+        "decode_wait_s": summary(waits, ndigits=4),
     }
 
 
