@@ -182,11 +182,20 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
     sv.add_argument("--url", default="", help="a running API; default: start `tsukimi up` per run")
     sv.add_argument("--model", default="tiny")
     sv.add_argument("--mode", choices=("pd", "colocated"), default="pd")
-    sv.add_argument("--workload", choices=("chat", "trace", "skewed", "overload"), default="chat")
+    sv.add_argument("--workload", choices=("chat", "trace", "skewed", "pool", "overload"), default="chat")
     sv.add_argument("--conversations", type=int, default=8)
-    sv.add_argument("--turns", type=int, default=4)
+    sv.add_argument("--turns", type=int, default=4, help="chat: turns each; pool: at most, per family")
+    sv.add_argument("--families", type=int, default=24, help="pool: conversations / documents from the trace")
+    sv.add_argument(
+        "--trace-block-tokens", type=int, default=128, help="pool: tokens standing for one 512-token trace block"
+    )
+    sv.add_argument(
+        "--cache-fraction", type=float, default=0.25, help="pool: each worker's KV cache, a share of the working set"
+    )
     sv.add_argument("--prefix-tokens", type=int, default=2000)
-    sv.add_argument("--rate", type=float, default=2.0, help="chat: first turns per second; skewed: requests/s")
+    sv.add_argument(
+        "--rate", type=float, default=None, help="chat: first turns per second (2); skewed, pool: requests/s (2, 1)"
+    )
     sv.add_argument("--requests", type=int, default=60, help="skewed: how many requests")
     sv.add_argument("--shared", type=float, default=0.9, help="skewed: the fraction sharing the system prompt")
     sv.add_argument("--seed", type=int, default=0, help="skewed: prompts and arrival times")
@@ -206,7 +215,7 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
         "--num-blocks",
         type=int,
         default=0,
-        help="each worker's KV cache, in blocks (default 4096; overload: 512, as tsukimi up)",
+        help="each worker's KV cache, in blocks (default 4096; overload: 512, as tsukimi up; pool: sized)",
     )
     sv.add_argument("--duration", type=float, default=60.0, help="overload: seconds of load at --factor x")
     sv.add_argument("--factor", type=float, default=4.0, help="overload: times the measured sustainable rate")
@@ -214,7 +223,7 @@ def _add_model_bench_parsers(bench: argparse._SubParsersAction[argparse.Argument
         "--quick",
         action="store_true",
         help="a smoke run: chat 4 x 2 turns, 1000-token prefix; skewed 20 requests, 500-token prefix; "
-        "trace 20 requests; overload 10 s of load after a 6 s calibration",
+        "trace 20 requests; pool 4 families x 2 turns; overload 10 s of load after a 6 s calibration",
     )
     _add_output(sv)
     vl = bench.add_parser("vllm", help="two vLLM instances: round-robin vs tsukimi (pool + Conductor) vs Mooncake")

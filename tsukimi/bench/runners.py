@@ -185,14 +185,29 @@ def serve_config(args: argparse.Namespace) -> ServeBenchConfig:
     """`tsukimi bench serve`'s config (not overload) from its arguments; `--quick` shrinks each
     workload (tsukimi/bench/serve.py). Pure."""
     from tsukimi.bench import serve
+    from tsukimi.bench.pool_workload import QUICK_POOL, PoolWorkload
     from tsukimi.bench.skewed import SkewedWorkload
 
-    chat = serve.ChatWorkload(args.conversations, args.turns, args.prefix_tokens, rate=args.rate)
-    skewed = SkewedWorkload(args.requests, args.shared, args.prefix_tokens, rate=args.rate, seed=args.seed)
+    rate = args.rate or 2.0
+    chat = serve.ChatWorkload(args.conversations, args.turns, args.prefix_tokens, rate=rate)
+    skewed = SkewedWorkload(args.requests, args.shared, args.prefix_tokens, rate=rate, seed=args.seed)
     if args.quick:  # NOTE: the quick sizes keep the other flags (rate, seed, shared)
-        chat = dataclasses.replace(serve.QUICK_CHAT, rate=args.rate)
+        chat = dataclasses.replace(serve.QUICK_CHAT, rate=rate)
         quick = serve.QUICK_SKEWED
         skewed = dataclasses.replace(skewed, requests=quick.requests, prefix_tokens=quick.prefix_tokens)
+    pool = PoolWorkload(
+        args.families,
+        args.turns,
+        trace_block_tokens=args.trace_block_tokens,
+        rate=args.rate or PoolWorkload().rate,
+        cache_fraction=args.cache_fraction,
+        num_blocks=args.num_blocks,
+    )
+    if args.quick:
+        rate = args.rate or QUICK_POOL.rate
+        pool = dataclasses.replace(
+            QUICK_POOL, rate=rate, cache_fraction=args.cache_fraction, num_blocks=args.num_blocks
+        )
     return serve.ServeBenchConfig(
         args.url,
         args.model,
@@ -208,6 +223,7 @@ def serve_config(args: argparse.Namespace) -> ServeBenchConfig:
         args.prefill,
         args.compare_hot > 0,
         args.compare_hot,
+        pool,
     )
 
 

@@ -10,6 +10,10 @@ Workloads (token-id prompts through `/v1/completions`, streamed):
 - trace: a Mooncake trace; each `hash_id` becomes the same `block_tokens` token ids wherever it
   appears (so shared prefixes are real shared prefixes), lengths scaled from 512-token blocks to
   `block_tokens`, sent at the trace's timestamps sped up by `speed`.
+- pool: the trace's conversations and documents, round by round, a working set four times each
+  worker's KV cache (tsukimi/bench/pool_workload.py); run on a PD cluster with the KV pool,
+  then on a colocated one of as many workers without it (tsukimi/bench/pool_serve.py), and
+  the TTFT ratio reported with the prompt tokens each reused from its own cache and the pool.
 
 Every request goes through the bench's one client (tsukimi/bench/client.py) with an
 `X-Request-Id` of its own. Per request: TTFT (first streamed token), TBT (mean gap between
@@ -20,16 +24,18 @@ prefix index expected exactly the reuse it placed each request for: `index_exact
 `index_up_to_date_ratio` and the misses by direction and cause.
 
 `--quick` (any workload): chat 4 conversations x 2 turns on a 1,000-token prefix; skewed 20
-requests on a 500-token prefix; trace the first 20 requests; overload 10 s after a 6 s
-calibration (tsukimi/bench/overload.py).
+requests on a 500-token prefix; trace the first 20 requests; pool 4 families x 2 turns of at
+most 512 tokens; overload 10 s after a 6 s calibration (tsukimi/bench/overload.py).
 
 Goals (docs/benchmarks.md), as the report's verdicts: median TTFT with reuse <= 0.5x without
-(chat); the prefix index exact for >= 99 % of the requests (PD mode).
+(chat), with the pool <= 0.5x without (pool); the prefix index exact for >= 99 % of the
+requests (PD mode).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import tempfile
 import time
 import uuid
@@ -41,12 +47,14 @@ import numpy as np
 
 from tsukimi.bench.client import CompletionRequest, CompletionResult, complete
 from tsukimi.bench.decisions import fetch_decisions, index_accuracy
+from tsukimi.bench.pool_serve import POOL_RUNS, pool_counters, pool_settings, reuse_counters, turn_figures
+from tsukimi.bench.pool_workload import PoolRequest, PoolSizing, PoolWorkload, pool_requests, sizing
 from tsukimi.bench.report import BenchReport, FigureViews, Verdict, begin, finish, goal
 from tsukimi.bench.skewed import SkewedWorkload, skewed_requests
 from tsukimi.bench.up_cluster import launch_up, serving_settings
 from tsukimi.quantiles import summary
 from tsukimi.serving.router.decision_log import DecisionRecord
-from tsukimi.sim.trace import TraceRequest
+from tsukimi.sim.trace import TraceRequest, load_trace
 
 _TIMEOUT_S = 120.0
 
@@ -185,12 +193,31 @@ async def run_trace(
     run.wall_s = time.perf_counter() - start
 
 
+async def run_pool(url: str, model: str, requests: Sequence[PoolRequest], run: ServeRun) -> None:
+    """The pool workload (tsukimi/bench/pool_workload.py): each request at its time, or once its
+    family's previous turn has ended if later; fills `run`."""
+    start = time.perf_counter()
+    by_family: dict[int, list[PoolRequest]] = {}
+    for request in requests:
+        by_family.setdefault(request.family, []).append(request)
+
+    async def family(turns: list[PoolRequest]) -> None:
+        for turn in turns:
+            await asyncio.sleep(max(0.0, turn.at_s - (time.perf_counter() - start)))
+            await run.send(url, model, run.request(turn.prompt, turn.max_tokens))
+
+    await asyncio.gather(*(family(turns) for turns in by_family.values()))
+    run.wall_s = time.perf_counter() - start
+
+
 @dataclass(frozen=True, slots=True)
 class ServeBenchConfig:
     """`url` of a running API, or "" to start `tsukimi up` (model, mode, `prefill` prefill
     workers) for each run; compare_reuse: run twice, with and without KV reuse, and report the
     TTFT ratio; compare_hot (instead): run with the master's hot_threshold 0 (off), then
-    `hot_threshold`, and report the p90 TTFT ratio and the master's hot-key counters."""
+    `hot_threshold`, and report the p90 TTFT ratio and the master's hot-key counters.
+    Workload "pool" ignores `mode` and `num_blocks`: its runs are a PD cluster with the pool
+    and a colocated one without, each worker's cache sized by `pool` (tsukimi/bench/pool_serve.py)."""
 
     url: str = ""
     model: str = "tiny"
@@ -206,6 +233,7 @@ class ServeBenchConfig:
     prefill: int = 1
     compare_hot: bool = False
     hot_threshold: float = 0.0
+    pool: PoolWorkload = field(default_factory=PoolWorkload)
 
 
 def planned_runs(cfg: ServeBenchConfig) -> list[tuple[str, bool, float]]:
@@ -215,6 +243,8 @@ def planned_runs(cfg: ServeBenchConfig) -> list[tuple[str, bool, float]]:
     if cfg.compare_hot:
         return [("hot_off", True, 0.0), ("hot_on", True, cfg.hot_threshold)]
     runs = [("reuse", True, cfg.hot_threshold), ("no_reuse", False, cfg.hot_threshold)]
+    if cfg.workload == "pool":
+        runs = [(label, True, cfg.hot_threshold) for label in POOL_RUNS]
     return runs if cfg.compare_reuse else runs[:1]
 
 
@@ -222,26 +252,43 @@ def run_bench(cfg: ServeBenchConfig, progress: Callable[[str], None]) -> dict[st
     """Run the workload (twice with compare_reuse or compare_hot, each on a cluster of its
     own unless cfg.url is set); the figures."""
     runs: dict[str, dict[str, object]] = {}
+    sized = pool_sizing(cfg) if cfg.workload == "pool" else None
+    if sized is not None:
+        progress(f"pool workload: {sized}")
     for label, reuse, hot in planned_runs(cfg):
         if cfg.url:
             runs[label] = _one_run(cfg, label, cfg.url, progress)
             continue
         extra = (f"workers.prefill={cfg.prefill}", f"master.hot_threshold={hot}")
-        settings = serving_settings(cfg.model, cfg.mode, prefix_caching=reuse, num_blocks=cfg.num_blocks, extra=extra)
+        if sized is not None:  # NOTE: no_pool runs colocated, without a master
+            settings = pool_settings(
+                label, cfg.model, sized.num_blocks, cfg.prefill, extra[1:] if label == "pool" else ()
+            )
+        else:
+            settings = serving_settings(
+                cfg.model, cfg.mode, prefix_caching=reuse, num_blocks=cfg.num_blocks, extra=extra
+            )
         with (
             tempfile.TemporaryDirectory(prefix="tsukimi-bench-serve-") as workdir,
             launch_up(settings, Path(workdir)) as cluster,
             cluster.tending(),
         ):
             runs[label] = _one_run(cfg, label, cluster.api, progress)
-            if cluster.master:
+            if sized is not None:
+                runs[label]["reuse_by_role"] = reuse_counters(cluster.processes)
+                runs[label]["pool"] = pool_counters(cluster.master) if cluster.master else None
+            elif cluster.master:
                 from tsukimi.bench.skewed import hot_counters
 
                 runs[label]["master"] = hot_counters(cluster.master)
     figures: dict[str, object] = {"runs": runs}
+    if sized is not None:
+        figures["pool_sizing"] = dataclasses.asdict(sized)
     for key, (a, b, q) in {
         "ttft_p50_ratio": ("reuse", "no_reuse", "p50"),
         "ttft_p90_ratio": ("hot_on", "hot_off", "p90"),
+        "pool_ttft_p50_ratio": ("pool", "no_pool", "p50"),
+        "pool_ttft_p90_ratio": ("pool", "no_pool", "p90"),
     }.items():
         if a in runs and b in runs:
             first, second = runs[a]["ttft_s"], runs[b]["ttft_s"]
@@ -256,22 +303,41 @@ def _one_run(cfg: ServeBenchConfig, label: str, url: str, progress: Callable[[st
     progress(f"{label}: {cfg.workload} workload against {url}")
     run = ServeRun(label)
     asyncio.run(_workload(cfg, url, run))
-    return run.figures(fetch_decisions(url, run.request_ids()))
+    records = fetch_decisions(url, run.request_ids())
+    figures = run.figures(records)
+    if cfg.workload == "pool":
+        figures |= turn_figures(run.sent, [records.get(rid) for rid in run.request_ids()], _pool_requests(cfg))
+    return figures
+
+
+def pool_sizing(cfg: ServeBenchConfig) -> PoolSizing:
+    """The pool workload's working set and each worker's cache, from `cfg.trace` (reads it).
+
+    Raises:
+        InvalidArgument: the trace cannot be read. ConfigError: too few families in it.
+    """
+    return sizing(_pool_requests(cfg), cfg.pool)
+
+
+def _pool_requests(cfg: ServeBenchConfig) -> list[PoolRequest]:
+    return pool_requests(load_trace(cfg.trace), cfg.pool)
 
 
 def verdicts(figures: Mapping[str, object]) -> list[Verdict]:
     """The goals (see the module); n/a where a run did not happen or no record told. Pure."""
     runs = figures["runs"]
     assert isinstance(runs, dict)
-    ratio = figures.get("ttft_p50_ratio")
+    pooled = "pool_sizing" in figures
+    ratio = figures.get("pool_ttft_p50_ratio" if pooled else "ttft_p50_ratio")
     # NOTE: not the no_reuse run: its workers cache nothing on purpose, so no index can match them
     exact = [
         float(r["index_exact_ratio"])
         for label, r in runs.items()
         if label != "no_reuse" and r.get("index_exact_ratio") is not None
     ]
+    name, what = ("pool", "the pool") if pooled else ("reuse", "reuse")
     return [
-        goal("reuse_ttft_p50", "median TTFT with reuse / without", float(str(ratio)) if ratio else None, "<=", 0.5),
+        goal(f"{name}_ttft_p50", f"median TTFT with {what} / without", float(str(ratio)) if ratio else None, "<=", 0.5),
         goal(
             "index_exact",
             "share of requests whose reuse the prefix index expected exactly",
@@ -294,8 +360,8 @@ async def _workload(cfg: ServeBenchConfig, url: str, run: ServeRun) -> None:
         return await run_chat(url, cfg.model, cfg.chat, run)
     if cfg.workload == "skewed":
         return await run_skewed(url, cfg.model, cfg.skewed, run)
-    from tsukimi.sim.trace import load_trace
-
+    if cfg.workload == "pool":
+        return await run_pool(url, cfg.model, _pool_requests(cfg), run)
     trace = load_trace(cfg.trace, limit=cfg.trace_limit)
     return await run_trace(url, cfg.model, trace, 16, cfg.speed, 4096, 32, run)
 
@@ -320,6 +386,12 @@ def markdown(figures: Mapping[str, object]) -> str:
         lines.append(f"\nmedian TTFT with reuse / without: {figures['ttft_p50_ratio']}")
     if "ttft_p90_ratio" in figures:
         lines.append(f"\np90 TTFT with hot-key replication on / off: {figures['ttft_p90_ratio']}")
+    if "pool_sizing" in figures:
+        lines.append(f"\nworking set and each worker's cache: {figures['pool_sizing']}")
+        ratios = (figures.get("pool_ttft_p50_ratio"), figures.get("pool_ttft_p90_ratio"))
+        lines.append(f"\nTTFT with the pool / without: p50 {ratios[0]}, p90 {ratios[1]}")
+        lines += [f"\nprompt tokens reused, {label}: {run.get('reuse_by_role')}" for label, run in runs.items()]
+        lines += [f"\nthe store, {label}: {run['pool']}" for label, run in runs.items() if run.get("pool")]
     lines += ["", *(f"master counters, {label}: {run['master']}" for label, run in runs.items() if "master" in run)]
     return "\n".join(lines)
 
