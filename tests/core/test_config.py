@@ -123,6 +123,7 @@ def test_cluster_workers_bad_key_names_the_valid_ones() -> None:
         "cpp_groups",
         "cpp_stages",
         "cpp_chunk_tokens",
+        "nice",
         *SHARED_WORKER_KEYS,
     }
     assert str(info.value).endswith(str(sorted(valid)))

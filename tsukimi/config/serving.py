@@ -169,8 +169,8 @@ class RouterConfig:
         reports none falls back to `cost`, with a warning. "config": `cost` alone.
     cost: the `[router.cost]` table, a `LinearCostConfig` (tsukimi/serving/router/worker_costs.py
         builds the model from it).
-    overhead_probe: in pd mode, at start-up one short prompt (a block, one token) through a
-        prefill worker measures what a request spends outside the engine steps the cost model
+    overhead_probe: in pd mode over tsukimi workers, at start-up one short prompt (a block, one
+        token) through a prefill worker measures what a request spends outside the engine steps the cost model
         prices (hops, the pool publish): the Conductor's per-request TTFT term until the
         prefills' own ends teach it (tsukimi/scheduler/service_term.py).
     prefill_concurrency: with the Conductor in pd mode over tsukimi workers, at most this many

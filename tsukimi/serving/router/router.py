@@ -524,6 +524,8 @@ class Router:
         conductor = self.conductor
         if conductor is None or conductor.service is None or self.mode != "pd" or not self.config.overhead_probe:
             return
+        if self.backend.kind != "tsukimi":  # NOTE: in a vLLM instance the probe would be a real prompt in its
+            return  # cache, the pool and the index; the term is learned from its own prefills there
         rid, start = next(self._ids), self.clock.now()
         request = GenerateRequest(f"tsukimi-overhead-probe-{rid}", tuple(range(1, self.block_tokens + 1)), 1)
         decision = conductor.schedule(
