@@ -449,13 +449,17 @@ class Conductor:
         self.counters["released_at_decode"] += 1
         return True
 
+    def _mean_out(self) -> float:
+        """The mean output length observed (the assumed one until a request finished)."""
+        return self._output_sum / self._output_n if self._output_n else _INITIAL_OUTPUT_TOKENS
+
     def _service_s(self, now: float) -> float:
         """The learned per-job term of a prefill instance's service (0: none learned)."""
         return self.service.estimate_s(now) if self.service is not None else 0.0
 
     def _tbt_now_s(self, decode: str, input_tokens: int, now: float) -> float:
         """The TBT of `decode`'s batch now with a request of `input_tokens` added (pure)."""
-        mean_out = self._output_sum / self._output_n if self._output_n else _INITIAL_OUTPUT_TOKENS
+        mean_out = self._mean_out()
         forecast = DecodeForecast(self._stages, self.cost, self.config.tbt_slo_s, mean_out)
         return best_decode({decode: self._decode[decode]}, forecast, input_tokens, now, now, "now")[1]
 
@@ -482,7 +486,7 @@ class Conductor:
 
     def _output_reserve(self, request: ScheduleRequest) -> int:
         """The output tokens a request's KV reservation counts: the mean observed, capped by its max_tokens."""
-        mean_out = self._output_sum / self._output_n if self._output_n else _INITIAL_OUTPUT_TOKENS
+        mean_out = self._mean_out()
         return math.ceil(min(mean_out, request.max_tokens) if request.max_tokens > 0 else mean_out)
 
     def _best_prefill(self, request: ScheduleRequest, now: float) -> Decision:
@@ -552,7 +556,7 @@ class Conductor:
 
     def _best_decode(self, input_tokens: int, now: float, at: float, forecast: str) -> tuple[str, float, str]:
         """See `best_decode` (tsukimi/scheduler/placement.py), over the instances not excluded."""
-        mean_out = self._output_sum / self._output_n if self._output_n else _INITIAL_OUTPUT_TOKENS
+        mean_out = self._mean_out()
         loads = {name: load for name, load in self._decode.items() if name not in self._exclude}
         return best_decode(
             loads,
