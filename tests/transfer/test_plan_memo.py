@@ -235,7 +235,7 @@ def test_address_buffers_are_remembered_unless_they_are_device_memory(
         assert user.transfer(requests)[0].state is RequestState.COMPLETED
         assert np.array_equal(remote[: 4 * KIB], data)
     entry = _remembered(user, requests)
-    assert entry is not None and (entry.fast is not None) is (transport != "tcp")
+    assert entry is not None and entry.fast is not None
     with EmulatedDevice(0).alloc(4 * KIB) as device:  # registered device memory, named by address
         user.register(device)
         device.write(0, bytes(range(256)) * 16)
@@ -257,9 +257,10 @@ def _transport(user: TransferEngine, name: str) -> Any:
 
 @pytest.fixture
 def same_host(engines: tuple[TransferEngine, TransferEngine, str]) -> tuple[TransferEngine, TransferEngine, str]:
-    """The engines where the transport prepares calls and copies with a pidfd (not tcp)."""
+    """The engines where the transport copies with a pidfd and shares its prepared calls
+    with copy workers (not tcp: tests/transfer/test_tcp_caller_path.py)."""
     if engines[2] == "tcp":
-        pytest.skip("tcp prepares nothing and has no pidfd")
+        pytest.skip("tcp has no pidfd and no copy workers")
     return engines
 
 
@@ -358,11 +359,11 @@ def test_submit_takes_the_prepared_call_only_when_it_runs_inline(
     large_entry, small_entry = _remembered(user, large), _remembered(user, small)
     assert large_entry is not None and small_entry is not None
     assert large_entry.fast is not None and not large_entry.inline and small_entry.inline
-    batch = user._start(large, None, inline_only=True)
+    batch = user._start(large, None, waiting=False)
     assert isinstance(batch, Batch)  # submit returns before the copy
     assert batch.wait()[0].state is RequestState.COMPLETED
-    assert isinstance(user._start(small, None, inline_only=True), list)
-    assert isinstance(user._start(large, None), list)  # transfer waits anyway
+    assert isinstance(user._start(small, None, waiting=False), list)
+    assert isinstance(user._start(large, None, waiting=True), list)  # transfer waits anyway
 
 
 def test_a_list_of_many_slices_is_not_remembered(

@@ -282,7 +282,7 @@ class TransferEngine:
             InvalidBufferError / OutOfBounds / ConfigError: a request is malformed.
             ClosedError: the engine is closed.
         """
-        started = self._start(requests, timeout_s, inline_only=True)
+        started = self._start(requests, timeout_s, waiting=False)
         if isinstance(started, Batch):
             return started
         batch = Batch([None] * len(started), self._clock.now(), self._clock)
@@ -290,23 +290,25 @@ class TransferEngine:
         return batch
 
     def _start(
-        self, requests: Sequence[TransferRequest], timeout_s: float | None, inline_only: bool = False
+        self, requests: Sequence[TransferRequest], timeout_s: float | None, waiting: bool
     ) -> Batch | list[RequestStatus]:
         """`submit`'s work: the batch started, or, where a remembered prepared call moved
-        every request, their statuses (tsukimi/transfer/plan_memo.py). `inline_only`: take the
-        prepared call only where it runs on this thread alone (submit must not wait on workers)."""
+        every request, their statuses (tsukimi/transfer/plan_memo.py). `waiting`: the caller
+        waits for the batch next (`transfer`), so a transport may do its part on this thread;
+        else (`submit`, which must not wait on workers) only a prepared call that runs on this
+        thread alone is taken."""
         self._check_open()
         deadline = self._clock.now() + (timeout_s if timeout_s is not None else self.config.timeout_s)
         found = self._memo.find(requests)
         keyed, entry, wanted = found if found is not None else (None, None, False)
         if entry is not None and keyed is not None:  # NOTE: the same list again: no validation, no routing
             left = deadline - self._clock.now()
-            if left > 0 and (entry.inline or not inline_only) and (statuses := entry.run_fast(left)) is not None:
+            if left > 0 and (entry.inline or waiting) and (statuses := entry.run_fast(left)) is not None:
                 return statuses
             batch = Batch([req.local for req in requests], deadline, self._clock)
             groups = entry.slices(batch.records, requests, keyed[1])
             if self._clock.now() < deadline:
-                self._routes.hand_off(groups)
+                self._routes.hand_off(groups, waiting)
             else:  # NOTE: the prepared call ran out the time: end them now, as a transport would
                 for _, _, pieces in groups:
                     live_slices(pieces, self._clock)
@@ -319,7 +321,7 @@ class TransferEngine:
             if keyed is not None and wanted:  # NOTE: before the transports touch the slices
                 self._memo.remember(keyed[0], version, batch.records, plans, groups, self._prepared)
         finally:  # NOTE: whatever remember met, the slices are handed off (they end the records)
-            self._routes.hand_off(groups)
+            self._routes.hand_off(groups, waiting)
         return batch
 
     @staticmethod
@@ -369,7 +371,7 @@ class TransferEngine:
     def transfer(self, requests: Sequence[TransferRequest], timeout_s: float | None = None) -> list[RequestStatus]:
         """Submit `requests` as one batch, wait for all, return their final statuses.
         Raises what `submit` raises (caller errors); transfer failures are in the statuses."""
-        started = self._start(requests, timeout_s)
+        started = self._start(requests, timeout_s, waiting=True)
         return started.wait() if isinstance(started, Batch) else started
 
     async def transfer_async(

@@ -267,7 +267,8 @@ class PlanMemo:
         sizes = tuple(plan_bytes(plan) for plan in plans)
         completed = tuple(RequestStatus(RequestState.COMPLETED, size) for size in sizes)
         fast = prepare(groups, plans)
-        inline = sum(sizes) <= INLINE_FAST_BYTES
+        # NOTE: a prepared call that waits on the network (tcp) is never `submit`'s to run
+        inline = sum(sizes) <= INLINE_FAST_BYTES and not any(getattr(t, "prepared_waits", False) for t, _, _ in groups)
         entry = Remembered(tuple(peers.items()), version, sizes, tuple(counts), tuple(kept), fast, completed, inline)
         with self._lock:
             if key in self._entries:  # NOTE: else it was dropped meanwhile: keep the bound

@@ -118,11 +118,15 @@ class Routes:
         return list(routes.values())
 
     @staticmethod
-    def hand_off(groups: list[Group]) -> None:
-        """Give each transport its slices (one call per peer)."""
-        for transport, desc, pieces in groups:
+    def hand_off(groups: list[Group], waiting: bool = False) -> None:
+        """Give each transport its slices (one call per peer). `waiting`: the caller waits for
+        them next, so the last group goes to its transport's `submit_waiting` where it has one
+        (transports/base.py `Waitable`: e.g. tcp reads a small burst's answers on this thread)."""
+        last = len(groups) - 1
+        for i, (transport, desc, pieces) in enumerate(groups):
             try:
-                transport.submit(desc, pieces)
+                submit = getattr(transport, "submit_waiting", None) if waiting and i == last else None
+                (submit or transport.submit)(desc, pieces)
             except TsukimiError as exc:  # closed concurrently
                 for piece in pieces:
                     piece.record.slice_failed(str(exc), exc.code)

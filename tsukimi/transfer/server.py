@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 _DRAIN_BYTES = 256 << 10
 _DATA_OPS = (wire.Op.READ, wire.Op.WRITE)
 _TICK_S = 0.5
-_ACK_FLUSH_BYTES = 256 << 10  # how often blocked socket calls wake up to check deadlines and close()
+_ACK_FLUSH_BYTES = 256 << 10  # a write at least this long first sends the acks held back
+_READ_FLUSH_BYTES = 512 << 10  # read answers are held back (while more requests wait) up to this
 
 
 def _refuse_notifications(_: Notification) -> bool:
@@ -130,7 +131,8 @@ class SegmentServer(netserver.ConnectionServer):
         def expired(_: int = 0) -> bool:
             return self.closed or clock.now() >= deadline[0]
 
-        acks: list[bytes | memoryview] = []  # write acks held back while more requests are queued
+        acks: list[bytes | memoryview] = []  # answers held back while more requests are queued
+        held = 0  # bytes of read data in `acks` (at least: a flush elsewhere leaves it stale)
         try:
             while True:
                 deadline[0] = clock.now() + timeout_s  # bounds a header that arrives in pieces
@@ -152,13 +154,19 @@ class SegmentServer(netserver.ConnectionServer):
                         continue
                     assert isinstance(view, memoryview)
                     if op == wire.Op.WRITE:
-                        if length >= _ACK_FLUSH_BYTES:  # don't hold small acks through a long payload
+                        # NOTE: held read answers go first: they must carry the bytes from
+                        # before this write, in the connection's order
+                        if held or length >= _ACK_FLUSH_BYTES:  # and no acks held through a long payload
                             self._flush(conn, acks, expired)
+                            held = 0
                         wire.recv_exact(conn, view, expired, strict=True)
                         acks.append(ok(wire.MAGIC, 0, 0, seq, 0))
-                    else:
+                    else:  # NOTE: held only while the next request is already here (_next_header)
                         acks += (ok(wire.MAGIC, 0, 0, seq, length), view)
-                        self._flush(conn, acks, expired)
+                        held += length
+                        if held >= _READ_FLUSH_BYTES:
+                            self._flush(conn, acks, expired)
+                            held = 0
                 else:  # control requests, and malformed frames (decode_request raises ProtocolError)
                     self._flush(conn, acks, expired)
                     self._control(conn, wire.decode_request(head, max_slice), expired)

@@ -83,13 +83,31 @@ PreparedItem = tuple[OpCode, memoryview, int]  # what, the local bytes, the remo
 
 @runtime_checkable
 class Preparable(Protocol):
-    """A transport with a fast path for requests run many times (tsukimi/transfer/prepared.py)."""
+    """A transport with a fast path for requests run many times (tsukimi/transfer/prepared.py).
+
+    A transport whose prepared call waits on the network (tcp) says so with a class
+    attribute `prepared_waits = True` (read with getattr, default False): `transfer()` takes
+    that call, `submit()`, which must not wait, never does."""
 
     def prepare(self, peer: SegmentDescriptor, items: list[PreparedItem]) -> Callable[[float], bool] | None:
         """A call that moves every item at once, within the seconds it is given, and says
         whether all of them completed (False, also when the time ran out: the engine redoes
         them the ordinary way, to learn which failed and why);
         None when this transport cannot prepare them. The caller keeps the buffers alive."""
+        ...
+
+
+@runtime_checkable
+class Waitable(Protocol):
+    """A transport that can do a waiting caller's part of its slices on the caller's thread
+    (tcp: the caller reads the answers to its own small burst, with no hand-off to the
+    connection's receiver thread and back). The engine calls it from `transfer()`, which
+    waits next, never from `submit()`, which must return at once."""
+
+    def submit_waiting(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
+        """`submit`, from a caller that waits for these slices next: it may block this thread
+        until they end (each within its deadline plus the transport's I/O tick), or return
+        earlier and leave the rest to the transport's threads; otherwise as `submit`."""
         ...
 
 

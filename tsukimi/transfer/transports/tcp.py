@@ -16,19 +16,23 @@ a failed cluster-secret handshake is not retried (tcp_connection.py). The server
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
 import logging
 import math
 import threading
+from collections.abc import Callable
 
 from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
 from tsukimi.errors import ClosedError, PeerError, ProtocolError
 from tsukimi.retry import Retry
 from tsukimi.transfer import wire
-from tsukimi.transfer.segment import BufferDescriptor, Endpoint, SegmentDescriptor
-from tsukimi.transfer.transports.base import Slice, TransportContext, register_transport
-from tsukimi.transfer.transports.tcp_connection import COALESCE_BYTES, Connection, PeerLink, connect
+from tsukimi.transfer.batch import OpCode
+from tsukimi.transfer.segment import BufferDescriptor, Endpoint, SegmentDescriptor, view_address
+from tsukimi.transfer.transports.base import PreparedItem, Slice, TransportContext, register_transport
+from tsukimi.transfer.transports.tcp_connection import COALESCE_BYTES, Connection, PeerLink, PreparedCall, connect
 from tsukimi.transfer.transports.tcp_stall import StallPolicy
 
 logger = logging.getLogger(__name__)
@@ -95,13 +99,14 @@ class PeerPool:
                 return conn
         return self.connections[start % n]
 
-    def dispatch(self, pieces: list[Slice]) -> None:
+    def dispatch(self, pieces: list[Slice], waiting: bool = False) -> None:
         """Deal slices to connections in groups of about `slice_bytes`: large transfers are
         striped, while a burst of small requests stays on one connection (fewer wake-ups) and,
-        when that connection is idle, is written by the calling thread itself."""
+        when that connection is idle, is written by the calling thread itself, which also
+        reads their answers when it `waiting` for them anyway (no thread hand-off either way)."""
         conn = self._pick()
         small = len(pieces) <= self.config.pipeline_depth and sum(len(p.local) for p in pieces) <= COALESCE_BYTES
-        if small and conn.try_send_inline(pieces):
+        if small and conn.try_send_inline(pieces, receive=waiting):
             return
         touched = {conn}
         group_bytes = 0
@@ -186,6 +191,22 @@ class PeerPool:
             self._failed[path] = True
             self._suspect_until[path] = self.clock.now() + SUSPECT_S
 
+    def run_prepared(self, calls: list[PreparedCall], timeout_s: float) -> bool:
+        """A prepared call (TcpTransport.prepare) on the next connection that is connected,
+        idle and on a path not suspect; False when there is none (the engine then redoes the
+        list the ordinary way) or any request did not complete within `timeout_s`."""
+        if self.closed:
+            return False
+        deadline = self.clock.now() + timeout_s
+        n, start = len(self.connections), next(self._next)
+        for k in range(n):  # NOTE: the first connected, idle one (a pool connects only what it used)
+            conn = self.connections[(start + k) % n]
+            if conn.sock is not None and self._suspect_until[conn.index % len(self.endpoints)] <= self.clock.now():
+                done = conn.run_prepared(calls, deadline)
+                if done is not None:
+                    return done
+        return False
+
     def stop(self) -> None:
         """Close every connection; in-flight and queued slices end (mutates; blocks briefly)."""
         self.closed = True
@@ -201,6 +222,7 @@ class TcpTransport:
     """Moves slices over pooled TCP connections; every connection proves `secret` (if any)."""
 
     name = "tcp"
+    prepared_waits = True  # its prepared call waits on the network: `transfer()` takes it, `submit()` never
 
     def __init__(self, config: TransferConfig, clock: Clock, secret: bytes | None = None) -> None:
         self._config = config
@@ -216,6 +238,32 @@ class TcpTransport:
 
     def submit(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
         self._pool(peer).dispatch(slices)
+
+    def prepare(self, peer: SegmentDescriptor, items: list[PreparedItem]) -> Callable[[float], bool] | None:
+        """Prepared requests (tsukimi/transfer/prepared.py) for a small list, one that
+        `dispatch` would keep on one connection (at most `pipeline_depth` requests and
+        COALESCE_BYTES, none over `slice_bytes`): a run writes and reads it whole on the
+        calling thread over an idle connection (tcp_connection.py `run_prepared`), False
+        (the ordinary way then) when the connection is busy. Larger lists are striped over the
+        connections by the ordinary path (None). Keeps addresses, not views."""
+        sizes = [len(local) for _, local, _ in items]
+        if (
+            not items
+            or len(items) > self._config.pipeline_depth
+            or sum(sizes) > COALESCE_BYTES
+            or max(sizes) > self.slice_bytes
+            or not peer.endpoints
+        ):
+            return None
+        calls: list[PreparedCall] = [
+            (op is OpCode.READ, ctypes.c_char * len(local), view_address(local), offset) for op, local, offset in items
+        ]
+        pool = self._pool(peer)
+        return functools.partial(pool.run_prepared, calls)
+
+    def submit_waiting(self, peer: SegmentDescriptor, slices: list[Slice]) -> None:
+        """`submit`; a small burst on an idle connection is answered on this thread (base.py `Waitable`)."""
+        self._pool(peer).dispatch(slices, waiting=True)
 
     def close(self) -> None:
         with self._lock:

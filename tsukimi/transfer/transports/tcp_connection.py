@@ -3,12 +3,19 @@
 The sender thread takes slices from `queue` (coalescing small ones into one sendmsg),
 appends them to `inflight` and writes their requests and write payloads; the receiver
 thread reads the answers in order and lands read data in place with recv_into. At most
-`pipeline_depth` slices are in flight (`slots`). A small burst may instead be written by the
-submitting thread (`try_send_inline`) when the connection is connected and idle.
+`pipeline_depth` slices are in flight (`free_slots`). A small burst may instead be written by the
+submitting thread (`try_send_inline`) when the connection is connected and idle; a caller
+that waits for the burst next (`transfer()`) then also reads its answers itself, saving the
+two thread hand-offs (to the receiver and back) that cost a 64 KiB round trip about half
+its time.
 
 Invariants (all under `lock`): `inflight` order is wire order (every write holds
 `send_lock` from append to sendmsg); nothing is appended once `stopping` is set; every slot
 is released exactly once, when its slice leaves `inflight` or fails before entering it.
+Whoever reads answers (the receiver thread, or a waiting caller reading its own) holds
+`recv_lock` from taking the head of `inflight` until its answer is read, so answers are read
+in wire order by one thread at a time; a caller reads only while the head is one of its own
+slices, and wakes the receiver thread for whatever it leaves in flight.
 When either thread hits an error, `_broken` bumps the generation, closes the socket and
 hands every in-flight slice to the pool's `retry` (tcp.py), which retries it on another
 connection or ends it. Waits are bounded by the earliest deadline among the in-flight slices.
@@ -20,6 +27,12 @@ slices move to another path. A connection whose path failed does not reconnect w
 hand while another path is healthy: it hands them back to the pool (`reroute`, no attempt
 counted) and reconnects on its own thread, as a probe of the path (`probe_first`, `probed`).
 
+A prepared call (`run_prepared`, from TcpTransport.prepare: a small list that `transfer()`
+was given before) skips even those objects: it takes an idle connection whole (both locks,
+nothing in flight), writes the requests and reads the answers straight into the caller's
+memory on the caller's thread, with no Slice, record or deque entry; anything unexpected
+ends it False and the engine redoes the list the ordinary way.
+
 Every connection runs the cluster-secret handshake (tsukimi/auth.py) right after connecting,
 within `connect_timeout_s`. An `AuthError` is final: the slices that wanted the connection
 fail at once with code "auth" (no retry: another attempt cannot fix a secret).
@@ -29,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import itertools
 import logging
 import math
@@ -55,6 +69,13 @@ logger = logging.getLogger(__name__)
 TICK_S = 0.1  # how often a blocked socket call wakes up to check deadlines and shutdown
 COALESCE_BYTES = 512 << 10  # small slices are merged into one sendmsg (or sent inline) up to this
 _STATUS_CODES = {wire.Status.OUT_OF_BOUNDS: OutOfBounds.code}
+RESPONSE_BYTES = wire.RESPONSE.size
+# NOTE: plain ints: an enum member read through its class costs ~0.5 us on the hot path
+_MAGIC, _OK, _READ, _WRITE = wire.MAGIC, int(wire.Status.OK), int(wire.Op.READ), int(wire.Op.WRITE)
+_OP_READ, _OP_WRITE = OpCode.READ, OpCode.WRITE
+# one request of a prepared call: reading, the ctypes array type of its length, the local
+# address, the remote offset (addresses only: a remembered call keeps no caller's memory alive)
+PreparedCall = tuple[bool, type[ctypes.Array[ctypes.c_char]], int, int]
 
 
 def connect(
@@ -127,13 +148,18 @@ class Connection:
         self.stopping = False
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()  # one writer at a time: the sender thread or an inline caller
+        self.recv_lock = threading.Lock()  # one reader at a time: the receiver thread or a waiting caller
         self.ready = threading.Condition(self.lock)
         self.inflight: collections.deque[tuple[int, Slice, int, socket.socket]] = collections.deque()
-        self.tail_deadline = math.inf  # earliest deadline among `inflight` (not the slice being received)
-        self.slots = threading.BoundedSemaphore(link.config.pipeline_depth)
+        # NOTE: a counter under `lock`, not a threading.Semaphore (pure Python: ~2 us a call,
+        # twice per slice); only the sender thread ever waits for a slot
+        self.free_slots = link.config.pipeline_depth
+        self.slot_freed = threading.Condition(self.lock)
+        self._slot_wanted = False
         self.seq = itertools.count(1)
         self._head = bytearray(wire.RESPONSE.size)
         self._head_view = memoryview(self._head)
+        self._heads = memoryview(bytearray(RESPONSE_BYTES * link.config.pipeline_depth))  # a prepared call's answers
         name = f"tsukimi-tcp-{link.name}-{index}"
         self.threads = [
             threading.Thread(target=self._send_loop, name=name + "-tx", daemon=True),
@@ -180,38 +206,73 @@ class Connection:
         return True
 
     def _take_slot(self, piece: Slice) -> bool:
-        while not self.slots.acquire(timeout=TICK_S):
-            if self.stopping:
+        """Wait for a free slot (the sender thread), ending the slice instead when the
+        connection stops or the slice is no longer wanted."""
+        while True:
+            with self.lock:
+                if not self.free_slots and not self.stopping:
+                    self._slot_wanted = True
+                    self.slot_freed.wait(TICK_S)
+                    self._slot_wanted = False
+                if self.free_slots:
+                    self.free_slots -= 1
+                    return True
+                stopping = self.stopping
+            if stopping:
                 piece.record.slice_failed(f"connection pool to {self.link.name} closed", ClosedError.code)
                 return False
             if not self._still_wanted(piece):
                 return False
-        return True
 
-    def try_send_inline(self, pieces: list[Slice]) -> bool:
+    def _give_slots(self, count: int) -> None:
+        with self.lock:
+            self.free_slots += count
+            if self._slot_wanted:
+                self.slot_freed.notify()
+
+    def try_send_inline(self, pieces: list[Slice], receive: bool = False) -> bool:
         """Send a small burst from the caller's thread when this connection is connected and
         idle (nothing queued or in flight, nobody writing): saves a thread hand-off. Never
-        connects. False means nothing was done and the caller should queue the pieces."""
+        connects. `receive`: the caller waits for the burst next, so it reads the answers
+        too (returning when they are read, or when what is left is the receiver thread's).
+        False means nothing was done and the caller should queue the pieces."""
         if self.sock is None or self.inflight or not self.queue.empty():
             return False
         if not self.send_lock.acquire(blocking=False):
             return False
         try:
-            taken = 0
-            while taken < len(pieces) and self.slots.acquire(blocking=False):
-                taken += 1
-            if taken == len(pieces) and self._send(pieces, may_connect=False):
-                return True
-            for _ in range(taken):
-                self.slots.release()
-            return False
+            with self.lock:
+                if self.free_slots < len(pieces):
+                    return False
+                self.free_slots -= len(pieces)
+            sent = self._send(pieces, may_connect=False, wake=not receive)
+            if not sent:
+                self._give_slots(len(pieces))
+                return False
         finally:
             self.send_lock.release()
+        if receive and sent:
+            self._receive_own(pieces)
+        return True
 
-    def _send(self, pieces: list[Slice], may_connect: bool) -> bool:
+    def _receive_own(self, pieces: list[Slice]) -> None:
+        """Read the answers to `pieces` on the caller's thread while the head in flight is one
+        of them; then wake the receiver thread for anything still in flight (see the module)."""
+        mine = {id(piece) for piece in pieces}
+        try:
+            with self.recv_lock:
+                while self._receive_head(mine):
+                    pass
+        finally:
+            with self.lock:
+                if self.inflight or self.stopping:
+                    self.ready.notify()
+
+    def _send(self, pieces: list[Slice], may_connect: bool, wake: bool = True) -> bool:
         """Write the requests (and write payloads) of `pieces`, each holding a slot; called
         with `send_lock` held. Returns False, having done nothing, only when not connected
-        and `may_connect` is False."""
+        and `may_connect` is False. `wake`: wake the receiver thread (False: the caller reads
+        the answers, `_receive_own`)."""
         if not pieces:
             return True
         parts: list[bytes | memoryview] | None = None
@@ -222,13 +283,13 @@ class Connection:
                     break
                 sock, gen = self.sock, self.gen
                 if sock is not None:
-                    parts = self._enqueue(pieces, sock, gen)
+                    parts = self._enqueue(pieces, sock, gen, wake)
                     break
             if not may_connect:
                 return False
             if self._hooks.probe_first(self.index):
+                self._give_slots(len(pieces))
                 for piece in pieces:
-                    self.slots.release()
                     self._hooks.reroute(piece, self.index)
                 self._reroute_queued()  # NOTE: nothing waits here while the probe connects
                 self._probe()
@@ -237,20 +298,20 @@ class Connection:
                 self._connect(min(piece.record.deadline for piece in pieces))
             except AuthError as exc:
                 self._hooks.probed(self.index, False)
+                self._give_slots(len(pieces))
                 for piece in pieces:
-                    self.slots.release()
                     where = f"{self.endpoint.host}:{self.endpoint.port}"
                     piece.record.slice_failed(f"authentication with {where} failed: {exc}", exc.code)
                 return True
             except (OSError, ValueError) as exc:  # ValueError: e.g. UnicodeError from a bad host name
+                self._give_slots(len(pieces))
                 for piece in pieces:
-                    self.slots.release()
                     self._hooks.retry(piece, self.index, f"cannot connect to {self.endpoint}: {exc}", False)
                 return True
             self._hooks.probed(self.index, True)
         if parts is None or sock is None:  # stopping: nothing was appended
+            self._give_slots(len(pieces))
             for piece in pieces:
-                self.slots.release()
                 piece.record.slice_failed(f"connection pool to {self.link.name} closed", ClosedError.code)
             return True
         deadline = min(piece.record.deadline for piece in pieces)
@@ -260,18 +321,20 @@ class Connection:
             self._broken(gen, exc)
         return True
 
-    def _enqueue(self, pieces: list[Slice], sock: socket.socket, gen: int) -> list[bytes | memoryview]:
+    def _enqueue(self, pieces: list[Slice], sock: socket.socket, gen: int, wake: bool) -> list[bytes | memoryview]:
         # Called with self.lock held: number, append and frame the pieces.
         parts: list[bytes | memoryview] = []
         for piece in pieces:
             seq = next(self.seq) & 0xFFFFFFFF
             self.inflight.append((seq, piece, gen, sock))
-            self.tail_deadline = min(self.tail_deadline, piece.record.deadline)
-            op = wire.Op.WRITE if piece.op is OpCode.WRITE else wire.Op.READ
-            parts.append(wire.REQUEST.pack(wire.MAGIC, op, 0, seq, piece.remote_offset, len(piece.local)))
-            if piece.op is OpCode.WRITE:
+            writing = piece.op is _OP_WRITE
+            parts.append(
+                wire.REQUEST.pack(_MAGIC, _WRITE if writing else _READ, 0, seq, piece.remote_offset, len(piece.local))
+            )
+            if writing:
                 parts.append(piece.local)
-        self.ready.notify()
+        if wake:
+            self.ready.notify()
         return parts
 
     def _connect(self, deadline: float) -> None:
@@ -321,48 +384,156 @@ class Connection:
                     self.ready.wait()
                 if not self.inflight:
                     return
-                seq, piece, gen, sock = self.inflight.popleft()
-                self.tail_deadline = min((p.record.deadline for _, p, _, _ in self.inflight), default=math.inf)
-            try:
-                self._receive(sock, piece, seq)
-            except (OSError, PeerError) as exc:  # PeerError: a protocol violation, or a stall
-                self._broken(gen, exc, piece)
-            else:
-                self.slots.release()
+            with self.recv_lock:  # NOTE: a waiting caller may be reading its own answers
+                self._receive_head(None)
+
+    def _receive_head(self, mine: set[int] | None) -> bool:
+        """Read the answer to the head in flight (only if it is one of `mine`, when given);
+        called with `recv_lock` held. False when there was none to read."""
+        with self.lock:
+            if not self.inflight or (mine is not None and id(self.inflight[0][1]) not in mine):
+                return False
+            seq, piece, gen, sock = self.inflight.popleft()
+        try:
+            self._receive(sock, piece, seq)
+        except (OSError, PeerError) as exc:  # PeerError: a protocol violation, or a stall
+            self._broken(gen, exc, piece)
+        else:
+            self._give_slots(1)
+        return True
 
     def _receive(self, sock: socket.socket, piece: Slice, seq: int) -> None:
-        clock, deadline = self.link.clock, piece.record.deadline
-
-        def expired(received: int) -> bool:
-            # NOTE: the earliest deadline in flight, not just the head's: a stalled peer must
-            # not hold a later, shorter request past its deadline.
-            now = clock.now()
-            if self.stopping or now >= min(deadline, self.tail_deadline):
-                return True
-            self._watch(sock, (seq, received), now)
-            return False
-
-        wire.recv_exact(sock, self._head_view, expired)
+        """Read the answer to `piece` (request `seq`). The common case, an answer that is
+        already here, costs one recv_into for the header and one for a read's data; a wait
+        goes through wire.recv_exact, which watches deadlines and stalls (`_expiry`)."""
+        head = self._head_view
+        got = _recv_now(sock, head)
+        if got < RESPONSE_BYTES:
+            _recv_rest(sock, head, got, self._expiry(sock, piece, seq, 0), strict=False)
         magic, status, _flags, got_seq, length = wire.RESPONSE.unpack_from(self._head)
-        if magic != wire.MAGIC or got_seq != seq:
+        if magic != _MAGIC or got_seq != seq:
             raise ProtocolError(f"bad answer header (magic {magic:#x}, request {got_seq}, expected {seq})")
-        if status == wire.Status.OK:
-            expected = len(piece.local) if piece.op is OpCode.READ else 0
+        if status == _OK:
+            local = piece.local
+            expected = len(local) if piece.op is _OP_READ else 0
             if length != expected:
                 raise ProtocolError(f"{piece.op.value} answer carries {length} bytes, expected {expected}")
             if expected:
-                wire.recv_exact(sock, piece.local, expired, strict=True)
-            self.progress_at = clock.now()
-            piece.record.slice_done(len(piece.local))
+                got = _recv_now(sock, local)
+                if got < expected:
+                    _recv_rest(sock, local, got, self._expiry(sock, piece, seq, RESPONSE_BYTES), strict=True)
+            self.progress_at = self.link.clock.now()
+            piece.record.slice_done(len(local))
             return
         response = wire.decode_response(self._head)  # raises on an unknown status
         if length > wire.MAX_REASON_BYTES:
             raise ProtocolError(f"error reason of {length} bytes is over the limit")
         reason = bytearray(length)
-        wire.recv_exact(sock, memoryview(reason), expired, strict=True)
+        wire.recv_exact(sock, memoryview(reason), self._expiry(sock, piece, seq, RESPONSE_BYTES), strict=True)
         code = _STATUS_CODES.get(response.status, PeerError.code)
-        self.progress_at = clock.now()
+        self.progress_at = self.link.clock.now()
         piece.record.slice_failed(reason.decode(errors="replace"), code)
+
+    def run_prepared(self, calls: list[PreparedCall], deadline: float) -> bool | None:
+        """Move `calls` on this thread if the connection is connected and idle (None, having
+        done nothing, if not): requests in one sendmsg, answers scattered in place by as few
+        recvmsg_into calls as the kernel allows. True when every one completed; False when any
+        did not, or the deadline (the link's clock) passed: the connection is then reset (its
+        stream is not where the next request expects it; nothing else was in flight on it),
+        and the caller's read buffers may hold part of an answer (a one-sided read that fails
+        leaves its destination undefined)."""
+        if self.sock is None or self.inflight or not self.send_lock.acquire(blocking=False):
+            return None
+        try:
+            if not self.recv_lock.acquire(blocking=False):
+                return None
+            try:
+                with self.lock:
+                    sock, gen = self.sock, self.gen
+                    if sock is None or self.stopping or self.inflight:
+                        return None
+                    first = next(self.seq)
+                    self.seq = itertools.count(first + len(calls))
+                return self._run_prepared(sock, gen, calls, first, deadline)
+            finally:
+                self.recv_lock.release()
+        finally:
+            self.send_lock.release()
+
+    def _run_prepared(
+        self, sock: socket.socket, gen: int, calls: list[PreparedCall], first: int, deadline: float
+    ) -> bool:
+        clock = self.link.clock
+        parts: list[bytes | memoryview] = []
+        views = []
+        for n, (reading, array, address, remote_offset) in enumerate(calls):
+            view = memoryview(array.from_address(address)).cast("B")
+            views.append(view)
+            op = _READ if reading else _WRITE
+            parts.append(wire.REQUEST.pack(_MAGIC, op, 0, (first + n) & 0xFFFFFFFF, remote_offset, len(view)))
+            if not reading:
+                parts.append(view)
+        # NOTE: every answer lands with as few recvmsg_into calls as the kernel allows: headers
+        # in `_heads`, read data straight into the caller's memory, all in one scatter list
+        heads = self._heads
+        buffers: list[memoryview] = []
+        head_at: list[int] = []  # the index in `buffers` of each answer's header
+        for n, (reading, _, _, _) in enumerate(calls):
+            head_at.append(len(buffers))
+            buffers.append(heads[n * RESPONSE_BYTES : (n + 1) * RESPONSE_BYTES])
+            if reading:
+                buffers.append(views[n])
+        try:
+            wire.send_all(sock, parts, lambda: self.stopping or clock.now() >= deadline)
+            expired = self._expiry(sock, deadline, first & 0xFFFFFFFF, 0)
+            done = checked = received = 0
+            while done < len(buffers):
+                try:
+                    got = sock.recvmsg_into(buffers[done:] if done else buffers)[0]
+                except (BlockingIOError, TimeoutError):
+                    if expired(received):
+                        raise TimeoutError(f"timed out after receiving {received} bytes of answers") from None
+                    continue
+                if not got:
+                    raise ConnectionResetError("peer closed the connection")
+                received += got
+                while got:
+                    size = len(buffers[done])
+                    if got < size:
+                        buffers[done] = buffers[done][got:]
+                        break
+                    got -= size
+                    done += 1
+                while checked < len(calls) and head_at[checked] < done:  # a whole header came: check it
+                    reading = calls[checked][0]
+                    _check_answer(heads, checked, (first + checked) & 0xFFFFFFFF, len(views[checked]) if reading else 0)
+                    checked += 1
+                if done < len(buffers) and clock.now() >= deadline:  # NOTE: a peer that trickles
+                    raise TimeoutError(f"timed out after receiving {received} bytes of answers")
+        except (OSError, PeerError) as exc:  # NOTE: the stream's state is unknown: reset it
+            self._broken(gen, exc)
+            return False
+        self.progress_at = clock.now()
+        return True
+
+    def _expiry(self, sock: socket.socket, piece: Slice | float, seq: int, base: int) -> Callable[[int], bool]:
+        """recv_exact's `expired` for the answer to `piece` (or to a prepared call with this
+        deadline), `base` bytes of it already read."""
+        clock = self.link.clock
+        deadline = piece if isinstance(piece, float) else piece.record.deadline
+
+        def expired(received: int) -> bool:
+            # NOTE: the earliest deadline in flight, not just the head's: a stalled peer must
+            # not hold a later, shorter request past its deadline.
+            now = clock.now()
+            with self.lock:
+                tail = min((p.record.deadline for _, p, _, _ in self.inflight), default=math.inf)
+            if self.stopping or now >= min(deadline, tail):
+                return True
+            self._watch(sock, (seq, base + received), now)
+            return False
+
+        return expired
 
     def _watch(self, sock: socket.socket, seen: tuple[int, int], now: float) -> None:
         """At a tick (or a partial answer) of the receiver: note progress, or raise when the
@@ -395,14 +566,13 @@ class Connection:
                 self.gen += 1
                 pieces += [p for _, p, _, _ in self.inflight]
                 self.inflight.clear()
-                self.tail_deadline = math.inf
                 sock, self.sock = self.sock, None
         if sock is not None:
             logger.debug("connection %d to %s broke: %s", self.index, self.link.name, exc)
             _close(sock)
         timed_out = isinstance(exc, TimeoutError)
+        self._give_slots(len(pieces))
         for piece in pieces:
-            self.slots.release()
             self._hooks.retry(piece, self.index, f"{type(exc).__name__}: {exc}", timed_out)
 
     def stop(self) -> None:
@@ -435,6 +605,56 @@ class Connection:
                 return
             if late is not None:
                 late.record.slice_failed(f"connection pool to {self.link.name} closed", ClosedError.code)
+
+
+def _check_answer(heads: memoryview, n: int, seq: int, length: int) -> None:
+    """Check the header of a prepared call's answer `n` (in `heads`): request `seq`, OK,
+    carrying `length` bytes.
+
+    Raises:
+        PeerError: the peer refused the request (its reason is left unread: the caller resets
+            the connection and the ordinary path asks again).
+        ProtocolError: not the answer expected.
+    """
+    magic, status, _flags, got_seq, got_length = wire.RESPONSE.unpack_from(heads, n * RESPONSE_BYTES)
+    if magic != _MAGIC or got_seq != seq:
+        raise ProtocolError(f"bad answer header (magic {magic:#x}, request {got_seq}, expected {seq})")
+    if status != _OK:
+        raise PeerError(f"the peer refused request {seq} (status {status})")
+    if got_length != length:
+        raise ProtocolError(f"answer carries {got_length} bytes, expected {length}")
+
+
+def _recv_now(sock: socket.socket, view: memoryview) -> int:
+    """One recv_into of `view`: the bytes it got, or -1 when none came within the socket's
+    I/O tick.
+
+    Raises:
+        ConnectionResetError: the peer closed the connection.
+    """
+    try:
+        got = sock.recv_into(view)
+    except (BlockingIOError, TimeoutError):
+        return -1
+    if not got:
+        raise ConnectionResetError("peer closed the connection")
+    return got
+
+
+def _recv_rest(sock: socket.socket, view: memoryview, got: int, expired: Callable[[int], bool], strict: bool) -> None:
+    """Fill `view` past its first `got` bytes (-1: `_recv_now`'s tick, asked of `expired` as
+    recv_exact asks it of its own ticks; else its `strict` check of a partial read).
+
+    Raises:
+        TimeoutError: `expired` said so. What wire.recv_exact raises.
+    """
+    if got < 0:
+        got = 0
+        if expired(0):
+            raise TimeoutError(f"timed out after receiving 0 of {len(view)} bytes")
+    elif strict and expired(got):
+        raise TimeoutError(f"timed out after receiving {got} of {len(view)} bytes")
+    wire.recv_exact(sock, view[got:], lambda received: expired(got + received), strict=strict)
 
 
 def _close(sock: socket.socket) -> None:
