@@ -43,9 +43,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import functools
 import itertools
 import logging
 import math
+import os
 import queue
 import socket
 import threading
@@ -69,6 +71,7 @@ logger = logging.getLogger(__name__)
 TICK_S = 0.1  # how often a blocked socket call wakes up to check deadlines and shutdown
 COALESCE_BYTES = 512 << 10  # small slices are merged into one sendmsg (or sent inline) up to this
 _STATUS_CODES = {wire.Status.OUT_OF_BOUNDS: OutOfBounds.code}
+SPIN_S = 200e-6  # a waiting caller polls this long for each answer before it sleeps in recv (`_poll`)
 RESPONSE_BYTES = wire.RESPONSE.size
 # NOTE: plain ints: an enum member read through its class costs ~0.5 us on the hot path
 _MAGIC, _OK, _READ, _WRITE = wire.MAGIC, int(wire.Status.OK), int(wire.Op.READ), int(wire.Op.WRITE)
@@ -261,7 +264,7 @@ class Connection:
         mine = {id(piece) for piece in pieces}
         try:
             with self.recv_lock:
-                while self._receive_head(mine):
+                while self._receive_head(mine, spin=True):
                     pass
         finally:
             with self.lock:
@@ -387,27 +390,28 @@ class Connection:
             with self.recv_lock:  # NOTE: a waiting caller may be reading its own answers
                 self._receive_head(None)
 
-    def _receive_head(self, mine: set[int] | None) -> bool:
-        """Read the answer to the head in flight (only if it is one of `mine`, when given);
-        called with `recv_lock` held. False when there was none to read."""
+    def _receive_head(self, mine: set[int] | None, spin: bool = False) -> bool:
+        """Read the answer to the head in flight (only if it is one of `mine`, when given;
+        polling for its header first with `spin`: `_poll`); called with `recv_lock` held.
+        False when there was none to read."""
         with self.lock:
             if not self.inflight or (mine is not None and id(self.inflight[0][1]) not in mine):
                 return False
             seq, piece, gen, sock = self.inflight.popleft()
         try:
-            self._receive(sock, piece, seq)
+            self._receive(sock, piece, seq, time.perf_counter() + SPIN_S if spin else 0.0)
         except (OSError, PeerError) as exc:  # PeerError: a protocol violation, or a stall
             self._broken(gen, exc, piece)
         else:
             self._give_slots(1)
         return True
 
-    def _receive(self, sock: socket.socket, piece: Slice, seq: int) -> None:
+    def _receive(self, sock: socket.socket, piece: Slice, seq: int, spin_until: float = 0.0) -> None:
         """Read the answer to `piece` (request `seq`). The common case, an answer that is
         already here, costs one recv_into for the header and one for a read's data; a wait
         goes through wire.recv_exact, which watches deadlines and stalls (`_expiry`)."""
         head = self._head_view
-        got = _recv_now(sock, head)
+        got = _recv_now(sock, head, spin_until)
         if got < RESPONSE_BYTES:
             _recv_rest(sock, head, got, self._expiry(sock, piece, seq, 0), strict=False)
         magic, status, _flags, got_seq, length = wire.RESPONSE.unpack_from(self._head)
@@ -487,9 +491,11 @@ class Connection:
             wire.send_all(sock, parts, lambda: self.stopping or clock.now() >= deadline)
             expired = self._expiry(sock, deadline, first & 0xFFFFFFFF, 0)
             done = checked = received = 0
+            spin_until = time.perf_counter() + SPIN_S
             while done < len(buffers):
+                rest = buffers[done:] if done else buffers
                 try:
-                    got = sock.recvmsg_into(buffers[done:] if done else buffers)[0]
+                    got = _poll(functools.partial(_scatter, sock, rest), spin_until)
                 except (BlockingIOError, TimeoutError):
                     if expired(received):
                         raise TimeoutError(f"timed out after receiving {received} bytes of answers") from None
@@ -607,6 +613,32 @@ class Connection:
                 late.record.slice_failed(f"connection pool to {self.link.name} closed", ClosedError.code)
 
 
+def _scatter(sock: socket.socket, buffers: list[memoryview], flags: int) -> int:
+    return sock.recvmsg_into(buffers, 0, flags)[0]
+
+
+def _poll(receive: Callable[[int], int], until: float) -> int:
+    """`receive(flags)` without blocking, yielding the CPU between tries, until some bytes
+    come or `until` (time.perf_counter) passes; then once blocking (the socket's I/O tick).
+
+    NOTE: as the RPC client's spin (tsukimi/rpc/frame.py): a thread asleep in recv is woken
+    by an inter-processor interrupt when the answer lands, ~50 us on a VM; a caller that
+    expects its answer within microseconds polls first. Only a waiting caller polls: the
+    connection's own threads block at once.
+
+    Raises:
+        BlockingIOError: nothing came within the blocking call's I/O tick either.
+        OSError: from the socket.
+    """
+    while True:
+        try:
+            return receive(socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            if time.perf_counter() >= until:
+                return receive(0)
+            os.sched_yield()
+
+
 def _check_answer(heads: memoryview, n: int, seq: int, length: int) -> None:
     """Check the header of a prepared call's answer `n` (in `heads`): request `seq`, OK,
     carrying `length` bytes.
@@ -625,15 +657,15 @@ def _check_answer(heads: memoryview, n: int, seq: int, length: int) -> None:
         raise ProtocolError(f"answer carries {got_length} bytes, expected {length}")
 
 
-def _recv_now(sock: socket.socket, view: memoryview) -> int:
+def _recv_now(sock: socket.socket, view: memoryview, spin_until: float = 0.0) -> int:
     """One recv_into of `view`: the bytes it got, or -1 when none came within the socket's
-    I/O tick.
+    I/O tick (after polling until `spin_until`, time.perf_counter, if given: `_poll`).
 
     Raises:
         ConnectionResetError: the peer closed the connection.
     """
     try:
-        got = sock.recv_into(view)
+        got = _poll(lambda flags: sock.recv_into(view, 0, flags), spin_until) if spin_until else sock.recv_into(view)
     except (BlockingIOError, TimeoutError):
         return -1
     if not got:
