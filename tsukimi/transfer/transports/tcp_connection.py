@@ -526,7 +526,7 @@ class Connection:
         """recv_exact's `expired` for the answer to `piece` (or to a prepared call with this
         deadline), `base` bytes of it already read."""
         clock = self.link.clock
-        deadline = piece if isinstance(piece, float) else piece.record.deadline
+        deadline = piece.record.deadline if isinstance(piece, Slice) else piece
 
         def expired(received: int) -> bool:
             # NOTE: the earliest deadline in flight, not just the head's: a stalled peer must
