@@ -132,7 +132,7 @@ class SegmentServer(netserver.ConnectionServer):
             return self.closed or clock.now() >= deadline[0]
 
         acks: list[bytes | memoryview] = []  # answers held back while more requests are queued
-        held = 0  # bytes of read data in `acks` (at least: a flush elsewhere leaves it stale)
+        held = 0  # an upper bound on the read bytes in `acks` (a flush in _next_header leaves it as it was)
         try:
             while True:
                 deadline[0] = clock.now() + timeout_s  # bounds a header that arrives in pieces

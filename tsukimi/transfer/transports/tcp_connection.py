@@ -413,7 +413,7 @@ class Connection:
         head = self._head_view
         got = _recv_now(sock, head, spin_until)
         if got < RESPONSE_BYTES:
-            _recv_rest(sock, head, got, self._expiry(sock, piece, seq, 0), strict=False)
+            _recv_rest(sock, head, got, self._expiry(sock, piece.record.deadline, seq, 0), strict=False)
         magic, status, _flags, got_seq, length = wire.RESPONSE.unpack_from(self._head)
         if magic != _MAGIC or got_seq != seq:
             raise ProtocolError(f"bad answer header (magic {magic:#x}, request {got_seq}, expected {seq})")
@@ -425,7 +425,9 @@ class Connection:
             if expected:
                 got = _recv_now(sock, local)
                 if got < expected:
-                    _recv_rest(sock, local, got, self._expiry(sock, piece, seq, RESPONSE_BYTES), strict=True)
+                    _recv_rest(
+                        sock, local, got, self._expiry(sock, piece.record.deadline, seq, RESPONSE_BYTES), strict=True
+                    )
             self.progress_at = self.link.clock.now()
             piece.record.slice_done(len(local))
             return
@@ -433,7 +435,9 @@ class Connection:
         if length > wire.MAX_REASON_BYTES:
             raise ProtocolError(f"error reason of {length} bytes is over the limit")
         reason = bytearray(length)
-        wire.recv_exact(sock, memoryview(reason), self._expiry(sock, piece, seq, RESPONSE_BYTES), strict=True)
+        wire.recv_exact(
+            sock, memoryview(reason), self._expiry(sock, piece.record.deadline, seq, RESPONSE_BYTES), strict=True
+        )
         code = _STATUS_CODES.get(response.status, PeerError.code)
         self.progress_at = self.link.clock.now()
         piece.record.slice_failed(reason.decode(errors="replace"), code)
@@ -467,26 +471,24 @@ class Connection:
     def _run_prepared(
         self, sock: socket.socket, gen: int, calls: list[PreparedCall], first: int, deadline: float
     ) -> bool:
-        clock = self.link.clock
-        parts: list[bytes | memoryview] = []
+        clock, heads = self.link.clock, self._heads
+        parts: list[bytes | memoryview] = []  # the requests (and write payloads), one sendmsg
+        # NOTE: every answer lands with as few recvmsg_into calls as the kernel allows: headers
+        # in `_heads`, read data straight into the caller's memory, all in one scatter list
+        buffers: list[memoryview] = []
+        head_at: list[int] = []  # the index in `buffers` of each answer's header
         views = []
         for n, (reading, array, address, remote_offset) in enumerate(calls):
             view = memoryview(array.from_address(address)).cast("B")
             views.append(view)
             op = _READ if reading else _WRITE
             parts.append(wire.REQUEST.pack(_MAGIC, op, 0, (first + n) & 0xFFFFFFFF, remote_offset, len(view)))
-            if not reading:
-                parts.append(view)
-        # NOTE: every answer lands with as few recvmsg_into calls as the kernel allows: headers
-        # in `_heads`, read data straight into the caller's memory, all in one scatter list
-        heads = self._heads
-        buffers: list[memoryview] = []
-        head_at: list[int] = []  # the index in `buffers` of each answer's header
-        for n, (reading, _, _, _) in enumerate(calls):
             head_at.append(len(buffers))
             buffers.append(heads[n * RESPONSE_BYTES : (n + 1) * RESPONSE_BYTES])
             if reading:
-                buffers.append(views[n])
+                buffers.append(view)
+            else:
+                parts.append(view)
         try:
             wire.send_all(sock, parts, lambda: self.stopping or clock.now() >= deadline)
             expired = self._expiry(sock, deadline, first & 0xFFFFFFFF, 0)
@@ -522,11 +524,10 @@ class Connection:
         self.progress_at = clock.now()
         return True
 
-    def _expiry(self, sock: socket.socket, piece: Slice | float, seq: int, base: int) -> Callable[[int], bool]:
-        """recv_exact's `expired` for the answer to `piece` (or to a prepared call with this
-        deadline), `base` bytes of it already read."""
+    def _expiry(self, sock: socket.socket, deadline: float, seq: int, base: int) -> Callable[[int], bool]:
+        """recv_exact's `expired` for the answer to request `seq` due by `deadline` (the
+        link's clock), `base` bytes of it already read."""
         clock = self.link.clock
-        deadline = piece.record.deadline if isinstance(piece, Slice) else piece
 
         def expired(received: int) -> bool:
             # NOTE: the earliest deadline in flight, not just the head's: a stalled peer must
