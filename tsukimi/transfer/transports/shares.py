@@ -14,9 +14,12 @@ ends them past their deadline (timed out).
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
+
+from tsukimi.transfer.native import NATIVE, packed
 
 Copy = tuple[int, int, int]  # (destination address, source address, bytes)
 
@@ -26,6 +29,14 @@ def copy_all(copies: list[Copy]) -> bool:
     for destination, source, size in copies:
         ctypes.memmove(destination, source, size)
     return True
+
+
+def copier(copies: list[Copy]) -> Callable[[], bool]:
+    """A share's work: `copy_all(copies)`, in one native call where tsukimi/transfer/native.py
+    has one (~0.3 us less per copy: the ctypes call)."""
+    if NATIVE is None:
+        return functools.partial(copy_all, copies)
+    return functools.partial(NATIVE.copy_packed, packed(copies))
 
 
 class Latch:

@@ -16,7 +16,6 @@ no staging. A mapping is pinned for a kind of device the first time it is used w
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from tsukimi.device import backend, pin_or_warn
 from tsukimi.errors import ClosedError, OutOfBounds, PeerError, TsukimiError
 from tsukimi.transfer.batch import OpCode, RequestRecord
 from tsukimi.transfer.copies import copy_bytes
+from tsukimi.transfer.native import still_there
 from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor, view_address
 from tsukimi.transfer.shared_memory import SharedMapping, map_shared, valid_shm_name
 from tsukimi.transfer.transports.base import PreparedItem, Slice, TransportContext, register_transport
@@ -37,7 +37,7 @@ from tsukimi.transfer.transports.same_host import (
     live_slices,
     split_by_bytes,
 )
-from tsukimi.transfer.transports.shares import Copy, Share, copy_all, run_shares
+from tsukimi.transfer.transports.shares import Copy, Share, copier, run_shares
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +130,13 @@ class ShmTransport:
 
     def prepare(self, peer: SegmentDescriptor, items: list[PreparedItem]) -> Callable[[float], bool] | None:
         """Prepared requests (tsukimi/transfer/prepared.py): each item's file mapped and both
-        addresses found once; a run checks liveness before and after the copies, and, under the
-        peer's lock, that each file is still mapped and not released, pinning its mapping for
-        the copies. A run above INLINE_BYTES shares its copies, cut as slices are, with the
-        workers, waiting for them at most the run's time left (shares.py). Keeps no view of
-        the items (addresses only: the caller keeps them alive). None when an item is not in a
-        live file of the peer (a released one is left as it is: the slices say so)."""
+        addresses found once; a run checks, under the peer's lock, that each file is still
+        mapped, pinning its mapping for the copies, and after them that the peer still runs
+        and no file was released (tsukimi/transfer/native.py `still_there`). A run above
+        INLINE_BYTES shares its copies, cut as slices are, with the workers, waiting for them
+        at most the run's time left (shares.py). Keeps no view of the items (addresses only:
+        the caller keeps them alive). None when an item is not in a live file of the peer (a
+        released one is left as it is: the slices say so)."""
         state = self._peers.get(peer)
         files: dict[str, SharedMapping] = {}
         copies: list[Copy] = []
@@ -157,24 +158,31 @@ class ShmTransport:
         checks = tuple(files.items())
         total = sum(size for _, _, size in copies)
         shares = [copies] if total <= INLINE_BYTES else split_by_bytes(copies, self._num_workers + 1, _copy_bytes)
-        works = [functools.partial(copy_all, share) for share in shares]
+        works = [copier(share) for share in shares]
+
+        fds = tuple(mapping.fd for _, mapping in checks)
+        put = self._workers.put
 
         def run(timeout_s: float) -> bool:
-            if not state.alive():
-                return False
-            with state.lock:  # NOTE: drop() and close() unmap under this lock: the checks hold
-                try:
-                    if any(state.mappings.get(name) is not m or m.unlinked() for name, m in checks):
-                        return False
-                    pins = [m.view[0:0] for _, m in checks]  # NOTE: a live slice keeps the file mapped
-                except (OSError, ValueError):
+            # NOTE: the peer's liveness and its files' links once, after the copies: the pidfd
+            # pins the process and an unlinked file stays unlinked, so what holds then held
+            # throughout (a copy into a dead peer's or a released file, still mapped here, is
+            # harmless: the call says False and the slices report it)
+            with state.lock:  # NOTE: drop() and close() unmap under this lock: the check holds
+                if not _all_mapped(state, checks):
                     return False
+                pins = [mapping.view[0:0] for _, mapping in checks]  # NOTE: a live slice keeps it mapped
             try:
-                moved = run_shares(works, self._workers.put, timeout_s)
+                moved = run_shares(works, put, timeout_s)
             finally:
                 del pins
-                _unmap_dropped(state, checks)
-            return moved and state.alive()
+            with state.lock:  # NOTE: a file still mapped is not closed: its descriptor is its own
+                if not _all_mapped(state, checks):
+                    moved = False
+                elif moved:
+                    return still_there(state.pidfd, fds)
+            _unmap_dropped(state, checks)
+            return moved
 
         return run
 
@@ -275,6 +283,16 @@ def _mapped(peer: _ShmPeer, shm_name: str) -> SharedMapping | None:
         return None if mapping.unlinked() else mapping
     except (OSError, ValueError):
         return None
+
+
+def _all_mapped(peer: _ShmPeer, checks: tuple[tuple[str, SharedMapping], ...]) -> bool:
+    """Whether each (name, mapping) is still the peer's mapping of that file. NOTE: under
+    peer.lock; a loop, not a generator: this runs on every prepared call."""
+    mappings = peer.mappings
+    for name, mapping in checks:  # noqa: SIM110
+        if mappings.get(name) is not mapping:
+            return False
+    return True
 
 
 def _unmap_dropped(peer: _ShmPeer, checks: tuple[tuple[str, SharedMapping], ...]) -> None:
