@@ -15,6 +15,7 @@ module, or None; `WHY_NOT` says why it is None.
 
 from __future__ import annotations
 
+import importlib
 import os
 import select
 from array import array
@@ -33,10 +34,10 @@ def _load() -> tuple[ModuleType | None, str]:
     if os.environ.get("TSUKIMI_NATIVE", "1") == "0":
         return None, "TSUKIMI_NATIVE=0"
     try:
-        from tsukimi.transfer import _native  # type: ignore[attr-defined]
+        module = importlib.import_module("tsukimi.transfer._native")  # NOTE: a C module: no .py to check
     except ImportError as exc:  # NOTE: not built here (no C compiler), or built for another Python
         return None, f"not built ({exc}); `pip install -e .` with a C compiler builds it"
-    return _native, ""
+    return module, ""
 
 
 def configure(host_classes: Sequence[type], by_name: object, by_address: object) -> None:
