@@ -229,12 +229,13 @@ class PlanMemo:
         """The entry for `key` while it is still valid (see the module), and whether the list
         is worth remembering now (seen before). Counts the sighting; drops an invalid entry."""
         entry = self._entries.get(key)
-        if (
-            isinstance(entry, Remembered)
-            and entry.version == self._segment.version
-            and all(self._directory.cached(name) is desc for name, desc in entry.peers)
-        ):
-            return entry, False
+        if isinstance(entry, Remembered) and entry.version == self._segment.version:
+            cached = self._directory.cached
+            for name, desc in entry.peers:  # NOTE: a loop: no generator per call
+                if cached(name) is not desc:
+                    break
+            else:
+                return entry, False
         with self._lock:
             seen = self._entries.get(key)
             self._entries[key] = 1 if not isinstance(seen, int) else seen + 1
