@@ -98,6 +98,24 @@ def test_repeated_runs_move_the_current_bytes(engines: tuple[TransferEngine, Tra
         assert np.array_equal(back, data) and np.array_equal(remote[: 64 * KIB], data)
 
 
+def test_a_remembered_write_from_read_only_memory_cuts_its_slices(
+    engines: tuple[TransferEngine, TransferEngine, str],
+) -> None:
+    """`submit` of a remembered list it may not run as a prepared call (tcp's waits; a list
+    of several peers has none) cuts the slices from the requests' buffers: a write's may be
+    read-only (bytes), whichever way the key was made (tsukimi/transfer/native.py)."""
+    owner, user, transport = engines
+    base, remote = _target(owner, transport, 64 * KIB)
+    data = bytes(range(256)) * 64
+    requests = [
+        TransferRequest(OpCode.WRITE, "owner", base + i * 4 * KIB, data[i * 4 * KIB :], 4 * KIB) for i in range(4)
+    ]
+    for _ in range(4):  # planned, remembered, then the memo: its prepared call, or its slices
+        assert [s.state for s in user.submit(requests).wait()] == [RequestState.COMPLETED] * 4
+        assert [s.state for s in user.transfer(requests)] == [RequestState.COMPLETED] * 4
+    assert _remembered(user, requests) is not None and bytes(remote[: 16 * KIB]) == data[: 16 * KIB]
+
+
 def test_the_memo_keeps_no_buffer_alive(engines: tuple[TransferEngine, TransferEngine, str]) -> None:
     owner, user, transport = engines
     if transport == "tcp":

@@ -100,8 +100,9 @@ class Remembered:
         """The slices routing would cut for these records and requests (with the views
         `PlanMemo.key` made), per (transport, peer)."""
         views = [
-            view if view is not None else byte_view(req.local)[0] for view, req in zip(keyed, requests, strict=True)
-        ]
+            view if view is not None else byte_view(req.local, writable=False, with_address=False)[0]
+            for view, req in zip(keyed, requests, strict=True)
+        ]  # NOTE: writable was checked when the key was made (a read's buffer is never read-only)
         for record, count in zip(records, self.counts, strict=True):
             record.slices_left = count
         return [
