@@ -116,6 +116,54 @@ def test_a_remembered_write_from_read_only_memory_cuts_its_slices(
     assert _remembered(user, requests) is not None and bytes(remote[: 16 * KIB]) == data[: 16 * KIB]
 
 
+@pytest.mark.parametrize("transport", ["shm", "cma", "tcp"])
+def test_a_list_over_two_peers_runs_each_peers_prepared_call(transport: str) -> None:
+    """A store get or put moves one list to several holders: the memo runs each peer's
+    prepared call in turn (same-host copies; tcp's slices go to every peer at once), and a
+    peer that released its buffer fails its own requests only."""
+    url = f"memory://{uuid.uuid4().hex}"
+    with (
+        TransferEngine("owner", Config(metadata=MetadataConfig(url))) as owner,
+        TransferEngine("owner-2", Config(metadata=MetadataConfig(url))) as other,
+        TransferEngine("user", Config(TransferConfig(transport=transport), MetadataConfig(url))) as user,
+    ):
+        base, remote = _target(owner, transport, 64 * KIB)
+        base2, remote2 = _target(other, transport, 64 * KIB)
+        data = np.zeros(64 * KIB, np.uint8)
+        requests = [
+            TransferRequest(
+                OpCode.WRITE,
+                "owner" if i % 2 == 0 else "owner-2",
+                (base, base2)[i % 2] + i * 8 * KIB,
+                data[i * 8 * KIB :],
+                8 * KIB,
+            )
+            for i in range(4)
+        ]
+        for round_no in range(4):
+            data[:] = np.arange(64 * KIB) % 251 + round_no
+            assert [s.state for s in user.transfer(requests)] == [RequestState.COMPLETED] * 4
+            for i in range(4):
+                landed = (remote, remote2)[i % 2][i * 8 * KIB : (i + 1) * 8 * KIB]
+                assert np.array_equal(landed, data[i * 8 * KIB : (i + 1) * 8 * KIB]), (round_no, i)
+        entry = _remembered(user, requests)
+        assert entry is not None and len(entry.groups) == 2 and (entry.fast is not None) == (transport != "tcp")
+        if transport != "tcp":  # NOTE: the prepared calls alone move it: the slices would raise
+            routes, hand_off = user._routes, user._routes.hand_off
+            routes.hand_off = lambda *args, **kwargs: pytest.fail("the slices path ran")  # type: ignore[method-assign]
+            data[:] = 9
+            try:
+                assert [s.state for s in user.transfer(requests)] == [RequestState.COMPLETED] * 4
+            finally:
+                routes.hand_off = hand_off  # type: ignore[method-assign]
+            assert (remote[: 8 * KIB] == 9).all() and (remote2[24 * KIB : 32 * KIB] == 9).all()
+        other.unregister(base2)
+        for _ in range(2):
+            statuses = user.transfer(requests)
+            assert [s.state for s in statuses[::2]] == [RequestState.COMPLETED] * 2
+            assert [s.error_code for s in statuses[1::2]] == ["out_of_bounds"] * 2, statuses
+
+
 def test_the_memo_keeps_no_buffer_alive(engines: tuple[TransferEngine, TransferEngine, str]) -> None:
     owner, user, transport = engines
     if transport == "tcp":

@@ -27,10 +27,12 @@ request to an HTTP metadata server is authenticated with it (tsukimi/auth.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from tsukimi.clock import Clock, WallClock
@@ -326,14 +328,29 @@ class TransferEngine:
 
     @staticmethod
     def _prepared(groups: list[Group], plans: list[Plan]) -> Callable[[float], bool] | None:
-        """The prepared call for host requests that all go to one peer over one transport
-        that can prepare them (else None)."""
-        if len(groups) != 1 or not isinstance(groups[0][0], Preparable):
+        """The prepared call for host requests whose every group's transport can prepare
+        them (else None): one peer's, or, over several peers of transports that copy on the
+        caller's thread (not tcp's, which waits: its slices go to every peer at once), each
+        group's prepared call in turn (a store get or put reads or writes several holders)."""
+        preparable = [
+            (transport, desc, pieces) for transport, desc, pieces in groups if isinstance(transport, Preparable)
+        ]
+        if not groups or len(preparable) != len(groups):
             return None
-        items = [(op, local, offset) for _, op, local, offset in plans if isinstance(local, memoryview)]
-        if len(items) != len(plans):
+        if len(groups) == 1:
+            items = [(op, local, offset) for _, op, local, offset in plans if isinstance(local, memoryview)]
+            return _prepare(preparable[0][0], preparable[0][1], items) if len(items) == len(plans) else None
+        if any(getattr(transport, "prepared_waits", False) for transport, _, _ in groups):
             return None
-        return _prepare(groups[0][0], groups[0][1], items)
+        calls = []
+        for transport, desc, pieces in preparable:
+            if any(piece.device is not None for piece in pieces):
+                return None
+            call = _prepare(transport, desc, [(piece.op, piece.local, piece.remote_offset) for piece in pieces])
+            if call is None:
+                return None
+            calls.append(call)
+        return functools.partial(_run_in_turn, calls)
 
     def prepare(self, requests: Sequence[TransferRequest], timeout_s: float | None = None) -> PreparedTransfer:
         """Validate and route `requests` once, to run them many times (`run()` = `transfer`,
@@ -498,6 +515,17 @@ class TransferEngine:
 
     def _on_handshake(self, raw: bytes) -> None:
         self._directory.learn_hint(decode_descriptor(raw))
+
+
+def _run_in_turn(calls: list[Callable[[float], bool]], timeout_s: float) -> bool:
+    """Several peers' prepared calls, one after another within `timeout_s`; whether every
+    one moved all of its bytes (else the ordinary path redoes the list: copies repeat)."""
+    until = time.monotonic() + timeout_s
+    for call in calls:
+        left = until - time.monotonic()
+        if left <= 0 or not call(left):
+            return False
+    return True
 
 
 def _prepare(
