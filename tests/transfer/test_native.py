@@ -252,3 +252,36 @@ def test_without_the_extension_the_python_code_moves_the_bytes() -> None:
 def test_packed_holds_native_words() -> None:
     flat = native.packed([(1, 2, 3), (4, 5, 6)])
     assert flat.itemsize == ctypes.sizeof(ctypes.c_uint64) and list(flat) == [1, 2, 3, 4, 5, 6]
+
+
+@needs_native
+def test_cma_run_copies_each_group_and_checks_the_owner_first() -> None:
+    """This process as the owner: its pidfd, its memory, a version word of its own."""
+    assert native.NATIVE is not None
+    cma_run = native.NATIVE.cma_run
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        rng = np.random.default_rng(3)
+        mine, theirs = rng.integers(0, 256, 1 << 16, dtype=np.uint8), np.zeros(1 << 16, np.uint8)
+        here, there = mine.ctypes.data, theirs.ctypes.data
+        word = np.array([7], np.uint64)
+        version_at = word.ctypes.data
+        write = (True, native.packed([(here, there, 1000), (here + 5000, there + 9000, 3000)]), 4000)
+        assert cma_run(pidfd, os.getpid(), version_at, 7, (write,)) is True
+        assert np.array_equal(theirs[:1000], mine[:1000]) and np.array_equal(theirs[9000:12000], mine[5000:8000])
+        back = np.zeros(3000, np.uint8)
+        read = (False, native.packed([(back.ctypes.data, there + 9000, 3000)]), 3000)
+        assert cma_run(pidfd, os.getpid(), 0, 0, (read,)) is True and np.array_equal(back, mine[5000:8000])
+        theirs[:] = 0
+        assert cma_run(pidfd, os.getpid(), version_at, 8, (write,)) is False  # re-registered: nothing moved
+        assert not theirs.any()
+        assert cma_run(-1, os.getpid(), 0, 0, (write,)) is False  # the pidfd closed under the caller
+        short = (True, native.packed([(here, there, 1000)]), 1001)  # moved less than asked
+        assert cma_run(pidfd, os.getpid(), 0, 0, (short,)) is False
+        assert cma_run(pidfd, os.getpid(), 0, 0, ()) is True
+        with pytest.raises(ValueError, match="triples"):
+            cma_run(pidfd, os.getpid(), 0, 0, ((True, b"12345678", 8),))
+        with pytest.raises(TypeError):
+            cma_run(pidfd, os.getpid(), 0, 0, ((True, "text", 8),))
+    finally:
+        os.close(pidfd)

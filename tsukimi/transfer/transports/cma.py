@@ -41,6 +41,7 @@ from tsukimi.clock import Clock
 from tsukimi.config import TransferConfig
 from tsukimi.errors import ClosedError, OutOfBounds, PeerError, TsukimiError
 from tsukimi.transfer.batch import OpCode, RequestRecord
+from tsukimi.transfer.native import NATIVE, packed
 from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor, view_address
 from tsukimi.transfer.transports.base import PreparedItem, Slice, TransportContext, register_transport
 from tsukimi.transfer.transports.same_host import (
@@ -164,9 +165,12 @@ class CmaTransport:
         """Prepared requests (tsukimi/transfer/prepared.py): the iovec lists built once, cut in
         groups as `submit` cuts slices; each run checks the owner's registration version and
         liveness as `submit` does, then makes one call per group: all of them on the calling
-        thread up to INLINE_BYTES, above that shared with the workers, waited for at most the
-        run's time left (shares.py)."""
+        thread up to INLINE_BYTES (there, with tsukimi/transfer/native.py, checks and calls in
+        one native call), above that shared with the workers, waited for at most the run's
+        time left (shares.py)."""
         state = self._peers.get(peer)
+        if NATIVE is not None and sum(len(local) for _, local, _ in items) <= INLINE_BYTES:
+            return self._native_run(state, peer, items)  # NOTE: checks and calls in one native call
         calls: list[tuple[Callable[[], int], int]] = []
         for op in (OpCode.READ, OpCode.WRITE):
             pairs = [(view_address(local), offset, len(local)) for kind, local, offset in items if kind is op]
@@ -188,6 +192,26 @@ class CmaTransport:
             if self._refused or self._version(state, peer) not in (None, peer.version) or not state.alive():
                 return False
             return run_shares(works, self._workers.put, timeout_s) and state.alive()
+
+        return run
+
+    def _native_run(
+        self, state: _CmaPeer, peer: SegmentDescriptor, items: list[PreparedItem]
+    ) -> Callable[[float], bool]:
+        """`prepare`'s call for a batch the calling thread copies alone, as one native call
+        (tsukimi/transfer/native.py `cma_run`): the same checks, in the same order."""
+        assert NATIVE is not None
+        groups = []
+        for op in (OpCode.READ, OpCode.WRITE):
+            triples = [(view_address(local), offset, len(local)) for kind, local, offset in items if kind is op]
+            for start in range(0, len(triples), IOV_MAX):
+                group = triples[start : start + IOV_MAX]
+                groups.append((op is OpCode.WRITE, packed(group), sum(size for _, _, size in group)))
+        call, address, version = NATIVE.cma_run, peer.version_address, peer.version
+        frozen = tuple(groups)
+
+        def run(timeout_s: float) -> bool:
+            return not self._refused and bool(call(state.pidfd, state.pid, address, version, frozen))
 
         return run
 
