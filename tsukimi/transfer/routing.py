@@ -163,7 +163,10 @@ class Routes:
             ]
         else:
             assert isinstance(local, memoryview)
-            pieces = [Slice(record, op, local[i : i + step], offset + i, buffer) for i in range(0, size, step)]
+            if size <= step:  # NOTE: the common request: one slice, its bytes the plan's view itself
+                pieces = [Slice(record, op, local, offset, buffer)]
+            else:
+                pieces = [Slice(record, op, local[i : i + step], offset + i, buffer) for i in range(0, size, step)]
         record.slices_left = len(pieces)
         return transport, desc, pieces
 

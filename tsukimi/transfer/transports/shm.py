@@ -206,14 +206,12 @@ class ShmTransport:
     def _run(self, peer: _ShmPeer, slices: list[Slice]) -> None:
         """Copy a group of one peer's slices and end each (done, failed or timed out).
 
-        NOTE: the work is per group, not per slice: one deadline check and one liveness check
-        before the copies, one after (a peer that died before or during them fails them all),
-        each file's mapping and release checked once, and one lock acquisition to end them."""
+        NOTE: the work is per group, not per slice: one deadline check before the copies and
+        one liveness check after them (the pidfd pins the process: one that runs then ran
+        throughout, and a peer that died before or during them fails them all), each file's
+        mapping and release checked once, and one lock acquisition to end them."""
         live = live_slices(slices, self._clock)
         if not live:
-            return
-        if not peer.alive():
-            _fail(live, f"shm transfer to {peer.name} failed: owner process {peer.pid} has exited", PeerError.code)
             return
         files: dict[str, SharedMapping | TsukimiError] = {}
         copied: list[Slice] = []
@@ -236,8 +234,8 @@ class ShmTransport:
                 copied.append(piece)
         if not copied:
             return
-        if not peer.alive():
-            _fail(copied, f"shm transfer to {peer.name} failed: owner process {peer.pid} exited during the copy")
+        if not still_there(peer.pidfd, ()):  # NOTE: once, after: the pidfd pins the process (see prepare)
+            _fail(copied, f"shm transfer to {peer.name} failed: owner process {peer.pid} has exited")
             return
         RequestRecord.slices_done([(piece.record, piece.nbytes) for piece in copied])
 
