@@ -162,6 +162,7 @@ class ShmTransport:
 
         fds = tuple(mapping.fd for _, mapping in checks)
         put = self._workers.put
+        alone = works[0] if len(works) == 1 else None  # NOTE: the common small call: no latch, no hand-off
 
         def run(timeout_s: float) -> bool:
             # NOTE: the peer's liveness and its files' links once, after the copies: the pidfd
@@ -173,7 +174,7 @@ class ShmTransport:
                     return False
                 pins = [mapping.view[0:0] for _, mapping in checks]  # NOTE: a live slice keeps it mapped
             try:
-                moved = run_shares(works, put, timeout_s)
+                moved = alone() if alone is not None else run_shares(works, put, timeout_s)
             finally:
                 del pins
             with state.lock:  # NOTE: a file still mapped is not closed: its descriptor is its own
