@@ -493,16 +493,21 @@ def test_a_file_dropped_during_a_run_is_unmapped_after_it(
     buf = owner.allocate(64 * KIB)
     requests = [TransferRequest(OpCode.WRITE, "owner", buf.base, np.ones(4 * KIB, np.uint8))]
     user.lookup("owner", fresh=True)
-    prepared = user.prepare(requests)
     state = _transport(user, "shm")._peers.get(user.lookup("owner"))
+    copier = shm.copier
+
+    def dropped_meanwhile(copies: Any) -> Callable[[], bool]:  # drop() while the run pins the file
+        work = copier(copies)
+
+        def run() -> bool:
+            state.drop(buf.shm_name)
+            return work()
+
+        return run
+
+    monkeypatch.setattr(shm, "copier", dropped_meanwhile)
+    prepared = user.prepare(requests)
     mapping = state.mappings[buf.shm_name]
-    run_shares = shm.run_shares
-
-    def dropped_meanwhile(*args: Any) -> bool:  # drop() while the run pins the file
-        state.drop(buf.shm_name)
-        return run_shares(*args)
-
-    monkeypatch.setattr(shm, "run_shares", dropped_meanwhile)
     assert prepared.run()[0].state is RequestState.COMPLETED  # the pins kept the file mapped for the copy
     assert mapping.mm.closed
 
