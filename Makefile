@@ -120,9 +120,12 @@ $(STAMP): pyproject.toml setup.py
 	touch $(STAMP)
 
 # The optional native loops (tsukimi/transfer/native.py), rebuilt in place when their source
-# changes (`pip install -e` above builds them first); without a C compiler tsukimi runs the
-# Python code, so a failed build only warns.
-$(NATIVE_STAMP): $(STAMP) tsukimi/transfer/_native.c
+# changes (`pip install -e` above builds them first); gcc and Python's headers come from apt
+# when missing. Without them tsukimi runs its Python code, so a failed build only warns.
+$(NATIVE_STAMP): $(STAMP) tsukimi/transfer/_native.c setup.py
+	@command -v cc >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q gcc libc6-dev) || true
+	@test -f "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" || \
+		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q python3-dev) || true
 	$(BIN)/python setup.py -q build_ext --inplace 2>/dev/null || \
 		echo "warning: tsukimi/transfer/_native.c did not build (no C compiler?): tsukimi runs its Python code"
 	touch $(NATIVE_STAMP)
