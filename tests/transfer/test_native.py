@@ -283,5 +283,21 @@ def test_cma_run_copies_each_group_and_checks_the_owner_first() -> None:
             cma_run(pidfd, os.getpid(), 0, 0, ((True, b"12345678", 8),))
         with pytest.raises(TypeError):
             cma_run(pidfd, os.getpid(), 0, 0, ((True, "text", 8),))
+        with pytest.raises(TypeError, match="tuple"):
+            cma_run(pidfd, os.getpid(), 0, 0, ([True, b"", 0],))
     finally:
         os.close(pidfd)
+
+
+def test_a_build_from_another_source_is_not_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An in-place build left from an older _native.c (without a function the code now calls)
+    falls back to Python instead of failing at the first call."""
+    import types
+
+    stale = types.ModuleType("tsukimi.transfer._native")
+    stale.VERSION = native.VERSION - 1  # type: ignore[attr-defined]
+    monkeypatch.setattr(native.importlib, "import_module", lambda name: stale)
+    module, why = native._load()
+    assert module is None and "another _native.c" in why
+    monkeypatch.setenv("TSUKIMI_NATIVE", "0")
+    assert native._load() == (None, "TSUKIMI_NATIVE=0")

@@ -1,5 +1,5 @@
-/* tsukimi.transfer._native: the two loops of a small same-host transfer that the interpreter made
- * the limit (profile in docs/benchmarks.md, "Same host, 64 KiB x 4: native loops").
+/* tsukimi.transfer._native: the loops of a small same-host transfer where the interpreter was the
+ * limit (profile in docs/benchmarks.md, "Same host, 64 KiB x 4: native loops").
  *
  *   copy_packed(packed)  memmove each (destination, source, bytes) triple of a buffer of
  *                        native uint64s, with the GIL released (ctypes.memmove costs ~0.3 us
@@ -118,6 +118,10 @@ static PyObject *cma_run(PyObject *self, PyObject *args) {
     for (; got < n; got++) {
         PyObject *group = PyTuple_GET_ITEM(groups, got);
         int write;
+        if (!PyTuple_Check(group)) {
+            PyErr_SetString(PyExc_TypeError, "cma_run: each group is a (write, packed, nbytes) tuple");
+            goto done;
+        }
         if (!PyArg_ParseTuple(group, "py*L:cma_run group", &write, &views[got], &sizes[got]))
             goto done;
         writes[got] = write;
@@ -328,5 +332,11 @@ PyMODINIT_FUNC PyInit__native(void) {
     for (int i = 0; i < 9; i++)
         if (*slots[i] == NULL && !(*slots[i] = PyUnicode_InternFromString(names[i])))
             return NULL;
-    return PyModule_Create(&module);
+    PyObject *created = PyModule_Create(&module);
+    /* NOTE: native.py loads only the version it was written for (a stale in-place build falls back) */
+    if (created != NULL && PyModule_AddIntConstant(created, "VERSION", 1) < 0) {
+        Py_DECREF(created);
+        return NULL;
+    }
+    return created;
 }

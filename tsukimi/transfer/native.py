@@ -26,6 +26,7 @@ from tsukimi.transfer.batch import OpCode, SegmentHandle
 
 Copy = tuple[int, int, int]  # (destination address, source address, bytes)
 
+VERSION = 1  # _native.c's VERSION: bump both together when its functions change
 NATIVE: ModuleType | None = None
 WHY_NOT = ""
 
@@ -37,6 +38,8 @@ def _load() -> tuple[ModuleType | None, str]:
         module = importlib.import_module("tsukimi.transfer._native")  # NOTE: a C module: no .py to check
     except ImportError as exc:  # NOTE: not built here (no C compiler), or built for another Python
         return None, f"not built ({exc}); `pip install -e .` with a C compiler builds it"
+    if getattr(module, "VERSION", None) != VERSION:  # NOTE: built from an older _native.c: rebuild (make)
+        return None, f"built from another _native.c (version {getattr(module, 'VERSION', None)}, want {VERSION})"
     return module, ""
 
 
