@@ -89,8 +89,10 @@ FAKE_CUDA_SOURCE = Path(__file__).parent / "device" / "fake_cuda" / "fake_cuda.c
 
 
 @pytest.fixture(scope="session")
-def fake_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The stand-in libcuda, compiled once per session.
+def fake_driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The stand-in libcuda, compiled once per session; at the end, the shared-memory files
+    of its "device memory" that exited processes never freed are removed (a worker killed
+    or ended by the test leaves them, ~6 MiB each, in /dev/shm).
 
     Raises (as a test error, not a skip): no C compiler (`make test` installs gcc)."""
     cc = shutil.which("cc") or shutil.which("gcc")
@@ -99,4 +101,8 @@ def fake_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
     library = tmp_path_factory.mktemp("fake_cuda") / "libfakecuda.so"
     build = [cc, "-shared", "-fPIC", "-O1", "-o", str(library), str(FAKE_CUDA_SOURCE), "-lpthread", "-lrt"]
     subprocess.run(build, check=True, timeout=120)
-    return library
+    yield library
+    for leftover in Path("/dev/shm").glob("fakecuda-*-*"):  # NOTE: named /fakecuda-PID-N by fake_cuda.c
+        pid = leftover.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            leftover.unlink(missing_ok=True)

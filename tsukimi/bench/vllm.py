@@ -41,7 +41,7 @@ import numpy as np
 from tsukimi.bench.client import CompletionRequest, CompletionResult, complete
 from tsukimi.bench.report import BenchReport, FigureViews, Verdict, begin, finish, goal
 from tsukimi.errors import ConfigError, PeerError
-from tsukimi.integrations.vllm import paths
+from tsukimi.integrations.vllm import leftovers, paths
 from tsukimi.integrations.vllm.launch import VllmClusterConfig, plan_vllm
 from tsukimi.netio import free_port
 from tsukimi.quantiles import quantiles
@@ -211,7 +211,8 @@ def run_bench(cfg: VllmBenchConfig, progress: Callable[[str], None]) -> dict[str
     runs: list[dict[str, object]] = []
     reference: Turns | None = None
     for system in cfg.systems:
-        with tempfile.TemporaryDirectory(prefix=f"tsukimi-bench-vllm-{system}-") as workdir:
+        # NOTE: swept: vLLM's message-queue files in /dev/shm, once the system's processes stopped
+        with tempfile.TemporaryDirectory(prefix=f"tsukimi-bench-vllm-{system}-") as workdir, leftovers.swept():
             try:
                 progress(f"{system}: starting two vLLM instances and the router")
                 cluster = launch(cluster_config(cfg, system), Path(workdir))

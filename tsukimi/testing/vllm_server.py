@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from tsukimi.errors import PeerError
-from tsukimi.integrations.vllm import paths
+from tsukimi.integrations.vllm import leftovers, paths
 from tsukimi.netio import free_port
 from tsukimi.testing.processes import wait_until
 
@@ -115,6 +115,7 @@ class VllmServer:
         # rendezvous files `vllm_dist_*` in $TMPDIR (both default /tmp) and leaves them behind;
         # a folder of this server's own is removed by close()
         self._rpc_dir = tempfile.mkdtemp(prefix="tsukimi-vllm-rpc-")
+        self._shm_before = leftovers.shared_memory_names()  # NOTE: close() removes what vLLM leaves in /dev/shm
         args = [
             str(paths.venv_python(config.venv)),
             "-m",
@@ -192,8 +193,9 @@ class VllmServer:
         )
 
     def close(self) -> None:
-        """SIGTERM the server, then SIGKILL what is left of its process group; idempotent
-        (the log file stays for post-mortems)."""
+        """SIGTERM the server, then SIGKILL what is left of its process group, and remove the
+        shared-memory files it left (new since it started, mapped by no live process);
+        idempotent (the log file stays for post-mortems)."""
         self._http.close()
         if self.proc.poll() is None:
             self.proc.terminate()  # NOTE: the API server stops its engine core and worker itself
@@ -204,6 +206,7 @@ class VllmServer:
         self.proc.wait(timeout=10)
         self.log.close()
         shutil.rmtree(self._rpc_dir, ignore_errors=True)
+        leftovers.remove_leftovers(self._shm_before)
 
     def __enter__(self) -> VllmServer:
         return self

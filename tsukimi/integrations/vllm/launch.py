@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Literal
 from rich.console import Console
 
 from tsukimi.errors import ConfigError
-from tsukimi.integrations.vllm import paths
+from tsukimi.integrations.vllm import leftovers, paths
 from tsukimi.netio import free_port
 
 if TYPE_CHECKING:
@@ -299,4 +299,5 @@ def run_vllm_cluster(args: argparse.Namespace, console: Console) -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     groups = plan_vllm(config, log_dir)
     supervisor = Supervisor(log_dir, config.stop_timeout_s)
-    supervise(supervisor, groups, config.model, config.startup_timeout_s, console, args.state_file)
+    with leftovers.swept():  # NOTE: vLLM's message-queue files in /dev/shm, once every process stopped
+        supervise(supervisor, groups, config.model, config.startup_timeout_s, console, args.state_file)
