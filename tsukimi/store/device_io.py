@@ -32,14 +32,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-import numpy as np
-
 from tsukimi.device import CUDA, DeviceRange, backend, device_range, pin_or_warn
 from tsukimi.device.batch_copy import HostStaging, device_scratch, gather, scatter_at
 from tsukimi.errors import InvalidBufferError, TsukimiError
 from tsukimi.store import protocol as p
 from tsukimi.store.replica_io import PutItem
-from tsukimi.transfer.segment import byte_view, host_view
+from tsukimi.transfer.segment import HOST_TYPES, byte_view, host_view
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +70,6 @@ def _nothing() -> None:
     return None
 
 
-_HOST_CLASSES = frozenset({bytes, bytearray, memoryview, np.ndarray})  # never device memory
-
-
 def as_part(data: object, writable: bool = False) -> Part:
     """`data` as device memory when it is (a CUDA tensor, EmulatedMemory, a DeviceRange),
     else as a host byte view (any buffer `byte_view` takes).
@@ -83,7 +78,7 @@ def as_part(data: object, writable: bool = False) -> Part:
         InvalidBufferError: not a buffer, a str, empty, not contiguous, or read-only when
             `writable`.
     """
-    if data.__class__ in _HOST_CLASSES:  # NOTE: the common case, per buffer of every call: no device lookup
+    if data.__class__ in HOST_TYPES:  # NOTE: the common case, per buffer of every call: no device lookup
         return host_view(data, writable)
     found = device_range(data)
     if found is not None:

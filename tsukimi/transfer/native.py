@@ -3,9 +3,10 @@
 A repeated 64 KiB x 4 `transfer()` to a same-host peer spent ~3 us computing the plan memo's
 key in Python, ~1.2 us in four ctypes.memmove calls and ~1.1 us checking the peer (select on
 its pidfd, fstat of its file), against ~6 us of copying; NIXL does the whole batch in ~10 us
-(profile in docs/benchmarks.md, "Same host, 64 KiB x 4"). Three loops move to C: the key
+(profile in docs/benchmarks.md, "Same host, 64 KiB x 4"). Four loops move to C: the key
 (`memo_key`, the same tuple `PlanMemo.key` makes), the copies of a prepared call
-(`copy_packed`, one call, the GIL released) and the peer check (`still_there`).
+(`copy_packed`, one call, the GIL released), the peer check (`still_there`) and cma's
+prepared call (`cma_run`: checks and process_vm_readv/writev in one call).
 
 The extension is optional: setup.py builds it where a C compiler is present (`pip install
 -e .`, `make`), and without it (or with TSUKIMI_NATIVE=0) tsukimi runs the Python code,

@@ -42,13 +42,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-import numpy as np
-
 from tsukimi.transfer.batch import OpCode, RequestRecord, RequestState, RequestStatus, SegmentHandle, TransferRequest
 from tsukimi.transfer.directory import SegmentDirectory
 from tsukimi.transfer.native import NATIVE, configure
 from tsukimi.transfer.routing import Group, Plan, plan_bytes
-from tsukimi.transfer.segment import BufferDescriptor, LocalSegment, SegmentDescriptor, byte_view, view_address
+from tsukimi.transfer.segment import (
+    HOST_TYPES,
+    BufferDescriptor,
+    LocalSegment,
+    SegmentDescriptor,
+    byte_view,
+    view_address,
+)
 from tsukimi.transfer.transports import Slice, Transport
 
 _from_buffer, _addressof = ctypes.c_char.from_buffer, ctypes.addressof
@@ -56,7 +61,6 @@ MEMO_ENTRIES = 128  # remembered (or seen) request lists, and sightings; the old
 MEMO_MAX_REQUESTS = 512  # a longer list is planned anew every time (bounds the memo's memory: ~10 MiB)
 MEMO_MAX_SLICES = 1024  # a list cut into more slices is not remembered (an entry's size scales with them)
 INLINE_FAST_BYTES = 1 << 20  # `submit` takes the prepared call only up to this (it then runs on the caller's thread)
-_HOST_CLASSES = frozenset({bytes, bytearray, memoryview, np.ndarray})
 
 # per request: reading, handle id, segment name, handle transport (id and transport _BY_NAME
 # for a segment named by a string), remote offset, local offset, length, buffer address,
@@ -65,7 +69,7 @@ Key = tuple[object, ...]
 KEY_FIELDS = 10
 _BY_NAME = object()
 _BY_ADDRESS = object()  # the read-only field of an (address, length) buffer (never read-only)
-configure(tuple(_HOST_CLASSES), _BY_NAME, _BY_ADDRESS)
+configure(tuple(HOST_TYPES), _BY_NAME, _BY_ADDRESS)
 # one slice: (request index, start, stop in the request's buffer, op, remote offset, remote buffer)
 SliceTemplate = tuple[int, int, int, OpCode, int, BufferDescriptor]
 
@@ -139,7 +143,7 @@ class PlanMemo:
         if not requests or len(requests) > MEMO_MAX_REQUESTS:
             return None
         first = requests[0].local.__class__
-        if first not in _HOST_CLASSES and first is not tuple:  # NOTE: e.g. tensors (a KV connector): never keyed
+        if first not in HOST_TYPES and first is not tuple:  # NOTE: e.g. tensors (a KV connector): never keyed
             return None
         again = self.sighted(requests)
         keyed = self.key(requests) if again is not None else None
@@ -190,7 +194,7 @@ class PlanMemo:
         for req in requests:
             local, segment, length = req.local, req.segment, req.length
             if (
-                (local.__class__ not in _HOST_CLASSES and local.__class__ is not tuple)
+                (local.__class__ not in HOST_TYPES and local.__class__ is not tuple)
                 or req.op.__class__ is not OpCode
                 or req.remote_offset.__class__ is not int
                 or req.local_offset.__class__ is not int

@@ -16,21 +16,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from tsukimi.config import TransferConfig
 from tsukimi.device import DeviceRange
 from tsukimi.errors import ConfigError, InvalidBufferError, OutOfBounds, TransferError, TsukimiError
 from tsukimi.transfer.batch import OpCode, RequestRecord, SegmentHandle, TransferRequest
 from tsukimi.transfer.device_memory import request_memory
 from tsukimi.transfer.directory import SegmentDirectory
-from tsukimi.transfer.segment import NO_VIEW, BufferDescriptor, LocalSegment, SegmentDescriptor, byte_view, host_view
+from tsukimi.transfer.segment import (
+    HOST_TYPES,
+    NO_VIEW,
+    BufferDescriptor,
+    LocalSegment,
+    SegmentDescriptor,
+    byte_view,
+    host_view,
+)
 from tsukimi.transfer.transports import Slice, Transport
 
 MAX_CHOICES = 4096  # remembered transport choices (see choose)
 Plan = tuple[SegmentHandle, OpCode, memoryview | DeviceRange, int]  # validated: where, what, which bytes, offset
 Group = tuple[Transport, SegmentDescriptor, list[Slice]]  # one transport's slices to one peer
-_HOST_TYPES = frozenset({bytes, bytearray, memoryview, np.ndarray})  # never device memory: no lookup
 
 
 def plan_bytes(plan: Plan) -> int:
@@ -64,7 +69,7 @@ class Routes:
         if not isinstance(req.op, OpCode):
             raise ConfigError(f"op must be an OpCode, got {req.op!r}")
         local = req.local
-        if local.__class__ in _HOST_TYPES:  # NOTE: the common case: no device lookup, no other kinds
+        if local.__class__ in HOST_TYPES:  # NOTE: the common case: no device lookup, no other kinds
             memory = None
             view = host_view(local, req.op is OpCode.READ)
             size = len(view)

@@ -79,6 +79,8 @@ def _base(buf: BufferDescriptor) -> int:
 
 
 _descriptor_decoder = msgspec.json.Decoder(SegmentDescriptor)
+HOST_TYPES = frozenset({bytes, bytearray, memoryview, np.ndarray})
+"""Buffer classes that are never device memory: `host_view` takes them with no device lookup."""
 _DEVICE_RE = re.compile(r"^[a-z][a-z0-9_]{0,15}:[0-9]{1,4}$")
 MAX_EXPORT_BYTES = 1024
 

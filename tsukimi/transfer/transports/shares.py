@@ -19,9 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tsukimi.transfer.native import NATIVE, packed
-
-Copy = tuple[int, int, int]  # (destination address, source address, bytes)
+from tsukimi.transfer.native import NATIVE, Copy, packed
 
 
 def copy_all(copies: list[Copy]) -> bool:

@@ -26,7 +26,7 @@ from tsukimi.device import backend, pin_or_warn
 from tsukimi.errors import ClosedError, OutOfBounds, PeerError, TsukimiError
 from tsukimi.transfer.batch import OpCode, RequestRecord
 from tsukimi.transfer.copies import copy_bytes
-from tsukimi.transfer.native import still_there
+from tsukimi.transfer.native import Copy, still_there
 from tsukimi.transfer.segment import BufferDescriptor, SegmentDescriptor, view_address
 from tsukimi.transfer.shared_memory import SharedMapping, map_shared, valid_shm_name
 from tsukimi.transfer.transports.base import PreparedItem, Slice, TransportContext, register_transport
@@ -37,7 +37,7 @@ from tsukimi.transfer.transports.same_host import (
     live_slices,
     split_by_bytes,
 )
-from tsukimi.transfer.transports.shares import Copy, Share, copier, run_shares
+from tsukimi.transfer.transports.shares import Share, copier, run_shares
 
 logger = logging.getLogger(__name__)
 
